@@ -1,0 +1,1 @@
+"""Generated messages of the standard gRPC interop test service (``grpc.testing``)."""

@@ -1,0 +1,6 @@
+from protocol.pb.grpc_testing import empty_pb2 as _empty_pb2
+from protocol.pb.grpc_testing import messages_pb2 as _messages_pb2
+from google.protobuf import descriptor as _descriptor
+from typing import ClassVar as _ClassVar
+
+DESCRIPTOR: _descriptor.FileDescriptor

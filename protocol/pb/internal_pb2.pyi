@@ -1,0 +1,40 @@
+from protocol.pb import status_pb2 as _status_pb2
+from protocol.pb import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ServerStatus(_message.Message):
+    __slots__ = ("pod_name", "engine_statuses")
+    class EngineStatusWithTenantID(_message.Message):
+        __slots__ = ("engine_status", "tenant_id")
+        ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
+        TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+        engine_status: _status_pb2.EngineStatus
+        tenant_id: str
+        def __init__(self, engine_status: _Optional[_Union[_status_pb2.EngineStatus, _Mapping]] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    POD_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    pod_name: str
+    engine_statuses: _containers.RepeatedCompositeFieldContainer[ServerStatus.EngineStatusWithTenantID]
+    def __init__(self, pod_name: _Optional[str] = ..., engine_statuses: _Optional[_Iterable[_Union[ServerStatus.EngineStatusWithTenantID, _Mapping]]] = ...) -> None: ...
+
+class ProcessTasksInternalRequest(_message.Message):
+    __slots__ = ("server_status", "task_result")
+    SERVER_STATUS_FIELD_NUMBER: _ClassVar[int]
+    TASK_RESULT_FIELD_NUMBER: _ClassVar[int]
+    server_status: ServerStatus
+    task_result: _worker_pb2.TaskResult
+    def __init__(self, server_status: _Optional[_Union[ServerStatus, _Mapping]] = ..., task_result: _Optional[_Union[_worker_pb2.TaskResult, _Mapping]] = ...) -> None: ...
+
+class ProcessTasksInternalResponse(_message.Message):
+    __slots__ = ("new_task", "tenant_id")
+    NEW_TASK_FIELD_NUMBER: _ClassVar[int]
+    TENANT_ID_FIELD_NUMBER: _ClassVar[int]
+    new_task: _worker_pb2.Task
+    tenant_id: str
+    def __init__(self, new_task: _Optional[_Union[_worker_pb2.Task, _Mapping]] = ..., tenant_id: _Optional[str] = ...) -> None: ...

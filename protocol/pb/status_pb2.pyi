@@ -1,0 +1,43 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineStatus(_message.Message):
+    __slots__ = ("engine_id", "ready", "models", "cluster_id")
+    class Model(_message.Message):
+        __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details")
+        class StatusDetails(_message.Message):
+            __slots__ = ("num_ready_pods", "num_total_pods", "status_message")
+            NUM_READY_PODS_FIELD_NUMBER: _ClassVar[int]
+            NUM_TOTAL_PODS_FIELD_NUMBER: _ClassVar[int]
+            STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+            num_ready_pods: int
+            num_total_pods: int
+            status_message: str
+            def __init__(self, num_ready_pods: _Optional[int] = ..., num_total_pods: _Optional[int] = ..., status_message: _Optional[str] = ...) -> None: ...
+        ID_FIELD_NUMBER: _ClassVar[int]
+        IS_READY_FIELD_NUMBER: _ClassVar[int]
+        IN_PROGRESS_TASK_COUNT_FIELD_NUMBER: _ClassVar[int]
+        GPU_ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+        IS_DYNAMICALLY_LOADED_LORA_FIELD_NUMBER: _ClassVar[int]
+        STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+        id: str
+        is_ready: bool
+        in_progress_task_count: int
+        gpu_allocated: int
+        is_dynamically_loaded_lora: bool
+        status_details: EngineStatus.Model.StatusDetails
+        def __init__(self, id: _Optional[str] = ..., is_ready: _Optional[bool] = ..., in_progress_task_count: _Optional[int] = ..., gpu_allocated: _Optional[int] = ..., is_dynamically_loaded_lora: _Optional[bool] = ..., status_details: _Optional[_Union[EngineStatus.Model.StatusDetails, _Mapping]] = ...) -> None: ...
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    ready: bool
+    models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
+    cluster_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,51 @@
+"""A non-editable wheel, installed into a fresh virtualenv, imports and registers its twistd plugins."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_installs_packages_and_plugins(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+    )
+    (wheel,) = wheels.glob("infx-*.whl")
+
+    fresh = tmp_path / "venv"
+    venv.create(fresh, with_pip=False)
+    python = fresh / "bin" / "python"
+    fresh_site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    # Reuse the test venv's already-installed dependencies without its editable infx:
+    # a plain path in a .pth file, unlike a site dir, does not run the editable finder.
+    Path(fresh_site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+    )
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = (
+        "import protocol.pb.worker_pb2, protocol.pb.internal_pb2, infx, protocol, os;"
+        "print(os.path.dirname(protocol.__file__))"
+    )
+    where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
+    assert where.stdout.strip().startswith(fresh_site), "imported from the source tree, not the wheel"
+    assert Path(fresh_site, "protocol", "py.typed").exists() and Path(fresh_site, "infx", "py.typed").exists()
+    assert Path(fresh_site, "twisted", "plugins", "infx_plugin.py").exists()
+
+    twistd = "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"
+    help_text = subprocess.run(
+        [str(python), "-c", twistd, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+    ).stdout
+    commands = {line.split()[0] for line in help_text.splitlines() if line.startswith("    ") and line.split()}
+    assert {"infx", "infx-engine"} <= commands, help_text
