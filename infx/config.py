@@ -1,0 +1,204 @@
+"""The gateway's configuration: one documented dataclass, loaded from YAML and flags.
+
+Every command-line option of ``twistd infx`` has a YAML key of the same name
+with dashes turned into underscores (``--worker-grpc`` ↔ ``worker_grpc``);
+a flag given on the command line wins over the file. Validation happens
+here, once, and raises :class:`ConfigError` with a message fit for a user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything ``twistd infx`` can be told; defaults follow LLMariner's ports."""
+
+    #: OpenAI HTTP API, ``/metrics``, ``/healthz``, ``/readyz``: a port or a Twisted server endpoint string.
+    http: str = "tcp:8080"
+    #: Engine-facing gRPC (``ProcessTasks``).
+    worker_grpc: str = "tcp:8082"
+    #: Peer-facing gRPC (``ProcessTasksInternal``).
+    internal_grpc: str = "tcp:8083"
+    #: Static peers as ``host:port`` (exclusive with ``kube``).
+    peers: tuple[str, ...] = ()
+    #: Discover peers by watching this namespace's pods.
+    kube: bool = False
+    #: Port dialled on each peer pod's IP; default: the internal listen port's number.
+    peer_port: int | None = None
+    #: ``key=value`` label selecting the gateway's own pods.
+    pod_label: str = "app=infx"
+    #: YAML file of API keys (see :mod:`infx.auth`); none means auth is off.
+    api_keys: str | None = None
+    #: Shared secret peers present as ``authorization: Bearer ...``; none means no peer auth.
+    internal_secret: str | None = None
+    #: Models served by an in-process echo engine (what ``tools/run`` starts).
+    echo_models: tuple[str, ...] = ()
+    #: Seconds a task may wait for an engine that serves its model.
+    queue_timeout: float = 30.0
+    #: Deadline of a task whose client set none, in seconds.
+    max_task_duration: float = 600.0
+    #: Largest accepted HTTP request body, in bytes.
+    max_body_size: int = 32 * 1024 * 1024
+    #: Largest gRPC message on the worker and internal services, in bytes.
+    max_message_size: int = 100 * 1024 * 1024
+    #: Seconds in-flight requests get to finish on shutdown.
+    grace_period: float = 30.0
+    #: Seconds between unchanged status reports to peers.
+    status_interval: float = 10.0
+    #: Enable scaling engine deployments (needs ``kube``).
+    scaler: bool = False
+
+    @property
+    def pod_label_pair(self) -> tuple[str, str]:
+        key, _, value = self.pod_label.partition("=")
+        return key, value
+
+    @property
+    def effective_peer_port(self) -> int:
+        if self.peer_port is not None:
+            return self.peer_port
+        return endpoint_port(self.internal_grpc)
+
+
+_PORT_ONLY = re.compile(r"^\d+$")
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d+)$")
+
+
+def listen_endpoint(value: str, option: str) -> str:
+    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted endpoint string."""
+    value = str(value).strip()
+    if _PORT_ONLY.match(value):
+        port = int(value)
+        if port > 65535:
+            raise ConfigError(f"{option}: port {port} is out of range")
+        return f"tcp:{port}"
+    if ":" not in value:
+        raise ConfigError(f"{option}: expected a port number or an endpoint such as tcp:8080, got {value!r}")
+    return value
+
+
+def endpoint_port(endpoint: str) -> int:
+    """The port number inside ``tcp:8083:interface=...``-style strings."""
+    parts = endpoint.split(":")
+    for part in parts[1:]:
+        if _PORT_ONLY.match(part):
+            return int(part)
+        if part.startswith("port="):
+            return int(part[5:])
+    raise ConfigError(f"cannot tell the port of endpoint {endpoint!r}; set peer_port")
+
+
+def host_port(value: str, option: str) -> tuple[str, int]:
+    match = _HOST_PORT.match(value.strip())
+    if not match or not 0 < int(match.group(2)) <= 65535:
+        raise ConfigError(f"{option}: expected HOST:PORT, got {value!r}")
+    return match.group(1).strip("[]"), int(match.group(2))
+
+
+def _split_list(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(item.strip() for item in value.split(",") if item.strip())
+    if isinstance(value, (list, tuple)):
+        return tuple(str(item).strip() for item in value if str(item).strip())
+    raise ConfigError(f"expected a comma-separated string or a list, got {value!r}")
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    option = "--" + name.replace("_", "-")
+    try:
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind == "float":
+            number = float(value)
+            if not number > 0:
+                raise ValueError(value)
+            return number
+        if kind == "int":
+            number = int(value)
+            if number <= 0:
+                raise ValueError(value)
+            return number
+        if kind == "int | None":
+            return None if value is None else int(value)
+        if kind == "tuple[str, ...]":
+            return _split_list(value)
+        if kind == "str | None":
+            return None if value in (None, "") else str(value)
+        return str(value)
+    except ValueError:
+        raise ConfigError(f"{option}: invalid value {value!r}") from None
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of option names to values")
+    return data
+
+
+def build_config(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> GatewayConfig:
+    """Merge YAML values and command-line flags (flags win) into a validated config."""
+    fields = {f.name: f for f in dataclasses.fields(GatewayConfig)}
+    merged: dict[str, Any] = {}
+    for source in (file_values, flags):
+        for raw_name, value in source.items():
+            name = str(raw_name).replace("-", "_")
+            if name not in fields:
+                raise ConfigError(f"unknown option {raw_name!r}")
+            if value is None:
+                continue
+            merged[name] = _coerce(name, fields[name].type, value)
+    config = GatewayConfig(**merged)
+    return validate(config)
+
+
+def validate(config: GatewayConfig) -> GatewayConfig:
+    replaced: dict[str, Any] = {
+        "http": listen_endpoint(config.http, "--http"),
+        "worker_grpc": listen_endpoint(config.worker_grpc, "--worker-grpc"),
+        "internal_grpc": listen_endpoint(config.internal_grpc, "--internal-grpc"),
+    }
+    for peer in config.peers:
+        host_port(peer, "--peers")
+    if config.peers and config.kube:
+        raise ConfigError("--peers and --kube are exclusive: peers come from one source")
+    if config.scaler and not config.kube:
+        raise ConfigError("--scaler needs --kube: it scales Kubernetes deployments")
+    key, sep, _ = config.pod_label.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--pod-label: expected key=value, got {config.pod_label!r}")
+    if config.peer_port is not None and not 0 < config.peer_port <= 65535:
+        raise ConfigError(f"--peer-port: {config.peer_port} is out of range")
+    config = dataclasses.replace(config, **replaced)
+    if config.kube:
+        config.effective_peer_port  # raises ConfigError when it cannot be derived
+    return config
+
+
+__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port"]

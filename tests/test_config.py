@@ -1,0 +1,54 @@
+"""Gateway configuration: YAML keys and flags merge, and bad values are refused with a clear message."""
+
+import pytest
+
+from infx.config import ConfigError, build_config, load_yaml
+
+
+def test_defaults_follow_llmariner_ports():
+    config = build_config({}, {})
+    assert (config.http, config.worker_grpc, config.internal_grpc) == ("tcp:8080", "tcp:8082", "tcp:8083")
+    assert config.effective_peer_port == 8083
+
+
+def test_flags_win_over_the_file_and_dashes_match_underscores(tmp_path):
+    path = tmp_path / "infx.yaml"
+    path.write_text("http: 9000\nworker_grpc: 'tcp:9002:interface=127.0.0.2'\npeers: [a:1, b:2]\nqueue-timeout: 3\n")
+    config = build_config(load_yaml(str(path)), {"http": "9100", "peers": None})
+    assert config.http == "tcp:9100"
+    assert config.worker_grpc == "tcp:9002:interface=127.0.0.2"
+    assert config.peers == ("a:1", "b:2")
+    assert config.queue_timeout == 3.0
+
+
+def test_peer_port_defaults_to_the_internal_listen_port_number():
+    config = build_config({}, {"internal_grpc": "tcp:9183:interface=127.0.0.3", "kube": True})
+    assert config.effective_peer_port == 9183
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"http": "99999"}, "--http: port 99999 is out of range"),
+        ({"http": "eighty"}, "--http: expected a port number"),
+        ({"peers": "nohost"}, "--peers: expected HOST:PORT"),
+        ({"peers": "a:1", "kube": True}, "exclusive"),
+        ({"scaler": True}, "--scaler needs --kube"),
+        ({"pod_label": "app"}, "--pod-label: expected key=value"),
+        ({"queue_timeout": "-1"}, "--queue-timeout: invalid value"),
+        ({"kube": "maybe"}, "--kube: invalid value"),
+        ({"colour": "blue"}, "unknown option 'colour'"),
+    ],
+)
+def test_invalid_values_are_refused_with_the_option_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(values, {})
+
+
+def test_config_file_must_be_a_yaml_mapping(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(str(path))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_yaml(str(tmp_path / "missing.yaml"))
