@@ -1,0 +1,96 @@
+"""Legacy completions, response side: ``chat.completion`` -> ``text_completion``; pure, no I/O.
+
+Rules this file keeps: the gateway serves ``/v1/completions`` by asking the
+engine for a chat completion (see :func:`protocol.openai_requests.parse_completion`)
+and rewrites each answer here, whole bodies and streamed chunks alike. An
+answer that is not the chat JSON the API promises raises
+:class:`~protocol.openai_errors.UpstreamError` (HTTP 502); nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from protocol.openai_errors import UpstreamError
+from protocol.openai_json import JSONObject
+
+DONE = b"[DONE]"
+
+
+def text_completion_from_chat(chat: JSONObject) -> JSONObject:
+    """A ``chat.completion`` object as the ``text_completion`` object OpenAI's legacy API returns."""
+    return _convert(chat, "message")
+
+
+def text_completion_chunk_from_chat(chunk: JSONObject) -> JSONObject:
+    """A ``chat.completion.chunk`` as a streamed ``text_completion`` chunk.
+
+    The role-only first chunk becomes a chunk with empty text; the usage
+    chunk (no choices) keeps its usage and empty choices; an error event
+    passes through unchanged.
+    """
+    return _convert(chunk, "delta")
+
+
+def text_completion_body(body: bytes) -> bytes:
+    """:func:`text_completion_from_chat` on an encoded body."""
+    return _encode(text_completion_from_chat(_decode(body)))
+
+
+def text_completion_event_data(data: bytes) -> bytes:
+    """:func:`text_completion_chunk_from_chat` on one SSE event's data; ``[DONE]`` passes through."""
+    if data.strip() == DONE:
+        return DONE
+    return _encode(text_completion_chunk_from_chat(_decode(data)))
+
+
+def _convert(chat: JSONObject, key: str) -> JSONObject:
+    if "error" in chat and "choices" not in chat:
+        return chat  # an error event mid-stream means the same in both APIs
+    choices = chat.get("choices")
+    if not isinstance(choices, list):
+        raise UpstreamError("The runtime's answer has no 'choices' array.")
+    out: JSONObject = {
+        "id": chat.get("id", ""),
+        "object": "text_completion",
+        "created": chat.get("created", 0),
+        "model": chat.get("model", ""),
+        "choices": [_choice(choice, key) for choice in choices],
+    }
+    if chat.get("system_fingerprint") is not None:
+        out["system_fingerprint"] = chat["system_fingerprint"]
+    if chat.get("usage") is not None:
+        out["usage"] = chat["usage"]
+    return out
+
+
+def _choice(choice: Any, key: str) -> JSONObject:
+    if not isinstance(choice, dict):
+        raise UpstreamError("A choice in the runtime's answer is not an object.")
+    message = choice.get(key) or {}
+    if not isinstance(message, dict):
+        raise UpstreamError(f"A choice's '{key}' in the runtime's answer is not an object.")
+    text = message.get("content") or ""
+    if not isinstance(text, str):
+        raise UpstreamError("A choice's content in the runtime's answer is not a string.")
+    return {
+        "text": text,
+        "index": choice.get("index", 0),
+        "logprobs": None,
+        "finish_reason": choice.get("finish_reason"),
+    }
+
+
+def _decode(data: bytes) -> JSONObject:
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError):
+        raise UpstreamError("The runtime's answer is not valid JSON.") from None
+    if not isinstance(value, dict):
+        raise UpstreamError("The runtime's answer is not a JSON object.")
+    return value
+
+
+def _encode(value: JSONObject) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
