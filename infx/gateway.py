@@ -1,0 +1,660 @@
+"""The OpenAI-compatible HTTP API (twisted.web), plus health, readiness and metrics.
+
+Each API request becomes one task through a :class:`~infx.tasks.TaskRunner`
+and ends in exactly one response: the engine's answer, relayed (SSE events
+verbatim, flushed one by one), or an OpenAI-style error with the status that
+names what went wrong. The resource tree is built by :func:`build_resource`
+so it can be mounted inside another Twisted application.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections import deque
+from email.parser import BytesParser
+from email.policy import HTTP as HTTP_POLICY
+from io import BytesIO
+from typing import Any, Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.logger import Logger
+from twisted.web import http, resource, server
+from zope.interface import implementer
+
+from infx.auth import KeyStore, Principal
+from infx.metrics import GatewayMetrics
+from infx.tasks import ResultSink, Submission, TaskHandle, TaskRunner
+from protocol import openai_completions, openai_requests
+from protocol.openai_errors import InvalidRequestError, OpenAIError
+from protocol.pb import worker_pb2
+from protocol.ratelimit import RateLimiter
+from protocol.sse import EventReceived, SSEParser, encode_event
+
+log = Logger()
+
+#: Hop-by-hop and credential headers never travel to engines.
+NOT_FORWARDED = frozenset(
+    {
+        "authorization", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+        "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "cookie",
+    }
+)
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def error_body(status: int, message: str, error_type: str | None = None, code: str | None = None,
+               param: str | None = None) -> bytes:
+    """An OpenAI-style error body, so OpenAI clients raise their usual exception classes."""
+    kind = error_type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
+
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class GatewayRequest(server.Request):
+    """A request that stops buffering its body past the site's size limit.
+
+    The rest of an oversized body is read and dropped, so the connection stays
+    usable and memory stays bounded; the handler answers 413.
+    """
+
+    body_too_large = False
+    _received = 0
+
+    def _limit(self) -> int:
+        return int(getattr(self.channel.site, "max_body_size", 32 * 1024 * 1024))
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self._limit():
+            self.body_too_large = True
+            length = 0
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.body_too_large:
+            return
+        self._received += len(data)
+        if self._received > self._limit():
+            self.body_too_large = True
+            self.content = BytesIO()
+            return
+        super().handleContentChunk(data)
+
+
+class GatewaySite(server.Site):
+    """A Site that uses :class:`GatewayRequest` and knows the body size limit."""
+
+    def __init__(self, root: resource.Resource, max_body_size: int, **kwargs: Any) -> None:
+        super().__init__(root, requestFactory=GatewayRequest, **kwargs)
+        self.max_body_size = max_body_size
+
+
+class Gateway:
+    """Shared state of the HTTP API: the runner, keys, limits, metrics, readiness."""
+
+    def __init__(
+        self,
+        runner: TaskRunner,
+        clock: IReactorTime,
+        metrics: GatewayMetrics,
+        keys: KeyStore | None = None,
+        max_buffered_bytes: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.runner = runner
+        self.clock = clock
+        self.metrics = metrics
+        self.keys = keys or KeyStore.disabled()
+        self.limiter = RateLimiter()
+        self.max_buffered_bytes = max_buffered_bytes
+        self.listening = False
+        self.shutting_down = False
+        self.active_calls: set[ApiCall] = set()
+
+    @property
+    def ready(self) -> bool:
+        return self.listening and not self.shutting_down
+
+
+# --- the API handlers ---------------------------------------------------------
+
+Parser = Callable[[bytes], openai_requests.ParsedRequest]
+
+
+@implementer(IPushProducer)
+class ApiCall:
+    """One API request from arrival to its single response; also the task's result sink.
+
+    Streaming responses honour the client's TCP backpressure: while the
+    connection is paused, events wait in a bounded buffer; a client that
+    falls more than ``max_buffered_bytes`` behind is cut off alone.
+    """
+
+    def __init__(self, gateway: Gateway, request: GatewayRequest, endpoint: str,
+                 transform: StreamTransform | None = None) -> None:
+        self.gateway = gateway
+        self.request = request
+        self.endpoint = endpoint
+        self.model = ""
+        self.started_at = gateway.clock.seconds()
+        self.transform = transform
+        self.handle: TaskHandle | None = None
+        self.streaming = False
+        self.sse_started = False
+        self.done_sent = False
+        self.finished = False
+        self.first_event = True
+        self.paused = False
+        self.pending: deque[bytes] = deque()
+        self.pending_bytes = 0
+        self.status = 200
+
+    # -- request side
+
+    def start(self, parse: Parser) -> int | bytes:
+        request = self.request
+        request_id = _header(request, "x-request-id") or uuid.uuid4().hex
+        request.setHeader("x-request-id", request_id)
+        if request.body_too_large:
+            return self._refuse(413, "The request body is larger than this gateway accepts.", code="request_too_large")
+        principal = self._authenticate()
+        if principal is None:
+            return self._refuse(401, "Missing or unknown API key.", code="invalid_api_key")
+        if not self._admit(principal):
+            return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
+        try:
+            parsed = parse(request.content.read() if request.content else b"")
+        except OpenAIError as e:
+            return self._finish_error(e.status, e.to_json())
+        self.model = parsed.model
+        self.streaming = parsed.stream
+        if not self.gateway.runner.serves(principal.tenant, parsed.model):
+            return self._refuse(
+                404, f"The model '{parsed.model}' does not exist or no engine serves it.",
+                code="model_not_found", param="model",
+            )
+        submission = Submission(
+            tenant=principal.tenant,
+            model=parsed.model,
+            request=parsed.request,
+            streaming=parsed.stream,
+            headers=_forwarded_headers(request, request_id),
+            timeout=_client_timeout(request),
+            request_id=request_id,
+        )
+        self.gateway.active_calls.add(self)
+        request.notifyFinish().addBoth(self._connection_done)
+        self.handle = self.gateway.runner.submit(submission, self)
+        return server.NOT_DONE_YET
+
+    def _authenticate(self) -> Principal | None:
+        return self.gateway.keys.client(_header(self.request, "authorization"))
+
+    def _admit(self, principal: Principal) -> bool:
+        decision = self.gateway.limiter.take(principal.key_id, principal.rate_limit, self.gateway.clock.seconds())
+        if decision is None:
+            return True
+        request = self.request
+        request.setHeader("x-ratelimit-limit-requests", str(decision.limit))
+        request.setHeader("x-ratelimit-remaining-requests", str(decision.remaining))
+        request.setHeader("x-ratelimit-reset-requests", f"{decision.reset_after:.3f}s")
+        if not decision.allowed:
+            request.setHeader("retry-after", str(max(1, math.ceil(decision.retry_after))))
+        return decision.allowed
+
+    def _connection_done(self, reason: object) -> None:
+        """The response was finished or the client went away; a task still running is cancelled."""
+        self.gateway.active_calls.discard(self)
+        if not self.finished:
+            self.finished = True
+            if self.handle is not None:
+                self.handle.cancel()
+            self._record(499)
+
+    # -- result sink (see infx.tasks.ResultSink)
+
+    def response_received(self, response: worker_pb2.HttpResponse) -> None:
+        if self.finished:
+            return
+        status = response.status_code or 200
+        if status != 200:
+            self._finish_error(status, _as_openai_error(status, bytes(response.body)))
+            return
+        if not self.streaming:
+            body = bytes(response.body)
+            if self.transform is not None:
+                try:
+                    body = self.transform.whole(body)
+                except OpenAIError as e:
+                    self._finish_error(e.status, e.to_json())
+                    return
+            self.request.setResponseCode(200)
+            self.request.setHeader("content-type", _first(response, "content-type") or "application/json")
+            self.request.write(body)
+            return
+        self.sse_started = True
+        self.request.setResponseCode(200)
+        self.request.setHeader("content-type", "text/event-stream")
+        self.request.setHeader("cache-control", "no-cache")
+        self.request.setHeader("x-accel-buffering", "no")
+        self.request.registerProducer(self, True)
+
+    def event_received(self, data: bytes) -> None:
+        if self.finished or not self.sse_started:
+            return
+        if self.first_event:
+            self.first_event = False
+            self.gateway.metrics.first_token_seconds.labels(self.model).observe(
+                self.gateway.clock.seconds() - self.started_at
+            )
+        if self.transform is not None:
+            try:
+                data = self.transform.event(data)
+            except OpenAIError as e:
+                self.failed(e.status, e.message, None)
+                if self.handle is not None:
+                    self.handle.cancel()
+                return
+            if not data:
+                self._consumed(1)
+                return
+        if data.strip() == DONE_EVENT.strip():
+            self.done_sent = True
+        self._write_event(data)
+
+    def completed(self) -> None:
+        if self.finished:
+            return
+        if self.sse_started and not self.done_sent:
+            self._write_event(DONE_EVENT)
+            self.done_sent = True
+        self._end(200)
+
+    def failed(self, status: int, message: str, retry_after: float | None) -> None:
+        if self.finished:
+            return
+        if self.sse_started:
+            # The status line is gone: the error travels as the stream's last event.
+            self._write_event(b"data: " + error_body(status, message) + b"\n\n")
+            self._end(status)
+            return
+        if retry_after is not None:
+            self.request.setHeader("retry-after", str(max(1, math.ceil(retry_after))))
+        self._finish_error(status, error_body(status, message))
+
+    # -- backpressure (IPushProducer, registered on the HTTP channel)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        while self.pending and not self.paused and not self.finished:
+            data = self.pending.popleft()
+            self.pending_bytes -= len(data)
+            self.request.write(data)
+            self._consumed(1)
+        if not self.pending and self.finished is False and self._end_pending is not None:
+            status, self._end_pending = self._end_pending, None
+            self._end(status)
+
+    def stopProducing(self) -> None:
+        self.pending.clear()
+        self.pending_bytes = 0
+
+    _end_pending: int | None = None
+
+    def _write_event(self, data: bytes) -> None:
+        if not self.paused and not self.pending:
+            self.request.write(data)
+            self._consumed(1)
+            return
+        self.pending.append(data)
+        self.pending_bytes += len(data)
+        if self.pending_bytes > self.gateway.max_buffered_bytes:
+            self._cut_off_slow_client()
+
+    def _cut_off_slow_client(self) -> None:
+        log.warn("client of {endpoint} read too slowly; its stream is cut off", endpoint=self.endpoint)
+        self.gateway.metrics.slow_clients.inc()
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.finished = True
+        if self.handle is not None:
+            self.handle.cancel()
+        self._record(499)
+        transport = getattr(self.request.channel, "transport", None)
+        if transport is not None:
+            transport.abortConnection()
+
+    def _consumed(self, count: int) -> None:
+        if self.handle is not None:
+            self.handle.consumed(count)
+
+    # -- endings
+
+    def _end(self, status: int) -> None:
+        if self.pending:
+            # Wait for the paused client to take what is buffered before ending.
+            self._end_pending = status
+            return
+        self.finished = True
+        self.gateway.active_calls.discard(self)
+        if self.sse_started:
+            self.request.unregisterProducer()
+        self._record(status)
+        if not self.request.finished and not self.request._disconnected:
+            self.request.finish()
+
+    def _refuse(self, status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
+        self.finished = True
+        return self._respond_now(status, error_body(status, message, code=code, param=param))
+
+    def _finish_error(self, status: int, body: bytes) -> int | bytes:
+        if self.handle is None:
+            self.finished = True
+            return self._respond_now(status, body)
+        self.request.setResponseCode(status)
+        self.request.setHeader("content-type", "application/json")
+        self.request.write(body)
+        self._end(status)
+        return server.NOT_DONE_YET
+
+    def _respond_now(self, status: int, body: bytes) -> bytes:
+        self.request.setResponseCode(status)
+        self.request.setHeader("content-type", "application/json")
+        self._record(status)
+        return body
+
+    def _record(self, status: int) -> None:
+        self.status = status
+        labels = (self.endpoint, self.model or "-", str(status))
+        self.gateway.metrics.requests.labels(*labels).inc()
+        self.gateway.metrics.request_seconds.labels(*labels).observe(self.gateway.clock.seconds() - self.started_at)
+
+
+class CompletionTransform:
+    """Rewrites the engine's chat answers as legacy ``text_completion`` answers.
+
+    ``/v1/completions`` travels to engines as a chat completion (the wire has
+    no completion request), so each answer is converted on the way back.
+    """
+
+    def __init__(self) -> None:
+        self._parser = SSEParser()
+
+    def whole(self, body: bytes) -> bytes:
+        return openai_completions.text_completion_body(body)
+
+    def event(self, data: bytes) -> bytes:
+        out = []
+        for event in self._parser.receive_data(data):
+            if isinstance(event, EventReceived):
+                converted = openai_completions.text_completion_event_data(event.data.encode("utf-8"))
+                out.append(encode_event(converted))
+        return b"".join(out)
+
+
+StreamTransform = CompletionTransform
+
+
+# --- helpers ------------------------------------------------------------------
+
+
+def _header(request: server.Request, name: str) -> str | None:
+    value = request.getHeader(name)
+    if value is None:
+        return None
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def _forwarded_headers(request: server.Request, request_id: str) -> dict[str, list[str]]:
+    headers: dict[str, list[str]] = {}
+    for raw_name, raw_values in request.requestHeaders.getAllRawHeaders():
+        name = raw_name.decode("latin-1").lower()
+        if name in NOT_FORWARDED or name == "x-request-id":
+            continue
+        headers[name] = [v.decode("latin-1") for v in raw_values]
+    headers["x-request-id"] = [request_id]
+    return headers
+
+
+def _client_timeout(request: server.Request) -> float | None:
+    """The client's own timeout: ``x-request-timeout`` or the OpenAI SDK's ``x-stainless-timeout``."""
+    for name in ("x-request-timeout", "x-stainless-timeout"):
+        value = _header(request, name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue
+        if math.isfinite(seconds) and seconds > 0:
+            return seconds
+    return None
+
+
+def _first(response: worker_pb2.HttpResponse, name: str) -> str | None:
+    for key, value in response.header.items():
+        if key.lower() == name and value.values:
+            return str(value.values[0])
+    return None
+
+
+def _as_openai_error(status: int, body: bytes) -> bytes:
+    """The engine's error body if it already has OpenAI's shape, else one wrapped around it."""
+    try:
+        parsed = json.loads(body)
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            return body
+        if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
+            return error_body(status, parsed["message"])
+    except ValueError:
+        pass
+    text = body.decode("utf-8", "replace").strip() or http.RESPONSES.get(status, b"error").decode()
+    return error_body(status, text[:2000])
+
+
+# --- resources ------------------------------------------------------------------
+
+
+class _Endpoint(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway, name: str, parse: Parser,
+                 transform: Callable[[], StreamTransform] | None = None) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.name = name
+        self.parse = parse
+        self.transform = transform
+
+    def render_POST(self, request: GatewayRequest) -> int | bytes:
+        call = ApiCall(self.gateway, request, self.name, self.transform() if self.transform else None)
+        return call.start(self.parse)
+
+
+def _parse_multipart_transcription(request: GatewayRequest) -> Parser:
+    """Audio transcriptions arrive as multipart/form-data: fields plus the file and its name."""
+
+    def parse(body: bytes) -> openai_requests.ParsedRequest:
+        content_type = _header(request, "content-type") or ""
+        if not content_type.lower().startswith("multipart/form-data"):
+            raise InvalidRequestError("Expected a multipart/form-data body.", param="file")
+        message = BytesParser(policy=HTTP_POLICY).parsebytes(
+            b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
+        )
+        if not message.is_multipart():
+            raise InvalidRequestError("The multipart body could not be parsed.", param="file")
+        fields: dict[str, str] = {}
+        file: bytes | None = None
+        filename = ""
+        for part in message.iter_parts():
+            name = part.get_param("name", header="content-disposition")
+            if not isinstance(name, str):
+                continue
+            payload = part.get_payload(decode=True)
+            data = payload if isinstance(payload, bytes) else b""
+            if name == "file":
+                file = data
+                filename = part.get_filename() or "audio"
+            else:
+                fields[name] = data.decode("utf-8", "replace")
+        return openai_requests.parse_audio_transcription(fields, file, filename)
+
+    return parse
+
+
+class _Transcriptions(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def render_POST(self, request: GatewayRequest) -> int | bytes:
+        return ApiCall(self.gateway, request, "audio/transcriptions").start(_parse_multipart_transcription(request))
+
+
+class _Models(resource.Resource):
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
+        if not path:
+            return self
+        return _Model(self.gateway, path.decode("utf-8", "replace"))
+
+    def render_GET(self, request: server.Request) -> bytes:
+        principal = self.gateway.keys.client(_header(request, "authorization"))
+        request.setHeader("content-type", "application/json")
+        if principal is None:
+            request.setResponseCode(401)
+            return error_body(401, "Missing or unknown API key.", code="invalid_api_key")
+        models = self.gateway.runner.models(principal.tenant)
+        return json.dumps({"object": "list", "data": [_model_object(m) for m in models]}).encode()
+
+
+class _Model(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway, model: str) -> None:
+        super().__init__()
+        self.gateway = gateway
+        self.model = model
+
+    def render_GET(self, request: server.Request) -> bytes:
+        principal = self.gateway.keys.client(_header(request, "authorization"))
+        request.setHeader("content-type", "application/json")
+        if principal is None:
+            request.setResponseCode(401)
+            return error_body(401, "Missing or unknown API key.", code="invalid_api_key")
+        if self.model not in self.gateway.runner.models(principal.tenant):
+            request.setResponseCode(404)
+            return error_body(404, f"The model '{self.model}' does not exist.", code="model_not_found", param="model")
+        return json.dumps(_model_object(self.model)).encode()
+
+
+def _model_object(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "infx"}
+
+
+class _Health(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, check: Callable[[], bool]) -> None:
+        super().__init__()
+        self.check = check
+
+    def render_GET(self, request: server.Request) -> bytes:
+        request.setHeader("content-type", "text/plain")
+        if self.check():
+            return b"ok\n"
+        request.setResponseCode(503)
+        return b"not ready\n"
+
+
+class _Metrics(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def render_GET(self, request: server.Request) -> bytes:
+        request.setHeader("content-type", CONTENT_TYPE_LATEST)
+        return generate_latest(self.gateway.metrics.registry)
+
+
+class _AdminStatus(resource.Resource):
+    isLeaf = True
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def render_GET(self, request: server.Request) -> bytes:
+        request.setHeader("content-type", "application/json")
+        principal = self.gateway.keys.client(_header(request, "authorization"))
+        if principal is None or (self.gateway.keys.enabled and not principal.admin):
+            request.setResponseCode(401 if principal is None else 403)
+            return error_body(401 if principal is None else 403, "An admin API key is required.")
+        return json.dumps(self.gateway.runner.status(), sort_keys=True, default=str).encode()
+
+
+class _NotFound(resource.Resource):
+    isLeaf = True
+
+    def render(self, request: server.Request) -> bytes:
+        request.setResponseCode(404)
+        request.setHeader("content-type", "application/json")
+        path = request.path.decode("latin-1")
+        return error_body(404, f"Unknown path {path}.", error_type="invalid_request_error", code="unknown_url")
+
+
+class _Tree(resource.Resource):
+    """A directory whose unknown children answer with an OpenAI-style 404."""
+
+    def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
+        return _NotFound()
+
+
+def build_resource(gateway: Gateway) -> resource.Resource:
+    """The gateway's resource tree, to serve with :class:`GatewaySite` or mount elsewhere."""
+    root = _Tree()
+    v1 = _Tree()
+    root.putChild(b"v1", v1)
+    chat = _Tree()
+    v1.putChild(b"chat", chat)
+    chat.putChild(b"completions", _Endpoint(gateway, "chat/completions", openai_requests.parse_chat_completion))
+    v1.putChild(
+        b"completions",
+        _Endpoint(gateway, "completions", openai_requests.parse_completion, CompletionTransform),
+    )
+    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", openai_requests.parse_embedding))
+    v1.putChild(b"responses", _Endpoint(gateway, "responses", openai_requests.parse_model_response))
+    v1.putChild(b"tokenize", _Endpoint(gateway, "tokenize", openai_requests.parse_tokenize))
+    audio = _Tree()
+    v1.putChild(b"audio", audio)
+    audio.putChild(b"transcriptions", _Transcriptions(gateway))
+    v1.putChild(b"models", _Models(gateway))
+    root.putChild(b"healthz", _Health(lambda: True))
+    root.putChild(b"readyz", _Health(lambda: gateway.ready))
+    root.putChild(b"metrics", _Metrics(gateway))
+    admin = _Tree()
+    root.putChild(b"admin", admin)
+    admin.putChild(b"status", _AdminStatus(gateway))
+    return root

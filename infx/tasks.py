@@ -1,0 +1,70 @@
+"""What the HTTP gateway needs from the task machinery, as small interfaces.
+
+The gateway turns a request into a :class:`Submission` and hands it, with a
+:class:`ResultSink`, to a :class:`TaskRunner`; the runner (the processor's
+Twisted owner, :mod:`infx.dispatcher`) calls the sink back exactly once with
+``completed`` or ``failed``, after any number of results. Keeping this
+boundary small lets the gateway be tested against a scripted runner and the
+runner against a scripted sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from protocol.pb import worker_pb2
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One client request, ready to become a task."""
+
+    tenant: str
+    model: str
+    request: worker_pb2.TaskRequest
+    streaming: bool
+    #: Headers forwarded to the engine (lower-case names).
+    headers: dict[str, list[str]] = field(default_factory=dict)
+    #: Seconds from now until the client's deadline; None: the runner's default.
+    timeout: float | None = None
+    #: Correlates logs and the engine's work with the client's request.
+    request_id: str = ""
+
+
+class ResultSink(Protocol):
+    """Receives one task's outcome, in order; exactly one of completed/failed ends it."""
+
+    def response_received(self, response: worker_pb2.HttpResponse) -> None:
+        """The engine's status line and headers (and, unless streaming, the body)."""
+
+    def event_received(self, data: bytes) -> None:
+        """One server-sent event, framed as the runtime sent it."""
+
+    def completed(self) -> None:
+        """The task ended normally (the last event, or the non-streaming body)."""
+
+    def failed(self, status: int, message: str, retry_after: float | None) -> None:
+        """The task ended without a (complete) answer; ``status`` is an HTTP status."""
+
+
+class TaskHandle(Protocol):
+    def cancel(self) -> None:
+        """The client is gone: stop the task and call the sink no more."""
+
+    def consumed(self, count: int) -> None:
+        """``count`` more results have been written out to the client (flow control)."""
+
+
+class TaskRunner(Protocol):
+    def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
+        """Accept a task; its outcome reaches ``sink``."""
+
+    def serves(self, tenant: str, model: str) -> bool:
+        """Whether an engine of the tenant serves the model or one can be started for it."""
+
+    def models(self, tenant: str) -> list[str]:
+        """The models ready engines of the tenant serve, local and remote, sorted."""
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able dump for ``/admin/status``."""
