@@ -1,0 +1,813 @@
+"""The inference processor: task queue, engines, routing, retries, ordered results.
+
+No I/O, no clock reads: every input is a method call that takes ``now`` (in
+seconds, on any monotonic scale the caller likes) and returns the effects the
+caller must perform, in order, as values (see :mod:`protocol.processor_types`).
+``next_deadline()`` says when to call ``handle_timeout(now)``. Everything that
+changes a task's state lives here, and every accepted task ends exactly once:
+with a ``DeliverResult(last=True)``, a ``FailRequest``, or the caller's own
+``cancel``.
+
+Inputs
+    ``submit``                 a request from a client or a peer (untargeted or targeted)
+    ``cancel``                 the client went away: drop the request, stop the engine
+    ``results_consumed``       the consumer took delivered results (bounded buffering)
+    ``update_engine``          an ``EngineStatus`` from a local engine or a peer's report
+    ``remove_engine``          an engine disappeared (peer report)
+    ``close_route``            a stream ended: its engines go, its tasks fail over
+    ``receive_result``         a ``TaskResult`` arrived on a route
+    ``dispatch_failed``        a ``SendTask`` could not be sent
+    ``go_away``                shutdown: ask local engines to reconnect elsewhere
+    ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
+    ``handle_timeout``         time passed: deadlines, queue timeouts, retries, heartbeats
+
+Outputs (effects, performed by the caller in the order given)
+    ``SendTask``               send a Task on a route (engine stream or peer sender)
+    ``CancelTaskOnEngine``     send a cancel Task on a route (best effort)
+    ``DeliverResult``          hand the next result to its origin; ``last`` ends the request
+    ``FailRequest``            end the request with an HTTP status and a reason
+    ``CloseEngine``            close a local engine's stream (missed heartbeats)
+    ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
+    ``LocalEnginesChanged``    re-report local engines to peers (receivers)
+
+Task life cycle (``TaskState``; ending is leaving the table from any state)::
+
+    submit -> WAITING | DISPATCHED
+    WAITING       -> DISPATCHED                   an engine for the model became ready
+    DISPATCHED    -> STREAMING                    first result delivered (no retries after)
+    DISPATCHED    -> RETRY_PENDING                engine lost / replied 503 / send failed
+    RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
+
+Routing: engines of the task's tenant only; among ready engines with the
+model ready: engines that already failed this task last, local before remote,
+then fewest in-flight tasks, then engine id (so the choice is deterministic).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from protocol.pb import status_pb2, worker_pb2
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    CloseEngine,
+    DeliverResult,
+    Effect,
+    EngineKey,
+    FailRequest,
+    Locality,
+    LocalEnginesChanged,
+    Origin,
+    ProcessorConfig,
+    ProcessorUsageError,
+    Route,
+    SendTask,
+    TaskQueued,
+    is_streaming,
+    model_of,
+)
+
+__all__ = [
+    "CancelTaskOnEngine",
+    "CloseEngine",
+    "DeliverResult",
+    "Effect",
+    "EngineKey",
+    "EngineView",
+    "FailRequest",
+    "Locality",
+    "LocalEnginesChanged",
+    "Processor",
+    "ProcessorConfig",
+    "ProcessorCounters",
+    "ProcessorUsageError",
+    "SendTask",
+    "TaskOutcome",
+    "TaskQueued",
+    "TaskState",
+]
+
+
+class TaskState(Enum):
+    """Where a live task is; a finished task has no state (it is gone)."""
+
+    WAITING = "waiting"
+    RETRY_PENDING = "retry_pending"
+    DISPATCHED = "dispatched"
+    STREAMING = "streaming"
+
+
+_TRANSITIONS: dict[TaskState | None, frozenset[TaskState]] = {
+    None: frozenset({TaskState.WAITING, TaskState.DISPATCHED}),
+    TaskState.WAITING: frozenset({TaskState.DISPATCHED}),
+    TaskState.RETRY_PENDING: frozenset({TaskState.DISPATCHED, TaskState.WAITING}),
+    TaskState.DISPATCHED: frozenset({TaskState.STREAMING, TaskState.RETRY_PENDING}),
+    TaskState.STREAMING: frozenset(),
+}
+
+_ON_ENGINE = (TaskState.DISPATCHED, TaskState.STREAMING)
+
+
+class TaskOutcome(Enum):
+    """How a task ended, for metrics."""
+
+    COMPLETED = "completed"  # the engine's last result was delivered (whatever its status)
+    FAILED = "failed"  # FailRequest: deadline, queue timeout, retries exhausted, protocol error...
+    CANCELLED = "cancelled"  # the client went away
+
+
+class _ControlKind(Enum):
+    HEARTBEAT = "heartbeat"
+    GO_AWAY = "go_away"
+    CANCEL = "cancel"
+
+
+@dataclass(slots=True)
+class _Control:
+    """A task the processor sent on its own; its reply is consumed here."""
+
+    kind: _ControlKind
+    engine: EngineKey
+    route: Route
+
+
+@dataclass(slots=True)
+class _Task:
+    id: str
+    tenant_id: str
+    model: str
+    request: worker_pb2.TaskRequest
+    header: dict[str, list[str]]
+    origin: Origin
+    streaming: bool
+    deadline: float
+    target: str
+    state: TaskState | None = None
+    engine: EngineKey | None = None
+    route: Route = None
+    retries: int = 0
+    avoid: set[str] = field(default_factory=set)
+    next_index: int = 0
+    unconsumed: int = 0
+    timer_seq: int = 0
+
+
+@dataclass(slots=True)
+class _Engine:
+    key: EngineKey
+    route: Route
+    locality: Locality
+    status: status_pb2.EngineStatus
+    ready_models: frozenset[str] = frozenset()
+    draining: bool = False
+    in_flight: set[str] = field(default_factory=set)
+    pending_heartbeat: str | None = None
+    missed_heartbeats: int = 0
+
+    @property
+    def routable(self) -> bool:
+        return self.status.ready and not self.draining
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """A read-only snapshot of one engine: ``routable`` is ready and not told to go away."""
+
+    key: EngineKey
+    route: Route
+    locality: Locality
+    routable: bool
+    in_flight: int
+
+
+@dataclass
+class ProcessorCounters:
+    """Monotonic counters the Twisted layer exports as metrics."""
+
+    accepted: int = 0
+    retries: int = 0
+    results_ignored: int = 0
+    protocol_errors: int = 0
+    slow_consumers: int = 0
+    heartbeats_missed: int = 0
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+
+class Processor:
+    """Routes tasks to engines and results back to requests; see the module docstring."""
+
+    def __init__(self, config: ProcessorConfig | None = None) -> None:
+        self.config = config or ProcessorConfig()
+        self.counters = ProcessorCounters()
+        self._tasks: dict[str, _Task] = {}
+        self._engines: dict[EngineKey, _Engine] = {}
+        self._by_tenant: dict[str, dict[str, _Engine]] = {}
+        # (tenant, model) -> task ids in arrival order (a dict keeps order and removes in O(1)).
+        self._waiting: dict[tuple[str, str], dict[str, None]] = {}
+        self._waiting_total = 0
+        self._timers: list[tuple[float, int, str]] = []
+        self._timer_seq = 0
+        self._control: dict[str, _Control] = {}
+        self._control_seq = 0
+        self._next_heartbeat: float | None = None
+
+    # --- requests ---------------------------------------------------------
+
+    def submit(
+        self,
+        now: float,
+        *,
+        task_id: str,
+        tenant_id: str,
+        request: worker_pb2.TaskRequest,
+        origin: Origin,
+        header: Mapping[str, Sequence[str]] | None = None,
+        deadline: float | None = None,
+        target_engine_id: str = "",
+    ) -> list[Effect]:
+        """Accept a task; it ends exactly once (result, failure, or ``cancel``).
+
+        ``deadline`` is absolute, on the scale of ``now``; None means
+        ``now + config.max_task_duration``. ``target_engine_id`` pins the task
+        to one engine of the tenant (a task forwarded by a peer, a heartbeat):
+        it is never retried, and fails with 503 at once if that engine is not
+        there or not ready, so that a forwarding peer can retry elsewhere.
+        """
+        if task_id in self._tasks or task_id in self._control:
+            raise ProcessorUsageError(f"task {task_id!r} is already in progress")
+        if not task_id or task_id.startswith(self.config.control_task_prefix):
+            raise ProcessorUsageError(f"task id {task_id!r} is empty or uses the control prefix")
+        if request.WhichOneof("request") is None:
+            raise ProcessorUsageError(f"task {task_id!r} has an empty request")
+        model = model_of(request)
+        if not model and not target_engine_id:
+            raise ProcessorUsageError(f"task {task_id!r} names neither a model nor a target engine")
+        task = _Task(
+            id=task_id,
+            tenant_id=tenant_id,
+            model=model,
+            request=request,
+            header={name: list(values) for name, values in (header or {}).items()},
+            origin=origin,
+            streaming=is_streaming(request),
+            deadline=now + self.config.max_task_duration if deadline is None else deadline,
+            target=target_engine_id,
+        )
+        self._tasks[task_id] = task
+        self.counters.accepted += 1
+        effects: list[Effect] = []
+        if task.deadline <= now:
+            self._fail(task, 504, "deadline exceeded before the task was scheduled", effects)
+        elif task.target:
+            engine = self._by_tenant.get(tenant_id, {}).get(task.target)
+            if engine is None:
+                self._fail(task, 503, f"engine {task.target!r} is not connected", effects)
+            elif not engine.routable:
+                self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
+            else:
+                self._dispatch(now, task, engine, effects)
+        else:
+            self._route(now, task, effects)
+        return effects
+
+    def cancel(self, now: float, task_id: str) -> list[Effect]:
+        """The client went away: the request ends with no answer, and its engine is told to stop."""
+        task = self._require(task_id)
+        effects: list[Effect] = []
+        self._stop_on_engine(task, effects)
+        self._end(task, TaskOutcome.CANCELLED)
+        return effects
+
+    def results_consumed(self, task_id: str, count: int = 1) -> None:
+        """The consumer of ``task_id`` took ``count`` more delivered results.
+
+        Acknowledging a task that has already ended is expected (the last
+        result ends it) and does nothing.
+        """
+        task = self._tasks.get(task_id)
+        if task is None:
+            return
+        if count < 0 or count > task.unconsumed:
+            raise ProcessorUsageError(
+                f"task {task_id!r}: {count} results acknowledged, {task.unconsumed} unacknowledged"
+            )
+        task.unconsumed -= count
+
+    def fail_waiting(self, now: float, tenant_id: str, model_id: str, status: int, message: str) -> list[Effect]:
+        """Fail every task waiting for (tenant, model) now, e.g. when the scaler cannot provide it."""
+        effects: list[Effect] = []
+        for task_id in list(self._waiting.get((tenant_id, model_id), ())):
+            self._fail(self._tasks[task_id], status, message, effects)
+        return effects
+
+    # --- engines ----------------------------------------------------------
+
+    def update_engine(
+        self, now: float, route: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality
+    ) -> list[Effect]:
+        """Add an engine or take its new status; waiting tasks it can serve go to it now.
+
+        ``ready=false`` takes the engine out of routing but keeps its tasks.
+        A new ``route`` for a known engine (it reconnected) takes over new
+        tasks; tasks already sent on the old route stay there until it closes.
+        """
+        if not status.engine_id:
+            raise ProcessorUsageError("engine status without engine_id")
+        key = EngineKey(tenant_id, status.engine_id)
+        snapshot = status_pb2.EngineStatus()
+        snapshot.CopyFrom(status)
+        engine = self._engines.get(key)
+        effects: list[Effect] = []
+        if engine is None:
+            engine = _Engine(key=key, route=route, locality=locality, status=snapshot)
+            self._engines[key] = engine
+            self._by_tenant.setdefault(tenant_id, {})[key.engine_id] = engine
+            changed, was_local = True, False
+        else:
+            changed = engine.status != snapshot or engine.locality is not locality
+            was_local = engine.locality is Locality.LOCAL
+            if engine.route != route:
+                engine.route = route
+                engine.draining = False
+                engine.pending_heartbeat = None
+                engine.missed_heartbeats = 0
+            engine.locality = locality
+            engine.status = snapshot
+        engine.ready_models = frozenset(m.id for m in snapshot.models if m.is_ready)
+        if changed and (was_local or locality is Locality.LOCAL):
+            effects.append(LocalEnginesChanged())
+        if locality is Locality.LOCAL and self.config.heartbeat_interval is not None and self._next_heartbeat is None:
+            self._next_heartbeat = now + self.config.heartbeat_interval
+        if engine.routable:
+            self._dispatch_waiting(now, engine, effects)
+        return effects
+
+    def remove_engine(self, now: float, tenant_id: str, engine_id: str, reason: str) -> list[Effect]:
+        """An engine is gone: it leaves routing and its in-flight tasks fail over."""
+        engine = self._engines.get(EngineKey(tenant_id, engine_id))
+        if engine is None:
+            raise ProcessorUsageError(f"no engine {engine_id!r} of tenant {tenant_id!r}")
+        effects: list[Effect] = []
+        self._remove(now, [engine], reason, effects)
+        return effects
+
+    def close_route(self, now: float, route: Route, reason: str) -> list[Effect]:
+        """A stream ended: engines registered on it go, tasks sent on it fail over.
+
+        Closing a route that never registered an engine is harmless.
+        """
+        effects: list[Effect] = []
+        self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects)
+        for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
+            engine_id = task.engine.engine_id if task.engine else ""
+            self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
+        for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
+            del self._control[control_id]
+        return effects
+
+    def go_away(self, now: float) -> list[Effect]:
+        """Ask every local engine to reconnect (shutdown); they get no new tasks on this route."""
+        effects: list[Effect] = []
+        for engine in self._engines.values():
+            if engine.locality is Locality.LOCAL:
+                engine.draining = True
+                request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
+                effects.append(self._control_task(_ControlKind.GO_AWAY, engine, request))
+        return effects
+
+    # --- results ----------------------------------------------------------
+
+    def receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
+        """A result arrived on ``route``; deliver it in order, retry, or end the task.
+
+        Results for ended tasks, or from a route the task is not on (a late
+        reply from an engine it was taken from), are counted and ignored.
+        """
+        effects: list[Effect] = []
+        control = self._control.get(result.task_id)
+        if control is not None and control.route == route:
+            self._control_replied(result.task_id, control)
+            return effects
+        task = self._tasks.get(result.task_id)
+        if task is None or task.state not in _ON_ENGINE or task.route != route:
+            self.counters.results_ignored += 1
+            return effects
+        kind = result.WhichOneof("message")
+        violation = self._check_result(task, result, kind)
+        if violation:
+            self.counters.protocol_errors += 1
+            self._stop_on_engine(task, effects)
+            self._fail(task, 502, violation, effects)
+            return effects
+        if kind == "http_response":
+            code = result.http_response.status_code
+            if code == 503 and self._can_retry(now, task):
+                engine_id = task.engine.engine_id if task.engine else ""
+                self._retry(now, task, f"engine {engine_id!r} is unavailable (503)", effects)
+                return effects
+            last = not task.streaming or code < 200 or code >= 400
+        else:
+            last = result.server_sent_event.is_last_event
+        self._deliver(task, result, last, effects)
+        return effects
+
+    def dispatch_failed(self, now: float, task_id: str, reason: str, route: Route | None = None) -> list[Effect]:
+        """A ``SendTask`` for ``task_id`` (on ``route``, if given) could not be sent;
+        the task fails over like one whose engine was lost.
+
+        A stale report is harmless and does nothing: the task has ended, got a
+        result, or has already moved on to another route (its stream closed
+        first, say), so the adapter may report a failed send at any later time.
+        """
+        if task_id in self._control:
+            if route is None or self._control[task_id].route == route:
+                del self._control[task_id]
+            return []
+        task = self._tasks.get(task_id)
+        if task is None or task.state is not TaskState.DISPATCHED or (route is not None and task.route != route):
+            return []
+        effects: list[Effect] = []
+        self._engine_lost(now, task, f"sending the task failed: {reason}", effects)
+        return effects
+
+    # --- time -------------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timeout`` must next be called, or None if nothing is timed."""
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        candidates = [t for t in (self._timers[0][0] if self._timers else None, self._next_heartbeat) if t is not None]
+        return min(candidates) if candidates else None
+
+    def handle_timeout(self, now: float) -> list[Effect]:
+        """Fire everything due at ``now``: deadlines, queue timeouts, retries, heartbeats."""
+        effects: list[Effect] = []
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if self._timer_live(entry):
+                self._task_timer(now, self._tasks[entry[2]], effects)
+        if self._next_heartbeat is not None and self._next_heartbeat <= now:
+            self._heartbeat_round(now, effects)
+        return effects
+
+    # --- queries ----------------------------------------------------------
+
+    def has_task(self, task_id: str) -> bool:
+        """Whether ``task_id`` is accepted and has not ended."""
+        return task_id in self._tasks
+
+    def task_state(self, task_id: str) -> TaskState:
+        """The state of a live task."""
+        state = self._require(task_id).state
+        assert state is not None
+        return state
+
+    def waiting_counts(self) -> dict[tuple[str, str], int]:
+        """Tasks waiting for an engine, per (tenant, model): the scaler's demand signal."""
+        return {key: len(ids) for key, ids in self._waiting.items() if ids}
+
+    def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
+        """Tasks waiting for (tenant, model), oldest first."""
+        return list(self._waiting.get((tenant_id, model_id), ()))
+
+    def in_flight_counts(self) -> dict[tuple[str, str], int]:
+        """Tasks on an engine (dispatched or streaming), per (tenant, model)."""
+        counts: Counter[tuple[str, str]] = Counter()
+        for task in self._tasks.values():
+            if task.state in _ON_ENGINE:
+                counts[(task.tenant_id, task.model)] += 1
+        return dict(counts)
+
+    def engine_counts(self) -> dict[tuple[str, Locality], int]:
+        """Engines per (tenant, locality)."""
+        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values()))
+
+    def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
+        """What the processor knows of one engine, or None if it is not registered."""
+        engine = self._engines.get(EngineKey(tenant_id, engine_id))
+        if engine is None:
+            return None
+        return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
+
+    def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
+        """Models the tenant's engines list (loading ones too); with ``ready_only``,
+        only those a task could be routed to now."""
+        models: set[str] = set()
+        for engine in self._by_tenant.get(tenant_id, {}).values():
+            if not ready_only:
+                models.update(m.id for m in engine.status.models)
+            elif engine.routable:
+                models.update(engine.ready_models)
+        return models
+
+    def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
+        """(tenant, status copy) of every local engine, with its real readiness."""
+        out = []
+        for engine in self._engines.values():
+            if engine.locality is Locality.LOCAL:
+                copy = status_pb2.EngineStatus()
+                copy.CopyFrom(engine.status)
+                out.append((engine.key.tenant_id, copy))
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """A JSON-able dump of tenants, engines, their tasks and the queue."""
+        tenants: dict[str, Any] = {}
+        for tenant_id, engines in sorted(self._by_tenant.items()):
+            tenants[tenant_id] = {
+                "engines": {
+                    engine_id: {
+                        "locality": e.locality.value,
+                        "ready": e.status.ready,
+                        "draining": e.draining,
+                        "cluster_id": e.status.cluster_id,
+                        "models": [
+                            {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count}
+                            for m in sorted(e.status.models, key=lambda m: m.id)
+                        ],
+                        "tasks": sorted(e.in_flight),
+                    }
+                    for engine_id, e in sorted(engines.items())
+                }
+            }
+        queue: dict[str, Any] = {}
+        for (tenant_id, model), ids in sorted(self._waiting.items()):
+            if ids:
+                queue.setdefault(tenant_id, {})[model] = list(ids)
+        retrying = sorted(t.id for t in self._tasks.values() if t.state is TaskState.RETRY_PENDING)
+        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": len(self._tasks)}
+
+    # --- internals: routing ----------------------------------------------
+
+    def _route(self, now: float, task: _Task, effects: list[Effect]) -> None:
+        engine = self._pick(task)
+        if engine is not None:
+            self._dispatch(now, task, engine, effects)
+            return
+        if self._waiting_total >= self.config.max_waiting_tasks:
+            self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
+            return
+        self._move(task, TaskState.WAITING)
+        key = (task.tenant_id, task.model)
+        queue = self._waiting.setdefault(key, {})
+        queue[task.id] = None
+        self._waiting_total += 1
+        self._set_timer(task, min(now + self.config.queue_timeout, task.deadline))
+        effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
+
+    def _pick(self, task: _Task) -> _Engine | None:
+        best: _Engine | None = None
+        best_rank: tuple[bool, bool, int, str] | None = None
+        engines = self._by_tenant.get(task.tenant_id)
+        if not engines:
+            return None
+        for engine in engines.values():
+            if not engine.routable or task.model not in engine.ready_models:
+                continue
+            rank = (
+                engine.key.engine_id in task.avoid,
+                engine.locality is not Locality.LOCAL,
+                len(engine.in_flight),
+                engine.key.engine_id,
+            )
+            if best_rank is None or rank < best_rank:
+                best, best_rank = engine, rank
+        if best is None and self.config.dynamic_model_loading:
+            for engine in engines.values():
+                if not engine.routable:
+                    continue
+                rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = engine, rank
+        return best
+
+    def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
+        self._move(task, TaskState.DISPATCHED)
+        task.engine = engine.key
+        task.route = engine.route
+        task.next_index = 0
+        engine.in_flight.add(task.id)
+        self._set_timer(task, task.deadline)
+        wire = worker_pb2.Task(
+            id=task.id,
+            request=task.request,
+            engine_id=engine.key.engine_id,
+            timeout_seconds=max(1, int(task.deadline - now)),
+        )
+        for name, values in task.header.items():
+            wire.header[name].values.extend(values)
+        effects.append(SendTask(engine.route, engine.key, wire))
+
+    def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
+        tenant_id = engine.key.tenant_id
+        if self.config.dynamic_model_loading:
+            keys = [key for key in self._waiting if key[0] == tenant_id]
+        else:
+            keys = [(tenant_id, model) for model in engine.ready_models if (tenant_id, model) in self._waiting]
+        for key in keys:
+            for task_id in list(self._waiting.get(key, ())):
+                task = self._tasks[task_id]
+                target = self._pick(task)
+                if target is None:
+                    break
+                self._unwait(task)
+                self._dispatch(now, task, target, effects)
+
+    def _unwait(self, task: _Task) -> None:
+        key = (task.tenant_id, task.model)
+        queue = self._waiting[key]
+        del queue[task.id]
+        self._waiting_total -= 1
+        if not queue:
+            del self._waiting[key]
+
+    # --- internals: failure and retries -----------------------------------
+
+    def _can_retry(self, now: float, task: _Task) -> bool:
+        return (
+            not task.target
+            and task.state is TaskState.DISPATCHED
+            and task.retries < self.config.max_retries
+            and now < task.deadline
+        )
+
+    def _engine_lost(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
+        if task.state is TaskState.STREAMING:
+            self._fail(task, 502, f"{reason} after the response started", effects)
+        elif self._can_retry(now, task):
+            self._retry(now, task, reason, effects)
+        else:
+            self._fail(task, 503, reason, effects)
+
+    def _retry(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
+        if task.engine is not None:
+            task.avoid.add(task.engine.engine_id)
+        self._unassign(task)
+        task.retries += 1
+        self.counters.retries += 1
+        self._move(task, TaskState.RETRY_PENDING)
+        if self.config.retry_delay == 0:
+            self._route(now, task, effects)
+        else:
+            self._set_timer(task, min(now + self.config.retry_delay, task.deadline))
+
+    def _task_timer(self, now: float, task: _Task, effects: list[Effect]) -> None:
+        if now >= task.deadline:
+            self._stop_on_engine(task, effects)
+            self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
+        elif task.state is TaskState.WAITING:
+            message = f"no ready engine serves model {task.model!r} (waited {self.config.queue_timeout:g}s)"
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
+        elif task.state is TaskState.RETRY_PENDING:
+            self._route(now, task, effects)
+
+    def _fail(
+        self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
+    ) -> None:
+        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after))
+        self._end(task, TaskOutcome.FAILED)
+
+    def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
+        if task.state not in _ON_ENGINE or task.engine is None:
+            return
+        engine = self._engines.get(task.engine)
+        if engine is None:
+            return
+        request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.id))
+        send = self._control_task(_ControlKind.CANCEL, engine, request, route=task.route)
+        effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.id))
+
+    def _end(self, task: _Task, outcome: TaskOutcome) -> None:
+        if task.state is TaskState.WAITING:
+            self._unwait(task)
+        self._unassign(task)
+        task.state = None
+        del self._tasks[task.id]
+        self.counters.outcomes[outcome.value] += 1
+
+    def _unassign(self, task: _Task) -> None:
+        if task.engine is not None:
+            engine = self._engines.get(task.engine)
+            if engine is not None:
+                engine.in_flight.discard(task.id)
+        task.engine = None
+        task.route = None
+
+    def _remove(self, now: float, engines: list[_Engine], reason: str, effects: list[Effect]) -> None:
+        """Take ``engines`` out of routing first, then fail over their tasks, so
+        that no task fails over onto an engine that is going away with them."""
+        lost: list[tuple[_Engine, _Task]] = []
+        for engine in engines:
+            del self._engines[engine.key]
+            tenant = self._by_tenant[engine.key.tenant_id]
+            del tenant[engine.key.engine_id]
+            if not tenant:
+                del self._by_tenant[engine.key.tenant_id]
+            for control_id in [c for c, ctl in self._control.items() if ctl.engine == engine.key]:
+                del self._control[control_id]
+            if engine.locality is Locality.LOCAL:
+                effects.append(LocalEnginesChanged())
+            lost += [(engine, self._tasks[task_id]) for task_id in sorted(engine.in_flight)]
+        for engine, task in lost:
+            self._engine_lost(now, task, f"engine {engine.key.engine_id!r} removed: {reason}", effects)
+
+    # --- internals: results -----------------------------------------------
+
+    def _check_result(self, task: _Task, result: worker_pb2.TaskResult, kind: str | None) -> str:
+        engine_id = task.engine.engine_id if task.engine else ""
+        if result.result_index != task.next_index:
+            return f"engine {engine_id!r} sent result {result.result_index}, expected {task.next_index}"
+        if task.next_index == 0 and kind != "http_response":
+            return f"engine {engine_id!r} sent {kind} before the HTTP response"
+        if task.next_index > 0 and (kind != "server_sent_event" or not task.streaming):
+            flavour = "streaming" if task.streaming else "non-streaming"
+            return f"engine {engine_id!r} sent {kind} as result {task.next_index} of a {flavour} task"
+        return ""
+
+    def _deliver(self, task: _Task, result: worker_pb2.TaskResult, last: bool, effects: list[Effect]) -> None:
+        if task.unconsumed >= self.config.max_unconsumed_results:
+            self.counters.slow_consumers += 1
+            self._stop_on_engine(task, effects)
+            self._fail(task, 503, f"client did not keep up: {task.unconsumed} results unread", effects)
+            return
+        task.unconsumed += 1
+        task.next_index += 1
+        effects.append(DeliverResult(task.origin, task.id, result, last))
+        if last:
+            self._end(task, TaskOutcome.COMPLETED)
+        elif task.state is TaskState.DISPATCHED:
+            self._move(task, TaskState.STREAMING)
+
+    # --- internals: control tasks and heartbeats --------------------------
+
+    def _control_task(
+        self, kind: _ControlKind, engine: _Engine, request: worker_pb2.TaskRequest, route: Route = None
+    ) -> SendTask:
+        self._control_seq += 1
+        control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
+        send_route = engine.route if route is None else route
+        self._control[control_id] = _Control(kind, engine.key, send_route)
+        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.key.engine_id)
+        return SendTask(send_route, engine.key, wire)
+
+    def _control_replied(self, control_id: str, control: _Control) -> None:
+        del self._control[control_id]
+        if control.kind is _ControlKind.HEARTBEAT:
+            engine = self._engines.get(control.engine)
+            if engine is not None and engine.pending_heartbeat == control_id:
+                engine.pending_heartbeat = None
+                engine.missed_heartbeats = 0
+
+    def _heartbeat_round(self, now: float, effects: list[Effect]) -> None:
+        interval = self.config.heartbeat_interval
+        assert interval is not None
+        for engine in [e for e in self._engines.values() if e.locality is Locality.LOCAL]:
+            if engine.pending_heartbeat is not None:
+                self._control.pop(engine.pending_heartbeat, None)
+                engine.pending_heartbeat = None
+                engine.missed_heartbeats += 1
+                self.counters.heartbeats_missed += 1
+                if engine.missed_heartbeats >= self.config.heartbeat_max_missed:
+                    reason = f"missed {engine.missed_heartbeats} heartbeats"
+                    effects.append(CloseEngine(engine.route, engine.key, reason))
+                    self._remove(now, [engine], reason, effects)
+                    continue
+            request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
+            send = self._control_task(_ControlKind.HEARTBEAT, engine, request)
+            engine.pending_heartbeat = send.task.id
+            effects.append(send)
+        has_local = any(e.locality is Locality.LOCAL for e in self._engines.values())
+        self._next_heartbeat = now + interval if has_local else None
+
+    # --- internals: bookkeeping -------------------------------------------
+
+    def _move(self, task: _Task, state: TaskState) -> None:
+        if state not in _TRANSITIONS[task.state]:
+            raise AssertionError(f"task {task.id!r}: no transition {task.state} -> {state}")
+        task.state = state
+
+    def _set_timer(self, task: _Task, when: float) -> None:
+        # Superseded entries stay in the heap until they surface; compact it
+        # when they outnumber the live tasks, so memory follows the live load.
+        if len(self._timers) > 2 * len(self._tasks) + 64:
+            self._timers = [entry for entry in self._timers if self._timer_live(entry)]
+            heapq.heapify(self._timers)
+        self._timer_seq += 1
+        task.timer_seq = self._timer_seq
+        heapq.heappush(self._timers, (when, self._timer_seq, task.id))
+
+    def _timer_live(self, entry: tuple[float, int, str]) -> bool:
+        task = self._tasks.get(entry[2])
+        return task is not None and task.timer_seq == entry[1]
+
+    def _require(self, task_id: str) -> _Task:
+        task = self._tasks.get(task_id)
+        if task is None:
+            raise ProcessorUsageError(f"no task {task_id!r} in progress")
+        return task
+

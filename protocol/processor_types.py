@@ -1,0 +1,282 @@
+"""Values of the inference processor: configuration, effects, errors, request helpers.
+
+No I/O, no clock reads, no mutable state: everything here is a frozen value or
+a pure function of its arguments. The machine that produces these values is
+:mod:`protocol.processor`; the Twisted layer performs the effects.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Hashable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Union
+
+from protocol.pb import worker_pb2
+
+#: What the caller uses to reach an engine: for a local engine its gRPC
+#: stream (or any key for it), for a remote engine the peer's sender. The
+#: processor only compares routes and hands them back in effects.
+Route = Hashable
+
+#: What the caller uses to reach whoever submitted a task: an HTTP request,
+#: a peer's receiver. Handed back in :class:`DeliverResult` and
+#: :class:`FailRequest` so that one dispatcher serves every origin.
+Origin = Hashable
+
+
+class ProcessorError(Exception):
+    """Base of the processor's exceptions."""
+
+
+class ProcessorUsageError(ProcessorError):
+    """The caller misused the processor (duplicate task id, unknown task, bad config).
+
+    Remote misbehaviour (an engine sending results out of order, an engine
+    vanishing) never raises: it ends the affected task with a
+    :class:`FailRequest` whose status says what went wrong on the wire.
+    """
+
+
+class RemoteProtocolError(ProcessorError):
+    """A peer gateway sent a message that breaks the protocol; its stream should end.
+
+    ``grpc_status`` is the status to end the stream with (3, INVALID_ARGUMENT).
+    """
+
+    grpc_status = 3
+
+
+class Locality(Enum):
+    """Whether an engine is attached to this gateway or reported by a peer gateway."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKey:
+    """Engines are identified per tenant: two tenants may reuse an engine id."""
+
+    tenant_id: str
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """Every tunable of the processor, validated once on construction.
+
+    queue_timeout: how long a task waits for an engine that serves its model
+        before it fails with 503 (never past the task's own deadline).
+    max_task_duration: deadline of a task whose client gave none.
+    max_retries: re-dispatches of one task after a scheduling failure, the loss
+        of its engine or an engine reply of 503, before any result was delivered.
+    retry_delay: pause before a re-dispatch, so that a flapping engine is not
+        hammered; 0 re-dispatches at once.
+    dynamic_model_loading: when no engine serves a model, send the task to the
+        ready engine with the fewest models (which loads it on demand) instead
+        of waiting.
+    max_waiting_tasks: tasks that may wait for an engine at once, over all
+        tenants and models; past it a new task fails with 503 at once.
+    max_unconsumed_results: results delivered to one request and not yet
+        acknowledged with ``results_consumed``; past it that request alone
+        fails (its consumer is too slow) and its engine is told to stop.
+    heartbeat_interval: seconds between heartbeats to local engines; None
+        sends none.
+    heartbeat_max_missed: unanswered heartbeats in a row after which a local
+        engine is removed and its stream closed.
+    control_task_prefix: prefix of the ids of tasks the processor makes itself
+        (heartbeat, go-away, cancel); callers must not use it for their ids.
+    busy_retry_after: the ``Retry-After`` (seconds) suggested with a 503 for
+        lack of capacity (queue full, queue timeout).
+    """
+
+    queue_timeout: float = 30.0
+    max_task_duration: float = 600.0
+    max_retries: int = 3
+    retry_delay: float = 3.0
+    dynamic_model_loading: bool = False
+    max_waiting_tasks: int = 10_000
+    max_unconsumed_results: int = 1024
+    heartbeat_interval: float | None = None
+    heartbeat_max_missed: int = 3
+    control_task_prefix: str = "infx-ctl-"
+    busy_retry_after: float = 5.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.queue_timeout < 0:
+            problems.append("queue_timeout must be >= 0")
+        if self.max_task_duration <= 0:
+            problems.append("max_task_duration must be > 0")
+        if self.max_retries < 0:
+            problems.append("max_retries must be >= 0")
+        if self.retry_delay < 0:
+            problems.append("retry_delay must be >= 0")
+        if self.max_waiting_tasks < 0:
+            problems.append("max_waiting_tasks must be >= 0")
+        if self.max_unconsumed_results < 1:
+            problems.append("max_unconsumed_results must be >= 1")
+        if self.heartbeat_interval is not None and self.heartbeat_interval <= 0:
+            problems.append("heartbeat_interval must be > 0 or None")
+        if self.heartbeat_max_missed < 1:
+            problems.append("heartbeat_max_missed must be >= 1")
+        if self.busy_retry_after < 0:
+            problems.append("busy_retry_after must be >= 0")
+        if not self.control_task_prefix:
+            problems.append("control_task_prefix must not be empty")
+        if problems:
+            raise ProcessorUsageError("; ".join(problems))
+
+
+# --- effects: what the caller must do -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SendTask:
+    """Send ``task`` on ``route`` (as ``ProcessTasksResponse.new_task``, or for a
+    remote engine as ``ProcessTasksInternalResponse`` with ``engine.tenant_id``).
+
+    If the send fails, report it with ``Processor.dispatch_failed``.
+    """
+
+    route: Route
+    engine: EngineKey
+    task: worker_pb2.Task
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTaskOnEngine:
+    """Tell the engine to stop ``cancelled_task_id``: send ``task`` (a
+    ``TaskRequest.cancel_task`` with an id of its own) on ``route``.
+
+    Best effort: an engine that does not know the request answers 501, which
+    the processor ignores, and a failed send needs no report.
+    """
+
+    route: Route
+    engine: EngineKey
+    task: worker_pb2.Task
+    cancelled_task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeliverResult:
+    """Hand ``result`` to the request ``task_id`` of ``origin``.
+
+    Results come in ``result_index`` order. ``last`` ends the request (the
+    non-streaming response, the last event, or an error status). The caller
+    acknowledges with ``Processor.results_consumed`` once its consumer took
+    the result; unacknowledged results are bounded per request.
+    """
+
+    origin: Origin
+    task_id: str
+    result: worker_pb2.TaskResult
+    last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FailRequest:
+    """End the request ``task_id`` of ``origin`` with an error.
+
+    ``status`` is the HTTP status to answer with (if the response has already
+    started, it only goes into the error body). ``delivered`` is how many
+    results the request had received before the failure. ``retry_after``
+    (seconds) is set when the failure is a lack of capacity that may pass
+    (queue full, no engine for the model in time): the ``Retry-After`` header.
+    """
+
+    origin: Origin
+    task_id: str
+    status: int
+    message: str
+    delivered: int = 0
+    retry_after: float | None = None
+
+    def error_body(self) -> bytes:
+        """The OpenAI-style JSON error body for this failure."""
+        return json.dumps(
+            {"error": {"message": self.message, "type": _error_type(self.status), "code": self.status}}
+        ).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class CloseEngine:
+    """Close the stream of a local engine the processor gave up on (missed heartbeats).
+
+    The processor has already removed the engine and failed over its tasks.
+    """
+
+    route: Route
+    engine: EngineKey
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskQueued:
+    """A task started waiting because no ready engine of its tenant serves its model.
+
+    The scaler's hook to scale from zero. ``waiting`` counts the tasks now
+    waiting for this (tenant, model).
+    """
+
+    tenant_id: str
+    model_id: str
+    task_id: str
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEnginesChanged:
+    """A local engine was added, removed, or reported a different status.
+
+    Receivers re-report this gateway's local engines to their peers.
+    """
+
+
+Effect = Union[
+    SendTask, CancelTaskOnEngine, DeliverResult, FailRequest, CloseEngine, TaskQueued, LocalEnginesChanged
+]
+
+
+# --- request helpers -------------------------------------------------------
+
+_MODEL_REQUESTS = ("chat_completion", "embedding", "audio_transcription", "model_response", "tokenize_request")
+_STREAMABLE_REQUESTS = ("chat_completion", "audio_transcription", "model_response")
+
+
+def model_of(request: worker_pb2.TaskRequest) -> str:
+    """The model a request asks for, or "" for requests without one (heartbeat, go-away)."""
+    kind = request.WhichOneof("request")
+    if kind in _MODEL_REQUESTS:
+        model: str = getattr(request, kind).model
+        return model
+    return ""
+
+
+def is_streaming(request: worker_pb2.TaskRequest) -> bool:
+    """Whether the engine will answer with server-sent events after the HttpResponse.
+
+    Every request kind with a ``stream`` flag counts, not only chat.
+    """
+    kind = request.WhichOneof("request")
+    if kind in _STREAMABLE_REQUESTS:
+        stream: bool = getattr(request, kind).stream
+        return stream
+    return False
+
+
+def _error_type(status: int) -> str:
+    if status == 504:
+        return "timeout"
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    """An error as one server-sent event, for a stream whose headers are already out."""
+    body = json.dumps({"error": {"message": message, "type": _error_type(status), "code": status}})
+    return f"data: {body}\n\n".encode()

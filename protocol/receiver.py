@@ -1,0 +1,271 @@
+"""The task receiver: this gateway's side of one ``ProcessTasksInternal`` stream it opened to a peer.
+
+No I/O, no clock reads; time comes in as ``now``. It reports this gateway's
+*local* engines only (never remote ones, so reports cannot loop between
+gateways) with their real readiness, runs the tasks the peer forwards through
+the local :class:`~protocol.processor.Processor` as tasks targeted at the
+named local engine, and relays their results back in order. A forwarded task
+that cannot run here is answered at once with an error ``TaskResult`` (an
+``HttpResponse`` of 503 with a reason) so that the peer retries elsewhere
+without waiting for the next status report.
+
+Shape, for the Twisted adapter (one ``Receiver`` per stream; a reconnect makes
+a new one):
+
+- ``connected(now)`` once the stream is open, then ``pop_messages()`` and write
+  each ``ProcessTasksInternalRequest``; do the same after every call below.
+- ``task_received(now, response)`` for each ``ProcessTasksInternalResponse``;
+  it returns processor effects to perform like any others. Effects whose
+  ``origin`` is this receiver's ``origin`` (``DeliverResult``, ``FailRequest``)
+  go to ``deliver(effect)``.
+- ``local_engines_changed(now)`` whenever the processor emits
+  ``LocalEnginesChanged``; ``handle_timeout(now)`` at ``next_deadline()``.
+- ``shutdown(now)`` to drain: every engine is reported not ready, in-flight
+  tasks go on, new ones are refused; close the stream once ``drained``.
+- ``closed(now)`` when the stream ends: its tasks are cancelled (the peer's
+  clients are gone); returns processor effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from http import HTTPStatus
+from typing import Union
+
+from protocol.pb import internal_pb2, status_pb2, worker_pb2
+from protocol.processor import Processor
+from protocol.processor_types import (
+    DeliverResult,
+    Effect,
+    FailRequest,
+    Locality,
+    Origin,
+    ProcessorUsageError,
+    RemoteProtocolError,
+    sse_error_event,
+)
+
+__all__ = ["Receiver", "ReceiverConfig", "ReceiverState", "error_result"]
+
+
+class ReceiverState(Enum):
+    """IDLE until the stream opens; DRAINING after ``shutdown``; CLOSED once the stream ended."""
+
+    IDLE = "idle"
+    OPEN = "open"
+    DRAINING = "draining"
+    CLOSED = "closed"
+
+
+# Which commands each state accepts; anything else is caller misuse.
+_ACCEPTS: dict[str, frozenset[ReceiverState]] = {
+    "connected": frozenset({ReceiverState.IDLE}),
+    "task_received": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
+    "deliver": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
+    "local_engines_changed": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
+    "handle_timeout": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
+    "shutdown": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
+    "closed": frozenset({ReceiverState.IDLE, ReceiverState.OPEN, ReceiverState.DRAINING}),
+}
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """pod_name: this gateway's name in its reports; status_interval: seconds
+    between checks that re-report the local engines if anything changed."""
+
+    pod_name: str
+    status_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.status_interval <= 0:
+            raise ProcessorUsageError("status_interval must be > 0")
+
+
+def error_result(task_id: str, status: int, message: str, delivered: int = 0) -> worker_pb2.TaskResult:
+    """A failure as the next ``TaskResult`` of a task: an ``HttpResponse`` with the
+    status if nothing was sent yet, else a last server-sent event carrying the error."""
+    if delivered == 0:
+        body = FailRequest(None, task_id, status, message).error_body()
+        response = worker_pb2.HttpResponse(status_code=status, status=_status_line(status), body=body)
+        response.header["Content-Type"].values.append("application/json")
+        return worker_pb2.TaskResult(task_id=task_id, result_index=0, http_response=response)
+    event = worker_pb2.ServerSentEvent(data=sse_error_event(status, message), is_last_event=True)
+    return worker_pb2.TaskResult(task_id=task_id, result_index=delivered, server_sent_event=event)
+
+
+def _status_line(status: int) -> str:
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
+
+
+class Receiver:
+    """Runs one peer's forwarded tasks on local engines; see the module docstring."""
+
+    def __init__(self, processor: Processor, config: ReceiverConfig, origin: Origin | None = None) -> None:
+        """``origin`` is what the processor's effects name as the origin of this
+        stream's tasks: the adapter's own object, or by default this receiver."""
+        self.processor = processor
+        self.origin: Origin = self if origin is None else origin
+        self.config = config
+        self.state = ReceiverState.IDLE
+        self._outbox: list[internal_pb2.ProcessTasksInternalRequest] = []
+        self._tasks: set[str] = set()
+        self._reported: dict[tuple[str, str], bytes] | None = None
+        self._next_report: float | None = None
+
+    # --- commands -----------------------------------------------------------
+
+    def connected(self, now: float) -> None:
+        """The stream is open: report the local engines, even if there are none."""
+        self._enter("connected")
+        self.state = ReceiverState.OPEN
+        self._report(now, force=True)
+
+    def local_engines_changed(self, now: float) -> None:
+        """Re-report the local engines if what the peer last heard differs."""
+        self._enter("local_engines_changed")
+        self._report(now, force=False)
+
+    def task_received(self, now: float, response: internal_pb2.ProcessTasksInternalResponse) -> list[Effect]:
+        """Run a forwarded task on the local engine it names, or refuse it at once.
+
+        Raises :class:`RemoteProtocolError` for a message without a task id.
+        """
+        self._enter("task_received")
+        task, tenant_id = response.new_task, response.tenant_id
+        if not response.HasField("new_task") or not task.id:
+            raise RemoteProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
+        if task.request.WhichOneof("request") == "cancel_task":
+            return self._cancel_received(now, task)
+        refusal = self._refusal(task, tenant_id)
+        if refusal:
+            self._send_result(error_result(task.id, 503, refusal))
+            return []
+        self._tasks.add(task.id)
+        return self.processor.submit(
+            now,
+            task_id=task.id,
+            tenant_id=tenant_id,
+            request=task.request,
+            origin=self.origin,
+            header={name: list(value.values) for name, value in task.header.items()},
+            deadline=now + task.timeout_seconds if task.timeout_seconds > 0 else None,
+            target_engine_id=task.engine_id,
+        )
+
+    def deliver(self, effect: Union[DeliverResult, FailRequest]) -> None:
+        """Relay a processor effect whose origin is this receiver to the peer."""
+        self._enter("deliver")
+        if effect.origin is not self.origin or effect.task_id not in self._tasks:
+            raise ProcessorUsageError(f"task {effect.task_id!r} was not received on this stream")
+        if isinstance(effect, DeliverResult):
+            self._send_result(effect.result)
+            # The peer's stream is this result's consumer; its flow control is the transport's.
+            self.processor.results_consumed(effect.task_id)
+            if effect.last:
+                self._tasks.discard(effect.task_id)
+        else:
+            self._send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered))
+            self._tasks.discard(effect.task_id)
+
+    def shutdown(self, now: float) -> None:
+        """Report every local engine not ready; keep serving in-flight tasks, refuse new ones."""
+        self._enter("shutdown")
+        self.state = ReceiverState.DRAINING
+        self._report(now, force=False)
+
+    def closed(self, now: float) -> list[Effect]:
+        """The stream ended: the peer can no longer take results, so its tasks are cancelled."""
+        self._enter("closed")
+        self.state = ReceiverState.CLOSED
+        self._next_report = None
+        effects: list[Effect] = []
+        for task_id in sorted(self._tasks):
+            effects += self.processor.cancel(now, task_id)
+        self._tasks.clear()
+        return effects
+
+    def pop_messages(self) -> list[internal_pb2.ProcessTasksInternalRequest]:
+        """The messages to write on the stream, in order; each is returned once."""
+        messages, self._outbox = self._outbox, []
+        return messages
+
+    # --- time and queries -------------------------------------------------------
+
+    def next_deadline(self) -> float | None:
+        """When the next periodic status check is due."""
+        return self._next_report
+
+    def handle_timeout(self, now: float) -> None:
+        """Periodic status check: report only if something changed."""
+        self._enter("handle_timeout")
+        if self._next_report is not None and now >= self._next_report:
+            self._report(now, force=False)
+
+    @property
+    def drained(self) -> bool:
+        """Shutting down and no forwarded task left in flight: the stream may close."""
+        return self.state is ReceiverState.DRAINING and not self._tasks
+
+    @property
+    def tasks_in_flight(self) -> int:
+        """Forwarded tasks not finished yet."""
+        return len(self._tasks)
+
+    # --- internals -------------------------------------------------------------
+
+    def _enter(self, command: str) -> None:
+        if self.state not in _ACCEPTS[command]:
+            raise ProcessorUsageError(f"receiver is {self.state.value}: {command} is not allowed")
+
+    def _refusal(self, task: worker_pb2.Task, tenant_id: str) -> str:
+        if self.state is ReceiverState.DRAINING:
+            return f"gateway {self.config.pod_name!r} is shutting down"
+        if task.id in self._tasks or self.processor.has_task(task.id):
+            return f"task {task.id!r} is already running on gateway {self.config.pod_name!r}"
+        engine = self.processor.engine(tenant_id, task.engine_id) if task.engine_id else None
+        if engine is None or engine.locality is not Locality.LOCAL:
+            return f"engine {task.engine_id!r} is not attached to gateway {self.config.pod_name!r}"
+        return ""
+
+    def _cancel_received(self, now: float, task: worker_pb2.Task) -> list[Effect]:
+        target = task.request.cancel_task.task_id
+        if target not in self._tasks:
+            self._send_result(error_result(task.id, 404, f"no task {target!r} on this stream"))
+            return []
+        self._tasks.discard(target)
+        effects = self.processor.cancel(now, target)
+        ok = worker_pb2.HttpResponse(status_code=200, status=_status_line(200))
+        self._send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok))
+        return effects
+
+    def _send_result(self, result: worker_pb2.TaskResult) -> None:
+        self._outbox.append(internal_pb2.ProcessTasksInternalRequest(task_result=result))
+
+    def _report(self, now: float, force: bool) -> None:
+        statuses = self._local_statuses()
+        snapshot = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
+        if force or snapshot != self._reported:
+            report = internal_pb2.ServerStatus(pod_name=self.config.pod_name)
+            for tenant, status in statuses:
+                report.engine_statuses.add(engine_status=status, tenant_id=tenant)
+            self._outbox.append(internal_pb2.ProcessTasksInternalRequest(server_status=report))
+            self._reported = snapshot
+        self._next_report = now + self.config.status_interval
+
+    def _local_statuses(self) -> list[tuple[str, status_pb2.EngineStatus]]:
+        statuses = sorted(self.processor.local_engines(), key=lambda item: (item[0], item[1].engine_id))
+        for _, status in statuses:
+            models = sorted(status.models, key=lambda m: m.id)
+            ordered = [status_pb2.EngineStatus.Model() for _ in models]
+            for copy, model in zip(ordered, models):
+                copy.CopyFrom(model)
+            del status.models[:]
+            status.models.extend(ordered)
+            if self.state is ReceiverState.DRAINING:
+                status.ready = False
+        return statuses

@@ -1,0 +1,105 @@
+"""The task sender: this gateway's side of one ``ProcessTasksInternal`` stream a peer opened to it.
+
+No I/O, no clock reads; time comes in as ``now``. The peer (its receiver)
+reports the engines attached to it; the sender registers them in the local
+:class:`~protocol.processor.Processor` as remote engines (tenant from the
+report) whose route is the sender, or the object the adapter names as its
+route. It removes those that disappear from a report and all of them when the
+stream ends (their in-flight tasks fail over as the processor specifies). An
+engine already registered on another route (attached here, or reported by
+another peer first) is left alone. Results the peer returns go into the
+processor as results of the original tasks.
+
+Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
+
+- ``message_received(now, request)`` for each ``ProcessTasksInternalRequest``;
+  returns processor effects to perform.
+- A ``SendTask`` or ``CancelTaskOnEngine`` effect whose ``route`` is this
+  sender's ``route`` becomes ``task_message(effect)``, written on the stream.
+- ``closed(now)`` when the stream ends; returns processor effects.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+from protocol.pb import internal_pb2
+from protocol.processor import Processor
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    Effect,
+    EngineKey,
+    Locality,
+    ProcessorUsageError,
+    RemoteProtocolError,
+    Route,
+    SendTask,
+)
+
+__all__ = ["Sender"]
+
+
+class Sender:
+    """Registers one peer's engines as remote engines and forwards their tasks."""
+
+    def __init__(self, processor: Processor, route: Route | None = None) -> None:
+        """``route`` is what the processor's effects name for this peer's engines:
+        the adapter's own object for the stream, or by default this sender."""
+        self.processor = processor
+        self.route: Route = self if route is None else route
+        self.pod_name = ""
+        self._engines: set[EngineKey] = set()
+        self._closed = False
+
+    def message_received(self, now: float, request: internal_pb2.ProcessTasksInternalRequest) -> list[Effect]:
+        """A status report or a task result from the peer.
+
+        Raises :class:`RemoteProtocolError` for a message with neither.
+        """
+        if self._closed:
+            raise ProcessorUsageError("message received on a closed sender")
+        kind = request.WhichOneof("message")
+        if kind == "server_status":
+            return self._status_received(now, request.server_status)
+        if kind == "task_result":
+            return self.processor.receive_result(now, self.route, request.task_result)
+        raise RemoteProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
+
+    def task_message(self, effect: Union[SendTask, CancelTaskOnEngine]) -> internal_pb2.ProcessTasksInternalResponse:
+        """The message that carries a task (or a cancel request) to the peer, with its tenant."""
+        if effect.route is not self.route:
+            raise ProcessorUsageError(f"task {effect.task.id!r} is not routed through this sender")
+        return internal_pb2.ProcessTasksInternalResponse(new_task=effect.task, tenant_id=effect.engine.tenant_id)
+
+    def closed(self, now: float) -> list[Effect]:
+        """The stream ended: every engine it reported goes, and tasks sent on it fail over."""
+        if self._closed:
+            raise ProcessorUsageError("sender closed twice")
+        self._closed = True
+        self._engines.clear()
+        return self.processor.close_route(now, self.route, f"peer {self.pod_name!r} disconnected")
+
+    @property
+    def engines(self) -> frozenset[EngineKey]:
+        """The engines this peer reported and this sender registered."""
+        return frozenset(self._engines)
+
+    def _status_received(self, now: float, status: internal_pb2.ServerStatus) -> list[Effect]:
+        self.pod_name = status.pod_name
+        effects: list[Effect] = []
+        reported: set[EngineKey] = set()
+        for entry in status.engine_statuses:
+            key = EngineKey(entry.tenant_id, entry.engine_status.engine_id)
+            known = self.processor.engine(key.tenant_id, key.engine_id)
+            if known is not None and known.route is not self.route:
+                # Attached here, or reported by another peer first: that registration stays.
+                continue
+            reported.add(key)
+            effects += self.processor.update_engine(now, self.route, key.tenant_id, entry.engine_status, Locality.REMOTE)
+        for key in sorted(self._engines - reported, key=lambda k: (k.tenant_id, k.engine_id)):
+            known = self.processor.engine(key.tenant_id, key.engine_id)
+            if known is not None and known.route is self.route:
+                reason = f"no longer reported by peer {self.pod_name!r}"
+                effects += self.processor.remove_engine(now, key.tenant_id, key.engine_id, reason)
+        self._engines = reported
+        return effects

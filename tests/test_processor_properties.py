@@ -1,0 +1,198 @@
+"""Property test of the processor: random interleavings of engine joins, leaves and
+readiness flips, results (in order, out of order, duplicated, 503s), client cancels,
+slow consumers and clock steps. Every accepted task ends exactly once, nothing is
+delivered out of order or after the end, and the internal books stay consistent."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol.processor import Processor, TaskState
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    CloseEngine,
+    DeliverResult,
+    FailRequest,
+    Locality,
+    ProcessorConfig,
+    SendTask,
+)
+from tests.processor_helpers import chat, engine_status, http, sse
+
+ENGINES = ["e0", "e1", "e2"]
+MODELS = ["m0", "m1"]
+DEAF = "e2"  # the one engine that never answers heartbeats
+
+join = st.tuples(st.just("join"), st.sampled_from(ENGINES), st.sets(st.sampled_from(MODELS)),
+                 st.sampled_from([True, True, True, False]), st.sampled_from(list(Locality)))
+submit = st.tuples(st.just("submit"), st.sampled_from(MODELS), st.booleans(),
+                   st.sampled_from([None, None, None, None, *ENGINES]), st.sampled_from([None, 5.0, 50.0]))
+result = st.tuples(st.just("result"), st.integers(0, 50),
+                   st.sampled_from(["next"] * 6 + ["last"] * 2 + ["skip", "dup", "503", "500"]))
+OPS = {
+    "join": join,
+    "submit": submit,
+    "result": result,
+    "leave": st.tuples(st.just("leave"), st.sampled_from(ENGINES), st.booleans()),
+    "cancel": st.tuples(st.just("cancel"), st.integers(0, 50)),
+    "consume": st.tuples(st.just("consume"), st.integers(0, 50)),
+    "send_failed": st.tuples(st.just("send_failed"), st.integers(0, 50)),
+    "tick": st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 1.0, 3.0, 3.0, 10.0, 40.0])),
+    "go_away": st.tuples(st.just("go_away")),
+}
+# Weighted so that a typical script runs many tasks through to their results.
+WEIGHTS = {"join": 2, "submit": 4, "result": 10, "leave": 1, "cancel": 1, "consume": 3, "send_failed": 1,
+           "tick": 3, "go_away": 1}
+ops = st.sampled_from([kind for kind, weight in WEIGHTS.items() for _ in range(weight)]).flatmap(OPS.__getitem__)
+# Two engines serve both models at the start, so that most scripts get tasks onto engines.
+START = [("join", "e0", {"m0", "m1"}, True, Locality.LOCAL), ("join", "e1", {"m0", "m1"}, True, Locality.REMOTE)]
+script = st.lists(ops, min_size=20, max_size=100).map(lambda ops: START + ops)
+
+
+class World:
+    """The processor plus fake engines and clients that follow (or break) the protocol."""
+
+    def __init__(self, config: ProcessorConfig) -> None:
+        self.p = Processor(config)
+        self.now = 0.0
+        self.n = 0
+        self.accepted: list[str] = []
+        self.ended: dict[str, str] = {}
+        self.delivered: dict[str, list[int]] = defaultdict(list)
+        self.unconsumed: dict[str, int] = defaultdict(int)
+        # What each fake engine has been asked to run: task id -> (route, engine id, next index).
+        self.on_engine: dict[str, tuple[str, str, int]] = {}
+        self.route_gen: dict[str, int] = defaultdict(int)
+
+    def route(self, engine_id: str) -> str:
+        return f"{engine_id}#{self.route_gen[engine_id]}"
+
+    def apply(self, effects: list[object]) -> None:
+        for effect in effects:
+            if isinstance(effect, SendTask):
+                kind = effect.task.request.WhichOneof("request")
+                if kind == "chat_completion":
+                    self.on_engine[effect.task.id] = (str(effect.route), effect.engine.engine_id, 0)
+                elif kind == "heartbeat" and effect.engine.engine_id != DEAF:
+                    self.apply(self.p.receive_result(self.now, effect.route, http(effect.task.id)))
+            elif isinstance(effect, DeliverResult):
+                assert effect.task_id not in self.ended, f"result after the end of {effect.task_id}"
+                indexes = self.delivered[effect.task_id]
+                assert effect.result.result_index == len(indexes), "results out of order"
+                indexes.append(effect.result.result_index)
+                self.unconsumed[effect.task_id] += 1
+                if effect.last:
+                    self.end(effect.task_id, "completed")
+            elif isinstance(effect, FailRequest):
+                self.end(effect.task_id, f"failed {effect.status}")
+            elif isinstance(effect, CancelTaskOnEngine):
+                assert not self.p.has_task(effect.cancelled_task_id), "an engine told to stop a live task"
+            elif isinstance(effect, CloseEngine):
+                self.p.close_route(self.now, effect.route, "closed")
+
+    def end(self, task_id: str, how: str) -> None:
+        assert task_id in self.accepted, f"unknown task {task_id} ended"
+        assert task_id not in self.ended, f"{task_id} ended twice: {self.ended[task_id]}, then {how}"
+        self.ended[task_id] = how
+        self.on_engine.pop(task_id, None)
+
+    def live(self, index: int) -> str | None:
+        live = [t for t in self.accepted if t not in self.ended]
+        return live[index % len(live)] if live else None
+
+    def step(self, op: tuple) -> None:  # type: ignore[type-arg]
+        p, kind = self.p, op[0]
+        if kind == "join":
+            _, engine_id, models, ready, locality = op
+            status = engine_status(engine_id, *sorted(models), ready=ready)
+            self.apply(p.update_engine(self.now, self.route(engine_id), "t", status, locality))
+        elif kind == "leave":
+            _, engine_id, whole_stream = op
+            if whole_stream:
+                self.apply(p.close_route(self.now, self.route(engine_id), "stream ended"))
+                self.route_gen[engine_id] += 1
+            elif p.engine_counts() and engine_id in p.status()["tenants"].get("t", {}).get("engines", {}):
+                self.apply(p.remove_engine(self.now, "t", engine_id, "left"))
+        elif kind == "submit":
+            _, model, stream, target, timeout = op
+            self.n += 1
+            task_id = f"task{self.n}"
+            self.accepted.append(task_id)
+            deadline = None if timeout is None else self.now + timeout
+            self.apply(p.submit(self.now, task_id=task_id, tenant_id="t", request=chat(model, stream), origin="c",
+                                deadline=deadline, target_engine_id=target or ""))
+        elif kind == "result":
+            _, index, how = op
+            if not self.on_engine:
+                return
+            task_id = sorted(self.on_engine)[index % len(self.on_engine)]
+            route, _, nxt = self.on_engine[task_id]
+            if how == "503":
+                result = http(task_id, 503, index=nxt)
+            elif how == "500":
+                result = http(task_id, 500, index=nxt)
+            elif nxt == 0:
+                result = http(task_id, index={"skip": 1}.get(how, 0))
+            else:
+                result = sse(task_id, {"skip": nxt + 1, "dup": nxt - 1}.get(how, nxt), last=how == "last")
+            self.on_engine[task_id] = (route, self.on_engine[task_id][1], nxt + 1)
+            self.apply(p.receive_result(self.now, route, result))
+        elif kind == "cancel":
+            task_id = self.live(op[1])
+            if task_id is not None:
+                self.apply(p.cancel(self.now, task_id))
+                self.end(task_id, "cancelled")
+        elif kind == "consume":
+            task_id = self.live(op[1])
+            if task_id is not None and self.unconsumed[task_id]:
+                p.results_consumed(task_id, self.unconsumed[task_id])
+                self.unconsumed[task_id] = 0
+        elif kind == "send_failed":
+            task_id = self.live(op[1])
+            if task_id is not None:  # possibly stale: the task may have moved on or got results
+                route = self.on_engine[task_id][0] if task_id in self.on_engine else None
+                self.apply(p.dispatch_failed(self.now, task_id, "write failed", route=route))
+        elif kind == "tick":
+            self.now += op[1]
+            self.apply(p.handle_timeout(self.now))
+            deadline = p.next_deadline()
+            assert deadline is None or deadline > self.now, "a timer due now was not fired"
+        elif kind == "go_away":
+            self.apply(p.go_away(self.now))
+        self.check()
+
+    def check(self) -> None:
+        p = self.p
+        for task_id in self.accepted:
+            assert p.has_task(task_id) == (task_id not in self.ended)
+        live = [t for t in self.accepted if t not in self.ended]
+        waiting = sum(p.waiting_counts().values())
+        assert waiting == sum(1 for t in live if p.task_state(t) is TaskState.WAITING)
+        on_engines = sum(view.in_flight for view in (p.engine("t", e) for e in ENGINES) if view)
+        assert on_engines == sum(1 for t in live if p.task_state(t) in (TaskState.DISPATCHED, TaskState.STREAMING))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(script, st.booleans(), st.sampled_from([0.0, 2.0]))
+def test_every_accepted_task_ends_exactly_once_whatever_the_interleaving(script, dynamic, retry_delay):
+    world = World(ProcessorConfig(queue_timeout=20, max_task_duration=100, retry_delay=retry_delay,
+                                  max_unconsumed_results=4, dynamic_model_loading=dynamic,
+                                  heartbeat_interval=15, heartbeat_max_missed=2, max_waiting_tasks=20))
+    for op in script:
+        world.step(op)
+    # Let time run out: every task has a deadline, so every task must end.
+    for _ in range(5):
+        deadline = world.p.next_deadline()
+        if deadline is None:
+            break
+        world.now = max(world.now, deadline)
+        world.apply(world.p.handle_timeout(world.now))
+        world.check()
+    world.now += 1000
+    world.apply(world.p.handle_timeout(world.now))
+    assert sorted(world.ended) == sorted(world.accepted)
+    assert world.p.status()["tasks"] == 0
+    assert sum(world.p.counters.outcomes.values()) == len(world.accepted)

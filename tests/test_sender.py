@@ -1,0 +1,462 @@
+"""The task sender as pure code, then two gateways wired through a receiver and a
+sender with no I/O: tasks run end to end, errors travel back as 503 results, and
+a shutting-down gateway drains."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol.pb import internal_pb2, worker_pb2
+from protocol.processor import Processor, TaskState
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    DeliverResult,
+    EngineKey,
+    FailRequest,
+    Locality,
+    LocalEnginesChanged,
+    ProcessorConfig,
+    ProcessorUsageError,
+    RemoteProtocolError,
+    SendTask,
+)
+from protocol.receiver import Receiver, ReceiverConfig
+from protocol.sender import Sender
+from tests.processor_helpers import chat, engine_status, http, one, only, sse
+
+T0 = 10.0
+RETRY_DELAY = 1.0
+
+
+def report(pod: str, *engines: tuple[str, str, bool]) -> internal_pb2.ProcessTasksInternalRequest:
+    status = internal_pb2.ServerStatus(pod_name=pod)
+    for tenant, engine_id, ready in engines:
+        status.engine_statuses.add(engine_status=engine_status(engine_id, "m", ready=ready), tenant_id=tenant)
+    return internal_pb2.ProcessTasksInternalRequest(server_status=status)
+
+
+def result_msg(result: worker_pb2.TaskResult) -> internal_pb2.ProcessTasksInternalRequest:
+    return internal_pb2.ProcessTasksInternalRequest(task_result=result)
+
+
+def submit(p: Processor, task_id: str, **kw: object) -> list[object]:
+    return list(p.submit(T0, task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw))
+
+
+# --- the sender alone ---------------------------------------------------------------
+
+
+def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_report():
+    p = Processor()
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True), ("u", "e2", True)))
+    assert s.pod_name == "pod-b"
+    assert s.engines == {EngineKey("t", "e1"), EngineKey("u", "e2")}
+    assert p.engine_counts() == {("t", Locality.REMOTE): 1, ("u", Locality.REMOTE): 1}
+    assert p.engine("t", "e1").route is s
+
+
+def test_tasks_for_the_peer_engines_are_forwarded_with_their_tenant_id():
+    p = Processor()
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    message = s.task_message(one(submit(p, "a"), SendTask))
+    assert message.tenant_id == "t" and message.new_task.id == "a" and message.new_task.engine_id == "e1"
+
+
+def test_results_from_the_peer_go_to_the_original_task():
+    p = Processor()
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    submit(p, "a", request=chat(stream=True))
+    effects = s.message_received(T0, result_msg(http("a"))) + s.message_received(T0, result_msg(sse("a", 1, last=True)))
+    assert [(d.task_id, d.result.result_index, d.last) for d in only(effects, DeliverResult)] == [
+        ("a", 0, False), ("a", 1, True)]
+
+
+def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
+    p = Processor(ProcessorConfig(retry_delay=0))
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True), ("t", "e2", True)))
+    submit(p, "a")  # goes to e1 (fewest in flight, then id)
+    effects = s.message_received(T0, report("pod-b", ("t", "e2", True)))
+    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("e2", "a")]
+    assert s.engines == {EngineKey("t", "e2")}
+
+
+def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks():
+    p = Processor()
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    submit(p, "a")
+    s.message_received(T0, report("pod-b", ("t", "e1", False)))
+    assert p.engine("t", "e1").in_flight == 1
+    assert not only(submit(p, "b"), SendTask)
+
+
+def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_over():
+    p = Processor(ProcessorConfig(retry_delay=0))
+    p.update_engine(T0, "engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL)
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True), ("t", "e2", True)))
+    submit(p, "a")
+    p.update_engine(T0, "engine:local", "t", engine_status("local", "m"), Locality.LOCAL)
+    effects = s.closed(T0)
+    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("local", "a")]
+    assert p.engine_counts() == {("t", Locality.LOCAL): 1}
+
+
+def test_a_peer_cannot_take_over_a_local_engine_or_another_peer_s_engine():
+    p = Processor()
+    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    first, second = Sender(p), Sender(p)
+    first.message_received(T0, report("pod-b", ("t", "e2", True)))
+    second.message_received(T0, report("pod-c", ("t", "e1", True), ("t", "e2", True)))
+    assert p.engine("t", "e1").locality is Locality.LOCAL and p.engine("t", "e2").route is first
+    second.message_received(T0, report("pod-c"))  # forgetting them must not remove them either
+    assert p.engine("t", "e1") is not None and p.engine("t", "e2") is not None
+
+
+def test_misuse_and_remote_violations_raise_distinct_errors():
+    p = Processor()
+    s = Sender(p)
+    with pytest.raises(RemoteProtocolError):
+        s.message_received(T0, internal_pb2.ProcessTasksInternalRequest())
+    other = Sender(p)
+    other.message_received(T0, report("pod-c", ("t", "e9", True)))
+    with pytest.raises(ProcessorUsageError):
+        s.task_message(one(submit(p, "a"), SendTask))
+    s.closed(T0)
+    with pytest.raises(ProcessorUsageError):
+        s.closed(T0)
+
+
+# --- two gateways, end to end ---------------------------------------------------------
+
+
+class Gateway:
+    """One gateway's pure parts: a processor, its local engines (routes ``engine:<id>``),
+    its clients, and the effect dispatch a Twisted adapter would do."""
+
+    def __init__(self, name: str, network: Network) -> None:
+        self.name = name
+        self.network = network
+        self.p = Processor(ProcessorConfig(retry_delay=RETRY_DELAY))
+        self.receivers: list[Receiver] = []
+        self.client: dict[str, list[worker_pb2.TaskResult]] = defaultdict(list)
+        self.failed: dict[str, FailRequest] = {}
+        self.ended: set[str] = set()
+        self.engine_inbox: dict[str, list[worker_pb2.Task]] = defaultdict(list)
+        network.gateways.append(self)
+
+    def dispatch(self, effects: list[object]) -> None:
+        for effect in effects:
+            if isinstance(effect, (SendTask, CancelTaskOnEngine)):
+                if isinstance(effect.route, Sender):
+                    self.network.carry_task(effect.route, effect.route.task_message(effect))
+                else:
+                    self.engine_inbox[effect.engine.engine_id].append(effect.task)
+            elif isinstance(effect, (DeliverResult, FailRequest)):
+                if isinstance(effect.origin, Receiver):
+                    effect.origin.deliver(effect)
+                else:
+                    assert effect.task_id not in self.ended, f"{effect} after the end of its request"
+                    if isinstance(effect, DeliverResult):
+                        self.client[effect.task_id].append(effect.result)
+                        self.p.results_consumed(effect.task_id)
+                        if effect.last:
+                            self.ended.add(effect.task_id)
+                    else:
+                        self.failed[effect.task_id] = effect
+                        self.ended.add(effect.task_id)
+            elif isinstance(effect, LocalEnginesChanged):
+                for receiver in self.receivers:
+                    receiver.local_engines_changed(self.network.now)
+        self.network.pump()
+
+    def engine_joins(self, engine_id: str, ready: bool = True) -> None:
+        status = engine_status(engine_id, "m", ready=ready)
+        self.dispatch(self.p.update_engine(self.network.now, f"engine:{engine_id}", "t", status, Locality.LOCAL))
+
+    def engine_says(self, engine_id: str, result: worker_pb2.TaskResult) -> None:
+        self.dispatch(self.p.receive_result(self.network.now, f"engine:{engine_id}", result))
+
+    def request(self, task_id: str, **kw: object) -> None:
+        self.dispatch(self.p.submit(self.network.now, task_id=task_id, tenant_id="t", origin="client",
+                                    request=kw.pop("request", chat()), **kw))
+
+
+class Network:
+    """Carries the messages of ProcessTasksInternal streams by hand, in order, no I/O."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self.links: list[tuple[Receiver, Gateway, Sender, Gateway]] = []
+        self.gateways: list[Gateway] = []
+        self.to_receiver: deque[tuple[Sender, internal_pb2.ProcessTasksInternalResponse]] = deque()
+        self.pumping = False
+
+    def connect(self, receiving: Gateway, sending: Gateway) -> tuple[Receiver, Sender]:
+        """``receiving`` dials ``sending``: its receiver reports to ``sending``'s new sender."""
+        receiver = Receiver(receiving.p, ReceiverConfig(receiving.name))
+        sender = Sender(sending.p)
+        receiving.receivers.append(receiver)
+        self.links.append((receiver, receiving, sender, sending))
+        receiver.connected(self.now)
+        self.pump()
+        return receiver, sender
+
+    def tick(self, seconds: float) -> None:
+        """Step the clock and fire every timer that is due."""
+        self.now += seconds
+        for receiver, *_ in self.links:
+            receiver.handle_timeout(self.now)
+        for gateway in self.gateways:
+            gateway.dispatch(gateway.p.handle_timeout(self.now))
+
+    def disconnect(self) -> None:
+        """Every stream breaks: messages in flight are lost, both ends clean up."""
+        links, self.links = self.links, []
+        self.to_receiver.clear()
+        for receiver, receiving, sender, sending in links:
+            receiving.receivers.remove(receiver)
+            sending.dispatch(sender.closed(self.now))
+            receiving.dispatch(receiver.closed(self.now))
+
+    def carry_task(self, sender: Sender, message: internal_pb2.ProcessTasksInternalResponse) -> None:
+        self.to_receiver.append((sender, message))
+
+    def pump(self) -> None:
+        if self.pumping:
+            return
+        self.pumping = True
+        try:
+            moved = True
+            while moved:
+                moved = False
+                for receiver, receiving, sender, sending in self.links:
+                    for message in receiver.pop_messages():
+                        moved = True
+                        sending.dispatch(sender.message_received(self.now, message))
+                while self.to_receiver:
+                    moved = True
+                    sender, message = self.to_receiver.popleft()
+                    receiver, receiving = next((r, g) for r, g, s, _ in self.links if s is sender)
+                    receiving.dispatch(receiver.task_received(self.now, message))
+        finally:
+            self.pumping = False
+
+
+@pytest.fixture
+def net() -> tuple[Network, Gateway, Gateway]:
+    network = Network()
+    a, b = Gateway("pod-a", network), Gateway("pod-b", network)
+    b.engine_joins("eb")
+    network.connect(b, a)
+    return network, a, b
+
+
+def test_a_task_runs_end_to_end_through_the_peer_and_its_results_come_back_in_order(net):
+    network, a, b = net
+    assert a.p.engine("t", "eb").locality is Locality.REMOTE
+    a.request("task-1", request=chat(stream=True), deadline=T0 + 20)
+    forwarded = b.engine_inbox["eb"][-1]
+    assert forwarded.id == "task-1" and forwarded.timeout_seconds == 20
+    for result in [http("task-1"), sse("task-1", 1), sse("task-1", 2, last=True)]:
+        b.engine_says("eb", result)
+    assert [r.result_index for r in a.client["task-1"]] == [0, 1, 2]
+    assert not a.p.has_task("task-1") and not b.p.has_task("task-1")
+
+
+def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retries_elsewhere(net):
+    network, a, b = net
+    a.engine_joins("ea", ready=False)
+    # B's engine leaves, and A has not heard of it yet when it forwards a task there.
+    b.p.remove_engine(network.now, "t", "eb", "crashed")
+    a.request("task-1")
+    assert a.p.task_state("task-1") is TaskState.RETRY_PENDING and a.p.counters.retries == 1
+    network.links[0][0].local_engines_changed(network.now)  # B's report catches up
+    network.pump()
+    assert a.p.engine("t", "eb") is None
+    a.engine_joins("ea")
+    network.tick(RETRY_DELAY)
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
+
+
+def test_a_task_refused_by_a_peer_whose_engine_is_not_ready_waits_for_another_engine(net):
+    network, a, b = net
+    b.p.update_engine(network.now, "engine:eb", "t", engine_status("eb", "m", ready=False), Locality.LOCAL)
+    a.request("task-1")  # A still believes eb is ready: B refuses it at once with 503
+    network.links[0][0].local_engines_changed(network.now)
+    network.pump()
+    network.tick(RETRY_DELAY)
+    assert a.p.task_state("task-1") is TaskState.WAITING
+    a.engine_joins("ea")
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
+
+
+def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_origin_retries(net):
+    network, a, b = net
+    a.engine_joins("ea", ready=False)
+    a.request("task-1")
+    a.engine_joins("ea")
+    b.dispatch(b.p.remove_engine(network.now, "t", "eb", "crashed"))
+    assert a.p.engine("t", "eb") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
+    network.tick(RETRY_DELAY)
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
+    a.engine_says("ea", http("task-1", body=b"ok"))
+    assert [r.http_response.body for r in a.client["task-1"]] == [b"ok"]
+
+
+def test_a_client_that_goes_away_stops_the_engine_on_the_peer(net):
+    network, a, b = net
+    a.request("task-1", request=chat(stream=True))
+    a.dispatch(a.p.cancel(network.now, "task-1"))
+    cancel = b.engine_inbox["eb"][-1]
+    assert cancel.request.cancel_task.task_id == "task-1"
+    assert not b.p.has_task("task-1")
+    assert a.p.counters.results_ignored == 0  # the peer's answer to the cancel request is not a stray result
+
+
+def test_a_shutting_down_peer_gets_no_new_tasks_and_finishes_the_ones_it_has(net):
+    network, a, b = net
+    receiver = network.links[0][0]
+    a.request("task-1")
+    receiver.shutdown(network.now)
+    network.pump()
+    assert a.p.engine("t", "eb").routable is False
+    a.request("task-2")
+    assert a.p.task_state("task-2") is TaskState.WAITING
+    assert not receiver.drained
+    b.engine_says("eb", http("task-1", body=b"done"))
+    assert [r.http_response.body for r in a.client["task-1"]] == [b"done"]
+    assert receiver.drained
+
+
+def test_when_the_peer_stream_ends_both_sides_clean_up(net):
+    network, a, b = net
+    a.engine_joins("ea", ready=False)
+    a.request("task-1", request=chat(stream=True))
+    b.engine_says("eb", http("task-1"))
+    receiver, _, sender, _ = network.links[0]
+    a.dispatch(sender.closed(network.now))
+    b.dispatch(receiver.closed(network.now))
+    assert a.failed["task-1"].status == 502  # lost after its response started: no retry
+    assert b.engine_inbox["eb"][-1].request.cancel_task.task_id == "task-1"
+    assert a.p.engine("t", "eb") is None and not b.p.has_task("task-1")
+
+
+def test_an_adapter_can_name_its_own_object_as_the_route_of_the_peer_engines():
+    p = Processor()
+    stream = object()
+    s = Sender(p, route=stream)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    assert p.engine("t", "e1").route is stream
+    send = one(submit(p, "a"), SendTask)
+    assert send.route is stream and s.task_message(send).new_task.id == "a"
+    assert one(s.message_received(T0, result_msg(http("a"))), DeliverResult).last
+    s.closed(T0)
+    assert p.engine("t", "e1") is None
+
+
+# --- two gateways, random interleavings -------------------------------------------------
+
+EXCHANGE_OPS = {
+    "request": st.tuples(st.just("request"), st.booleans(), st.sampled_from([None, 3.0, 30.0])),
+    "answer": st.tuples(st.just("answer"), st.sampled_from("ab"), st.integers(0, 20),
+                        st.sampled_from(["next"] * 5 + ["last"] * 2 + ["503", "500"])),
+    "engine": st.tuples(st.just("engine"), st.sampled_from("ab"), st.sampled_from([True, True, False])),
+    "engine_gone": st.tuples(st.just("engine_gone"), st.sampled_from("ab")),
+    "cancel": st.tuples(st.just("cancel"), st.integers(0, 20)),
+    "tick": st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 5.0, 20.0])),
+    "shutdown_b": st.tuples(st.just("shutdown_b")),
+    "reconnect": st.tuples(st.just("reconnect")),
+}
+EXCHANGE_WEIGHTS = {"request": 4, "answer": 10, "engine": 2, "engine_gone": 1, "cancel": 1, "tick": 2,
+                    "shutdown_b": 1, "reconnect": 1}
+exchange_ops = st.sampled_from(
+    [kind for kind, weight in EXCHANGE_WEIGHTS.items() for _ in range(weight)]).flatmap(EXCHANGE_OPS.__getitem__)
+
+
+class Exchange:
+    """Gateways A (clients) and B (engine eb) wired by a receiver and sender; A has engine ea too."""
+
+    def __init__(self) -> None:
+        self.net = Network()
+        self.a, self.b = Gateway("pod-a", self.net), Gateway("pod-b", self.net)
+        self.requested: list[str] = []
+        self.cancelled: set[str] = set()
+        self.answered: dict[tuple[str, str], int] = {}  # (gateway, task id) -> results the engine sent
+        self.b.engine_joins("eb")
+        self.net.connect(self.b, self.a)
+
+    def gateway(self, name: str) -> Gateway:
+        return self.a if name == "a" else self.b
+
+    def step(self, op: tuple) -> None:  # type: ignore[type-arg]
+        kind = op[0]
+        if kind == "request":
+            task_id = f"r{len(self.requested)}"
+            self.requested.append(task_id)
+            deadline = None if op[2] is None else self.net.now + op[2]
+            self.a.request(task_id, request=chat(stream=op[1]), deadline=deadline)
+        elif kind == "answer":
+            gateway = self.gateway(op[1])
+            engine_id = f"e{op[1]}"
+            tasks = [t for t in gateway.engine_inbox[engine_id] if t.request.WhichOneof("request") == "chat_completion"]
+            if not tasks:
+                return
+            task = tasks[op[2] % len(tasks)]
+            sent = self.answered.get((op[1], task.id), 0)
+            how = op[3]
+            if how in ("503", "500"):
+                result = http(task.id, int(how), index=sent)
+            elif sent == 0:
+                result = http(task.id)
+            else:
+                result = sse(task.id, sent, last=how == "last")
+            self.answered[(op[1], task.id)] = sent + 1
+            gateway.engine_says(engine_id, result)
+        elif kind == "engine":
+            self.gateway(op[1]).engine_joins(f"e{op[1]}", ready=op[2])
+        elif kind == "engine_gone":
+            gateway = self.gateway(op[1])
+            gateway.dispatch(gateway.p.close_route(self.net.now, f"engine:e{op[1]}", "engine stream ended"))
+        elif kind == "cancel":
+            live = [t for t in self.requested if t not in self.a.ended and t not in self.cancelled]
+            if live:
+                task_id = live[op[1] % len(live)]
+                self.cancelled.add(task_id)
+                self.a.dispatch(self.a.p.cancel(self.net.now, task_id))
+        elif kind == "tick":
+            self.net.tick(op[1])
+        elif kind == "shutdown_b":
+            for receiver, *_ in self.net.links:
+                receiver.shutdown(self.net.now)
+            self.net.pump()
+        elif kind == "reconnect":
+            self.net.disconnect()
+            self.net.connect(self.b, self.a)
+        for task_id in self.requested:
+            assert self.a.p.has_task(task_id) == (task_id not in self.a.ended and task_id not in self.cancelled)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(exchange_ops, min_size=20, max_size=60))
+def test_through_two_gateways_every_request_ends_exactly_once_whatever_the_interleaving(script):
+    ex = Exchange()
+    for op in script:
+        ex.step(op)
+    ex.net.disconnect()
+    for _ in range(20):
+        deadlines = [d for d in (ex.a.p.next_deadline(), ex.b.p.next_deadline()) if d is not None]
+        if not deadlines:
+            break
+        ex.net.tick(max(0.0, min(deadlines) - ex.net.now))
+    assert sorted(ex.a.ended | ex.cancelled) == sorted(ex.requested)
+    assert not ex.a.ended & ex.cancelled
+    assert ex.a.p.status()["tasks"] == 0 and ex.b.p.status()["tasks"] == 0
