@@ -79,6 +79,10 @@ class KeyStore:
         engines = _entries(data.get("engine_keys") or [], source, "engine_keys")
         return cls(clients, engines)
 
+    def add_engine_key(self, key: str, principal: Principal) -> None:
+        """Admit one more engine key (the gateway's own built-in engine uses one)."""
+        self._engines[key] = principal
+
     @property
     def enabled(self) -> bool:
         return bool(self._clients or self._engines)

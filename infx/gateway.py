@@ -26,7 +26,7 @@ from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
-from infx.tasks import ResultSink, Submission, TaskHandle, TaskRunner
+from infx.tasks import Availability, ResultSink, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2
@@ -43,6 +43,8 @@ NOT_FORWARDED = frozenset(
     }
 )
 DONE_EVENT = b"data: [DONE]\n\n"
+#: Seconds a client is told to wait when a model's engines have all gone away.
+GONE_RETRY_AFTER = 5
 
 
 def error_body(status: int, message: str, error_type: str | None = None, code: str | None = None,
@@ -160,6 +162,7 @@ class ApiCall:
         self.pending: deque[bytes] = deque()
         self.pending_bytes = 0
         self.status = 200
+        self.submitted = False
 
     # -- request side
 
@@ -180,10 +183,17 @@ class ApiCall:
             return self._finish_error(e.status, e.to_json())
         self.model = parsed.model
         self.streaming = parsed.stream
-        if not self.gateway.runner.serves(principal.tenant, parsed.model):
+        availability = self.gateway.runner.availability(principal.tenant, parsed.model)
+        if availability is Availability.UNKNOWN:
             return self._refuse(
                 404, f"The model '{parsed.model}' does not exist or no engine serves it.",
                 code="model_not_found", param="model",
+            )
+        if availability is Availability.GONE:
+            self.request.setHeader("retry-after", str(GONE_RETRY_AFTER))
+            return self._refuse(
+                503, f"No engine serves the model '{parsed.model}' right now; retry later.",
+                code="model_unavailable", param="model",
             )
         submission = Submission(
             tenant=principal.tenant,
@@ -196,6 +206,10 @@ class ApiCall:
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)
+        # From here on an answer is written to the request, even one the
+        # runner gives synchronously inside submit() (a deadline already past,
+        # a full queue), before it has returned the handle.
+        self.submitted = True
         self.handle = self.gateway.runner.submit(submission, self)
         return server.NOT_DONE_YET
 
@@ -229,6 +243,10 @@ class ApiCall:
         if self.finished:
             return
         status = response.status_code or 200
+        if not 200 <= status <= 599:
+            # Not a final HTTP status (1xx, or not one at all): never relay it as the status line.
+            self._finish_error(502, error_body(502, f"The engine answered with HTTP status {status}."))
+            return
         if status != 200:
             self._finish_error(status, _as_openai_error(status, bytes(response.body)))
             return
@@ -363,7 +381,7 @@ class ApiCall:
         return self._respond_now(status, error_body(status, message, code=code, param=param))
 
     def _finish_error(self, status: int, body: bytes) -> int | bytes:
-        if self.handle is None:
+        if not self.submitted:
             self.finished = True
             return self._respond_now(status, body)
         self.request.setResponseCode(status)
@@ -414,7 +432,9 @@ StreamTransform = CompletionTransform
 
 
 def _header(request: server.Request, name: str) -> str | None:
-    value = request.getHeader(name)
+    # Asked by bytes name, Twisted returns the raw bytes; by str name it decodes
+    # them as UTF-8 and a client's non-UTF-8 header would raise (a 500).
+    value = request.getHeader(name.encode("ascii"))
     if value is None:
         return None
     return value.decode("latin-1") if isinstance(value, bytes) else value

@@ -10,6 +10,7 @@ runner against a scripted sink.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,12 +57,25 @@ class TaskHandle(Protocol):
         """``count`` more results have been written out to the client (flow control)."""
 
 
+class Availability(enum.Enum):
+    """What the gateway may promise a client about a model before accepting its task."""
+
+    #: An engine of the tenant lists the model (ready or still loading): the task is routed or waits.
+    SERVED = "served"
+    #: No engine lists it, but one can be started (the scaler): the task waits for it.
+    STARTABLE = "startable"
+    #: Engines served it recently and none does now: 503, try again later.
+    GONE = "gone"
+    #: Never served here and nothing can start it: 404.
+    UNKNOWN = "unknown"
+
+
 class TaskRunner(Protocol):
     def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
         """Accept a task; its outcome reaches ``sink``."""
 
-    def serves(self, tenant: str, model: str) -> bool:
-        """Whether an engine of the tenant serves the model or one can be started for it."""
+    def availability(self, tenant: str, model: str) -> Availability:
+        """Whether the tenant's engines serve the model, could, did recently, or never did."""
 
     def models(self, tenant: str) -> list[str]:
         """The models ready engines of the tenant serve, local and remote, sorted."""

@@ -608,7 +608,9 @@ class Processor:
         if self.config.dynamic_model_loading:
             keys = [key for key in self._waiting if key[0] == tenant_id]
         else:
-            keys = [(tenant_id, model) for model in engine.ready_models if (tenant_id, model) in self._waiting]
+            # In the order the queues formed, not the frozenset's (hash-seeded) order, so that the
+            # same inputs dispatch the same way in every process (the simulation replays seeds).
+            keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
         for key in keys:
             for task_id in list(self._waiting.get(key, ())):
                 task = self._tasks[task_id]

@@ -20,6 +20,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.auth import KeyStore
 from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
+from infx.tasks import Availability
 from protocol.pb import worker_pb2
 
 
@@ -46,8 +47,8 @@ class ScriptedRunner:
         self.consumed = 0
         self.sinks = []
 
-    def serves(self, tenant, model):
-        return model != "unknown"
+    def availability(self, tenant, model):
+        return {"unknown": Availability.UNKNOWN, "gone": Availability.GONE}.get(model, Availability.SERVED)
 
     def models(self, tenant):
         return ["m", "m2"]
@@ -215,6 +216,7 @@ def test_error_statuses_map_to_openai_exceptions(gateway_factory):
     c = client(base)
     cases = [
         ("unknown", openai.NotFoundError, None),
+        ("gone", openai.InternalServerError, "5"),
         ("busy", openai.InternalServerError, "7"),
         ("slow", openai.APIStatusError, None),
         ("teapot", openai.BadRequestError, None),

@@ -1,0 +1,285 @@
+"""The processor's Twisted owner: feeds it inputs, performs its effects, arms its timer.
+
+The processor (:mod:`protocol.processor`) decides; this module acts. It is the
+one place that calls the processor, so every input is followed by performing
+the returned effects in order and re-arming the single ``callLater`` from
+``next_deadline()``. Routes (engine streams, peer senders) and origins (HTTP
+requests, peer receivers) are objects with the small interfaces below, so the
+worker service, the gateway and the exchanger plug in without knowing each
+other.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Protocol
+
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
+
+from infx.metrics import GatewayMetrics
+from infx.tasks import Availability, ResultSink, Submission, TaskHandle
+from protocol.pb import internal_pb2, status_pb2, worker_pb2
+from protocol.processor import Processor
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    CloseEngine,
+    DeliverResult,
+    Effect,
+    FailRequest,
+    Locality,
+    LocalEnginesChanged,
+    SendTask,
+    TaskQueued,
+)
+from protocol.receiver import Receiver
+from protocol.sender import Sender
+
+log = Logger()
+
+#: A model no engine has listed for this long is unknown (404) again rather than gone (503).
+FORGET_MODELS_AFTER = 3600.0
+
+
+class EngineRoute(Protocol):
+    """Where tasks for an engine go: a local engine's stream or a peer's sender."""
+
+    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
+        """Queue ``task`` for sending; False when the route is already gone."""
+
+    def close(self, reason: str) -> None:
+        """End the route (the processor gave up on its engine)."""
+
+
+class TaskOrigin(Protocol):
+    """Who submitted a task: an HTTP request or a peer's receiver."""
+
+    def result_delivered(self, effect: DeliverResult) -> None: ...
+
+    def request_failed(self, effect: FailRequest) -> None: ...
+
+
+class Dispatcher:
+    """Owns one :class:`~protocol.processor.Processor` on a reactor; the gateway's TaskRunner."""
+
+    def __init__(self, clock: IReactorTime, processor: Processor, metrics: GatewayMetrics,
+                 task_ids: Callable[[], str] | None = None) -> None:
+        self.clock = clock
+        self.processor = processor
+        self.metrics = metrics
+        counter = itertools.count(1)
+        self._new_id = task_ids or (lambda: f"t{next(counter)}")
+        self._timer: IDelayedCall | None = None
+        self._timer_at: float | None = None
+        #: Called with each TaskQueued (the scaler's scale-from-zero hook).
+        self.on_task_queued: list[Callable[[TaskQueued], None]] = []
+        #: Called when local engines changed (receivers re-report to peers).
+        self.on_local_engines_changed: list[Callable[[], None]] = []
+        #: Called with the model of each accepted HTTP request, and again when it ends (load for the scaler).
+        self.on_request_started: list[Callable[[str], None]] = []
+        self.on_request_finished: list[Callable[[str], None]] = []
+        #: Answers whether a model with no engine could still be started (the scaler).
+        self.can_start: Callable[[str, str], bool] = lambda tenant, model: False
+        #: When each (tenant, model) was last listed by an engine: tells "gone" from "unknown".
+        self._recent_models: dict[tuple[str, str], float] = {}
+
+    # --- inputs -----------------------------------------------------------
+
+    def run(self, step: Callable[[float], list[Effect]]) -> None:
+        """Run one processor input at the current time and perform what it returns."""
+        self.perform(step(self.clock.seconds()))
+
+    def perform(self, effects: list[Effect]) -> None:
+        for effect in effects:
+            self._perform_one(effect)
+        self._arm()
+
+    def _perform_one(self, effect: Effect) -> None:
+        if isinstance(effect, SendTask):
+            route: EngineRoute = effect.route  # type: ignore[assignment]
+            if not route.send_task(effect.task, effect.engine.tenant_id):
+                now = self.clock.seconds()
+                self._perform_later(self.processor.dispatch_failed(now, effect.task.id, "engine stream closed", route=route))
+        elif isinstance(effect, DeliverResult):
+            origin: TaskOrigin = effect.origin  # type: ignore[assignment]
+            origin.result_delivered(effect)
+        elif isinstance(effect, FailRequest):
+            origin = effect.origin  # type: ignore[assignment]
+            origin.request_failed(effect)
+        elif isinstance(effect, CancelTaskOnEngine):
+            route = effect.route  # type: ignore[assignment]
+            route.send_task(effect.task, effect.engine.tenant_id)
+        elif isinstance(effect, CloseEngine):
+            route = effect.route  # type: ignore[assignment]
+            log.warn("closing engine {engine}: {reason}", engine=effect.engine.engine_id, reason=effect.reason)
+            route.close(effect.reason)
+        elif isinstance(effect, TaskQueued):
+            for listener in self.on_task_queued:
+                listener(effect)
+        elif isinstance(effect, LocalEnginesChanged):
+            for changed in self.on_local_engines_changed:
+                changed()
+
+    def _perform_later(self, effects: list[Effect]) -> None:
+        # Effects produced while performing others run after them, in order.
+        self.clock.callLater(0, self.perform, effects)
+
+    def _arm(self) -> None:
+        deadline = self.processor.next_deadline()
+        if deadline == self._timer_at and self._timer is not None and self._timer.active():
+            return
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        self._timer, self._timer_at = None, deadline
+        if deadline is not None:
+            delay = max(0.0, deadline - self.clock.seconds())
+            self._timer = self.clock.callLater(delay, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.run(self.processor.handle_timeout)
+        self._update_gauges()
+
+    # --- engines (called by the worker service and the exchanger) ---------
+
+    def engine_status(self, route: EngineRoute, tenant_id: str, status: status_pb2.EngineStatus,
+                      locality: Locality) -> None:
+        self.run(lambda now: self.processor.update_engine(now, route, tenant_id, status, locality))
+        self._update_gauges()
+
+    def engine_removed(self, tenant_id: str, engine_id: str, reason: str) -> None:
+        self.run(lambda now: self.processor.remove_engine(now, tenant_id, engine_id, reason))
+        self._update_gauges()
+
+    def route_closed(self, route: EngineRoute, reason: str) -> None:
+        self.run(lambda now: self.processor.close_route(now, route, reason))
+        self._update_gauges()
+
+    def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
+        self.run(lambda now: self.processor.receive_result(now, route, result))
+
+    def go_away(self) -> None:
+        self.run(self.processor.go_away)
+
+    # --- peers (called by the exchanger, infx/exchanger.py) -----------------
+
+    def peer_reported(self, sender: Sender, message: internal_pb2.ProcessTasksInternalRequest) -> None:
+        """A status report or task result from a peer's receiver, on the stream ``sender`` serves."""
+        self.run(lambda now: sender.message_received(now, message))
+        self._update_gauges()
+
+    def peer_stream_closed(self, sender: Sender) -> None:
+        """A peer's stream to us ended: its engines go and their tasks fail over."""
+        self.run(sender.closed)
+        self._update_gauges()
+
+    def task_forwarded(self, receiver: Receiver, message: internal_pb2.ProcessTasksInternalResponse) -> None:
+        """A peer forwarded a task (or a cancel) to our local engines through ``receiver``."""
+        self.run(lambda now: receiver.task_received(now, message))
+        self._update_gauges()
+
+    def receiver_closed(self, receiver: Receiver) -> None:
+        """Our stream to a peer ended: the tasks it forwarded are cancelled here."""
+        self.run(receiver.closed)
+        self._update_gauges()
+
+    # --- the gateway's TaskRunner -----------------------------------------
+
+    def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
+        task_id = self._new_id()
+        origin = HttpOrigin(self, task_id, submission.model, sink)
+        for started in self.on_request_started:
+            started(submission.model)
+        now = self.clock.seconds()
+        deadline = None if submission.timeout is None else now + submission.timeout
+        self.perform(self.processor.submit(
+            now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
+            header=submission.headers, deadline=deadline,
+        ))
+        self._update_gauges()
+        return origin
+
+    def availability(self, tenant: str, model: str) -> Availability:
+        now = self.clock.seconds()
+        if model in self.processor.known_models(tenant):
+            self._recent_models[(tenant, model)] = now
+            return Availability.SERVED
+        if self.can_start(tenant, model):
+            return Availability.STARTABLE
+        last_seen = self._recent_models.get((tenant, model))
+        if last_seen is not None and now - last_seen < FORGET_MODELS_AFTER:
+            return Availability.GONE
+        return Availability.UNKNOWN
+
+    def _remember_models(self, tenant: str) -> None:
+        now = self.clock.seconds()
+        for model in self.processor.known_models(tenant):
+            self._recent_models[(tenant, model)] = now
+
+    def models(self, tenant: str) -> list[str]:
+        return sorted(self.processor.known_models(tenant, ready_only=True))
+
+    def status(self) -> dict[str, Any]:
+        return self.processor.status()
+
+    def _update_gauges(self) -> None:
+        metrics = self.metrics
+        metrics.queued.clear()
+        for (tenant, model), count in self.processor.waiting_counts().items():
+            metrics.queued.labels(tenant, model).set(count)
+        metrics.in_flight.clear()
+        for (tenant, model), count in self.processor.in_flight_counts().items():
+            metrics.in_flight.labels(tenant, model).set(count)
+        metrics.engines.clear()
+        for (tenant, locality), count in self.processor.engine_counts().items():
+            metrics.engines.labels(tenant, locality.value).set(count)
+            self._remember_models(tenant)
+
+
+class HttpOrigin:
+    """Turns the processor's effects for one HTTP request into ResultSink calls; its TaskHandle."""
+
+    def __init__(self, dispatcher: Dispatcher, task_id: str, model: str, sink: ResultSink) -> None:
+        self.dispatcher = dispatcher
+        self.task_id = task_id
+        self.model = model
+        self.sink = sink
+        self.ended = False
+
+    def _end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            for finished in self.dispatcher.on_request_finished:
+                finished(self.model)
+
+    def result_delivered(self, effect: DeliverResult) -> None:
+        result = effect.result
+        if effect.last:
+            self._end()
+        kind = result.WhichOneof("message")
+        if kind == "http_response":
+            # Headers (and a non-streaming body) are written out at once.
+            self.sink.response_received(result.http_response)
+            self.consumed(1)
+        elif kind == "server_sent_event" and result.server_sent_event.data:
+            self.sink.event_received(bytes(result.server_sent_event.data))
+        else:
+            # A result with nothing to relay (the bare last event) is consumed at once.
+            self.consumed(1)
+        if effect.last:
+            self.sink.completed()
+
+    def request_failed(self, effect: FailRequest) -> None:
+        self._end()
+        self.sink.failed(effect.status, effect.message, effect.retry_after)
+
+    # TaskHandle
+
+    def cancel(self) -> None:
+        if not self.ended:
+            self._end()
+            self.dispatcher.run(lambda now: self.dispatcher.processor.cancel(now, self.task_id))
+
+    def consumed(self, count: int) -> None:
+        self.dispatcher.processor.results_consumed(self.task_id, count)
