@@ -1,0 +1,79 @@
+"""Leader election over a coordination.k8s.io/v1 Lease: pure decisions, no I/O, no clock reads.
+
+Rules this file keeps: time is a ``now`` argument (seconds since the epoch,
+because a Lease stores wall-clock MicroTimes other gateways compare); a
+decision is a value (the Lease body to create or replace, or nothing); the
+caller performs it with the ``resourceVersion`` it read, so two candidates
+cannot both win (the loser gets 409 and stays a follower).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_MICRO_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def micro_time(seconds: float) -> str:
+    """A Kubernetes MicroTime for ``seconds`` since the epoch."""
+    return _dt.datetime.fromtimestamp(seconds, _dt.timezone.utc).strftime(_MICRO_FORMAT)
+
+
+def parse_micro_time(text: str | None) -> float | None:
+    """Seconds since the epoch of a MicroTime or RFC 3339 time, or None if unreadable."""
+    if not text:
+        return None
+    for pattern in (_MICRO_FORMAT, "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            parsed = _dt.datetime.strptime(text, pattern)
+        except ValueError:
+            continue
+        return parsed.replace(tzinfo=_dt.timezone.utc).timestamp()
+    return None
+
+
+@dataclass(frozen=True)
+class LeaseDecision:
+    """What to do with the Lease this round.
+
+    ``body`` is None to leave it alone; otherwise create it (``create``) or
+    replace it (the body carries the resourceVersion read). ``leader`` is
+    whether we lead once the write succeeds (or now, when nothing is written).
+    """
+
+    leader: bool
+    body: dict[str, Any] | None
+    create: bool = False
+
+
+def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, now: float,
+                 duration: float) -> LeaseDecision:
+    """Acquire, renew or respect the Lease ``lease`` (None when it does not exist)."""
+    if lease is None:
+        return LeaseDecision(True, {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name},
+            "spec": {"holderIdentity": identity, "leaseDurationSeconds": max(1, round(duration)),
+                     "acquireTime": micro_time(now), "renewTime": micro_time(now),
+                     "leaseTransitions": 0},
+        }, create=True)
+    spec = lease.get("spec") or {}
+    holder = spec.get("holderIdentity")
+    renewed = parse_micro_time(spec.get("renewTime")) or parse_micro_time(spec.get("acquireTime"))
+    held_for = float(spec.get("leaseDurationSeconds") or duration)
+    expired = renewed is None or now >= renewed + held_for
+    if holder and holder != identity and not expired:
+        return LeaseDecision(False, None)
+    body = copy.deepcopy(dict(lease))
+    new_spec = body.setdefault("spec", {})
+    if holder != identity:
+        new_spec["acquireTime"] = micro_time(now)
+        new_spec["leaseTransitions"] = int(spec.get("leaseTransitions") or 0) + (1 if holder else 0)
+    new_spec["holderIdentity"] = identity
+    new_spec["leaseDurationSeconds"] = max(1, round(duration))
+    new_spec["renewTime"] = micro_time(now)
+    return LeaseDecision(True, body)

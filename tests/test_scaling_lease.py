@@ -1,0 +1,65 @@
+"""Pure Lease decisions for leader election: acquire, renew, respect, take over, times."""
+
+from hypothesis import given, settings, strategies as st
+
+from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time
+
+NOW = 1_700_000_000.0
+
+
+def lease(holder, renewed, duration=15, transitions=2, version="7"):
+    return {"metadata": {"name": "infx-scaler", "resourceVersion": version},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration,
+                     "renewTime": micro_time(renewed), "acquireTime": micro_time(renewed - 100),
+                     "leaseTransitions": transitions}}
+
+
+def test_missing_lease_is_created_by_us():
+    d = decide_lease(None, "gw-a", "infx-scaler", NOW, 15)
+    assert (d.leader, d.create) == (True, True)
+    assert d.body["spec"]["holderIdentity"] == "gw-a"
+    assert d.body["metadata"]["name"] == "infx-scaler"
+
+
+def test_someone_elses_fresh_lease_is_respected():
+    d = decide_lease(lease("gw-b", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    assert (d.leader, d.body) == (False, None)
+
+
+def test_an_expired_lease_is_taken_over_with_its_resource_version():
+    d = decide_lease(lease("gw-b", NOW - 15), "gw-a", "infx-scaler", NOW, 15)
+    assert d.leader and not d.create
+    spec = d.body["spec"]
+    assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("gw-a", 3)
+    assert parse_micro_time(spec["acquireTime"]) == NOW
+    assert d.body["metadata"]["resourceVersion"] == "7"  # the compare-and-set precondition
+
+
+def test_our_own_lease_is_renewed_without_a_transition():
+    d = decide_lease(lease("gw-a", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    assert d.leader
+    assert d.body["spec"]["leaseTransitions"] == 2
+    assert parse_micro_time(d.body["spec"]["renewTime"]) == NOW
+    assert parse_micro_time(d.body["spec"]["acquireTime"]) == NOW - 105  # unchanged
+
+
+def test_a_released_lease_is_taken_without_counting_a_transition():
+    d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", NOW, 15)
+    assert d.leader and d.body["spec"]["leaseTransitions"] == 2
+
+
+def test_unreadable_times_count_as_expired():
+    broken = lease("gw-b", NOW)
+    broken["spec"]["renewTime"] = broken["spec"]["acquireTime"] = "yesterday"
+    assert decide_lease(broken, "gw-a", "infx-scaler", NOW, 15).leader
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False))
+def test_micro_time_round_trips_to_the_microsecond(seconds):
+    assert abs(parse_micro_time(micro_time(seconds)) - seconds) < 1e-5
+
+
+def test_rfc3339_seconds_are_read_too():
+    assert parse_micro_time("2023-11-14T22:13:20Z") == 1_700_000_000.0
+    assert parse_micro_time(None) is None
