@@ -24,9 +24,21 @@ def micro_time(seconds: float) -> str:
 
 
 def parse_micro_time(text: str | None) -> float | None:
-    """Seconds since the epoch of a MicroTime or RFC 3339 time, or None if unreadable."""
+    """Seconds since the epoch of a MicroTime or RFC 3339 time, or None if unreadable.
+
+    Servers and clients spell the zone ``Z`` or ``+00:00``; a time without a
+    zone is taken as UTC. Misreading one would make every gateway think the
+    Lease expired and take it over.
+    """
     if not text:
         return None
+    try:
+        parsed = _dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=_dt.timezone.utc)
+    return parsed.timestamp()
     for pattern in (_MICRO_FORMAT, "%Y-%m-%dT%H:%M:%SZ"):
         try:
             parsed = _dt.datetime.strptime(text, pattern)

@@ -1,5 +1,6 @@
 """Pure Lease decisions for leader election: acquire, renew, respect, take over, times."""
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time
@@ -63,3 +64,11 @@ def test_micro_time_round_trips_to_the_microsecond(seconds):
 def test_rfc3339_seconds_are_read_too():
     assert parse_micro_time("2023-11-14T22:13:20Z") == 1_700_000_000.0
     assert parse_micro_time(None) is None
+
+
+@pytest.mark.parametrize("text", [
+    "2026-11-30T12:17:11.009835Z", "2026-11-30T12:17:11.009835+00:00", "2026-11-30T12:17:11Z",
+])
+def test_lease_times_parse_in_every_spelling_of_utc(text):
+    """A renewTime the server echoes as +00:00 must not read as 'expired' (every gateway would lead)."""
+    assert parse_micro_time(text) == pytest.approx(1796041031.009835, abs=1.0)
