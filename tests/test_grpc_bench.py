@@ -1,0 +1,26 @@
+"""tools/bench/grpc_bench.py runs every implementation and test and reports one JSON object per pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+UNITS = {"unary": "round trips/s", "stream_1k": "messages/s", "stream_1m": "MB/s"}
+
+
+def test_quick_json_run_reports_a_positive_median_per_impl_and_test() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench" / "grpc_bench.py"), "--quick", "--json", "--duration", "0.05"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert all(set(row) == {"impl", "test", "median", "unit"} for row in rows)
+    assert sorted((row["impl"], row["test"]) for row in rows) == sorted(
+        (impl, test) for impl in ("infx", "grpclib", "grpcio") for test in UNITS
+    )
+    assert all(row["unit"] == UNITS[row["test"]] for row in rows)
+    assert all(isinstance(row["median"], float) and row["median"] > 0 for row in rows), rows
