@@ -1,15 +1,171 @@
-"""``twistd infx-engine``: command-line options and the engine agent's service tree."""
+"""``twistd infx-engine``: command-line options and the engine agent's service tree.
 
-from twisted.application.service import IService, MultiService
+Every option is validated in ``Options.postOptions`` (a ``UsageError`` names
+the bad one); ``makeService`` only wires. ``--upstream`` is the runtime
+server's root URL (``http://127.0.0.1:8000``); a trailing ``/v1`` is
+accepted and dropped (see :mod:`infx.runtimes`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred
 from twisted.python import usage
+
+from protocol.echo import EchoConfig
+from protocol.engine_agent import AgentConfig, AgentUsageError
+
+MiB = 1024 * 1024
+
+
+def default_engine_id() -> str:
+    """Host name and process id: unique per running agent, readable in the gateway's logs."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6ADDR]:PORT``; raises ``UsageError``."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise usage.UsageError(f"--server must be HOST:PORT, got {value!r}")
+    return host, int(port)
 
 
 class Options(usage.Options):
     """Options of ``twistd infx-engine``."""
 
-    optParameters: list[list[str | None]] = []
+    synopsis = "--server HOST:PORT --models a,b [--runtime echo|openai --upstream URL] [options]"
+
+    optFlags = [
+        ["tls", None, "Connect to the gateway over TLS (ALPN h2)."],
+    ]
+    optParameters: list[list[Any]] = [
+        ["server", None, None, "The gateway's engine-facing gRPC address, HOST:PORT (required)."],
+        ["runtime", None, "echo", "echo (built in, for trying and testing) or openai (forward to --upstream)."],
+        ["upstream", None, None,
+         "openai runtime: the server's root URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped)."],
+        ["models", None, None, "Comma-separated model ids this engine serves (required)."],
+        ["engine-id", None, None, "Engine id reported to the gateway (default: hostname-pid)."],
+        ["key", None, None,
+         "Engine API key, sent as 'authorization: Bearer KEY' (default: $INFX_ENGINE_KEY, "
+         "which keeps it out of the process list)."],
+        ["ca", None, None, "PEM file of the CA that signed the gateway's certificate (with --tls)."],
+        ["max-concurrency", None, "32", "Tasks run at once; more wait in order."],
+        ["status-interval", None, "10", "Seconds between periodic status reports."],
+        ["token-delay", None, "0", "echo runtime: seconds between streamed tokens."],
+        ["cluster-id", None, "", "Cluster id reported in EngineStatus."],
+        ["grace", None, "30", "Seconds in-flight tasks get to finish on shutdown."],
+    ]
+
+    def postOptions(self) -> None:
+        if not self["server"]:
+            raise usage.UsageError("--server HOST:PORT is required")
+        self["host"], self["port"] = parse_host_port(self["server"])
+        if self["runtime"] not in ("echo", "openai"):
+            raise usage.UsageError(f"--runtime must be echo or openai, got {self['runtime']!r}")
+        if self["runtime"] == "openai":
+            url = self["upstream"]
+            if not url:
+                raise usage.UsageError("--upstream URL is required with --runtime openai")
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+                raise usage.UsageError(f"--upstream must be an http(s) URL without query, got {url!r}")
+        elif self["upstream"]:
+            raise usage.UsageError("--upstream only applies to --runtime openai")
+        models = tuple(m.strip() for m in (self["models"] or "").split(",") if m.strip())
+        if not models:
+            raise usage.UsageError("--models a,b is required")
+        if len(set(models)) != len(models):
+            raise usage.UsageError("--models lists a model twice")
+        self["models"] = models
+        self["engine-id"] = self["engine-id"] or default_engine_id()
+        self["key"] = self["key"] or os.environ.get("INFX_ENGINE_KEY", "")
+        self["max-concurrency"] = self._number("max-concurrency", int, minimum=1)
+        self["status-interval"] = self._number("status-interval", float, minimum=0.0, strict=True)
+        self["token-delay"] = self._number("token-delay", float, minimum=0.0)
+        self["grace"] = self._number("grace", float, minimum=0.0)
+        if self["ca"] and not self["tls"]:
+            raise usage.UsageError("--ca needs --tls")
+        self["trust-root"] = None
+        if self["ca"]:
+            from twisted.internet.ssl import Certificate
+
+            try:
+                with open(self["ca"], "rb") as pem:
+                    self["trust-root"] = Certificate.loadPEM(pem.read())
+            except Exception as exc:  # OSError, or OpenSSL's own error types for a bad PEM
+                raise usage.UsageError(f"--ca {self['ca']!r}: {exc}") from exc
+        try:
+            self["agent-config"] = AgentConfig(
+                engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
+                max_concurrency=self["max-concurrency"], status_interval=self["status-interval"],
+            )
+            self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
+        except (AgentUsageError, ValueError) as exc:
+            raise usage.UsageError(str(exc)) from exc
+
+    def _number(self, name: str, kind: type[int] | type[float], *, minimum: float, strict: bool = False) -> Any:
+        raw = self[name]
+        try:
+            value = kind(raw)
+        except (TypeError, ValueError):
+            raise usage.UsageError(f"--{name} must be a number, got {raw!r}") from None
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            bound = ">" if strict else ">="
+            raise usage.UsageError(f"--{name} must be {bound} {minimum:g}, got {raw!r}")
+        return value
+
+
+class _PoolCloser(Service):
+    """Closes the HTTP client's idle persistent connections when the service tree stops."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def stopService(self) -> Deferred[None]:
+        super().stopService()
+        closed: Deferred[None] = self.pool.closeCachedConnections()
+        return closed
 
 
 def makeService(options: Options) -> IService:
     """Build the engine agent's service tree from validated options."""
-    return MultiService()
+    from twisted.internet import reactor
+    from twisted.web.client import Agent, HTTPConnectionPool
+
+    from infx.engine import EngineAgent
+    from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
+    from infx.transport import GrpcChannel, client_endpoint
+    from protocol.engine_agent import EngineAgentCore
+    from protocol.grpc import GrpcConfig
+
+    top = MultiService()
+    runtime: Runtime
+    if options["runtime"] == "openai":
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        pool.maxPersistentPerHost = options["max-concurrency"]
+        _PoolCloser(pool).setServiceParent(top)
+        runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool, connectTimeout=10), options["upstream"])
+    else:
+        runtime = EchoRuntime(reactor, options["echo-config"])
+    host, port, tls = options["host"], options["port"], bool(options["tls"])
+    # Tasks may carry images or audio, far over gRPC's customary 4 MiB.
+    grpc_config = GrpcConfig(client_side=True, max_receive_message_length=128 * MiB)
+
+    def connect() -> GrpcChannel:
+        endpoint = client_endpoint(reactor, host, port, tls=tls, trust_root=options["trust-root"])
+        return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
+                           scheme="https" if tls else "http")
+
+    agent = EngineAgent(reactor, EngineAgentCore(options["agent-config"]), runtime, connect,
+                        key=options["key"] or "", grace=options["grace"])
+    agent.setServiceParent(top)
+    return top

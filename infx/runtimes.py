@@ -1,0 +1,474 @@
+"""Runtimes the engine agent runs tasks on: the built-in ``echo`` and any ``openai``-compatible server.
+
+A runtime takes a runtime task (chat, embedding, audio, response, tokenize)
+and reports its results to a :class:`TaskSink`: the ``HttpResponse`` first,
+then, for a streamed answer, one ``ServerSentEvent`` per event and a last
+one with ``is_last_event``; then ``finish()``. Task ids and result indexes
+are stamped by the agent's core, so a runtime need not set them. A runtime
+must stop reporting once aborted (the agent drops stray results anyway).
+
+The ``openai`` runtime's upstream URL is the server's root
+(``http://127.0.0.1:8000``); a trailing ``/v1`` is accepted and dropped,
+because the endpoints are those LLMariner's engine uses:
+``/v1/chat/completions``, ``/v1/embeddings``, ``/v1/responses``,
+``/v1/audio/transcriptions`` and vLLM's ``/tokenize``, which vLLM serves at
+the root, not under ``/v1``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol as TwistedProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IBodyProducer, IResponse
+from zope.interface import implementer
+
+from protocol.echo import EchoConfig, echo_task
+from protocol.openai_errors import LocalUsageError, OpenAIError, UpstreamError
+from protocol.openai_runtime import RuntimeRequest, runtime_request
+from protocol.pb import worker_pb2
+from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, encode_error
+
+__all__ = [
+    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeUnavailable", "RunningTask",
+    "SSEBlockSplitter", "TaskSink", "upstream_root",
+]
+
+log = Logger()
+
+
+class TaskSink(Protocol):
+    """Where a runtime reports one task's results."""
+
+    def send(self, result: worker_pb2.TaskResult) -> None:
+        """The task's next result."""
+
+    def finish(self) -> None:
+        """The task is over (after its last result, or after a failure was reported)."""
+
+    def when_writable(self) -> Deferred[None] | None:
+        """None if more results may be sent now; else fires once the stream drained
+        (a streaming runtime pauses its upstream meanwhile)."""
+
+
+class RunningTask(Protocol):
+    """A task a runtime is working on."""
+
+    def abort(self) -> None:
+        """Stop now; report nothing more."""
+
+
+class Runtime(Protocol):
+    """Something that runs runtime tasks."""
+
+    def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
+        """Begin ``task``; results go to ``sink``."""
+        ...
+
+
+class RuntimeUnavailable(OpenAIError):
+    """The runtime could not be reached: HTTP 503, so that the gateway retries on another engine."""
+
+    status = 503
+    error_type = "server_error"
+
+
+def _http_response(status: int, phrase: str, body: bytes = b"", headers: dict[str, list[str]] | None = None,
+                   latency_ms: int = 0) -> worker_pb2.TaskResult:
+    response = worker_pb2.HttpResponse(
+        status_code=status, status=f"{status} {phrase}".rstrip(), body=body, latency_ms=latency_ms
+    )
+    for name, values in (headers or {}).items():
+        response.header[name].values.extend(values)
+    return worker_pb2.TaskResult(http_response=response)
+
+
+def _error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
+    return _http_response(
+        error.status, HTTPStatus(error.status).phrase, error.to_json(),
+        {"Content-Type": ["application/json"]}, latency_ms,
+    )
+
+
+def _event(data: bytes, *, last: bool = False, latency_ms: int = 0) -> worker_pb2.TaskResult:
+    return worker_pb2.TaskResult(
+        server_sent_event=worker_pb2.ServerSentEvent(data=data, is_last_event=last, latency_ms=latency_ms)
+    )
+
+
+# -- echo -------------------------------------------------------------------------------
+
+
+class _EchoTask:
+    def __init__(self, clock: IReactorTime, task: worker_pb2.Task, sink: TaskSink, config: EchoConfig) -> None:
+        self._clock = clock
+        self._sink = sink
+        self._started = clock.seconds()
+        self._schedule = echo_task(task, self._started, config)
+        self._next = 0
+        self._aborted = False
+        self._call: IDelayedCall | None = None
+        self._arm()
+
+    def _arm(self) -> None:
+        due = self._started + self._schedule[self._next].due
+        self._call = self._clock.callLater(max(0.0, due - self._clock.seconds()), self._fire)
+
+    def _fire(self) -> None:
+        self._call = None
+        now = self._clock.seconds()
+        # Results due by now go out together, in order.
+        while not self._aborted and self._started + self._schedule[self._next].due <= now:
+            self._send(self._schedule[self._next].result)
+            self._next += 1
+            if self._next == len(self._schedule):
+                self._sink.finish()
+                return
+        if not self._aborted:
+            self._arm()
+
+    def _send(self, result: worker_pb2.TaskResult) -> None:
+        # protocol.echo marks "data: [DONE]" itself as the last event; LLMariner's
+        # engines (and the openai runtime here) relay [DONE] as an ordinary event
+        # and end with an empty last event, so the echo runtime does the same.
+        event = result.server_sent_event
+        if result.WhichOneof("message") == "server_sent_event" and event.is_last_event and event.data:
+            self._sink.send(_event(event.data))
+            self._sink.send(_event(b"", last=True, latency_ms=int((self._clock.seconds() - self._started) * 1000)))
+        else:
+            self._sink.send(result)
+
+    def abort(self) -> None:
+        self._aborted = True
+        if self._call is not None and self._call.active():
+            self._call.cancel()
+        self._call = None
+
+
+class EchoRuntime:
+    """The built-in deterministic runtime (see :mod:`protocol.echo`), timed by ``clock``."""
+
+    def __init__(self, clock: IReactorTime, config: EchoConfig = EchoConfig()) -> None:
+        self._clock = clock
+        self.config = config
+
+    def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
+        return _EchoTask(self._clock, task, sink, self.config)
+
+
+# -- openai -----------------------------------------------------------------------------
+
+_LINE_END = re.compile(rb"[\r\n]")
+_CR = 0x0D
+_LF = 0x0A
+
+
+class SSEBlockSplitter:
+    """Cuts an event stream into its raw events, each with the blank line that ends it.
+
+    Unlike :class:`protocol.sse.SSEParser` it keeps the runtime's framing
+    byte for byte (``event:``/``id:`` lines, comments, line ends), which is
+    what ``ServerSentEvent.data`` carries on LLMariner's wire. Empty blocks
+    (repeated blank lines) are skipped; an event longer than
+    ``max_event_size`` raises :class:`protocol.sse.EventTooLarge`. Pure.
+    """
+
+    def __init__(self, max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE) -> None:
+        self.max_event_size = max_event_size
+        self._buffer = bytearray()
+        self._scan = 0
+        self._line_start = 0
+
+    def receive_data(self, data: bytes) -> list[bytes]:
+        """Feed bytes (split anywhere); returns the events they complete."""
+        buf = self._buffer
+        buf += data
+        events: list[bytes] = []
+        block_start = 0
+        while (match := _LINE_END.search(buf, self._scan)) is not None:
+            end = match.start()
+            if buf[end] == _CR:
+                if end + 1 == len(buf):
+                    break  # a CR LF may be split across reads
+                after = end + 2 if buf[end + 1] == _LF else end + 1
+            else:
+                after = end + 1
+            if end == self._line_start:
+                block = bytes(buf[block_start:after])
+                if end > block_start:
+                    events.append(block)
+                block_start = after
+            self._line_start = self._scan = after
+        del buf[:block_start]
+        self._scan -= block_start
+        self._line_start -= block_start
+        if self.max_event_size is not None and len(buf) > self.max_event_size:
+            raise EventTooLarge(f"A server-sent event exceeded {self.max_event_size} bytes.")
+        return events
+
+    def end_of_stream(self) -> bytes | None:
+        """An unterminated last event, closed with a blank line (None if there is none)."""
+        rest = bytes(self._buffer).rstrip(b"\r\n")
+        self._buffer.clear()
+        self._scan = self._line_start = 0
+        return rest + b"\n\n" if rest else None
+
+
+# Headers that describe one hop, or that the agent sets itself, are not forwarded.
+_REQUEST_HEADERS_DROPPED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+     "transfer-encoding", "upgrade", "host", "content-length", "content-type", "accept-encoding",
+     "authorization"}
+)
+_RESPONSE_HEADERS_DROPPED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade",
+     "content-length"}
+)
+
+
+def upstream_root(url: str) -> str:
+    """The server root for ``url``: no trailing slash, no trailing ``/v1``."""
+    root = url.rstrip("/")
+    if root.endswith("/v1"):
+        root = root[: -len("/v1")]
+    return root
+
+
+def _request_body(rr: RuntimeRequest, boundary: Callable[[], str]) -> tuple[str, bytes]:
+    if rr.form is not None:
+        while True:
+            try:
+                return rr.form.encode(boundary())
+            except LocalUsageError:
+                continue
+    return "application/json", json.dumps(rr.json, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+@implementer(IBodyProducer)
+class _BytesProducer:
+    """A request body already in memory, written in one go (no cooperator, no global reactor)."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class _BodyReader(TwistedProtocol):
+    """Reads a whole response body; unlike ``readBody`` it can be aborted on any transport."""
+
+    def __init__(self, whole: Callable[[bytes], None], broken: Callable[[Failure], None]) -> None:
+        self._chunks: list[bytes] = []
+        self._whole = whole
+        self._broken = broken
+
+    def dataReceived(self, data: bytes) -> None:
+        self._chunks.append(data)
+
+    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._whole(b"".join(self._chunks))
+        else:
+            self._broken(reason)
+
+
+class _StreamRelay(TwistedProtocol):
+    """Receives a streamed response body and relays its events as they complete."""
+
+    def __init__(self, call: _OpenAITask) -> None:
+        self._call = call
+        self._splitter = SSEBlockSplitter(call.runtime.max_event_size)
+
+    def dataReceived(self, data: bytes) -> None:
+        try:
+            events = self._splitter.receive_data(data)
+        except EventTooLarge as exc:
+            self._call.stream_failed(exc)
+            self.transport.stopProducing()
+            return
+        for event in events:
+            self._call.event(event)
+        writable = self._call.when_writable()
+        if writable is not None and self.transport is not None:
+            # The gRPC stream is full: stop reading the runtime until it drains.
+            transport = self.transport
+            transport.pauseProducing()
+            writable.addCallback(lambda _: None if self._call.done else transport.resumeProducing())
+
+    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
+        if reason.check(ResponseDone, PotentialDataLoss):
+            rest = self._splitter.end_of_stream()
+            if rest is not None:
+                self._call.event(rest)
+            self._call.stream_done()
+        else:
+            self._call.stream_failed(UpstreamError(f"The runtime's stream broke off: {reason.getErrorMessage()}"))
+
+
+class _OpenAITask:
+    def __init__(self, runtime: OpenAIRuntime, task: worker_pb2.Task, sink: TaskSink) -> None:
+        self.runtime = runtime
+        self._sink = sink
+        self._clock = runtime.clock
+        self._started = self._clock.seconds()
+        self._done = False
+        self._pending: Deferred[Any] | None = None
+        self._body_transport: Any = None
+        try:
+            self._rr = runtime_request(task.request)
+        except OpenAIError as exc:
+            self._end_with(_error_result(exc))
+            return
+        content_type, body = _request_body(self._rr, runtime.boundary)
+        headers = Headers({b"Content-Type": [content_type.encode("ascii")], b"User-Agent": [b"infx-engine"]})
+        for name, value in task.header.items():
+            if name.lower() not in _REQUEST_HEADERS_DROPPED:
+                headers.setRawHeaders(name.encode("latin-1"), [v.encode("latin-1") for v in value.values])
+        url = (runtime.root + self._rr.path).encode("ascii")
+        self._pending = runtime.agent.request(b"POST", url, headers, _BytesProducer(body))
+        self._pending.addCallbacks(self._response, self._unreachable)
+        self._pending.addErrback(self._bug)
+
+    def _latency(self) -> int:
+        return int((self._clock.seconds() - self._started) * 1000)
+
+    def _end_with(self, result: worker_pb2.TaskResult) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._sink.send(result)
+        self._sink.finish()
+
+    def _unreachable(self, failure: Failure) -> None:
+        self._pending = None
+        if self._done or failure.check(CancelledError):
+            return
+        log.info("runtime unreachable at {url}: {error}", url=self.runtime.root, error=failure.getErrorMessage())
+        message = f"The engine could not reach its runtime: {failure.getErrorMessage()}"
+        self._end_with(_error_result(RuntimeUnavailable(message), self._latency()))
+
+    def _bug(self, failure: Failure) -> None:
+        log.failure("openai runtime task failed", failure)
+        if not self._done:
+            self._end_with(_error_result(UpstreamError("The engine failed to relay the runtime's answer.")))
+
+    def _headers(self, response: IResponse) -> dict[str, list[str]]:
+        return {
+            name.decode("latin-1"): [v.decode("latin-1") for v in values]
+            for name, values in response.headers.getAllRawHeaders()
+            if name.decode("latin-1").lower() not in _RESPONSE_HEADERS_DROPPED
+        }
+
+    def _response(self, response: IResponse) -> Deferred[None] | None:
+        self._pending = None
+        if self._done:
+            return None
+        status, phrase = response.code, response.phrase.decode("latin-1")
+        headers = self._headers(response)
+        if self._rr.stream and 200 <= status < 300:
+            self._sink.send(_http_response(status, phrase, headers=headers, latency_ms=self._latency()))
+            relay = _StreamRelay(self)
+            response.deliverBody(relay)
+            self._body_transport = relay.transport
+            return None
+        latency = self._latency()
+
+        def whole(body: bytes) -> None:
+            self._end_with(_http_response(status, phrase, body, headers, latency))
+
+        def broken(reason: Failure) -> None:
+            message = f"The runtime's answer broke off: {reason.getErrorMessage()}"
+            self._end_with(_error_result(UpstreamError(message), latency))
+
+        reader = _BodyReader(whole, broken)
+        response.deliverBody(reader)
+        self._body_transport = reader.transport
+        return None
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def when_writable(self) -> Deferred[None] | None:
+        return None if self._done else self._sink.when_writable()
+
+    def event(self, data: bytes) -> None:
+        if not self._done:
+            self._sink.send(_event(data))
+
+    def stream_done(self) -> None:
+        if not self._done:
+            self._done = True
+            self._sink.send(_event(b"", last=True, latency_ms=self._latency()))
+            self._sink.finish()
+
+    def stream_failed(self, error: OpenAIError) -> None:
+        if not self._done:
+            log.info("runtime stream failed: {error}", error=error.message)
+            self._sink.send(_event(encode_error(error.body())))
+            self.stream_done()
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._pending is not None:
+            self._pending.cancel()
+        elif self._body_transport is not None:
+            self._body_transport.stopProducing()
+
+
+class OpenAIRuntime:
+    """Forwards tasks to an OpenAI-compatible server (vLLM, Ollama, llama.cpp server, SGLang).
+
+    ``agent`` is a :class:`twisted.web.client.Agent` (give it a persistent
+    ``HTTPConnectionPool``); ``upstream`` is the server's base URL (see the
+    module docstring about ``/v1``). Failures to reach the server become 503
+    (the gateway retries elsewhere); the server's own error statuses,
+    headers and bodies are relayed as they are; streamed answers are relayed
+    event by event as they arrive, whatever their size up to
+    ``max_event_size``. Aborting a task closes its upstream connection, which
+    makes the server stop generating.
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        agent: IAgent,
+        upstream: str,
+        *,
+        max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE,
+        boundary: Callable[[], str] = lambda: "infx-" + secrets.token_hex(16),
+    ) -> None:
+        self.clock = clock
+        self.agent = agent
+        self.root = upstream_root(upstream)
+        self.max_event_size = max_event_size
+        self.boundary = boundary
+
+    def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
+        return _OpenAITask(self, task, sink)

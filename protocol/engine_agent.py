@@ -1,0 +1,542 @@
+"""The engine agent's bookkeeping: streams to the gateway, tasks in flight, status; pure.
+
+Rules this file keeps: no I/O, no clock reads, no randomness. Every input is
+a method call that takes ``now`` (seconds, any monotonic scale) and returns
+the effects the caller must perform, in order, as frozen dataclasses;
+``next_deadline()`` says when to call ``handle_timer(now)``. Jitter for the
+reconnect backoff is an argument, so a simulation decides it. Everything
+that changes which task runs, which stream a result goes to, and what the
+gateway is told about this engine lives here; running a task is the
+runtime's business (``StartTask`` / ``AbortTask``).
+
+Streams (``StreamState``)::
+
+    start / reconnect / go-away -> OPEN     the current stream; status reports go here
+    OPEN    -> RETIRING   go-away: answered 202, a new stream replaces it; its tasks finish here
+    OPEN | RETIRING -> CLOSED   the gateway ended it / it failed / it is retired and idle
+
+Agent (``AgentState``)::
+
+    IDLE     -> RUNNING    start: the first stream opens
+    IDLE     -> STOPPED    shutdown before start
+    RUNNING  -> DRAINING   shutdown: ready=false, no new work, in-flight tasks finish
+    DRAINING -> STOPPED    all tasks done, or the grace period ran out (tasks aborted)
+
+Tasks: at most ``max_concurrency`` run at once; more wait in arrival order
+and count as in progress (the gateway routes by that count). A task lives
+until its runtime reports it finished, it is cancelled by the gateway, or
+its stream goes away (nobody is left to read its results): then it is
+aborted. Results of a task that is no longer known are dropped, because a
+runtime may still be unwinding after an abort.
+
+Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
+(404 when the named task is unknown), an empty request 501 (as LLMariner's
+engine does, so a newer gateway can add kinds); runtime tasks that arrive
+while draining get 503 so that the gateway retries them on another engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from http import HTTPStatus
+
+from protocol.pb import status_pb2, worker_pb2
+
+__all__ = [
+    "AbortTask", "AgentConfig", "AgentState", "AgentUsageError", "CloseStream", "Effect",
+    "EngineAgentCore", "GatewayProtocolError", "OpenStream", "SendResult", "SendStatus",
+    "StartTask", "Stopped", "StreamState", "control_response",
+]
+
+RUNTIME_KINDS = frozenset(
+    {"chat_completion", "embedding", "audio_transcription", "model_response", "tokenize_request"}
+)
+
+
+class AgentUsageError(Exception):
+    """The caller drove the machine wrongly (unknown stream, start twice, bad config)."""
+
+
+class GatewayProtocolError(Exception):
+    """The gateway broke the protocol (e.g. reused the id of a task still in flight).
+
+    The offending task is dropped; the stream goes on.
+    """
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's settings.
+
+    ``engine_id``, ``models`` and ``cluster_id`` are what ``EngineStatus``
+    reports. ``max_concurrency``: tasks that run at once (more wait).
+    ``status_interval``: seconds between periodic reports on the current
+    stream (they also keep an idle stream alive through proxies).
+    ``status_min_interval``: in-progress counts change with every task, so
+    such changes are coalesced to at most one report per this many seconds;
+    readiness changes are reported at once. ``reconnect_initial`` /
+    ``reconnect_max`` / ``reconnect_multiplier``: exponential backoff between
+    attempts to open a stream, each delay scaled by ``1 ± reconnect_jitter``.
+    ``go_away_linger``: a retired stream stays open at least this long, since
+    the gateway may have sent tasks on it before it saw our 202.
+    """
+
+    engine_id: str
+    models: tuple[str, ...]
+    cluster_id: str = ""
+    max_concurrency: int = 32
+    status_interval: float = 10.0
+    status_min_interval: float = 0.1
+    reconnect_initial: float = 0.5
+    reconnect_max: float = 30.0
+    reconnect_multiplier: float = 2.0
+    reconnect_jitter: float = 0.2
+    go_away_linger: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise AgentUsageError("engine_id must not be empty")
+        if not self.models or any(not m for m in self.models) or len(set(self.models)) != len(self.models):
+            raise AgentUsageError("models must be a non-empty list of distinct, non-empty ids")
+        if self.max_concurrency < 1:
+            raise AgentUsageError("max_concurrency must be at least 1")
+        for name in ("status_interval", "reconnect_initial", "reconnect_max", "reconnect_multiplier"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise AgentUsageError(f"{name} must be a finite number > 0")
+        for name in ("status_min_interval", "go_away_linger"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise AgentUsageError(f"{name} must be a finite number >= 0")
+        if not 0 <= self.reconnect_jitter < 1:
+            raise AgentUsageError("reconnect_jitter must be in [0, 1)")
+
+
+# -- effects -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    """Open a ProcessTasks stream with this id; on a new connection when ``new_connection``
+    (after a go-away, so that a load balancer may pick another gateway replica)."""
+
+    stream_id: int
+    new_connection: bool
+
+
+@dataclass(frozen=True)
+class SendStatus:
+    """Send this ``EngineStatus`` on the stream."""
+
+    stream_id: int
+    status: status_pb2.EngineStatus
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Send this ``TaskResult`` on the stream (task id and result index already set)."""
+
+    stream_id: int
+    result: worker_pb2.TaskResult
+
+
+@dataclass(frozen=True)
+class StartTask:
+    """Run this task on the runtime; report with ``send_result`` and ``finish_task``."""
+
+    task: worker_pb2.Task
+
+
+@dataclass(frozen=True)
+class AbortTask:
+    """Stop the runtime's work on this task; whatever it still reports is dropped."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class CloseStream:
+    """Half-close the stream (we send nothing more on it); it is CLOSED here already."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The drain is over: every task ended and every stream is closed."""
+
+
+Effect = OpenStream | SendStatus | SendResult | StartTask | AbortTask | CloseStream | Stopped
+
+
+# -- state ---------------------------------------------------------------------------
+
+
+class AgentState(Enum):
+    """Life of the whole agent."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class StreamState(Enum):
+    """Life of one ProcessTasks stream."""
+
+    OPEN = "open"
+    RETIRING = "retiring"
+    CLOSED = "closed"
+
+
+@dataclass
+class _Stream:
+    id: int
+    state: StreamState
+    opened_at: float
+    tasks: set[str] = field(default_factory=set)
+    last_status: status_pb2.EngineStatus | None = None
+    last_status_at: float = -math.inf
+    linger_until: float = -math.inf
+
+
+@dataclass
+class _Task:
+    task: worker_pb2.Task
+    stream_id: int
+    model: str
+    running: bool = False
+    next_index: int = 0
+
+
+def control_response(task_id: str, status: int) -> worker_pb2.TaskResult:
+    """The single HttpResponse that answers a control task (heartbeat, go-away, cancel)."""
+    response = worker_pb2.HttpResponse(status_code=status, status=f"{status} {HTTPStatus(status).phrase}")
+    return worker_pb2.TaskResult(task_id=task_id, http_response=response, result_index=0)
+
+
+def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskResult:
+    result = control_response(task_id, status)
+    result.http_response.header["Content-Type"].values.append("application/json")
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+    result.http_response.body = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    return result
+
+
+def task_model(task: worker_pb2.Task) -> str:
+    """The model a runtime task names ("" for control tasks)."""
+    kind = task.request.WhichOneof("request")
+    if kind not in RUNTIME_KINDS:
+        return ""
+    model: str = getattr(task.request, kind).model
+    return model
+
+
+class EngineAgentCore:
+    """The agent's state machine; see the module docstring for its rules."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.state = AgentState.IDLE
+        self._streams: dict[int, _Stream] = {}
+        self._current: int | None = None
+        self._next_stream_id = 1
+        self._tasks: dict[str, _Task] = {}
+        self._queue: deque[str] = deque()
+        self._running = 0
+        self._reconnect_at: float | None = None
+        self._failures = 0
+        self._drain_deadline: float | None = None
+
+    # -- inspection ---------------------------------------------------------------
+
+    @property
+    def current_stream(self) -> int | None:
+        """The stream that status reports and new tasks use (None while reconnecting)."""
+        return self._current
+
+    def stream_state(self, stream_id: int) -> StreamState:
+        """State of a stream this machine opened."""
+        return self._stream(stream_id).state
+
+    @property
+    def in_progress(self) -> int:
+        """Tasks held: running plus waiting for a slot."""
+        return len(self._tasks)
+
+    @property
+    def running(self) -> int:
+        """Tasks running on the runtime now."""
+        return self._running
+
+    def task_stream(self, task_id: str) -> int | None:
+        """The stream a task's results go to (None if the task is not in flight)."""
+        task = self._tasks.get(task_id)
+        return None if task is None else task.stream_id
+
+    def engine_status(self) -> status_pb2.EngineStatus:
+        """What the gateway should know about this engine now."""
+        counts = dict.fromkeys(self.config.models, 0)
+        for task in self._tasks.values():
+            if task.model in counts:
+                counts[task.model] += 1
+        return status_pb2.EngineStatus(
+            engine_id=self.config.engine_id,
+            ready=self.state is AgentState.RUNNING,
+            cluster_id=self.config.cluster_id,
+            models=[
+                status_pb2.EngineStatus.Model(id=m, is_ready=True, in_progress_task_count=n)
+                for m, n in counts.items()
+            ],
+        )
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timer`` must run next, or None."""
+        candidates: list[float] = []
+        if self._reconnect_at is not None:
+            candidates.append(self._reconnect_at)
+        if self._drain_deadline is not None:
+            candidates.append(self._drain_deadline)
+        current = self._streams.get(self._current) if self._current is not None else None
+        if current is not None:
+            candidates.append(self._status_due(current))
+        for stream in self._streams.values():
+            if stream.state is StreamState.RETIRING and not stream.tasks:
+                candidates.append(stream.linger_until)
+        return min(candidates) if candidates else None
+
+    # -- commands -----------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """Begin: open the first stream."""
+        if self.state is not AgentState.IDLE:
+            raise AgentUsageError(f"start() in state {self.state.value}")
+        self.state = AgentState.RUNNING
+        effects: list[Effect] = []
+        self._open(now, False, effects)
+        return effects
+
+    def stream_confirmed(self, stream_id: int) -> None:
+        """The gateway answered on this stream (headers or a task): the backoff starts over."""
+        if self._stream(stream_id).state is not StreamState.CLOSED:
+            self._failures = 0
+
+    def task_received(self, now: float, stream_id: int, task: worker_pb2.Task) -> list[Effect]:
+        """A Task arrived on a stream.
+
+        A task on a stream we already closed is dropped: we half-closed it,
+        so it cannot be answered, and the gateway fails it over when the
+        stream ends. Raises :class:`GatewayProtocolError` (and changes nothing) when its
+        id is that of a task still in flight.
+        """
+        stream = self._stream(stream_id)
+        if stream.state is StreamState.CLOSED:
+            return []
+        self.stream_confirmed(stream_id)
+        if task.id in self._tasks:
+            raise GatewayProtocolError(f"task id {task.id!r} is already in flight")
+        effects: list[Effect] = []
+        kind = task.request.WhichOneof("request")
+        if kind == "heartbeat":
+            effects.append(SendResult(stream_id, control_response(task.id, 200)))
+        elif kind == "go_away":
+            effects.append(SendResult(stream_id, control_response(task.id, 202)))
+            self._go_away(now, stream, effects)
+        elif kind == "cancel_task":
+            target = task.request.cancel_task.task_id
+            found = target in self._tasks
+            effects.append(SendResult(stream_id, control_response(task.id, 200 if found else 404)))
+            if found:
+                self._drop(target, effects)
+                self._start_waiting(effects)
+        elif kind in RUNTIME_KINDS:
+            if self.state is not AgentState.RUNNING:
+                effects.append(SendResult(stream_id, _error_response(task.id, 503, "The engine is shutting down.")))
+            else:
+                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=task_model(task))
+                stream.tasks.add(task.id)
+                self._queue.append(task.id)
+                self._start_waiting(effects)
+        else:
+            effects.append(SendResult(stream_id, _error_response(task.id, 501, f"Unknown task request {kind!r}.")))
+        self._report(now, effects)
+        return effects
+
+    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> list[Effect]:
+        """The runtime produced the task's next result; it goes to the task's stream.
+
+        The machine sets ``task_id`` and ``result_index`` (0, 1, 2, ...).
+        Results of a task no longer known (aborted) are dropped.
+        """
+        task = self._tasks.get(task_id)
+        if task is None:
+            return []
+        if not task.running:
+            raise AgentUsageError(f"result for task {task_id!r} before it started")
+        out = worker_pb2.TaskResult()
+        out.CopyFrom(result)
+        out.task_id = task_id
+        out.result_index = task.next_index
+        task.next_index += 1
+        return [SendResult(task.stream_id, out)]
+
+    def finish_task(self, now: float, task_id: str) -> list[Effect]:
+        """The runtime is done with the task (after its last result, or after failing)."""
+        task = self._tasks.get(task_id)
+        if task is None:
+            return []
+        if not task.running:
+            raise AgentUsageError(f"finish_task for task {task_id!r} that never started")
+        effects: list[Effect] = []
+        self._forget(task_id)
+        self._start_waiting(effects)
+        self._retire_idle(now, effects)
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def stream_closed(self, now: float, stream_id: int, jitter: float = 0.5) -> list[Effect]:
+        """The stream ended (the gateway closed it, or it failed); its tasks are aborted.
+
+        ``jitter`` in [0, 1) places the reconnect delay within its band.
+        Reporting a stream that is already closed is harmless.
+        """
+        stream = self._stream(stream_id)
+        effects: list[Effect] = []
+        if stream.state is StreamState.CLOSED:
+            return effects
+        stream.state = StreamState.CLOSED
+        for task_id in [t for t in self._tasks if t in stream.tasks]:
+            self._drop(task_id, effects)
+        self._start_waiting(effects)
+        if stream_id == self._current:
+            self._current = None
+            if self.state is AgentState.RUNNING:
+                self._schedule_reconnect(now, jitter)
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def shutdown(self, now: float, grace: float) -> list[Effect]:
+        """Stop taking work: report ready=false, let tasks finish for up to ``grace`` seconds."""
+        if self.state is AgentState.IDLE:
+            self.state = AgentState.STOPPED
+            return [Stopped()]
+        if self.state is not AgentState.RUNNING:
+            raise AgentUsageError(f"shutdown() in state {self.state.value}")
+        self.state = AgentState.DRAINING
+        self._reconnect_at = None
+        self._drain_deadline = now + max(grace, 0.0)
+        effects: list[Effect] = []
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def handle_timer(self, now: float) -> list[Effect]:
+        """Time passed: reconnect, periodic status, retire idle streams, end the drain."""
+        effects: list[Effect] = []
+        if self._drain_deadline is not None and now >= self._drain_deadline:
+            for task_id in list(self._tasks):
+                self._drop(task_id, effects)
+            self._check_drained(effects)
+            return effects
+        if self._reconnect_at is not None and now >= self._reconnect_at:
+            self._reconnect_at = None
+            self._open(now, True, effects)
+        self._retire_idle(now, effects)
+        self._report(now, effects)
+        return effects
+
+    # -- internals ----------------------------------------------------------------
+
+    def _stream(self, stream_id: int) -> _Stream:
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            raise AgentUsageError(f"unknown stream {stream_id}")
+        return stream
+
+    def _open(self, now: float, new_connection: bool, effects: list[Effect]) -> None:
+        stream = _Stream(id=self._next_stream_id, state=StreamState.OPEN, opened_at=now)
+        self._next_stream_id += 1
+        self._streams[stream.id] = stream
+        self._current = stream.id
+        effects.append(OpenStream(stream.id, new_connection))
+        self._report(now, effects)
+
+    def _go_away(self, now: float, stream: _Stream, effects: list[Effect]) -> None:
+        if stream.state is not StreamState.OPEN:
+            return
+        stream.state = StreamState.RETIRING
+        stream.linger_until = now + self.config.go_away_linger
+        if stream.id == self._current:
+            self._current = None
+            if self.state is AgentState.RUNNING:
+                self._open(now, True, effects)
+
+    def _schedule_reconnect(self, now: float, jitter: float) -> None:
+        c = self.config
+        delay = min(c.reconnect_max, c.reconnect_initial * c.reconnect_multiplier**self._failures)
+        delay *= 1 + c.reconnect_jitter * (2 * min(max(jitter, 0.0), 1.0) - 1)
+        self._failures += 1
+        self._reconnect_at = now + delay
+
+    def _start_waiting(self, effects: list[Effect]) -> None:
+        while self._queue and self._running < self.config.max_concurrency:
+            task = self._tasks[self._queue.popleft()]
+            task.running = True
+            self._running += 1
+            effects.append(StartTask(task.task))
+
+    def _drop(self, task_id: str, effects: list[Effect]) -> None:
+        task = self._tasks[task_id]
+        if task.running:
+            effects.append(AbortTask(task_id))
+        else:
+            self._queue.remove(task_id)
+        self._forget(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        task = self._tasks.pop(task_id)
+        if task.running:
+            self._running -= 1
+        self._streams[task.stream_id].tasks.discard(task_id)
+
+    def _retire_idle(self, now: float, effects: list[Effect]) -> None:
+        for stream in self._streams.values():
+            if stream.state is StreamState.RETIRING and not stream.tasks and now >= stream.linger_until:
+                stream.state = StreamState.CLOSED
+                effects.append(CloseStream(stream.id))
+
+    def _status_due(self, stream: _Stream) -> float:
+        status = self.engine_status()
+        if stream.last_status is None or status.ready != stream.last_status.ready:
+            return stream.last_status_at if stream.last_status is not None else -math.inf
+        if status != stream.last_status:
+            return stream.last_status_at + self.config.status_min_interval
+        return stream.last_status_at + self.config.status_interval
+
+    def _report(self, now: float, effects: list[Effect]) -> None:
+        if self._current is None:
+            return
+        stream = self._streams[self._current]
+        if now >= self._status_due(stream):
+            status = self.engine_status()
+            stream.last_status = status
+            stream.last_status_at = now
+            effects.append(SendStatus(stream.id, status))
+
+    def _check_drained(self, effects: list[Effect]) -> None:
+        if self.state is not AgentState.DRAINING or self._tasks:
+            return
+        self.state = AgentState.STOPPED
+        self._drain_deadline = None
+        self._current = None
+        for stream in self._streams.values():
+            if stream.state is not StreamState.CLOSED:
+                stream.state = StreamState.CLOSED
+                effects.append(CloseStream(stream.id))
+        effects.append(Stopped())

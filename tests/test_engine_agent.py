@@ -1,0 +1,409 @@
+"""The engine agent's pure core, driven by hand with a stepped clock (no reactor)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.engine_agent import (
+    AbortTask,
+    AgentConfig,
+    AgentState,
+    AgentUsageError,
+    CloseStream,
+    EngineAgentCore,
+    GatewayProtocolError,
+    OpenStream,
+    SendResult,
+    SendStatus,
+    StartTask,
+    Stopped,
+    StreamState,
+)
+from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
+
+
+def config(**overrides: object) -> AgentConfig:
+    base: dict[str, object] = dict(
+        engine_id="e1", models=("m1", "m2"), max_concurrency=2, status_interval=10.0,
+        status_min_interval=0.5, reconnect_initial=1.0, reconnect_max=8.0, go_away_linger=2.0,
+    )
+    base.update(overrides)
+    return AgentConfig(**base)  # type: ignore[arg-type]
+
+
+def chat(task_id: str, model: str = "m1") -> worker_pb2.Task:
+    req = chat_pb2.CreateChatCompletionRequest(model=model)
+    return worker_pb2.Task(id=task_id, request=worker_pb2.TaskRequest(chat_completion=req))
+
+
+def embed(task_id: str, model: str = "m2") -> worker_pb2.Task:
+    req = embeddings_pb2.CreateEmbeddingRequest(model=model, input="x")
+    return worker_pb2.Task(id=task_id, request=worker_pb2.TaskRequest(embedding=req))
+
+
+def control(task_id: str, **request: object) -> worker_pb2.Task:
+    return worker_pb2.Task(id=task_id, request=worker_pb2.TaskRequest(**request))  # type: ignore[arg-type]
+
+
+def heartbeat(task_id: str) -> worker_pb2.Task:
+    return control(task_id, heartbeat=worker_pb2.HeartbeatRequest())
+
+
+def go_away(task_id: str) -> worker_pb2.Task:
+    return control(task_id, go_away=worker_pb2.GoAwayRequest())
+
+
+def cancel(task_id: str, target: str) -> worker_pb2.Task:
+    return control(task_id, cancel_task=worker_pb2.CancelTaskRequest(task_id=target))
+
+
+def answers(effects: list[object]) -> list[tuple[int, str, int]]:
+    """(stream, task id, status) of every HttpResponse sent."""
+    return [
+        (e.stream_id, e.result.task_id, e.result.http_response.status_code)
+        for e in effects
+        if isinstance(e, SendResult) and e.result.WhichOneof("message") == "http_response"
+    ]
+
+
+def statuses(effects: list[object]) -> list[SendStatus]:
+    return [e for e in effects if isinstance(e, SendStatus)]
+
+
+def counts(status: SendStatus) -> dict[str, int]:
+    return {m.id: m.in_progress_task_count for m in status.status.models}
+
+
+def started(effects: list[object]) -> list[str]:
+    return [e.task.id for e in effects if isinstance(e, StartTask)]
+
+
+def sse(data: bytes, last: bool = False) -> worker_pb2.TaskResult:
+    return worker_pb2.TaskResult(server_sent_event=worker_pb2.ServerSentEvent(data=data, is_last_event=last))
+
+
+def running_agent(**overrides: object) -> EngineAgentCore:
+    agent = EngineAgentCore(config(**overrides))
+    agent.start(0.0)
+    return agent
+
+
+def test_start_opens_a_stream_and_reports_ready_status_at_once() -> None:
+    agent = EngineAgentCore(config(cluster_id="c1"))
+    effects = agent.start(0.0)
+    assert effects[0] == OpenStream(1, False)
+    [status] = statuses(effects)
+    assert status.stream_id == 1
+    assert status.status.engine_id == "e1" and status.status.ready and status.status.cluster_id == "c1"
+    assert [(m.id, m.is_ready) for m in status.status.models] == [("m1", True), ("m2", True)]
+    assert counts(status) == {"m1": 0, "m2": 0}
+
+
+def test_status_is_repeated_every_status_interval_when_nothing_changes() -> None:
+    agent = running_agent()
+    assert agent.next_deadline() == 10.0
+    assert agent.handle_timer(9.9) == []
+    [status] = statuses(agent.handle_timer(10.0))
+    assert status.stream_id == 1
+    assert agent.next_deadline() == 20.0
+
+
+def test_heartbeat_is_answered_200_on_its_own_stream_and_starts_nothing() -> None:
+    agent = running_agent()
+    effects = agent.task_received(1.0, 1, heartbeat("hb-1"))
+    assert answers(effects) == [(1, "hb-1", 200)]
+    assert agent.in_progress == 0
+
+
+def test_tasks_beyond_max_concurrency_wait_and_start_as_slots_free() -> None:
+    agent = running_agent()
+    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
+    assert started(agent.task_received(1.0, 1, chat("b"))) == ["b"]
+    assert started(agent.task_received(1.0, 1, embed("c"))) == []
+    assert (agent.running, agent.in_progress) == (2, 3)
+    assert started(agent.finish_task(2.0, "a")) == ["c"]
+    assert (agent.running, agent.in_progress) == (2, 2)
+
+
+def test_in_progress_counts_per_model_are_reported_coalesced_within_min_interval() -> None:
+    agent = running_agent()
+    first = statuses(agent.task_received(1.0, 1, chat("a")))
+    assert [counts(s) for s in first] == [{"m1": 1, "m2": 0}]
+    assert statuses(agent.task_received(1.1, 1, embed("b"))) == []
+    assert statuses(agent.task_received(1.2, 1, embed("c"))) == []
+    assert agent.next_deadline() == 1.5
+    [status] = statuses(agent.handle_timer(1.5))
+    assert counts(status) == {"m1": 1, "m2": 2}
+
+
+def test_results_go_to_the_tasks_stream_with_indexes_stamped_in_order() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    head = worker_pb2.TaskResult(http_response=worker_pb2.HttpResponse(status_code=200))
+    sent = agent.send_result("a", head) + agent.send_result("a", sse(b"data: x\n\n")) + agent.send_result(
+        "a", sse(b"", last=True)
+    )
+    assert [(e.stream_id, e.result.task_id, e.result.result_index) for e in sent] == [
+        (1, "a", 0), (1, "a", 1), (1, "a", 2)
+    ]
+
+
+def test_result_before_start_is_misuse_and_result_of_unknown_task_is_dropped() -> None:
+    agent = running_agent(max_concurrency=1)
+    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1.0, 1, chat("b"))
+    with pytest.raises(AgentUsageError):
+        agent.send_result("b", sse(b"data: x\n\n"))
+    assert agent.send_result("nope", sse(b"data: x\n\n")) == []
+
+
+def test_cancel_of_running_task_aborts_it_answers_200_and_drops_later_results() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    effects = agent.task_received(2.0, 1, cancel("c-1", "a"))
+    assert AbortTask("a") in effects
+    assert answers(effects) == [(1, "c-1", 200)]
+    assert agent.send_result("a", sse(b"data: late\n\n")) == []
+    assert agent.finish_task(3.0, "a") == []
+    assert agent.in_progress == 0
+
+
+def test_cancel_of_waiting_task_removes_it_without_abort() -> None:
+    agent = running_agent(max_concurrency=1)
+    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1.0, 1, chat("b"))
+    effects = agent.task_received(2.0, 1, cancel("c-1", "b"))
+    assert not any(isinstance(e, AbortTask) for e in effects)
+    assert answers(effects) == [(1, "c-1", 200)]
+    assert started(agent.finish_task(3.0, "a")) == []
+
+
+def test_cancel_of_unknown_task_is_answered_404() -> None:
+    agent = running_agent()
+    assert answers(agent.task_received(1.0, 1, cancel("c-1", "ghost"))) == [(1, "c-1", 404)]
+
+
+def test_empty_request_is_answered_501_like_llmariner() -> None:
+    agent = running_agent()
+    effects = agent.task_received(1.0, 1, worker_pb2.Task(id="x"))
+    assert answers(effects) == [(1, "x", 501)]
+
+
+def test_reused_id_of_a_task_in_flight_is_a_gateway_violation() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    with pytest.raises(GatewayProtocolError):
+        agent.task_received(1.0, 1, chat("a"))
+    assert agent.in_progress == 1
+
+
+def test_go_away_answers_202_opens_a_new_connection_and_old_tasks_finish_on_old_stream() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    effects = agent.task_received(2.0, 1, go_away("g-1"))
+    assert answers(effects) == [(1, "g-1", 202)]
+    assert OpenStream(2, True) in effects
+    assert [s.stream_id for s in statuses(effects)] == [2]
+    assert agent.current_stream == 2
+    assert agent.stream_state(1) is StreamState.RETIRING
+    # New work arrives on the new stream; the old task's results still go to stream 1.
+    agent.task_received(2.5, 2, chat("b"))
+    [result] = agent.send_result("a", sse(b"data: x\n\n"))
+    assert result.stream_id == 1
+    # Old stream closes once idle and the linger is over, not before.
+    assert not any(isinstance(e, CloseStream) for e in agent.finish_task(3.0, "a"))
+    assert agent.next_deadline() == 4.0
+    assert CloseStream(1) in agent.handle_timer(4.0)
+    assert agent.stream_state(1) is StreamState.CLOSED
+    assert agent.stream_state(2) is StreamState.OPEN
+
+
+def test_task_arriving_on_a_retiring_stream_is_still_served_there() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, go_away("g-1"))
+    assert started(agent.task_received(1.5, 1, chat("late"))) == ["late"]
+    [result] = agent.send_result("late", sse(b"data: x\n\n"))
+    assert result.stream_id == 1
+
+
+def test_task_on_a_closed_stream_is_dropped() -> None:
+    agent = running_agent()
+    agent.stream_closed(1.0, 1)
+    assert agent.task_received(1.5, 1, chat("a")) == []
+    assert agent.in_progress == 0
+
+
+def test_lost_stream_aborts_its_tasks_and_reconnects_with_growing_backoff() -> None:
+    agent = running_agent(max_concurrency=1)
+    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1.0, 1, chat("b"))
+    effects = agent.stream_closed(2.0, 1, jitter=0.5)
+    assert effects[0] == AbortTask("a")
+    assert agent.in_progress == 0 and agent.current_stream is None
+    assert agent.next_deadline() == 3.0
+    assert agent.handle_timer(2.9) == []
+    effects = agent.handle_timer(3.0)
+    assert effects[0] == OpenStream(2, True)
+    agent.stream_closed(3.5, 2, jitter=0.5)
+    assert agent.next_deadline() == 5.5  # doubled
+    agent.handle_timer(5.5)
+    agent.stream_closed(6.0, 3, jitter=0.0)
+    assert agent.next_deadline() == pytest.approx(6.0 + 4.0 * 0.8)  # jitter lowers the delay by up to 20 %
+
+
+def test_backoff_is_capped_and_starts_over_once_the_gateway_answers() -> None:
+    agent = running_agent()
+    now = 0.0
+    for stream_id in range(1, 7):
+        now += 0.1
+        agent.stream_closed(now, stream_id)
+        now = agent.next_deadline()  # type: ignore[assignment]
+        agent.handle_timer(now)
+    closed_at = now
+    agent.stream_closed(closed_at, 7)
+    assert agent.next_deadline() == closed_at + 8.0
+    agent.handle_timer(closed_at + 8.0)
+    agent.task_received(closed_at + 9.0, 8, heartbeat("hb"))
+    agent.stream_closed(closed_at + 10.0, 8)
+    assert agent.next_deadline() == closed_at + 11.0
+
+
+def test_shutdown_reports_not_ready_refuses_new_work_with_503_and_stops_when_drained() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    effects = agent.shutdown(2.0, grace=30.0)
+    [status] = statuses(effects)
+    assert not status.status.ready and counts(status)["m1"] == 1
+    assert agent.state is AgentState.DRAINING
+    refused = agent.task_received(2.5, 1, chat("b"))
+    assert answers(refused) == [(1, "b", 503)]
+    body = json.loads(refused[0].result.http_response.body)  # type: ignore[union-attr]
+    assert body["error"]["message"]
+    assert answers(agent.task_received(2.6, 1, heartbeat("hb"))) == [(1, "hb", 200)]
+    effects = agent.finish_task(3.0, "a")
+    assert effects[-2:] == [CloseStream(1), Stopped()]
+    assert agent.state is AgentState.STOPPED
+
+
+def test_shutdown_grace_expiry_aborts_what_is_left() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    agent.shutdown(2.0, grace=5.0)
+    assert agent.next_deadline() == 7.0
+    effects = agent.handle_timer(7.0)
+    assert effects == [AbortTask("a"), CloseStream(1), Stopped()]
+
+
+def test_shutdown_does_not_reconnect_a_lost_stream() -> None:
+    agent = running_agent()
+    agent.task_received(1.0, 1, chat("a"))
+    agent.shutdown(2.0, grace=5.0)
+    effects = agent.stream_closed(3.0, 1)
+    assert effects == [AbortTask("a"), Stopped()]
+    assert agent.next_deadline() is None
+
+
+def test_shutdown_before_start_stops_at_once() -> None:
+    agent = EngineAgentCore(config())
+    assert agent.shutdown(0.0, grace=1.0) == [Stopped()]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(engine_id=""), dict(models=()), dict(models=("a", "a")), dict(max_concurrency=0),
+     dict(status_interval=0.0), dict(reconnect_jitter=1.0), dict(go_away_linger=float("nan"))],
+)
+def test_config_rejects_unusable_settings(overrides: dict[str, object]) -> None:
+    with pytest.raises(AgentUsageError):
+        config(**overrides)
+
+
+# -- an open-ended run: random inputs, invariants after each -------------------------------
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["chat", "embed", "finish", "cancel", "heartbeat", "go_away", "lose", "tick", "shutdown"]),
+        st.integers(0, 7),
+        st.floats(0.0, 3.0),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops)
+def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]]) -> None:
+    """Never more than max_concurrency run; each started task ends once (finished or
+    aborted); results only go to streams that are not closed; Stopped comes once, last."""
+    agent = running_agent(max_concurrency=3)
+    now = 0.0
+    live: set[str] = set()
+    ended: set[str] = set()
+    open_streams = {1}
+    stopped = 0
+    seq = 0
+
+    def apply(effects: list[object]) -> None:
+        nonlocal stopped
+        for e in effects:
+            assert stopped == 0
+            if isinstance(e, StartTask):
+                assert e.task.id not in live and e.task.id not in ended
+                live.add(e.task.id)
+            elif isinstance(e, AbortTask):
+                live.remove(e.task_id)
+                ended.add(e.task_id)
+            elif isinstance(e, OpenStream):
+                open_streams.add(e.stream_id)
+            elif isinstance(e, CloseStream):
+                open_streams.remove(e.stream_id)
+            elif isinstance(e, (SendResult, SendStatus)):
+                assert e.stream_id in open_streams
+            elif isinstance(e, Stopped):
+                stopped += 1
+        assert agent.running == len(live) <= 3
+
+    for op, n, dt in run:
+        now += dt
+        seq += 1
+        stream = agent.current_stream
+        if op in ("chat", "embed", "heartbeat", "go_away", "cancel") and stream is not None:
+            if op == "chat":
+                apply(agent.task_received(now, stream, chat(f"t{seq}")))
+            elif op == "embed":
+                apply(agent.task_received(now, stream, embed(f"t{seq}")))
+            elif op == "heartbeat":
+                apply(agent.task_received(now, stream, heartbeat(f"h{seq}")))
+            elif op == "go_away":
+                apply(agent.task_received(now, stream, go_away(f"g{seq}")))
+            else:
+                apply(agent.task_received(now, stream, cancel(f"c{seq}", f"t{seq - n}")))
+        elif op == "finish" and live:
+            task_id = sorted(live)[n % len(live)]
+            apply(agent.send_result(task_id, sse(b"", last=True)))
+            live.remove(task_id)
+            ended.add(task_id)
+            apply(agent.finish_task(now, task_id))
+        elif op == "lose" and open_streams:
+            apply(agent.stream_closed(now, sorted(open_streams)[n % len(open_streams)], jitter=dt / 3.0))
+            open_streams.intersection_update(
+                s for s in open_streams if agent.stream_state(s) is not StreamState.CLOSED
+            )
+        elif op == "shutdown" and agent.state is AgentState.RUNNING:
+            apply(agent.shutdown(now, grace=n))
+        deadline = agent.next_deadline()
+        if op == "tick" and deadline is not None:
+            now = max(now, deadline)
+            apply(agent.handle_timer(now))
+    if agent.state is AgentState.RUNNING:
+        apply(agent.shutdown(now, grace=1.0))
+    while agent.state is not AgentState.STOPPED:
+        deadline = agent.next_deadline()
+        assert deadline is not None
+        now = max(now, deadline)
+        apply(agent.handle_timer(now))
+    assert stopped == 1 and not live and not open_streams

@@ -1,0 +1,430 @@
+"""The engine agent's runtimes: the raw SSE splitter, echo on a stepped clock, and the
+openai runtime against a small OpenAI-compatible twisted.web server on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import pytest_twisted
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.internet import defer, reactor, task
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.web import resource, server
+from twisted.web.client import Agent, HTTPConnectionPool
+
+from infx.runtimes import EchoRuntime, OpenAIRuntime, SSEBlockSplitter, upstream_root
+from protocol.echo import EchoConfig
+from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, worker_pb2
+from protocol.sse import EventTooLarge
+
+
+class Sink:
+    """Collects a task's results; ``done`` fires at finish()."""
+
+    def __init__(self) -> None:
+        self.results: list[worker_pb2.TaskResult] = []
+        self.finished = 0
+        self.done: defer.Deferred[None] = defer.Deferred()
+        #: What when_writable() answers: None, or a Deferred standing for a full gRPC stream.
+        self.blocked: defer.Deferred[None] | None = None
+
+    def send(self, result: worker_pb2.TaskResult) -> None:
+        assert self.finished == 0, "result after finish"
+        self.results.append(result)
+
+    def finish(self) -> None:
+        self.finished += 1
+        self.done.callback(None)
+
+    def when_writable(self) -> defer.Deferred[None] | None:
+        return self.blocked
+
+    @property
+    def head(self) -> worker_pb2.HttpResponse:
+        assert self.results[0].WhichOneof("message") == "http_response"
+        return self.results[0].http_response
+
+    @property
+    def events(self) -> list[worker_pb2.ServerSentEvent]:
+        return [r.server_sent_event for r in self.results[1:]]
+
+
+def chat_task(text: str, *, model: str = "m", stream: bool = False, usage: bool = False,
+              task_id: str = "t1") -> worker_pb2.Task:
+    req = chat_pb2.CreateChatCompletionRequest(model=model, stream=stream)
+    message = req.messages.add(role="user")
+    message.content.add(type="text", text=text)
+    if usage:
+        req.stream_options.include_usage = True
+    task = worker_pb2.Task(id=task_id, request=worker_pb2.TaskRequest(chat_completion=req))
+    task.header["X-Request-Id"].values.append("req-1")
+    task.header["Authorization"].values.append("Bearer client-secret")
+    return task
+
+
+def embed_task(text: str, model: str = "m") -> worker_pb2.Task:
+    req = embeddings_pb2.CreateEmbeddingRequest(model=model, input=text)
+    return worker_pb2.Task(id="e1", request=worker_pb2.TaskRequest(embedding=req))
+
+
+# -- the raw SSE splitter ---------------------------------------------------------------
+
+
+line_end = st.sampled_from(["\n", "\r\n", "\r"])
+field_line = st.tuples(
+    st.sampled_from(["data: ", "data:", "event: ", "id: ", ": "]),
+    st.text(st.characters(blacklist_characters="\r\n", codec="utf-8"), max_size=30),
+)
+
+
+@st.composite
+def event_streams(draw: st.DrawFn) -> tuple[list[bytes], bytes]:
+    # One line-end style per stream: a CR then an LF is one CR LF, however it was meant.
+    le = draw(line_end)
+    blocks = []
+    for _ in range(draw(st.integers(0, 6))):
+        lines = draw(st.lists(field_line, min_size=1, max_size=4))
+        text = "".join(prefix + value + le for prefix, value in lines) + le
+        blocks.append(text.encode("utf-8"))
+    # Extra blank lines between events dispatch nothing and are skipped.
+    separators = [draw(st.sampled_from([b"", le.encode()])) for _ in blocks]
+    stream = b"".join(sep + block for sep, block in zip(separators, blocks))
+    return blocks, stream
+
+
+@settings(max_examples=80, deadline=None)
+@given(event_streams(), st.lists(st.integers(1, 40), max_size=20))
+def test_splitter_returns_each_event_verbatim_however_the_stream_is_cut(
+    case: tuple[list[bytes], bytes], cuts: list[int]
+) -> None:
+    blocks, stream = case
+    splitter = SSEBlockSplitter()
+    out: list[bytes] = []
+    pos = 0
+    for size in cuts:
+        out += splitter.receive_data(stream[pos:pos + size])
+        pos += size
+    out += splitter.receive_data(stream[pos:])
+    # A trailing lone CR may be the first half of CR LF: it completes at the end of stream.
+    rest = splitter.end_of_stream()
+    if rest is not None:
+        assert blocks and blocks[-1].endswith(b"\r")
+        out.append(blocks[-1])
+    assert out == blocks
+
+
+def test_splitter_relays_an_event_far_larger_than_4_kib_in_one_piece() -> None:
+    payload = b"data: " + b"x" * 300_000 + b"\n\n"
+    splitter = SSEBlockSplitter()
+    out = []
+    for i in range(0, len(payload), 1000):
+        out += splitter.receive_data(payload[i:i + 1000])
+    assert out == [payload]
+
+
+def test_splitter_refuses_an_event_past_its_bound() -> None:
+    splitter = SSEBlockSplitter(max_event_size=100)
+    with pytest.raises(EventTooLarge):
+        splitter.receive_data(b"data: " + b"x" * 200)
+
+
+def test_splitter_closes_an_unterminated_last_event_at_end_of_stream() -> None:
+    splitter = SSEBlockSplitter()
+    assert splitter.receive_data(b"data: 1\n\ndata: [DONE]") == [b"data: 1\n\n"]
+    assert splitter.end_of_stream() == b"data: [DONE]\n\n"
+    assert splitter.end_of_stream() is None
+
+
+@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
+def test_upstream_url_may_name_the_root_or_v1(url: str) -> None:
+    assert upstream_root(url) == "http://h:8000"
+
+
+# -- echo ---------------------------------------------------------------------------------
+
+
+def test_echo_streams_word_by_word_as_chunk_events_at_the_token_delay() -> None:
+    clock = task.Clock()
+    clock.advance(1000)
+    sink = Sink()
+    EchoRuntime(clock, EchoConfig(token_delay=0.5)).start(chat_task("hello big world", stream=True, usage=True),
+                                                          sink)
+    clock.advance(0)
+    assert sink.head.status_code == 200
+    assert list(sink.head.header["Content-Type"].values) == ["text/event-stream"]
+    first = len(sink.results)
+    clock.advance(0.5)
+    assert len(sink.results) == first + 1
+    clock.advance(1.0)
+    assert sink.finished == 1
+    datas = [e.data for e in sink.events]
+    assert all(d.startswith(b"data: ") and d.endswith(b"\n\n") for d in datas[:-1])
+    # As LLMariner's engines do: [DONE] is relayed as an event, then an empty last event.
+    assert datas[-2:] == [b"data: [DONE]\n\n", b""]
+    assert [e.is_last_event for e in sink.events[-2:]] == [False, True]
+    chunks = [json.loads(d[len(b"data: "):]) for d in datas[:-2]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "hello big world"
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_echo_answers_a_non_streamed_chat_with_one_json_body() -> None:
+    clock = task.Clock()
+    sink = Sink()
+    EchoRuntime(clock, EchoConfig(token_delay=0.0)).start(chat_task("just this"), sink)
+    clock.advance(0)
+    assert sink.finished == 1 and len(sink.results) == 1
+    body = json.loads(sink.head.body)
+    assert body["choices"][0]["message"]["content"] == "just this"
+
+
+def test_echo_embeddings_are_deterministic_vectors_derived_from_the_input() -> None:
+    clock = task.Clock()
+    vectors = []
+    for text in ("a", "a", "b"):
+        sink = Sink()
+        EchoRuntime(clock, EchoConfig()).start(embed_task(text), sink)
+        clock.advance(0)
+        vectors.append(json.loads(sink.head.body)["data"][0]["embedding"])
+    assert vectors[0] == vectors[1] != vectors[2]
+
+
+def test_echo_abort_stops_the_remaining_results() -> None:
+    clock = task.Clock()
+    sink = Sink()
+    running = EchoRuntime(clock, EchoConfig(token_delay=1.0)).start(chat_task("a b c d", stream=True), sink)
+    clock.advance(1.0)
+    count = len(sink.results)
+    running.abort()
+    clock.advance(10.0)
+    assert len(sink.results) == count and sink.finished == 0
+
+
+# -- openai runtime against a loopback OpenAI-compatible server -------------------------------
+
+
+class FakeRuntime(resource.Resource):
+    """A tiny OpenAI-compatible server: scripted by the request's model name."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[tuple[bytes, dict, dict[bytes, list[bytes]]]] = []
+        self.lost: defer.Deferred[str] = defer.Deferred()
+        self.wrote_all: defer.Deferred[None] = defer.Deferred()
+
+    def render_POST(self, request: server.Request) -> bytes | int:
+        raw = request.content.read()
+        headers = dict(request.requestHeaders.getAllRawHeaders())
+        if request.path == b"/v1/audio/transcriptions":
+            self.requests.append((request.path, {"raw": raw.decode("latin-1")}, headers))
+            request.setHeader(b"content-type", b"application/json")
+            return b'{"text":"heard"}'
+        body = json.loads(raw)
+        self.requests.append((request.path, body, headers))
+        model = body.get("model")
+        if model == "broken":
+            request.setResponseCode(400)
+            request.setHeader(b"content-type", b"application/json")
+            request.setHeader(b"x-runtime", b"yes")
+            return b'{"error":{"message":"bad model","type":"invalid_request_error"}}'
+        if model in ("hang", "hang-body"):
+            request.notifyFinish().addBoth(lambda _: self.lost.callback("lost"))
+            if model == "hang-body":
+                request.setHeader(b"content-length", b"100")
+                request.write(b'{"partial":')
+            return server.NOT_DONE_YET
+        if body.get("stream"):
+            request.setHeader(b"content-type", b"text/event-stream")
+            big = "y" * 100_000
+            events = [
+                b'data: {"n":1}\n\n',
+                b'event: message\r\ndata: {"n":2,"big":"' + big.encode() + b'"}\r\n\r\n',
+                b"data: [DONE]\n\n",
+            ]
+            if model == "paced":
+                first, rest = b'data: {"n":0}\n\n', [b'data: {"n":%d}\n\n' % i for i in range(1, 50)]
+                request.write(first)
+
+                def later() -> None:
+                    for event in rest:
+                        request.write(event)
+                    request.finish()
+                    self.wrote_all.callback(None)
+
+                reactor.callLater(0.05, later)
+                return server.NOT_DONE_YET
+            if model == "hang-stream":
+                request.notifyFinish().addBoth(lambda _: self.lost.callback("lost"))
+                request.write(events[0])
+                return server.NOT_DONE_YET
+
+            def write(rest: list[bytes]) -> None:
+                if not rest:
+                    request.finish()
+                    return
+                # Cut each event in two writes so the relay has to reassemble it.
+                head, tail = rest[0][:7], rest[0][7:]
+                request.write(head)
+                request.write(tail)
+                reactor.callLater(0.001, write, rest[1:])
+
+            write(events)
+            return server.NOT_DONE_YET
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"object": "chat.completion", "echo": body}).encode()
+
+
+@pytest.fixture
+def fake_runtime():
+    fake = FakeRuntime()
+    port = pytest_twisted.blockon(TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
+        server.Site(fake)))
+    pool = HTTPConnectionPool(reactor, persistent=True)
+    runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool),
+                            f"http://127.0.0.1:{port.getHost().port}/v1")
+    yield fake, runtime
+    pytest_twisted.blockon(pool.closeCachedConnections())
+    pytest_twisted.blockon(defer.maybeDeferred(port.stopListening))
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_non_streamed_chat_posts_openai_json_and_relays_the_body(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    runtime.start(chat_task("hi there"), sink)
+    yield sink.done
+    path, body, headers = fake.requests[0]
+    assert path == b"/v1/chat/completions"
+    assert body["model"] == "m" and body["messages"][0]["role"] == "user"
+    assert headers[b"X-Request-Id"] == [b"req-1"]
+    assert b"Authorization" not in headers, "the client's credentials stay with the gateway"
+    assert sink.head.status_code == 200 and sink.head.status == "200 OK"
+    assert list(sink.head.header["Content-Type"].values) == ["application/json"]
+    assert json.loads(sink.head.body)["echo"]["model"] == "m"
+    assert len(sink.results) == 1
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_streamed_chat_relays_each_event_verbatim_then_the_last_event(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    runtime.start(chat_task("hi", stream=True), sink)
+    yield sink.done
+    assert sink.head.status_code == 200 and sink.head.body == b""
+    assert list(sink.head.header["Content-Type"].values) == ["text/event-stream"]
+    datas = [e.data for e in sink.events]
+    assert datas[0] == b'data: {"n":1}\n\n'
+    assert datas[1].startswith(b"event: message\r\ndata: {\"n\":2") and len(datas[1]) > 100_000
+    assert datas[2] == b"data: [DONE]\n\n"
+    assert sink.events[3].is_last_event and sink.events[3].data == b""
+    assert len(sink.events) == 4
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_runtime_error_status_headers_and_body_pass_through(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    runtime.start(embed_task("x", model="broken"), sink)
+    yield sink.done
+    assert fake.requests[0][0] == b"/v1/embeddings"
+    assert sink.head.status_code == 400 and sink.head.status == "400 Bad Request"
+    assert list(sink.head.header["X-Runtime"].values) == ["yes"]
+    assert json.loads(sink.head.body)["error"]["message"] == "bad model"
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_streamed_request_with_error_status_is_one_http_response(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    runtime.start(chat_task("x", model="broken", stream=True), sink)
+    yield sink.done
+    assert [r.WhichOneof("message") for r in sink.results] == ["http_response"]
+    assert sink.head.status_code == 400
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_audio_is_posted_as_multipart(fake_runtime):
+    fake, runtime = fake_runtime
+    req = audio_pb2.CreateAudioTranscriptionRequest(model="whisper", file=b"RIFF..", filename="a.wav")
+    sink = Sink()
+    runtime.start(worker_pb2.Task(id="a1", request=worker_pb2.TaskRequest(audio_transcription=req)), sink)
+    yield sink.done
+    path, body, headers = fake.requests[0]
+    assert path == b"/v1/audio/transcriptions"
+    assert headers[b"Content-Type"][0].startswith(b"multipart/form-data; boundary=")
+    assert 'name="file"; filename="a.wav"' in body["raw"] and "RIFF.." in body["raw"]
+    assert json.loads(sink.head.body) == {"text": "heard"}
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_connection_refused_becomes_503_so_the_gateway_retries_elsewhere():
+    endpoint = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1")
+    port = yield endpoint.listen(server.Site(resource.Resource()))
+    free = port.getHost().port
+    yield port.stopListening()
+    runtime = OpenAIRuntime(reactor, Agent(reactor), f"http://127.0.0.1:{free}")
+    sink = Sink()
+    runtime.start(chat_task("x"), sink)
+    yield sink.done
+    assert sink.head.status_code == 503
+    assert json.loads(sink.head.body)["error"]["message"]
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_abort_before_the_response_closes_the_upstream_request(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    running = runtime.start(chat_task("x", model="hang"), sink)
+    while not fake.requests:
+        yield task.deferLater(reactor, 0.005, lambda: None)
+    running.abort()
+    assert (yield fake.lost) == "lost"
+    assert sink.results == [] and sink.finished == 0
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_abort_mid_stream_closes_the_upstream_connection(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    running = runtime.start(chat_task("x", model="hang-stream", stream=True), sink)
+    while len(sink.results) < 2:
+        yield task.deferLater(reactor, 0.005, lambda: None)
+    running.abort()
+    assert (yield fake.lost) == "lost"
+    yield task.deferLater(reactor, 0.01, lambda: None)
+    assert len(sink.results) == 2 and sink.finished == 0
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_abort_while_reading_a_whole_body_closes_the_upstream_connection(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    running = runtime.start(embed_task("x", model="hang-body"), sink)
+    while not fake.requests:
+        yield task.deferLater(reactor, 0.005, lambda: None)
+    yield task.deferLater(reactor, 0.02, lambda: None)
+    running.abort()
+    assert (yield fake.lost) == "lost"
+    assert sink.results == [] and sink.finished == 0
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_stream_stops_reading_the_runtime_while_the_grpc_stream_is_full(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    sink.blocked = defer.Deferred()
+    runtime.start(chat_task("x", model="paced", stream=True), sink)
+    while len(sink.results) < 2:
+        yield task.deferLater(reactor, 0.005, lambda: None)
+    yield fake.wrote_all
+    yield task.deferLater(reactor, 0.05, lambda: None)
+    assert len(sink.results) == 2, "nothing more is read while the sink is blocked"
+    blocked, sink.blocked = sink.blocked, None
+    blocked.callback(None)
+    yield sink.done
+    assert len(sink.events) == 51 and sink.events[-1].is_last_event
