@@ -12,7 +12,7 @@ other.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
@@ -26,6 +26,8 @@ from protocol.processor_types import (
     CloseEngine,
     DeliverResult,
     Effect,
+    EngineKey,
+    EnginesRemoved,
     FailRequest,
     Locality,
     LocalEnginesChanged,
@@ -75,6 +77,8 @@ class Dispatcher:
         self.on_task_queued: list[Callable[[TaskQueued], None]] = []
         #: Called when local engines changed (receivers re-report to peers).
         self.on_local_engines_changed: list[Callable[[], None]] = []
+        #: Called with each EnginesRemoved (senders register engines their peers reported meanwhile).
+        self.on_engines_removed: list[Callable[[EnginesRemoved], None]] = []
         #: Called with the model of each accepted HTTP request, and again when it ends (load for the scaler).
         self.on_request_started: list[Callable[[str], None]] = []
         self.on_request_finished: list[Callable[[str], None]] = []
@@ -119,6 +123,9 @@ class Dispatcher:
         elif isinstance(effect, LocalEnginesChanged):
             for changed in self.on_local_engines_changed:
                 changed()
+        elif isinstance(effect, EnginesRemoved):
+            for removed in self.on_engines_removed:
+                removed(effect)
 
     def _perform_later(self, effects: list[Effect]) -> None:
         # Effects produced while performing others run after them, in order.
@@ -139,22 +146,21 @@ class Dispatcher:
         self._timer = None
         self._timer_at = None
         self.run(self.processor.handle_timeout)
-        self._update_gauges()
 
     # --- engines (called by the worker service and the exchanger) ---------
 
     def engine_status(self, route: EngineRoute, tenant_id: str, status: status_pb2.EngineStatus,
                       locality: Locality) -> None:
         self.run(lambda now: self.processor.update_engine(now, route, tenant_id, status, locality))
-        self._update_gauges()
+        self._engines_changed()
 
     def engine_removed(self, tenant_id: str, engine_id: str, reason: str) -> None:
         self.run(lambda now: self.processor.remove_engine(now, tenant_id, engine_id, reason))
-        self._update_gauges()
+        self._engines_changed()
 
     def route_closed(self, route: EngineRoute, reason: str) -> None:
         self.run(lambda now: self.processor.close_route(now, route, reason))
-        self._update_gauges()
+        self._engines_changed()
 
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
         self.run(lambda now: self.processor.receive_result(now, route, result))
@@ -167,22 +173,25 @@ class Dispatcher:
     def peer_reported(self, sender: Sender, message: internal_pb2.ProcessTasksInternalRequest) -> None:
         """A status report or task result from a peer's receiver, on the stream ``sender`` serves."""
         self.run(lambda now: sender.message_received(now, message))
-        self._update_gauges()
+        self._engines_changed()
 
     def peer_stream_closed(self, sender: Sender) -> None:
         """A peer's stream to us ended: its engines go and their tasks fail over."""
         self.run(sender.closed)
-        self._update_gauges()
+        self._engines_changed()
+
+    def peer_engines_removed(self, sender: Sender, engines: tuple[EngineKey, ...]) -> None:
+        """Engines left the processor: ``sender`` registers those its peer reported meanwhile."""
+        self.run(lambda now: sender.engines_removed(now, engines))
+        self._engines_changed()
 
     def task_forwarded(self, receiver: Receiver, message: internal_pb2.ProcessTasksInternalResponse) -> None:
         """A peer forwarded a task (or a cancel) to our local engines through ``receiver``."""
         self.run(lambda now: receiver.task_received(now, message))
-        self._update_gauges()
 
     def receiver_closed(self, receiver: Receiver) -> None:
         """Our stream to a peer ended: the tasks it forwarded are cancelled here."""
         self.run(receiver.closed)
-        self._update_gauges()
 
     # --- the gateway's TaskRunner -----------------------------------------
 
@@ -197,7 +206,6 @@ class Dispatcher:
             now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
             header=submission.headers, deadline=deadline,
         ))
-        self._update_gauges()
         return origin
 
     def availability(self, tenant: str, model: str) -> Availability:
@@ -223,18 +231,18 @@ class Dispatcher:
     def status(self) -> dict[str, Any]:
         return self.processor.status()
 
-    def _update_gauges(self) -> None:
-        metrics = self.metrics
-        metrics.queued.clear()
-        for (tenant, model), count in self.processor.waiting_counts().items():
-            metrics.queued.labels(tenant, model).set(count)
-        metrics.in_flight.clear()
-        for (tenant, model), count in self.processor.in_flight_counts().items():
-            metrics.in_flight.labels(tenant, model).set(count)
-        metrics.engines.clear()
-        for (tenant, locality), count in self.processor.engine_counts().items():
-            metrics.engines.labels(tenant, locality.value).set(count)
+    def _engines_changed(self) -> None:
+        for tenant, _ in self.processor.engine_counts():
             self._remember_models(tenant)
+
+    def gauges(self) -> Iterator[tuple[str, tuple[str, ...], int]]:
+        """Current (metric, labels, value) of the processor's gauges, read when /metrics is scraped."""
+        for (tenant, model), count in self.processor.waiting_counts().items():
+            yield "queued", (tenant, model), count
+        for (tenant, model), count in self.processor.in_flight_counts().items():
+            yield "in_flight", (tenant, model), count
+        for (tenant, locality), count in self.processor.engine_counts().items():
+            yield "engines", (tenant, locality.value), count
 
 
 class HttpOrigin:

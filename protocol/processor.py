@@ -29,6 +29,7 @@ Outputs (effects, performed by the caller in the order given)
     ``CloseEngine``            close a local engine's stream (missed heartbeats)
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
     ``LocalEnginesChanged``    re-report local engines to peers (receivers)
+    ``EnginesRemoved``         engines left: senders may register what their peers reported
 
 Task life cycle (``TaskState``; ending is leaving the table from any state)::
 
@@ -41,6 +42,11 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
 Routing: engines of the task's tenant only; among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
+
+Attempts: each dispatch of a task is an attempt with its own wire id (the task
+id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
+attempt only, so a late answer to an abandoned attempt is ignored. An attempt
+abandoned while its stream may still be open is cancelled on that stream.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ from protocol.processor_types import (
     DeliverResult,
     Effect,
     EngineKey,
+    EnginesRemoved,
     FailRequest,
     Locality,
     LocalEnginesChanged,
@@ -79,6 +86,7 @@ __all__ = [
     "Effect",
     "EngineKey",
     "EngineView",
+    "EnginesRemoved",
     "FailRequest",
     "Locality",
     "LocalEnginesChanged",
@@ -155,6 +163,9 @@ class _Task:
     next_index: int = 0
     unconsumed: int = 0
     timer_seq: int = 0
+    # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
+    attempt: int = 0
+    wire_id: str = ""
 
 
 @dataclass(slots=True)
@@ -214,6 +225,8 @@ class Processor:
         self._timer_seq = 0
         self._control: dict[str, _Control] = {}
         self._control_seq = 0
+        # The task each attempt on an engine belongs to, by the id it carries on the wire.
+        self._attempts: dict[str, _Task] = {}
         self._next_heartbeat: float | None = None
 
     # --- requests ---------------------------------------------------------
@@ -362,7 +375,7 @@ class Processor:
         Closing a route that never registered an engine is harmless.
         """
         effects: list[Effect] = []
-        self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects)
+        self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects, closing=route)
         for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
             engine_id = task.engine.engine_id if task.engine else ""
             self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
@@ -377,7 +390,7 @@ class Processor:
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
-                effects.append(self._control_task(_ControlKind.GO_AWAY, engine, request))
+                effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
 
     # --- results ----------------------------------------------------------
@@ -385,15 +398,17 @@ class Processor:
     def receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
         """A result arrived on ``route``; deliver it in order, retry, or end the task.
 
-        Results for ended tasks, or from a route the task is not on (a late
-        reply from an engine it was taken from), are counted and ignored.
+        ``result.task_id`` names an attempt (the id its ``SendTask`` carried).
+        Results for ended tasks, for an earlier attempt of a task (a late reply
+        from an engine or peer it was taken from, even over the same route), or
+        from a route the task is not on are counted and ignored.
         """
         effects: list[Effect] = []
         control = self._control.get(result.task_id)
         if control is not None and control.route == route:
             self._control_replied(result.task_id, control)
             return effects
-        task = self._tasks.get(result.task_id)
+        task = self._attempts.get(result.task_id)
         if task is None or task.state not in _ON_ENGINE or task.route != route:
             self.counters.results_ignored += 1
             return effects
@@ -417,8 +432,8 @@ class Processor:
         return effects
 
     def dispatch_failed(self, now: float, task_id: str, reason: str, route: Route | None = None) -> list[Effect]:
-        """A ``SendTask`` for ``task_id`` (on ``route``, if given) could not be sent;
-        the task fails over like one whose engine was lost.
+        """A ``SendTask`` whose task carried ``task_id`` (on ``route``, if given) could
+        not be sent; the task fails over like one whose engine was lost.
 
         A stale report is harmless and does nothing: the task has ended, got a
         result, or has already moved on to another route (its stream closed
@@ -428,7 +443,7 @@ class Processor:
             if route is None or self._control[task_id].route == route:
                 del self._control[task_id]
             return []
-        task = self._tasks.get(task_id)
+        task = self._attempts.get(task_id)
         if task is None or task.state is not TaskState.DISPATCHED or (route is not None and task.route != route):
             return []
         effects: list[Effect] = []
@@ -460,6 +475,11 @@ class Processor:
     def has_task(self, task_id: str) -> bool:
         """Whether ``task_id`` is accepted and has not ended."""
         return task_id in self._tasks
+
+    def attempt_owner(self, wire_id: str) -> str | None:
+        """The task whose current attempt carries ``wire_id`` on the wire, if any."""
+        task = self._attempts.get(wire_id)
+        return None if task is None else task.id
 
     def task_state(self, task_id: str) -> TaskState:
         """The state of a live task."""
@@ -591,10 +611,13 @@ class Processor:
         task.engine = engine.key
         task.route = engine.route
         task.next_index = 0
+        task.attempt += 1
+        task.wire_id = self._attempt_id(task)
+        self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
-            id=task.id,
+            id=task.wire_id,
             request=task.request,
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
@@ -602,6 +625,18 @@ class Processor:
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
         effects.append(SendTask(engine.route, engine.key, wire))
+
+    def _attempt_id(self, task: _Task) -> str:
+        """The id attempt ``task.attempt`` carries on the wire: the task id for the first,
+        ``"{id}#{attempt}"`` for a retry, so that a late answer to an earlier attempt (a 503,
+        a peer's refusal) is never taken for the current one, even over the same route.
+        Engines and peers treat it as an opaque task id; results are mapped back here."""
+        base = task.id if task.attempt == 1 else f"{task.id}#{task.attempt}"
+        candidate, clash = base, 1
+        while candidate in self._attempts:  # another task's id happens to look like an attempt id
+            clash += 1
+            candidate = f"{base}#{clash}"
+        return candidate
 
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id
@@ -675,14 +710,13 @@ class Processor:
         self._end(task, TaskOutcome.FAILED)
 
     def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
+        """Cancel the current attempt on the route it was sent on, whether or not its
+        engine is still registered (a removed engine's older stream may still be open)."""
         if task.state not in _ON_ENGINE or task.engine is None:
             return
-        engine = self._engines.get(task.engine)
-        if engine is None:
-            return
-        request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.id))
-        send = self._control_task(_ControlKind.CANCEL, engine, request, route=task.route)
-        effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.id))
+        request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.wire_id))
+        send = self._control_task(_ControlKind.CANCEL, task.engine, task.route, request)
+        effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.wire_id))
 
     def _end(self, task: _Task, outcome: TaskOutcome) -> None:
         if task.state is TaskState.WAITING:
@@ -697,12 +731,25 @@ class Processor:
             engine = self._engines.get(task.engine)
             if engine is not None:
                 engine.in_flight.discard(task.id)
+        if task.wire_id:
+            del self._attempts[task.wire_id]
+            task.wire_id = ""
         task.engine = None
         task.route = None
 
-    def _remove(self, now: float, engines: list[_Engine], reason: str, effects: list[Effect]) -> None:
+    def _remove(
+        self, now: float, engines: list[_Engine], reason: str, effects: list[Effect], closing: Route = None
+    ) -> None:
         """Take ``engines`` out of routing first, then fail over their tasks, so
-        that no task fails over onto an engine that is going away with them."""
+        that no task fails over onto an engine that is going away with them.
+
+        A task sent on a route other than ``closing`` (the route that is ending,
+        if any) is cancelled there first: that stream may still be open (an
+        older stream of the engine, a peer that reported the engine gone), and
+        the abandoned attempt must not run on for nobody. Then every sender is
+        told which engines went (``EnginesRemoved``), so that one whose peer
+        reported them while they were registered here may register them now.
+        """
         lost: list[tuple[_Engine, _Task]] = []
         for engine in engines:
             del self._engines[engine.key]
@@ -716,7 +763,11 @@ class Processor:
                 effects.append(LocalEnginesChanged())
             lost += [(engine, self._tasks[task_id]) for task_id in sorted(engine.in_flight)]
         for engine, task in lost:
+            if task.route != closing:
+                self._stop_on_engine(task, effects)
             self._engine_lost(now, task, f"engine {engine.key.engine_id!r} removed: {reason}", effects)
+        if engines:
+            effects.append(EnginesRemoved(tuple(engine.key for engine in engines)))
 
     # --- internals: results -----------------------------------------------
 
@@ -739,6 +790,12 @@ class Processor:
             return
         task.unconsumed += 1
         task.next_index += 1
+        if result.task_id != task.id:
+            # A retry's result names its attempt; the origin knows the task by its own id.
+            renamed = worker_pb2.TaskResult()
+            renamed.CopyFrom(result)
+            renamed.task_id = task.id
+            result = renamed
         effects.append(DeliverResult(task.origin, task.id, result, last))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
@@ -748,14 +805,13 @@ class Processor:
     # --- internals: control tasks and heartbeats --------------------------
 
     def _control_task(
-        self, kind: _ControlKind, engine: _Engine, request: worker_pb2.TaskRequest, route: Route = None
+        self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest
     ) -> SendTask:
         self._control_seq += 1
         control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
-        send_route = engine.route if route is None else route
-        self._control[control_id] = _Control(kind, engine.key, send_route)
-        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.key.engine_id)
-        return SendTask(send_route, engine.key, wire)
+        self._control[control_id] = _Control(kind, engine, route)
+        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.engine_id)
+        return SendTask(route, engine, wire)
 
     def _control_replied(self, control_id: str, control: _Control) -> None:
         del self._control[control_id]
@@ -777,10 +833,10 @@ class Processor:
                 if engine.missed_heartbeats >= self.config.heartbeat_max_missed:
                     reason = f"missed {engine.missed_heartbeats} heartbeats"
                     effects.append(CloseEngine(engine.route, engine.key, reason))
-                    self._remove(now, [engine], reason, effects)
+                    self._remove(now, [engine], reason, effects, closing=engine.route)
                     continue
             request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
-            send = self._control_task(_ControlKind.HEARTBEAT, engine, request)
+            send = self._control_task(_ControlKind.HEARTBEAT, engine.key, engine.route, request)
             engine.pending_heartbeat = send.task.id
             effects.append(send)
         has_local = any(e.locality is Locality.LOCAL for e in self._engines.values())

@@ -138,7 +138,9 @@ class SendTask:
     """Send ``task`` on ``route`` (as ``ProcessTasksResponse.new_task``, or for a
     remote engine as ``ProcessTasksInternalResponse`` with ``engine.tenant_id``).
 
-    If the send fails, report it with ``Processor.dispatch_failed``.
+    ``task.id`` names this attempt on the wire: the task id for a first
+    dispatch, ``"{id}#{n}"`` for a retry (results are mapped back to the task).
+    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``.
     """
 
     route: Route
@@ -148,8 +150,8 @@ class SendTask:
 
 @dataclass(frozen=True, slots=True)
 class CancelTaskOnEngine:
-    """Tell the engine to stop ``cancelled_task_id``: send ``task`` (a
-    ``TaskRequest.cancel_task`` with an id of its own) on ``route``.
+    """Tell the engine to stop ``cancelled_task_id`` (the attempt's id on the wire):
+    send ``task`` (a ``TaskRequest.cancel_task`` with an id of its own) on ``route``.
 
     Best effort: an engine that does not know the request answers 501, which
     the processor ignores, and a failed send needs no report.
@@ -236,8 +238,27 @@ class LocalEnginesChanged:
     """
 
 
+@dataclass(frozen=True, slots=True)
+class EnginesRemoved:
+    """``engines`` left the processor (removed, their stream closed, heartbeats missed).
+
+    Every open sender hears of it (``Sender.engines_removed``): a peer may have
+    reported one of them while it was registered here on another route, and
+    that report is the only word of where the engine is now.
+    """
+
+    engines: tuple[EngineKey, ...]
+
+
 Effect = Union[
-    SendTask, CancelTaskOnEngine, DeliverResult, FailRequest, CloseEngine, TaskQueued, LocalEnginesChanged
+    SendTask,
+    CancelTaskOnEngine,
+    DeliverResult,
+    FailRequest,
+    CloseEngine,
+    TaskQueued,
+    LocalEnginesChanged,
+    EnginesRemoved,
 ]
 
 

@@ -7,7 +7,10 @@ report) whose route is the sender, or the object the adapter names as its
 route. It removes those that disappear from a report and all of them when the
 stream ends (their in-flight tasks fail over as the processor specifies). An
 engine already registered on another route (attached here, or reported by
-another peer first) is left alone. Results the peer returns go into the
+another peer first) is left alone while that registration lasts; the sender
+remembers the peer's last report and registers such an engine as soon as the
+processor says it went (``engines_removed``), since the peer re-reports only
+when something changes on its side. Results the peer returns go into the
 processor as results of the original tasks.
 
 Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
@@ -16,6 +19,8 @@ Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
   returns processor effects to perform.
 - A ``SendTask`` or ``CancelTaskOnEngine`` effect whose ``route`` is this
   sender's ``route`` becomes ``task_message(effect)``, written on the stream.
+- ``engines_removed(now, keys)`` for every ``EnginesRemoved`` effect the
+  processor emits (whatever input produced it); returns processor effects.
 - ``closed(now)`` when the stream ends; returns processor effects.
 """
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from protocol.pb import internal_pb2
+from protocol.pb import internal_pb2, status_pb2
 from protocol.processor import Processor
 from protocol.processor_types import (
     CancelTaskOnEngine,
@@ -49,6 +54,8 @@ class Sender:
         self.route: Route = self if route is None else route
         self.pod_name = ""
         self._engines: set[EngineKey] = set()
+        # The peer's last report, every entry of it, registered here or not.
+        self._reported: dict[EngineKey, status_pb2.EngineStatus] = {}
         self._closed = False
 
     def message_received(self, now: float, request: internal_pb2.ProcessTasksInternalRequest) -> list[Effect]:
@@ -77,7 +84,22 @@ class Sender:
             raise ProcessorUsageError("sender closed twice")
         self._closed = True
         self._engines.clear()
+        self._reported.clear()
         return self.processor.close_route(now, self.route, f"peer {self.pod_name!r} disconnected")
+
+    def engines_removed(self, now: float, keys: tuple[EngineKey, ...]) -> list[Effect]:
+        """Engines left the processor: register those the peer last reported, if nothing
+        else has registered them meanwhile. A closed sender registers nothing."""
+        effects: list[Effect] = []
+        if self._closed:
+            return effects
+        for key in keys:
+            status = self._reported.get(key)
+            if status is None or self.processor.engine(key.tenant_id, key.engine_id) is not None:
+                continue
+            self._engines.add(key)
+            effects += self.processor.update_engine(now, self.route, key.tenant_id, status, Locality.REMOTE)
+        return effects
 
     @property
     def engines(self) -> frozenset[EngineKey]:
@@ -88,11 +110,16 @@ class Sender:
         self.pod_name = status.pod_name
         effects: list[Effect] = []
         reported: set[EngineKey] = set()
+        self._reported = {}
         for entry in status.engine_statuses:
             key = EngineKey(entry.tenant_id, entry.engine_status.engine_id)
+            remembered = status_pb2.EngineStatus()
+            remembered.CopyFrom(entry.engine_status)
+            self._reported[key] = remembered
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is not self.route:
-                # Attached here, or reported by another peer first: that registration stays.
+                # Attached here, or reported by another peer first: that registration stays
+                # until it goes (engines_removed).
                 continue
             reported.add(key)
             effects += self.processor.update_engine(now, self.route, key.tenant_id, entry.engine_status, Locality.REMOTE)

@@ -12,6 +12,7 @@ from protocol.processor_types import (
     CloseEngine,
     DeliverResult,
     EngineKey,
+    EnginesRemoved,
     FailRequest,
     Locality,
     LocalEnginesChanged,
@@ -235,11 +236,12 @@ def test_retries_stop_after_max_retries_and_the_request_fails_with_503():
     p = make(retry_delay=0, max_retries=3)
     join(p, "e1", "m")
     submit(p, "a")
-    for _ in range(3):
-        assert sent_to(p.receive_result(T0, "route-e1", http("a", 503))) == ["e1"]
-    last = p.receive_result(T0, "route-e1", http("a", 503, body=b"overloaded"))
+    for attempt in ("a", "a#2", "a#3"):
+        assert sent_to(p.receive_result(T0, "route-e1", http(attempt, 503))) == ["e1"]
+    last = p.receive_result(T0, "route-e1", http("a#4", 503, body=b"overloaded"))
     delivered = one(last, DeliverResult)
     assert delivered.last and delivered.result.http_response.body == b"overloaded"
+    assert delivered.result.task_id == "a"
     assert not p.has_task("a")
 
 
@@ -395,7 +397,8 @@ def test_a_late_result_from_an_engine_the_task_was_taken_from_is_ignored():
     submit(p, "a")
     p.receive_result(T0, "route-e1", http("a", 503))
     assert p.receive_result(T0, "route-e1", http("a")) == []
-    assert one(p.receive_result(T0, "route-e2", http("a")), DeliverResult).last
+    assert p.receive_result(T0, "route-e2", http("a")) == []  # the first attempt's id, on the new route
+    assert one(p.receive_result(T0, "route-e2", http("a#2")), DeliverResult).last
 
 
 def test_a_consumer_that_cannot_keep_up_gets_an_error_and_other_tasks_go_on():
@@ -607,3 +610,97 @@ def test_misuse_raises_a_local_error():
         p.remove_engine(T0, "t", "nope", "x")
     with pytest.raises(ProcessorUsageError):
         ProcessorConfig(max_retries=-1, queue_timeout=-1)
+
+
+# --- attempts: findings F2 and F3 of the cluster simulation (tests/sim/FINDINGS.md) ----
+
+
+def test_a_retry_over_the_same_peer_route_has_its_own_wire_id_and_late_answers_to_the_first_are_ignored():
+    """F2: e1 and e2 are both behind one peer stream. After e1 is reported gone the task is
+    sent again on that stream; the peer's late 503 (or a late failed-send report) for the
+    first attempt must not be taken as the retry's answer."""
+    p = make(retry_delay=0)
+    join(p, "e1", "m", locality=REMOTE, route="peer")
+    join(p, "e2", "m", locality=REMOTE, route="peer")
+    assert [e.task.id for e in only(submit(p, "a"), SendTask)] == ["a"]  # the first attempt keeps the id
+    retry = one(p.remove_engine(T0, "t", "e1", "gone"), SendTask)
+    assert (retry.route, retry.engine.engine_id, retry.task.id) == ("peer", "e2", "a#2")
+    assert p.attempt_owner("a#2") == "a" and p.attempt_owner("a") is None
+    assert p.receive_result(T0, "peer", http("a", 503)) == []
+    assert p.receive_result(T0, "peer", http("a", 503, body=b"task 'a' is already running")) == []
+    assert p.dispatch_failed(T0, "a", "stream closed", route="peer") == []
+    assert p.task_state("a") is TaskState.DISPATCHED and p.counters.retries == 1
+    delivered = one(p.receive_result(T0, "peer", http("a#2", body=b"ok")), DeliverResult)
+    assert (delivered.task_id, delivered.result.task_id, delivered.result.http_response.body) == ("a", "a", b"ok")
+    assert delivered.last and not p.has_task("a")
+
+
+def test_an_attempt_id_never_clashes_with_another_task_that_uses_it_as_its_own_id():
+    """Task ids are opaque: a peer may forward a task whose id looks like a retry's wire id."""
+    p = make(retry_delay=0)
+    join(p, "e1", "m")
+    join(p, "e2", "m")
+    assert sent_to(submit(p, "a#2")) == ["e1"]
+    assert sent_to(submit(p, "a")) == ["e2"]
+    retry = one(p.receive_result(T0, "route-e2", http("a", 503)), SendTask)
+    assert retry.task.id not in ("a", "a#2") and p.attempt_owner(retry.task.id) == "a"
+    assert p.attempt_owner("a#2") == "a#2"
+    assert one(p.receive_result(T0, "route-e1", http("a#2")), DeliverResult).task_id == "a#2"
+    assert one(p.receive_result(T0, "route-e1", http(retry.task.id)), DeliverResult).task_id == "a"
+
+
+def test_a_task_failed_over_from_a_removed_engine_is_cancelled_on_its_older_still_open_stream():
+    """F3: e0 reconnected on stream B while stream A (told to go away) still runs task a.
+    When B ends, e0 goes and a fails over, but A is still open: a is cancelled there first."""
+    p = make(retry_delay=0)
+    join(p, "e0", "m", route="stream-A")
+    join(p, "e1", "m", locality=REMOTE, route="peer")
+    assert sent_to(submit(p, "a")) == ["e0"]
+    join(p, "e0", "m", route="stream-B")
+    effects = p.close_route(T0, "stream-B", "engine stream ended")
+    cancel = one(effects, CancelTaskOnEngine)
+    assert (cancel.route, cancel.engine, cancel.cancelled_task_id) == ("stream-A", EngineKey("t", "e0"), "a")
+    assert cancel.task.request.cancel_task.task_id == "a"
+    retry = one(effects, SendTask)
+    assert effects.index(cancel) < effects.index(retry) and retry.engine.engine_id == "e1"
+    # The engine's answer to the cancel on A is consumed, not taken for a task.
+    assert p.receive_result(T0, "stream-A", http(cancel.task.id, 501)) == []
+    assert p.counters.results_ignored == 0
+
+
+def test_a_remote_engine_reported_gone_has_its_tasks_cancelled_on_the_peer_stream():
+    """The peer stream stays open when its report drops an engine: the abandoned attempt is
+    cancelled there, whether the task is retried or fails (it had started streaming)."""
+    p = make(retry_delay=0)
+    join(p, "e1", "m", locality=REMOTE, route="peer")
+    submit(p, "a")
+    submit(p, "b", request=chat(stream=True))
+    p.receive_result(T0, "peer", http("b"))
+    effects = p.remove_engine(T0, "t", "e1", "no longer reported")
+    assert sorted((c.route, c.cancelled_task_id) for c in only(effects, CancelTaskOnEngine)) == [
+        ("peer", "a"), ("peer", "b")]
+    assert one(effects, FailRequest).status == 502
+
+
+def test_no_cancel_is_sent_on_the_stream_that_is_closing():
+    """A closed stream cannot carry a cancel: close_route and a heartbeat give-up send none there."""
+    p = make(retry_delay=0, heartbeat_interval=1.0, heartbeat_max_missed=1)
+    join(p, "e0", "m")
+    join(p, "e1", "m")
+    submit(p, "a")
+    assert not only(p.close_route(T0, "route-e0", "ended"), CancelTaskOnEngine)
+    p.handle_timeout(T0 + 1)
+    effects = p.handle_timeout(T0 + 2)
+    assert one(effects, CloseEngine).route == "route-e1"
+    assert not only(effects, CancelTaskOnEngine)
+
+
+def test_engines_leaving_are_announced_for_the_senders():
+    """F1's hook: every removal names the engines that went (senders may register them)."""
+    p = make()
+    join(p, "e0", "m", route="s")
+    join(p, "e1", "m", route="s")
+    join(p, "e2", "m", locality=REMOTE, route="peer")
+    assert one(p.close_route(T0, "s", "ended"), EnginesRemoved).engines == (EngineKey("t", "e0"), EngineKey("t", "e1"))
+    assert one(p.remove_engine(T0, "t", "e2", "gone"), EnginesRemoved).engines == (EngineKey("t", "e2"),)
+    assert not only(p.close_route(T0, "nothing-here", "ended"), EnginesRemoved)

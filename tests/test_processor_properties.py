@@ -63,7 +63,7 @@ class World:
         self.ended: dict[str, str] = {}
         self.delivered: dict[str, list[int]] = defaultdict(list)
         self.unconsumed: dict[str, int] = defaultdict(int)
-        # What each fake engine has been asked to run: task id -> (route, engine id, next index).
+        # What each fake engine has been asked to run: attempt (wire) id -> (route, engine id, next index).
         self.on_engine: dict[str, tuple[str, str, int]] = {}
         self.route_gen: dict[str, int] = defaultdict(int)
 
@@ -89,7 +89,8 @@ class World:
             elif isinstance(effect, FailRequest):
                 self.end(effect.task_id, f"failed {effect.status}")
             elif isinstance(effect, CancelTaskOnEngine):
-                assert not self.p.has_task(effect.cancelled_task_id), "an engine told to stop a live task"
+                # The attempt it names is over (its task ended or moved on to another attempt).
+                assert self.p.attempt_owner(effect.cancelled_task_id) is None, "an engine told to stop a live attempt"
             elif isinstance(effect, CloseEngine):
                 self.p.close_route(self.now, effect.route, "closed")
 
@@ -97,7 +98,8 @@ class World:
         assert task_id in self.accepted, f"unknown task {task_id} ended"
         assert task_id not in self.ended, f"{task_id} ended twice: {self.ended[task_id]}, then {how}"
         self.ended[task_id] = how
-        self.on_engine.pop(task_id, None)
+        for attempt in [a for a in self.on_engine if a == task_id or a.startswith(f"{task_id}#")]:
+            del self.on_engine[attempt]
 
     def live(self, index: int) -> str | None:
         live = [t for t in self.accepted if t not in self.ended]

@@ -16,6 +16,7 @@ from protocol.processor_types import (
     CancelTaskOnEngine,
     DeliverResult,
     EngineKey,
+    EnginesRemoved,
     FailRequest,
     Locality,
     LocalEnginesChanged,
@@ -84,7 +85,7 @@ def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
     s.message_received(T0, report("pod-b", ("t", "e1", True), ("t", "e2", True)))
     submit(p, "a")  # goes to e1 (fewest in flight, then id)
     effects = s.message_received(T0, report("pod-b", ("t", "e2", True)))
-    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("e2", "a")]
+    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("e2", "a#2")]
     assert s.engines == {EngineKey("t", "e2")}
 
 
@@ -106,7 +107,7 @@ def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_o
     submit(p, "a")
     p.update_engine(T0, "engine:local", "t", engine_status("local", "m"), Locality.LOCAL)
     effects = s.closed(T0)
-    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("local", "a")]
+    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("local", "a#2")]
     assert p.engine_counts() == {("t", Locality.LOCAL): 1}
 
 
@@ -133,6 +134,82 @@ def test_misuse_and_remote_violations_raise_distinct_errors():
     s.closed(T0)
     with pytest.raises(ProcessorUsageError):
         s.closed(T0)
+
+
+# --- F1 of the cluster simulation: reports shadowed by another registration -----------
+
+
+def removed(effects: list[object]) -> tuple[EngineKey, ...]:
+    return one(effects, EnginesRemoved).engines
+
+
+def test_an_engine_a_peer_reported_while_it_was_attached_here_is_registered_once_the_local_one_goes():
+    """F1: e0 is attached here and also reports through pod-c (it reconnected there while its
+    old stream here lingers). When the old stream ends, pod-c's earlier report is the only
+    word of where e0 is: pod-c will not report again, since nothing changed on its side."""
+    p = Processor(ProcessorConfig(queue_timeout=30))
+    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    s = Sender(p)
+    assert s.message_received(T0, report("pod-c", ("t", "e0", True))) == []
+    assert p.engine("t", "e0").locality is Locality.LOCAL and s.engines == frozenset()
+    gone = removed(p.close_route(T0, "engine:e0", "stream ended"))
+    assert p.engine("t", "e0") is None
+    submit(p, "a")  # waits: no engine for m yet
+    effects = s.engines_removed(T0, gone)
+    assert p.engine("t", "e0").route is s and p.engine("t", "e0").locality is Locality.REMOTE
+    assert s.engines == {EngineKey("t", "e0")}
+    assert [(e.route, e.task.id) for e in only(effects, SendTask)] == [(s, "a")]
+
+
+def test_an_engine_shadowed_by_another_peers_registration_is_registered_once_that_one_goes():
+    """The engine moved from pod-b to pod-c, and pod-c's report came first."""
+    p = Processor()
+    b, c = Sender(p), Sender(p)
+    b.message_received(T0, report("pod-b", ("t", "e0", True)))
+    c.message_received(T0, report("pod-c", ("t", "e0", True)))
+    assert p.engine("t", "e0").route is b
+    gone = removed(b.message_received(T0, report("pod-b")))
+    assert c.engines_removed(T0, gone) == [] and p.engine("t", "e0").route is c
+
+
+def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_report_still_counts():
+    """The inverse case: pod-c's registration is overridden by a local attach (no new report
+    from pod-c), then the local stream ends: e0 is pod-c's again, from its last report."""
+    p = Processor()
+    c = Sender(p)
+    c.message_received(T0, report("pod-c", ("t", "e0", True)))
+    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    assert p.engine("t", "e0").route == "engine:e0"
+    c.engines_removed(T0, removed(p.close_route(T0, "engine:e0", "stream ended")))
+    assert p.engine("t", "e0").route is c
+    c.message_received(T0, report("pod-c"))  # and pod-c's own removal still works
+    assert p.engine("t", "e0") is None
+
+
+def test_a_sender_registers_only_what_its_peer_still_reports_and_nothing_once_closed():
+    p = Processor()
+    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    c, d = Sender(p), Sender(p)
+    c.message_received(T0, report("pod-c", ("t", "e0", True)))
+    c.message_received(T0, report("pod-c"))  # pod-c no longer has e0
+    d.message_received(T0, report("pod-d", ("t", "e1", True)))
+    d.closed(T0)
+    assert c.engines_removed(T0, removed(p.close_route(T0, "engine:e0", "ended"))) == []
+    assert d.engines_removed(T0, removed(p.close_route(T0, "engine:e1", "ended"))) == []
+    assert p.engine_counts() == {}
+
+
+def test_an_engine_that_reconnected_to_a_peer_is_reached_through_it_once_its_old_stream_here_ends(net):
+    """F1 end to end: eb is attached to B and also, on a stream that lingers, to A; when
+    that stream ends, A routes to eb through B without B reporting again."""
+    network, a, b = net
+    a.engine_joins("eb")
+    assert a.p.engine("t", "eb").locality is Locality.LOCAL
+    a.dispatch(a.p.close_route(network.now, "engine:eb", "old stream ended"))
+    assert a.p.engine("t", "eb").locality is Locality.REMOTE
+    a.request("task-1")
+    assert [t.id for t in b.engine_inbox["eb"]] == ["task-1"]
 
 
 # --- two gateways, end to end ---------------------------------------------------------
@@ -176,6 +253,9 @@ class Gateway:
             elif isinstance(effect, LocalEnginesChanged):
                 for receiver in self.receivers:
                     receiver.local_engines_changed(self.network.now)
+            elif isinstance(effect, EnginesRemoved):
+                for sender in [s for _, _, s, sending in self.network.links if sending is self]:
+                    self.dispatch(sender.engines_removed(self.network.now, effect.engines))
         self.network.pump()
 
     def engine_joins(self, engine_id: str, ready: bool = True) -> None:
@@ -284,7 +364,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     assert a.p.engine("t", "eb") is None
     a.engine_joins("ea")
     network.tick(RETRY_DELAY)
-    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
 
 
 def test_a_task_refused_by_a_peer_whose_engine_is_not_ready_waits_for_another_engine(net):
@@ -296,7 +376,7 @@ def test_a_task_refused_by_a_peer_whose_engine_is_not_ready_waits_for_another_en
     network.tick(RETRY_DELAY)
     assert a.p.task_state("task-1") is TaskState.WAITING
     a.engine_joins("ea")
-    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
 
 
 def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_origin_retries(net):
@@ -307,8 +387,8 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
     b.dispatch(b.p.remove_engine(network.now, "t", "eb", "crashed"))
     assert a.p.engine("t", "eb") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
     network.tick(RETRY_DELAY)
-    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1"]
-    a.engine_says("ea", http("task-1", body=b"ok"))
+    assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
+    a.engine_says("ea", http("task-1#2", body=b"ok"))
     assert [r.http_response.body for r in a.client["task-1"]] == [b"ok"]
 
 
