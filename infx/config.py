@@ -45,6 +45,8 @@ class GatewayConfig:
     internal_secret: str | None = None
     #: Models served by an in-process echo engine (what ``tools/run`` starts).
     echo_models: tuple[str, ...] = ()
+    #: Seconds between the built-in echo engine's streamed words (0: as fast as it can).
+    echo_token_delay: float = 0.01
     #: Seconds a task may wait for an engine that serves its model.
     queue_timeout: float = 30.0
     #: Deadline of a task whose client set none, in seconds.
@@ -107,6 +109,10 @@ def host_port(value: str, option: str) -> tuple[str, int]:
     return match.group(1).strip("[]"), int(match.group(2))
 
 
+#: Durations for which 0 is meaningful rather than a mistake.
+_ZERO_ALLOWED = frozenset({"echo_token_delay"})
+
+
 def _split_list(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return tuple(item.strip() for item in value.split(",") if item.strip())
@@ -129,7 +135,7 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             raise ValueError(value)
         if kind == "float":
             number = float(value)
-            if not number > 0:
+            if not (number > 0 or (number == 0 and name in _ZERO_ALLOWED)) or number == float("inf"):
                 raise ValueError(value)
             return number
         if kind == "int":

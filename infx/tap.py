@@ -1,15 +1,87 @@
-"""``twistd infx``: command-line options and the gateway's service tree."""
+"""``twistd infx``: command-line options and the gateway's service tree.
 
-from twisted.application.service import IService, MultiService
+Each option has a YAML key of the same name (see :mod:`infx.config`);
+``--config FILE`` reads them, and flags given here win over the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.service import IService
 from twisted.python import usage
+
+from infx.auth import KeyFileError, KeyStore
+from infx.config import ConfigError, GatewayConfig, build_config, load_yaml
+
+_DEFAULTS = GatewayConfig()
+
+# Task exchange between gateway replicas (infx/exchanger.py).
+_FLAGS: list[list[str | None]] = [
+    ["kube", None, "Discover peer gateways by watching this namespace's pods (POD_NAME, NAMESPACE, "
+                   "in-cluster config or KUBECONFIG); exclusive with --peers."],
+    ["scaler", None, "Scale engine deployments labelled infx.io/scalable=true from zero and by load "
+                     "(needs --kube)."],
+]
+_EXCHANGE_PARAMETERS: list[list[Any]] = [
+    ["internal-grpc", None, None,
+     f"Peer-facing gRPC listen port or endpoint [default: {_DEFAULTS.internal_grpc}]."],
+    ["peers", None, None, "Static peer gateways' internal addresses, HOST:PORT,... (no Kubernetes needed)."],
+    ["peer-port", None, None, "With --kube: port dialled on each peer pod's IP [default: the internal port's number]."],
+    ["pod-label", None, None, f"With --kube: key=value label of the gateway's pods [default: {_DEFAULTS.pod_label}]."],
+    ["internal-secret", None, None,
+     "Shared secret peers present as 'authorization: Bearer ...' (peer auth is off without it)."],
+    ["status-interval", None, None,
+     f"Seconds between checks that re-report local engines to peers [default: {_DEFAULTS.status_interval:g}]."],
+]
 
 
 class Options(usage.Options):
-    """Options of ``twistd infx``."""
+    """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
-    optParameters: list[list[str | None]] = []
+    optFlags: list[list[str | None]] = _FLAGS
+    optParameters: list[list[Any]] = [
+        ["config", "c", None, "YAML file with any of these options as keys (flags win)."],
+        ["http", None, None, f"HTTP API listen port or endpoint [default: {_DEFAULTS.http}]."],
+        ["worker-grpc", None, None, f"Engine-facing gRPC listen port or endpoint [default: {_DEFAULTS.worker_grpc}]."],
+        ["echo-models", None, None,
+         "Comma-separated models served by a built-in echo engine in this process (for trying infx)."],
+        ["echo-token-delay", None, None,
+         f"Seconds between the built-in echo engine's streamed words [default: {_DEFAULTS.echo_token_delay:g}]."],
+        ["api-keys", None, None, "YAML file of API keys and tenants (auth is off without it)."],
+        ["queue-timeout", None, None, f"Seconds a task waits for an engine [default: {_DEFAULTS.queue_timeout:g}]."],
+        ["max-task-duration", None, None,
+         f"Deadline of a task whose client set none, seconds [default: {_DEFAULTS.max_task_duration:g}]."],
+        ["max-body-size", None, None, f"Largest HTTP request body, bytes [default: {_DEFAULTS.max_body_size}]."],
+        ["max-message-size", None, None,
+         f"Largest gRPC message to/from engines, bytes [default: {_DEFAULTS.max_message_size}]."],
+        ["grace-period", None, None,
+         f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
+        *_EXCHANGE_PARAMETERS,
+    ]
+
+    config_value: GatewayConfig
+
+    def postOptions(self) -> None:
+        flags = {name: self[name] for name in self if name != "config"}
+        flags.update(self._flag_values())
+        try:
+            file_values = load_yaml(self["config"]) if self["config"] else {}
+            self.config_value = build_config(file_values, flags)
+            if self.config_value.api_keys:
+                KeyStore.from_file(self.config_value.api_keys)
+        except (ConfigError, KeyFileError) as e:
+            raise usage.UsageError(str(e)) from None
+
+    def _flag_values(self) -> dict[str, Any]:
+        # An absent flag is None, not False, so that the config file's value stands.
+        return {name: (True if self[name] else None) for name, *_ in _FLAGS if name is not None}
 
 
 def makeService(options: Options) -> IService:
     """Build the gateway's service tree from validated options."""
-    return MultiService()
+    from twisted.internet import reactor
+
+    from infx.service import build_gateway
+
+    return build_gateway(reactor, options.config_value)

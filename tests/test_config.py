@@ -52,3 +52,9 @@ def test_config_file_must_be_a_yaml_mapping(tmp_path):
         load_yaml(str(path))
     with pytest.raises(ConfigError, match="cannot read"):
         load_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_echo_token_delay_may_be_zero_but_not_negative():
+    assert build_config({}, {"echo_token_delay": "0"}).echo_token_delay == 0.0
+    with pytest.raises(ConfigError, match="--echo-token-delay"):
+        build_config({}, {"echo_token_delay": "-0.5"})
