@@ -1,0 +1,437 @@
+"""The task exchanger in one process over real loopback sockets: gateways lend each other
+their engines, reports never loop, the secret is enforced, receivers follow the pod source
+and redial with backoff, and a draining gateway lets forwarded tasks finish."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import openai
+import pytest
+import pytest_twisted
+from twisted.internet import defer, reactor, task, threads
+
+from infx.config import build_config
+from infx.exchanger import Exchanger, ExchangerConfig, PeerReceiver, ReceiverLoopState
+from infx.service import GatewayService
+from protocol.peers import Backoff, PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
+from protocol.processor_types import Locality
+
+LOOPBACK = "tcp:0:interface=127.0.0.1"
+
+
+@pytest.fixture
+def gateways():
+    started: list[GatewayService] = []
+
+    @pytest_twisted.inlineCallbacks
+    def start(name: str, **options: Any):
+        config = build_config({}, {"http": LOOPBACK, "worker_grpc": LOOPBACK, "internal_grpc": LOOPBACK,
+                                   "status_interval": 0.5, **options})
+        gateway = GatewayService(reactor, config, pod_name=name)
+        yield gateway.startService()
+        started.append(gateway)
+        return gateway
+
+    yield start
+    for gateway in reversed(started):
+        if gateway.running:
+            pytest_twisted.blockon(gateway.stopService())
+
+
+def internal_address(gateway: GatewayService) -> str:
+    return f"127.0.0.1:{gateway.internal_grpc.port.getHost().port}"
+
+
+def base_url(gateway: GatewayService) -> str:
+    return f"http://127.0.0.1:{gateway.http.port.getHost().port}/v1"
+
+
+@defer.inlineCallbacks
+def until(condition: Callable[[], bool], timeout: float = 10.0):
+    """Poll the reactor until ``condition()`` holds; fail after ``timeout`` seconds."""
+    deadline = reactor.seconds() + timeout
+    while not condition():
+        if reactor.seconds() > deadline:
+            raise AssertionError("condition not met in time")
+        yield task.deferLater(reactor, 0.02, lambda: None)
+
+
+def engines(gateway: GatewayService) -> dict[tuple[str, Locality], int]:
+    return gateway.processor.engine_counts()
+
+
+def chat(base: str, **kwargs: Any) -> Any:
+    client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=10)
+    return client.chat.completions.create(messages=[{"role": "user", "content": "hello infx world"}], **kwargs)
+
+
+@pytest_twisted.inlineCallbacks
+def test_engine_of_a_peer_serves_requests_arriving_here_and_is_never_re_advertised(gateways):
+    c = yield gateways("c")
+    a = yield gateways("a", peers=internal_address(c))
+    # b dials a and reports its local engine there.
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+
+    reply = yield threads.deferToThread(chat, base_url(a), model="m")
+    assert reply.choices[0].message.content == "hello infx world"
+
+    def streamed() -> str:
+        return "".join(c.choices[0].delta.content or "" for c in chat(base_url(a), model="m", stream=True) if c.choices)
+
+    assert (yield threads.deferToThread(streamed)) == "hello infx world"
+    # a dials c, but reports only its local engines (none): b's engine does not travel on.
+    yield until(lambda: [s.pod_name for s in c.exchanger.streams] == ["a"])
+    yield task.deferLater(reactor, 0.6, lambda: None)  # more than one status interval
+    assert engines(c) == {}
+    assert engines(b) == {("default", Locality.LOCAL): 1}
+    assert a.processor.status()["tasks"] == 0 and b.processor.status()["tasks"] == 0
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_with_the_wrong_secret_is_refused_and_its_receiver_keeps_redialling(gateways):
+    a = yield gateways("a", internal_secret="right")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a), internal_secret="wrong")
+    receiver = b.exchanger.receivers[internal_address(a)]
+    yield until(lambda: receiver.failures >= 2)
+    assert receiver.streams_opened == 0
+    assert engines(a) == {} and a.exchanger.streams == set()
+
+
+@pytest_twisted.inlineCallbacks
+def test_the_same_secret_on_both_sides_lets_engines_through(gateways):
+    a = yield gateways("a", internal_secret="s3cret")
+    yield gateways("b", echo_models="m", peers=internal_address(a), internal_secret="s3cret")
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_that_stops_takes_its_engines_with_it_and_its_return_restores_them(gateways):
+    a = yield gateways("a")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+    yield b.stopService()
+    assert engines(a) == {}
+    # a stream from a new b (same pod name) registers the engine again.
+    yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_newer_stream_from_the_same_pod_replaces_the_older_one(gateways):
+    a = yield gateways("a")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: len(a.exchanger.streams) == 1 and engines(a) == {("default", Locality.REMOTE): 1})
+    first = next(iter(a.exchanger.streams))
+    # A second dialler reporting under the same pod name: b reconnected over a new connection.
+    twin = yield gateways("b", peers=internal_address(a))
+    yield until(lambda: first not in a.exchanger.streams and len(a.exchanger.streams) == 1)
+    assert first.closed
+    # The twin has no engines: its report replaced b's registration.
+    assert engines(a) == {}
+    assert twin.exchanger.receivers[internal_address(a)].streams_opened == 1
+
+
+@pytest_twisted.inlineCallbacks
+def test_an_engine_two_peers_report_is_reached_through_the_second_once_the_first_goes(gateways):
+    """F1 of tests/sim/FINDINGS.md over real sockets: b and c both report an engine named
+    builtin-echo; a registers b's (first) and skips c's. When b stops, a registers c's from
+    c's last report, though c has nothing new to report."""
+    a = yield gateways("a")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+    yield gateways("c", echo_models="m", peers=internal_address(a))
+    yield until(lambda: sorted(s.pod_name for s in a.exchanger.streams) == ["b", "c"])
+
+    def reported_by() -> str:
+        view = a.processor.engine("default", "builtin-echo")
+        return "" if view is None else view.route.pod_name
+
+    assert reported_by() == "b"
+    yield b.stopService()
+    yield until(lambda: reported_by() == "c")
+    reply = yield threads.deferToThread(chat, base_url(a), model="m")
+    assert reply.choices[0].message.content == "hello infx world"
+
+
+class FakePods:
+    """A pod source driven by the test: the peers it holds are what reconcile reads."""
+
+    def __init__(self, on_change: Callable[[PeerChange], None]) -> None:
+        self.on_change = on_change
+        self.peers: dict[str, PeerAddress] = {}
+        self.started = self.stopped = False
+
+    def start(self) -> None:
+        self.started = True
+
+    def stop(self) -> defer.Deferred[None]:
+        self.stopped = True
+        return defer.succeed(None)
+
+    def change(self, change: PeerChange) -> None:
+        if isinstance(change, PeerRemoved):
+            del self.peers[change.name]
+        else:
+            self.peers[change.name] = change.address
+        self.on_change(change)
+
+
+@pytest_twisted.inlineCallbacks
+def test_receivers_follow_the_pod_source_one_per_live_pod_at_its_current_address(gateways):
+    a = yield gateways("a")
+    channels: list[PeerAddress] = []
+
+    def connect(address: PeerAddress):
+        channels.append(address)
+        return a._peer_channel(address)
+
+    pods: list[FakePods] = []
+    config = ExchangerConfig("x", backoff=Backoff(initial=0.05, cap=0.1))
+    exchanger = Exchanger(reactor, a.dispatcher, config, lambda cb: pods.append(FakePods(cb)) or pods[0], connect,
+                          random.Random(1))
+    exchanger.start()
+    source = pods[0]
+    b_addr, b_moved = PeerAddress("127.0.0.1", 1), PeerAddress("127.0.0.1", 2)
+    source.change(PeerAdded("b", b_addr))
+    source.change(PeerAdded("c", PeerAddress("127.0.0.1", 3)))
+    first = exchanger.receivers["b"]
+    assert {name: r.address for name, r in exchanger.receivers.items()} == {"b": b_addr, "c": PeerAddress("127.0.0.1", 3)}
+    source.change(PeerAddressChanged("b", b_addr, b_moved))
+    assert exchanger.receivers["b"].address == b_moved and exchanger.receivers["b"] is not first
+    yield until(lambda: first.state is ReceiverLoopState.STOPPED)
+    source.change(PeerRemoved("c", PeerAddress("127.0.0.1", 3)))
+    assert list(exchanger.receivers) == ["b"]
+    # Nothing listens at b's address: the receiver redials with backoff, never giving up.
+    yield until(lambda: exchanger.receivers["b"].failures >= 3)
+    exchanger.reconcile("b")  # the same state: the same receiver
+    assert exchanger.receivers["b"].failures >= 3
+    yield exchanger.drain()
+    yield exchanger.stop()
+    assert source.stopped
+    assert all(r.state is ReceiverLoopState.STOPPED for r in exchanger.receivers.values())
+    exchanger.reconcile("b")  # shutting down: no receiver is created again
+    assert channels.count(b_moved) >= 3
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_receiver_that_fails_on_its_own_is_recreated_after_a_backoff_delay(gateways):
+    a = yield gateways("a")
+    sources: list[FakePods] = []
+    calls: list[PeerAddress] = []
+
+    def connect(address: PeerAddress):
+        calls.append(address)
+        if len(calls) == 1:
+            raise RuntimeError("a broken channel factory")
+        return a._peer_channel(address)
+
+    exchanger = Exchanger(reactor, a.dispatcher, ExchangerConfig("x", backoff=Backoff(initial=0.05, cap=0.1)),
+                          lambda cb: sources.append(FakePods(cb)) or sources[0], connect)
+    exchanger.start()
+    sources[0].change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))
+    assert "b" not in exchanger.receivers  # failed at once; its replacement waits
+    exchanger.reconcile("b")
+    assert "b" not in exchanger.receivers and len(calls) == 1
+    yield until(lambda: "b" in exchanger.receivers)
+    assert exchanger.receivers["b"].state is not ReceiverLoopState.STOPPED
+    yield exchanger.stop()
+    assert len(calls) >= 2
+
+
+@pytest_twisted.inlineCallbacks
+def test_draining_receiver_reports_not_ready_then_half_closes_once_forwarded_tasks_ended(gateways):
+    a = yield gateways("a")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+    receiver = b.exchanger.receivers[internal_address(a)]
+    yield b.exchanger.drain()
+    assert receiver.state is ReceiverLoopState.STOPPED
+    # a saw the stream end cleanly: b's engine is gone there, and no stream is left.
+    yield until(lambda: engines(a) == {} and a.exchanger.streams == set())
+
+
+# --- the receiver's redial schedule, on a hand-stepped clock ---------------------------------
+
+
+class RefusingEndpoint:
+    """A client endpoint whose every connection attempt is refused at once."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def connect(self, factory: Any) -> defer.Deferred[Any]:
+        self.attempts += 1
+        return defer.fail(ConnectionRefusedError())
+
+
+def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_to_the_cap():
+    from prometheus_client import CollectorRegistry
+
+    from infx.dispatcher import Dispatcher
+    from infx.metrics import GatewayMetrics
+    from infx.transport import GrpcChannel
+    from protocol.processor import Processor
+
+    clock = task.Clock()
+    dispatcher = Dispatcher(clock, Processor(), GatewayMetrics(CollectorRegistry()))
+    endpoint = RefusingEndpoint()
+    backoff = Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.5)
+    stopped: list[PeerReceiver] = []
+    receiver = PeerReceiver(clock, dispatcher, ExchangerConfig("me", backoff=backoff), "b", PeerAddress("10.0.0.2", 8083),
+                            lambda address: GrpcChannel(clock, endpoint), stopped.append, random.Random(7))
+    receiver.start()
+    expected_rng = random.Random(7)
+    for failures in range(1, 7):
+        assert endpoint.attempts == failures and receiver.state is ReceiverLoopState.BACKING_OFF
+        delay = backoff.delay(failures, expected_rng)
+        assert 0.5 * min(5.0, 2.0 ** (failures - 1)) <= delay <= min(5.0, 2.0 ** (failures - 1))
+        clock.advance(delay * 0.999)
+        assert endpoint.attempts == failures  # not before its time
+        clock.advance(delay * 0.001 + 1e-9)
+    assert receiver.failures == endpoint.attempts == 7
+    d = receiver.stop()
+    clock.advance(60)
+    assert d.called and stopped == [receiver] and receiver.state is ReceiverLoopState.STOPPED
+    assert endpoint.attempts == 7  # none after stop
+
+
+# --- remote violations, over loopback -----------------------------------------------------------
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_that_sends_results_before_any_status_or_an_empty_message_is_cut_off(gateways):
+    from infx.exchanger import PROCESS_TASKS_INTERNAL
+    from infx.transport import GrpcChannel, client_endpoint
+    from protocol.grpc import StatusCode
+    from protocol.pb import internal_pb2, worker_pb2
+
+    a = yield gateways("a", echo_models="m")
+    port = a.internal_grpc.port.getHost().port
+    channel = GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port))
+    try:
+        def open_call():
+            return channel.stream(PROCESS_TASKS_INTERNAL, internal_pb2.ProcessTasksInternalRequest.SerializeToString,
+                                  internal_pb2.ProcessTasksInternalResponse.FromString)
+
+        call = open_call()
+        yield call.send(internal_pb2.ProcessTasksInternalRequest(task_result=worker_pb2.TaskResult(task_id="x")))
+        status = yield call.status()
+        assert status.code == StatusCode.FAILED_PRECONDITION
+
+        call = open_call()
+        yield call.send(internal_pb2.ProcessTasksInternalRequest(server_status=internal_pb2.ServerStatus(pod_name="z")))
+        yield call.send(internal_pb2.ProcessTasksInternalRequest())
+        status = yield call.status()
+        assert status.code == StatusCode.INVALID_ARGUMENT
+        assert a.exchanger.streams == set()
+    finally:
+        yield channel.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_that_forwards_a_task_without_an_id_is_cut_off_and_redialled(gateways):
+    from infx.exchanger import PROCESS_TASKS_INTERNAL
+    from infx.transport import CallKind, GrpcServer, listen_grpc
+    from protocol.grpc import GrpcConfig
+    from protocol.pb import internal_pb2
+
+    server = GrpcServer(reactor, GrpcConfig(client_side=False))
+    served: list[int] = []
+
+    async def misbehave(call):
+        served.append(1)
+        call.send_initial_metadata()
+        await call.recv()  # the status report
+        await call.send(internal_pb2.ProcessTasksInternalResponse(tenant_id="t"))
+        await call.when_cancelled()
+
+    server.add_method(PROCESS_TASKS_INTERNAL, misbehave, internal_pb2.ProcessTasksInternalRequest.FromString,
+                      internal_pb2.ProcessTasksInternalResponse.SerializeToString, kind=CallKind.STREAM_STREAM)
+    port = yield listen_grpc(reactor, "tcp:0:interface=127.0.0.1", server)
+    b = yield gateways("b", echo_models="m", peers=f"127.0.0.1:{port.getHost().port}")
+    try:
+        receiver = next(iter(b.exchanger.receivers.values()))
+        yield until(lambda: receiver.streams_opened >= 2)
+        assert b.processor.status()["tasks"] == 0
+    finally:
+        yield b.stopService()
+        yield port.stopListening()
+
+
+# --- tenants travel with engines and tasks -------------------------------------------------------
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_engine_serves_only_its_own_tenant_here(gateways, tmp_path):
+    import yaml
+
+    from infx.engine import EngineAgent
+    from infx.runtimes import EchoRuntime
+    from infx.transport import GrpcChannel, client_endpoint
+    from protocol.echo import EchoConfig
+    from protocol.engine_agent import AgentConfig, EngineAgentCore
+
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(yaml.safe_dump({
+        "keys": [{"key": "sk-team", "tenant": "team"}, {"key": "sk-other", "tenant": "other"}],
+        "engine_keys": [{"key": "ek-team", "tenant": "team"}],
+    }))
+    a = yield gateways("a", api_keys=str(keys))
+    b = yield gateways("b", api_keys=str(keys), peers=internal_address(a))
+    worker = b.worker_grpc.port.getHost().port
+    engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="e-team", models=("m",))),
+                         EchoRuntime(reactor, EchoConfig(token_delay=0)),
+                         lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker)), key="ek-team",
+                         grace=1)
+    engine.startService()
+    try:
+        yield until(lambda: engines(a) == {("team", Locality.REMOTE): 1})
+        client = openai.OpenAI(base_url=base_url(a), api_key="sk-team", max_retries=0, timeout=10)
+        reply = yield threads.deferToThread(
+            client.chat.completions.create, model="m", messages=[{"role": "user", "content": "hi there"}])
+        assert reply.choices[0].message.content == "hi there"
+        other = openai.OpenAI(base_url=base_url(a), api_key="sk-other", max_retries=0, timeout=10)
+        with pytest.raises(openai.NotFoundError):
+            yield threads.deferToThread(
+                other.chat.completions.create, model="m", messages=[{"role": "user", "content": "hi"}])
+    finally:
+        yield engine.stopService()
+
+
+# --- twistd infx options ------------------------------------------------------------------------------
+
+
+def test_exchange_options_reach_the_config_and_conflicts_are_usage_errors(tmp_path):
+    from twisted.python import usage
+
+    from infx.tap import Options
+
+    options = Options()
+    options.parseOptions(["--internal-grpc", "tcp:9083:interface=127.0.0.2", "--peers", "127.0.0.3:9083,127.0.0.4:9083",
+                          "--internal-secret", "s", "--status-interval", "2.5"])
+    config = options.config_value
+    assert (config.internal_grpc, config.peers, config.internal_secret, config.status_interval, config.kube) == (
+        "tcp:9083:interface=127.0.0.2", ("127.0.0.3:9083", "127.0.0.4:9083"), "s", 2.5, False)
+    assert config.effective_peer_port == 9083
+
+    yaml_file = tmp_path / "infx.yaml"
+    yaml_file.write_text("kube: true\npeer_port: 7000\n")
+    options = Options()
+    options.parseOptions(["--config", str(yaml_file), "--pod-label", "role=gateway"])
+    assert options.config_value.kube  # an absent --kube flag leaves the file's value alone
+    assert options.config_value.pod_label_pair == ("role", "gateway")
+    assert options.config_value.effective_peer_port == 7000
+
+    with pytest.raises(usage.UsageError, match="exclusive"):
+        Options().parseOptions(["--kube", "--peers", "127.0.0.3:9083"])
+    with pytest.raises(usage.UsageError, match="pod-label"):
+        Options().parseOptions(["--kube", "--pod-label", "nolabel"])
+
+
+def test_the_pod_name_defaults_to_pod_name_else_the_internal_listen_address():
+    config = build_config({}, {"internal_grpc": "tcp:9083:interface=127.0.0.2"})
+    assert GatewayService(reactor, config, environ={"POD_NAME": "gw-0"}).exchanger.config.pod_name == "gw-0"
+    assert GatewayService(reactor, config, environ={}).exchanger.config.pod_name == "127.0.0.2:9083"
