@@ -17,6 +17,7 @@ from twisted.internet import defer, reactor, task
 
 from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
+from infx.tasks import Availability
 from infx.scaler import (
     InferenceScaler,
     InMemoryServiceQuery,
@@ -109,7 +110,7 @@ def test_thousand_chat_tasks_one_write_one_event_all_served_when_the_engine_conn
         dispatcher, scaler, link = gateway(reactor, KubernetesServiceQuery(reactor, c),
                                            KubernetesEvents(reactor, c, reactor, "gw-1"))
         scaler.observe_deployment(api.deployment("llama"))
-        assert dispatcher.serves("t1", "llama-3")
+        assert dispatcher.availability("t1", "llama-3") is Availability.STARTABLE
         requests = submit(dispatcher, 1000)
         assert scaler.machine.held_count(KEY) == 1000
         yield until(lambda: not scaler.writes_in_flight)
