@@ -293,6 +293,8 @@ WatchEvent = Union[PodUpdated, PodDeleted, BookmarkReceived, WatchErrorReceived]
 
 def parse_watch_event(event: Mapping[str, Any]) -> WatchEvent:
     """Decode one ``{"type": ..., "object": ...}`` line of a pod watch stream."""
+    if not isinstance(event, Mapping):  # any JSON value can arrive on the wire
+        raise MalformedWatchObject("watch event is not an object")
     kind = event.get("type")
     obj = _mapping(event.get("object"), "watch event object")
     if kind in ("ADDED", "MODIFIED"):
