@@ -44,10 +44,8 @@ from enum import Enum
 from typing import Any, Union
 
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
-from twisted.internet.protocol import Factory
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
-from zope.interface import implementer
 
 from infx.dispatcher import Dispatcher
 from infx.kube import PeerSource
@@ -66,7 +64,6 @@ __all__ = [
     "PeerReceiver",
     "PeerStream",
     "ReceiverLoopState",
-    "NoDelayEndpoint",
 ]
 
 log = Logger()
@@ -93,30 +90,6 @@ class ExchangerConfig:
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
 Connect = Callable[[PeerAddress], GrpcChannel]
-
-
-@implementer(IStreamClientEndpoint)
-class NoDelayEndpoint:
-    """Wraps a TCP client endpoint so that its connections disable Nagle's algorithm.
-
-    A receiver writes each result as its own small message; with Nagle on,
-    one that follows an unacknowledged write waits for the peer's delayed
-    ACK (40 ms on Linux), which showed up as a 40 ms p99 in
-    ``tools/bench/exchange_bench.py``.
-    """
-
-    def __init__(self, endpoint: IStreamClientEndpoint) -> None:
-        self.endpoint = endpoint
-
-    def connect(self, protocolFactory: Factory) -> Deferred[Any]:
-        def no_delay(protocol: Any) -> Any:
-            transport = getattr(protocol, "transport", None)
-            if transport is not None and hasattr(transport, "setTcpNoDelay"):
-                transport.setTcpNoDelay(True)
-            return protocol
-
-        connecting: Deferred[Any] = self.endpoint.connect(protocolFactory)
-        return connecting.addCallback(no_delay)
 
 
 # --- the accepting side: a peer dialled us ------------------------------------------

@@ -26,7 +26,7 @@ from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
-from infx.tasks import Availability, ResultSink, Submission, TaskHandle, TaskRunner
+from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2

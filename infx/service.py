@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from infx.auth import DEFAULT_TENANT, KeyStore, Principal
 from infx.config import ConfigError, GatewayConfig
 from infx.dispatcher import Dispatcher
-from infx.exchanger import Exchanger, ExchangerConfig, NoDelayEndpoint
+from infx.exchanger import Exchanger, ExchangerConfig
 from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
@@ -241,7 +241,7 @@ class GatewayService(service.MultiService):
 
         config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size,
                             max_send_message_length=self.config.max_message_size)
-        endpoint = NoDelayEndpoint(client_endpoint(self.reactor, address.host, address.port))
+        endpoint = client_endpoint(self.reactor, address.host, address.port)
         return GrpcChannel(self.reactor, endpoint, config)
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 import pytest_twisted
 from prometheus_client import CollectorRegistry
-from twisted.internet import defer, reactor, threads
+from twisted.internet import reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.auth import KeyStore
