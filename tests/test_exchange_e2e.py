@@ -189,12 +189,13 @@ def test_three_gateways_serve_through_c_survive_its_loss_and_drain_it_gracefully
         assert ask(cluster.base(name)) == WORDS
         assert ask(cluster.base(name), stream=True) == WORDS
 
-    # c dies hard: a and b stop offering m and refuse it promptly instead of hanging.
+    # c dies hard: a and b stop offering m and answer 503 promptly (its engine went away:
+    # retry later) instead of hanging.
     cluster.signal("c", signal.SIGKILL).wait(10)
     for name in ("a", "b"):
         status = until(lambda: refused_status(cluster.base(name)), timeout=3 * STATUS_INTERVAL,
                        what=f"{name} refuses m")
-        assert status in (404, 503)
+        assert status == 503
         assert not serves(cluster.base(name))
 
     # c comes back (the engine redials it): a and b serve again without a restart.
