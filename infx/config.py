@@ -57,6 +57,9 @@ class GatewayConfig:
     max_message_size: int = 100 * 1024 * 1024
     #: Seconds in-flight requests get to finish on shutdown.
     grace_period: float = 30.0
+    #: Seconds between heartbeats to local engines (none when unset); an engine
+    #: that misses three in a row is removed and its tasks fail over.
+    heartbeat_interval: float | None = None
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: Enable scaling engine deployments (needs ``kube``).
@@ -143,6 +146,8 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             if number <= 0:
                 raise ValueError(value)
             return number
+        if kind == "float | None":
+            return None if value in (None, "") else _coerce(name, "float", value)
         if kind == "int | None":
             return None if value is None else int(value)
         if kind == "tuple[str, ...]":

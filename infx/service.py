@@ -85,6 +85,7 @@ class GatewayService(service.MultiService):
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
         self.processor = Processor(ProcessorConfig(
             queue_timeout=queue_timeout, max_task_duration=config.max_task_duration,
+            heartbeat_interval=config.heartbeat_interval,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges)

@@ -55,6 +55,8 @@ class Options(usage.Options):
         ["max-body-size", None, None, f"Largest HTTP request body, bytes [default: {_DEFAULTS.max_body_size}]."],
         ["max-message-size", None, None,
          f"Largest gRPC message to/from engines, bytes [default: {_DEFAULTS.max_message_size}]."],
+        ["heartbeat-interval", None, None,
+         "Seconds between heartbeats to local engines; one that misses three is removed [default: none]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

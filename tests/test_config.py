@@ -58,3 +58,10 @@ def test_echo_token_delay_may_be_zero_but_not_negative():
     assert build_config({}, {"echo_token_delay": "0"}).echo_token_delay == 0.0
     with pytest.raises(ConfigError, match="--echo-token-delay"):
         build_config({}, {"echo_token_delay": "-0.5"})
+
+
+def test_heartbeats_are_off_unless_an_interval_is_given():
+    assert build_config({}, {}).heartbeat_interval is None
+    assert build_config({"heartbeat_interval": 5}, {}).heartbeat_interval == 5.0
+    with pytest.raises(ConfigError, match="--heartbeat-interval"):
+        build_config({}, {"heartbeat_interval": "0"})

@@ -76,3 +76,52 @@ def test_metrics_export_engines_and_task_counts_read_at_scrape_time(running_gate
     assert 'infx_engines{locality="local",tenant="default"} 1.0' in text
     assert 'infx_http_requests_total{endpoint="chat/completions",model="echo",status="200"} 1.0' in text
     assert "# TYPE infx_tasks_queued gauge" in text and "# TYPE infx_tasks_in_flight gauge" in text
+
+
+@pytest_twisted.inlineCallbacks
+def test_heartbeats_keep_answering_engines_and_remove_silent_ones(running_gateway):
+    """An engine that answers heartbeats stays; one whose stream is open but silent is removed."""
+    import grpc
+
+    from protocol.pb import status_pb2, worker_pb2
+
+    gateway, base = yield running_gateway(echo_models="echo", heartbeat_interval="0.2")
+    port = gateway.worker_grpc.port.getHost().port
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    process = channel.stream_stream(
+        "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks",
+        request_serializer=worker_pb2.ProcessTasksRequest.SerializeToString,
+        response_deserializer=worker_pb2.ProcessTasksResponse.FromString,
+    )
+    import queue
+
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(worker_pb2.ProcessTasksRequest(engine_status=status_pb2.EngineStatus(
+        engine_id="silent", ready=True, models=[status_pb2.EngineStatus.Model(id="quiet", is_ready=True)])))
+    responses = process(iter(outbox.get, None))
+    received = []
+
+    def read():
+        try:
+            for response in responses:
+                received.append(response.new_task)
+        except grpc.RpcError as error:
+            return error.code()
+
+    ended = threads.deferToThread(read)
+    try:
+        for _ in range(200):
+            engines = gateway.dispatcher.status()["tenants"].get("default", {}).get("engines", {})
+            if "silent" in engines:
+                break
+            yield task.deferLater(reactor, 0.02, lambda: None)
+        code = yield ended
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert any(t.request.WhichOneof("request") == "heartbeat" for t in received)
+        engines = gateway.dispatcher.status()["tenants"]["default"]["engines"]
+        assert "silent" not in engines and "builtin-echo" in engines
+        reply = yield threads.deferToThread(chat, base, model="echo")
+        assert reply.choices[0].message.content == "hello infx world"
+    finally:
+        outbox.put(None)
+        channel.close()
