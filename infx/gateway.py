@@ -161,6 +161,8 @@ class ApiCall:
         self.paused = False
         self.pending: deque[bytes] = deque()
         self.pending_bytes = 0
+        #: The status to end with once a paused client has taken what is buffered.
+        self._end_pending: int | None = None
         self.status = 200
         self.submitted = False
 
@@ -324,15 +326,13 @@ class ApiCall:
             self.pending_bytes -= len(data)
             self.request.write(data)
             self._consumed(1)
-        if not self.pending and self.finished is False and self._end_pending is not None:
+        if not self.pending and not self.finished and self._end_pending is not None:
             status, self._end_pending = self._end_pending, None
             self._end(status)
 
     def stopProducing(self) -> None:
         self.pending.clear()
         self.pending_bytes = 0
-
-    _end_pending: int | None = None
 
     def _write_event(self, data: bytes) -> None:
         if not self.paused and not self.pending:
