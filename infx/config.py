@@ -60,8 +60,21 @@ class GatewayConfig:
     #: Seconds between heartbeats to local engines (none when unset); an engine
     #: that misses three in a row is removed and its tasks fail over.
     heartbeat_interval: float | None = None
+    #: Tasks this gateway keeps on one engine at once; an engine at it gets no more
+    #: until one ends (tasks go to another engine or wait). None: no cap.
+    max_in_flight_per_engine: int | None = None
+    #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
+    #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
+    max_tasks_per_tenant: int | None = None
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
+    #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
+    #: with the key and CA below, peers speak mutual TLS (see :mod:`infx.peer_tls`).
+    internal_tls_cert: str | None = None
+    #: PEM private key of ``internal_tls_cert``.
+    internal_tls_key: str | None = None
+    #: PEM CA certificate(s) every peer's certificate must chain to.
+    internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
 
@@ -206,10 +219,33 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--pod-label: expected key=value, got {config.pod_label!r}")
     if config.peer_port is not None and not 0 < config.peer_port <= 65535:
         raise ConfigError(f"--peer-port: {config.peer_port} is out of range")
+    for name in ("max_in_flight_per_engine", "max_tasks_per_tenant"):
+        cap = getattr(config, name)
+        if cap is not None and cap < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
     config = dataclasses.replace(config, **replaced)
+    internal_tls(config)
     if config.kube:
         config.effective_peer_port  # raises ConfigError when it cannot be derived
     return config
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port"]
+def internal_tls(config: GatewayConfig) -> Any:
+    """The loaded :class:`~infx.peer_tls.PeerTLS` when mutual TLS between peers is
+    configured, else None; all three files or none, each readable and parseable."""
+    paths = {"--internal-tls-cert": config.internal_tls_cert, "--internal-tls-key": config.internal_tls_key,
+             "--internal-tls-ca": config.internal_tls_ca}
+    given = [option for option, path in paths.items() if path]
+    if not given:
+        return None
+    if len(given) < len(paths):
+        missing = ", ".join(option for option in paths if option not in given)
+        raise ConfigError(f"{', '.join(given)} needs {missing} too: peer TLS takes a certificate, its key and a CA")
+    if config.internal_grpc.startswith("ssl:"):
+        raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
+    from infx.peer_tls import PeerTLS
+
+    return PeerTLS.from_files(str(config.internal_tls_cert), str(config.internal_tls_key), str(config.internal_tls_ca))
+
+
+__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port", "internal_tls"]

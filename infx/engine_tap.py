@@ -59,6 +59,9 @@ class Options(usage.Options):
          "which keeps it out of the process list)."],
         ["ca", None, None, "PEM file of the CA that signed the gateway's certificate (with --tls)."],
         ["max-concurrency", None, "32", "Tasks run at once; more wait in order."],
+        ["max-queued", None, None,
+         "Tasks that may wait for a slot; past it a task is answered 503 so that the gateway retries it "
+         "elsewhere [default: 4 x --max-concurrency]."],
         ["status-interval", None, "10", "Seconds between periodic status reports."],
         ["token-delay", None, "0", "echo runtime: seconds between streamed tokens."],
         ["cluster-id", None, "", "Cluster id reported in EngineStatus."],
@@ -89,6 +92,8 @@ class Options(usage.Options):
         self["engine-id"] = self["engine-id"] or default_engine_id()
         self["key"] = self["key"] or os.environ.get("INFX_ENGINE_KEY", "")
         self["max-concurrency"] = self._number("max-concurrency", int, minimum=1)
+        if self["max-queued"] is not None:
+            self["max-queued"] = self._number("max-queued", int, minimum=0)
         self["status-interval"] = self._number("status-interval", float, minimum=0.0, strict=True)
         self["token-delay"] = self._number("token-delay", float, minimum=0.0)
         self["grace"] = self._number("grace", float, minimum=0.0)
@@ -106,7 +111,8 @@ class Options(usage.Options):
         try:
             self["agent-config"] = AgentConfig(
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
-                max_concurrency=self["max-concurrency"], status_interval=self["status-interval"],
+                max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
+                status_interval=self["status-interval"],
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
         except (AgentUsageError, ValueError) as exc:

@@ -23,7 +23,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
 from infx.auth import DEFAULT_TENANT, KeyStore, Principal
-from infx.config import ConfigError, GatewayConfig
+from infx.config import ConfigError, GatewayConfig, internal_tls
 from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
 from infx.gateway import Gateway, GatewaySite, build_resource
@@ -86,6 +86,8 @@ class GatewayService(service.MultiService):
         self.processor = Processor(ProcessorConfig(
             queue_timeout=queue_timeout, max_task_duration=config.max_task_duration,
             heartbeat_interval=config.heartbeat_interval,
+            max_in_flight_per_engine=config.max_in_flight_per_engine,
+            max_tasks_per_tenant=config.max_tasks_per_tenant,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges)
@@ -204,7 +206,12 @@ class GatewayService(service.MultiService):
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)
-        self.internal_grpc = _ListeningService(self.reactor, config.internal_grpc, self.internal_server,
+        # --internal-tls-*: TLS requiring a client certificate from the internal CA, on the same endpoint.
+        self.peer_tls = internal_tls(config)
+        listening_factory: Any = self.internal_server
+        if self.peer_tls is not None:
+            listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
+        self.internal_grpc = _ListeningService(self.reactor, config.internal_grpc, listening_factory,
                                                on_listening=self.exchanger.start)
         self.internal_grpc.setServiceParent(self)
 
@@ -243,6 +250,8 @@ class GatewayService(service.MultiService):
         config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size,
                             max_send_message_length=self.config.max_message_size)
         endpoint = client_endpoint(self.reactor, address.host, address.port)
+        if self.peer_tls is not None:
+            endpoint = self.peer_tls.client_endpoint(self.reactor, endpoint)
         return GrpcChannel(self.reactor, endpoint, config)
 
 

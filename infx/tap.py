@@ -33,6 +33,11 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
      "Shared secret peers present as 'authorization: Bearer ...' (peer auth is off without it)."],
     ["status-interval", None, None,
      f"Seconds between checks that re-report local engines to peers [default: {_DEFAULTS.status_interval:g}]."],
+    ["internal-tls-cert", None, None,
+     "PEM certificate presented to peers; with --internal-tls-key and --internal-tls-ca, peers use mutual TLS."],
+    ["internal-tls-key", None, None, "PEM private key of --internal-tls-cert."],
+    ["internal-tls-ca", None, None,
+     "PEM CA certificate(s) peers' certificates must chain to (their names and IPs are not checked)."],
 ]
 
 
@@ -57,6 +62,10 @@ class Options(usage.Options):
          f"Largest gRPC message to/from engines, bytes [default: {_DEFAULTS.max_message_size}]."],
         ["heartbeat-interval", None, None,
          "Seconds between heartbeats to local engines; one that misses three is removed [default: none]."],
+        ["max-in-flight-per-engine", None, None,
+         "Tasks kept on one engine at once; more go to other engines or wait [default: no cap]."],
+        ["max-tasks-per-tenant", None, None,
+         "Live tasks one tenant may have on this gateway; past it, 429 with Retry-After [default: no cap]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

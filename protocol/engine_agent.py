@@ -22,8 +22,10 @@ Agent (``AgentState``)::
     RUNNING  -> DRAINING   shutdown: ready=false, no new work, in-flight tasks finish
     DRAINING -> STOPPED    all tasks done, or the grace period ran out (tasks aborted)
 
-Tasks: at most ``max_concurrency`` run at once; more wait in arrival order
-and count as in progress (the gateway routes by that count). A task lives
+Tasks: at most ``max_concurrency`` run at once; up to ``max_queued`` more
+wait in arrival order and count as in progress (the gateway routes by that
+count); one more is answered 503 at once, so that the gateway retries it on
+another engine instead of it waiting here without bound. A task lives
 until its runtime reports it finished, it is cancelled by the gateway, or
 its stream goes away (nobody is left to read its results): then it is
 aborted. Results of a task that is no longer known are dropped, because a
@@ -74,6 +76,10 @@ class AgentConfig:
 
     ``engine_id``, ``models`` and ``cluster_id`` are what ``EngineStatus``
     reports. ``max_concurrency``: tasks that run at once (more wait).
+    ``max_queued``: tasks that may wait for a slot; past it a task is answered
+    503. None means four times ``max_concurrency``: enough to keep the runtime
+    busy across the gateway's routing lag, few enough that a task does not sit
+    here for many task durations while another engine is free.
     ``status_interval``: seconds between periodic reports on the current
     stream (they also keep an idle stream alive through proxies).
     ``status_min_interval``: in-progress counts change with every task, so
@@ -89,6 +95,7 @@ class AgentConfig:
     models: tuple[str, ...]
     cluster_id: str = ""
     max_concurrency: int = 32
+    max_queued: int | None = None
     status_interval: float = 10.0
     status_min_interval: float = 0.1
     reconnect_initial: float = 0.5
@@ -104,6 +111,8 @@ class AgentConfig:
             raise AgentUsageError("models must be a non-empty list of distinct, non-empty ids")
         if self.max_concurrency < 1:
             raise AgentUsageError("max_concurrency must be at least 1")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise AgentUsageError("max_queued must be at least 0")
         for name in ("status_interval", "reconnect_initial", "reconnect_max", "reconnect_multiplier"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -114,6 +123,11 @@ class AgentConfig:
                 raise AgentUsageError(f"{name} must be a finite number >= 0")
         if not 0 <= self.reconnect_jitter < 1:
             raise AgentUsageError("reconnect_jitter must be in [0, 1)")
+
+    @property
+    def queue_limit(self) -> int:
+        """Tasks that may wait for a slot: ``max_queued``, or its default."""
+        return 4 * self.max_concurrency if self.max_queued is None else self.max_queued
 
 
 # -- effects -------------------------------------------------------------------------
@@ -269,6 +283,11 @@ class EngineAgentCore:
         return len(self._tasks)
 
     @property
+    def queued(self) -> int:
+        """Tasks waiting for a slot."""
+        return len(self._queue)
+
+    @property
     def running(self) -> int:
         """Tasks running on the runtime now."""
         return self._running
@@ -356,6 +375,9 @@ class EngineAgentCore:
         elif kind in RUNTIME_KINDS:
             if self.state is not AgentState.RUNNING:
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, "The engine is shutting down.")))
+            elif self._running >= self.config.max_concurrency and len(self._queue) >= self.config.queue_limit:
+                message = f"The engine is at capacity ({self.config.queue_limit} tasks already wait)."
+                effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
             else:
                 self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=task_model(task))
                 stream.tasks.add(task.id)

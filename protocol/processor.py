@@ -43,6 +43,14 @@ Routing: engines of the task's tenant only; among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
 
+Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
+of this processor on it is skipped by routing; a task that finds every engine
+for its model full waits in the queue, and a slot freed when a task leaves an
+engine goes to a waiting task it can serve (oldest first in each model's
+queue) before the input that freed it returns. A tenant with
+``max_tasks_per_tenant`` live tasks has its next one failed at once (429, or
+503 for a targeted task so that the forwarding peer retries elsewhere).
+
 Attempts: each dispatch of a task is an attempt with its own wire id (the task
 id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
 attempt only, so a late answer to an abandoned attempt is ignored. An attempt
@@ -206,6 +214,7 @@ class ProcessorCounters:
     protocol_errors: int = 0
     slow_consumers: int = 0
     heartbeats_missed: int = 0
+    tenant_cap_refusals: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -228,6 +237,11 @@ class Processor:
         # The task each attempt on an engine belongs to, by the id it carries on the wire.
         self._attempts: dict[str, _Task] = {}
         self._next_heartbeat: float | None = None
+        # Live tasks per tenant (every state), for ``max_tasks_per_tenant``.
+        self._tenant_tasks: Counter[str] = Counter()
+        # Engines a task left since the current input began: with an in-flight cap,
+        # their freed slots go to waiting tasks before the input returns (``_refill``).
+        self._freed: dict[EngineKey, None] = {}
 
     # --- requests ---------------------------------------------------------
 
@@ -271,10 +285,17 @@ class Processor:
             deadline=now + self.config.max_task_duration if deadline is None else deadline,
             target=target_engine_id,
         )
+        tenant_cap = self.config.max_tasks_per_tenant
+        over_tenant_cap = tenant_cap is not None and self._tenant_tasks[tenant_id] >= tenant_cap
         self._tasks[task_id] = task
+        self._tenant_tasks[tenant_id] += 1
         self.counters.accepted += 1
         effects: list[Effect] = []
-        if task.deadline <= now:
+        if over_tenant_cap:
+            self.counters.tenant_cap_refusals += 1
+            message = f"too many tasks in progress for this tenant (limit {tenant_cap})"
+            self._fail(task, 503 if task.target else 429, message, effects, self.config.busy_retry_after)
+        elif task.deadline <= now:
             self._fail(task, 504, "deadline exceeded before the task was scheduled", effects)
         elif task.target:
             engine = self._by_tenant.get(tenant_id, {}).get(task.target)
@@ -282,6 +303,9 @@ class Processor:
                 self._fail(task, 503, f"engine {task.target!r} is not connected", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
+            elif self._full(engine):
+                message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
+                self._fail(task, 503, message, effects, self.config.busy_retry_after)
             else:
                 self._dispatch(now, task, engine, effects)
         else:
@@ -294,6 +318,7 @@ class Processor:
         effects: list[Effect] = []
         self._stop_on_engine(task, effects)
         self._end(task, TaskOutcome.CANCELLED)
+        self._refill(now, effects)
         return effects
 
     def results_consumed(self, task_id: str, count: int = 1) -> None:
@@ -367,6 +392,7 @@ class Processor:
             raise ProcessorUsageError(f"no engine {engine_id!r} of tenant {tenant_id!r}")
         effects: list[Effect] = []
         self._remove(now, [engine], reason, effects)
+        self._refill(now, effects)
         return effects
 
     def close_route(self, now: float, route: Route, reason: str) -> list[Effect]:
@@ -381,6 +407,7 @@ class Processor:
             self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
         for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
             del self._control[control_id]
+        self._refill(now, effects)
         return effects
 
     def go_away(self, now: float) -> list[Effect]:
@@ -403,6 +430,11 @@ class Processor:
         from an engine or peer it was taken from, even over the same route), or
         from a route the task is not on are counted and ignored.
         """
+        effects = self._receive_result(now, route, result)
+        self._refill(now, effects)
+        return effects
+
+    def _receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
         effects: list[Effect] = []
         control = self._control.get(result.task_id)
         if control is not None and control.route == route:
@@ -448,6 +480,7 @@ class Processor:
             return []
         effects: list[Effect] = []
         self._engine_lost(now, task, f"sending the task failed: {reason}", effects)
+        self._refill(now, effects)
         return effects
 
     # --- time -------------------------------------------------------------
@@ -468,6 +501,7 @@ class Processor:
                 self._task_timer(now, self._tasks[entry[2]], effects)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             self._heartbeat_round(now, effects)
+        self._refill(now, effects)
         return effects
 
     # --- queries ----------------------------------------------------------
@@ -578,16 +612,25 @@ class Processor:
         queue[task.id] = None
         self._waiting_total += 1
         self._set_timer(task, min(now + self.config.queue_timeout, task.deadline))
-        effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
+        if not self._served_but_full(task):
+            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
 
-    def _pick(self, task: _Task) -> _Engine | None:
+    def _full(self, engine: _Engine) -> bool:
+        cap = self.config.max_in_flight_per_engine
+        return cap is not None and len(engine.in_flight) >= cap
+
+    def _served_but_full(self, task: _Task) -> bool:
+        """Whether the task waits only for a slot: an engine would take it but for its in-flight cap."""
+        return self.config.max_in_flight_per_engine is not None and self._pick(task, ignore_cap=True) is not None
+
+    def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
         engines = self._by_tenant.get(task.tenant_id)
         if not engines:
             return None
         for engine in engines.values():
-            if not engine.routable or task.model not in engine.ready_models:
+            if not engine.routable or task.model not in engine.ready_models or (not ignore_cap and self._full(engine)):
                 continue
             rank = (
                 engine.key.engine_id in task.avoid,
@@ -599,7 +642,7 @@ class Processor:
                 best, best_rank = engine, rank
         if best is None and self.config.dynamic_model_loading:
             for engine in engines.values():
-                if not engine.routable:
+                if not engine.routable or (not ignore_cap and self._full(engine)):
                     continue
                 rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
                 if best_rank is None or rank < best_rank:
@@ -655,6 +698,16 @@ class Processor:
                 self._unwait(task)
                 self._dispatch(now, task, target, effects)
 
+    def _refill(self, now: float, effects: list[Effect]) -> None:
+        """Give the slots freed during this input to waiting tasks (only an in-flight cap
+        can keep a task waiting while an engine serves its model, so only then is there work)."""
+        while self._freed:
+            key = next(iter(self._freed))
+            del self._freed[key]
+            engine = self._engines.get(key)
+            if engine is not None and engine.routable:
+                self._dispatch_waiting(now, engine, effects)
+
     def _unwait(self, task: _Task) -> None:
         key = (task.tenant_id, task.model)
         queue = self._waiting[key]
@@ -698,7 +751,12 @@ class Processor:
             self._stop_on_engine(task, effects)
             self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
         elif task.state is TaskState.WAITING:
-            message = f"no ready engine serves model {task.model!r} (waited {self.config.queue_timeout:g}s)"
+            if self._served_but_full(task):
+                cap = self.config.max_in_flight_per_engine
+                message = f"every engine serving model {task.model!r} is at its limit of {cap} tasks"
+            else:
+                message = f"no ready engine serves model {task.model!r}"
+            message += f" (waited {self.config.queue_timeout:g}s)"
             self._fail(task, 503, message, effects, self.config.busy_retry_after)
         elif task.state is TaskState.RETRY_PENDING:
             self._route(now, task, effects)
@@ -724,6 +782,9 @@ class Processor:
         self._unassign(task)
         task.state = None
         del self._tasks[task.id]
+        self._tenant_tasks[task.tenant_id] -= 1
+        if not self._tenant_tasks[task.tenant_id]:
+            del self._tenant_tasks[task.tenant_id]
         self.counters.outcomes[outcome.value] += 1
 
     def _unassign(self, task: _Task) -> None:
@@ -731,6 +792,8 @@ class Processor:
             engine = self._engines.get(task.engine)
             if engine is not None:
                 engine.in_flight.discard(task.id)
+                if self.config.max_in_flight_per_engine is not None:
+                    self._freed[engine.key] = None
         if task.wire_id:
             del self._attempts[task.wire_id]
             task.wire_id = ""

@@ -89,7 +89,23 @@ class ProcessorConfig:
     control_task_prefix: prefix of the ids of tasks the processor makes itself
         (heartbeat, go-away, cancel); callers must not use it for their ids.
     busy_retry_after: the ``Retry-After`` (seconds) suggested with a 503 for
-        lack of capacity (queue full, queue timeout).
+        lack of capacity (queue full, queue timeout, engine or tenant at its
+        cap) and with the 429 of the tenant cap.
+    max_in_flight_per_engine: tasks this processor keeps on one engine at once
+        (dispatched or streaming, counted by the processor itself, not from the
+        engine's reported ``in_progress_task_count``); an engine at it is skipped
+        by routing, so a task goes to another engine or waits in the queue and is
+        dispatched when a task on the engine ends. A targeted task (forwarded by
+        a peer) for an engine at it fails with 503 at once, so that the peer tries
+        elsewhere. None: no cap (the engine agent bounds its own queue).
+    max_tasks_per_tenant: live tasks (waiting, retrying or on an engine) one
+        tenant may have in this processor; past it the tenant's next task fails
+        at once with 429 and ``busy_retry_after``, and other tenants are not
+        affected. Targeted tasks forwarded by peers count too, since they hold
+        this gateway's queue and engines as much as a client's own; one refused
+        for the cap gets 503 instead of 429, so that the forwarding peer retries
+        it elsewhere rather than handing the client a limit of this gateway's.
+        None: no cap.
     """
 
     queue_timeout: float = 30.0
@@ -103,6 +119,8 @@ class ProcessorConfig:
     heartbeat_max_missed: int = 3
     control_task_prefix: str = "infx-ctl-"
     busy_retry_after: float = 5.0
+    max_in_flight_per_engine: int | None = None
+    max_tasks_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -124,6 +142,10 @@ class ProcessorConfig:
             problems.append("heartbeat_max_missed must be >= 1")
         if self.busy_retry_after < 0:
             problems.append("busy_retry_after must be >= 0")
+        if self.max_in_flight_per_engine is not None and self.max_in_flight_per_engine < 1:
+            problems.append("max_in_flight_per_engine must be >= 1 or None")
+        if self.max_tasks_per_tenant is not None and self.max_tasks_per_tenant < 1:
+            problems.append("max_tasks_per_tenant must be >= 1 or None")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
@@ -187,7 +209,8 @@ class FailRequest:
     started, it only goes into the error body). ``delivered`` is how many
     results the request had received before the failure. ``retry_after``
     (seconds) is set when the failure is a lack of capacity that may pass
-    (queue full, no engine for the model in time): the ``Retry-After`` header.
+    (queue full, no engine for the model in time, a cap reached; 429 for the
+    tenant's task cap): the ``Retry-After`` header.
     """
 
     origin: Origin
@@ -220,7 +243,9 @@ class CloseEngine:
 class TaskQueued:
     """A task started waiting because no ready engine of its tenant serves its model.
 
-    The scaler's hook to scale from zero. ``waiting`` counts the tasks now
+    The scaler's hook to scale from zero. A task that waits only because every
+    engine serving its model is at ``max_in_flight_per_engine`` emits none: the
+    model is served, and its queue shows in ``Processor.waiting_counts``. ``waiting`` counts the tasks now
     waiting for this (tenant, model).
     """
 

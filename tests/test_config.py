@@ -65,3 +65,26 @@ def test_heartbeats_are_off_unless_an_interval_is_given():
     assert build_config({"heartbeat_interval": 5}, {}).heartbeat_interval == 5.0
     with pytest.raises(ConfigError, match="--heartbeat-interval"):
         build_config({}, {"heartbeat_interval": "0"})
+
+
+def test_engine_and_tenant_caps_are_off_unless_given_and_must_be_positive():
+    defaults = build_config({}, {})
+    assert (defaults.max_in_flight_per_engine, defaults.max_tasks_per_tenant) == (None, None)
+    config = build_config({"max_in_flight_per_engine": 4}, {"max-tasks-per-tenant": "10"})
+    assert (config.max_in_flight_per_engine, config.max_tasks_per_tenant) == (4, 10)
+    with pytest.raises(ConfigError, match="--max-in-flight-per-engine: must be at least 1"):
+        build_config({}, {"max_in_flight_per_engine": "0"})
+    with pytest.raises(ConfigError, match="--max-tasks-per-tenant: invalid value"):
+        build_config({}, {"max_tasks_per_tenant": "lots"})
+
+
+def test_twistd_infx_cap_flags_reach_the_processor():
+    from twisted.internet.task import Clock
+
+    from infx.service import GatewayService
+    from infx.tap import Options
+
+    options = Options()
+    options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7"])
+    processor = GatewayService(Clock(), options.config_value, environ={}).processor
+    assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)

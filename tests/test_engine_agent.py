@@ -129,6 +129,30 @@ def test_tasks_beyond_max_concurrency_wait_and_start_as_slots_free() -> None:
     assert (agent.running, agent.in_progress) == (2, 2)
 
 
+def test_tasks_past_the_queue_bound_are_answered_503_at_once_and_the_queue_takes_more_as_it_drains() -> None:
+    agent = running_agent(max_concurrency=1, max_queued=2)
+    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
+    assert answers(agent.task_received(1.0, 1, chat("b")) + agent.task_received(1.0, 1, embed("c"))) == []
+    refused = agent.task_received(1.0, 1, chat("d"))
+    assert answers(refused) == [(1, "d", 503)] and started(refused) == []
+    body = json.loads([e for e in refused if isinstance(e, SendResult)][0].result.http_response.body)
+    assert "at capacity" in body["error"]["message"]
+    assert (agent.running, agent.queued, agent.in_progress) == (1, 2, 3)
+    assert agent.task_stream("d") is None
+    assert started(agent.finish_task(2.0, "a")) == ["b"]
+    assert answers(agent.task_received(2.0, 1, chat("e"))) == []  # room again
+    assert (agent.running, agent.queued) == (1, 2)
+
+
+def test_queue_bound_defaults_to_four_times_max_concurrency_and_zero_queues_nothing() -> None:
+    assert config(max_concurrency=3).queue_limit == 12
+    agent = running_agent(max_concurrency=1, max_queued=0)
+    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
+    assert answers(agent.task_received(1.0, 1, chat("b"))) == [(1, "b", 503)]
+    # Control tasks are never refused for capacity.
+    assert answers(agent.task_received(1.0, 1, heartbeat("hb"))) == [(1, "hb", 200)]
+
+
 def test_in_progress_counts_per_model_are_reported_coalesced_within_min_interval() -> None:
     agent = running_agent()
     first = statuses(agent.task_received(1.0, 1, chat("a")))
@@ -315,7 +339,8 @@ def test_shutdown_before_start_stops_at_once() -> None:
 @pytest.mark.parametrize(
     "overrides",
     [dict(engine_id=""), dict(models=()), dict(models=("a", "a")), dict(max_concurrency=0),
-     dict(status_interval=0.0), dict(reconnect_jitter=1.0), dict(go_away_linger=float("nan"))],
+     dict(status_interval=0.0), dict(reconnect_jitter=1.0), dict(go_away_linger=float("nan")),
+     dict(max_queued=-1)],
 )
 def test_config_rejects_unusable_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(AgentUsageError):
@@ -337,9 +362,9 @@ ops = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(ops)
 def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]]) -> None:
-    """Never more than max_concurrency run; each started task ends once (finished or
-    aborted); results only go to streams that are not closed; Stopped comes once, last."""
-    agent = running_agent(max_concurrency=3)
+    """Never more than max_concurrency run nor max_queued wait; each started task ends once
+    (finished or aborted); results only go to streams that are not closed; Stopped comes once, last."""
+    agent = running_agent(max_concurrency=3, max_queued=2)
     now = 0.0
     live: set[str] = set()
     ended: set[str] = set()
@@ -366,6 +391,7 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
             elif isinstance(e, Stopped):
                 stopped += 1
         assert agent.running == len(live) <= 3
+        assert agent.queued <= 2
 
     for op, n, dt in run:
         now += dt
@@ -407,3 +433,21 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         now = max(now, deadline)
         apply(agent.handle_timer(now))
     assert stopped == 1 and not live and not open_streams
+
+
+def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None:
+    from twisted.python import usage
+
+    from infx.engine_tap import Options
+
+    def parse(*extra: str) -> AgentConfig:
+        options = Options()
+        options.parseOptions(["--server", "gw:1", "--models", "m", "--max-concurrency", "2", *extra])
+        agent_config: AgentConfig = options["agent-config"]
+        return agent_config
+
+    assert parse().queue_limit == 8
+    assert parse("--max-queued", "0").queue_limit == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(usage.UsageError, match="--max-queued"):
+            parse("--max-queued", bad)

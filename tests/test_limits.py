@@ -13,6 +13,12 @@ Limits covered, and the error each gives:
   which the channel retries transparently;
 - gRPC message size (``max_receive_message_length``): RESOURCE_EXHAUSTED for that call;
 - held requests (``ProcessorConfig.max_waiting_tasks``): 503 with ``Retry-After``;
+- tasks in flight per engine (``ProcessorConfig.max_in_flight_per_engine``): the
+  next task waits in the queue and runs when a slot frees up;
+- tasks per tenant (``ProcessorConfig.max_tasks_per_tenant``): 429 with
+  ``Retry-After`` for that tenant alone;
+- tasks queued in the engine agent (``AgentConfig.max_queued``): 503 from the
+  agent, which the gateway retries on another engine;
 - bytes buffered for a slow streaming client (``max_buffered_bytes``): that
   client alone is cut off and its task cancelled.
 
@@ -29,7 +35,9 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import StringTransport
 
+from infx.auth import KeyStore
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
+from protocol.engine_agent import AgentConfig, EngineAgentCore, SendResult, StartTask
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -41,9 +49,10 @@ from protocol.grpc import (
     MessageReceived,
     StatusCode,
 )
-from protocol.pb import status_pb2
+from protocol.echo import echo_task
+from protocol.pb import status_pb2, worker_pb2
 from protocol.processor import Locality, ProcessorConfig
-from tests.test_hostile_gateway import CHAT, JSON, Stack, assert_well_behaved_request_works
+from tests.test_hostile_gateway import CHAT, ECHO, JSON, EchoEngine, Stack, assert_well_behaved_request_works
 from tests.test_hostile_grpc import RawClient, prefixed
 
 # -- HTTP request body and headers ------------------------------------------------------
@@ -284,6 +293,128 @@ def test_requests_past_the_waiting_limit_get_503_with_retry_after_and_others_are
         (response,) = client.responses()
         assert response.status == 503 and response.error()
     assert not stack.gateway.active_calls
+
+
+# -- tasks in flight per engine ---------------------------------------------------------------
+
+
+def test_a_task_past_the_engine_cap_waits_and_succeeds_once_a_slot_frees_while_other_engines_serve():
+    """With one task allowed per engine, a second request for the same model waits in
+    the queue instead of piling onto the engine, and gets its 200 after the first ends;
+    a request for a model of another engine is served meanwhile."""
+    stack = Stack(processor=ProcessorConfig(queue_timeout=5, max_task_duration=60, max_in_flight_per_engine=1))
+    busy = stack.engine("busy", models=("m",))
+    other = stack.engine("other", models=("n",))
+    first, second = stack.connect(), stack.connect()
+    first.request("/v1/chat/completions", CHAT, JSON)
+    second.request("/v1/chat/completions", CHAT, JSON)
+    assert len(busy.tasks) == 1
+    assert stack.processor.waiting_counts() == {("default", "m"): 1}
+    served = stack.connect().exchange("/v1/chat/completions", CHAT.replace(b'"m"', b'"n"'), JSON)
+    assert served.status == 200 and len(other.tasks) == 1
+    stack.settle(1)
+    for client in (first, second):
+        (response,) = client.responses()
+        assert response.status == 200
+        assert json.loads(response.body)["choices"][0]["message"]["content"] == "hello there"
+    assert len(busy.tasks) == 2
+    assert not stack.gateway.active_calls and stack.processor.status()["tasks"] == 0
+
+
+# -- tasks per tenant -----------------------------------------------------------------------
+
+
+def test_a_tenant_at_its_task_cap_gets_429_with_retry_after_and_another_tenant_is_served():
+    """Tenant "a" holds two tasks (its engine has not answered); its third request
+    is refused at once with 429 and Retry-After, while tenant "b" is served; once
+    a's requests end, a is served again."""
+    keys = KeyStore.from_mapping({"keys": [{"key": "sk-a", "tenant": "a"}, {"key": "sk-b", "tenant": "b"}]})
+    stack = Stack(keys=keys, processor=ProcessorConfig(
+        queue_timeout=5, max_task_duration=60, max_tasks_per_tenant=2, busy_retry_after=3))
+    slow = stack.engine("a1", tenant="a", hold=True)
+    stack.engine("b1", tenant="b")
+    as_a, as_b = {**JSON, "authorization": "Bearer sk-a"}, {**JSON, "authorization": "Bearer sk-b"}
+    held = [stack.connect() for _ in range(2)]
+    for client in held:
+        client.request("/v1/chat/completions", CHAT, as_a)
+    stack.settle(1)
+    assert len(slow.tasks) == 2
+    refused = stack.connect().exchange("/v1/chat/completions", CHAT, as_a)
+    assert refused.status == 429 and refused.headers[b"retry-after"] == b"3"
+    assert "too many tasks" in refused.error()["message"]
+    for _ in range(3):
+        assert stack.connect().exchange("/v1/chat/completions", CHAT, as_b).status == 200
+    for client in held:  # the clients give up: their tasks end, and tenant "a" has room again
+        client.transport.loseConnection()
+    stack.settle(0)
+    slow.hold = False
+    assert stack.connect().exchange("/v1/chat/completions", CHAT, as_a).status == 200
+    assert not stack.gateway.active_calls
+
+
+# -- tasks queued in the engine agent ------------------------------------------------------------
+
+
+def test_a_task_past_the_agents_queue_bound_is_retried_by_the_gateway_on_another_engine():
+    """Local engine "full" (the real agent core) runs one task and queues one more; a third
+    sent to it is answered 503 by the agent at once, and the gateway retries it on the
+    remote engine "spare" (local engines are preferred, so it got none before): every
+    client gets its 200, and the agent never holds more than its bound."""
+    stack = Stack(processor=ProcessorConfig(queue_timeout=5, max_task_duration=60, retry_delay=0))
+    full = _AgentRoute(stack, AgentConfig(engine_id="full", models=("m",), max_concurrency=1, max_queued=1))
+    spare = EchoEngine(stack)
+    for route, engine_id, locality in ((full, "full", Locality.LOCAL), (spare, "spare", Locality.REMOTE)):
+        stack.dispatcher.engine_status(route, "default", status_pb2.EngineStatus(
+            engine_id=engine_id, ready=True, models=[status_pb2.EngineStatus.Model(id="m", is_ready=True)]), locality)
+    clients = [stack.connect() for _ in range(3)]
+    for client in clients:
+        client.request("/v1/chat/completions", CHAT, JSON)
+    assert (full.core.running, full.core.queued) == (1, 1)
+    stack.settle(1)
+    assert full.refused == 1 and full.most_held == 2
+    assert len(spare.tasks) == 1
+    for client in clients:
+        (response,) = client.responses()
+        assert response.status == 200
+        assert json.loads(response.body)["choices"][0]["message"]["content"] == "hello there"
+    assert not stack.gateway.active_calls and stack.processor.status()["tasks"] == 0
+
+
+class _AgentRoute:
+    """An engine stream served by the real engine agent core, its runtime the echo core,
+    on the stack's clock (what :class:`infx.engine.EngineAgent` does over gRPC)."""
+
+    def __init__(self, stack: Stack, config: AgentConfig) -> None:
+        self.stack = stack
+        self.core = EngineAgentCore(config)
+        self.core.start(stack.clock.seconds())
+        self.refused = 0
+        self.most_held = 0
+
+    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> bool:
+        self._perform(self.core.task_received(self.stack.clock.seconds(), 1, task_))
+        self.most_held = max(self.most_held, self.core.in_progress)
+        return True
+
+    def close(self, reason: str) -> None:
+        raise AssertionError(f"the gateway closed the agent's stream: {reason}")
+
+    def _perform(self, effects: list[object]) -> None:
+        for effect in effects:
+            if isinstance(effect, SendResult):
+                if effect.result.http_response.status_code == 503:
+                    self.refused += 1
+                self.stack.clock.callLater(0, self.stack.dispatcher.result_received, self, effect.result)
+            elif isinstance(effect, StartTask):
+                scheduled = echo_task(effect.task, 0.0, ECHO)
+                for n, item in enumerate(scheduled):
+                    self.stack.clock.callLater(item.due, self._result, effect.task.id, item.result,
+                                               n == len(scheduled) - 1)
+
+    def _result(self, task_id: str, result: worker_pb2.TaskResult, last: bool) -> None:
+        self._perform(self.core.send_result(task_id, result))
+        if last:
+            self._perform(self.core.finish_task(self.stack.clock.seconds(), task_id))
 
 
 # -- bytes buffered for a slow client ----------------------------------------------------------

@@ -1,7 +1,9 @@
 """Property test of the processor: random interleavings of engine joins, leaves and
 readiness flips, results (in order, out of order, duplicated, 503s), client cancels,
 slow consumers and clock steps. Every accepted task ends exactly once, nothing is
-delivered out of order or after the end, and the internal books stay consistent."""
+delivered out of order or after the end, and the internal books stay consistent;
+with the caps on, no engine holds more than its cap, no slot stays idle while a task
+it could serve waits, and a tenant is refused (429) only when it is itself at its cap."""
 
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ DEAF = "e2"  # the one engine that never answers heartbeats
 
 join = st.tuples(st.just("join"), st.sampled_from(ENGINES), st.sets(st.sampled_from(MODELS)),
                  st.sampled_from([True, True, True, False]), st.sampled_from(list(Locality)))
+# Tenant "u" has no engines: its tasks only wait, and must never crowd out tenant "t".
 submit = st.tuples(st.just("submit"), st.sampled_from(MODELS), st.booleans(),
-                   st.sampled_from([None, None, None, None, *ENGINES]), st.sampled_from([None, 5.0, 50.0]))
+                   st.sampled_from([None, None, None, None, *ENGINES]), st.sampled_from([None, 5.0, 50.0]),
+                   st.sampled_from(["t", "t", "t", "u"]))
 result = st.tuples(st.just("result"), st.integers(0, 50),
                    st.sampled_from(["next"] * 6 + ["last"] * 2 + ["skip", "dup", "503", "500"]))
 OPS = {
@@ -66,6 +70,7 @@ class World:
         # What each fake engine has been asked to run: attempt (wire) id -> (route, engine id, next index).
         self.on_engine: dict[str, tuple[str, str, int]] = {}
         self.route_gen: dict[str, int] = defaultdict(int)
+        self.tenant_of: dict[str, str] = {}
 
     def route(self, engine_id: str) -> str:
         return f"{engine_id}#{self.route_gen[engine_id]}"
@@ -101,8 +106,11 @@ class World:
         for attempt in [a for a in self.on_engine if a == task_id or a.startswith(f"{task_id}#")]:
             del self.on_engine[attempt]
 
+    def live_tasks(self) -> list[str]:
+        return [t for t in self.accepted if t not in self.ended]
+
     def live(self, index: int) -> str | None:
-        live = [t for t in self.accepted if t not in self.ended]
+        live = self.live_tasks()
         return live[index % len(live)] if live else None
 
     def step(self, op: tuple) -> None:  # type: ignore[type-arg]
@@ -119,13 +127,19 @@ class World:
             elif p.engine_counts() and engine_id in p.status()["tenants"].get("t", {}).get("engines", {}):
                 self.apply(p.remove_engine(self.now, "t", engine_id, "left"))
         elif kind == "submit":
-            _, model, stream, target, timeout = op
+            _, model, stream, target, timeout, tenant = op
             self.n += 1
             task_id = f"task{self.n}"
+            live_before = sum(1 for t in self.live_tasks() if self.tenant_of[t] == tenant)
             self.accepted.append(task_id)
+            self.tenant_of[task_id] = tenant
             deadline = None if timeout is None else self.now + timeout
-            self.apply(p.submit(self.now, task_id=task_id, tenant_id="t", request=chat(model, stream), origin="c",
-                                deadline=deadline, target_engine_id=target or ""))
+            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=chat(model, stream), origin="c",
+                               deadline=deadline, target_engine_id=target or "")
+            refused = any(isinstance(e, FailRequest) and e.status == 429 for e in effects)
+            cap = p.config.max_tasks_per_tenant
+            assert refused == (cap is not None and not target and live_before >= cap), "tenant cap misapplied"
+            self.apply(effects)
         elif kind == "result":
             _, index, how = op
             if not self.on_engine:
@@ -175,14 +189,41 @@ class World:
         assert waiting == sum(1 for t in live if p.task_state(t) is TaskState.WAITING)
         on_engines = sum(view.in_flight for view in (p.engine("t", e) for e in ENGINES) if view)
         assert on_engines == sum(1 for t in live if p.task_state(t) in (TaskState.DISPATCHED, TaskState.STREAMING))
+        tenant_cap = p.config.max_tasks_per_tenant
+        if tenant_cap is not None:
+            for tenant in ("t", "u"):
+                assert sum(1 for t in live if self.tenant_of[t] == tenant) <= tenant_cap
+        engine_cap = p.config.max_in_flight_per_engine
+        if engine_cap is not None:
+            engines = p.status()["tenants"].get("t", {}).get("engines", {})
+            assert all(len(e["tasks"]) <= engine_cap for e in engines.values()), "an engine over its cap"
+        self.check_no_idle_slot()
+
+    def check_no_idle_slot(self) -> None:
+        """A task waits only while every engine that would take it is full (or none would)."""
+        p = self.p
+        engine_cap = p.config.max_in_flight_per_engine
+        if engine_cap is None:
+            return
+        engines = p.status()["tenants"].get("t", {}).get("engines", {})
+        for model in MODELS:
+            if not p.waiting_task_ids("t", model):
+                continue
+            for engine_id, e in engines.items():
+                takes = e["ready"] and not e["draining"] and (
+                    p.config.dynamic_model_loading or any(m["id"] == model and m["ready"] for m in e["models"]))
+                assert not takes or len(e["tasks"]) >= engine_cap, f"{engine_id} has a free slot while tasks wait"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(script, st.booleans(), st.sampled_from([0.0, 2.0]))
-def test_every_accepted_task_ends_exactly_once_whatever_the_interleaving(script, dynamic, retry_delay):
+@given(script, st.booleans(), st.sampled_from([0.0, 2.0]), st.sampled_from([None, 1, 2]),
+       st.sampled_from([None, 3, 8]))
+def test_every_accepted_task_ends_exactly_once_whatever_the_interleaving(
+        script, dynamic, retry_delay, engine_cap, tenant_cap):
     world = World(ProcessorConfig(queue_timeout=20, max_task_duration=100, retry_delay=retry_delay,
                                   max_unconsumed_results=4, dynamic_model_loading=dynamic,
-                                  heartbeat_interval=15, heartbeat_max_missed=2, max_waiting_tasks=20))
+                                  heartbeat_interval=15, heartbeat_max_missed=2, max_waiting_tasks=20,
+                                  max_in_flight_per_engine=engine_cap, max_tasks_per_tenant=tenant_cap))
     for op in script:
         world.step(op)
     # Let time run out: every task has a deadline, so every task must end.
