@@ -101,6 +101,9 @@ class Dispatcher:
     def _perform_one(self, effect: Effect) -> None:
         if isinstance(effect, SendTask):
             route: EngineRoute = effect.route  # type: ignore[assignment]
+            engine = self.processor.engine(effect.engine.tenant_id, effect.engine.engine_id)
+            if engine is not None and engine.locality is Locality.REMOTE:
+                self.metrics.exchanged.labels("out").inc()
             if not route.send_task(effect.task, effect.engine.tenant_id):
                 now = self.clock.seconds()
                 self._perform_later(self.processor.dispatch_failed(now, effect.task.id, "engine stream closed", route=route))
@@ -187,6 +190,8 @@ class Dispatcher:
 
     def task_forwarded(self, receiver: Receiver, message: internal_pb2.ProcessTasksInternalResponse) -> None:
         """A peer forwarded a task (or a cancel) to our local engines through ``receiver``."""
+        if message.new_task.request.WhichOneof("request") != "cancel_task":
+            self.metrics.exchanged.labels("in").inc()
         self.run(lambda now: receiver.task_received(now, message))
 
     def receiver_closed(self, receiver: Receiver) -> None:

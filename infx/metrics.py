@@ -7,9 +7,10 @@ registry and read exact values back.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -22,31 +23,50 @@ PROCESSOR_GAUGES = {
     "engines": ("infx_engines", "Engines known to this gateway.", ("tenant", "locality")),
 }
 
+#: Counters the processor keeps, exported at scrape time: attribute -> (name, help).
+PROCESSOR_COUNTERS = {
+    "retries": ("infx_task_retries", "Tasks re-dispatched after a scheduling failure, a lost engine or a 503."),
+    "results_ignored": ("infx_results_ignored", "Results for tasks that had already ended."),
+    "protocol_errors": ("infx_engine_protocol_errors", "Tasks ended because an engine broke the result order."),
+    "slow_consumers": ("infx_slow_consumer_failures", "Requests failed because their consumer fell too far behind."),
+    "heartbeats_missed": ("infx_heartbeats_missed", "Heartbeats local engines did not answer in time."),
+    "tenant_cap_refusals": ("infx_tenant_cap_refusals", "Tasks refused because their tenant was at its cap."),
+}
+
 GaugeSource = Callable[[], Iterable[tuple[str, tuple[str, ...], int]]]
+CounterSource = Callable[[], Any]
 
 
-class _ProcessorGauges(Collector):
-    """Reads task and engine counts at scrape time, so the request path never updates gauges."""
+class _ProcessorMetrics(Collector):
+    """Reads the processor's counts at scrape time, so the request path never updates metrics."""
 
-    def __init__(self, source: GaugeSource) -> None:
-        self.source = source
+    def __init__(self, gauges: GaugeSource, counters: CounterSource) -> None:
+        self.gauges = gauges
+        self.counters = counters
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families = {
             key: GaugeMetricFamily(name, text, labels=list(labels))
             for key, (name, text, labels) in PROCESSOR_GAUGES.items()
         }
-        for key, labels, value in self.source():
+        for key, labels, value in self.gauges():
             families[key].add_metric(list(labels), value)
         yield from families.values()
+        counters = self.counters()
+        for attribute, (name, text) in PROCESSOR_COUNTERS.items():
+            yield CounterMetricFamily(name, text, value=getattr(counters, attribute))
+        outcomes = CounterMetricFamily("infx_tasks_ended", "Tasks ended, by outcome.", labels=["outcome"])
+        for outcome, count in sorted(counters.outcomes.items()):
+            outcomes.add_metric([outcome], count)
+        yield outcomes
 
 
 class GatewayMetrics:
     """Request, task, engine and exchange metrics of the gateway."""
 
-    def watch(self, source: GaugeSource) -> None:
-        """Export the processor's queued/in-flight/engine counts, read from ``source`` at each scrape."""
-        self.registry.register(_ProcessorGauges(source))
+    def watch(self, gauges: GaugeSource, counters: CounterSource) -> None:
+        """Export the processor's queued/in-flight/engine counts and its counters, read at each scrape."""
+        self.registry.register(_ProcessorMetrics(gauges, counters))
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -66,7 +86,6 @@ class GatewayMetrics:
             "infx_exchanged_tasks", "Tasks sent to a peer gateway (out) or received from one (in).",
             ["direction"], registry=registry,
         )
-        self.retries = Counter("infx_task_retries", "Tasks re-dispatched after a failure.", registry=registry)
         self.slow_clients = Counter(
             "infx_slow_client_aborts", "Streams ended because the client read too slowly.", registry=registry,
         )

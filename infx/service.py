@@ -90,7 +90,7 @@ class GatewayService(service.MultiService):
             max_tasks_per_tenant=config.max_tasks_per_tenant,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
-        self.metrics.watch(self.dispatcher.gauges)
+        self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)

@@ -88,6 +88,9 @@ def test_engine_of_a_peer_serves_requests_arriving_here_and_is_never_re_advertis
     assert engines(c) == {}
     assert engines(b) == {("default", Locality.LOCAL): 1}
     assert a.processor.status()["tasks"] == 0 and b.processor.status()["tasks"] == 0
+    # Both requests crossed: out of a, into b.
+    assert a.registry.get_sample_value("infx_exchanged_tasks_total", {"direction": "out"}) == 2
+    assert b.registry.get_sample_value("infx_exchanged_tasks_total", {"direction": "in"}) == 2
 
 
 @pytest_twisted.inlineCallbacks
