@@ -5,9 +5,10 @@ Rules this file keeps: no protocol logic (framing, status, flow control and
 deadlines live in the pure :class:`protocol.grpc.GrpcConnection`); the
 reactor's clock and endpoints are always passed in, never imported; one
 ``callLater`` per connection armed from ``next_deadline()`` (plus a
-zero-delay one that batches a burst of sends into one flush); one
-``transport.write`` per batch; (de)serialisation happens here, the machine
-moves bytes.
+zero-delay one that batches a burst of sends into one flush); one write
+per batch (a gathering ``sendmsg``/``writeSequence`` on TCP, so that large
+messages are not copied on their way out); (de)serialisation happens here,
+the machine moves bytes.
 
 Backpressure: a call's ``send()`` returns an already-fired Deferred while
 little is queued for it and the transport is not paused (the protocol is

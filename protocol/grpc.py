@@ -27,16 +27,20 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import h2.config
 import h2.connection
 import h2.errors
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
 import h2.settings
 import h2.stream
 from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
+
+if TYPE_CHECKING:
+    from h2._typing import Buffer
 
 from protocol.grpc_metadata import (
     Metadata,
@@ -316,6 +320,8 @@ _ERR_REFUSED_STREAM = int(h2.errors.ErrorCodes.REFUSED_STREAM)
 #: RFC 9113 4.1 frame header of a DATA frame: 24-bit length (as 16 + 8
 #: bits), type 0, flags, stream id.
 _DATA_HEADER = struct.Struct(">HBBBL")
+_DATA_TYPE = 0x0
+_PADDED = 0x8
 
 
 class _QuietDataFrame(DataFrame):
@@ -332,8 +338,79 @@ class _QuietDataFrame(DataFrame):
         return f"<{len(self.data)} bytes>"
 
 
+class _FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer, less most copies of a large DATA frame.
+
+    h2 4.4 appends every read to one bytearray (a copy, and more when it
+    grows), slices a frame's body out of it (another) and parses that into
+    bytes (another).  The body of a large, unpadded DATA frame on a stream
+    is instead collected as the reads themselves and joined once, when
+    complete, into the frame's data.  Anything else, including anything
+    malformed or out of place, takes h2's own path, so errors are h2's;
+    the one difference is that an oversized large DATA frame is refused as
+    soon as its header is in, where h2 would buffer all of it first.
+    """
+
+    def __init__(self, server: bool = False) -> None:
+        super().__init__(server)
+        # The large DATA frame being collected: its header, the pieces of
+        # its body so far, and how many body bytes are still to come.
+        self._header: bytes | None = None
+        self._body: list[bytes | memoryview] = []
+        self._body_left = 0
+
+    def add_data(self, data: Buffer) -> None:
+        if self._body_left:
+            view = memoryview(data)
+            take = min(self._body_left, len(view))
+            self._body.append(view[:take])
+            self._body_left -= take
+            if take == len(view):
+                return
+            data = view[take:]
+        super().add_data(data)
+
+    def __next__(self) -> Frame:
+        header = self._header
+        if header is not None:
+            if self._body_left:
+                raise StopIteration
+            body = b"".join(self._body)
+            self._header = None
+            self._body = []
+            return self._data_frame(header, body)
+        data = self._data
+        if (len(data) >= 9 and data[3] == _DATA_TYPE
+                and not data[4] & _PADDED and not self._headers_buffer
+                and int.from_bytes(data[5:9], "big") & 0x7FFF_FFFF):
+            length = int.from_bytes(data[:3], "big")
+            if length >= _DIRECT_DATA_MIN:
+                self._validate_frame_length(length)
+                header = bytes(data[:9])
+                with memoryview(data) as view:
+                    body = view[9:9 + length].tobytes()
+                del data[:9 + length]
+                if len(body) == length:
+                    return self._data_frame(header, body)
+                self._header = header
+                self._body = [body]
+                self._body_left = length - len(body)
+                raise StopIteration
+        return super().__next__()
+
+    @staticmethod
+    def _data_frame(header: bytes, body: bytes) -> Frame:
+        frame, _ = Frame.parse_frame_header(memoryview(header))
+        # What DataFrame.parse_body does for an unpadded frame, minus its
+        # copy of the body.
+        assert isinstance(frame, DataFrame)
+        frame.data = body
+        frame.body_len = len(body)
+        return frame
+
+
 class _H2Connection(h2.connection.H2Connection):
-    """h2 with the three adjustments gRPC needs and nothing else.
+    """h2 with the four adjustments gRPC needs and nothing else.
 
     1. The cheap DATA repr above.
     2. Graceful GOAWAY.  h2's connection state machine closes on any GOAWAY
@@ -346,11 +423,13 @@ class _H2Connection(h2.connection.H2Connection):
        asks for, where h2 raises a connection error.  A client may exceed
        the limit innocently (calls started before our SETTINGS arrive), and
        a refused stream is safe for it to retry.
-    4. Large DATA frames queued without copying (:meth:`send_data_parts`).
+    4. Large DATA frames queued without copying (:meth:`send_data_parts`)
+       and received with one copy instead of three (:class:`_FrameBuffer`).
     """
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
+        self.incoming_buffer = _FrameBuffer(server=not config.client_side)
         self._frame_dispatch_table[_QuietDataFrame] = self._receive_data_frame
         # Output queued ahead of _data_to_send: h2's bytes up to a gathered
         # DATA frame, then that frame's header and parts, in wire order.
@@ -452,6 +531,10 @@ _PREFIX = struct.Struct(">BI")
 #: (:meth:`_H2Connection.send_data_parts`); below it, copying is cheaper
 #: than the extra buffers.
 _DIRECT_DATA_MIN = 64 * 1024
+#: Pieces of a message spanning frames at least this large are kept by
+#: reference until the message is complete; smaller ones are copied
+#: together at once.
+_PIECE_MIN = 8 * 1024
 _SUPPORTED_ENCODINGS = ("identity", "gzip")
 _ACCEPT_ENCODING = b"identity,gzip"
 _ERR = h2.errors.ErrorCodes
@@ -520,7 +603,8 @@ class _Call:
 
     __slots__ = (
         "stream_id", "phase", "deadline", "send_encoding", "recv_encoding",
-        "accept_encodings", "buf", "need", "msg_flag", "in_body", "discarding",
+        "accept_encodings", "buf", "parts", "have", "need", "msg_flag", "in_body",
+        "discarding",
         "pending", "pending_bytes", "pending_end", "unacked", "remote_closed",
         "local_closed",
     )
@@ -534,6 +618,10 @@ class _Call:
         self.accept_encodings: tuple[str, ...] = ()
         # Reassembly: bytes of the current prefix or body seen so far.
         self.buf = bytearray()
+        # Reassembly of a body that spans frames: its pieces, not copied
+        # until the last one arrives, and their total length.
+        self.parts: list[bytes | bytearray] = []
+        self.have = 0
         self.need = 5
         self.msg_flag = 0
         self.in_body = False
@@ -598,6 +686,9 @@ class GrpcConnection:
             data_to_send() can cause events too), then:
         transport.write(data + conn.data_to_send())
         rearm_timer(conn.next_deadline())
+
+    :meth:`buffers_to_send` is :meth:`data_to_send` as a list of buffers,
+    for a gathering write that does not copy large messages.
     """
 
     def __init__(self, config: GrpcConfig) -> None:
@@ -1169,6 +1260,12 @@ class GrpcConnection:
             size = 0
             while pending and size < limit:
                 part = pending[0]
+                large = len(part) >= _DIRECT_DATA_MIN
+                if size and large:
+                    # A large payload is a DATA frame of its own, so that
+                    # the receiver can take it without copying
+                    # (:meth:`_reassemble`).
+                    break
                 room = limit - size
                 if len(part) > room:
                     view = part if isinstance(part, memoryview) else memoryview(part)
@@ -1179,6 +1276,8 @@ class GrpcConnection:
                 pending.popleft()
                 parts.append(part)
                 size += len(part)
+                if large:
+                    break
             call.pending_bytes -= size
             if size >= _DIRECT_DATA_MIN:
                 h2conn.send_data_parts(stream_id, parts, size)
@@ -1410,14 +1509,31 @@ class GrpcConnection:
                 call.in_body = True
                 if length:
                     continue
-            take = min(call.need - len(call.buf), end - pos)
-            if take:
-                call.buf += data[pos:pos + take]
+            if not call.parts and end - pos >= call.need:
+                # The rest of the message is here: slice it, which copies
+                # nothing when it is the whole frame (a large message from
+                # infx is: its prefix travels in the frame before).
+                payload = data[pos:pos + call.need]
+                pos += call.need
+            else:
+                # Keep the pieces (a whole frame's data is kept as is) and
+                # copy once, when the message is complete; small pieces are
+                # gathered into a bytearray, so that tiny frames cannot
+                # make a message cost an object per byte.
+                take = min(call.need - call.have, end - pos)
+                if take >= _PIECE_MIN:
+                    call.parts.append(data[pos:pos + take])
+                elif take:
+                    if not call.parts or type(call.parts[-1]) is not bytearray:
+                        call.parts.append(bytearray())
+                    call.parts[-1] += memoryview(data)[pos:pos + take]
+                call.have += take
                 pos += take
-            if len(call.buf) < call.need:
-                break
-            payload = bytes(call.buf)
-            call.buf = bytearray()
+                if call.have < call.need:
+                    break
+                payload = b"".join(call.parts)
+                call.parts = []
+                call.have = 0
             call.in_body = False
             try:
                 message = self._decode(call, call.msg_flag, payload)
