@@ -145,7 +145,7 @@ class ApiCall:
     """
 
     def __init__(self, gateway: Gateway, request: GatewayRequest, endpoint: str,
-                 transform: StreamTransform | None = None) -> None:
+                 transform: CompletionTransform | None = None) -> None:
         self.gateway = gateway
         self.request = request
         self.endpoint = endpoint
@@ -425,8 +425,6 @@ class CompletionTransform:
         return b"".join(out)
 
 
-StreamTransform = CompletionTransform
-
 
 # --- helpers ------------------------------------------------------------------
 
@@ -494,7 +492,7 @@ class _Endpoint(resource.Resource):
     isLeaf = True
 
     def __init__(self, gateway: Gateway, name: str, parse: Parser,
-                 transform: Callable[[], StreamTransform] | None = None) -> None:
+                 transform: Callable[[], CompletionTransform] | None = None) -> None:
         super().__init__()
         self.gateway = gateway
         self.name = name
