@@ -125,10 +125,9 @@ class GatewayService(service.MultiService):
         scaler_service = kubernetes_scaler(self.reactor, kube_api_client(self.environ), namespace, self.pod_name,
                                            registry=self.registry)
         scaler_service.setServiceParent(self)
-        link = ProcessorLink(scaler_service.scaler, self.dispatcher, self.reactor)
+        self.scaler_link = ProcessorLink(scaler_service.scaler, self.dispatcher, self.reactor)
         self.dispatcher.on_request_started.append(scaler_service.scaler.request_started)
         self.dispatcher.on_request_finished.append(scaler_service.scaler.request_finished)
-        link.start()
         return scaler_service
 
     def _builtin_engine(self) -> Any:
@@ -162,6 +161,8 @@ class GatewayService(service.MultiService):
     def _worker_listening(self) -> None:
         if self.builtin_engine is not None:
             self.builtin_engine.startService()
+        if self.scaler is not None:
+            self.scaler_link.start()
 
     def _http_listening(self) -> None:
         self.gateway.listening = True
@@ -184,6 +185,8 @@ class GatewayService(service.MultiService):
                 if call.handle is not None:
                     call.handle.cancel()
                 call.failed(503, "the gateway shut down before the request finished", None)
+        if self.scaler is not None:
+            self.scaler_link.stop()
         yield self.exchanger.stop()
         if self.builtin_engine is not None and self.builtin_engine.running:
             yield self.builtin_engine.stopService()
