@@ -422,11 +422,48 @@ class GrpcProtocol(Protocol):
         return f"{host}:{port}" if host is not None else str(address)
 
 
+class _SendBackpressure:
+    """The backpressure shared by server and client calls: ``send()`` returns
+    an already-fired Deferred while the stream can take more, else one
+    Deferred that fires when the stream's buffer drains or the transport
+    resumes (both call :meth:`_writable`)."""
+
+    _protocol: Any
+    stream_id: Any
+    _send_waiter: Deferred[None] | None
+
+    def _sent(self) -> Deferred[None]:
+        """After a message was queued: flush soon, and tell the sender whether to wait."""
+        protocol = self._protocol
+        protocol.schedule_flush()
+        if protocol.writable(self.stream_id):
+            return succeed(None)
+        if self._send_waiter is None:
+            self._send_waiter = Deferred()
+            if protocol.paused:
+                protocol.when_resumed(self._writable)
+        return self._send_waiter
+
+    def _writable(self) -> None:
+        """Fire a waiting send() once the stream can take more."""
+        waiter = self._send_waiter
+        protocol = self._protocol
+        if waiter is None or protocol is None or self.stream_id is None:
+            return
+        if protocol.paused:
+            protocol.when_resumed(self._writable)
+            return
+        if not protocol.writable(self.stream_id):
+            return
+        self._send_waiter = None
+        waiter.callback(None)
+
+
 # ---------------------------------------------------------------------------
 # Server
 
 
-class ServerCall:
+class ServerCall(_SendBackpressure):
     """What a handler sees of its call.
 
     ``method``, ``metadata`` (the client's), ``peer`` (``host:port``),
@@ -558,29 +595,7 @@ class ServerCall:
         except MessageTooLarge as exc:
             self.abort(exc.code, str(exc))
             return fail(GrpcError(exc.code, str(exc)))
-        protocol = self._protocol
-        protocol.schedule_flush()
-        if protocol.writable(self.stream_id):
-            return succeed(None)
-        if self._send_waiter is None:
-            self._send_waiter = Deferred()
-            if protocol.paused:
-                protocol.when_resumed(self._writable)
-        return self._send_waiter
-
-    def _writable(self) -> None:
-        """Fire a waiting send() once the stream can take more; called on
-        SendBufferDrained and when the transport resumes."""
-        waiter = self._send_waiter
-        if waiter is None:
-            return
-        if self._protocol.paused:
-            self._protocol.when_resumed(self._writable)
-            return
-        if not self._protocol.writable(self.stream_id):
-            return
-        self._send_waiter = None
-        waiter.callback(None)
+        return self._sent()
 
     def set_trailing_metadata(self, metadata: Metadata) -> None:
         """Metadata to send with the final status."""
@@ -857,7 +872,7 @@ def listen_grpc(reactor: Any, description: str, server: GrpcServer) -> Deferred[
 # Client
 
 
-class ClientCall:
+class ClientCall(_SendBackpressure):
     """A call started by :meth:`GrpcChannel.stream`.
 
     ``send``/``end``/``recv``/``cancel``; ``initial_metadata()`` and
@@ -990,30 +1005,7 @@ class ClientCall:
             self.cancel()
             self._finish(Status(exc.code, str(exc), ()))
             return fail(GrpcError(exc.code, str(exc)))
-        protocol = self._protocol
-        protocol.schedule_flush()
-        if protocol.writable(self.stream_id):
-            return succeed(None)
-        if self._send_waiter is None:
-            self._send_waiter = Deferred()
-            if protocol.paused:
-                protocol.when_resumed(self._writable)
-        return self._send_waiter
-
-    def _writable(self) -> None:
-        """Fire a waiting send() once the stream can take more; called on
-        SendBufferDrained and when the transport resumes."""
-        waiter = self._send_waiter
-        protocol = self._protocol
-        if waiter is None or protocol is None or self.stream_id is None:
-            return
-        if protocol.paused:
-            protocol.when_resumed(self._writable)
-            return
-        if not protocol.writable(self.stream_id):
-            return
-        self._send_waiter = None
-        waiter.callback(None)
+        return self._sent()
 
     def end(self) -> None:
         """Half-close: no more requests (ignored once the call has ended)."""
