@@ -422,15 +422,27 @@ class GrpcProtocol(Protocol):
         return f"{host}:{port}" if host is not None else str(address)
 
 
-class _SendBackpressure:
-    """The backpressure shared by server and client calls: ``send()`` returns
-    an already-fired Deferred while the stream can take more, else one
-    Deferred that fires when the stream's buffer drains or the transport
-    resumes (both call :meth:`_writable`)."""
+class _CallCommon:
+    """What server and client calls share: ``async for message in call``
+    (reading with ``recv()`` until it gives None), and the backpressure of
+    ``send()``, which returns an already-fired Deferred while the stream can
+    take more, else one Deferred that fires when the stream's buffer drains
+    or the transport resumes (both call :meth:`_writable`)."""
 
     _protocol: Any
     stream_id: Any
     _send_waiter: Deferred[None] | None
+    recv: Callable[[], Deferred[Any]]
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Any]:
+        while True:
+            message = await self.recv()
+            if message is None:
+                return
+            yield message
 
     def _sent(self) -> Deferred[None]:
         """After a message was queued: flush soon, and tell the sender whether to wait."""
@@ -463,7 +475,7 @@ class _SendBackpressure:
 # Server
 
 
-class ServerCall(_SendBackpressure):
+class ServerCall(_CallCommon):
     """What a handler sees of its call.
 
     ``method``, ``metadata`` (the client's), ``peer`` (``host:port``),
@@ -542,16 +554,6 @@ class ServerCall(_SendBackpressure):
             self._deliver(item).chainDeferred(waiter)
         else:
             self._requests.append(item)
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Any]:
-        while True:
-            message = await self.recv()
-            if message is None:
-                return
-            yield message
 
     # -- sending ----------------------------------------------------------------
 
@@ -872,7 +874,7 @@ def listen_grpc(reactor: Any, description: str, server: GrpcServer) -> Deferred[
 # Client
 
 
-class ClientCall(_SendBackpressure):
+class ClientCall(_CallCommon):
     """A call started by :meth:`GrpcChannel.stream`.
 
     ``send``/``end``/``recv``/``cancel``; ``initial_metadata()`` and
@@ -1111,16 +1113,6 @@ class ClientCall(_SendBackpressure):
         for d in waiters:
             d.callback(status)
         self._channel._call_finished(self)
-
-    def __aiter__(self) -> AsyncIterator[Any]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Any]:
-        while True:
-            message = await self.recv()
-            if message is None:
-                return
-            yield message
 
 
 class _ClientProtocol(GrpcProtocol):
