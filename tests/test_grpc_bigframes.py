@@ -1,6 +1,6 @@
 """The large-message path of infx's gRPC stack: DATA frames queued by
-reference (``_H2Connection.send_data_parts``), received with one copy
-(``_FrameBuffer``), reassembled without intermediate copies, and written
+reference (``TunedH2Connection.send_data_parts``), received with one copy
+(``TunedFrameBuffer``), reassembled without intermediate copies, and written
 with one gathering ``sendmsg`` (``infx.transport._send_gathered``).
 
 These lean on h2 internals, so each is held to h2's own behaviour: the
@@ -39,13 +39,12 @@ from protocol.grpc import (
     InputEnded,
     MessageReceived,
     StatusCode,
-    _FrameBuffer,
-    _H2Connection,
 )
+from protocol.h2_tuned import TunedFrameBuffer, TunedH2Connection
 
 KiB = 1024
 MiB = 1024 * KiB
-BIG = 64 * KiB  # the direct path's threshold in protocol.grpc
+BIG = 64 * KiB  # the direct path's threshold in protocol.h2_tuned
 FAST = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=6, deadline=None)
 
@@ -67,10 +66,10 @@ def payload(size: int, seed: int = 0) -> bytes:
 # send_data_parts against h2's send_data
 
 
-def h2_pair() -> tuple[_H2Connection, h2.connection.H2Connection]:
+def h2_pair() -> tuple[TunedH2Connection, h2.connection.H2Connection]:
     """Our h2 client with one open stream, against a plain h2 server that
     grants large windows and frames."""
-    client = _H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client = TunedH2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
     server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
     client.initiate_connection()
     server.initiate_connection()
@@ -184,7 +183,7 @@ def test_gathered_frames_are_refused_as_send_data_refuses_them(case: str) -> Non
 
 
 # ---------------------------------------------------------------------------
-# _FrameBuffer against h2's FrameBuffer
+# TunedFrameBuffer against h2's FrameBuffer
 
 
 FRAMES = st.lists(st.one_of(
@@ -244,7 +243,7 @@ def test_frame_buffer_yields_what_h2s_yields_however_reads_are_cut(
         wire = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + wire
     chunks = cut(wire, points)
     expected = parsed(h2.frame_buffer.FrameBuffer(server=server), chunks)
-    assert parsed(_FrameBuffer(server=server), chunks) == expected
+    assert parsed(TunedFrameBuffer(server=server), chunks) == expected
     assert len(expected) == len(frames)
 
 
@@ -258,7 +257,7 @@ def test_frame_buffer_yields_what_h2s_yields_however_reads_are_cut(
 ], ids=["too-long", "inside-a-header-block", "stream-0"])
 def test_frame_buffer_rejects_what_h2s_rejects(wire: bytes) -> None:
     errors = []
-    for buffer in (h2.frame_buffer.FrameBuffer(), _FrameBuffer()):
+    for buffer in (h2.frame_buffer.FrameBuffer(), TunedFrameBuffer()):
         buffer.max_frame_size = 2 * BIG
         buffer.add_data(wire)
         with pytest.raises(h2.exceptions.ProtocolError) as raised:
@@ -270,7 +269,7 @@ def test_frame_buffer_rejects_what_h2s_rejects(wire: bytes) -> None:
 def test_frame_buffer_rejects_a_too_long_data_frame_once_its_header_is_in() -> None:
     """h2 waits for the whole frame before checking its length; the large
     DATA path checks at the header, so an oversized frame is not buffered."""
-    buffer = _FrameBuffer()
+    buffer = TunedFrameBuffer()
     buffer.max_frame_size = 2 * BIG
     buffer.add_data(struct.pack(">HBBBL", 0xFFFF, 0xFF, 0, 0, 1) + bytes(BIG))
     with pytest.raises(h2.exceptions.FrameTooLargeError):
