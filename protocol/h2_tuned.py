@@ -11,7 +11,7 @@ what it replaces, and is held to h2's own behaviour by
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import h2.config
 import h2.connection
@@ -20,10 +20,19 @@ import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.stream
-from hyperframe.frame import DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame
+from h2.utilities import (
+    authority_from_headers, extract_method_header, is_informational_response, utf8_encode_headers,
+)
+from hpack import Decoder, Encoder
+from hpack.table import HeaderTable
+from hyperframe.frame import (
+    DataFrame, Frame, GoAwayFrame, HeadersFrame, RstStreamFrame, WindowUpdateFrame,
+)
 
 if TYPE_CHECKING:
     from h2._typing import Buffer
+
+_StreamInputs = h2.stream.StreamInputs
 
 __all__ = ["DIRECT_DATA_MIN", "TunedFrameBuffer", "TunedH2Connection"]
 
@@ -33,10 +42,14 @@ __all__ = ["DIRECT_DATA_MIN", "TunedFrameBuffer", "TunedH2Connection"]
 #: buffers.
 DIRECT_DATA_MIN = 64 * 1024
 _ERR_REFUSED_STREAM = int(h2.errors.ErrorCodes.REFUSED_STREAM)
-#: RFC 9113 4.1 frame header of a DATA frame: 24-bit length (as 16 + 8
-#: bits), type 0, flags, stream id.
-_DATA_HEADER = struct.Struct(">HBBBL")
+#: RFC 9113 4.1 frame header: 24-bit length (as 16 + 8 bits), type,
+#: flags, stream id.
+_FRAME_HEADER = struct.Struct(">HBBBL")
 _DATA_TYPE = 0x0
+_HEADERS_TYPE = 0x1
+_CONTINUATION_TYPE = 0x9
+_END_STREAM = 0x1
+_END_HEADERS = 0x4
 _PADDED = 0x8
 
 
@@ -46,12 +59,208 @@ class _QuietDataFrame(DataFrame):
     h2 4.x formats ``repr(frame)`` for a trace log line on *every* received
     frame, logging enabled or not, and hyperframe's DATA repr hex-encodes
     the whole payload first (~4.7 ms per MiB; PERF-NOTES.md).  Received
-    DATA frames are re-classed to this subclass before h2 sees them; h2
-    dispatches on the exact class, hence the extra dispatch-table entry.
+    frames of the busy kinds are re-classed to a quiet subclass before h2
+    sees them; h2 dispatches on the exact class, hence the extra
+    dispatch-table entries.
     """
 
-    def _body_repr(self) -> str:
-        return f"<{len(self.data)} bytes>"
+    def __repr__(self) -> str:
+        return f"DataFrame(stream_id={self.stream_id}, {len(self.data)} bytes)"
+
+
+class _QuietHeadersFrame(HeadersFrame):
+    """A HEADERS frame with a cheap repr (a few microseconds per call)."""
+
+    def __repr__(self) -> str:
+        return f"HeadersFrame(stream_id={self.stream_id}, {len(self.data)} bytes)"
+
+
+class _QuietWindowUpdateFrame(WindowUpdateFrame):
+    """A WINDOW_UPDATE frame with a cheap repr (one per message or so)."""
+
+    def __repr__(self) -> str:
+        return f"WindowUpdateFrame(stream_id={self.stream_id}, +{self.window_increment})"
+
+
+_QUIET_CLASS: dict[type[Frame], type[Frame]] = {
+    DataFrame: _QuietDataFrame,
+    HeadersFrame: _QuietHeadersFrame,
+    WindowUpdateFrame: _QuietWindowUpdateFrame,
+}
+
+
+# ---------------------------------------------------------------------------
+# Header blocks: the same few, again and again
+#
+# A gRPC connection codes nearly the same header lists on every call, and
+# h2 pays for HPACK and its header checks each time (about half of a unary
+# call's CPU).  Both are pure functions of what they are given plus, for
+# HPACK, the dynamic table, so their results are kept and reused while the
+# table has not changed since.
+
+#: Header blocks up to this size have their coding kept; larger ones are
+#: rare (big metadata) and would make the caches' memory unbounded in kind.
+_CACHED_BLOCK_MAX = 1024
+#: Entries per cache; a full cache starts again empty (a peer varying its
+#: headers on every call only loses the speed-up).
+_CACHE_ENTRIES = 64
+
+
+class _CountingTable(HeaderTable):
+    """An HPACK dynamic table that counts its changes.
+
+    A header list whose coding did not change the table codes the same way
+    again for as long as the count stays the same: every change (insertion,
+    eviction, resize) goes through ``add`` or the ``maxsize`` setter.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.changes = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.changes += 1
+        super().add(name, value)
+
+    @property
+    def maxsize(self) -> int:
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, newmax: int) -> None:
+        self.changes += 1
+        HeaderTable.maxsize.fset(self, newmax)  # type: ignore[attr-defined]
+
+
+class _CachingEncoder(Encoder):
+    """hpack's encoder, reusing the block of a header list it coded before
+    without changing the table."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _CountingTable()
+        self._blocks: dict[tuple[Any, ...], tuple[int, bytes]] = {}
+
+    def encode(self, headers: Any, huffman: bool = True) -> bytes:
+        table = self.header_table
+        assert isinstance(table, _CountingTable)
+        # A pending size update is coded into the next block; HeaderTuples
+        # compare equal to plain tuples yet may have to stay unindexed.
+        if table.resized or not huffman or type(headers) is not list:
+            return super().encode(headers, huffman)
+        for header in headers:
+            if type(header) is not tuple:
+                return super().encode(headers, huffman)
+        key = tuple(headers)
+        changes = table.changes
+        kept = self._blocks.get(key)
+        if kept is not None and kept[0] == changes:
+            return kept[1]
+        block = super().encode(headers, huffman)
+        if table.changes == changes and len(block) <= _CACHED_BLOCK_MAX:
+            if len(self._blocks) >= _CACHE_ENTRIES:
+                self._blocks.clear()
+            self._blocks[key] = (changes, block)
+        return block
+
+
+class _CachingDecoder(Decoder):
+    """hpack's decoder, reusing the header list of a block it decoded
+    before without changing the table (under the same limits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _CountingTable()
+        self._lists: dict[bytes, tuple[tuple[int, int, int], tuple[Any, ...]]] = {}
+
+    def decode(self, data: bytes, raw: bool = False) -> Any:
+        if not raw or type(data) is not bytes or len(data) > _CACHED_BLOCK_MAX:
+            return super().decode(data, raw)
+        table = self.header_table
+        assert isinstance(table, _CountingTable)
+        state = (table.changes, self.max_header_list_size, self.max_allowed_table_size)
+        kept = self._lists.get(data)
+        if kept is not None and kept[0] == state:
+            return list(kept[1])
+        headers = super().decode(data, raw=True)
+        if table.changes == state[0]:
+            if len(self._lists) >= _CACHE_ENTRIES:
+                self._lists.clear()
+            self._lists[data] = (state, tuple(headers))
+        return headers
+
+
+def _header_frames(stream_id: int, block: bytes, end_stream: bool, max_frame_size: int) -> bytes:
+    """HEADERS (and CONTINUATION frames, if ``block`` needs them) carrying
+    ``block``, serialised: what h2 builds as frame objects and then
+    serialises."""
+    flags = _END_STREAM if end_stream else 0
+    if len(block) <= max_frame_size:
+        size = len(block)
+        return _FRAME_HEADER.pack(size >> 8, size & 0xFF, _HEADERS_TYPE,
+                                  flags | _END_HEADERS, stream_id) + block
+    frames: list[bytes] = []
+    kind = _HEADERS_TYPE
+    for start in range(0, len(block), max_frame_size):
+        piece = block[start:start + max_frame_size]
+        if start + max_frame_size >= len(block):
+            flags |= _END_HEADERS
+        frames += (_FRAME_HEADER.pack(len(piece) >> 8, len(piece) & 0xFF, kind, flags, stream_id),
+                   piece)
+        kind, flags = _CONTINUATION_TYPE, 0
+    return b"".join(frames)
+
+
+class _TunedStream(h2.stream.H2Stream):
+    """h2's stream, skipping the checks of a received header list that
+    passed them before unchanged (they depend on nothing else), and
+    serialising header blocks straight to bytes."""
+
+    #: Header lists (with their validation flags) that passed h2's checks
+    #: unchanged on this connection; shared by its streams.
+    passed: dict[tuple[Any, ...], None]
+
+    def _process_received_headers(self, headers: Any, header_validation_flags: Any,
+                                  header_encoding: bool | str | None) -> list[Any]:
+        if header_encoding:
+            return super()._process_received_headers(headers, header_validation_flags,
+                                                     header_encoding)
+        given: list[Any] = list(headers)
+        key = (tuple(given), header_validation_flags)
+        if key in self.passed:
+            return given
+        checked: list[Any] = super()._process_received_headers(given, header_validation_flags,
+                                                               header_encoding)
+        if len(checked) == len(given) and all(a is b for a, b in zip(checked, given)):
+            if len(self.passed) >= _CACHE_ENTRIES:
+                self.passed.clear()
+            self.passed[key] = None
+        return checked
+
+    def header_frames(self, headers: Any, encoder: Encoder, end_stream: bool) -> bytes:
+        """What ``H2Stream.send_headers`` does (h2 4.4, outbound
+        normalisation and validation off), in the same order and with the
+        same errors, returning the serialised frames."""
+        headers = utf8_encode_headers(headers)
+        machine = self.state_machine
+        input_ = _StreamInputs.SEND_HEADERS
+        if not machine.client and is_informational_response(headers):
+            if end_stream:
+                raise h2.exceptions.ProtocolError(
+                    "Cannot set END_STREAM on informational responses.")
+            input_ = _StreamInputs.SEND_INFORMATIONAL_HEADERS
+        machine.process_input(input_)
+        block = encoder.encode(headers)
+        if end_stream:
+            machine.process_input(_StreamInputs.SEND_END_STREAM)
+        if machine.trailers_sent and not end_stream:
+            raise h2.exceptions.ProtocolError("Trailers must have END_STREAM set.")
+        if machine.client and self._authority is None:
+            self._authority = authority_from_headers(headers)
+        self.request_method = extract_method_header(headers)
+        # The connection sets the frame size on every stream it creates.
+        assert self.max_outbound_frame_size is not None
+        return _header_frames(self.stream_id, block, end_stream, self.max_outbound_frame_size)
 
 
 class TunedFrameBuffer(h2.frame_buffer.FrameBuffer):
@@ -141,20 +350,37 @@ class TunedH2Connection(h2.connection.H2Connection):
        a refused stream is safe for it to retry.
     4. Large DATA frames queued without copying (:meth:`send_data_parts`)
        and received with one copy instead of three (:class:`TunedFrameBuffer`).
+    5. Header lists coded and checked once per connection, not per call
+       (:class:`_CachingEncoder`, :class:`_CachingDecoder`,
+       :class:`_TunedStream`), and cheap reprs for the busy frame kinds.
     """
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
         self.incoming_buffer = TunedFrameBuffer(server=not config.client_side)
-        self._frame_dispatch_table[_QuietDataFrame] = self._receive_data_frame
+        for plain, quiet in _QUIET_CLASS.items():
+            self._frame_dispatch_table[quiet] = self._frame_dispatch_table[plain]
+        self.encoder = _CachingEncoder()
+        self.decoder = _CachingDecoder()
+        self.decoder.max_header_list_size = self.DEFAULT_MAX_HEADER_LIST_SIZE
+        self._passed_headers: dict[tuple[Any, ...], None] = {}
         # Output queued ahead of _data_to_send: h2's bytes up to a gathered
         # DATA frame, then that frame's header and parts, in wire order.
         self._gathered: list[bytes | memoryview] = []
 
     def _receive_frame(self, frame: Frame) -> list[h2.events.Event]:
-        if frame.__class__ is DataFrame:
-            frame.__class__ = _QuietDataFrame
+        quiet = _QUIET_CLASS.get(frame.__class__)
+        if quiet is not None:
+            frame.__class__ = quiet
         return super()._receive_frame(frame)
+
+    def _begin_new_stream(self, stream_id: int,
+                          allowed_ids: h2.connection.AllowedStreamIDs) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _TunedStream
+        assert isinstance(stream, _TunedStream)
+        stream.passed = self._passed_headers
+        return stream
 
     def _receive_headers_frame(
         self, frame: HeadersFrame,
@@ -169,6 +395,33 @@ class TunedH2Connection(h2.connection.H2Connection):
             self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_RST_STREAM
             return [RstStreamFrame(stream_id, error_code=_ERR_REFUSED_STREAM)], []
         return super()._receive_headers_frame(frame)
+
+    def send_headers(self, stream_id: int, headers: Any, end_stream: bool = False,
+                     priority_weight: int | None = None,
+                     priority_depends_on: int | None = None,
+                     priority_exclusive: bool | None = None) -> None:
+        """h2's ``send_headers`` less its frame objects: the header frames
+        are serialised straight into the output (see
+        :meth:`_TunedStream.header_frames`).  Priorities and outbound
+        header processing take h2's own path."""
+        config = self.config
+        if (priority_weight is not None or priority_depends_on is not None
+                or priority_exclusive is not None or config.validate_outbound_headers
+                or config.normalize_outbound_headers):
+            super().send_headers(stream_id, headers, end_stream, priority_weight,
+                                 priority_depends_on, priority_exclusive)
+            return
+        if stream_id not in self.streams:
+            limit = self.remote_settings.max_concurrent_streams
+            open_streams = self.open_outbound_streams
+            if open_streams + 1 > limit:
+                raise h2.exceptions.TooManyStreamsError(
+                    f"Max outbound streams is {limit}, {open_streams} open")
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_HEADERS)
+        stream = self._get_or_create_stream(
+            stream_id, h2.connection.AllowedStreamIDs(config.client_side))
+        assert isinstance(stream, _TunedStream)
+        self._data_to_send += stream.header_frames(headers, self.encoder, end_stream)
 
     def _receive_goaway_frame(
         self, frame: GoAwayFrame,
@@ -216,7 +469,7 @@ class TunedH2Connection(h2.connection.H2Connection):
         if self._data_to_send:
             self._gathered.append(bytes(self._data_to_send))
             self._data_to_send = bytearray()
-        self._gathered.append(_DATA_HEADER.pack(size >> 8, size & 0xFF, 0, 0, stream_id))
+        self._gathered.append(_FRAME_HEADER.pack(size >> 8, size & 0xFF, _DATA_TYPE, 0, stream_id))
         self._gathered.extend(parts)
 
     def buffers_to_send(self) -> list[bytes | memoryview]:
