@@ -1062,7 +1062,13 @@ class GrpcConnection:
             if size >= DIRECT_DATA_MIN:
                 h2conn.send_data_parts(stream_id, parts, size)
             else:
-                h2conn.send_data(stream_id, parts[0] if len(parts) == 1 else b"".join(parts))
+                # A half-close right behind the last message rides on its
+                # frame rather than an empty DATA frame of its own.
+                end_here = not pending and call.pending_end is True
+                if end_here:
+                    call.pending_end = None
+                h2conn.send_data(stream_id, parts[0] if len(parts) == 1 else b"".join(parts),
+                                 end_stream=end_here)
         self._sent_frames()
         end = call.pending_end
         if end is not None:
