@@ -236,6 +236,7 @@ class GrpcProtocol(Protocol):
         self._timer_at: float | None = None
         self._flush_call: IDelayedCall | None = None
         self._dispatching = False
+        self._call_start_written = False
         self._closed = False
         #: True while the transport asked us to stop producing.
         self.paused = False
@@ -359,7 +360,21 @@ class GrpcProtocol(Protocol):
             self._dispatching = False
         if out and self.transport is not None:
             _write(self.transport, out)
+        self._call_start_written = False
         self._arm_timer(conn.next_deadline())
+
+    def write_call_start(self) -> None:
+        """Write a call's HEADERS now, even inside a batch, so that the
+        server decodes and routes the call while this side frames its
+        messages: for unary calls that overlap is worth ~5 % of a round
+        trip (grpclib gets it by writing after every h2 command).  Once per
+        batch, so that a burst of calls still shares one write."""
+        if self._call_start_written or self._closed or self.transport is None:
+            return
+        self._call_start_written = True
+        out = self.conn.buffers_to_send()
+        if out:
+            _write(self.transport, out)
 
     def schedule_flush(self) -> None:
         """Flush at the next reactor turn (or at the end of the current
@@ -945,6 +960,7 @@ class ClientCall(_CallCommon):
         self._protocol = protocol
         self.stream_id = stream_id
         protocol.calls[stream_id] = self
+        protocol.write_call_start()
         for data, compress in self._early:
             protocol.conn.send_message(stream_id, data, compress=compress)
         self._early = []

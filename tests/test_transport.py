@@ -12,7 +12,9 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.interfaces import IStreamClientEndpoint
 from twisted.internet.testing import StringTransport
+from zope.interface import implementer
 
 from infx.transport import (
     CallKind,
@@ -546,3 +548,45 @@ async def test_a_call_waiting_for_a_connection_ends_at_its_deadline(recorder):
         assert info.value.code == StatusCode.DEADLINE_EXCEEDED
     finally:
         await channel.close()
+
+
+def _frame_kinds(data: bytes) -> list[tuple[int, int]]:
+    """(type, stream id) of each HTTP/2 frame in ``data`` (no preface)."""
+    kinds = []
+    while data:
+        length = int.from_bytes(data[:3], "big")
+        kinds.append((data[3], int.from_bytes(data[5:9], "big") & 0x7FFF_FFFF))
+        data = data[9 + length:]
+    return kinds
+
+
+def test_a_call_start_is_written_ahead_of_its_messages_once_per_batch():
+    """A unary call's HEADERS leave before its message is framed, so the
+    server starts on the call sooner; a burst of calls in one batch adds
+    only that one early write."""
+    clock = task.Clock()
+    writes: list[bytes] = []
+
+    @implementer(IStreamClientEndpoint)
+    class Endpoint:
+        def connect(self, factory):
+            protocol = factory.buildProtocol(None)
+            transport = StringTransport()
+            transport.write = writes.append
+            protocol.makeConnection(transport)
+            return defer.succeed(protocol)
+
+    channel = GrpcChannel(clock, Endpoint())
+    channel.unary("/t.S/Echo", b"first")  # connects; the call waits for it
+    writes.clear()
+    channel.unary("/t.S/Echo", b"abc")
+    HEADERS, DATA = 0x1, 0x0
+    assert [_frame_kinds(w) for w in writes] == [[(HEADERS, 3)], [(DATA, 3)]]
+    writes.clear()
+    protocol = channel._protocol
+    with protocol.batch():
+        for _ in range(3):
+            channel.unary("/t.S/Echo", b"abc")
+    first, rest = [_frame_kinds(w) for w in writes]
+    assert first == [(HEADERS, 5)]
+    assert sorted(rest) == [(DATA, 5), (DATA, 7), (DATA, 9), (HEADERS, 7), (HEADERS, 9)]
