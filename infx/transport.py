@@ -858,7 +858,7 @@ class GrpcServer(Factory):
             return d
         self._stopping.append(d)
         for protocol in list(self._connections):
-            protocol.dispatch(protocol.conn.go_away())
+            protocol.dispatch(protocol.conn.go_away(now=self.clock.seconds()))
             protocol.flush()
         if grace is not None:
             self.clock.callLater(grace, self._force_close)

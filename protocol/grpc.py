@@ -53,6 +53,7 @@ from protocol.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
 __all__ = [
     "CallEnded", "CallLimitReached", "CallStarted", "ConnectionTerminated", "EndCause", "Event",
+    "GOAWAY_ACK_TIMEOUT",
     "GoAwayReceived", "GrpcConfig", "GrpcConnection", "InputEnded", "InvalidMetadata",
     "LocalProtocolError", "MessageReceived", "MessageTooLarge", "Metadata",
     "MetadataError", "MetadataValue", "PingAcknowledged",
@@ -62,6 +63,9 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+#: Seconds a draining server waits for the ack of the PING behind its first
+#: GOAWAY before naming its last stream anyway (a round trip is far less).
+GOAWAY_ACK_TIMEOUT = 1.0
 
 
 @dataclass(frozen=True)
@@ -506,6 +510,11 @@ class GrpcConnection:
         self._goaway_sent = False
         self._goaway_received = False
         self._goaway_last_id = 2**31 - 1
+        self._goaway_debug = b""
+        # A draining server's PING sent behind its first GOAWAY, and when it
+        # sends the final GOAWAY without the ack.
+        self._goaway_ping: bytes | None = None
+        self._goaway_ping_deadline: float | None = None
         self._ping_counter = 0
         self._pings: dict[bytes, float] = {}
         self._last_received = 0.0
@@ -602,9 +611,9 @@ class GrpcConnection:
                 break
             heapq.heappop(heap)
         best = heap[0][0] if heap else None
-        keepalive = self._keepalive_timer()
-        if keepalive is not None and (best is None or keepalive < best):
-            best = keepalive
+        for timer in (self._keepalive_timer(), self._goaway_ping_deadline):
+            if timer is not None and (best is None or timer < best):
+                best = timer
         return best
 
     def _keepalive_timer(self) -> float | None:
@@ -635,6 +644,8 @@ class GrpcConnection:
                 # sees DEADLINE_EXCEEDED; client: RST_STREAM(CANCEL).
                 self._fail_call(call, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded",
                                 EndCause.DEADLINE)
+        if self._goaway_ping_deadline is not None and now >= self._goaway_ping_deadline:
+            self._send_final_goaway()
         if self._terminated:
             # The last call of a draining connection just expired: no keepalive.
             return self.take_events()
@@ -896,10 +907,18 @@ class GrpcConnection:
         self._h2.ping(payload)
         return payload
 
-    def go_away(self, error_code: int = 0, debug_data: bytes = b"") -> list[Event]:
+    def go_away(self, error_code: int = 0, debug_data: bytes = b"",
+                now: float | None = None) -> list[Event]:
         """Stop accepting calls.  With error_code 0 this is a graceful drain:
         calls already started finish, then ConnectionTerminated(0) follows;
-        otherwise every call ends now (UNAVAILABLE)."""
+        otherwise every call ends now (UNAVAILABLE).
+
+        A server drains in two phases (RFC 9113 6.8, as grpc-core does):
+        a GOAWAY that refuses nothing with a PING behind it, then, on the
+        PING's ack (or ``GOAWAY_ACK_TIMEOUT`` after ``now``, default the
+        last input's time), the GOAWAY naming the last stream it serves.
+        Calls the client started before it saw the first GOAWAY arrive
+        before the ack and are served rather than refused."""
         if self._terminated:
             return self.take_events()
         if error_code:
@@ -908,12 +927,27 @@ class GrpcConnection:
                             status=StatusCode.UNAVAILABLE)
         elif not self._goaway_sent:
             self._goaway_sent = True
-            # A client never accepts streams, so its last id is 0.
-            last = 0 if self._client else self._h2.highest_inbound_stream_id
-            self._goaway_last_id = last
-            self._h2.send_graceful_goaway(last, debug_data)
+            self._goaway_debug = debug_data
+            if self._client:
+                # A client never accepts streams, so its last id is 0.
+                self._goaway_last_id = 0
+                self._h2.send_graceful_goaway(0, debug_data)
+            else:
+                self._h2.send_graceful_goaway(2**31 - 1, debug_data)
+                self._ping_counter += 1
+                self._goaway_ping = struct.pack(">Q", self._ping_counter)
+                self._h2.ping(self._goaway_ping)
+                start = self._last_received if now is None else now
+                self._goaway_ping_deadline = start + GOAWAY_ACK_TIMEOUT
             self._maybe_drained()
         return self.take_events()
+
+    def _send_final_goaway(self) -> None:
+        self._goaway_ping = None
+        self._goaway_ping_deadline = None
+        self._goaway_last_id = self._h2.highest_inbound_stream_id
+        self._h2.send_graceful_goaway(self._goaway_last_id, self._goaway_debug)
+        self._maybe_drained()
 
     @property
     def active_calls(self) -> int:
@@ -997,7 +1031,7 @@ class GrpcConnection:
         self._queue_status(call, code, message, ())
 
     def _maybe_drained(self) -> None:
-        if (not self._calls and not self._terminated
+        if (not self._calls and not self._terminated and self._goaway_ping is None
                 and (self._goaway_sent or self._goaway_received)):
             self._terminated = True
             self._events.append(ConnectionTerminated(
@@ -1416,6 +1450,9 @@ class GrpcConnection:
 
     def _on_ping_ack(self, event: h2.events.PingAckReceived, now: float) -> None:
         payload = bytes(event.ping_data or b"")
+        if payload == self._goaway_ping:
+            self._send_final_goaway()
+            return
         sent = self._pings.pop(payload, None)
         if sent is None or payload == self._keepalive_payload:
             return

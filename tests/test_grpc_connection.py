@@ -20,6 +20,7 @@ from protocol.grpc import (
     ConnectionTerminated,
     EndCause,
     GoAwayReceived,
+    GOAWAY_ACK_TIMEOUT,
     GrpcConfig,
     GrpcConnection,
     InputEnded,
@@ -709,32 +710,63 @@ def test_status_waits_behind_queued_messages():
 # -- GOAWAY, keepalive, pings -------------------------------------------------------
 
 
-def test_graceful_goaway_drains_old_calls_and_refuses_new_ones():
+def test_graceful_goaway_serves_calls_that_raced_it_then_drains():
+    """Two-phase GOAWAY: a call the client started before it saw the
+    GOAWAY is served, not refused; the final GOAWAY names it as the last."""
     link = Link()
     old = link.client.start_call("/s/M", now=link.now)
     link.pump()
     started(link)
-    link.server.go_away()
-    # The client starts a call before it sees the GOAWAY.
+    link.server.go_away(now=link.now)
+    assert link.server.next_deadline() == pytest.approx(link.now + GOAWAY_ACK_TIMEOUT)
     racing = link.client.start_call("/s/M", now=link.now)
     link.pump()
-    (goaway,) = link.take("client", GoAwayReceived)
-    assert (goaway.last_stream_id, goaway.error_code) == (old, 0)
-    end = ended(link)
-    assert (end.stream_id, end.status, end.cause) == (racing, StatusCode.UNAVAILABLE,
-                                                      EndCause.REFUSED)
+    goaways = [(g.last_stream_id, g.error_code) for g in link.take("client", GoAwayReceived)]
+    assert goaways == [(2**31 - 1, 0), (racing, 0)]
+    assert started(link).stream_id == racing
+    assert link.server.next_deadline() is None
     assert not link.client.accepting_calls
     with pytest.raises(LocalProtocolError):
         link.client.start_call("/s/M", now=link.now)
-    link.client.send_message(old, b"still works")
-    link.client.end_stream(old)
+    for sid in (old, racing):
+        link.client.send_message(sid, b"still works")
+        link.client.end_stream(sid)
     link.pump()
-    assert [e.data for e in link.take("server", MessageReceived)] == [b"still works"]
+    assert [e.data for e in link.take("server", MessageReceived)] == [b"still works"] * 2
+    link.server.send_status(old, StatusCode.OK)
+    link.pump()
+    assert not link.take("server", ConnectionTerminated)
+    link.server.send_status(racing, StatusCode.OK)
+    link.pump()
+    assert [e.status for e in link.take("client", CallEnded)] == [StatusCode.OK] * 2
+    assert link.take("server", ConnectionTerminated)[0].error_code == 0
+    assert link.take("client", ConnectionTerminated)[0].error_code == 0
+
+
+def test_final_goaway_without_the_ping_ack_refuses_later_streams():
+    """A client that never answers the PING gets the final GOAWAY after
+    GOAWAY_ACK_TIMEOUT; a stream past its last id is refused (safe to
+    retry) while the older call still finishes."""
+    link = Link()
+    old = link.client.start_call("/s/M", now=link.now)
+    link.pump()
+    started(link)
+    link.server.go_away(now=link.now)
+    link.server.data_to_send()  # the first GOAWAY and its PING are lost
+    link.now += GOAWAY_ACK_TIMEOUT
+    link.server.handle_timeout(link.now)
+    late = link.client.start_call("/s/M", now=link.now)
+    link.pump()
+    assert [g.last_stream_id for g in link.take("client", GoAwayReceived)] == [old]
+    assert not link.take("server", CallStarted)
+    end = ended(link)
+    assert (end.stream_id, end.status, end.cause) == (late, StatusCode.UNAVAILABLE,
+                                                      EndCause.REFUSED)
+    link.client.end_stream(old)
     link.server.send_status(old, StatusCode.OK)
     link.pump()
     assert ended(link).status == StatusCode.OK
     assert link.take("server", ConnectionTerminated)[0].error_code == 0
-    assert link.take("client", ConnectionTerminated)[0].error_code == 0
 
 
 def test_goaway_with_error_fails_every_call_unavailable():

@@ -590,3 +590,31 @@ def test_a_call_start_is_written_ahead_of_its_messages_once_per_batch():
     first, rest = [_frame_kinds(w) for w in writes]
     assert first == [(HEADERS, 5)]
     assert sorted(rest) == [(DATA, 5), (DATA, 7), (DATA, 9), (HEADERS, 7), (HEADERS, 9)]
+
+
+@pytest_twisted.ensureDeferred
+async def test_graceful_stop_drains_a_grpcio_client_in_two_phases(recorder):
+    """grpcio answers the PING behind the first GOAWAY, its open call
+    finishes, and it reconnects for the next one."""
+    import queue
+
+    server = make_server(recorder)
+    port = await listen_grpc(reactor, "tcp:0:interface=127.0.0.1", server)
+    requests: queue.Queue = queue.Queue()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port.getHost().port}")
+    try:
+        replies = channel.stream_stream("/t.S/Upper")(iter(requests.get, None), timeout=10)
+        requests.put(b"a")
+        assert await _in_thread(next, replies) == b"A"
+        stopped = server.stop()
+        await sleep(0.05)
+        requests.put(b"b")
+        assert await _in_thread(next, replies) == b"B"
+        requests.put(None)
+        assert await _in_thread(list, replies) == []
+        await stopped
+        echo = channel.unary_unary("/t.S/Echo")
+        assert await _in_thread(lambda: echo(b"12", timeout=5)) == b"21"
+    finally:
+        channel.close()
+        await defer.maybeDeferred(port.stopListening)
