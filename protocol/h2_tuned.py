@@ -145,11 +145,13 @@ class _CachingEncoder(Encoder):
         table = self.header_table
         assert isinstance(table, _CountingTable)
         # A pending size update is coded into the next block; HeaderTuples
-        # compare equal to plain tuples yet may have to stay unindexed.
+        # compare equal to plain tuples yet may have to stay unindexed, and
+        # other values than bytes may compare equal yet code differently.
         if table.resized or not huffman or type(headers) is not list:
             return super().encode(headers, huffman)
         for header in headers:
-            if type(header) is not tuple:
+            if (type(header) is not tuple or type(header[0]) is not bytes
+                    or type(header[1]) is not bytes):
                 return super().encode(headers, huffman)
         key = tuple(headers)
         changes = table.changes
@@ -222,7 +224,9 @@ class _TunedStream(h2.stream.H2Stream):
 
     def _process_received_headers(self, headers: Any, header_validation_flags: Any,
                                   header_encoding: bool | str | None) -> list[Any]:
-        if header_encoding:
+        config = self.config
+        if (header_encoding or not config.validate_inbound_headers
+                or not config.normalize_inbound_headers):
             return super()._process_received_headers(headers, header_validation_flags,
                                                      header_encoding)
         given: list[Any] = list(headers)
@@ -240,8 +244,13 @@ class _TunedStream(h2.stream.H2Stream):
     def header_frames(self, headers: Any, encoder: Encoder, end_stream: bool) -> bytes:
         """What ``H2Stream.send_headers`` does (h2 4.4, outbound
         normalisation and validation off), in the same order and with the
-        same errors, returning the serialised frames."""
+        same errors, returning the serialised frames; an empty header list
+        is refused up front."""
         headers = utf8_encode_headers(headers)
+        if not headers:
+            # h2 fails here with an IndexError after changing states; an
+            # empty block is never what a caller meant.
+            raise h2.exceptions.ProtocolError("Cannot send an empty header block.")
         machine = self.state_machine
         input_ = _StreamInputs.SEND_HEADERS
         if not machine.client and is_informational_response(headers):
