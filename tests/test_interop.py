@@ -1,10 +1,13 @@
-"""infx's gRPC stack interoperates with grpcio on every standard interop case and infx's size extras.
+"""infx's gRPC stack interoperates with grpcio on every standard interop case and infx's extras.
 
 Both directions, each case parametrized: grpcio's client (tests/interop_grpcio.py)
 against ``tools/interop_server.py`` run as a subprocess, and
 ``tools/interop_client.py`` run as a subprocess against grpcio's TestService.
 Two more sets tell failures apart: grpcio against grpcio (a bug in the
-reference half) and infx against infx. Servers start once per module.
+reference half) and infx against infx. A few cases run again over TLS with
+the test credentials of ``tools/interop_testdata/``, both ways, against a
+grpcio server that also has HalfDuplexCall (tests/interop_grpcio.py's lacks
+it), so ``half_duplex`` meets grpcio there. Servers start once per module.
 Hypothesis then picks message sizes around HTTP/2's frame and window edges
 for both directions, and two machine-level tests pin, without sockets, the
 interop failures found here.
@@ -17,7 +20,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -27,21 +31,41 @@ from hypothesis import strategies as st
 
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb.grpc_testing import messages_pb2
-from tests.interop_grpcio import CASES, MiB, SERVICE, GrpcioInteropServer, run_case
+from tests.interop_grpcio import CASES, GRPCIO_CASES, MiB, SERVICE, GrpcioInteropServer, GrpcioTestService, run_case
 from tests.interop_infx_duplex import duplex_request
+from tests.interop_sniffer import CompressionSniffer
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTDATA = ROOT / "tools" / "interop_testdata"
 SERVER_START_TIMEOUT = 20.0
 CLIENT_TIMEOUT = 30.0
+PING_PONG = [(27182, 31415), (8, 9), (1828, 2653), (45904, 58979)]
+#: The name grpc's interop tests give ``--server_host_override``; the test certificate covers it.
+TLS_NAME = "foo.test.google.fr"
+PLAINTEXT = ("--use_tls=false",)
+TEST_CA_TLS = ("--use_tls=true", "--use_test_ca=true", f"--server_host_override={TLS_NAME}")
+TLS_CASES = ["empty_unary", "large_unary", "ping_pong", "custom_metadata", "half_duplex"]
+
+
+def grpcio_half_duplex(channel: grpc.Channel) -> None:
+    """The interop client's ``half_duplex`` on grpcio: ping_pong's requests on HalfDuplexCall, then the half-close."""
+    requests = [duplex_request(*pair).SerializeToString() for pair in PING_PONG]
+    call = channel.stream_stream(f"/{SERVICE}/HalfDuplexCall")(iter(requests))
+    sizes = [len(messages_pb2.StreamingOutputCallResponse.FromString(raw).payload.body) for raw in call]
+    assert sizes == [response for _, response in PING_PONG]
+
+
+ALL_CASES = [*CASES, "half_duplex"]
+GRPCIO_CLIENT: dict[str, Callable[[grpc.Channel], None]] = {**GRPCIO_CASES, "half_duplex": grpcio_half_duplex}
 
 
 class InfxServer:
-    """``tools/interop_server.py --port=0`` in a subprocess; stderr goes to ``log`` for failure reports."""
+    """``tools/interop_server.py --port=0 FLAGS`` in a subprocess; stderr goes to ``log`` for failure reports."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, *flags: str) -> None:
         self.log = log
         self._process = subprocess.Popen(
-            [sys.executable, str(ROOT / "tools" / "interop_server.py"), "--port=0"],
+            [sys.executable, str(ROOT / "tools" / "interop_server.py"), "--port=0", *flags],
             cwd=ROOT, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
         )
         self.port = self._read_port()
@@ -78,24 +102,75 @@ def infx_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InfxServer
 
 
 @pytest.fixture(scope="module")
+def infx_tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InfxServer]:
+    server = InfxServer(tmp_path_factory.mktemp("interop_tls") / "server.log", "--use_tls=true")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def grpcio_server() -> Iterator[GrpcioInteropServer]:
     server = GrpcioInteropServer()
     yield server
     server.stop()
 
 
-def run_infx_client(port: int, case: str) -> subprocess.CompletedProcess[str]:
+class GrpcioTlsServer:
+    """grpcio's TestService plus HalfDuplexCall, over TLS with the test server certificate.
+
+    No CompressionSniffer reads through TLS, so the compression cases stay on the plaintext servers.
+    """
+
+    def __init__(self) -> None:
+        service = GrpcioTestService(_no_sniffer)
+
+        def half_duplex_call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+            """FullDuplexCall, started once the client has half-closed."""
+            return service.full_duplex_call(iter(list(requests)), context)
+
+        half_duplex = grpc.method_handlers_generic_handler(
+            SERVICE, {"HalfDuplexCall": grpc.stream_stream_rpc_method_handler(half_duplex_call)})
+        credentials = grpc.ssl_server_credentials([((TESTDATA / "server.key").read_bytes(),
+                                                    (TESTDATA / "server.pem").read_bytes())])
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self._server.add_generic_rpc_handlers([service.handler(), half_duplex])
+        self.port = self._server.add_secure_port("127.0.0.1:0", credentials)
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(grace=None)
+
+
+def _no_sniffer() -> CompressionSniffer:
+    raise AssertionError("a compression case ran against the TLS server")
+
+
+@pytest.fixture(scope="module")
+def grpcio_tls_server() -> Iterator[GrpcioTlsServer]:
+    server = GrpcioTlsServer()
+    yield server
+    server.stop()
+
+
+def run_infx_client(port: int, case: str, flags: Sequence[str] = PLAINTEXT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(ROOT / "tools" / "interop_client.py"), "--server_host=127.0.0.1",
-         f"--server_port={port}", f"--test_case={case}", "--use_tls=false"],
+         f"--server_port={port}", f"--test_case={case}", *flags],
         cwd=ROOT, capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
     )
 
 
-@pytest.mark.parametrize("case", CASES)
+def grpcio_tls_channel(port: int) -> grpc.Channel:
+    """A grpcio channel trusting the test CA and verifying the server as ``TLS_NAME``, as grpc's interop client does."""
+    credentials = grpc.ssl_channel_credentials(root_certificates=(TESTDATA / "ca.pem").read_bytes())
+    return grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)])
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_grpcio_client_passes_against_infx_server(case: str, infx_server: InfxServer) -> None:
     try:
-        run_case(case, infx_server.port)
+        with grpc.insecure_channel(f"127.0.0.1:{infx_server.port}") as channel:
+            GRPCIO_CLIENT[case](channel)
     except Exception as error:
         pytest.fail(f"{case}: {error}\n--- interop_server stderr ---\n{infx_server.log_tail()}")
 
@@ -107,7 +182,7 @@ def test_infx_client_passes_against_grpcio_server(case: str, grpcio_server: Grpc
     assert f"PASS {case}" in result.stdout
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_infx_client_passes_against_infx_server(case: str, infx_server: InfxServer) -> None:
     result = run_infx_client(infx_server.port, case)
     assert result.returncode == 0, f"{result.stdout}{result.stderr}\n--- interop_server stderr ---\n{infx_server.log_tail()}"
@@ -118,6 +193,56 @@ def test_infx_client_passes_against_infx_server(case: str, infx_server: InfxServ
 def test_reference_grpcio_halves_agree(case: str, grpcio_server: GrpcioInteropServer) -> None:
     """The grpcio client and server used as references pass every case against each other."""
     run_case(case, grpcio_server.port)
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_grpcio_tls_client_passes_against_infx_tls_server(case: str, infx_tls_server: InfxServer) -> None:
+    try:
+        with grpcio_tls_channel(infx_tls_server.port) as channel:
+            GRPCIO_CLIENT[case](channel)
+    except Exception as error:
+        pytest.fail(f"{case}: {error}\n--- interop_server stderr ---\n{infx_tls_server.log_tail()}")
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_infx_tls_client_passes_against_grpcio_tls_server(case: str, grpcio_tls_server: GrpcioTlsServer) -> None:
+    result = run_infx_client(grpcio_tls_server.port, case, TEST_CA_TLS)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"PASS {case}" in result.stdout
+
+
+@pytest.mark.parametrize(("flags", "reason"), [
+    (("--use_tls=true", f"--server_host_override={TLS_NAME}"), "certificate verify failed"),
+    (("--use_tls=true", "--use_test_ca=true", "--server_host_override=wrong.example.com"), "DNSMismatch"),
+], ids=["system-roots", "wrong-name"])
+def test_infx_tls_client_fails_when_it_cannot_verify_the_server(
+    flags: tuple[str, ...], reason: str, grpcio_tls_server: GrpcioTlsServer,
+) -> None:
+    """The system's roots do not know the test CA; and with it, the override must still name the certificate."""
+    result = run_infx_client(grpcio_tls_server.port, "empty_unary", flags)
+    assert result.returncode != 0
+    assert "FAIL empty_unary: unexpected status UNAVAILABLE" in result.stderr
+    assert reason in result.stderr
+
+
+def test_infx_server_and_client_take_other_credentials_from_flags(tmp_path: Path) -> None:
+    """Credentials fresh from make_certs.py, in a directory with a colon (endpoint-string quoting): the server serves
+    them given ``--tls_cert_file``/``--tls_key_file`` and the client trusts them given ``--ca_file``, while the
+    bundled test CA does not verify that server (so the flags were not ignored)."""
+    certs = tmp_path / "fresh:certs"
+    subprocess.run([sys.executable, str(TESTDATA / "make_certs.py"), str(certs)],
+                   check=True, timeout=CLIENT_TIMEOUT)
+    server = InfxServer(tmp_path / "server.log", "--use_tls=true",
+                        f"--tls_cert_file={certs / 'server.pem'}", f"--tls_key_file={certs / 'server.key'}")
+    try:
+        fresh = run_infx_client(server.port, "empty_unary",
+                                ("--use_tls=true", f"--ca_file={certs / 'ca.pem'}", f"--server_host_override={TLS_NAME}"))
+        bundled = run_infx_client(server.port, "empty_unary", TEST_CA_TLS)
+    finally:
+        server.stop()
+    assert fresh.returncode == 0, f"{fresh.stdout}{fresh.stderr}\n--- interop_server stderr ---\n{server.log_tail()}"
+    assert bundled.returncode != 0
+    assert "certificate verify failed" in bundled.stderr
 
 
 def test_infx_server_streams_responses_paced_by_interval_us(infx_server: InfxServer) -> None:

@@ -2,15 +2,23 @@
 """The standard gRPC interop client on infx's own gRPC stack: runs one case, exits 0 when it passes.
 
     .venv/bin/python tools/interop_client.py --server_host=127.0.0.1 --server_port=10000 \\
-        --test_case=large_unary [--use_tls=false]
+        --test_case=large_unary [--use_tls=true --use_test_ca=true --server_host_override=foo.test.google.fr]
 
 The cases follow grpc/grpc doc/interop-test-descriptions.md; infx adds
 ``large_request_rejected`` and ``large_response_rejected`` (5 MiB each way
 ends RESOURCE_EXHAUSTED under the default 4 MiB receive limit),
-``max_size_request`` (4 MiB - 64 B goes through) and ``bidi_1mib_x10`` (ten
-1 MiB messages each way on one bidi call). Other standard flags are accepted
-and ignored with a note on stderr. On failure the client prints what did not
-hold and exits 1.
+``max_size_request`` (4 MiB - 64 B goes through), ``bidi_1mib_x10`` (ten
+1 MiB messages each way on one bidi call) and ``half_duplex`` (ping_pong's
+messages on HalfDuplexCall). On failure the client prints what did not hold
+and exits 1.
+
+TLS flags as grpc's interop clients have them: ``--use_tls=true`` verifies
+the server against the system's roots, or with ``--use_test_ca=true`` against
+the test CA in ``tools/interop_testdata/`` (what ``tools/interop_server.py
+--use_tls=true`` serves), or against ``--ca_file``. ``--server_host_override``
+is the name verified and the ``:authority`` claimed, instead of
+``--server_host``. Other standard flags are accepted and ignored with a note
+on stderr.
 """
 
 from __future__ import annotations
@@ -19,10 +27,16 @@ import argparse
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+from OpenSSL import crypto
 from twisted.internet import task
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import wrapClientTLS
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.internet.ssl import Certificate, optionsForClientTLS, trustRootFromCertificates
 
 from infx.transport import ClientCall, GrpcChannel, GrpcError, client_endpoint
 from protocol.grpc import StatusCode
@@ -36,6 +50,8 @@ TRAILING_VALUE = b"\xab\xab\xab"
 MiB = 1 << 20
 DEFAULT_MAX_MESSAGE = 4 * MiB
 SPECIAL_MESSAGE = "\t\ntest with whitespace\r\nand Unicode BMP \u263a and non-BMP \U0001f608\t\n"
+PING_PONG = [(27182, 31415), (8, 9), (1828, 2653), (45904, 58979)]
+TEST_CA = Path(__file__).resolve().parent / "interop_testdata" / "ca.pem"
 
 
 class InteropFailure(Exception):
@@ -142,7 +158,7 @@ async def server_streaming(client: Client) -> None:
 
 async def ping_pong(client: Client) -> None:
     call = client.stream("FullDuplexCall", messages_pb2.StreamingOutputCallResponse)
-    for request_size, response_size in [(27182, 31415), (8, 9), (1828, 2653), (45904, 58979)]:
+    for request_size, response_size in PING_PONG:
         await call.send(_output_request(request_size, response_size))
         response = await call.recv()
         check(response is not None, f"the call ended before the response of {response_size} bytes")
@@ -348,6 +364,24 @@ async def bidi_1mib_x10(client: Client) -> None:
     check(sizes == [MiB] * 10, f"response sizes {sizes}")
 
 
+async def half_duplex(client: Client) -> None:
+    """ping_pong's messages on HalfDuplexCall, all sent before the client half-closes; the server must not answer
+    before that (watched for 0.1 s), as it would on FullDuplexCall."""
+    call = client.stream("HalfDuplexCall", messages_pb2.StreamingOutputCallResponse)
+    for request_size, response_size in PING_PONG:
+        await call.send(_output_request(request_size, response_size))
+    first = call.recv()
+    await task.deferLater(client.channel.clock, 0.1)
+    if first.called:
+        await first  # raises the call's status if it failed
+        raise InteropFailure("the server answered before the client half-closed")
+    call.end()
+    responses = [await first, *await _drain(call)]
+    sizes = [response_size for _, response_size in PING_PONG]
+    check([r.payload.body for r in responses] == [bytes(n) for n in sizes],
+          f"response sizes {[len(r.payload.body) for r in responses]}, expected {sizes}")
+
+
 CASES: dict[str, Callable[[Client], Awaitable[None]]] = {
     case.__name__: case
     for case in [
@@ -356,7 +390,7 @@ CASES: dict[str, Callable[[Client], Awaitable[None]]] = {
         status_code_and_message, special_status_message, unimplemented_method, unimplemented_service,
         client_compressed_unary, client_compressed_streaming, server_compressed_unary,
         server_compressed_streaming, large_request_rejected, large_response_rejected, max_size_request,
-        bidi_1mib_x10,
+        bidi_1mib_x10, half_duplex,
     ]
 }
 
@@ -369,11 +403,31 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
+def _trust_root(options: argparse.Namespace) -> Any:
+    """``--ca_file``'s certificates, else the test CA with ``--use_test_ca``, else None (the system's roots)."""
+    if options.ca_file is None and not options.use_test_ca:
+        return None
+    pem = Path(options.ca_file or TEST_CA).read_bytes()
+    authorities = x509.load_pem_x509_certificates(pem)
+    certificates = [Certificate(crypto.X509.from_cryptography(c)) for c in authorities]  # type: ignore[no-untyped-call]
+    return trustRootFromCertificates(certificates)  # type: ignore[no-untyped-call]
+
+
+def _endpoint(reactor: Any, options: argparse.Namespace) -> IStreamClientEndpoint:
+    """TCP to ``--server_host``; with ``--use_tls``, TLS (ALPN h2) verifying ``--server_host_override`` if given."""
+    endpoint = client_endpoint(reactor, options.server_host, options.server_port)
+    if not options.use_tls:
+        return endpoint
+    server_name = options.server_host_override or options.server_host
+    tls = optionsForClientTLS(server_name, trustRoot=_trust_root(options), acceptableProtocols=[b"h2"])
+    return wrapClientTLS(tls, endpoint)
+
+
 async def run(reactor: Any, options: argparse.Namespace) -> None:
     """Run the case; a failure exits 1 (``task.react`` turns SystemExit into the exit status)."""
-    endpoint = client_endpoint(reactor, options.server_host, options.server_port, tls=options.use_tls)
     authority = f"{options.server_host_override or options.server_host}:{options.server_port}"
-    channel = GrpcChannel(reactor, endpoint, authority=authority)
+    channel = GrpcChannel(reactor, _endpoint(reactor, options), authority=authority,
+                          scheme="https" if options.use_tls else "http")
     try:
         await CASES[options.test_case](Client(channel))
     except (InteropFailure, GrpcError) as error:
@@ -393,10 +447,14 @@ def _describe(error: Exception) -> str:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description="gRPC interop client on infx's gRPC stack")
     parser.add_argument("--server_host", default="localhost")
-    parser.add_argument("--server_host_override", default=None, help="the :authority to claim")
+    parser.add_argument("--server_host_override", default=None,
+                        help="the TLS server name to verify and the :authority to claim")
     parser.add_argument("--server_port", type=int, required=True)
     parser.add_argument("--test_case", required=True, choices=sorted(CASES))
     parser.add_argument("--use_tls", type=_parse_bool, default=False)
+    parser.add_argument("--use_test_ca", type=_parse_bool, default=False,
+                        help="with --use_tls, trust the test CA (tools/interop_testdata/ca.pem), not the system's")
+    parser.add_argument("--ca_file", default=None, help="with --use_tls, trust the CA certificates in this PEM file")
     options, unknown = parser.parse_known_args(argv)
     if unknown:
         print(f"ignoring unsupported flags: {' '.join(unknown)}", file=sys.stderr)

@@ -1,16 +1,22 @@
 #!/usr/bin/env python
 """The standard gRPC interop server (grpc.testing.TestService) on infx's own gRPC stack.
 
-    .venv/bin/python tools/interop_server.py --port=10000 [--use_tls=false]
+    .venv/bin/python tools/interop_server.py --port=10000 \\
+        [--use_tls=true [--tls_cert_file=server.pem --tls_key_file=server.key]]
 
 Implements the server features of grpc/grpc doc/interop-test-descriptions.md:
 EmptyCall, UnaryCall, StreamingOutputCall, StreamingInputCall,
-FullDuplexCall, CompressedRequest (``expect_compressed``), CompressedResponse
-(``response_compressed`` / ``ResponseParameters.compressed``), Echo Status,
-Echo Metadata and ``interval_us``. ``TestService.UnimplementedCall`` and the
-whole ``grpc.testing.UnimplementedService`` are left unregistered so that
-callers get UNIMPLEMENTED. Requests over the default 4 MiB receive limit end
+FullDuplexCall, HalfDuplexCall, CompressedRequest (``expect_compressed``),
+CompressedResponse (``response_compressed`` / ``ResponseParameters.compressed``),
+Echo Status, Echo Metadata and ``interval_us``. ``TestService.UnimplementedCall``
+and the whole ``grpc.testing.UnimplementedService`` are left unregistered so
+that callers get UNIMPLEMENTED. Requests over the default 4 MiB receive limit end
 with RESOURCE_EXHAUSTED (infx's default configuration).
+
+``--use_tls=true`` serves TLS (ALPN ``h2``) with the test certificate in
+``tools/interop_testdata/`` unless ``--tls_cert_file`` / ``--tls_key_file``
+name another; clients trust it with ``--use_test_ca=true`` and reach it as
+``--server_host_override=foo.test.google.fr`` (or localhost, 127.0.0.1).
 
 It prints the port it listens on (useful with ``--port=0``) and serves until
 interrupted.
@@ -20,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from twisted.internet import task
 from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import quoteStringArgument
 from twisted.internet.interfaces import IReactorTime
 
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall, listen_grpc
@@ -33,6 +41,7 @@ from protocol.pb.grpc_testing import empty_pb2, messages_pb2
 SERVICE = "grpc.testing.TestService"
 ECHO_INITIAL = "x-grpc-test-echo-initial"
 ECHO_TRAILING = "x-grpc-test-echo-trailing-bin"
+TESTDATA = Path(__file__).resolve().parent / "interop_testdata"
 
 
 class TestService:
@@ -50,6 +59,8 @@ class TestService:
             ("StreamingInputCall", self.streaming_input_call,
              messages_pb2.StreamingInputCallRequest.FromString, CallKind.STREAM_UNARY),
             ("FullDuplexCall", self.full_duplex_call,
+             messages_pb2.StreamingOutputCallRequest.FromString, CallKind.STREAM_STREAM),
+            ("HalfDuplexCall", self.half_duplex_call,
              messages_pb2.StreamingOutputCallRequest.FromString, CallKind.STREAM_STREAM),
         ]
         for name, handler, deserializer, kind in methods:
@@ -85,13 +96,21 @@ class TestService:
 
     async def full_duplex_call(self, call: ServerCall) -> None:
         _echo_metadata(call)
-        compression_set = False
-        while (request := await call.recv()) is not None:
-            _echo_status(request.response_status)
-            if not compression_set and any(p.compressed.value for p in request.response_parameters):
-                call.set_compression("gzip")
-                compression_set = True
-            await self._respond(request, call)
+        async for request in call:
+            await self._answer_duplex(request, call)
+
+    async def half_duplex_call(self, call: ServerCall) -> None:
+        """FullDuplexCall deferred: test.proto has HalfDuplexCall read every request before answering."""
+        _echo_metadata(call)
+        for request in [request async for request in call]:
+            await self._answer_duplex(request, call)
+
+    async def _answer_duplex(self, request: messages_pb2.StreamingOutputCallRequest, call: ServerCall) -> None:
+        """Echo the request's status, or send its responses (the call turns to gzip at the first compressed one)."""
+        _echo_status(request.response_status)
+        if any(p.compressed.value for p in request.response_parameters):
+            call.set_compression("gzip")
+        await self._respond(request, call)
 
     async def _respond(self, request: messages_pb2.StreamingOutputCallRequest, call: ServerCall) -> None:
         """One response per ResponseParameters, each after its ``interval_us``."""
@@ -140,10 +159,19 @@ def _parse_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {value!r}")
 
 
-async def serve(reactor: Any, port: int) -> None:
+def _endpoint(options: argparse.Namespace) -> str:
+    """The server endpoint string: ``ssl:`` with the certificate and key files for ``--use_tls``."""
+    if not options.use_tls:
+        return f"tcp:{options.port}"
+    key = quoteStringArgument(options.tls_key_file)  # type: ignore[no-untyped-call]
+    cert = quoteStringArgument(options.tls_cert_file)  # type: ignore[no-untyped-call]
+    return f"ssl:{options.port}:privateKey={key}:certKey={cert}"
+
+
+async def serve(reactor: Any, endpoint: str) -> None:
     server = GrpcServer(reactor)
     TestService(reactor).register(server)
-    listening: Any = await listen_grpc(reactor, f"tcp:{port}", server)
+    listening: Any = await listen_grpc(reactor, endpoint, server)
     address = listening.getHost()
     print(f"listening on port {address.port}", flush=True)
     await Deferred()  # until the reactor stops (SIGINT / SIGTERM)
@@ -152,13 +180,15 @@ async def serve(reactor: Any, port: int) -> None:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description="gRPC interop server on infx's gRPC stack")
     parser.add_argument("--port", type=int, required=True, help="port to listen on (0: any)")
-    parser.add_argument("--use_tls", type=_parse_bool, default=False, help="only false is supported")
+    parser.add_argument("--use_tls", type=_parse_bool, default=False, help="serve TLS (ALPN h2)")
+    parser.add_argument("--tls_cert_file", default=str(TESTDATA / "server.pem"),
+                        help="PEM server certificate for --use_tls; default: the test certificate")
+    parser.add_argument("--tls_key_file", default=str(TESTDATA / "server.key"),
+                        help="PEM private key of --tls_cert_file; default: the test certificate's")
     options, unknown = parser.parse_known_args(argv)
     if unknown:
         print(f"ignoring unsupported flags: {' '.join(unknown)}", file=sys.stderr)
-    if options.use_tls:
-        parser.error("--use_tls=true is not supported (no test certificates ship with infx)")
-    task.react(lambda reactor: Deferred.fromCoroutine(serve(reactor, options.port)))
+    task.react(lambda reactor: Deferred.fromCoroutine(serve(reactor, _endpoint(options))))
 
 
 if __name__ == "__main__":
