@@ -51,7 +51,7 @@ from protocol.scaling import (
     deployment_snapshot,
     pod_crash_reason,
 )
-from protocol.scaling_lease import decide_lease, micro_time
+from protocol.scaling_lease import decide_lease, micro_time, release_lease
 
 T = TypeVar("T")
 
@@ -799,17 +799,35 @@ class LeaseElector:
         self._loop = LoopingCall(self.round)
         self._loop.clock = clock
         self._renew_interval = renew_interval
+        self._stopped = False
 
     def start(self) -> None:
         """Try now, then every renew interval."""
+        self._stopped = False
         if not self._loop.running:
             self._loop.start(self._renew_interval, now=True)
 
-    def stop(self) -> None:
-        """Stop trying (a held Lease then expires after its duration)."""
+    def stop(self) -> defer.Deferred[None]:
+        """Stop trying, and hand back a Lease we hold so that another
+        gateway leads at its next round, not a Lease duration later."""
+        self._stopped = True
         if self._loop.running:
             self._loop.stop()
+        held = self.leader
         self._set(False)
+        if not held:
+            return defer.succeed(None)
+        return defer.ensureDeferred(self._release())
+
+    async def _release(self) -> None:
+        try:
+            body = release_lease(await self.store.read(), self.identity, self.clock.seconds())
+            if body is not None:
+                await self.store.replace(body)
+        except ScaleConflict:
+            pass  # it changed hands meanwhile: nothing of ours to release
+        except Exception:
+            self.log.failure("releasing lease {name} failed", name=self.name)
 
     def is_leader(self) -> bool:
         """Whether this gateway leads right now."""
@@ -822,13 +840,18 @@ class LeaseElector:
     async def _round(self) -> None:
         try:
             lease = await self.store.read()
+            if self._stopped:
+                return
             decision = decide_lease(lease, self.identity, self.name, self.clock.seconds(), self.duration)
             if decision.body is not None:
                 if decision.create:
                     await self.store.create(decision.body)
                 else:
                     await self.store.replace(decision.body)
-            self._set(decision.leader)
+            if not self._stopped:
+                self._set(decision.leader)
+            elif decision.leader and decision.body is not None:
+                await self._release()  # won just as we stopped
         except ScaleConflict:
             self._set(False)
         except Exception:
@@ -943,13 +966,14 @@ class ScalerService(service.Service):
         if self.elector is not None:
             self.elector.start()
 
-    def stopService(self) -> None:
+    def stopService(self) -> defer.Deferred[None]:
+        """Stop watching and ticking; done once a held Lease is handed back."""
         for w in self.watches:
             w.stop()
-        if self.elector is not None:
-            self.elector.stop()
+        released = self.elector.stop() if self.elector is not None else defer.succeed(None)
         self.scaler.stop()
         super().stopService()
+        return released
 
 
 def kubernetes_scaler(

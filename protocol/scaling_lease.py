@@ -39,13 +39,6 @@ def parse_micro_time(text: str | None) -> float | None:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=_dt.timezone.utc)
     return parsed.timestamp()
-    for pattern in (_MICRO_FORMAT, "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            parsed = _dt.datetime.strptime(text, pattern)
-        except ValueError:
-            continue
-        return parsed.replace(tzinfo=_dt.timezone.utc).timestamp()
-    return None
 
 
 @dataclass(frozen=True)
@@ -89,3 +82,22 @@ def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, now:
     new_spec["leaseDurationSeconds"] = max(1, round(duration))
     new_spec["renewTime"] = micro_time(now)
     return LeaseDecision(True, body)
+
+
+def release_lease(lease: Mapping[str, Any] | None, identity: str, now: float) -> dict[str, Any] | None:
+    """The body that hands back ``lease`` if we hold it (else None).
+
+    As client-go's ReleaseOnCancel: no holder and a one-second duration,
+    renewed now, so that another gateway leads at its next round instead of
+    waiting out the full duration of a Lease nobody renews.
+    """
+    if lease is None:
+        return None
+    if (lease.get("spec") or {}).get("holderIdentity") != identity:
+        return None
+    body = copy.deepcopy(dict(lease))
+    spec = body.setdefault("spec", {})
+    spec["holderIdentity"] = ""
+    spec["leaseDurationSeconds"] = 1
+    spec["acquireTime"] = spec["renewTime"] = micro_time(now)
+    return body

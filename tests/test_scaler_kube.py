@@ -198,6 +198,26 @@ def test_lease_elects_one_leader_among_gateways(api: FakeKubeAPI) -> Any:
 
 
 @pytest_twisted.inlineCallbacks
+def test_a_stopping_leader_hands_the_lease_over_at_once(api: FakeKubeAPI) -> Any:
+    """Without the release the others would wait out the 15 s Lease."""
+    electors = [LeaseElector(reactor, KubernetesLease(reactor, api_client(api), "infx-scaler", "default"),
+                             f"gw-{i}") for i in range(2)]
+    yield electors[0].round()
+    yield electors[1].round()
+    assert [e.is_leader() for e in electors] == [True, False]
+    yield electors[0].stop()
+    assert not electors[0].is_leader()
+    assert api.lease("infx-scaler")["spec"]["holderIdentity"] == ""
+    yield electors[1].round()
+    assert electors[1].is_leader()
+    assert api.lease("infx-scaler")["spec"]["holderIdentity"] == "gw-1"
+    yield electors[0].round()  # stopped: it neither takes the Lease nor claims to lead
+    assert not electors[0].is_leader()
+    assert api.lease("infx-scaler")["spec"]["holderIdentity"] == "gw-1"
+    yield electors[1].stop()
+
+
+@pytest_twisted.inlineCallbacks
 def test_watch_follows_changes_relists_after_a_dropped_watch_and_forgets_deleted(api: FakeKubeAPI) -> Any:
     svc = kubernetes_scaler(reactor, api_client(api), "default", "gw-1", watch_timeout=5)
     svc.startService()

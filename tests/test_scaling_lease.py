@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time
+from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time, release_lease
 
 NOW = 1_700_000_000.0
 
@@ -47,6 +47,22 @@ def test_our_own_lease_is_renewed_without_a_transition():
 def test_a_released_lease_is_taken_without_counting_a_transition():
     d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", NOW, 15)
     assert d.leader and d.body["spec"]["leaseTransitions"] == 2
+
+
+def test_our_lease_is_released_at_its_resource_version_and_taken_at_once():
+    body = release_lease(lease("gw-a", NOW - 2), "gw-a", NOW)
+    spec = body["spec"]
+    assert (spec["holderIdentity"], spec["leaseDurationSeconds"], spec["leaseTransitions"]) == ("", 1, 2)
+    assert parse_micro_time(spec["renewTime"]) == NOW
+    assert body["metadata"]["resourceVersion"] == "7"
+    taken = decide_lease(body, "gw-b", "infx-scaler", NOW + 0.1, 15)
+    assert taken.leader and taken.body["spec"]["holderIdentity"] == "gw-b"
+
+
+def test_only_our_own_lease_is_released():
+    assert release_lease(lease("gw-b", NOW - 2), "gw-a", NOW) is None
+    assert release_lease(lease("", NOW - 2), "gw-a", NOW) is None
+    assert release_lease(None, "gw-a", NOW) is None
 
 
 def test_unreadable_times_count_as_expired():
