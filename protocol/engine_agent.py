@@ -26,9 +26,12 @@ Tasks: at most ``max_concurrency`` run at once; up to ``max_queued`` more
 wait in arrival order and count as in progress (the gateway routes by that
 count); one more is answered 503 at once, so that the gateway retries it on
 another engine instead of it waiting here without bound. A task lives
-until its runtime reports it finished, it is cancelled by the gateway, or
-its stream goes away (nobody is left to read its results): then it is
-aborted. Results of a task that is no longer known are dropped, because a
+until its runtime reports it finished, it is cancelled by the gateway, its
+stream goes away (nobody is left to read its results), or its
+``timeout_seconds`` (counted from its arrival) pass: then it is aborted. A
+task whose deadline passes before its first result is answered 504; one
+already streaming is only aborted, and the gateway's own deadline ends the
+client's response. Either way the runtime stops working for nobody. Results of a task that is no longer known are dropped, because a
 runtime may still be unwinding after an abort.
 
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
@@ -223,6 +226,7 @@ class _Task:
     task: worker_pb2.Task
     stream_id: int
     model: str
+    deadline: float | None = None
     running: bool = False
     next_index: int = 0
 
@@ -326,6 +330,7 @@ class EngineAgentCore:
         for stream in self._streams.values():
             if stream.state is StreamState.RETIRING and not stream.tasks:
                 candidates.append(stream.linger_until)
+        candidates.extend(t.deadline for t in self._tasks.values() if t.deadline is not None)
         return min(candidates) if candidates else None
 
     # -- commands -----------------------------------------------------------------
@@ -379,7 +384,9 @@ class EngineAgentCore:
                 message = f"The engine is at capacity ({self.config.queue_limit} tasks already wait)."
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
             else:
-                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=task_model(task))
+                deadline = now + task.timeout_seconds if task.timeout_seconds > 0 else None
+                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=task_model(task),
+                                             deadline=deadline)
                 stream.tasks.add(task.id)
                 self._queue.append(task.id)
                 self._start_waiting(effects)
@@ -459,13 +466,22 @@ class EngineAgentCore:
         return effects
 
     def handle_timer(self, now: float) -> list[Effect]:
-        """Time passed: reconnect, periodic status, retire idle streams, end the drain."""
+        """Time passed: expire tasks, reconnect, periodic status, retire idle streams, end the drain."""
         effects: list[Effect] = []
         if self._drain_deadline is not None and now >= self._drain_deadline:
             for task_id in list(self._tasks):
                 self._drop(task_id, effects)
             self._check_drained(effects)
             return effects
+        expired = [t for t in self._tasks.values() if t.deadline is not None and now >= t.deadline]
+        for task in expired:
+            if task.next_index == 0:
+                effects.append(SendResult(task.stream_id, _error_response(
+                    task.task.id, 504, "The task's deadline passed before the engine answered.")))
+            self._drop(task.task.id, effects)
+        if expired:
+            self._start_waiting(effects)
+            self._check_drained(effects)
         if self._reconnect_at is not None and now >= self._reconnect_at:
             self._reconnect_at = None
             self._open(now, True, effects)

@@ -196,6 +196,52 @@ def test_cancel_of_running_task_aborts_it_answers_200_and_drops_later_results() 
     assert agent.in_progress == 0
 
 
+def test_a_task_past_its_timeout_is_answered_504_and_its_slot_goes_to_the_next() -> None:
+    agent = running_agent(max_concurrency=1)
+    slow = chat("a")
+    slow.timeout_seconds = 5
+    waiting = chat("b")
+    waiting.timeout_seconds = 30
+    agent.task_received(1.0, 1, slow)
+    agent.task_received(2.0, 1, waiting)
+    assert agent.next_deadline() == 6.0
+    assert agent.handle_timer(5.9) == []
+    effects = agent.handle_timer(6.0)
+    assert AbortTask("a") in effects
+    assert answers(effects) == [(1, "a", 504)]
+    assert started(effects) == ["b"]
+    assert agent.send_result("a", sse(b"data: late\n\n")) == []
+    assert answers(agent.handle_timer(31.9)) == []
+    assert answers(agent.handle_timer(32.0)) == [(1, "b", 504)]  # 30 s from its arrival
+
+
+def test_a_streaming_task_past_its_timeout_is_aborted_without_a_second_response() -> None:
+    """Its response has begun: only the runtime is stopped; the gateway's own
+    deadline ends the client's stream."""
+    agent = running_agent()
+    task = chat("a")
+    task.timeout_seconds = 5
+    agent.task_received(1.0, 1, task)
+    agent.send_result("a", sse(b"data: one\n\n"))
+    effects = agent.handle_timer(6.0)
+    assert AbortTask("a") in effects
+    assert answers(effects) == [] and not [e for e in effects if isinstance(e, SendResult)]
+    assert agent.in_progress == 0
+
+
+def test_a_waiting_task_past_its_timeout_never_starts() -> None:
+    agent = running_agent(max_concurrency=1)
+    agent.task_received(1.0, 1, chat("a"))
+    queued = chat("b")
+    queued.timeout_seconds = 2
+    agent.task_received(1.0, 1, queued)
+    effects = agent.handle_timer(3.0)
+    assert answers(effects) == [(1, "b", 504)]
+    assert AbortTask("b") not in effects
+    assert started(agent.finish_task(4.0, "a")) == []
+    assert agent.in_progress == 0
+
+
 def test_cancel_of_waiting_task_removes_it_without_abort() -> None:
     agent = running_agent(max_concurrency=1)
     agent.task_received(1.0, 1, chat("a"))
