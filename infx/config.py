@@ -231,7 +231,7 @@ def validate(config: GatewayConfig) -> GatewayConfig:
 
 
 def internal_tls(config: GatewayConfig) -> Any:
-    """The loaded :class:`~infx.peer_tls.PeerTLS` when mutual TLS between peers is
+    """The loaded :class:`~infx.peer_tls.PeerCredentials` when mutual TLS between peers is
     configured, else None; all three files or none, each readable and parseable."""
     paths = {"--internal-tls-cert": config.internal_tls_cert, "--internal-tls-key": config.internal_tls_key,
              "--internal-tls-ca": config.internal_tls_ca}
@@ -243,9 +243,10 @@ def internal_tls(config: GatewayConfig) -> Any:
         raise ConfigError(f"{', '.join(given)} needs {missing} too: peer TLS takes a certificate, its key and a CA")
     if config.internal_grpc.startswith("ssl:"):
         raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
-    from infx.peer_tls import PeerTLS
+    from infx.peer_tls import PeerCredentials
 
-    return PeerTLS.from_files(str(config.internal_tls_cert), str(config.internal_tls_key), str(config.internal_tls_ca))
+    return PeerCredentials.from_files(str(config.internal_tls_cert), str(config.internal_tls_key),
+                                      str(config.internal_tls_ca))
 
 
 __all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port", "internal_tls"]

@@ -209,10 +209,15 @@ class GatewayService(service.MultiService):
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)
-        # --internal-tls-*: TLS requiring a client certificate from the internal CA, on the same endpoint.
-        self.peer_tls = internal_tls(config)
+        # --internal-tls-*: TLS requiring a client certificate from the internal CA, on the same endpoint;
+        # the files are read again as connections come, to pick up a rotation.
+        credentials = internal_tls(config)
+        self.peer_tls: Any = None
         listening_factory: Any = self.internal_server
-        if self.peer_tls is not None:
+        if credentials is not None:
+            from infx.peer_tls import PeerTLS
+
+            self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
         self.internal_grpc = _ListeningService(self.reactor, config.internal_grpc, listening_factory,
                                                on_listening=self.exchanger.start)

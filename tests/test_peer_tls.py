@@ -5,14 +5,18 @@ Engines and requests cross over mTLS; the internal port speaks TLS with ALPN h2 
 requires a client certificate; a peer with a certificate from another CA, or none,
 is refused at the handshake, logged, and registers nothing while others keep being
 served; a dialled peer whose server certificate is from another CA is not trusted;
-only the chain is checked, not the name or address in the certificate; and the
-options are validated once, with messages naming the option.
+only the chain is checked, not the name or address in the certificate; the
+options are validated at start, with messages naming the option; and files
+rotated on disk (certificate, key, CA) serve new connections after the next
+check while open connections keep theirs, and a half-rotated set is not loaded.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import shutil
 import socket
 import ssl
 from pathlib import Path
@@ -25,10 +29,16 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from twisted.internet import defer, reactor, task, threads
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.interfaces import IHandshakeListener, IListeningPort
+from twisted.internet.protocol import Factory, Protocol
 from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
+from zope.interface import implementer
 
+from infx import peer_tls
 from infx.config import ConfigError, build_config
+from infx.peer_tls import CHECK_INTERVAL, PeerCredentials, PeerTLS
 from infx.service import GatewayService
 from infx.tap import Options
 from protocol.processor_types import Locality
@@ -322,3 +332,240 @@ def test_tls_options_come_from_flags_or_yaml_and_errors_are_usage_errors(pki, tm
     assert options.config_value.internal_tls_key == key
     with pytest.raises(usage.UsageError, match="--internal-tls-key"):
         Options().parseOptions(["--internal-tls-cert", cert, "--internal-tls-ca", pki["ca"]])
+
+
+# --- rotation on disk ------------------------------------------------------------
+
+
+class Secret:
+    """Files laid out like a mounted Kubernetes Secret: ``tls.crt``, ``tls.key`` and ``ca.crt``
+    link through ``..data`` to a versioned directory, and an update swaps ``..data`` atomically."""
+
+    NAMES = {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}
+
+    def __init__(self, directory: Path, cert: str, key: str, ca: str) -> None:
+        self.directory = directory
+        self.versions = 0
+        directory.mkdir()
+        self.update(cert=cert, key=key, ca=ca)
+        for name in self.NAMES.values():
+            (directory / name).symlink_to(f"..data/{name}")
+
+    @property
+    def files(self) -> tuple[str, str, str]:
+        cert, key, ca = (str(self.directory / name) for name in self.NAMES.values())
+        return cert, key, ca
+
+    def update(self, **sources: str) -> None:
+        """Copies in the ``cert``, ``key`` and ``ca`` given; the others stay as they were."""
+        self.versions += 1
+        version = self.directory / f"..v{self.versions}"
+        if self.versions > 1:
+            shutil.copytree(self.directory / "..data", version)
+        else:
+            version.mkdir()
+        for what, source in sources.items():
+            shutil.copyfile(source, version / self.NAMES[what])
+        (self.directory / "..data_tmp").symlink_to(version.name)
+        os.replace(self.directory / "..data_tmp", self.directory / "..data")
+
+
+def serial(cert: str) -> int:
+    return x509.load_pem_x509_certificate(Path(cert).read_bytes()).serial_number
+
+
+def bundle(directory: Path, *authorities: Authority) -> str:
+    path = directory / "bundle.pem"
+    path.write_bytes(b"".join(a.ca_path.read_bytes() for a in authorities))
+    return str(path)
+
+
+@implementer(IHandshakeListener)
+class Client(Protocol):
+    """A dialling peer: the serial of the server's certificate, what the server echoed, whether it closed."""
+
+    serial: int | None = None
+    received = b""
+    closed = False
+
+    def handshakeCompleted(self) -> None:
+        self.serial = self.transport.getPeerCertificate().to_cryptography().serial_number
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: Any = None) -> None:
+        self.closed = True
+
+
+@implementer(IHandshakeListener)
+class Echo(Protocol):
+    """The internal server's stand-in: records the client certificate's serial and echoes."""
+
+    factory: EchoFactory
+
+    def handshakeCompleted(self) -> None:
+        self.factory.clients.append(self.transport.getPeerCertificate().to_cryptography().serial_number)
+
+    def dataReceived(self, data: bytes) -> None:
+        self.transport.write(data)
+
+
+class EchoFactory(Factory):
+    protocol = Echo
+
+    def __init__(self) -> None:
+        self.clients: list[int] = []
+
+
+class Loopback:
+    """Internal TLS servers and peers dialling them on 127.0.0.1, closed after the test."""
+
+    def __init__(self) -> None:
+        self.ports: list[IListeningPort] = []
+        self.clients: list[Client] = []
+
+    def serve(self, tls: PeerTLS) -> tuple[IListeningPort, list[int]]:
+        """A listening port and the serials of the client certificates it accepted."""
+        factory = EchoFactory()
+        port = reactor.listenTCP(0, tls.server_factory(reactor, factory), interface="127.0.0.1")
+        self.ports.append(port)
+        return port, factory.clients
+
+    @defer.inlineCallbacks
+    def connect(self, tls: PeerTLS, port: IListeningPort):
+        endpoint = tls.client_endpoint(reactor, TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port))
+        client = yield endpoint.connect(Factory.forProtocol(Client))
+        self.clients.append(client)
+        yield until(lambda: client.serial is not None or client.closed)
+        return client
+
+    def close(self) -> defer.Deferred[Any]:
+        for client in self.clients:
+            if not client.closed:
+                client.transport.abortConnection()
+        return defer.gatherResults([port.stopListening() for port in self.ports])
+
+
+@pytest.fixture
+def loopback():
+    sockets = Loopback()
+    yield sockets
+    pytest_twisted.blockon(sockets.close())
+
+
+@defer.inlineCallbacks
+def echoes(client: Client, data: bytes = b"ping"):
+    """Whether the server echoes ``data``; False when it closes the connection instead
+    (with TLS 1.3 the client's handshake ends before the server has checked its certificate)."""
+    client.received = b""
+    client.transport.write(data)
+    yield until(lambda: client.received == data or client.closed)
+    return client.received == data
+
+
+def credentials(cert: tuple[str, str], ca: str) -> PeerCredentials:
+    return PeerCredentials.from_files(*cert, ca)
+
+
+@pytest_twisted.inlineCallbacks
+def test_new_connections_get_the_rotated_certificate_while_open_ones_keep_working(tmp_path, loopback, logged):
+    ca = Authority(tmp_path, "ca1")
+    old, new = ca.issue("gw-old"), ca.issue("gw-new")
+    secret = Secret(tmp_path / "secret", *old, str(ca.ca_path))
+    clock = task.Clock()
+    port, _ = loopback.serve(PeerTLS(clock, PeerCredentials.from_files(*secret.files)))
+    peer = PeerTLS(task.Clock(), credentials(ca.issue("gw-peer"), str(ca.ca_path)))
+    before = yield loopback.connect(peer, port)
+    assert before.serial == serial(old[0])
+
+    secret.update(cert=new[0], key=new[1])
+    clock.advance(CHECK_INTERVAL)
+    after = yield loopback.connect(peer, port)
+    assert after.serial == serial(new[0])
+    assert (yield echoes(before)) and (yield echoes(after))
+    assert any("internal TLS: loaded CN=gw-new (serial " in line and f"{serial(new[0]):x}" in line
+               for line in logged)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_dialling_gateway_presents_its_rotated_certificate_on_its_next_connection(tmp_path, loopback):
+    """Peers are dialled through the same :class:`PeerTLS`, so the client side rotates too."""
+    ca = Authority(tmp_path, "ca1")
+    old, new = ca.issue("gw-old"), ca.issue("gw-new")
+    secret = Secret(tmp_path / "secret", *old, str(ca.ca_path))
+    clock = task.Clock()
+    peer = PeerTLS(clock, PeerCredentials.from_files(*secret.files))
+    port, accepted = loopback.serve(PeerTLS(task.Clock(), credentials(ca.issue("gw-server"), str(ca.ca_path))))
+    assert (yield echoes((yield loopback.connect(peer, port))))
+    secret.update(cert=new[0], key=new[1])
+    clock.advance(CHECK_INTERVAL)
+    assert (yield echoes((yield loopback.connect(peer, port))))
+    assert accepted == [serial(old[0]), serial(new[0])]
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_rotated_ca_bundle_admits_peers_of_the_new_ca_and_still_those_of_the_old(tmp_path, loopback, logged):
+    ca1, ca2 = Authority(tmp_path, "ca1"), Authority(tmp_path, "ca2")
+    both = bundle(tmp_path, ca1, ca2)
+    secret = Secret(tmp_path / "secret", *ca1.issue("gw-a"), str(ca1.ca_path))
+    clock = task.Clock()
+    port, _ = loopback.serve(PeerTLS(clock, PeerCredentials.from_files(*secret.files)))
+    # Both trust either CA, so only the server's check of their certificate can refuse them.
+    newcomer = PeerTLS(task.Clock(), credentials(ca2.issue("gw-new"), both))
+    veteran = PeerTLS(task.Clock(), credentials(ca1.issue("gw-old"), both))
+    assert not (yield echoes((yield loopback.connect(newcomer, port))))
+    assert any("refused peer" in line and "certificate verify failed" in line for line in logged)
+
+    cert, key = ca2.issue("gw-a")
+    secret.update(cert=cert, key=key, ca=both)
+    clock.advance(CHECK_INTERVAL)
+    assert (yield echoes((yield loopback.connect(newcomer, port))))
+    assert (yield echoes((yield loopback.connect(veteran, port))))
+
+
+@pytest_twisted.inlineCallbacks
+def test_half_rotated_files_keep_the_current_credentials_until_the_key_follows(tmp_path, loopback, logged):
+    """A new certificate beside the old key is refused once, with one warning, then retried."""
+    ca = Authority(tmp_path, "ca1")
+    old, new = ca.issue("gw-old"), ca.issue("gw-new")
+    secret = Secret(tmp_path / "secret", *old, str(ca.ca_path))
+    clock = task.Clock()
+    port, _ = loopback.serve(PeerTLS(clock, PeerCredentials.from_files(*secret.files)))
+    peer = PeerTLS(task.Clock(), credentials(ca.issue("gw-peer"), str(ca.ca_path)))
+
+    secret.update(cert=new[0])
+    for _ in range(2):
+        clock.advance(CHECK_INTERVAL)
+        client = yield loopback.connect(peer, port)
+        assert client.serial == serial(old[0]) and (yield echoes(client))
+    warnings = [line for line in logged if "keeping the current certificate" in line]
+    assert len(warnings) == 1 and "is not the private key of the certificate" in warnings[0]
+
+    secret.update(key=new[1])
+    clock.advance(CHECK_INTERVAL)
+    client = yield loopback.connect(peer, port)
+    assert client.serial == serial(new[0]) and (yield echoes(client))
+
+
+@pytest_twisted.inlineCallbacks
+def test_the_files_are_read_at_most_once_per_check_interval(tmp_path, loopback, monkeypatch):
+    ca = Authority(tmp_path, "ca1")
+    old, new = ca.issue("gw-old"), ca.issue("gw-new")
+    secret = Secret(tmp_path / "secret", *old, str(ca.ca_path))
+    clock = task.Clock()
+    port, _ = loopback.serve(PeerTLS(clock, PeerCredentials.from_files(*secret.files)))
+    peer = PeerTLS(task.Clock(), credentials(ca.issue("gw-peer"), str(ca.ca_path)))
+    reads: list[str] = []
+    read = peer_tls._read
+    monkeypatch.setattr(peer_tls, "_read", lambda path, option: reads.append(path) or read(path, option))
+
+    secret.update(cert=new[0], key=new[1])
+    for step in (1, 14, 14.5):
+        clock.advance(step)
+        assert (yield loopback.connect(peer, port)).serial == serial(old[0])
+    assert reads == [] and clock.seconds() == CHECK_INTERVAL - 0.5
+    clock.advance(0.5)
+    for _ in range(3):
+        assert (yield loopback.connect(peer, port)).serial == serial(new[0])
+    assert sorted(reads) == sorted(secret.files)
