@@ -82,6 +82,9 @@ class Dispatcher:
         #: Called with the model of each accepted HTTP request, and again when it ends (load for the scaler).
         self.on_request_started: list[Callable[[str], None]] = []
         self.on_request_finished: list[Callable[[str], None]] = []
+        #: Requests accepted from clients since start, per model (never tasks peers forwarded):
+        #: reported to every peer, whose autoscaler counts them as started requests.
+        self.requests_started: dict[str, int] = {}
         #: Answers whether a model with no engine could still be started (the scaler).
         self.can_start: Callable[[str, str], bool] = lambda tenant, model: False
         #: When each (tenant, model) was last listed by an engine: tells "gone" from "unknown".
@@ -203,6 +206,7 @@ class Dispatcher:
     def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
         task_id = self._new_id()
         origin = HttpOrigin(self, task_id, submission.model, sink)
+        self.requests_started[submission.model] = self.requests_started.get(submission.model, 0) + 1
         for started in self.on_request_started:
             started(submission.model)
         now = self.clock.seconds()

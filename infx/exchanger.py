@@ -14,7 +14,7 @@ every live peer pod: one :class:`PeerReceiver` per pod keeps a stream open
 (reconnecting with jittered exponential backoff), reports this gateway's
 local engines on it and runs the tasks the peer forwards.
 
-The three data flows, from this gateway's point of view:
+The four data flows, from this gateway's point of view:
 
 - Engine registration: a local engine's ``EngineStatus`` -> local processor
   (``LocalEnginesChanged``) -> every ``PeerReceiver`` re-reports the local
@@ -28,6 +28,11 @@ The three data flows, from this gateway's point of view:
 - Task result processing: engine -> the peer's processor -> its
   ``PeerReceiver`` -> our ``PeerStream`` -> our ``Sender`` -> our processor,
   which orders the results and hands them to the HTTP request.
+- Load for the autoscaler: HTTP handler -> the dispatcher counts the request
+  per model -> every ``PeerReceiver``'s next report carries the cumulative
+  counts -> the peer's ``Sender`` -> the peer's ``on_peer_requests`` hooks
+  (its scaler), which count the increases as started requests; only one
+  gateway runs the autoscaler, and it must see every gateway's requests.
 
 Peers come from a :class:`~infx.kube.PeerSource` (``--peers`` or the pod
 watcher of ``--kube``); :meth:`Exchanger.reconcile` keeps exactly one
@@ -38,7 +43,7 @@ from __future__ import annotations
 
 import hmac
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
@@ -332,7 +337,8 @@ class PeerReceiver:
             metadata=self._metadata,
         )
         receiver = Receiver(self.dispatcher.processor,
-                            ReceiverConfig(self.config.pod_name, self.config.status_interval))
+                            ReceiverConfig(self.config.pod_name, self.config.status_interval),
+                            requests_started=lambda: self.dispatcher.requests_started)
         stream = _ReceiverStream(self, channel, call, receiver)
         receiver.origin = stream
         self.stream = stream
@@ -409,6 +415,10 @@ class Exchanger:
         #: Accepted streams of peers that dialled us.
         self.streams: set[PeerStream] = set()
         self._by_pod: dict[str, PeerStream] = {}
+        #: Called with a peer's stream and the request counts of each report on it, then with
+        #: the stream once it ended (the scaler counts the other gateways' requests).
+        self.on_peer_requests: list[Callable[[PeerStream, Mapping[str, int]], None]] = []
+        self.on_peer_gone: list[Callable[[PeerStream], None]] = []
         self._shutting_down = False
         self._recreating: dict[str, IDelayedCall] = {}
 
@@ -554,6 +564,8 @@ class Exchanger:
         self.dispatcher.peer_reported(stream.sender, message)
         if pod:
             self._by_pod[pod] = stream
+        for listener in self.on_peer_requests:
+            listener(stream, stream.sender.requests_started)
 
     def remove_server(self, pod_name: str) -> None:
         """Drop the stream ``pod_name`` opened to us: its engines go, their tasks fail over."""
@@ -573,6 +585,8 @@ class Exchanger:
             del self._by_pod[stream.pod_name]
         if stream.sender is not None:
             self.dispatcher.peer_stream_closed(stream.sender)
+            for gone in self.on_peer_gone:
+                gone(stream)
 
 
 def _bearer_matches(call: ServerCall, secret: str) -> bool:

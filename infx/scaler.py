@@ -1,11 +1,13 @@
 """The scaler on Twisted: performs :mod:`protocol.scaling`'s decisions against Kubernetes.
 
 Scale engine deployments from zero when a request arrives (without losing
-it), autoscale them from load measured in this process, and take them to zero
-when idle. Every decision is made by the pure :class:`protocol.scaling.Scaler`;
-this module owns the timers (one ``callLater`` for the machine's deadline, a
-``LoopingCall`` for the autoscaler tick, both on an injected clock), the
-Kubernetes I/O (off the reactor thread), leader election, Events and metrics.
+it), autoscale them from load measured in this process and reported by the
+other gateways (started requests in the exchanger's status reports, tasks in
+progress in the engines'), and take them to zero when idle. Every decision
+is made by the pure :class:`protocol.scaling.Scaler`; this module owns the
+timers (one ``callLater`` for the machine's deadline, a ``LoopingCall`` for
+the autoscaler tick, both on an injected clock), the Kubernetes I/O (off the
+reactor thread), leader election, Events and metrics.
 
 The shape keeps OpenModelZ's recognisable: a :class:`ServiceQuery` protocol
 (``get_replicas``/``set_replicas``) with an in-memory and a Kubernetes
@@ -380,6 +382,14 @@ class InferenceScaler:
     def observe_in_progress(self, model: str, count: int) -> None:
         """Engines (of every gateway) report ``count`` tasks in progress for ``model``."""
         self.machine.observe_in_progress(model, count, self.clock.seconds())
+
+    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int]) -> None:
+        """A peer gateway reported the requests per model it accepted since it started (rps load)."""
+        self.machine.observe_peer_requests(peer, counts, self.clock.seconds())
+
+    def forget_peer(self, peer: Hashable) -> None:
+        """``peer``'s reports ended; the next ones start a new baseline."""
+        self.machine.forget_peer(peer)
 
     # -- autoscaler ------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
-from protocol.scaling import DEFAULT_STARTUP_TIMEOUT
+from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
 
@@ -123,11 +123,15 @@ class GatewayService(service.MultiService):
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace
         scaler_service = kubernetes_scaler(self.reactor, kube_api_client(self.environ), namespace, self.pod_name,
+                                           config=ScalerConfig(peer_report_interval=self.config.status_interval),
                                            registry=self.registry)
         scaler_service.setServiceParent(self)
         self.scaler_link = ProcessorLink(scaler_service.scaler, self.dispatcher, self.reactor)
         self.dispatcher.on_request_started.append(scaler_service.scaler.request_started)
         self.dispatcher.on_request_finished.append(scaler_service.scaler.request_finished)
+        # Requests other gateways accepted: the leader's rps would otherwise be its own share only.
+        self.exchanger.on_peer_requests.append(scaler_service.scaler.observe_peer_requests)
+        self.exchanger.on_peer_gone.append(scaler_service.scaler.forget_peer)
         return scaler_service
 
     def _builtin_engine(self) -> Any:

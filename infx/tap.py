@@ -32,7 +32,8 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
     ["internal-secret", None, None,
      "Shared secret peers present as 'authorization: Bearer ...' (peer auth is off without it)."],
     ["status-interval", None, None,
-     f"Seconds between checks that re-report local engines to peers [default: {_DEFAULTS.status_interval:g}]."],
+     "Seconds between checks that re-report local engines and request counts to peers "
+     f"[default: {_DEFAULTS.status_interval:g}]."],
     ["internal-tls-cert", None, None,
      "PEM certificate presented to peers; with --internal-tls-key and --internal-tls-ca, peers use mutual TLS."],
     ["internal-tls-key", None, None, "PEM private key of --internal-tls-cert."],

@@ -9,6 +9,12 @@ that cannot run here is answered at once with an error ``TaskResult`` (an
 ``HttpResponse`` of 503 with a reason) so that the peer retries elsewhere
 without waiting for the next status report.
 
+Every report also carries how many requests per model this gateway accepted
+from its clients since it started (read from a callable the adapter passes
+in): only one gateway runs the autoscaler, and it must see the requests that
+arrive here too. A change of those counts alone goes out at the next periodic
+check.
+
 Shape, for the Twisted adapter (one ``Receiver`` per stream; a reconnect makes
 a new one):
 
@@ -28,6 +34,7 @@ a new one):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from http import HTTPStatus
@@ -73,7 +80,7 @@ _ACCEPTS: dict[str, frozenset[ReceiverState]] = {
 @dataclass(frozen=True)
 class ReceiverConfig:
     """pod_name: this gateway's name in its reports; status_interval: seconds
-    between checks that re-report the local engines if anything changed."""
+    between checks that re-report the local engines and request counts if anything changed."""
 
     pod_name: str
     status_interval: float = 10.0
@@ -105,16 +112,20 @@ def _status_line(status: int) -> str:
 class Receiver:
     """Runs one peer's forwarded tasks on local engines; see the module docstring."""
 
-    def __init__(self, processor: Processor, config: ReceiverConfig, origin: Origin | None = None) -> None:
+    def __init__(self, processor: Processor, config: ReceiverConfig, origin: Origin | None = None,
+                 requests_started: Callable[[], Mapping[str, int]] = dict) -> None:
         """``origin`` is what the processor's effects name as the origin of this
-        stream's tasks: the adapter's own object, or by default this receiver."""
+        stream's tasks: the adapter's own object, or by default this receiver.
+        ``requests_started()`` is the number of requests per model this gateway
+        has accepted from clients since it started, read at every report."""
         self.processor = processor
         self.origin: Origin = self if origin is None else origin
         self.config = config
         self.state = ReceiverState.IDLE
+        self._requests_started = requests_started
         self._outbox: list[internal_pb2.ProcessTasksInternalRequest] = []
         self._tasks: set[str] = set()
-        self._reported: dict[tuple[str, str], bytes] | None = None
+        self._reported: tuple[dict[tuple[str, str], bytes], dict[str, int]] | None = None
         self._next_report: float | None = None
 
     # --- commands -----------------------------------------------------------
@@ -248,9 +259,11 @@ class Receiver:
 
     def _report(self, now: float, force: bool) -> None:
         statuses = self._local_statuses()
-        snapshot = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
+        engines = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
+        snapshot = (engines, dict(self._requests_started()))
         if force or snapshot != self._reported:
-            report = internal_pb2.ServerStatus(pod_name=self.config.pod_name)
+            report = internal_pb2.ServerStatus(pod_name=self.config.pod_name,
+                                               model_requests_started=snapshot[1])
             for tenant, status in statuses:
                 report.engine_statuses.add(engine_status=status, tenant_id=tenant)
             self._outbox.append(internal_pb2.ProcessTasksInternalRequest(server_status=report))

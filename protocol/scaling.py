@@ -21,7 +21,12 @@ What it decides, and how it improves on OpenModelZ:
 - The autoscaler (leader only, once a tick) uses load measured in process:
   started requests per second (``rps``) or in-flight plus held (``capacity``),
   over a stable and a panic window; scale-down is stabilised, halved at most
-  per tick, and every step is bounded by the scaling factor.
+  per tick, and every step is bounded by the scaling factor. Requests started
+  at the other gateways count too, or the leader behind a load balancer would
+  see 1/N of the rate: each peer reports its cumulative per-model counts
+  (:meth:`Scaler.observe_peer_requests`) and their increases are spread over
+  the time since its previous report. In-flight load needs no such report:
+  engines report their tasks in progress, whichever gateway sent them.
 - Scale to zero happens zero-duration after the last request *completed*,
   only when min is 0; the scaler's own writes never reset that clock.
 - A crash loop (pods in CrashLoopBackOff/ImagePullBackOff/ErrImagePull, or a
@@ -36,7 +41,7 @@ import enum
 import heapq
 import math
 from collections import deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Union
 
@@ -211,10 +216,14 @@ class ScalerConfig:
     """Seconds before a cold-start write that failed (not a 409) is tried again."""
     retry_after: float = 10.0
     """``Retry-After`` on an expired hold or a full hold queue."""
+    peer_report_interval: float = 10.0
+    """Seconds between a peer gateway's reports while its counts change (its status interval):
+    the longest span a reported increase is spread back over, so that a burst after an idle
+    spell is not diluted over the whole spell."""
 
     def __post_init__(self) -> None:
-        if min(self.tick_interval, self.stable_window, self.panic_window) <= 0:
-            raise ScalingLocalError("tick interval and windows must be positive")
+        if min(self.tick_interval, self.stable_window, self.panic_window, self.peer_report_interval) <= 0:
+            raise ScalingLocalError("tick interval, windows and peer report interval must be positive")
         if not 0 < self.max_scale_down_ratio <= 1:
             raise ScalingLocalError("max_scale_down_ratio must be in (0, 1]")
         if self.held_cap < 1:
@@ -266,12 +275,26 @@ class _Load:
     bucket_total: float = 0.0
 
     def started(self, now: float) -> None:
-        second = math.floor(now)
-        if self.buckets and self.buckets[-1][0] == second:
-            self.buckets[-1][1] += 1
+        self._add(math.floor(now), 1.0)
+
+    def started_over(self, since: float, now: float, count: float) -> None:
+        """``count`` starts spread evenly over the whole seconds after ``since``'s, up to ``now``'s."""
+        last = math.floor(now)
+        seconds = max(1, last - math.floor(since))
+        for second in range(last - seconds + 1, last + 1):
+            self._add(second, count / seconds)
+
+    def _add(self, second: int, count: float) -> None:
+        # Seconds stay in order; a peer's report may fill seconds already past.
+        buckets = self.buckets
+        i = len(buckets)
+        while i and buckets[i - 1][0] > second:
+            i -= 1
+        if i and buckets[i - 1][0] == second:
+            buckets[i - 1][1] += count
         else:
-            self.buckets.append([second, 1.0])
-        self.bucket_total += 1
+            buckets.insert(i, [second, count])
+        self.bucket_total += count
 
     def rates(self, now: float, stable: float, panic: float) -> tuple[float, float]:
         """(stable, panic) started requests per second, ending at ``now``."""
@@ -337,9 +360,9 @@ class Scaler:
 
     Inputs are method calls taking ``now``; each returns the effects to
     perform, in order. The Twisted side (``infx.scaler``) feeds it the
-    deployment and pod watches, engine readiness and request counters, calls
-    :meth:`tick` while it holds the leader lease, and :meth:`handle_timeout`
-    at :meth:`next_deadline`.
+    deployment and pod watches, engine readiness, request counters and the
+    request counts peer gateways report, calls :meth:`tick` while it holds
+    the leader lease, and :meth:`handle_timeout` at :meth:`next_deadline`.
     """
 
     def __init__(self, config: ScalerConfig | None = None) -> None:
@@ -347,6 +370,8 @@ class Scaler:
         self._deployments: dict[DeploymentKey, _Deployment] = {}
         self._by_model: dict[str, list[DeploymentKey]] = {}
         self._loads: dict[str, _Load] = {}
+        # Each peer's last report: when, and its cumulative counts (the baseline of the next).
+        self._peers: dict[Hashable, tuple[float, dict[str, int]]] = {}
         self._ready: set[str] = set()
         self._holds: dict[Hashable, _Hold] = {}
         self._deadlines: list[tuple[float, int, Hashable]] = []
@@ -459,6 +484,35 @@ class Scaler:
         load.started(now)
         load.last_activity = now
 
+    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int], now: float) -> None:
+        """Peer gateway ``peer`` reported ``counts``: requests per model it accepted since it started.
+
+        The increase since the peer's previous report counts as requests
+        started over the time between the two (at most
+        ``peer_report_interval``), as if they had arrived here. A first report
+        only sets the baseline; a counter that went down or vanished means the
+        peer restarted, so the report becomes the new baseline.
+        """
+        counts = {model: max(0, count) for model, count in counts.items()}
+        previous = self._peers.get(peer)
+        self._peers[peer] = (now, counts)
+        if previous is None:
+            return
+        since, before = previous
+        if any(counts.get(model, 0) < count for model, count in before.items()):
+            return
+        since = max(since, now - self.config.peer_report_interval)
+        for model, count in counts.items():
+            increase = count - before.get(model, 0)
+            if increase:
+                load = self._load(model)
+                load.started_over(since, now, increase)
+                load.last_activity = now
+
+    def forget_peer(self, peer: Hashable) -> None:
+        """``peer``'s reports ended (its stream closed): its next report is a first one."""
+        self._peers.pop(peer, None)
+
     def request_finished(self, model: str, now: float) -> None:
         """A request started with :meth:`request_started` completed (in any way)."""
         load = self._load(model)
@@ -519,6 +573,13 @@ class Scaler:
         """Requests for ``model`` in flight: counted here, or reported by engines, whichever is more."""
         load = self._loads.get(model)
         return max(load.in_flight, load.reported) if load else 0
+
+    def started_rates(self, model: str, now: float) -> tuple[float, float]:
+        """(stable, panic) requests per second started for ``model``, here and at reporting peers."""
+        load = self._loads.get(model)
+        if load is None:
+            return 0.0, 0.0
+        return load.rates(now, self.config.stable_window, self.config.panic_window)
 
     def held_count(self, key: DeploymentKey) -> int:
         """Requests held for ``key`` right now."""
@@ -735,11 +796,9 @@ class Scaler:
         if settings.scale_type is ScaleType.RPS:
             stable = panic = 0.0
             for model in dep.snapshot.models:
-                load = self._loads.get(model)
-                if load is not None:
-                    s, p = load.rates(now, cfg.stable_window, cfg.panic_window)
-                    stable += s
-                    panic += p
+                s, p = self.started_rates(model, now)
+                stable += s
+                panic += p
             return stable, panic
         value = float(len(dep.holds))
         for model in dep.snapshot.models:

@@ -11,7 +11,9 @@ another peer first) is left alone while that registration lasts; the sender
 remembers the peer's last report and registers such an engine as soon as the
 processor says it went (``engines_removed``), since the peer re-reports only
 when something changes on its side. Results the peer returns go into the
-processor as results of the original tasks.
+processor as results of the original tasks. The per-model request counts of
+the peer's last report are kept in :attr:`Sender.requests_started` for the
+autoscaler (a LLMariner peer sends none).
 
 Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
 
@@ -53,6 +55,8 @@ class Sender:
         self.processor = processor
         self.route: Route = self if route is None else route
         self.pod_name = ""
+        #: Requests per model the peer accepted from its clients since it started, as last reported.
+        self.requests_started: dict[str, int] = {}
         self._engines: set[EngineKey] = set()
         # The peer's last report, every entry of it, registered here or not.
         self._reported: dict[EngineKey, status_pb2.EngineStatus] = {}
@@ -108,6 +112,7 @@ class Sender:
 
     def _status_received(self, now: float, status: internal_pb2.ServerStatus) -> list[Effect]:
         self.pod_name = status.pod_name
+        self.requests_started = dict(status.model_requests_started)
         effects: list[Effect] = []
         reported: set[EngineKey] = set()
         self._reported = {}

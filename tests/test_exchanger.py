@@ -14,6 +14,7 @@ from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
 from infx.exchanger import Exchanger, ExchangerConfig, PeerReceiver, ReceiverLoopState
+from infx.scaler import InferenceScaler, InMemoryServiceQuery
 from infx.service import GatewayService
 from protocol.peers import Backoff, PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.processor_types import Locality
@@ -135,6 +136,34 @@ def test_a_newer_stream_from_the_same_pod_replaces_the_older_one(gateways):
     # The twin has no engines: its report replaced b's registration.
     assert engines(a) == {}
     assert twin.exchanger.receivers[internal_address(a)].streams_opened == 1
+
+
+@pytest_twisted.inlineCallbacks
+def test_requests_a_peer_accepted_reach_this_gateways_scaler_as_started_requests(gateways):
+    """b accepts 5 requests and a 2, which a forwards to b's engine: b reports 5 (forwarded
+    tasks are not b's clients' requests), and a's scaler, hooked up as ``--scaler`` does,
+    counts them as started there. Its baseline goes with b's stream."""
+    a = yield gateways("a")
+    scaler = InferenceScaler(reactor, InMemoryServiceQuery())
+    a.exchanger.on_peer_requests.append(scaler.observe_peer_requests)
+    a.exchanger.on_peer_gone.append(scaler.forget_peer)
+    gone: list[Any] = []
+    a.exchanger.on_peer_gone.append(gone.append)
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})  # b's reports arrive
+    for base, count in ((base_url(b), 5), (base_url(a), 2)):
+        for _ in range(count):
+            yield threads.deferToThread(chat, base, model="m")
+    assert b.dispatcher.requests_started == {"m": 5} and a.dispatcher.requests_started == {"m": 2}
+
+    def started_at_peers() -> float:
+        stable, _ = scaler.machine.started_rates("m", reactor.seconds())
+        return round(stable * scaler.machine.config.stable_window, 6)
+
+    yield until(lambda: started_at_peers() == 5)
+    [stream] = a.exchanger.streams
+    yield b.stopService()
+    yield until(lambda: gone == [stream])
 
 
 @pytest_twisted.inlineCallbacks

@@ -27,11 +27,13 @@ T0 = 50.0
 
 class Harness:
     """A processor with local engines on routes ``engine:<id>`` and one receiver whose own
-    effects are delivered to it; everything for the engines is recorded."""
+    effects are delivered to it; everything for the engines is recorded. ``counts`` stands
+    for the requests this gateway accepted from its clients."""
 
     def __init__(self) -> None:
         self.p = Processor(ProcessorConfig(retry_delay=0))
-        self.r = Receiver(self.p, ReceiverConfig("pod-b", status_interval=10))
+        self.counts: dict[str, int] = {}
+        self.r = Receiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
         self.engine_tasks: list[SendTask | CancelTaskOnEngine] = []
 
     def run(self, effects: list[object]) -> None:
@@ -140,6 +142,22 @@ def test_the_periodic_check_reports_only_if_something_changed(h):
     assert h.reports() == []
     h.r.handle_timeout(T0 + 20)
     assert len(h.reports()) == 1
+
+
+def test_every_report_carries_the_requests_accepted_here_and_new_counts_go_out_at_the_next_check(h):
+    assert dict(one(h.reports(), internal_pb2.ServerStatus).model_requests_started) == {}
+    h.counts["m"] = 3
+    h.r.handle_timeout(T0 + 5)  # not due yet
+    assert h.reports() == []
+    h.r.handle_timeout(T0 + 10)
+    assert dict(one(h.reports(), internal_pb2.ServerStatus).model_requests_started) == {"m": 3}
+    h.r.handle_timeout(T0 + 20)
+    assert h.reports() == []
+    # A report for an engine change carries the counts of the moment too.
+    h.counts.update(m=4, n=1)
+    h.join("e2", "m", now=T0 + 21)
+    report = one(h.reports(), internal_pb2.ServerStatus)
+    assert len(report.engine_statuses) == 2 and dict(report.model_requests_started) == {"m": 4, "n": 1}
 
 
 # --- forwarded tasks -------------------------------------------------------------

@@ -67,6 +67,11 @@ def test_requests_for_a_model_at_zero_are_held_scaled_once_and_all_served(tmp_pa
     engine = None
     try:
         yield gateway.startService()
+        # Requests other gateways accept reach this scaler in their reports (the rps load).
+        scaler = gateway.scaler.scaler
+        assert scaler.observe_peer_requests in gateway.exchanger.on_peer_requests
+        assert scaler.forget_peer in gateway.exchanger.on_peer_gone
+        assert scaler.machine.config.peer_report_interval == options.config_value.status_interval
         yield poll(lambda: gateway.dispatcher.can_start("default", "llama"))
         base = f"http://127.0.0.1:{http}/v1"
         # Eight: the reactor's thread pool (where the blocking openai client runs) has ten threads.

@@ -704,3 +704,121 @@ def test_hold_prefers_a_scalable_deployment_over_one_with_max_zero():
     [write] = scaler.hold_model("r", "llama-3", 1.0)
     assert write.key == DeploymentKey("ml", "b-scalable")
     assert scaler.serves("llama-3") and not scaler.serves("other")
+
+
+# -- requests started at other gateways ------------------------------------------------------
+# Only the leader autoscales, and behind a load balancer it accepts 1/N of the
+# requests; every peer reports its cumulative count per model (each report
+# every 10 s while the counts change, as a gateway's receiver does).
+
+def test_a_first_report_sets_the_baseline_and_each_next_one_adds_its_increase_over_the_gap():
+    scaler = Scaler()
+    scaler.observe_peer_requests("gw-b", {"llama-3": 100}, 0.0)
+    assert scaler.started_rates("llama-3", 0.0) == (0.0, 0.0)  # history before we listened
+    scaler.observe_peer_requests("gw-b", {"llama-3": 160}, 10.0)
+    # 60 started over seconds 1..10: 60 in the 60 s window, 36 in the 6 s one.
+    assert scaler.started_rates("llama-3", 10.0) == pytest.approx((1.0, 6.0))
+    scaler.request_started("llama-3", 10.5)  # the leader's own requests add up with them
+    assert scaler.started_rates("llama-3", 10.5) == pytest.approx((61 / 60, 37 / 6))
+
+
+def test_each_peer_has_its_own_baseline_and_a_model_new_in_a_report_counts_from_zero():
+    scaler = Scaler()
+    scaler.observe_peer_requests("gw-b", {"llama-3": 5}, 0.0)
+    scaler.observe_peer_requests("gw-c", {"llama-3": 500}, 0.0)
+    scaler.observe_peer_requests("gw-b", {"llama-3": 5, "mistral": 6}, 6.0)
+    scaler.observe_peer_requests("gw-c", {"llama-3": 506}, 6.0)
+    assert scaler.started_rates("llama-3", 6.0) == pytest.approx((0.1, 1.0))
+    assert scaler.started_rates("mistral", 6.0) == pytest.approx((0.1, 1.0))
+
+
+def test_a_counter_that_went_down_or_vanished_is_a_restart_and_only_a_new_baseline():
+    scaler = Scaler()
+    scaler.observe_peer_requests("gw-b", {"llama-3": 100, "mistral": 7}, 0.0)
+    scaler.observe_peer_requests("gw-b", {"llama-3": 160, "mistral": 7}, 10.0)
+    scaler.observe_peer_requests("gw-b", {"llama-3": 5, "mistral": 9}, 20.0)  # restarted
+    assert scaler.started_rates("llama-3", 20.0) == pytest.approx((1.0, 0.0))
+    assert scaler.started_rates("mistral", 20.0) == (0.0, 0.0)
+    scaler.observe_peer_requests("gw-b", {"llama-3": 11}, 30.0)  # mistral vanished: restarted again
+    assert scaler.started_rates("llama-3", 30.0) == pytest.approx((1.0, 0.0))
+    scaler.observe_peer_requests("gw-b", {"llama-3": 17, "mistral": -4}, 40.0)  # nonsense is zero
+    assert scaler.started_rates("llama-3", 40.0) == pytest.approx((66 / 60, 0.6))
+    assert scaler.started_rates("mistral", 40.0) == (0.0, 0.0)
+
+
+def test_a_forgotten_peer_starts_again_from_a_baseline():
+    scaler = Scaler()
+    scaler.observe_peer_requests("gw-b", {"llama-3": 100}, 0.0)
+    scaler.forget_peer("gw-b")
+    scaler.forget_peer("gw-b")  # its stream ended twice over: harmless
+    scaler.observe_peer_requests("gw-b", {"llama-3": 130}, 5.0)
+    assert scaler.started_rates("llama-3", 5.0) == (0.0, 0.0)
+
+
+def test_after_an_idle_spell_an_increase_is_spread_over_one_report_interval_not_the_spell():
+    scaler = Scaler(ScalerConfig(peer_report_interval=10))
+    scaler.observe_peer_requests("gw-b", {"llama-3": 0}, 0.0)
+    scaler.observe_peer_requests("gw-b", {"llama-3": 100}, 100.0)
+    # A burst after 100 s of silence lands in seconds 91..100 and shows as a burst.
+    assert scaler.started_rates("llama-3", 100.0) == pytest.approx((100 / 60, 10.0))
+    # Reports on the same second put the increase on that second.
+    scaler.observe_peer_requests("gw-b", {"llama-3": 103}, 100.5)
+    assert scaler.started_rates("llama-3", 100.5) == pytest.approx((103 / 60, 63 / 6))
+    # What falls out of the stable window is forgotten as usual.
+    assert scaler.started_rates("llama-3", 200.0) == (0.0, 0.0)
+
+
+def three_gateways(scaler, seconds, local_rps, peer_rps, peers=("gw-b", "gw-c"), cluster=None):
+    """Tick every second while the leader accepts ``local_rps`` and each peer ``peer_rps``,
+    the peers reporting their totals every 10 s; returns the writes."""
+    writes = []
+    for second in range(seconds):
+        for i in range(local_rps):
+            scaler.request_started("llama-3", second + i / local_rps)
+            scaler.request_finished("llama-3", second + i / local_rps)
+        if second % 10 == 0:
+            for peer in peers:
+                scaler.observe_peer_requests(peer, {"llama-3": round(peer_rps * second)}, float(second))
+        writes += run_ticks(scaler, float(second), second + 1.0, cluster)
+    return writes
+
+
+@pytest.mark.parametrize("peers, replicas", [(("gw-b", "gw-c"), 3), ((), 1)])
+def test_rps_scales_to_the_load_of_every_gateway_not_the_leaders_share(peers, replicas):
+    """3 gateways x 10 rps with a target of 10: 3 replicas; counting the leader's share alone, 1."""
+    scaler = scaler_with(replicas=1, **{SCALE_TYPE_LABEL: "rps", TARGET_LOAD_LABEL: "10",
+                                        SCALING_FACTOR_LABEL: "100", MAX_SCALE_LABEL: "10"})
+    cluster = {KEY: 1}
+    writes = three_gateways(scaler, 180, 10, 10, peers, cluster)
+    assert cluster[KEY] == replicas
+    assert all(w.reason is ScaleReason.SCALE_UP for _, w in writes)
+
+
+def test_peer_reports_every_10_s_do_not_make_a_steady_load_look_like_a_panic():
+    """7 rps for a target of 10 needs 1 replica. Were each 10 s report counted on its own second,
+    the 6 s panic window would see 2 + 2 x 25 / 6 = 10.3 rps at every report and panic to 2."""
+    scaler = scaler_with(replicas=1, **{SCALE_TYPE_LABEL: "rps", TARGET_LOAD_LABEL: "10",
+                                        SCALING_FACTOR_LABEL: "100", MAX_SCALE_LABEL: "10"})
+    assert three_gateways(scaler, 180, 2, 2.5) == []
+
+
+def test_a_burst_at_a_peer_shows_in_the_panic_window():
+    scaler = scaler_with(replicas=1, **{SCALE_TYPE_LABEL: "rps", TARGET_LOAD_LABEL: "10",
+                                        SCALING_FACTOR_LABEL: "100", MAX_SCALE_LABEL: "10"})
+    cluster = {KEY: 1}
+    scaler.observe_peer_requests("gw-b", {"llama-3": 0}, 0.0)
+    assert run_ticks(scaler, 0.0, 35.0, cluster) == []
+    scaler.observe_peer_requests("gw-b", {"llama-3": 300}, 35.0)  # 30 rps for its last 10 s
+    [(t, write)] = run_ticks(scaler, 35.0, 36.0, cluster)
+    # The 60 s average (5 rps) wants 1 replica; the 6 s one (30 rps) wants 3.
+    assert (t, write.replicas, write.reason) == (35.0, 3, ScaleReason.SCALE_UP)
+
+
+def test_requests_started_at_peers_keep_a_deployment_from_going_to_zero():
+    scaler = zero_scaler("10s")
+    cluster = {KEY: 1}
+    for t in range(0, 60, 5):
+        scaler.observe_peer_requests("gw-b", {"llama-3": t}, float(t))
+        assert run_ticks(scaler, float(t), t + 5.0, cluster) == []
+    [(t, write)] = run_ticks(scaler, 60.0, 100.0, cluster)
+    assert (t, write.reason) == (65.0, ScaleReason.SCALE_TO_ZERO)  # 10 s after the last increase

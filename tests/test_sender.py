@@ -122,6 +122,19 @@ def test_a_peer_cannot_take_over_a_local_engine_or_another_peer_s_engine():
     assert p.engine("t", "e1") is not None and p.engine("t", "e2") is not None
 
 
+def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler():
+    counts = {"m": 7, "n": 1}
+    receiver = Receiver(Processor(), ReceiverConfig("pod-b"), requests_started=lambda: counts)
+    receiver.connected(T0)
+    s = Sender(Processor())
+    assert s.requests_started == {}
+    for message in receiver.pop_messages():
+        s.message_received(T0, message)
+    assert s.requests_started == {"m": 7, "n": 1}
+    s.message_received(T0 + 1, report("pod-b"))  # a LLMariner peer reports none
+    assert s.requests_started == {}
+
+
 def test_misuse_and_remote_violations_raise_distinct_errors():
     p = Processor()
     s = Sender(p)

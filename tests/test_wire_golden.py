@@ -165,6 +165,34 @@ def test_server_status_and_internal_request():
     )
 
 
+def test_server_status_request_counts_are_an_infx_extension_at_field_100():
+    status = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"b": 300, "a": 3})
+    # tag for field 100, wire type 2 is the varint 802 = a2 06; a map entry is key = 1, value = 2
+    assert ld(100, b"")[:2] == b"\xa2\x06"
+    expected = ld(1, "gw-0") + ld(100, ld(1, "a") + uint(2, 3)) + ld(100, ld(1, "b") + uint(2, 300))
+    assert encode(status) == expected
+    assert encode(internal_pb2.ProcessTasksInternalRequest(server_status=status)) == ld(1, expected)
+
+
+def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
+    """A ServerStatus without field 100 (LLMariner's) parses infx's report, skipping the counts."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    file = descriptor_pb2.FileDescriptorProto(name="llmariner_internal.proto", package="llmariner_compat",
+                                              syntax="proto3")
+    message = file.message_type.add(name="ServerStatus")
+    message.field.add(name="pod_name", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+                      label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    llmariner_status = message_factory.GetMessageClass(pool.FindMessageTypeByName("llmariner_compat.ServerStatus"))
+    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3})
+    parsed = llmariner_status.FromString(encode(sent))
+    assert parsed.pod_name == "gw-0"
+    # Old reports (no field 100) parse here with no counts.
+    assert dict(internal_pb2.ServerStatus.FromString(ld(1, "gw-0")).model_requests_started) == {}
+
+
 def test_process_tasks_internal_response_and_worker_response():
     task = worker_pb2.Task(id="t1", engine_id="e1")
     task_bytes = ld(1, "t1") + ld(5, "e1")

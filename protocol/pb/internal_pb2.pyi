@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ServerStatus(_message.Message):
-    __slots__ = ("pod_name", "engine_statuses")
+    __slots__ = ("pod_name", "engine_statuses", "model_requests_started")
     class EngineStatusWithTenantID(_message.Message):
         __slots__ = ("engine_status", "tenant_id")
         ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -17,11 +17,20 @@ class ServerStatus(_message.Message):
         engine_status: _status_pb2.EngineStatus
         tenant_id: str
         def __init__(self, engine_status: _Optional[_Union[_status_pb2.EngineStatus, _Mapping]] = ..., tenant_id: _Optional[str] = ...) -> None: ...
+    class ModelRequestsStartedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     POD_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUSES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_REQUESTS_STARTED_FIELD_NUMBER: _ClassVar[int]
     pod_name: str
     engine_statuses: _containers.RepeatedCompositeFieldContainer[ServerStatus.EngineStatusWithTenantID]
-    def __init__(self, pod_name: _Optional[str] = ..., engine_statuses: _Optional[_Iterable[_Union[ServerStatus.EngineStatusWithTenantID, _Mapping]]] = ...) -> None: ...
+    model_requests_started: _containers.ScalarMap[str, int]
+    def __init__(self, pod_name: _Optional[str] = ..., engine_statuses: _Optional[_Iterable[_Union[ServerStatus.EngineStatusWithTenantID, _Mapping]]] = ..., model_requests_started: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ProcessTasksInternalRequest(_message.Message):
     __slots__ = ("server_status", "task_result")
