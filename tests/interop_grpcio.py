@@ -48,6 +48,7 @@ CASES = [
     "large_response_rejected",
     "max_size_request",
     "bidi_1mib_x10",
+    "half_duplex",
 ]
 
 
@@ -86,6 +87,7 @@ class GrpcioTestService:
                 "StreamingOutputCall": grpc.unary_stream_rpc_method_handler(self.streaming_output_call),
                 "StreamingInputCall": grpc.stream_unary_rpc_method_handler(self.streaming_input_call),
                 "FullDuplexCall": grpc.stream_stream_rpc_method_handler(self.full_duplex_call),
+                "HalfDuplexCall": grpc.stream_stream_rpc_method_handler(self.half_duplex_call),
             },
         )
 
@@ -127,6 +129,10 @@ class GrpcioTestService:
             request = messages_pb2.StreamingOutputCallRequest.FromString(raw)
             _echo_status(context, request.response_status)
             yield from _responses(context, request)
+
+    def half_duplex_call(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """FullDuplexCall, started once the client has half-closed."""
+        return self.full_duplex_call(iter(list(requests)), context)
 
     def _check_compressed(self, context: grpc.ServicerContext, method: str, index: int) -> None:
         if not self._sniffer().request_compressed(f"/{SERVICE}/{method}", index):
@@ -276,6 +282,18 @@ def ping_pong(channel: grpc.Channel) -> None:
     requests.close()
     rest = list(call)
     check(rest == [], f"{len(rest)} responses after the fourth")
+    check(call.code() == grpc.StatusCode.OK, f"status {call.code()}")
+
+
+def half_duplex(channel: grpc.Channel) -> None:
+    """ping_pong's requests on HalfDuplexCall, all sent before the half-close; then every response."""
+    sizes = [(27182, 31415), (8, 9), (1828, 2653), (45904, 58979)]
+    requests = [messages_pb2.StreamingOutputCallRequest(
+        response_parameters=[messages_pb2.ResponseParameters(size=response_size)], payload=zeros(request_size),
+    ).SerializeToString() for request_size, response_size in sizes]
+    call = _method(channel, "stream_stream", "HalfDuplexCall")(iter(requests))
+    bodies = [_output(raw).payload.body for raw in call]
+    check(bodies == [bytes(response) for _, response in sizes], f"response sizes {[len(b) for b in bodies]}")
     check(call.code() == grpc.StatusCode.OK, f"status {call.code()}")
 
 

@@ -5,9 +5,8 @@ against ``tools/interop_server.py`` run as a subprocess, and
 ``tools/interop_client.py`` run as a subprocess against grpcio's TestService.
 Two more sets tell failures apart: grpcio against grpcio (a bug in the
 reference half) and infx against infx. A few cases run again over TLS with
-the test credentials of ``tools/interop_testdata/``, both ways, against a
-grpcio server that also has HalfDuplexCall (tests/interop_grpcio.py's lacks
-it), so ``half_duplex`` meets grpcio there. Servers start once per module.
+the test credentials of ``tools/interop_testdata/``, both ways. Servers
+start once per module.
 Hypothesis then picks message sizes around HTTP/2's frame and window edges
 for both directions, and two machine-level tests pin, without sockets, the
 interop failures found here.
@@ -20,7 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 
@@ -39,24 +38,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTDATA = ROOT / "tools" / "interop_testdata"
 SERVER_START_TIMEOUT = 20.0
 CLIENT_TIMEOUT = 30.0
-PING_PONG = [(27182, 31415), (8, 9), (1828, 2653), (45904, 58979)]
 #: The name grpc's interop tests give ``--server_host_override``; the test certificate covers it.
 TLS_NAME = "foo.test.google.fr"
 PLAINTEXT = ("--use_tls=false",)
 TEST_CA_TLS = ("--use_tls=true", "--use_test_ca=true", f"--server_host_override={TLS_NAME}")
 TLS_CASES = ["empty_unary", "large_unary", "ping_pong", "custom_metadata", "half_duplex"]
-
-
-def grpcio_half_duplex(channel: grpc.Channel) -> None:
-    """The interop client's ``half_duplex`` on grpcio: ping_pong's requests on HalfDuplexCall, then the half-close."""
-    requests = [duplex_request(*pair).SerializeToString() for pair in PING_PONG]
-    call = channel.stream_stream(f"/{SERVICE}/HalfDuplexCall")(iter(requests))
-    sizes = [len(messages_pb2.StreamingOutputCallResponse.FromString(raw).payload.body) for raw in call]
-    assert sizes == [response for _, response in PING_PONG]
-
-
-ALL_CASES = [*CASES, "half_duplex"]
-GRPCIO_CLIENT: dict[str, Callable[[grpc.Channel], None]] = {**GRPCIO_CASES, "half_duplex": grpcio_half_duplex}
 
 
 class InfxServer:
@@ -116,24 +102,17 @@ def grpcio_server() -> Iterator[GrpcioInteropServer]:
 
 
 class GrpcioTlsServer:
-    """grpcio's TestService plus HalfDuplexCall, over TLS with the test server certificate.
+    """grpcio's TestService over TLS with the test server certificate.
 
     No CompressionSniffer reads through TLS, so the compression cases stay on the plaintext servers.
     """
 
     def __init__(self) -> None:
         service = GrpcioTestService(_no_sniffer)
-
-        def half_duplex_call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-            """FullDuplexCall, started once the client has half-closed."""
-            return service.full_duplex_call(iter(list(requests)), context)
-
-        half_duplex = grpc.method_handlers_generic_handler(
-            SERVICE, {"HalfDuplexCall": grpc.stream_stream_rpc_method_handler(half_duplex_call)})
         credentials = grpc.ssl_server_credentials([((TESTDATA / "server.key").read_bytes(),
                                                     (TESTDATA / "server.pem").read_bytes())])
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        self._server.add_generic_rpc_handlers([service.handler(), half_duplex])
+        self._server.add_generic_rpc_handlers([service.handler()])
         self.port = self._server.add_secure_port("127.0.0.1:0", credentials)
         self._server.start()
 
@@ -166,11 +145,11 @@ def grpcio_tls_channel(port: int) -> grpc.Channel:
     return grpc.secure_channel(f"127.0.0.1:{port}", credentials, options=[("grpc.ssl_target_name_override", TLS_NAME)])
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_grpcio_client_passes_against_infx_server(case: str, infx_server: InfxServer) -> None:
     try:
         with grpc.insecure_channel(f"127.0.0.1:{infx_server.port}") as channel:
-            GRPCIO_CLIENT[case](channel)
+            GRPCIO_CASES[case](channel)
     except Exception as error:
         pytest.fail(f"{case}: {error}\n--- interop_server stderr ---\n{infx_server.log_tail()}")
 
@@ -182,7 +161,7 @@ def test_infx_client_passes_against_grpcio_server(case: str, grpcio_server: Grpc
     assert f"PASS {case}" in result.stdout
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_infx_client_passes_against_infx_server(case: str, infx_server: InfxServer) -> None:
     result = run_infx_client(infx_server.port, case)
     assert result.returncode == 0, f"{result.stdout}{result.stderr}\n--- interop_server stderr ---\n{infx_server.log_tail()}"
@@ -199,7 +178,7 @@ def test_reference_grpcio_halves_agree(case: str, grpcio_server: GrpcioInteropSe
 def test_grpcio_tls_client_passes_against_infx_tls_server(case: str, infx_tls_server: InfxServer) -> None:
     try:
         with grpcio_tls_channel(infx_tls_server.port) as channel:
-            GRPCIO_CLIENT[case](channel)
+            GRPCIO_CASES[case](channel)
     except Exception as error:
         pytest.fail(f"{case}: {error}\n--- interop_server stderr ---\n{infx_tls_server.log_tail()}")
 
