@@ -361,7 +361,8 @@ class TunedH2Connection(h2.connection.H2Connection):
        and received with one copy instead of three (:class:`TunedFrameBuffer`).
     5. Header lists coded and checked once per connection, not per call
        (:class:`_CachingEncoder`, :class:`_CachingDecoder`,
-       :class:`_TunedStream`), and cheap reprs for the busy frame kinds.
+       :class:`_TunedStream`), HEADERS and small DATA frames serialised
+       without frame objects, and cheap reprs for the busy frame kinds.
     """
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
@@ -448,6 +449,33 @@ class TunedH2Connection(h2.connection.H2Connection):
         frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0,
                             additional_data=debug_data)
         self._prepare_for_sending([frame])
+
+    def send_data(self, stream_id: int, data: bytes | memoryview, end_stream: bool = False,
+                  pad_length: Any = None) -> None:
+        """h2's ``send_data`` less its frame object: the same checks, state
+        changes and window accounting, in the same order, with the frame
+        serialised straight into the output.  Padding takes h2's path."""
+        if pad_length is not None:
+            super().send_data(stream_id, data, end_stream, pad_length)
+            return
+        size = len(data)
+        if size > 0 and size > self.local_flow_control_window(stream_id):
+            raise h2.exceptions.FlowControlError(
+                f"Cannot send {size} bytes, flow control window is "
+                f"{self.local_flow_control_window(stream_id)}")
+        if size > self.max_outbound_frame_size:
+            raise h2.exceptions.FrameTooLargeError(
+                f"Cannot send frame size {size}, max frame size is {self.max_outbound_frame_size}")
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_DATA)
+        stream = self.streams[stream_id]
+        stream.state_machine.process_input(_StreamInputs.SEND_DATA)
+        if end_stream:
+            stream.state_machine.process_input(_StreamInputs.SEND_END_STREAM)
+        stream.outbound_flow_control_window -= size
+        self._data_to_send += _FRAME_HEADER.pack(size >> 8, size & 0xFF, _DATA_TYPE,
+                                                 _END_STREAM if end_stream else 0, stream_id)
+        self._data_to_send += data
+        self.outbound_flow_control_window -= size
 
     def send_data_parts(self, stream_id: int, parts: list[bytes | memoryview],
                         size: int) -> None:

@@ -469,6 +469,50 @@ def test_send_headers_is_refused_as_h2_refuses_it(
     assert results[0] == results[1]
 
 
+def data_after_end_stream(p: Peers) -> None:
+    p.client.send_data(1, b"last", end_stream=True)
+    p.client.send_data(1, b"more")
+
+
+def data_on_a_stream_never_opened(p: Peers) -> None:
+    p.client.send_data(9, b"x")
+
+
+def empty_data_on_a_stream_never_opened(p: Peers) -> None:
+    p.client.send_data(9, b"", end_stream=True)
+
+
+def data_past_the_stream_window(p: Peers) -> None:
+    p.server.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 10})
+    p.deliver()
+    p.client.send_data(1, b"x" * 11)
+
+
+def data_past_the_frame_size(p: Peers) -> None:
+    p.client.send_data(1, b"x" * (16 * KiB + 1))
+
+
+def data_from_a_memoryview_then_padded(p: Peers) -> None:
+    p.client.send_data(1, memoryview(b"view" * 10))
+    p.client.send_data(3, b"padded", pad_length=3)
+    p.client.send_data(1, b"", end_stream=True)
+
+
+@pytest.mark.parametrize("action", [
+    data_after_end_stream, data_on_a_stream_never_opened, empty_data_on_a_stream_never_opened,
+    data_past_the_stream_window, data_past_the_frame_size, data_from_a_memoryview_then_padded,
+], ids=lambda f: f.__name__)
+def test_send_data_says_and_refuses_what_h2_does(action: Callable[[Peers], None]) -> None:
+    """The direct DATA path: same outcome, bytes, states and windows."""
+    results = []
+    for kind in KINDS:
+        peers = Peers(kind)
+        two_streams_open(peers)
+        results.append((outcome(lambda: action(peers)), peers.deliver(), peers.state(),
+                        {sid: s.outbound_flow_control_window for sid, s in peers.client.streams.items()}))
+    assert results[0] == results[1]
+
+
 def test_an_empty_header_list_is_refused_before_anything_changes() -> None:
     """h2 4.4 fails on an empty header list with an IndexError from
     ``_build_headers_frames``; the direct path refuses it with a
