@@ -438,8 +438,9 @@ class GrpcProtocol(Protocol):
 
 
 class _CallCommon:
-    """What server and client calls share: ``async for message in call``
-    (reading with ``recv()`` until it gives None), and the backpressure of
+    """What server and client calls share: ``recv()`` from the messages
+    received so far (each handed over by ``_deliver``), ``async for message
+    in call`` (reading until ``recv()`` gives None), and the backpressure of
     ``send()``, which returns an already-fired Deferred while the stream can
     take more, else one Deferred that fires when the stream's buffer drains
     or the transport resumes (both call :meth:`_writable`)."""
@@ -447,7 +448,34 @@ class _CallCommon:
     _protocol: Any
     stream_id: Any
     _send_waiter: Deferred[None] | None
-    recv: Callable[[], Deferred[Any]]
+    _recv_waiter: Deferred[Any] | None
+    #: Received and not yet read: messages, and on a server None for the half-close.
+    _inbox: deque[MessageReceived | None]
+    _deliver: Callable[[Any], Deferred[Any]]
+    #: What ``recv()`` gives once the inbox is empty and no more will come, else None.
+    _input_over: Callable[[], Deferred[Any] | None]
+
+    def recv(self) -> Deferred[Any]:
+        """The next message; None at the end of the input (a server: the
+        client half-closed; a client: the call ended OK); fails with
+        GrpcError if the call ended otherwise."""
+        if self._recv_waiter is not None:
+            return fail(LocalProtocolError("recv() already pending"))
+        if self._inbox:
+            return self._deliver(self._inbox.popleft())
+        over = self._input_over()
+        if over is not None:
+            return over
+        self._recv_waiter = Deferred()
+        return self._recv_waiter
+
+    def _received(self, item: MessageReceived | None) -> None:
+        waiter = self._recv_waiter
+        if waiter is not None:
+            self._recv_waiter = None
+            self._deliver(item).chainDeferred(waiter)
+        else:
+            self._inbox.append(item)
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._iterate()
@@ -513,7 +541,7 @@ class ServerCall(_CallCommon):
         self.peer = protocol.peer()
         self._deserializer = deserializer
         self._serializer = serializer
-        self._requests: deque[MessageReceived | None] = deque()
+        self._inbox: deque[MessageReceived | None] = deque()
         self._recv_waiter: Deferred[Any] | None = None
         self._send_waiter: Deferred[None] | None = None
         self._trailing: Metadata = ()
@@ -536,19 +564,13 @@ class ServerCall(_CallCommon):
 
     # -- receiving ----------------------------------------------------------
 
-    def recv(self) -> Deferred[Any]:
-        """Next request message, or None once the client half-closed; fails
-        with GrpcError (CANCELLED, DEADLINE_EXCEEDED, ...) if the call ended."""
-        if self._recv_waiter is not None:
-            return fail(LocalProtocolError("recv() already pending"))
-        if self._requests:
-            return self._deliver(self._requests.popleft())
+    def _input_over(self) -> Deferred[Any] | None:
+        # The call ended (CANCELLED, DEADLINE_EXCEEDED, ...), or our handler finished.
         if self._ended is not None:
             return fail(self._ended)
         if self._finished:
             return succeed(None)
-        self._recv_waiter = Deferred()
-        return self._recv_waiter
+        return None
 
     def _deliver(self, item: MessageReceived | None) -> Deferred[Any]:
         if item is None:
@@ -561,14 +583,6 @@ class ServerCall(_CallCommon):
         except Exception as exc:
             self.abort(StatusCode.INTERNAL, f"Exception deserializing request: {exc}")
             return fail(GrpcError(StatusCode.INTERNAL, "request could not be deserialized"))
-
-    def _received(self, item: MessageReceived | None) -> None:
-        waiter = self._recv_waiter
-        if waiter is not None:
-            self._recv_waiter = None
-            self._deliver(item).chainDeferred(waiter)
-        else:
-            self._requests.append(item)
 
     # -- sending ----------------------------------------------------------------
 
@@ -921,7 +935,7 @@ class ClientCall(_CallCommon):
         self._attempts = 1
         self._early_waiter: Deferred[None] | None = None
         self._end_requested = False
-        self._responses: deque[MessageReceived] = deque()
+        self._inbox: deque[MessageReceived | None] = deque()
         self._recv_waiter: Deferred[Any] | None = None
         self._send_waiter: Deferred[None] | None = None
         self._initial: Metadata | None = None
@@ -1046,19 +1060,12 @@ class ClientCall(_CallCommon):
 
     # -- results -----------------------------------------------------------------
 
-    def recv(self) -> Deferred[Any]:
-        """Next response, or None at the end of a call that ended OK; fails
-        with GrpcError for any other status."""
-        if self._recv_waiter is not None:
-            return fail(LocalProtocolError("recv() already pending"))
-        if self._responses:
-            return self._deliver(self._responses.popleft())
-        if self.final is not None:
-            if self.final.code == StatusCode.OK:
-                return succeed(None)
-            return fail(self.final.error())
-        self._recv_waiter = Deferred()
-        return self._recv_waiter
+    def _input_over(self) -> Deferred[Any] | None:
+        if self.final is None:
+            return None
+        if self.final.code == StatusCode.OK:
+            return succeed(None)
+        return fail(self.final.error())
 
     def _deliver(self, event: MessageReceived) -> Deferred[Any]:
         if self._protocol is not None:
@@ -1070,14 +1077,6 @@ class ClientCall(_CallCommon):
         except Exception as exc:
             self.cancel()
             return fail(GrpcError(StatusCode.INTERNAL, f"response could not be deserialized: {exc}"))
-
-    def _received(self, event: MessageReceived) -> None:
-        waiter = self._recv_waiter
-        if waiter is not None:
-            self._recv_waiter = None
-            self._deliver(event).chainDeferred(waiter)
-        else:
-            self._responses.append(event)
 
     def initial_metadata(self) -> Deferred[Metadata]:
         """The server's response headers (empty for a trailers-only reply)."""
@@ -1429,9 +1428,9 @@ class GrpcChannel:
 def _unary_result(status: Status, call: ClientCall) -> Any:
     if status.code != StatusCode.OK:
         raise status.error()
-    if not call._responses:
+    event = call._inbox.popleft() if call._inbox else None
+    if event is None:
         raise GrpcError(StatusCode.INTERNAL, "server sent no response message")
-    event = call._responses.popleft()
     call.last_message_compressed = event.compressed
     return call._deserializer(event.data)
 
