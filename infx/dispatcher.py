@@ -14,9 +14,10 @@ from __future__ import annotations
 import itertools
 from typing import Any, Callable, Iterator, Protocol
 
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from infx.deadline import DeadlineTimer
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability, ResultSink, Submission, TaskHandle
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
@@ -71,8 +72,7 @@ class Dispatcher:
         self.metrics = metrics
         counter = itertools.count(1)
         self._new_id = task_ids or (lambda: f"t{next(counter)}")
-        self._timer: IDelayedCall | None = None
-        self._timer_at: float | None = None
+        self._timer = DeadlineTimer(clock, self._fire)
         #: Called with each TaskQueued (the scaler's scale-from-zero hook).
         self.on_task_queued: list[Callable[[TaskQueued], None]] = []
         #: Called when local engines changed (receivers re-report to peers).
@@ -138,19 +138,9 @@ class Dispatcher:
         self.clock.callLater(0, self.perform, effects)
 
     def _arm(self) -> None:
-        deadline = self.processor.next_deadline()
-        if deadline == self._timer_at and self._timer is not None and self._timer.active():
-            return
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer, self._timer_at = None, deadline
-        if deadline is not None:
-            delay = max(0.0, deadline - self.clock.seconds())
-            self._timer = self.clock.callLater(delay, self._fire)
+        self._timer.arm(self.processor.next_deadline())
 
     def _fire(self) -> None:
-        self._timer = None
-        self._timer_at = None
         self.run(self.processor.handle_timeout)
 
     # --- engines (called by the worker service and the exchanger) ---------

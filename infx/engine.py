@@ -26,10 +26,11 @@ from typing import Any
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from infx.deadline import DeadlineTimer
 from infx.runtimes import Runtime, RunningTask, _error_result
 from infx.transport import ClientCall, GrpcChannel
 from protocol.engine_agent import (
@@ -127,7 +128,7 @@ class EngineAgent(Service):
         self._tasks: dict[str, _Sink] = {}
         self._queue: deque[Effect] = deque()
         self._running_effects = False
-        self._timer: IDelayedCall | None = None
+        self._timer = DeadlineTimer(clock, self._on_timer)
         self._stopped: Deferred[None] | None = None
 
     # -- service ------------------------------------------------------------------
@@ -185,17 +186,9 @@ class EngineAgent(Service):
             self._finish_stop()
 
     def _arm(self) -> None:
-        deadline = self.core.next_deadline()
-        if self._timer is not None and self._timer.active():
-            if deadline is not None and self._timer.getTime() == deadline:
-                return
-            self._timer.cancel()
-        self._timer = None
-        if deadline is not None:
-            self._timer = self.clock.callLater(max(0.0, deadline - self.clock.seconds()), self._on_timer)
+        self._timer.arm(self.core.next_deadline())
 
     def _on_timer(self) -> None:
-        self._timer = None
         self._run(self.core.handle_timer(self.clock.seconds()))
 
     # -- streams ------------------------------------------------------------------
@@ -301,9 +294,7 @@ class EngineAgent(Service):
 
     def _finish_stop(self) -> None:
         log.info("engine {engine_id} drained", engine_id=self.core.config.engine_id)
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        self._timer.cancel()
         waiting = [s.call.status() for s in self._streams.values()]
         ended: Deferred[Any] = DeferredList(waiting) if waiting else succeed(None)
         guard = self.clock.callLater(self.close_timeout, ended.cancel) if waiting else None

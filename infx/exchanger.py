@@ -52,6 +52,7 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList, succe
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
+from infx.deadline import DeadlineTimer
 from infx.dispatcher import Dispatcher
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
@@ -172,7 +173,7 @@ class _ReceiverStream:
         self.channel = channel
         self.call = call
         self.receiver = receiver
-        self._timer: IDelayedCall | None = None
+        self._timer = DeadlineTimer(owner.clock, self._fire)
         self._ended = False
 
     # TaskOrigin: the dispatcher hands us the results of tasks we submitted.
@@ -198,26 +199,15 @@ class _ReceiverStream:
         self._arm()
 
     def _arm(self) -> None:
-        deadline = self.receiver.next_deadline() if self.receiver.state is not ReceiverState.CLOSED else None
-        if self._timer is not None and self._timer.active():
-            if deadline is not None and self._timer.getTime() == deadline:
-                return
-            self._timer.cancel()
-        self._timer = None
-        if deadline is not None:
-            clock = self.owner.clock
-            self._timer = clock.callLater(max(0.0, deadline - clock.seconds()), self._fire)
+        self._timer.arm(self.receiver.next_deadline() if self.receiver.state is not ReceiverState.CLOSED else None)
 
     def _fire(self) -> None:
-        self._timer = None
         if self.receiver.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
             self.receiver.handle_timeout(self.owner.clock.seconds())
             self.flush()
 
     def disarm(self) -> None:
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        self._timer.cancel()
 
 
 class PeerReceiver:

@@ -29,10 +29,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from twisted.application import service
 from twisted.internet import defer, threads
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from infx.deadline import DeadlineTimer
 from protocol.scaling import (
     SCALABLE_LABEL,
     ColdStartFinished,
@@ -212,8 +213,7 @@ class InferenceScaler:
         self._is_leader = is_leader
         self._waiters: dict[Hashable, defer.Deferred[FunctionScaleResult]] = {}
         self._ids = itertools.count()
-        self._timer: IDelayedCall | None = None
-        self._timer_at: float | None = None
+        self._timer = DeadlineTimer(clock, self._timeout)
         self._ticker = LoopingCall(self.tick)
         self._ticker.clock = clock
         self._pods: dict[tuple[str, str], tuple[Mapping[str, str], str | None]] = {}
@@ -230,9 +230,7 @@ class InferenceScaler:
         """Stop the timers; held requests stay held (the caller ends or cancels them)."""
         if self._ticker.running:
             self._ticker.stop()
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = self._timer_at = None
+        self._timer.cancel()
 
     # -- holds ---------------------------------------------------------------
 
@@ -425,18 +423,9 @@ class InferenceScaler:
         self._rearm()
 
     def _rearm(self) -> None:
-        deadline = self.machine.next_deadline()
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = self._timer_at = None
-        if deadline is not None:
-            self._timer_at = deadline
-            self._timer = self.clock.callLater(max(0.0, deadline - self.clock.seconds()), self._timeout)
+        self._timer.arm(self.machine.next_deadline())
 
     def _timeout(self) -> None:
-        self._timer = self._timer_at = None
         self._apply(self.machine.handle_timeout(self.clock.seconds()))
 
     def _post(self, event: PostEvent) -> None:

@@ -62,6 +62,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from infx.deadline import DeadlineTimer
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -232,8 +233,7 @@ class GrpcProtocol(Protocol):
     def __init__(self, clock: IReactorTime, config: GrpcConfig) -> None:
         self.clock = clock
         self.conn = GrpcConnection(config)
-        self._timer: IDelayedCall | None = None
-        self._timer_at: float | None = None
+        self._timer = DeadlineTimer(clock, self._on_timer)
         self._flush_call: IDelayedCall | None = None
         self._dispatching = False
         self._call_start_written = False
@@ -272,9 +272,7 @@ class GrpcProtocol(Protocol):
 
     def connectionLost(self, reason: Failure = internet_error.ConnectionDone()) -> None:  # type: ignore[assignment]
         self._closed = True
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        self._timer.cancel()
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
@@ -361,7 +359,7 @@ class GrpcProtocol(Protocol):
         if out and self.transport is not None:
             _write(self.transport, out)
         self._call_start_written = False
-        self._arm_timer(conn.next_deadline())
+        self._timer.arm(conn.next_deadline())
 
     def write_call_start(self) -> None:
         """Write a call's HEADERS now, even inside a batch, so that the
@@ -391,20 +389,7 @@ class GrpcProtocol(Protocol):
         """Whether a sender on this stream may produce more now."""
         return not self.paused and self.conn.buffered_amount(stream_id) <= SEND_HIGH_WATER
 
-    def _arm_timer(self, deadline: float | None) -> None:
-        if deadline == self._timer_at and (self._timer is None or self._timer.active()):
-            return
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-        self._timer_at = deadline
-        if deadline is not None and not self._closed:
-            delay = max(0.0, deadline - self.clock.seconds())
-            self._timer = self.clock.callLater(delay, self._on_timer)
-
     def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
         self._dispatching = True
         try:
             self.dispatch(self.conn.handle_timeout(self.clock.seconds()))
