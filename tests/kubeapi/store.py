@@ -391,12 +391,7 @@ class Store:
         expected_rv: str | None = None,
     ) -> Obj:
         """Write a new version; if ``expected_rv`` is given it must be the current one (CAS)."""
-        key = self._key(resource, namespace, name)
-        old = self._objects.get(key)
-        if old is None:
-            raise not_found(resource, name)
-        if expected_rv and expected_rv != old["metadata"]["resourceVersion"]:
-            raise conflict(resource, name)
+        key, old = self._current(resource, namespace, name, expected_rv)
         new = copy.deepcopy(obj)
         new["apiVersion"], new["kind"] = resource.api_version, resource.kind
         metadata = new.setdefault("metadata", {})
@@ -408,15 +403,9 @@ class Store:
                 metadata[owned] = old["metadata"][owned]
             else:
                 metadata.pop(owned, None)
-        if new.get("spec") != old.get("spec"):
-            metadata["generation"] = old["metadata"].get("generation", 1) + 1
         if _without_rv(new) == _without_rv(old):
             return copy.deepcopy(old)  # a no-op write does not bump the resourceVersion
-        self._rv += 1
-        metadata["resourceVersion"] = str(self._rv)
-        self._objects[key] = new
-        self._record(resource, "MODIFIED", old, new)
-        return copy.deepcopy(new)
+        return self._modified(resource, key, old, new)
 
     def update(
         self,
@@ -427,20 +416,32 @@ class Store:
         expected_rv: str | None = None,
     ) -> Obj:
         """Read, mutate in place and write back, bypassing the server-owned-field rules."""
+        key, old = self._current(resource, namespace, name, expected_rv)
+        new = copy.deepcopy(old)
+        mutate(new)
+        if new == old:
+            return copy.deepcopy(old)
+        return self._modified(resource, key, old, new)
+
+    def _current(self, resource: ResourceType, namespace: str | None, name: str,
+                 expected_rv: str | None) -> tuple[tuple[ResourceType, str, str], Obj]:
+        """The stored object to write over, checked against ``expected_rv`` (CAS)."""
         key = self._key(resource, namespace, name)
         old = self._objects.get(key)
         if old is None:
             raise not_found(resource, name)
         if expected_rv and expected_rv != old["metadata"]["resourceVersion"]:
             raise conflict(resource, name)
-        new = copy.deepcopy(old)
-        mutate(new)
-        if new == old:
-            return copy.deepcopy(old)
+        return key, old
+
+    def _modified(self, resource: ResourceType, key: tuple[ResourceType, str, str], old: Obj, new: Obj) -> Obj:
+        """Store ``new`` in place of ``old``: a new generation if the spec changed, a new
+        resourceVersion, a MODIFIED event."""
+        metadata = new["metadata"]
         if new.get("spec") != old.get("spec"):
-            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+            metadata["generation"] = old["metadata"].get("generation", 1) + 1
         self._rv += 1
-        new["metadata"]["resourceVersion"] = str(self._rv)
+        metadata["resourceVersion"] = str(self._rv)
         self._objects[key] = new
         self._record(resource, "MODIFIED", old, new)
         return copy.deepcopy(new)
