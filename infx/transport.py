@@ -63,6 +63,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from infx.deadline import DeadlineTimer
+from protocol.repeats import RepeatSuppressor
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -1188,6 +1189,9 @@ class ChannelState(enum.Enum):
 class _ChannelFactory(Factory):
     """Builds the channel's protocol; asks TLS for ALPN ``h2``."""
 
+    #: Not a line per dial: a reconnect loop would log two per attempt.
+    noisy = False
+
     def __init__(self, channel: GrpcChannel) -> None:
         self.channel = channel
 
@@ -1233,6 +1237,8 @@ class GrpcChannel:
         self._jitter = backoff_jitter
         self._rng = rng
         self._backoff = initial_backoff
+        #: A peer that is not there fails every reconnect alike: logged once, then counted.
+        self._connect_failures = RepeatSuppressor()
         self.state = ChannelState.IDLE
         self._protocol: _ClientProtocol | None = None
         self._connecting: Deferred[Any] | None = None
@@ -1335,7 +1341,9 @@ class GrpcChannel:
         self._connecting = None
         if self.state is ChannelState.SHUTDOWN or reason.check(CancelledError):
             return
-        log.info("gRPC connect failed: {reason}", reason=reason.getErrorMessage())
+        for report in self._connect_failures.occurred(self.clock.seconds(), "connect",
+                                                      f"gRPC connect failed: {reason.getErrorMessage()}"):
+            log.info("{text}", text=report.text(), repeat=report.kind.value, count=report.count)
         self.state = ChannelState.TRANSIENT_FAILURE
         for call in [c for c in self._waiting if not c.wait_for_ready]:
             self._waiting.remove(call)
@@ -1351,6 +1359,8 @@ class GrpcChannel:
             return
         self._protocol = protocol
         self.state = ChannelState.READY
+        for report in self._connect_failures.cleared(self.clock.seconds(), "connect"):
+            log.info("{text}", text=report.text(), repeat=report.kind.value, count=report.count)
         self._backoff = self._initial_backoff
         self._start_waiting()
 
