@@ -26,6 +26,7 @@ from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
+from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests
 from protocol.openai_errors import InvalidRequestError, OpenAIError
@@ -151,13 +152,13 @@ class ApiCall:
         self.endpoint = endpoint
         self.model = ""
         self.started_at = gateway.clock.seconds()
+        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at)
         self.transform = transform
         self.handle: TaskHandle | None = None
         self.streaming = False
         self.sse_started = False
         self.done_sent = False
         self.finished = False
-        self.first_event = True
         self.paused = False
         self.pending: deque[bytes] = deque()
         self.pending_bytes = 0
@@ -172,11 +173,13 @@ class ApiCall:
         request = self.request
         request_id = _header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
+        self.trace.request_id = request_id
         if request.body_too_large:
             return self._refuse(413, "The request body is larger than this gateway accepts.", code="request_too_large")
         principal = self._authenticate()
         if principal is None:
             return self._refuse(401, "Missing or unknown API key.", code="invalid_api_key")
+        self.trace.tenant = principal.tenant
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         try:
@@ -186,6 +189,7 @@ class ApiCall:
         self.model = parsed.model
         self.streaming = parsed.stream
         availability = self.gateway.runner.availability(principal.tenant, parsed.model)
+        self.trace.named(parsed.model, availability is not Availability.UNKNOWN)
         if availability is Availability.UNKNOWN:
             return self._refuse(
                 404, f"The model '{parsed.model}' does not exist or no engine serves it.",
@@ -254,6 +258,7 @@ class ApiCall:
             return
         if not self.streaming:
             body = bytes(response.body)
+            self.trace.body(body)
             if self.transform is not None:
                 try:
                     body = self.transform.whole(body)
@@ -274,11 +279,7 @@ class ApiCall:
     def event_received(self, data: bytes) -> None:
         if self.finished or not self.sse_started:
             return
-        if self.first_event:
-            self.first_event = False
-            self.gateway.metrics.first_token_seconds.labels(self.model).observe(
-                self.gateway.clock.seconds() - self.started_at
-            )
+        self.trace.event(self.gateway.clock.seconds(), data)
         if self.transform is not None:
             try:
                 data = self.transform.event(data)
@@ -398,9 +399,7 @@ class ApiCall:
 
     def _record(self, status: int) -> None:
         self.status = status
-        labels = (self.endpoint, self.model or "-", str(status))
-        self.gateway.metrics.requests.labels(*labels).inc()
-        self.gateway.metrics.request_seconds.labels(*labels).observe(self.gateway.clock.seconds() - self.started_at)
+        self.trace.finish(self.gateway.clock.seconds(), status, self.handle.served_by if self.handle else None)
 
 
 class CompletionTransform:

@@ -110,6 +110,7 @@ class GatewayService(service.MultiService):
         self.worker_grpc.setServiceParent(self)
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
         self.pod_name = pod_name or self._default_pod_name()
+        self.dispatcher.pod_name = self.pod_name
         self._build_exchange(self.pod_name)
         self.scaler: Any = self._build_scaler() if config.scaler else None
 

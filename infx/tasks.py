@@ -33,6 +33,18 @@ class Submission:
     request_id: str = ""
 
 
+@dataclass
+class ServedBy:
+    """Where a request's task ran, for its log line: the runner fills it in as it goes."""
+
+    engine_id: str = ""
+    #: The gateway whose engine served it: this one's pod name, or the peer's that relayed the result.
+    gateway: str = ""
+    retries: int = 0
+    #: Seconds from submission to the first dispatch (None: never dispatched).
+    queued_seconds: float | None = None
+
+
 class ResultSink(Protocol):
     """Receives one task's outcome, in order; exactly one of completed/failed ends it."""
 
@@ -50,6 +62,9 @@ class ResultSink(Protocol):
 
 
 class TaskHandle(Protocol):
+    #: Who served the task so far (None: the runner does not say).
+    served_by: ServedBy | None
+
     def cancel(self) -> None:
         """The client is gone: stop the task and call the sink no more."""
 

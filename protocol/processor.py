@@ -541,6 +541,14 @@ class Processor:
         """Engines per (tenant, locality)."""
         return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values()))
 
+    def routable_engine_counts(self) -> dict[tuple[str, Locality], int]:
+        """Engines that take tasks now (ready, not told to go away), per (tenant, locality)."""
+        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values() if e.routable))
+
+    def tenants(self) -> list[str]:
+        """Tenants with at least one engine registered, sorted."""
+        return sorted(self._by_tenant)
+
     def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
         """What the processor knows of one engine, or None if it is not registered."""
         engine = self._engines.get(EngineKey(tenant_id, engine_id))
@@ -764,7 +772,8 @@ class Processor:
     def _fail(
         self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
     ) -> None:
-        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after))
+        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
+                                   task.engine, task.route, task.retries))
         self._end(task, TaskOutcome.FAILED)
 
     def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
@@ -859,7 +868,7 @@ class Processor:
             renamed.CopyFrom(result)
             renamed.task_id = task.id
             result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last))
+        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route, task.retries))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:

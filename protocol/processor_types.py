@@ -199,6 +199,11 @@ class DeliverResult:
     task_id: str
     result: worker_pb2.TaskResult
     last: bool
+    #: Who served it, for logs and metrics: the engine, the route it was reached by
+    #: (a peer's for a remote engine), and how many re-dispatches it took.
+    engine: EngineKey | None = None
+    route: Route = None
+    retries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +224,10 @@ class FailRequest:
     message: str
     delivered: int = 0
     retry_after: float | None = None
+    #: As in :class:`DeliverResult`: the engine the task was last on (if any), its route, re-dispatches.
+    engine: EngineKey | None = None
+    route: Route = None
+    retries: int = 0
 
     def error_body(self) -> bytes:
         """The OpenAI-style JSON error body for this failure."""

@@ -62,6 +62,8 @@ class ScriptedRunner:
         runner = self
 
         class Handle:
+            served_by = None
+
             def cancel(self):
                 runner.cancelled.append(submission)
 
@@ -333,7 +335,7 @@ def test_health_readiness_metrics_and_admin_status(gateway_factory):
         lambda: client(base).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     status, _, metrics = yield threads.deferToThread(raw, base, "GET", "/metrics")
     assert status == 200
-    assert b'infx_http_requests_total{endpoint="chat/completions",model="m",status="200"} 1.0' in metrics
+    assert b'infx_http_requests_total{endpoint="chat/completions",model="m",status="200",tenant="default"} 1.0' in metrics
     status, _, dump = yield threads.deferToThread(raw, base, "GET", "/admin/status")
     assert status == 200 and "tasks" in json.loads(dump)
 
