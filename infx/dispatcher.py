@@ -168,8 +168,9 @@ class Dispatcher:
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
         self.run(lambda now: self.processor.receive_result(now, route, result))
 
-    def go_away(self) -> None:
-        self.run(self.processor.go_away)
+    def drain(self) -> None:
+        """Shutdown: local engines go away; what no peer's engine can take fails at once with 503."""
+        self.run(self.processor.drain)
 
     # --- peers (called by the exchanger, infx/exchanger.py) -----------------
 

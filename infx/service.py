@@ -177,7 +177,7 @@ class GatewayService(service.MultiService):
         """Graceful shutdown: unready, go-away to engines, drain within the grace period, stop."""
         self.gateway.shutting_down = True
         self.workers.accepting = False
-        self.dispatcher.go_away()
+        self.dispatcher.drain()
         exchange_drained = self.exchanger.drain()
         deadline = self.reactor.seconds() + self.config.grace_period
         while ((self.gateway.active_calls or not exchange_drained.called)

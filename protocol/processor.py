@@ -17,7 +17,8 @@ Inputs
     ``close_route``            a stream ended: its engines go, its tasks fail over
     ``receive_result``         a ``TaskResult`` arrived on a route
     ``dispatch_failed``        a ``SendTask`` could not be sent
-    ``go_away``                shutdown: ask local engines to reconnect elsewhere
+    ``go_away``                ask local engines to reconnect elsewhere
+    ``drain``                  shutdown: ``go_away``, and tasks no engine left can take fail at once
     ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
     ``handle_timeout``         time passed: deadlines, queue timeouts, retries, heartbeats
 
@@ -50,6 +51,13 @@ engine goes to a waiting task it can serve (oldest first in each model's
 queue) before the input that freed it returns. A tenant with
 ``max_tasks_per_tenant`` live tasks has its next one failed at once (429, or
 503 for a targeted task so that the forwarding peer retries elsewhere).
+
+Draining (``drain``, on shutdown): local engines are told to go away, and a
+task that would wait (no routable engine, local or a peer's, serves its
+model) fails at once with 503 and ``busy_retry_after`` instead, as do those
+already waiting for such a model: nothing will come to serve them here, and
+the client is better off retrying at once elsewhere than holding on for the
+grace period. Tasks a peer's engine can take are still routed to it.
 
 Attempts: each dispatch of a task is an attempt with its own wire id (the task
 id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
@@ -215,6 +223,7 @@ class ProcessorCounters:
     slow_consumers: int = 0
     heartbeats_missed: int = 0
     tenant_cap_refusals: int = 0
+    drain_refusals: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -242,6 +251,8 @@ class Processor:
         # Engines a task left since the current input began: with an in-flight cap,
         # their freed slots go to waiting tasks before the input returns (``_refill``).
         self._freed: dict[EngineKey, None] = {}
+        # Set by ``drain``: a task that would wait fails at once instead.
+        self.draining = False
 
     # --- requests ---------------------------------------------------------
 
@@ -418,6 +429,19 @@ class Processor:
                 engine.draining = True
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+        return effects
+
+    def drain(self, now: float) -> list[Effect]:
+        """Shutdown: ``go_away`` to local engines; from now on a task that no routable engine
+        serves fails at once (503, ``busy_retry_after``) rather than waiting, and so do
+        those waiting now. Tasks waiting only for a slot on a busy engine keep waiting."""
+        effects = self.go_away(now)
+        self.draining = True
+        for key in list(self._waiting):
+            for task_id in list(self._waiting.get(key, ())):
+                task = self._tasks[task_id]
+                if self._pick(task, ignore_cap=True) is None:
+                    self._refuse_draining(task, effects)
         return effects
 
     # --- results ----------------------------------------------------------
@@ -614,6 +638,9 @@ class Processor:
         if self._waiting_total >= self.config.max_waiting_tasks:
             self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
             return
+        if self.draining and self._pick(task, ignore_cap=True) is None:
+            self._refuse_draining(task, effects)
+            return
         self._move(task, TaskState.WAITING)
         key = (task.tenant_id, task.model)
         queue = self._waiting.setdefault(key, {})
@@ -775,6 +802,11 @@ class Processor:
         effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
                                    task.engine, task.route, task.retries))
         self._end(task, TaskOutcome.FAILED)
+
+    def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
+        self.counters.drain_refusals += 1
+        message = f"this gateway is shutting down and no other engine serves model {task.model!r}; retry"
+        self._fail(task, 503, message, effects, self.config.busy_retry_after)
 
     def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
         """Cancel the current attempt on the route it was sent on, whether or not its

@@ -46,10 +46,11 @@ OPS = {
     "send_failed": st.tuples(st.just("send_failed"), st.integers(0, 50)),
     "tick": st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 1.0, 3.0, 3.0, 10.0, 40.0])),
     "go_away": st.tuples(st.just("go_away")),
+    "drain": st.tuples(st.just("drain")),
 }
 # Weighted so that a typical script runs many tasks through to their results.
 WEIGHTS = {"join": 2, "submit": 4, "result": 10, "leave": 1, "cancel": 1, "consume": 3, "send_failed": 1,
-           "tick": 3, "go_away": 1}
+           "tick": 3, "go_away": 1, "drain": 1}
 ops = st.sampled_from([kind for kind, weight in WEIGHTS.items() for _ in range(weight)]).flatmap(OPS.__getitem__)
 # Two engines serve both models at the start, so that most scripts get tasks onto engines.
 START = [("join", "e0", {"m0", "m1"}, True, Locality.LOCAL), ("join", "e1", {"m0", "m1"}, True, Locality.REMOTE)]
@@ -178,6 +179,8 @@ class World:
             assert deadline is None or deadline > self.now, "a timer due now was not fired"
         elif kind == "go_away":
             self.apply(p.go_away(self.now))
+        elif kind == "drain":
+            self.apply(p.drain(self.now))
         self.check()
 
     def check(self) -> None:
