@@ -573,6 +573,9 @@ class Exchanger:
             log.info("peer {pod} dialled in from {address} with {engines} engines", pod=pod or "?",
                      address=str(stream.call.peer), engines=len(message.server_status.engine_statuses),
                      event="peer_dialled_in")
+        if message.server_status.draining and not stream.sender.peer_draining:
+            log.info("peer {pod} is draining: its engines take no new tasks from here", pod=pod or "?",
+                     event="peer_draining")
         older = self._by_pod.get(pod)
         if older is not None and older is not stream:
             self.remove_server(pod)

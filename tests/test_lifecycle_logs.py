@@ -90,3 +90,4 @@ def test_peer_connected_and_gone_lines_name_the_pod(gateways) -> Steps:  # noqa:
         yield until(lambda: bool(logs.matching("peer b disconnected")))
     assert logs.matching(f"peer {internal_address(a)}: connected at")
     assert logs.matching("peer b dialled in from 127.0.0.1:")
+    assert logs.matching("peer b is draining: its engines take no new tasks from here")

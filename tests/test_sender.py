@@ -553,3 +553,17 @@ def test_through_two_gateways_every_request_ends_exactly_once_whatever_the_inter
     assert sorted(ex.a.ended | ex.cancelled) == sorted(ex.requested)
     assert not ex.a.ended & ex.cancelled
     assert ex.a.p.status()["tasks"] == 0 and ex.b.p.status()["tasks"] == 0
+
+
+def test_a_draining_peers_engines_get_no_new_tasks_whatever_readiness_they_report():
+    p = Processor(ProcessorConfig(queue_timeout=5))
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    assert not s.peer_draining and p.engine("t", "e1").routable
+    draining = report("pod-b", ("t", "e1", True))
+    draining.server_status.draining = True
+    s.message_received(T0, draining)
+    assert s.peer_draining and not p.engine("t", "e1").routable
+    assert not only(submit(p, "a"), SendTask)
+    # The peer came back (a new process under the same name, not draining): routable again.
+    assert only(s.message_received(T0, report("pod-b", ("t", "e1", True))), SendTask)

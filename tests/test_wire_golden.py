@@ -174,6 +174,14 @@ def test_server_status_request_counts_are_an_infx_extension_at_field_100():
     assert encode(internal_pb2.ProcessTasksInternalRequest(server_status=status)) == ld(1, expected)
 
 
+def test_server_status_draining_is_an_infx_extension_at_field_101():
+    status = internal_pb2.ServerStatus(pod_name="gw-0", draining=True)
+    # tag for field 101, wire type 0 is the varint 808 = a8 06
+    assert boolean(101) == b"\xa8\x06\x01"
+    assert encode(status) == ld(1, "gw-0") + boolean(101)
+    assert not internal_pb2.ServerStatus.FromString(ld(1, "gw-0")).draining
+
+
 def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     """A ServerStatus without field 100 (LLMariner's) parses infx's report, skipping the counts."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -186,7 +194,7 @@ def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     llmariner_status = message_factory.GetMessageClass(pool.FindMessageTypeByName("llmariner_compat.ServerStatus"))
-    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3})
+    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3}, draining=True)
     parsed = llmariner_status.FromString(encode(sent))
     assert parsed.pod_name == "gw-0"
     # Old reports (no field 100) parse here with no counts.
