@@ -93,3 +93,25 @@ def test_the_request_log_names_the_peer_gateway_and_engine_that_served_a_request
     assert line["queued_seconds"] is not None and line["time_to_first_token_seconds"] is not None
     samples = yield threads.deferToThread(scrape, a)
     assert samples[("infx_exchanged_tasks_total", (("direction", "out"),))] == 1
+
+
+def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() -> None:
+    import re
+    from pathlib import Path
+
+    from prometheus_client import CollectorRegistry
+
+    from infx.metrics import GatewayMetrics
+    from protocol.processor import Processor
+
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    metrics.watch(lambda: [], lambda: Processor().counters)
+    exported = set()
+    for family in registry.collect():
+        exported.add(family.name + ("_total" if family.type == "counter" else ""))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("### Metrics, logs and draining"):readme.index("### Embedding the gateway")]
+    documented = set(re.findall(r"`(infx_[a-z_]+)`", table))
+    # The scaler's metrics (--scaler) have their own registry owner, infx/scaler.py.
+    assert {name for name in documented if not name.startswith("infx_scaler_")} == exported
