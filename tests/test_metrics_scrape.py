@@ -115,3 +115,24 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
     documented = set(re.findall(r"`(infx_[a-z_]+)`", table))
     # The scaler's metrics (--scaler) have their own registry owner, infx/scaler.py.
     assert {name for name in documented if not name.startswith("infx_scaler_")} == exported
+
+
+def test_a_twistd_gateways_metrics_stay_bounded_under_random_model_names(tmp_path) -> None:
+    """The issue's case on a real ``twistd infx`` process: 30 random names in 404s add no series."""
+    from tests.twistd_processes import Gateway, http_get
+
+    gateway = Gateway(tmp_path, extra=["--echo-models", "echo"])
+    try:
+        def series() -> set[str]:
+            status, body = http_get(gateway.url + "/metrics")
+            assert status == 200
+            return {line.rsplit(" ", 1)[0] for line in body.decode().splitlines() if not line.startswith("#")}
+
+        assert not_found(gateway.base_url, "warm-up-typo") == 404
+        before = series()
+        assert {not_found(gateway.base_url, f"random-{uuid.uuid4().hex}") for _ in range(30)} == {404}
+        after = series()
+        assert after == before
+        assert not any("random-" in line for line in after)
+    finally:
+        gateway.stop()
