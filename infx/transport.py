@@ -63,7 +63,6 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from infx.deadline import DeadlineTimer
-from protocol.repeats import RepeatSuppressor
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -1237,8 +1236,6 @@ class GrpcChannel:
         self._jitter = backoff_jitter
         self._rng = rng
         self._backoff = initial_backoff
-        #: A peer that is not there fails every reconnect alike: logged once, then counted.
-        self._connect_failures = RepeatSuppressor()
         self.state = ChannelState.IDLE
         self._protocol: _ClientProtocol | None = None
         self._connecting: Deferred[Any] | None = None
@@ -1341,9 +1338,9 @@ class GrpcChannel:
         self._connecting = None
         if self.state is ChannelState.SHUTDOWN or reason.check(CancelledError):
             return
-        for report in self._connect_failures.occurred(self.clock.seconds(), "connect",
-                                                      f"gRPC connect failed: {reason.getErrorMessage()}"):
-            log.info("{text}", text=report.text(), repeat=report.kind.value, count=report.count)
+        # Not logged here: each call waiting on the channel fails with this reason, and its
+        # owner (an engine agent, a peer receiver) logs it once per run of identical failures;
+        # a line per dial from every channel would be the same failure again at each retry.
         self.state = ChannelState.TRANSIENT_FAILURE
         for call in [c for c in self._waiting if not c.wait_for_ready]:
             self._waiting.remove(call)
@@ -1359,8 +1356,6 @@ class GrpcChannel:
             return
         self._protocol = protocol
         self.state = ChannelState.READY
-        for report in self._connect_failures.cleared(self.clock.seconds(), "connect"):
-            log.info("{text}", text=report.text(), repeat=report.kind.value, count=report.count)
         self._backoff = self._initial_backoff
         self._start_waiting()
 

@@ -40,11 +40,18 @@ class LogLines:
         return [line for line in (formatEvent(e) for e in self.events) if text in line]
 
 
-def agent_for(port: int) -> EngineAgent:
+def agent_for(port: int, dials: list[int] | None = None) -> EngineAgent:
+    """An agent with a wrong key that redials fast; ``dials`` gets one entry per channel it opens."""
     config = AgentConfig(engine_id="e1", models=("m",), reconnect_initial=0.01, reconnect_max=0.02,
                          status_min_interval=0.0)
+
+    def connect() -> GrpcChannel:
+        if dials is not None:
+            dials.append(port)
+        return GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port))
+
     return EngineAgent(reactor, EngineAgentCore(config), EchoRuntime(reactor, EchoConfig(token_delay=0.0)),
-                       lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port)), key="wrong")
+                       connect, key="wrong")
 
 
 class RefusingGateway:
@@ -85,7 +92,8 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
     probe = yield listen_grpc(reactor, "tcp:0:interface=127.0.0.1", GrpcServer(reactor))
     free = probe.getHost().port
     yield probe.stopListening()
-    agent = agent_for(free)
+    dials: list[int] = []
+    agent = agent_for(free, dials)
     accepted: defer.Deferred[None] = defer.Deferred()
     server = GrpcServer(reactor)
 
@@ -99,8 +107,9 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
                       worker_pb2.ProcessTasksResponse.SerializeToString, kind=CallKind.STREAM_STREAM)
     with LogLines() as logs:
         agent.startService()
-        yield task.deferLater(reactor, 0.3, lambda: None)
-        failed_lines = len(logs.matching("connect failed")) + len(logs.matching("stream closed"))
+        while len(dials) < 5:
+            yield task.deferLater(reactor, 0.02, lambda: None)
+        failed_lines = len([line for line in logs.matching("") if "connect failed" in line or "stream closed" in line])
         port = yield listen_grpc(reactor, f"tcp:{free}:interface=127.0.0.1", server)
         try:
             yield accepted.addTimeout(10, reactor)
@@ -109,8 +118,12 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
             stopping = agent.stopService()
             yield port.stopListening()
             yield stopping.addTimeout(10, reactor)
-    # One line for the failed connects and one for the failed streams, however many retries.
-    assert failed_lines <= 2
+    # One line for the failed streams (their reason names the failed connect), however many redials.
+    assert failed_lines == 1
+    assert "connect failed" in logs.matching("stream closed")[0]
+    # Once the gateway answers, one line says how often it had failed.
+    [summary] = [line for line in logs.matching("connect failed") if "now stopped" in line]
+    assert "happened" in summary
     assert logs.matching("engine e1: stream 2 accepted by the gateway") or logs.matching("accepted by the gateway")
     # Nor does each dial announce its factory.
     assert not logs.matching("Starting factory <infx.transport._ChannelFactory")
