@@ -91,3 +91,17 @@ def test_peer_connected_and_gone_lines_name_the_pod(gateways) -> Steps:  # noqa:
     assert logs.matching(f"peer {internal_address(a)}: connected at")
     assert logs.matching("peer b dialled in from 127.0.0.1:")
     assert logs.matching("peer b is draining: its engines take no new tasks from here")
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_peer_that_is_not_there_is_one_line_however_often_it_is_redialled(gateways) -> Steps:  # noqa: F811
+    from tests.twistd_processes import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with LogLines() as logs:
+        b = yield gateways("b", peers=address)
+        receiver = b.exchanger.receivers[address]
+        yield until(lambda: receiver.failures >= 4)
+    lines = [e for e in logs.events if e.get("event") == "peer_failure"]
+    assert len(lines) == 1 and f"peer {address} cannot be reached: UNAVAILABLE" in lines[0]["text"]
+    assert lines[0]["log_level"] is LogLevel.info
