@@ -61,13 +61,19 @@ class RepeatSuppressor:
 
     ``summary_interval`` seconds after the last line about a run that goes
     on, the next occurrence reports the count so far; a run that changes
-    its message or clears reports how many times it happened in all.
+    its message or clears reports how many times it happened in all. At most
+    ``max_keys`` runs are tracked (keys may come from the network, such as the
+    hosts that present a wrong key): a new one past it closes the oldest,
+    which reports its count.
     """
 
-    def __init__(self, summary_interval: float = 300.0) -> None:
+    def __init__(self, summary_interval: float = 300.0, max_keys: int = 1024) -> None:
         if summary_interval <= 0:
             raise ValueError("summary_interval must be > 0")
+        if max_keys < 1:
+            raise ValueError("max_keys must be >= 1")
         self.summary_interval = summary_interval
+        self.max_keys = max_keys
         self._runs: dict[Hashable, _Run] = {}
 
     def occurred(self, now: float, key: Hashable, message: str) -> list[RepeatReport]:
@@ -78,6 +84,9 @@ class RepeatSuppressor:
             reports += self._stop(now, key, run)
             run = None
         if run is None:
+            if len(self._runs) >= self.max_keys:
+                oldest = next(iter(self._runs))
+                reports += self._stop(now, oldest, self._runs[oldest])
             self._runs[key] = _Run(message, now, 1, 0, now)
             reports.append(RepeatReport(key, RepeatKind.FIRST, message, 1, 0.0))
             return reports

@@ -83,3 +83,14 @@ def test_lines_stay_few_and_every_occurrence_is_accounted_for(steps):
     counted += max(0, repeats.repeating("k") - 1)
     assert firsts == runs
     assert counted == happened
+
+
+def test_keys_from_the_network_are_bounded_the_oldest_run_closing_with_its_count():
+    repeats = RepeatSuppressor(max_keys=2)
+    repeats.occurred(0, "host-1", "bad key")
+    repeats.occurred(1, "host-1", "bad key")
+    repeats.occurred(2, "host-2", "bad key")
+    stopped, first = repeats.occurred(3, "host-3", "bad key")
+    assert (stopped.key, stopped.kind, stopped.count) == ("host-1", RepeatKind.STOPPED, 2)
+    assert (first.key, first.kind) == ("host-3", RepeatKind.FIRST)
+    assert repeats.repeating("host-1") == 0 and repeats.repeating("host-2") == 1
