@@ -18,7 +18,7 @@ from infx.metrics import OTHER_MODEL, GatewayMetrics
 from infx.tasks import ServedBy
 from protocol.openai_observe import StreamWatcher, Usage, usage_of_body
 
-__all__ = ["RequestTrace", "ServedBy"]
+__all__ = ["RequestTrace"]
 
 log = Logger()
 
@@ -37,7 +37,6 @@ class RequestTrace:
         self.model_label = OTHER_MODEL
         self.first_token_seconds: float | None = None
         self.usage: Usage | None = None
-        self.served: ServedBy | None = None
         self.finished = False
         self._stream = StreamWatcher()
 
@@ -64,7 +63,6 @@ class RequestTrace:
         if self.finished:
             return
         self.finished = True
-        self.served = served
         seconds = now - self.started_at
         labels = (self.endpoint, self._tenant_label, self.model_label, str(status))
         self.metrics.requests.labels(*labels).inc()
@@ -73,9 +71,8 @@ class RequestTrace:
         if self.usage is not None:
             self.metrics.input_tokens.labels(*by_model).inc(self.usage.input_tokens)
             self.metrics.output_tokens.labels(*by_model).inc(self.usage.output_tokens)
-        if served is not None:
-            if served.retries:
-                self.metrics.request_retries.labels(*by_model).inc(served.retries)
+        if served is not None and served.retries:
+            self.metrics.request_retries.labels(*by_model).inc(served.retries)
         self._log(status, seconds, served or ServedBy())
 
     @property

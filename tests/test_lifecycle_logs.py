@@ -9,11 +9,10 @@ from typing import Any
 
 import grpc
 import pytest_twisted
-from twisted.internet import reactor, threads
+from twisted.internet import threads
 from twisted.logger import LogLevel
 
 from infx.auth import KeyStore
-from infx.config import build_config
 from infx.service import GatewayService
 from tests.llmariner_engine import LLMarinerEngine
 from tests.test_exchanger import gateways, internal_address, until  # noqa: F401  (fixture)
