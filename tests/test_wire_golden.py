@@ -147,6 +147,20 @@ def test_engine_status_with_models():
     assert encode(worker_pb2.ProcessTasksRequest(engine_status=status)) == ld(1, expected)
 
 
+def test_model_runtime_load_is_an_infx_extension_at_field_105():
+    load = status_pb2.EngineStatus.RuntimeLoad(
+        running_requests=3, waiting_requests=1, kv_cache_usage=0.5, prefix_cache_hit_rate=0.25,
+        loaded_adapters=["sql-lora"], source="vllm",
+    )
+    model = status_pb2.EngineStatus.Model(id="llama", runtime_load=load)
+    load_bytes = uint(1, 3) + uint(2, 1) + double(3, 0.5) + double(4, 0.25) + ld(5, "sql-lora") + ld(6, "vllm")
+    assert encode(model) == ld(1, "llama") + ld(105, load_bytes)
+    # Presence is carried: an explicit 0.0 KV usage is not "not reported".
+    idle = status_pb2.EngineStatus.RuntimeLoad(kv_cache_usage=0.0)
+    assert encode(idle) == double(3, 0.0)
+    assert idle.HasField("kv_cache_usage") and not idle.HasField("prefix_cache_hit_rate")
+
+
 def test_server_status_and_internal_request():
     status = internal_pb2.ServerStatus(
         pod_name="gw-0",
