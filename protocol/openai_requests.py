@@ -1,11 +1,18 @@
-"""Gateway direction: OpenAI request JSON -> wire ``TaskRequest``; pure, no I/O.
+"""Gateway direction: OpenAI request JSON -> LLMariner's typed ``TaskRequest``; pure, no I/O.
 
-Rules this file keeps: every parser takes the client's bytes (or already
-parsed form fields) and returns a :class:`ParsedRequest` or raises
+This is the form a LLMariner engine takes. infx's own engines get the
+client's request verbatim instead (:mod:`protocol.openai_verbatim`, which
+calls these parsers for the typed form beside it); what follows limits only
+what LLMariner engines receive, and the README lists it.
+
+Rules this file keeps: every parser takes the client's bytes (or its
+already parsed JSON object, or form fields) and returns a
+:class:`ParsedRequest` or raises
 :class:`~protocol.openai_errors.InvalidRequestError` (HTTP 400 with an
-OpenAI error body) -- no other exception, whatever the input. Unknown fields
-are ignored, as OpenAI-compatible servers do. Values the wire cannot carry
-faithfully are rejected rather than silently changed.
+OpenAI error body) -- no other exception, whatever the input. Members the
+typed messages have no field for are dropped (the verbatim form keeps them).
+Values the wire cannot carry faithfully are rejected rather than silently
+changed; such a request then goes only to infx engines.
 
 Known proto3 limits, inherited from LLMariner's wire, where zero means "not
 set": ``n``/``max_tokens`` below 1 are rejected; a zero penalty is the
