@@ -246,7 +246,7 @@ _REQUEST_HEADERS_DROPPED = frozenset(
 # The client's headers that describe the gateway's hop or its credentials, for a verbatim request.
 _VERBATIM_HEADERS_DROPPED = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
-     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization", "cookie"}
+     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization", "cookie", "expect"}
 )
 #: What the ``openai`` runtime announces in ``EngineStatus.infx_capabilities``.
 CAPABILITIES = (HTTP_REQUEST_CAPABILITY,)
