@@ -212,6 +212,17 @@ SHAPES = [
           {"model": MODEL, "file": ("a.mp3", WAV, "audio/mpeg"), "response_format": "verbose_json",
            "timestamp_granularities": ["word", "segment"], "language": "en", "prompt": "p", "temperature": 0},
           TRANSCRIPT),
+    Shape("transcription as plain text", "audio.transcriptions",
+          {"model": MODEL, "file": ("a.flac", WAV, "audio/flac"), "response_format": "text"},
+          Answer(headers=(("Content-Type", "text/plain; charset=utf-8"),), body=b"hello there\n")),
+    Shape("transcription as srt", "audio.transcriptions",
+          {"model": MODEL, "file": ("a.ogg", WAV, "audio/ogg"), "response_format": "srt"},
+          Answer(headers=(("Content-Type", "text/plain; charset=utf-8"),),
+                 body=b"1\n00:00:00,000 --> 00:00:01,000\nhello there\n\n")),
+    Shape("transcription stream", "audio.transcriptions",
+          {"model": MODEL, "file": ("a.wav", WAV, "audio/wav"), "stream": True}, Answer(headers=SSE, chunks=(
+              b'data: {"type":"transcript.text.delta","delta":"hello"}\n\n',
+              b'data: {"type":"transcript.text.done","text":"hello"}\n\n'))),
 ]
 
 
