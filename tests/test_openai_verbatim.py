@@ -80,3 +80,10 @@ def test_any_json_object_with_a_model_travels_byte_for_byte_or_is_refused_with_4
         return
     assert parsed.request.http_request.body == body
     assert parsed.model == "m" and parsed.stream is stream
+
+
+@given(st.data())
+def test_hostile_bodies_travel_verbatim_or_end_in_a_400_for_every_endpoint(data):
+    from tools.fuzz.drivers import HypothesisSource, check_openai_body, json_body
+
+    check_openai_body(json_body(HypothesisSource(data)))
