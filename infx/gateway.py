@@ -3,14 +3,17 @@
 Each API request becomes one task through a :class:`~infx.tasks.TaskRunner`
 and ends in exactly one response: the engine's answer, relayed (SSE events
 verbatim, flushed one by one), or an OpenAI-style error with the status that
-names what went wrong. The task carries the client's request verbatim
-(:mod:`protocol.openai_verbatim`) beside its typed form; an answer marked
-``verbatim`` (the runtime's own, from infx's engine agent) reaches the client
-unchanged: status, reason, headers but hop-by-hop ones, body, events, and no
-``[DONE]`` of the gateway's. Answers of LLMariner engines are relayed as
-before (error bodies in OpenAI's shape, chat answers to ``/v1/completions``
-converted back, ``[DONE]`` ending every stream). The resource tree is built by :func:`build_resource`
+names what went wrong. The resource tree is built by :func:`build_resource`
 so it can be mounted inside another Twisted application.
+
+The task carries the client's request verbatim (:mod:`protocol.openai_verbatim`)
+beside its typed form, at the endpoint's own API path (wherever the tree is
+mounted) with the client's query string. An answer marked ``verbatim`` (the
+runtime's own, from infx's engine agent) reaches the client unchanged:
+status, reason, headers but hop-by-hop ones, body, events, and no ``[DONE]``
+of the gateway's. Answers of LLMariner engines are relayed as before (error
+bodies in OpenAI's shape, chat answers to ``/v1/completions`` converted back,
+``[DONE]`` ending every stream).
 """
 
 from __future__ import annotations
@@ -534,20 +537,20 @@ class _Endpoint(resource.Resource):
     """A JSON endpoint: ``typed`` converts for LLMariner engines, the body also travels verbatim.
 
     ``kind`` is the typed request kind; ``runtime_path`` the path the runtime
-    serves the endpoint at, when that is not the client's (vLLM's ``/tokenize``).
+    serves the endpoint at: ``/v1/{name}``, or vLLM's ``/tokenize``.
     """
 
     isLeaf = True
 
     def __init__(self, gateway: Gateway, name: str, kind: str, typed: TypedParser,
-                 transform: Callable[[], CompletionTransform] | None = None, runtime_path: bytes | None = None) -> None:
+                 transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
         super().__init__()
         self.gateway = gateway
         self.name = name
         self.kind = kind
         self.typed = typed
         self.transform = transform
-        self.runtime_path = runtime_path
+        self.runtime_path = runtime_path or f"/v1/{name}"
 
     def render_POST(self, request: GatewayRequest) -> int | bytes:
         call = ApiCall(self.gateway, request, self.name, self.transform() if self.transform else None)
@@ -555,13 +558,10 @@ class _Endpoint(resource.Resource):
         return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
 
 
-def _runtime_uri(request: server.Request, path: bytes | None) -> str:
-    """The client's path and query string, with the path replaced by ``path`` if given."""
-    uri = request.uri
-    if path is not None:
-        query = uri.partition(b"?")
-        uri = path + (query[1] + query[2])
-    return uri.decode("latin-1")
+def _runtime_uri(request: server.Request, path: str) -> str:
+    """``path`` with the client's query string, if it sent one."""
+    _, mark, query = request.uri.partition(b"?")
+    return path + (mark + query).decode("latin-1")
 
 
 def _parse_multipart_transcription(request: GatewayRequest) -> Parser:
@@ -590,7 +590,7 @@ def _parse_multipart_transcription(request: GatewayRequest) -> Parser:
                 filename = part.get_filename() or "audio"
             else:
                 fields[name] = data.decode("utf-8", "replace")
-        return openai_verbatim.parse_form(_runtime_uri(request, None), body, fields, file, filename)
+        return openai_verbatim.parse_form(_runtime_uri(request, "/v1/audio/transcriptions"), body, fields, file, filename)
 
     return parse
 
@@ -726,7 +726,7 @@ def build_resource(gateway: Gateway) -> resource.Resource:
         gateway, "responses", "model_response", openai_requests.parse_model_response))
     # vLLM serves /tokenize at its root, not under /v1.
     v1.putChild(b"tokenize", _Endpoint(
-        gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path=b"/tokenize"))
+        gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path="/tokenize"))
     audio = _Tree()
     v1.putChild(b"audio", audio)
     audio.putChild(b"transcriptions", _Transcriptions(gateway))

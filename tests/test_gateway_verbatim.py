@@ -16,6 +16,7 @@ import pytest_twisted
 from prometheus_client import CollectorRegistry
 from twisted.internet import reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.web import resource
 
 from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
@@ -76,10 +77,15 @@ class VerbatimRunner:
 def start():
     ports = []
 
-    def start(runner):
+    def start(runner, mount: bytes | None = None):
         gateway = Gateway(runner, reactor, GatewayMetrics(CollectorRegistry()))
         gateway.listening = True
-        site = GatewaySite(build_resource(gateway), max_body_size=1 << 20)
+        root = build_resource(gateway)
+        if mount is not None:
+            outer = resource.Resource()
+            outer.putChild(mount, root)
+            root = outer
+        site = GatewaySite(root, max_body_size=1 << 20)
         d = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
         return d.addCallback(lambda port: ports.append(port) or port.getHost().port)
 
@@ -105,6 +111,14 @@ def test_the_submission_carries_the_clients_path_query_and_body_byte_for_byte(st
     yield threads.deferToThread(post, port, "/v1/chat/completions?api-version=1", body)
     verbatim = runner.submissions[0].request.http_request
     assert (verbatim.method, verbatim.path, verbatim.body) == ("POST", "/v1/chat/completions?api-version=1", body)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_gateway_mounted_under_a_prefix_sends_the_runtime_the_api_path_alone(start):
+    runner = VerbatimRunner()
+    port = yield start(runner, mount=b"llm")
+    yield threads.deferToThread(post, port, "/llm/v1/embeddings?a=b", b'{"model":"m","input":"x"}')
+    assert runner.submissions[0].request.http_request.path == "/v1/embeddings?a=b"
 
 
 @pytest_twisted.inlineCallbacks
