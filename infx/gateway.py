@@ -13,7 +13,7 @@ runtime's own, from infx's engine agent) reaches the client unchanged:
 status, reason, headers but hop-by-hop ones, body, events, and no ``[DONE]``
 of the gateway's. Answers of LLMariner engines are relayed as before (error
 bodies in OpenAI's shape, chat answers to ``/v1/completions`` converted back,
-``[DONE]`` ending every stream).
+``[DONE]`` ending every chat or completions stream).
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ NOT_RELAYED = frozenset(
      "transfer-encoding", "upgrade", "content-length"}
 )
 DONE_EVENT = b"data: [DONE]\n\n"
+#: APIs whose streams end with DONE_EVENT (the Responses API's never do), so that one
+#: missing from a LLMariner engine's stream is added.
+DONE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 #: Seconds a client is told to wait when a model's engines have all gone away.
 GONE_RETRY_AFTER = 5
 
@@ -340,7 +343,7 @@ class ApiCall:
     def completed(self) -> None:
         if self.finished:
             return
-        if self.sse_started and not self.done_sent and not self.verbatim:
+        if self.sse_started and not self.done_sent and not self.verbatim and self.endpoint in DONE_ENDPOINTS:
             self._write_event(DONE_EVENT)
             self.done_sent = True
         self._end(200)

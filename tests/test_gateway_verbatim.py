@@ -34,10 +34,11 @@ def runtime_response(status: int, phrase: str, body: bytes = b"", **headers: str
 class VerbatimRunner:
     """Answers with the runtime answer a test put in ``answers`` (by model), marked verbatim."""
 
-    def __init__(self, takes_http_request: bool = True) -> None:
+    def __init__(self, takes_http_request: bool = True, verbatim: bool = True) -> None:
         self.submissions = []
         self.answers = {}
         self._takes = takes_http_request
+        self._verbatim = verbatim
 
     def availability(self, tenant, model):
         return Availability.SERVED
@@ -56,7 +57,7 @@ class VerbatimRunner:
         response, events = self.answers.get(submission.model, (runtime_response(200, "OK", b"{}"), None))
 
         def answer():
-            sink.response_received(response, verbatim=True)
+            sink.response_received(response, verbatim=self._verbatim)
             for event in events or ():
                 sink.event_received(event)
             sink.completed()
@@ -202,3 +203,18 @@ def test_a_verbatim_completions_answer_is_not_converted(start):
     port = yield start(runner)
     _, _, _, data = yield threads.deferToThread(post, port, "/v1/completions", b'{"model":"m","prompt":"hi"}')
     assert data == body
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_llmariner_engines_responses_stream_gets_no_done_but_its_chat_stream_does(start):
+    runner = VerbatimRunner(verbatim=False)
+    events = [b'event: response.created\ndata: {"type":"response.created"}\n\n']
+    runner.answers["m"] = (runtime_response(200, "OK", Content_Type="text/event-stream"), events)
+    port = yield start(runner)
+    _, _, _, data = yield threads.deferToThread(
+        post, port, "/v1/responses", b'{"model":"m","input":"hi","stream":true}')
+    assert data == events[0]
+    runner.answers["m"] = (runtime_response(200, "OK", Content_Type="text/event-stream"), [b'data: {"choices":[]}\n\n'])
+    _, _, _, data = yield threads.deferToThread(
+        post, port, "/v1/chat/completions", b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true}')
+    assert data.endswith(b"data: [DONE]\n\n")
