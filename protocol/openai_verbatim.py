@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from protocol.openai_errors import InvalidRequestError
 from protocol.openai_json import JSONObject, as_bool, as_nonempty_str, as_object, loads_object, one_of, optional, required
 from protocol.openai_requests import ParsedRequest, parse_audio_transcription
-from protocol.pb import worker_pb2
 from protocol.task_forms import routing_fields
 
 TypedParser = Callable[[JSONObject], ParsedRequest]
@@ -66,6 +65,7 @@ def _with_verbatim(kind: str, model: str, stream: bool, include_usage: bool, pat
         typed_error = exc
         request = routing_fields(kind, model, stream)
         request.typed_request_incomplete = exc.message
-    request.http_request.CopyFrom(worker_pb2.HttpRequest(method="POST", path=path, body=body))
+    verbatim = request.http_request
+    verbatim.method, verbatim.path, verbatim.body = "POST", path, body
     return ParsedRequest(request=request, model=model, stream=stream, include_usage=include_usage,
                          typed_error=typed_error)
