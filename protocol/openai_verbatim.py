@@ -23,16 +23,18 @@ from collections.abc import Callable, Mapping
 from protocol.openai_errors import InvalidRequestError
 from protocol.openai_json import JSONObject, as_bool, as_nonempty_str, as_object, loads_object, one_of, optional, required
 from protocol.openai_requests import ParsedRequest, parse_audio_transcription
-from protocol.task_forms import routing_fields
+from protocol.task_forms import STREAMABLE_KINDS, routing_fields
 
+#: An endpoint's typed conversion (:mod:`protocol.openai_requests`), given the parsed JSON object.
 TypedParser = Callable[[JSONObject], ParsedRequest]
-
-#: The typed request kind each endpoint's conversion produces (legacy completions become chat).
-STREAMABLE_KINDS = frozenset({"chat_completion", "model_response", "audio_transcription"})
 
 
 def parse_json(kind: str, path: str, body: bytes, typed: TypedParser) -> ParsedRequest:
-    """A JSON endpoint's request: ``body`` verbatim at ``path``, with ``typed(obj)`` beside it if it converts."""
+    """A JSON endpoint's request: ``body`` verbatim at ``path``, with ``typed(obj)`` beside it if it converts.
+
+    ``kind`` is the typed request kind ``typed`` produces (legacy completions become
+    ``chat_completion``); only kinds with a stream flag read ``stream``.
+    """
     obj = loads_object(body)
     model = required(obj, "model", "", as_nonempty_str)
     stream = kind in STREAMABLE_KINDS and bool(optional(obj, "stream", "", as_bool))

@@ -27,7 +27,7 @@ HTTP_REQUEST_CAPABILITY = "http-request"
 ROUTING_FIELDS_ONLY = "only the routing fields (model, stream); the request is in http_request"
 
 #: Request kinds whose typed form has a ``stream`` flag (the rest have only ``model``).
-_STREAMABLE = frozenset({"chat_completion", "audio_transcription", "model_response"})
+STREAMABLE_KINDS = frozenset({"chat_completion", "audio_transcription", "model_response"})
 
 
 def takes_http_request(status: status_pb2.EngineStatus) -> bool:
@@ -45,7 +45,7 @@ def routing_fields(kind: str, model: str, stream: bool) -> worker_pb2.TaskReques
     request = worker_pb2.TaskRequest()
     typed = getattr(request, kind)
     typed.model = model
-    if kind in _STREAMABLE:
+    if kind in STREAMABLE_KINDS:
         typed.stream = stream
     return request
 

@@ -68,9 +68,6 @@ class Recorded:
         values = [v for n, v in self.headers if n.lower() == name.lower()]
         return values[0] if values else None
 
-    def json(self) -> Any:
-        return json.loads(self.body)
-
 
 class RecordingRuntime:
     """The recording runtime as a child process; ``url`` is its root (give it to ``--upstream``)."""
