@@ -408,3 +408,19 @@ def test_a_request_with_no_typed_form_is_refused_with_400_when_only_llmariner_en
     assert "video_url" in caught.value.message
     assert caught.value.body["param"] == "messages[0].content[0].type"
     assert len(engine.tasks) == seen
+
+
+def test_tokenize_reaches_the_runtime_at_its_root_path_with_the_clients_body(
+        stack: tuple[RecordingRuntime, Gateway]) -> None:
+    import urllib.request
+
+    runtime, gateway = stack
+    runtime.reset()
+    runtime.script(Answer(headers=JSON, body=b'{"count":2,"max_model_len":16,"tokens":[1,2]}'))
+    body = b'{"model": "m", "prompt": "hi", "add_special_tokens": false}'
+    request = urllib.request.Request(gateway.url + "/v1/tokenize", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.read() == b'{"count":2,"max_model_len":16,"tokens":[1,2]}'
+    (received,) = runtime.requests()
+    assert (received.path, received.body) == ("/tokenize", body)
