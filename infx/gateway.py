@@ -593,7 +593,8 @@ def _parse_multipart_transcription(request: GatewayRequest) -> Parser:
                 filename = part.get_filename() or "audio"
             else:
                 fields[name] = data.decode("utf-8", "replace")
-        return openai_verbatim.parse_form(_runtime_uri(request, "/v1/audio/transcriptions"), body, fields, file, filename)
+        path = _runtime_uri(request, "/v1/audio/transcriptions")
+        return openai_verbatim.parse_form(path, body, fields, file, filename)
 
     return parse
 

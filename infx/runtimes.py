@@ -10,8 +10,8 @@ must stop reporting once aborted (the agent drops stray results anyway).
 The ``openai`` runtime runs a task that carries the client's request
 verbatim (``TaskRequest.http_request``, see :mod:`protocol.task_forms`) as it
 is: the client's method, path, body and headers (but hop-by-hop ones,
-``Authorization``, ``Content-Length``, ``Host`` and ``Accept-Encoding``, which
-belong to this hop), and marks the answer ``verbatim_answer`` so that the
+``Authorization``, ``Cookie``, ``Content-Length``, ``Host``, ``Accept-Encoding``
+and ``Expect``, which belong to this hop), and marks the answer ``verbatim_answer`` so that the
 gateway relays it unchanged; it announces this with
 :data:`CAPABILITIES`. A task with only the typed form (from a gateway that
 does not know the capability) is converted by :mod:`protocol.openai_runtime`.
@@ -45,7 +45,7 @@ from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_errors import LocalUsageError, OpenAIError, UpstreamError
+from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError
 from protocol.openai_runtime import RuntimeRequest, runtime_request
 from protocol.pb import worker_pb2
 from protocol.processor_types import is_streaming
@@ -248,6 +248,9 @@ _VERBATIM_HEADERS_DROPPED = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
      "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization", "cookie", "expect"}
 )
+# An absolute path with its query (no spaces or controls), and an HTTP method, as RFC 9112 allows them.
+_REQUEST_TARGET = re.compile(r"/[\x21-\x7e]*")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: What the ``openai`` runtime announces in ``EngineStatus.infx_capabilities``.
 CAPABILITIES = (HTTP_REQUEST_CAPABILITY,)
 _RESPONSE_HEADERS_DROPPED = frozenset(
@@ -377,8 +380,9 @@ class _OpenAITask:
         for name, value in task.header.items():
             if name.lower() not in dropped:
                 headers.setRawHeaders(name.encode("latin-1"), [v.encode("latin-1") for v in value.values])
-        if not path.startswith("/"):
-            self._end_with(_error_result(UpstreamError(f"The task's request path {path!r} is not absolute.")))
+        if not _REQUEST_TARGET.fullmatch(path) or not _TOKEN.fullmatch(method):
+            message = f"The task's request line {method!r} {path!r} is not valid."
+            self._end_with(_error_result(InvalidRequestError(message)))
             return
         url = (runtime.root + path).encode("latin-1")
         self._pending = runtime.agent.request(method.encode("latin-1"), url, headers, _BytesProducer(body))

@@ -21,7 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from protocol.openai_errors import InvalidRequestError
-from protocol.openai_json import JSONObject, as_bool, as_nonempty_str, as_object, loads_object, one_of, optional, required
+from protocol.openai_json import (
+    JSONObject,
+    as_bool,
+    as_nonempty_str,
+    as_object,
+    loads_object,
+    one_of,
+    optional,
+    required,
+)
 from protocol.openai_requests import ParsedRequest, parse_audio_transcription
 from protocol.task_forms import STREAMABLE_KINDS, routing_fields
 

@@ -82,7 +82,8 @@ class RecordingRuntime:
         deadline = time.monotonic() + 20
         while not (port_file.exists() and port_file.read_text().strip()):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the recording runtime did not start: {(log_dir / 'recording-runtime.log').read_text()}")
+                log = (log_dir / "recording-runtime.log").read_text()
+                raise AssertionError(f"the recording runtime did not start: {log}")
             time.sleep(0.02)
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 

@@ -498,3 +498,14 @@ def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
     core = EngineAgentCore(AgentConfig(engine_id="e", models=("m",), capabilities=CAPABILITIES))
     assert list(core.engine_status().infx_capabilities) == [HTTP_REQUEST_CAPABILITY]
     assert not EngineAgentCore(AgentConfig(engine_id="e", models=("m",))).engine_status().infx_capabilities
+
+
+@pytest.mark.parametrize("path, method", [("v1/x", "POST"), ("/v1/x\r\nX-Evil: 1", "POST"), ("/v1/a b", "POST"),
+                                          ("/v1/x", "PO ST")])
+def test_openai_refuses_a_verbatim_request_line_no_runtime_should_see(fake_runtime, path, method):
+    fake, runtime = fake_runtime
+    task = verbatim_task(path, b"{}")
+    task.request.http_request.method = method
+    sink = Sink()
+    runtime.start(task, sink)
+    assert sink.finished == 1 and sink.head.status_code == 400 and not fake.requests

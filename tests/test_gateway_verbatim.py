@@ -145,7 +145,8 @@ def test_a_request_the_typed_form_refuses_goes_on_for_an_engine_that_takes_it_ve
 def test_the_same_request_is_refused_with_the_typed_forms_400_when_no_engine_takes_it_verbatim(start):
     runner = VerbatimRunner(takes_http_request=False)
     port = yield start(runner)
-    status, _, _, body = yield threads.deferToThread(post, port, "/v1/completions", b'{"model":"m","prompt":"hi","echo":true}')
+    status, _, _, body = yield threads.deferToThread(
+        post, port, "/v1/completions", b'{"model":"m","prompt":"hi","echo":true}')
     assert status == 400 and json.loads(body)["error"]["param"] == "echo"
     assert not runner.submissions
 

@@ -108,7 +108,8 @@ SHAPES = [
     chat("logprobs with top logprobs", logprobs=True, top_logprobs=3),
     chat("parallel tool calls false and strict tools", tools=TOOLS, parallel_tool_calls=False),
     chat("tool choice required", tools=TOOLS, tool_choice="required"),
-    chat("tool choice named function", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+    chat("tool choice named function", tools=TOOLS,
+         tool_choice={"type": "function", "function": {"name": "get_weather"}}),
     chat("reasoning effort", reasoning_effort="low"),
     chat("metadata and store", metadata={"team": "a"}, store=True),
     chat("service tier", service_tier="flex"),
@@ -127,8 +128,8 @@ SHAPES = [
     chat("one-part content array", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
     chat("image data url", messages=[{"role": "user", "content": [
         {"type": "text", "text": "what is it"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNG" * 64).decode(),
-                                            "detail": "low"}}]}]),
+        {"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"\x89PNG" * 64).decode(), "detail": "low"}}]}]),
     chat("video url part", messages=[{"role": "user", "content": [
         {"type": "video_url", "video_url": {"url": "https://example.invalid/v.mp4"}}]}]),
     chat("file part", messages=[{"role": "user", "content": [
@@ -142,7 +143,8 @@ SHAPES = [
     chat("tool call history", messages=[
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"P\"}"}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\":\"P\"}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=TOOLS),
     chat("developer role and name", messages=[{"role": "developer", "content": "be brief"},
                                               {"role": "user", "content": "hi", "name": "ann"}]),
@@ -249,7 +251,8 @@ def _call(client: openai.OpenAI, shape: Shape) -> Outcome:
 
 
 def _outcome(http: Any, body: bytes) -> Outcome:
-    headers = tuple(sorted((n.lower(), v) for n, v in http.headers.multi_items() if n.lower() not in HOP_ANSWER_HEADERS))
+    headers = tuple(sorted(
+        (n.lower(), v) for n, v in http.headers.multi_items() if n.lower() not in HOP_ANSWER_HEADERS))
     return Outcome(http.status_code, http.reason_phrase, headers, body)
 
 
@@ -320,7 +323,8 @@ def test_the_table_covers_sixty_request_shapes() -> None:
 # --- across the exchange: the request enters gateway A, the engine is attached to gateway B ------------
 
 EXCHANGED = [s for s in SHAPES if s.name in {
-    "seed zero", "vllm sampling extras", "video url part", "stream of tool call deltas", "rate limited with retry after",
+    "seed zero", "vllm sampling extras", "video url part", "stream of tool call deltas",
+    "rate limited with retry after",
     "completions echo", "embeddings token ids", "responses stream has no done", "transcription timestamp granularities",
 }]
 

@@ -167,7 +167,8 @@ class World:
             self.tenant_of[task_id] = tenant
             self.form_of[task_id] = form
             deadline = None if timeout is None else self.now + timeout
-            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=request_in(form, model, stream), origin="c",
+            request = request_in(form, model, stream)
+            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=request, origin="c",
                                deadline=deadline, target_engine_id=target or "")
             refused = any(isinstance(e, FailRequest) and e.status == 429 for e in effects)
             cap = p.config.max_tasks_per_tenant
