@@ -59,6 +59,11 @@ def for_engine(request: worker_pb2.TaskRequest, status: status_pb2.EngineStatus)
         return request
     kind = request.WhichOneof("request")
     assert kind is not None, "a task request with http_request but no typed form"
+    if "model" not in getattr(request, kind).DESCRIPTOR.fields_by_name:
+        # A control request (heartbeat, cancel...) has no client request to carry: it goes alone.
+        out = worker_pb2.TaskRequest()
+        getattr(out, kind).CopyFrom(getattr(request, kind))
+        return out
     if takes_http_request(status):
         if request.typed_request_incomplete:
             return request

@@ -151,3 +151,15 @@ def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_
         receiver.deliver(effect)
     back = [one(sender.message_received(1, m), DeliverResult) for m in receiver.pop_messages()]
     assert back[0].origin == "client" and back[0].result.verbatim_answer and back[0].last
+
+
+def test_a_control_request_with_a_stray_verbatim_form_goes_alone_to_any_engine():
+    request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
+    request.http_request.path = "/x"
+    for status in (capable("e", "m"), engine_status("e", "m")):
+        out = task_forms.for_engine(request, status)
+        assert out.WhichOneof("request") == "heartbeat" and not out.HasField("http_request")
+    p = _processor()
+    p.update_engine(0, "r", "t", capable("e", "m"), Locality.LOCAL)
+    send = one(p.submit(0, task_id="1", tenant_id="t", request=request, origin="o", target_engine_id="e"), SendTask)
+    assert not send.task.request.HasField("http_request")
