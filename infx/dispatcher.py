@@ -233,6 +233,9 @@ class Dispatcher:
         for model in self.processor.known_models(tenant):
             self._recent_models[(tenant, model)] = now
 
+    def takes_http_request(self, tenant: str, model: str) -> bool:
+        return self.processor.takes_http_request(tenant, model)
+
     def models(self, tenant: str) -> list[str]:
         return sorted(self.processor.known_models(tenant, ready_only=True))
 
@@ -321,7 +324,7 @@ class HttpOrigin:
         kind = result.WhichOneof("message")
         if kind == "http_response":
             # Headers (and a non-streaming body) are written out at once.
-            self.sink.response_received(result.http_response)
+            self.sink.response_received(result.http_response, verbatim=result.verbatim_answer)
             self.consumed(1)
         elif kind == "server_sent_event" and result.server_sent_event.data:
             self.sink.event_received(bytes(result.server_sent_event.data))

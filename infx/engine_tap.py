@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -148,6 +149,7 @@ def makeService(options: Options) -> IService:
     from twisted.web.client import Agent, HTTPConnectionPool
 
     from infx.engine import EngineAgent
+    from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.engine_agent import EngineAgentCore
@@ -155,7 +157,9 @@ def makeService(options: Options) -> IService:
 
     top = MultiService()
     runtime: Runtime
+    agent_config = options["agent-config"]
     if options["runtime"] == "openai":
+        agent_config = replace(agent_config, capabilities=OPENAI_CAPABILITIES)
         pool = HTTPConnectionPool(reactor, persistent=True)
         pool.maxPersistentPerHost = options["max-concurrency"]
         _PoolCloser(pool).setServiceParent(top)
@@ -171,7 +175,7 @@ def makeService(options: Options) -> IService:
         return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
                            scheme="https" if tls else "http")
 
-    agent = EngineAgent(reactor, EngineAgentCore(options["agent-config"]), runtime, connect,
+    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime, connect,
                         key=options["key"] or "", grace=options["grace"])
     agent.setServiceParent(top)
     return top

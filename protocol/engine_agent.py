@@ -92,6 +92,8 @@ class AgentConfig:
     attempts to open a stream, each delay scaled by ``1 ± reconnect_jitter``.
     ``go_away_linger``: a retired stream stays open at least this long, since
     the gateway may have sent tasks on it before it saw our 202.
+    ``capabilities``: what the runtime understands beyond LLMariner's protocol,
+    reported as ``EngineStatus.infx_capabilities`` (see :mod:`protocol.task_forms`).
     """
 
     engine_id: str
@@ -106,6 +108,7 @@ class AgentConfig:
     reconnect_multiplier: float = 2.0
     reconnect_jitter: float = 0.2
     go_away_linger: float = 5.0
+    capabilities: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -311,6 +314,7 @@ class EngineAgentCore:
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
             cluster_id=self.config.cluster_id,
+            infx_capabilities=self.config.capabilities,
             models=[
                 status_pb2.EngineStatus.Model(id=m, is_ready=True, in_progress_task_count=n)
                 for m, n in counts.items()

@@ -40,7 +40,9 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     DISPATCHED    -> RETRY_PENDING                engine lost / replied 503 / send failed
     RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
 
-Routing: engines of the task's tenant only; among ready engines with the
+Routing: engines of the task's tenant only, and only those that can take the
+task's request (:func:`protocol.task_forms.eligible`; each gets the form it
+understands, :func:`protocol.task_forms.for_engine`); among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
 
@@ -74,6 +76,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from protocol import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     CancelTaskOnEngine,
@@ -312,6 +315,8 @@ class Processor:
             engine = self._by_tenant.get(tenant_id, {}).get(task.target)
             if engine is None:
                 self._fail(task, 503, f"engine {task.target!r} is not connected", effects)
+            elif not task_forms.eligible(request, engine.status):
+                self._fail(task, 503, f"engine {task.target!r} cannot take this request's form", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
             elif self._full(engine):
@@ -580,6 +585,13 @@ class Processor:
             return None
         return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
 
+    def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
+        """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
+        return any(
+            task_forms.takes_http_request(e.status) and any(m.id == model_id for m in e.status.models)
+            for e in self._by_tenant.get(tenant_id, {}).values()
+        )
+
     def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
         """Models the tenant's engines list (loading ones too); with ``ready_only``,
         only those a task could be routed to now."""
@@ -635,6 +647,9 @@ class Processor:
         if engine is not None:
             self._dispatch(now, task, engine, effects)
             return
+        if self._no_engine_takes_it(task):
+            self._fail(task, 400, self._typed_form_missing(task), effects)
+            return
         if self._waiting_total >= self.config.max_waiting_tasks:
             self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
             return
@@ -649,6 +664,20 @@ class Processor:
         self._set_timer(task, min(now + self.config.queue_timeout, task.deadline))
         if not self._served_but_full(task):
             effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
+
+    def _no_engine_takes_it(self, task: _Task) -> bool:
+        """Engines list the task's model, but none can take its request (only its verbatim form
+        exists and they are LLMariner engines): waiting would not help."""
+        return (
+            bool(task.request.typed_request_incomplete)
+            and task.model in self.known_models(task.tenant_id)
+            and not self.takes_http_request(task.tenant_id, task.model)
+        )
+
+    @staticmethod
+    def _typed_form_missing(task: _Task) -> str:
+        return (f"no engine serving model {task.model!r} can take this request "
+                f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
 
     def _full(self, engine: _Engine) -> bool:
         cap = self.config.max_in_flight_per_engine
@@ -667,6 +696,8 @@ class Processor:
         for engine in engines.values():
             if not engine.routable or task.model not in engine.ready_models or (not ignore_cap and self._full(engine)):
                 continue
+            if not task_forms.eligible(task.request, engine.status):
+                continue
             rank = (
                 engine.key.engine_id in task.avoid,
                 engine.locality is not Locality.LOCAL,
@@ -678,6 +709,8 @@ class Processor:
         if best is None and self.config.dynamic_model_loading:
             for engine in engines.values():
                 if not engine.routable or (not ignore_cap and self._full(engine)):
+                    continue
+                if not task_forms.eligible(task.request, engine.status):
                     continue
                 rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
                 if best_rank is None or rank < best_rank:
@@ -696,7 +729,7 @@ class Processor:
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
-            request=task.request,
+            request=task_forms.for_engine(task.request, engine.status),
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
@@ -728,6 +761,10 @@ class Processor:
             for task_id in list(self._waiting.get(key, ())):
                 task = self._tasks[task_id]
                 target = self._pick(task)
+                if target is None and task.request.typed_request_incomplete:
+                    if self._no_engine_takes_it(task):
+                        self._fail(task, 400, self._typed_form_missing(task), effects)
+                    continue  # a later task of the queue may take another form
                 if target is None:
                     break
                 self._unwait(task)

@@ -53,6 +53,9 @@ class ScriptedRunner:
     def models(self, tenant):
         return ["m", "m2"]
 
+    def takes_http_request(self, tenant, model):
+        return False
+
     def status(self):
         return {"tasks": len(self.sinks)}
 
