@@ -91,11 +91,14 @@ class GatewayConfig:
 
 
 _PORT_ONLY = re.compile(r"^\d+$")
+_SIGNED = re.compile(r"^-?\d+$")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d+)$")
 
 
 def listen_endpoint(value: str, option: str) -> str:
-    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted endpoint string."""
+    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted server endpoint
+    string that can listen. Checked here, before anything starts, so that a typo is a usage
+    error rather than a port that never opens."""
     value = str(value).strip()
     if _PORT_ONLY.match(value):
         port = int(value)
@@ -104,16 +107,52 @@ def listen_endpoint(value: str, option: str) -> str:
         return f"tcp:{port}"
     if ":" not in value:
         raise ConfigError(f"{option}: expected a port number or an endpoint such as tcp:8080, got {value!r}")
+    _check_server_endpoint(value, option)
     return value
+
+
+#: Endpoint types whose description carries a TCP port (``tcp:PORT``, ``port=PORT``).
+_TCP_TYPES = frozenset({"tcp", "tcp6", "ssl"})
+
+
+def _check_server_endpoint(value: str, option: str) -> None:
+    """Refuse what Twisted's parser refuses, and ports outside 0-65535 (which it only refuses
+    at listen time). Building an endpoint does not touch the reactor, so none is given."""
+    from OpenSSL import SSL, crypto
+    from twisted.internet.endpoints import serverFromString
+
+    host_port = _HOST_PORT.match(value)
+    try:
+        serverFromString(None, value)
+    except ValueError as e:
+        if host_port and str(e).startswith("Unknown endpoint type"):
+            host, port = host_port.group(1), host_port.group(2)
+            kind = "tcp6" if host.startswith("[") else "tcp"
+            interface = host.strip("[]").replace(":", "\\:")
+            raise ConfigError(f"{option}: {value!r} is HOST:PORT, which is not a listen endpoint; "
+                              f"did you mean {kind}:{port}:interface={interface}?") from None
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e}); "
+                          "expected a port number or e.g. tcp:8080:interface=127.0.0.1") from None
+    except TypeError as e:  # an unknown parameter, e.g. interfce=
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e})") from None
+    except OSError as e:  # ssl: a certificate or key file that cannot be read
+        raise ConfigError(f"{option}: cannot read {e.filename}: {e.strerror}") from None
+    except (SSL.Error, crypto.Error):
+        raise ConfigError(f"{option}: the certificate and private key of {value!r} are not PEM that loads "
+                          "(privateKey= and certKey= name the files)") from None
+    if value.split(":", 1)[0] in _TCP_TYPES:
+        port = endpoint_port(value)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"{option}: port {port} is out of range")
 
 
 def endpoint_port(endpoint: str) -> int:
     """The port number inside ``tcp:8083:interface=...``-style strings."""
     parts = endpoint.split(":")
     for part in parts[1:]:
-        if _PORT_ONLY.match(part):
+        if _SIGNED.match(part):
             return int(part)
-        if part.startswith("port="):
+        if part.startswith("port=") and _SIGNED.match(part[5:]):
             return int(part[5:])
     raise ConfigError(f"cannot tell the port of endpoint {endpoint!r}; set peer_port")
 
@@ -203,6 +242,9 @@ def build_config(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> Ga
 
 
 def validate(config: GatewayConfig) -> GatewayConfig:
+    if config.internal_grpc.startswith("ssl:") and any(
+            (config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)):
+        raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
     replaced: dict[str, Any] = {
         "http": listen_endpoint(config.http, "--http"),
         "worker_grpc": listen_endpoint(config.worker_grpc, "--worker-grpc"),
@@ -225,8 +267,9 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
-    if config.kube:
-        config.effective_peer_port  # raises ConfigError when it cannot be derived
+    if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable
+        raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
+                          "give --peer-port when --internal-grpc listens on port 0")
     return config
 
 

@@ -12,6 +12,7 @@ from twisted.application.service import IService
 from twisted.python import usage
 
 from infx.auth import KeyFileError, KeyStore
+from infx.cli import VersionOption, one_line_errors, service_or_exit
 from infx.config import ConfigError, GatewayConfig, build_config, load_yaml
 
 _DEFAULTS = GatewayConfig()
@@ -42,7 +43,7 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
 ]
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
     optFlags: list[list[str | None]] = _FLAGS
@@ -90,10 +91,16 @@ class Options(usage.Options):
         return {name: (True if self[name] else None) for name, *_ in _FLAGS if name is not None}
 
 
+#: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
+CommandLineOptions = one_line_errors(Options, "infx")
+
+
 def makeService(options: Options) -> IService:
-    """Build the gateway's service tree from validated options."""
+    """Build the gateway's service tree from validated options; the process ends if a port
+    cannot be bound (see :class:`~infx.cli.ExitIfCannotListen`)."""
     from twisted.internet import reactor
 
+    from infx.cli import ExitIfCannotListen
     from infx.service import build_gateway
 
-    return build_gateway(reactor, options.config_value)
+    return service_or_exit("infx", lambda: ExitIfCannotListen(reactor, build_gateway(reactor, options.config_value)))
