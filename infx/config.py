@@ -219,10 +219,18 @@ def load_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"--config: {path} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of option names to values")
     return data
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line: where it is and what is wrong, without the quoted source."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def build_config(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> GatewayConfig:
@@ -292,4 +300,4 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port", "internal_tls"]
+__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port", "internal_tls"]

@@ -63,6 +63,14 @@ class ListeningService(service.Service):
         self.port: Any = None
         self.bound: Deferred[Any] = Deferred()
         self._listening: Deferred[Any] | None = None
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        """Another port of the same gateway failed: close this one, or never bind it."""
+        self._abandoned = True
+        if self.port is not None:
+            port, self.port = self.port, None
+            port.stopListening()
 
     def privilegedStartService(self) -> None:
         service.Service.privilegedStartService(self)
@@ -73,7 +81,7 @@ class ListeningService(service.Service):
         self._listen()
 
     def _listen(self) -> None:
-        if self._listening is not None:
+        if self._listening is not None or self._abandoned:
             return
         self._listening = defer.maybeDeferred(
             lambda: serverFromString(self.reactor, self.description).listen(self.factory))
@@ -129,7 +137,14 @@ class GatewayService(service.MultiService):
         self.config = config
         self.registry = registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
-        keys = KeyStore.from_file(config.api_keys) if config.api_keys else KeyStore.disabled()
+        self.key_reload: Any = None
+        if config.api_keys:
+            from infx.key_reload import watched_key_store
+
+            keys, self.key_reload = watched_key_store(reactor, config.api_keys)
+            self.key_reload.setServiceParent(self)
+        else:
+            keys = KeyStore.disabled()
         self.keys = keys
         # With the scaler, a task may wait for a cold start, not only for an engine to reconnect.
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
@@ -257,7 +272,7 @@ class GatewayService(service.MultiService):
         self._listen_failure = failure
         log.critical("{error}", error=str(failure.value))
         for listener in self._listeners:
-            listener.stopService()  # closes the ports that did bind
+            listener.abandon()
         waiters, self._listen_waiters = self._listen_waiters, []
         for waiter in waiters:
             waiter.errback(failure)
