@@ -45,6 +45,9 @@ class GatewayConfig:
     internal_secret: str | None = None
     #: Models served by an in-process echo engine (what ``tools/run`` starts).
     echo_models: tuple[str, ...] = ()
+    #: Tenant the built-in echo engine serves. Without ``api_keys`` every caller is in the
+    #: default tenant, so another tenant needs a key file (callers reach it with a key of that tenant).
+    echo_tenant: str = "default"
     #: Seconds between the built-in echo engine's streamed words (0: as fast as it can).
     echo_token_delay: float = 0.01
     #: Seconds a task may wait for an engine that serves its model.
@@ -260,6 +263,11 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     }
     for peer in config.peers:
         host_port(peer, "--peers")
+    if config.echo_tenant != "default" and not config.api_keys:
+        raise ConfigError(f"--echo-tenant {config.echo_tenant!r} needs --api-keys: without a key file every caller "
+                          "is in the default tenant and could never reach it")
+    if not config.echo_tenant:
+        raise ConfigError("--echo-tenant: must be a non-empty tenant name")
     if config.peers and config.kube:
         raise ConfigError("--peers and --kube are exclusive: peers come from one source")
     if config.scaler and not config.kube:

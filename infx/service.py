@@ -24,7 +24,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.auth import DEFAULT_TENANT, KeyStore, Principal
+from infx.auth import KeyStore, Principal
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls
 from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
@@ -214,7 +214,7 @@ class GatewayService(service.MultiService):
 
         key = secrets.token_urlsafe(24)
         if self.keys.enabled:
-            self.keys.add_engine_key(key, Principal(tenant=DEFAULT_TENANT, key_id="builtin-echo"))
+            self.keys.add_engine_key(key, Principal(tenant=self.config.echo_tenant, key_id="builtin-echo"))
 
         def connect() -> GrpcChannel:
             address = self.worker_grpc.port.getHost()

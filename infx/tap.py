@@ -53,6 +53,9 @@ class Options(VersionOption, usage.Options):
         ["worker-grpc", None, None, f"Engine-facing gRPC listen port or endpoint [default: {_DEFAULTS.worker_grpc}]."],
         ["echo-models", None, None,
          "Comma-separated models served by a built-in echo engine in this process (for trying infx)."],
+        ["echo-tenant", None, None,
+         "Tenant the built-in echo engine serves; other than default needs --api-keys, and callers reach "
+         f"it with a key of that tenant [default: {_DEFAULTS.echo_tenant}]."],
         ["echo-token-delay", None, None,
          f"Seconds between the built-in echo engine's streamed words [default: {_DEFAULTS.echo_token_delay:g}]."],
         ["api-keys", None, None, "YAML file of API keys and tenants (auth is off without it)."],

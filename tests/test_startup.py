@@ -245,3 +245,14 @@ def test_engine_usage_errors_are_one_line_too():
     assert result.returncode == EXIT_USAGE
     assert result.stderr.splitlines() == [
         "twistd infx-engine: --server must be HOST:PORT, got 'nohost' (twistd infx-engine --help lists the options)"]
+
+
+def test_tools_run_starts_from_a_complete_venv_without_pip_or_network():
+    """With no package index reachable, pip would fail: ``tools/run`` must not need it."""
+    import os
+
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/"}
+    result = subprocess.run([str(ROOT / "tools" / "run"), "--version"], capture_output=True, text=True, timeout=60,
+                            env=env, cwd="/")
+    assert (result.returncode, result.stdout) == (0, f"infx {__version__}\n"), result.stderr
+    assert "pip" not in result.stderr and "tools/run:" not in result.stderr
