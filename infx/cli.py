@@ -56,9 +56,10 @@ def one_line_errors(options_class: type[usage.Options], command: str) -> type[us
     return CommandLineOptions
 
 
-def fail(command: str, message: str) -> None:
+def fail(command: str, message: str, *, usage_hint: bool = True) -> None:
     """The one line, before twistd's logging begins (so stderr is still the terminal)."""
-    print(f"twistd {command}: {message} (twistd {command} --help lists the options)", file=sys.stderr)
+    hint = f" (twistd {command} --help lists the options)" if usage_hint else ""
+    print(f"twistd {command}: {message}{hint}", file=sys.stderr)
     raise SystemExit(EXIT_USAGE)
 
 
@@ -107,7 +108,7 @@ def service_or_exit(command: str, build: Callable[[], IService]) -> IService:
     try:
         return build()
     except (ConfigError, KeyFileError) as e:
-        fail(command, str(e))
+        fail(command, str(e), usage_hint=False)
         raise  # fail() does not return
 
 

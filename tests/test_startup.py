@@ -7,6 +7,7 @@ fail; the command line's one-line errors and exit codes are pinned on real
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -256,3 +257,35 @@ def test_tools_run_starts_from_a_complete_venv_without_pip_or_network():
                             env=env, cwd="/")
     assert (result.returncode, result.stdout) == (0, f"infx {__version__}\n"), result.stderr
     assert "pip" not in result.stderr and "tools/run:" not in result.stderr
+
+
+def _free_privileged_ports(count: int) -> list[int]:
+    ports = []
+    for port in range(1023, 900, -1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    pytest.skip("no free port below 1024")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="binding below 1024 needs root")
+def test_twistd_u_g_binds_ports_below_1024_then_serves_as_the_unprivileged_user(tmp_path):
+    from tests.twistd_processes import TwistdChild, http_get, wait_until
+
+    http, worker, internal = _free_privileged_ports(3)
+    child = TwistdChild("privileged", ["-u", "65534", "-g", "65534", "infx", "--http", loopback(http),
+                                       "--worker-grpc", loopback(worker), "--internal-grpc", loopback(internal),
+                                       "--echo-models", "echo"], tmp_path)
+    try:
+        wait_until(lambda: http_get(f"http://127.0.0.1:{http}/readyz")[0] == 200, "/readyz", [child])
+        assert "set uid/gid 65534/65534" in child.output()
+        with open(f"/proc/{child.process.pid}/status") as status:
+            uids = next(line for line in status if line.startswith("Uid:")).split()[1:]
+        assert set(uids) == {"65534"}
+    finally:
+        child.stop()
