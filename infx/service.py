@@ -254,7 +254,8 @@ class GatewayService(service.MultiService):
     @property
     def listen_failure(self) -> ListenFailed | None:
         """Why a port could not be bound, once one could not (twistd's start-up checks it)."""
-        return None if self._listen_failure is None else self._listen_failure.value
+        error = None if self._listen_failure is None else self._listen_failure.value
+        return error if isinstance(error, ListenFailed) else None
 
     def startService(self) -> None:
         service.MultiService.startService(self)
