@@ -96,6 +96,9 @@ def test_a_port_that_cannot_be_bound_closes_the_others_and_nothing_starts():
     late = []
     gateway.when_listening().addErrback(late.append)
     assert late and late[0].check(ListenFailed)
+    stopped = gateway.stopService()  # an embedding application shutting down after the failure
+    reactor.advance(1)
+    assert stopped.called and not gateway.running
 
 
 def test_a_privileged_port_without_root_says_how_to_get_it():
