@@ -31,7 +31,7 @@ import hmac
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -127,6 +127,8 @@ class KeyStore:
         self.source = source
         self._tables = tables or KeyTables({}, {})
         self._added_engines: dict[str, Principal] = {}
+        #: Called after :meth:`replace`, e.g. to end the streams of engines whose key was removed.
+        self.on_replaced: list[Callable[[], None]] = []
 
     @classmethod
     def disabled(cls) -> KeyStore:
@@ -145,6 +147,8 @@ class KeyStore:
         if not self.enabled:
             raise ValueError("auth is off: there is no key file to reload")
         self._tables = tables
+        for hook in list(self.on_replaced):
+            hook()
 
     def add_engine_key(self, key: str, principal: Principal) -> None:
         """Admit one more engine key (the gateway's own built-in engine uses one)."""

@@ -155,3 +155,24 @@ def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
         assert "API keys: loaded 1 client and 0 engine key(s)" in gateway.child.output()
     finally:
         gateway.stop()
+
+
+def test_an_engine_whose_key_is_removed_loses_its_stream_and_cannot_dial_again(tmp_path):
+    from tests.twistd_processes import Engine, Gateway, wait_until
+
+    path = tmp_path / "keys.yaml"
+    with_engine = "keys:\n  - {key: sk-admin, admin: true}\nengine_keys:\n  - {key: ek-a, tenant: a}\n"
+    path.write_text(with_engine)
+    gateway = Gateway(tmp_path, api_keys=path, admin_key="sk-admin")
+    engine = None
+    try:
+        engine = Engine(tmp_path, gateway, "e1", ["m"], key="ek-a", tenant="a")
+        rewrite(path, "keys:\n  - {key: sk-admin, admin: true}\n")
+        wait_until(lambda: "e1" not in gateway.engines("a"), "the engine to be removed", [gateway.child], timeout=10)
+        assert "its key was removed or changed in the key file" in gateway.child.output()
+        rewrite(path, with_engine)  # and back: the agent's next dial is admitted again
+        gateway.wait_for_engine("e1", "a", [engine.child])
+    finally:
+        if engine is not None:
+            engine.stop()
+        gateway.stop()
