@@ -122,3 +122,30 @@ def test_replacing_the_tables_revokes_removed_keys_and_keeps_the_builtin_engine_
     assert store.engine("Bearer ek-builtin").key_id == "builtin-echo"
     with pytest.raises(ValueError):
         KeyStore.disabled().replace(KeyTables({}, {}))
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True),
+                          st.text(max_size=6), st.just("false"))
+_members = st.sampled_from(["key", "tenant", "name", "admin", "rate_limit", "tenat", "rate", "burst"])
+_values = st.recursive(_yaml_scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                              st.dictionaries(_members, inner, max_size=4)),
+                       max_leaves=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["keys", "engine_keys", "users"]), _values, max_size=2))
+def test_any_key_file_parses_to_valid_principals_or_is_refused_with_one_line(data):
+    import yaml
+
+    try:
+        tables = parse_key_file(yaml.safe_dump(data), "keys.yaml")
+    except KeyFileError as e:
+        assert "\n" not in str(e)
+        return
+    for principal in [*tables.clients.values(), *tables.engines.values()]:
+        assert isinstance(principal.admin, bool) and isinstance(principal.tenant, str) and principal.tenant
+        if principal.rate_limit is not None:
+            assert principal.rate_limit.rate > 0 and principal.rate_limit.burst >= 1
+    assert not any(p.admin for p in tables.engines.values())
