@@ -68,20 +68,28 @@ class ExitIfCannotListen(MultiService):
 
     Stock endpoints (tcp, ssl, unix) bind synchronously in
     ``privilegedStartService``, before the reactor runs: the process exits
-    there, having logged the one line. An endpoint that binds later stops
-    the reactor instead, and the exit code is set once it has stopped.
+    there, having logged the one line. When twistd daemonizes (no ``-n``),
+    the error is raised instead, for twistd to hand the waiting parent
+    through its status pipe (the parent prints it and exits 1; a bare exit
+    would leave the parent waiting on that pipe forever). An endpoint that
+    binds later stops the reactor, and the exit code is set once it has stopped.
     """
 
-    def __init__(self, reactor: Any, gateway: Any, exit: Callable[[int], None] | None = None) -> None:
+    def __init__(self, reactor: Any, gateway: Any, exit: Callable[[int], None] | None = None,
+                 daemon: bool = False) -> None:
         super().__init__()
         self.reactor = reactor
         self.gateway = gateway
         self._exit = exit or exit_after_shutdown
+        self._daemon = daemon
         gateway.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
-        if self.gateway.listen_failure is not None:
+        failure = self.gateway.listen_failure
+        if failure is not None:
+            if self._daemon:
+                raise failure
             raise SystemExit(EXIT_CANNOT_LISTEN)
 
     def startService(self) -> None:

@@ -106,4 +106,7 @@ def makeService(options: Options) -> IService:
     from infx.cli import ExitIfCannotListen
     from infx.service import build_gateway
 
-    return service_or_exit("infx", lambda: ExitIfCannotListen(reactor, build_gateway(reactor, options.config_value)))
+    twistd = getattr(options, "parent", None)  # twistd's own options: -n or not
+    daemon = twistd is not None and not twistd.get("nodaemon", True)
+    return service_or_exit("infx", lambda: ExitIfCannotListen(
+        reactor, build_gateway(reactor, options.config_value), daemon=daemon))

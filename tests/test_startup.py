@@ -292,3 +292,15 @@ def test_twistd_u_g_binds_ports_below_1024_then_serves_as_the_unprivileged_user(
         assert set(uids) == {"65534"}
     finally:
         child.stop()
+
+
+def test_a_daemonized_twistd_with_a_taken_port_tells_its_parent_which_exits_1(taken_port, tmp_path):
+    """Without -n the parent waits on twistd's status pipe: it must hear the error, not hang."""
+    result = subprocess.run(
+        [TWISTD, f"--pidfile={tmp_path / 'infx.pid'}", "--logfile", str(tmp_path / "infx.log"), "infx",
+         "--http", loopback(), "--worker-grpc", loopback(taken_port), "--internal-grpc", loopback()],
+        capture_output=True, text=True, timeout=30, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 1
+    assert "ListenFailed: --worker-grpc: cannot listen on" in result.stderr
+    assert f"port {taken_port} is already in use" in (tmp_path / "infx.log").read_text()
+    assert not (tmp_path / "infx.pid").exists()
