@@ -86,7 +86,9 @@ class Options(VersionOption, usage.Options):
             self.config_value = build_config(file_values, flags)
             if self.config_value.api_keys:
                 KeyStore.from_file(self.config_value.api_keys)
-        except (ConfigError, KeyFileError) as e:
+        except KeyFileError as e:
+            raise usage.UsageError(f"--api-keys: {e}") from None
+        except ConfigError as e:
             raise usage.UsageError(str(e)) from None
 
     def _flag_values(self) -> dict[str, Any]:
