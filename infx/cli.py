@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from twisted.application.service import IService, MultiService
 from twisted.logger import Logger
@@ -56,7 +56,7 @@ def one_line_errors(options_class: type[usage.Options], command: str) -> type[us
     return CommandLineOptions
 
 
-def fail(command: str, message: str, *, usage_hint: bool = True) -> None:
+def fail(command: str, message: str, *, usage_hint: bool = True) -> NoReturn:
     """The one line, before twistd's logging begins (so stderr is still the terminal)."""
     hint = f" (twistd {command} --help lists the options)" if usage_hint else ""
     print(f"twistd {command}: {message}{hint}", file=sys.stderr)
@@ -117,7 +117,6 @@ def service_or_exit(command: str, build: Callable[[], IService]) -> IService:
         return build()
     except (ConfigError, KeyFileError) as e:
         fail(command, str(e), usage_hint=False)
-        raise  # fail() does not return
 
 
 __all__ = ["EXIT_CANNOT_LISTEN", "EXIT_USAGE", "ExitIfCannotListen", "VersionOption", "exit_after_shutdown", "fail", "one_line_errors",
