@@ -19,6 +19,7 @@ from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.python import usage
 
+from infx.cli import VersionOption, one_line_errors
 from protocol.echo import EchoConfig
 from protocol.engine_agent import AgentConfig, AgentUsageError
 
@@ -40,7 +41,7 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     """Options of ``twistd infx-engine``."""
 
     synopsis = "--server HOST:PORT --models a,b [--runtime echo|openai --upstream URL] [options]"
@@ -129,6 +130,10 @@ class Options(usage.Options):
             bound = ">" if strict else ">="
             raise usage.UsageError(f"--{name} must be {bound} {minimum:g}, got {raw!r}")
         return value
+
+
+#: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
+CommandLineOptions = one_line_errors(Options, "infx-engine")
 
 
 class _PoolCloser(Service):

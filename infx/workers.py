@@ -39,10 +39,14 @@ class EngineStream:
     them), so the stream has a single writer by construction.
     """
 
-    def __init__(self, call: ServerCall, peer: str) -> None:
+    def __init__(self, call: ServerCall, peer: str, authorization: str | None = None,
+                 principal: Any = None) -> None:
         self.call = call
         self.peer = peer
         self.closed = False
+        #: What the engine presented and who that made it, to end the stream if its key is revoked.
+        self.authorization = authorization
+        self.principal = principal
 
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
         if self.closed:
@@ -66,6 +70,7 @@ class WorkerService:
         self.dispatcher = dispatcher
         self.keys = keys
         self.streams: set[EngineStream] = set()
+        keys.on_replaced.append(self.keys_replaced)
         #: False once the gateway shuts down: engines told to go away must not come back here.
         self.accepting = True
         #: An engine with a wrong key redials forever: its refusal is logged once per host, then counted.
@@ -77,15 +82,29 @@ class WorkerService:
             worker_pb2.ProcessTasksResponse.SerializeToString, kind=CallKind.STREAM_STREAM,
         )
 
+    def keys_replaced(self) -> None:
+        """The key file was reloaded: an engine whose key is gone, or now names another tenant,
+        loses its stream (its tasks fail over) and must dial again with a valid key."""
+        for stream in list(self.streams):
+            if not stream.closed and self.keys.engine(stream.authorization) != stream.principal:
+                log.warn("engine {peer}: its key was removed or changed in the key file; ending its stream",
+                         peer=stream.peer)
+                stream.closed = True
+                stream.call.abort(StatusCode.UNAUTHENTICATED, "engine key revoked")
+                # Now, not when the handler's pending recv() ends: its engines go and tasks fail over.
+                self.streams.discard(stream)
+                self.dispatcher.route_closed(stream, "engine key revoked")
+
     async def process_tasks(self, call: ServerCall) -> None:
         if not self.accepting:
             raise GrpcError(StatusCode.UNAVAILABLE, "gateway is shutting down")
         address = str(call.peer)
-        principal = self.keys.engine(metadata_value(call, "authorization"))
+        authorization = metadata_value(call, "authorization")
+        principal = self.keys.engine(authorization)
         if principal is None:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
-        stream = EngineStream(call, address)
+        stream = EngineStream(call, address, authorization, principal)
         self.streams.add(stream)
         reason = "engine stream ended"
         engine_id = ""
