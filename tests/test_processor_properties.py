@@ -200,7 +200,8 @@ class World:
         self.check_no_idle_slot()
 
     def check_no_idle_slot(self) -> None:
-        """A task waits only while every engine that would take it is full (or none would)."""
+        """A task waits only while every engine that would take it is full or its runtime busy
+        (or none would)."""
         p = self.p
         engine_cap = p.config.max_in_flight_per_engine
         if engine_cap is None:
@@ -210,7 +211,7 @@ class World:
             if not p.waiting_task_ids("t", model):
                 continue
             for engine_id, e in engines.items():
-                takes = e["ready"] and not e["draining"] and (
+                takes = e["ready"] and not e["draining"] and e["busy_until"] is None and (
                     p.config.dynamic_model_loading or any(m["id"] == model and m["ready"] for m in e["models"]))
                 assert not takes or len(e["tasks"]) >= engine_cap, f"{engine_id} has a free slot while tasks wait"
 
