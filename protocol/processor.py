@@ -76,6 +76,7 @@ from typing import Any
 
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
+    BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,
@@ -88,7 +89,6 @@ from protocol.processor_types import (
     Origin,
     ProcessorConfig,
     ProcessorUsageError,
-    BUSY_STATUSES,
     Route,
     SendTask,
     TaskQueued,

@@ -18,9 +18,11 @@ Checks run at start, every ``interval`` seconds while up, every
 between two checks), and at once when a task could not reach the runtime
 (``connection_failed``). The path is ``/health`` (vLLM, SGLang, llama.cpp's
 own server) until the runtime answers it 404 or 405: then ``GET /v1/models``
-(llama-cpp-python, Ollama) for good. With ``list_models`` the check is
-``GET /v1/models`` from the start, since its answer also says which models
-the runtime serves: a 2xx without a model list counts as a failure there.
+(llama-cpp-python, Ollama) for good. A server that has neither (404 or 405
+there too) is up whenever it answers at all: that is the only sign it
+gives. With ``list_models`` the check is ``GET /v1/models`` from the start,
+since its answer also says which models the runtime serves: any answer but
+a 2xx with a model list counts as a failure there.
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ class RuntimeHealth:
         if self.path == HEALTH_PATH and status in _NO_HEALTH_ENDPOINT:
             self.path = MODELS_PATH
             return [self._check(now)]
+        if not self.config.list_models and status in _NO_HEALTH_ENDPOINT:
+            return self._up(now, self.models, f"the runtime answers, with no {HEALTH_PATH} nor {MODELS_PATH}")
         if not 200 <= status < 300:
             return self._down(now, f"{self.path} answered {status}")
         models = self.models
@@ -156,7 +160,7 @@ class RuntimeHealth:
             if listed is None:
                 return self._down(now, f"{self.path} answered {status} without a model list")
             models = listed
-        return self._up(now, models)
+        return self._up(now, models, f"{self.path} answered")
 
     def check_failed(self, now: float, check_id: int, reason: str) -> list[HealthEffect]:
         """Check ``check_id`` got no answer (connection refused, reset, ...)."""
@@ -192,12 +196,12 @@ class RuntimeHealth:
         self._next_check = None
         return check
 
-    def _up(self, now: float, models: tuple[str, ...]) -> list[HealthEffect]:
+    def _up(self, now: float, models: tuple[str, ...], reason: str) -> list[HealthEffect]:
         changed = self.state is not HealthState.UP or models != self.models
         self.state = HealthState.UP
         self.models = models
         self._next_check = now + self.config.interval
-        return [ReadinessChanged(True, models, f"{self.path} answered")] if changed else []
+        return [ReadinessChanged(True, models, reason)] if changed else []
 
     def _down(self, now: float, reason: str) -> list[HealthEffect]:
         changed = self.state is not HealthState.DOWN

@@ -25,8 +25,6 @@ import pytest
 from tests.llama_runtime import LlamaServer, write_tiny_model
 from tests.twistd_processes import Engine, Gateway, free_port, wait_until
 
-pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is in the test extra")
-
 KEYS = """
 keys:
   - {key: sk-admin, tenant: default, admin: true}

@@ -51,6 +51,21 @@ def test_a_runtime_without_health_is_checked_with_v1_models_for_good():
     assert third.path == "/v1/models"
 
 
+def test_a_runtime_with_neither_endpoint_is_up_while_it_answers_http_at_all():
+    h = RuntimeHealth(HealthConfig())
+    first = check(h.start(T0))
+    second = check(h.check_answered(T0, first.check_id, 404, b""))
+    assert changes(h.check_answered(T0, second.check_id, 404, b""))[0].ready
+    third = check(h.handle_timer(T0 + 5))
+    assert changes(h.check_failed(T0 + 5, third.check_id, "connection refused"))[0].ready is False
+
+
+def test_listing_models_from_a_runtime_without_v1_models_is_down():
+    h = RuntimeHealth(HealthConfig(list_models=True))
+    first = check(h.start(T0))
+    assert changes(h.check_answered(T0, first.check_id, 404, b""))[0].ready is False
+
+
 def test_a_loading_runtime_is_down_and_checked_more_often_until_it_answers():
     h = RuntimeHealth(HealthConfig(interval=5, down_interval=1))
     first = check(h.start(T0))
