@@ -35,6 +35,10 @@ engine_keys:
 RUNTIME_KEY = "runtime-secret-1"
 #: Fields that legitimately differ between two runs of the same request.
 VOLATILE = ("id", "created")
+#: Cases that need the lossless path between gateway and agent (#12 part A: verbatim bodies, so that
+#: ``seed: 0`` and ``max_tokens`` arrive as sent, and legacy completions reach ``/v1/completions``).
+#: Strict: once that path is in, they pass, and the marker must go.
+NEEDS_LOSSLESS = pytest.mark.xfail(strict=True, reason="needs the lossless gateway-agent path (#12 part A)")
 
 
 def post(url: str, path: str, body: dict[str, Any], key: str | None, timeout: float = 60.0
@@ -111,21 +115,25 @@ def messages(text: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
 
 
-def test_the_runtime_wants_its_key_and_the_agent_serves_the_models_it_lists(stack):
+def test_the_runtime_wants_its_key_and_the_agent_serves_the_models_it_lists(stack, logs):
     llama, gateway = stack
     assert post(llama.url, "/v1/chat/completions", {"model": "tiny", "messages": messages("hi")}, None)[0] == 401
     engine = gateway.engines()["llama-engine"]
     assert [(m["id"], m["ready"]) for m in engine["models"]] == [("tiny", True)]
+    assert post(gateway.url, "/v1/chat/completions", {"model": "tiny", "messages": messages("hi"), "max_tokens": 4},
+                "sk-user")[0] == 200
+    for log in (logs / "engine-llama-engine.log", logs / "gateway.log"):
+        assert RUNTIME_KEY not in log.read_text(errors="replace"), f"{log.name} shows the runtime's key"
 
 
-CHATS = {
-    "max_tokens and seed 0": {"max_tokens": 24, "seed": 0},
-    "stop and a seed": {"max_tokens": 40, "seed": 7, "stop": ["e", "a"]},
-    "sampling knobs": {"max_tokens": 16, "seed": 3, "temperature": 0.3, "top_p": 0.9},
-}
+CHATS = [
+    pytest.param({"max_tokens": 24, "seed": 0}, id="max_tokens and seed 0", marks=NEEDS_LOSSLESS),
+    pytest.param({"max_tokens": 40, "seed": 7, "stop": ["e", "a"]}, id="stop and a seed"),
+    pytest.param({"max_tokens": 16, "seed": 3, "temperature": 0.3, "top_p": 0.9}, id="sampling knobs"),
+]
 
 
-@pytest.mark.parametrize("extra", CHATS.values(), ids=CHATS.keys())
+@pytest.mark.parametrize("extra", CHATS)
 def test_a_chat_answer_equals_the_runtimes_own(stack, extra):
     body = {"model": "tiny", "messages": messages("Say something."), **extra}
     (direct_status, _, direct), (status, headers, through) = both(stack, "/v1/chat/completions", body)
@@ -134,7 +142,7 @@ def test_a_chat_answer_equals_the_runtimes_own(stack, extra):
     assert stable(json.loads(through)) == stable(json.loads(direct))
 
 
-@pytest.mark.parametrize("extra", CHATS.values(), ids=CHATS.keys())
+@pytest.mark.parametrize("extra", CHATS)
 def test_a_streamed_chat_equals_the_runtimes_own_event_by_event(stack, extra):
     body = {"model": "tiny", "messages": messages("Stream something."), "stream": True, **extra}
     (direct_status, _, direct), (status, headers, through) = both(stack, "/v1/chat/completions", body)
@@ -144,6 +152,7 @@ def test_a_streamed_chat_equals_the_runtimes_own_event_by_event(stack, extra):
     assert events(direct)[-1] == "[DONE]" and len(events(direct)) > 3
 
 
+@NEEDS_LOSSLESS
 def test_a_legacy_completion_equals_the_runtimes_own(stack):
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 12, "seed": 0}
     (direct_status, _, direct), (status, _, through) = both(stack, "/v1/completions", body)
