@@ -185,7 +185,7 @@ def makeService(options: Options) -> IService:
     from twisted.web.client import Agent, HTTPConnectionPool
 
     from infx.engine import EngineAgent
-    from infx.runtime_watch import RuntimeWatch
+    from infx.runtime_watch import RuntimeWatch, check_pool
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.transport import GrpcChannel, client_endpoint
     from infx.upstream_key import UpstreamKey
@@ -210,8 +210,9 @@ def makeService(options: Options) -> IService:
         health = HealthConfig(interval=options["runtime-check-interval"],
                               down_interval=min(1.0, options["runtime-check-interval"]),
                               list_models=not options["models"])
-        # Checks get their own short-lived connections: a check must not wait behind busy pooled ones.
-        checks = Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False), connectTimeout=5)
+        checks_pool = check_pool(reactor)
+        _PoolCloser(checks_pool).setServiceParent(top)
+        checks = Agent(reactor, pool=checks_pool, connectTimeout=5)
         watch = RuntimeWatch(reactor, RuntimeHealth(health), checks, runtime, lambda ready, models: None)
     else:
         runtime = EchoRuntime(reactor, options["echo-config"])

@@ -18,7 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
+from twisted.web.client import HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
@@ -27,12 +27,28 @@ from infx.deadline import DeadlineTimer
 from infx.runtimes import OpenAIRuntime
 from protocol.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
 
-__all__ = ["MAX_CHECK_BODY", "RuntimeWatch"]
+__all__ = ["MAX_CHECK_BODY", "RuntimeWatch", "check_pool"]
 
 log = Logger()
 
 #: A model list larger than this is not read (a check is not worth a large buffer).
 MAX_CHECK_BODY = 1024 * 1024
+
+
+class _QuietFactory(_HTTP11ClientFactory):
+    """Twisted logs every connection factory's start and stop; a check every few seconds
+    (on a connection the runtime may close between checks) would fill the log with them."""
+
+    noisy = False
+
+
+def check_pool(clock: IReactorTime) -> HTTPConnectionPool:
+    """Connections for the health checks alone, so that a check never waits behind busy task
+    connections; one kept open per runtime, quiet in the log."""
+    pool = HTTPConnectionPool(clock, persistent=True)
+    pool.maxPersistentPerHost = 1
+    pool._factory = _QuietFactory  # type: ignore[misc]
+    return pool
 
 
 class _CappedBody(Protocol):

@@ -784,6 +784,7 @@ class Processor:
 
     def _runtime_busy(self, now: float, task: _Task, result: worker_pb2.TaskResult, effects: list[Effect]) -> None:
         engine = self._engines.get(task.engine) if task.engine is not None else None
+        until: float | None = None
         if engine is not None:
             delay = retry_after_seconds(result.http_response)
             delay = self.config.busy_backoff if delay is None else max(delay, self.config.busy_backoff)
@@ -801,6 +802,12 @@ class Processor:
         self.counters.busy_replies += 1
         self._unassign(task)
         self._move(task, TaskState.RETRY_PENDING)
+        give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
+        if until is not None and until >= give_up and self._pick(task) is None:
+            # Nobody can take it now, and its engine is not to be asked again before the wait
+            # would end: waiting cannot help, so the client gets the runtime's answer at once.
+            self._deliver(task, reply, True, effects)
+            return
         self._route(now, task, effects)
 
     def _task_timer(self, now: float, task: _Task, effects: list[Effect]) -> None:

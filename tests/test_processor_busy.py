@@ -109,24 +109,41 @@ def test_when_the_queue_timeout_passes_the_client_gets_the_runtimes_own_answer()
     p = make(queue_timeout=10)
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a", retry_after="4"))
-    p.handle_timeout(T0 + 4)
+    p.receive_result(T0, "route-e1", busy("a", retry_after="2"))
+    p.handle_timeout(T0 + 2)
     # Busy again on the second attempt: the wait is counted from the first busy answer.
-    p.receive_result(T0 + 4, "route-e1", busy("a#2", retry_after="20", body=b'{"error":"still busy"}'))
+    p.receive_result(T0 + 2, "route-e1", busy("a#2", retry_after="3", body=b'{"error":"still busy"}'))
+    # Then the runtime restarts: its model is not ready when the back-off ends.
+    p.update_engine(T0 + 3, "route-e1", "t", engine_status("e1", loading=["m"]), Locality.LOCAL)
+    assert p.handle_timeout(T0 + 5) == []
     assert p.next_deadline() == T0 + 10
     delivered = one(p.handle_timeout(T0 + 10), DeliverResult)
     assert delivered.last and delivered.task_id == "a" and delivered.result.task_id == "a"
     answer = delivered.result.http_response
     assert (answer.status_code, answer.body) == (503, b'{"error":"still busy"}')
-    assert retry_after_seconds(answer) == 20.0 and list(answer.header["X-Runtime"].values) == ["ollama"]
+    assert retry_after_seconds(answer) == 3.0 and list(answer.header["X-Runtime"].values) == ["ollama"]
     assert not p.has_task("a")
+
+
+def test_a_retry_after_past_the_wait_gives_the_runtimes_answer_at_once_unless_another_engine_has_room():
+    p = make(queue_timeout=30)
+    join(p, "e1", "m")
+    submit(p, "a")
+    delivered = one(p.receive_result(T0, "route-e1", busy("a", code=429, retry_after="45")), DeliverResult)
+    assert delivered.last and delivered.result.http_response.status_code == 429 and not p.has_task("a")
+    join(p, "e2", "m")
+    p.handle_timeout(T0 + 45)  # e1's back-off ends
+    submit(p, "b", now=T0 + 50)
+    assert sent(p.receive_result(T0 + 50, "route-e1", busy("b", retry_after="45"))) == [("b#2", "e2")]
 
 
 def test_the_tasks_deadline_also_ends_the_wait_with_the_runtimes_answer():
     p = make(queue_timeout=30)
     join(p, "e1", "m")
     submit(p, "a", deadline=T0 + 5)
-    p.receive_result(T0, "route-e1", busy("a", code=429, retry_after="10"))
+    p.receive_result(T0, "route-e1", busy("a", code=429, retry_after="2"))
+    p.handle_timeout(T0 + 2)
+    p.receive_result(T0 + 2, "route-e1", busy("a#2", code=429, retry_after="2"))
     delivered = one(p.handle_timeout(T0 + 5), DeliverResult)
     assert delivered.last and delivered.result.http_response.status_code == 429
 
