@@ -47,7 +47,7 @@ def check_pool(clock: IReactorTime) -> HTTPConnectionPool:
     connections; one kept open per runtime, quiet in the log."""
     pool = HTTPConnectionPool(clock, persistent=True)
     pool.maxPersistentPerHost = 1
-    pool._factory = _QuietFactory  # type: ignore[misc]
+    pool._factory = _QuietFactory
     return pool
 
 
@@ -63,7 +63,7 @@ class _CappedBody(Protocol):
         self._size += len(data)
         if self._size > MAX_CHECK_BODY:
             if self.transport is not None:
-                self.transport.stopProducing()  # type: ignore[attr-defined]
+                self.transport.stopProducing()
             return
         self._chunks.append(data)
 
@@ -94,7 +94,7 @@ class RuntimeWatch(Service):
         super().startService()
         self._run(self.machine.start(self.clock.seconds()))
 
-    def stopService(self) -> None:  # type: ignore[override]
+    def stopService(self) -> None:
         super().stopService()
         self._timer.cancel()
         if self._pending is not None:
