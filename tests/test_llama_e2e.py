@@ -152,6 +152,26 @@ def test_a_streamed_chat_equals_the_runtimes_own_event_by_event(stack, extra):
     assert events(direct)[-1] == "[DONE]" and len(events(direct)) > 3
 
 
+def test_overlapping_streams_through_infx_each_equal_the_runtimes_own(stack):
+    """Several streams at once share one runtime (it runs them in turn); none is cut short."""
+    llama, gateway = stack
+    bodies = [{"model": "tiny", "messages": messages(f"Stream number {i}."), "stream": True, "max_tokens": 48,
+               "seed": 10 + i} for i in range(3)]
+    expected = [events(post(llama.url, "/v1/chat/completions", body, RUNTIME_KEY)[2]) for body in bodies]
+    answers: list[Any] = [None] * len(bodies)
+
+    def send(i: int) -> None:
+        answers[i] = post(gateway.url, "/v1/chat/completions", bodies[i], "sk-user")
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert [a[0] for a in answers] == [200] * len(bodies)
+    assert [events(a[2]) for a in answers] == expected
+
+
 @NEEDS_LOSSLESS
 def test_a_legacy_completion_equals_the_runtimes_own(stack):
     body = {"model": "tiny", "prompt": "the cat", "max_tokens": 12, "seed": 0}
