@@ -30,7 +30,7 @@ from typing import Any, Callable
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.logger import Logger
-from twisted.web import http, resource, server
+from twisted.web import resource, server
 from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
@@ -38,10 +38,10 @@ from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests, openai_verbatim
-from protocol.openai_errors import InvalidRequestError, OpenAIError
+from protocol.openai_errors import InvalidRequestError, OpenAIError, error_event, error_json, reason_phrase
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
-from protocol.sse import EventReceived, SSEParser, encode_event
+from protocol.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
 
 log = Logger()
 
@@ -57,31 +57,11 @@ NOT_RELAYED = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
      "transfer-encoding", "upgrade", "content-length"}
 )
-DONE_EVENT = b"data: [DONE]\n\n"
 #: APIs whose streams end with DONE_EVENT (the Responses API's never do), so that one
 #: missing from a LLMariner engine's stream is added.
 DONE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 #: Seconds a client is told to wait when a model's engines have all gone away.
 GONE_RETRY_AFTER = 5
-
-
-def error_body(status: int, message: str, error_type: str | None = None, code: str | None = None,
-               param: str | None = None) -> bytes:
-    """An OpenAI-style error body, so OpenAI clients raise their usual exception classes."""
-    kind = error_type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": code}}).encode()
-
-
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
 
 
 class GatewayRequest(server.Request):
@@ -275,7 +255,7 @@ class ApiCall:
         status = response.status_code or 200
         if not 200 <= status <= 599:
             # Not a final HTTP status (1xx, or not one at all): never relay it as the status line.
-            self._finish_error(502, error_body(502, f"The engine answered with HTTP status {status}."))
+            self._finish_error(502, error_json(502, f"The engine answered with HTTP status {status}."))
             return
         if verbatim:
             self._relay_verbatim(status, response)
@@ -354,12 +334,12 @@ class ApiCall:
             return
         if self.sse_started:
             # The status line is gone: the error travels as the stream's last event.
-            self._write_event(b"data: " + error_body(status, message) + b"\n\n")
+            self._write_event(error_event(status, message))
             self._end(status)
             return
         if retry_after is not None:
             self.request.setHeader("retry-after", str(max(1, math.ceil(retry_after))))
-        self._finish_error(status, error_body(status, message))
+        self._finish_error(status, error_json(status, message))
 
     # -- backpressure (IPushProducer, registered on the HTTP channel)
 
@@ -425,7 +405,7 @@ class ApiCall:
 
     def _refuse(self, status: int, message: str, code: str | None = None, param: str | None = None) -> bytes:
         self.finished = True
-        return self._respond_now(status, error_body(status, message, code=code, param=param))
+        return self._respond_now(status, error_json(status, message, code=code, param=param))
 
     def _finish_error(self, status: int, body: bytes) -> int | bytes:
         if not self.submitted:
@@ -525,11 +505,11 @@ def _as_openai_error(status: int, body: bytes) -> bytes:
         if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
             return body
         if isinstance(parsed, dict) and isinstance(parsed.get("message"), str):
-            return error_body(status, parsed["message"])
+            return error_json(status, parsed["message"])
     except ValueError:
         pass
-    text = body.decode("utf-8", "replace").strip() or http.RESPONSES.get(status, b"error").decode()
-    return error_body(status, text[:2000])
+    text = body.decode("utf-8", "replace").strip() or (reason_phrase(status) or "error")
+    return error_json(status, text[:2000])
 
 
 # --- resources ------------------------------------------------------------------
@@ -624,7 +604,7 @@ class _Models(resource.Resource):
         request.setHeader("content-type", "application/json")
         if principal is None:
             request.setResponseCode(401)
-            return error_body(401, "Missing or unknown API key.", code="invalid_api_key")
+            return error_json(401, "Missing or unknown API key.", code="invalid_api_key")
         models = self.gateway.runner.models(principal.tenant)
         return json.dumps({"object": "list", "data": [_model_object(m) for m in models]}).encode()
 
@@ -642,10 +622,10 @@ class _Model(resource.Resource):
         request.setHeader("content-type", "application/json")
         if principal is None:
             request.setResponseCode(401)
-            return error_body(401, "Missing or unknown API key.", code="invalid_api_key")
+            return error_json(401, "Missing or unknown API key.", code="invalid_api_key")
         if self.model not in self.gateway.runner.models(principal.tenant):
             request.setResponseCode(404)
-            return error_body(404, f"The model '{self.model}' does not exist.", code="model_not_found", param="model")
+            return error_json(404, f"The model '{self.model}' does not exist.", code="model_not_found", param="model")
         return json.dumps(_model_object(self.model)).encode()
 
 
@@ -692,7 +672,7 @@ class _AdminStatus(resource.Resource):
         principal = self.gateway.keys.client(_header(request, "authorization"))
         if principal is None or (self.gateway.keys.enabled and not principal.admin):
             request.setResponseCode(401 if principal is None else 403)
-            return error_body(401 if principal is None else 403, "An admin API key is required.")
+            return error_json(401 if principal is None else 403, "An admin API key is required.")
         return json.dumps(self.gateway.runner.status(), sort_keys=True, default=str).encode()
 
 
@@ -703,7 +683,7 @@ class _NotFound(resource.Resource):
         request.setResponseCode(404)
         request.setHeader("content-type", "application/json")
         path = request.path.decode("latin-1")
-        return error_body(404, f"Unknown path {path}.", error_type="invalid_request_error", code="unknown_url")
+        return error_json(404, f"Unknown path {path}.", code="unknown_url")
 
 
 class _Tree(resource.Resource):

@@ -30,7 +30,6 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from http import HTTPStatus
 from typing import Any, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -46,16 +45,16 @@ from zope.interface import implementer
 
 from infx.upstream_key import UpstreamKey
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError
+from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
 from protocol.openai_runtime import RuntimeRequest, runtime_request
 from protocol.pb import worker_pb2
 from protocol.processor_types import is_streaming
-from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, encode_error
+from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
 __all__ = [
     "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeUnavailable", "RunningTask",
-    "SSEBlockSplitter", "TaskSink", "upstream_root",
+    "TaskSink", "upstream_root",
 ]
 
 log = Logger()
@@ -94,13 +93,12 @@ class RuntimeUnavailable(OpenAIError):
     """The runtime could not be reached: HTTP 503, so that the gateway retries on another engine."""
 
     status = 503
-    error_type = "server_error"
 
 
-def _http_response(status: int, phrase: str, body: bytes = b"", headers: dict[str, list[str]] | None = None,
+def _http_response(status: int, phrase: str | None, body: bytes = b"", headers: dict[str, list[str]] | None = None,
                    latency_ms: int = 0) -> worker_pb2.TaskResult:
     response = worker_pb2.HttpResponse(
-        status_code=status, status=f"{status} {phrase}".rstrip(), body=body, latency_ms=latency_ms
+        status_code=status, status=status_line(status, phrase), body=body, latency_ms=latency_ms
     )
     for name, values in (headers or {}).items():
         response.header[name].values.extend(values)
@@ -109,7 +107,7 @@ def _http_response(status: int, phrase: str, body: bytes = b"", headers: dict[st
 
 def _error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
     return _http_response(
-        error.status, HTTPStatus(error.status).phrase, error.to_json(),
+        error.status, None, error.to_json(),
         {"Content-Type": ["application/json"]}, latency_ms,
     )
 
@@ -181,62 +179,6 @@ class EchoRuntime:
 
 
 # -- openai -----------------------------------------------------------------------------
-
-_LINE_END = re.compile(rb"[\r\n]")
-_CR = 0x0D
-_LF = 0x0A
-
-
-class SSEBlockSplitter:
-    """Cuts an event stream into its raw events, each with the blank line that ends it.
-
-    Unlike :class:`protocol.sse.SSEParser` it keeps the runtime's framing
-    byte for byte (``event:``/``id:`` lines, comments, line ends), which is
-    what ``ServerSentEvent.data`` carries on LLMariner's wire. Empty blocks
-    (repeated blank lines) are skipped; an event longer than
-    ``max_event_size`` raises :class:`protocol.sse.EventTooLarge`. Pure.
-    """
-
-    def __init__(self, max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE) -> None:
-        self.max_event_size = max_event_size
-        self._buffer = bytearray()
-        self._scan = 0
-        self._line_start = 0
-
-    def receive_data(self, data: bytes) -> list[bytes]:
-        """Feed bytes (split anywhere); returns the events they complete."""
-        buf = self._buffer
-        buf += data
-        events: list[bytes] = []
-        block_start = 0
-        while (match := _LINE_END.search(buf, self._scan)) is not None:
-            end = match.start()
-            if buf[end] == _CR:
-                if end + 1 == len(buf):
-                    break  # a CR LF may be split across reads
-                after = end + 2 if buf[end + 1] == _LF else end + 1
-            else:
-                after = end + 1
-            if end == self._line_start:
-                block = bytes(buf[block_start:after])
-                if end > block_start:
-                    events.append(block)
-                block_start = after
-            self._line_start = self._scan = after
-        del buf[:block_start]
-        self._scan -= block_start
-        self._line_start -= block_start
-        if self.max_event_size is not None and len(buf) > self.max_event_size:
-            raise EventTooLarge(f"A server-sent event exceeded {self.max_event_size} bytes.")
-        return events
-
-    def end_of_stream(self) -> bytes | None:
-        """An unterminated last event, closed with a blank line (None if there is none)."""
-        rest = bytes(self._buffer).rstrip(b"\r\n")
-        self._buffer.clear()
-        self._scan = self._line_start = 0
-        return rest + b"\n\n" if rest else None
-
 
 # Headers that describe one hop, or that the agent sets itself, are not forwarded.
 _REQUEST_HEADERS_DROPPED = frozenset(
@@ -476,7 +418,7 @@ class _OpenAITask:
     def stream_failed(self, error: OpenAIError) -> None:
         if not self._done:
             log.info("runtime stream failed: {error}", error=error.message)
-            self._sink.send(_event(encode_error(error.body())))
+            self._sink.send(_event(error.to_event()))
             self.stream_done()
 
     def abort(self) -> None:

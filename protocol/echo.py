@@ -33,7 +33,6 @@ import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from protocol.openai_errors import (
@@ -41,6 +40,7 @@ from protocol.openai_errors import (
     LocalUsageError,
     NotImplementedRequestError,
     OpenAIError,
+    status_line,
 )
 from protocol.openai_json import JSONObject, decode_json_field
 from protocol.openai_requests import MAX_CHOICES
@@ -108,7 +108,7 @@ def echo_task(task: worker_pb2.Task, now: float, config: EchoConfig = EchoConfig
 def _reply(task_id: str, due: float, status: int, body: JSONObject) -> ScheduledResult:
     response = worker_pb2.HttpResponse(
         status_code=status,
-        status=f"{status} {HTTPStatus(status).phrase}",
+        status=status_line(status),
         body=json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
     )
     response.header["Content-Type"].values.append("application/json")

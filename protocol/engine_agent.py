@@ -49,13 +49,12 @@ while draining get 503 so that the gateway retries them on another engine.
 
 from __future__ import annotations
 
-import json
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from http import HTTPStatus
 
+from protocol.openai_errors import error_json, status_line
 from protocol.pb import status_pb2, worker_pb2
 
 __all__ = [
@@ -249,15 +248,14 @@ class _Task:
 
 def control_response(task_id: str, status: int) -> worker_pb2.TaskResult:
     """The single HttpResponse that answers a control task (heartbeat, go-away, cancel)."""
-    response = worker_pb2.HttpResponse(status_code=status, status=f"{status} {HTTPStatus(status).phrase}")
+    response = worker_pb2.HttpResponse(status_code=status, status=status_line(status))
     return worker_pb2.TaskResult(task_id=task_id, http_response=response, result_index=0)
 
 
 def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskResult:
     result = control_response(task_id, status)
     result.http_response.header["Content-Type"].values.append("application/json")
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
-    result.http_response.body = json.dumps(body, separators=(",", ":")).encode("utf-8")
+    result.http_response.body = error_json(status, message)
     return result
 
 

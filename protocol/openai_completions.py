@@ -17,8 +17,9 @@ from typing import Any
 
 from protocol.openai_errors import UpstreamError
 from protocol.openai_json import JSONObject
+from protocol.sse import DONE_DATA
 
-DONE = b"[DONE]"
+_DONE = DONE_DATA.encode("ascii")
 
 
 def text_completion_from_chat(chat: JSONObject) -> JSONObject:
@@ -43,8 +44,8 @@ def text_completion_body(body: bytes) -> bytes:
 
 def text_completion_event_data(data: bytes) -> bytes:
     """:func:`text_completion_chunk_from_chat` on one SSE event's data; ``[DONE]`` passes through."""
-    if data.strip() == DONE:
-        return DONE
+    if data.strip() == _DONE:
+        return _DONE
     return _encode(text_completion_chunk_from_chat(_decode(data)))
 
 

@@ -1,4 +1,11 @@
-"""OpenAI-style errors: pure values, no I/O; every error knows its HTTP status and JSON body.
+"""OpenAI-style errors and HTTP status lines: pure values, no I/O; the one place they are made.
+
+Every OpenAI error body infx writes (gateway, processor, receiver, scaler,
+engine agent, runtimes) and every error event of a stream whose headers are
+already out comes from :func:`error_body` / :func:`error_json` /
+:func:`error_event` here, with one type map (:func:`error_type_for`); every
+``HttpResponse.status`` line from :func:`status_line`, which never fails on a
+code outside the IANA registry (a runtime or proxy may answer 522 or 599).
 
 A client's bad request (:class:`InvalidRequestError`) and a runtime's bad
 answer (:class:`UpstreamError`) are remote violations: they end the HTTP
@@ -9,7 +16,87 @@ misuse of this package by its caller and is never shown to a client.
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 from typing import Any
+
+#: OpenAI's error ``type`` for a 429: OpenAI names the limit that was reached
+#: (``requests`` or ``tokens``); infx's limits count requests.
+RATE_LIMIT_TYPE = "requests"
+
+
+def error_type_for(status: int) -> str:
+    """OpenAI's own ``type`` for an error answered with ``status``.
+
+    OpenAI's API types every client error ``invalid_request_error`` (an
+    unknown key too, with code ``invalid_api_key``; an unknown model with
+    ``model_not_found``; an unknown path with ``unknown_url``), a rate limit
+    by the limit reached (:data:`RATE_LIMIT_TYPE`), and every server error,
+    its 503 "overloaded" included, ``server_error``. Clients pick their
+    exception class by the status, not by this string.
+    """
+    if status == 429:
+        return RATE_LIMIT_TYPE
+    if 400 <= status < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+def error_body(
+    status: int, message: str, *, error_type: str | None = None, param: str | None = None,
+    code: str | int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, as a dict.
+
+    ``error_type`` names a kind more precise than the status's (see
+    :func:`error_type_for`, the default).
+    """
+    kind = error_type if error_type is not None else error_type_for(status)
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_json(
+    status: int, message: str, *, error_type: str | None = None, param: str | None = None,
+    code: str | int | None = None,
+) -> bytes:
+    """:func:`error_body`, encoded as compact UTF-8 JSON (lone surrogates kept)."""
+    return _encode(error_body(status, message, error_type=error_type, param=param, code=code))
+
+
+def error_event(
+    status: int, message: str, *, error_type: str | None = None, param: str | None = None,
+    code: str | int | None = None,
+) -> bytes:
+    """The error as a stream's last server-sent event, as OpenAI and vLLM send it:
+    ``data: {"error": {...}}`` and a blank line (the JSON is one line)."""
+    return event_of(error_body(status, message, error_type=error_type, param=param, code=code))
+
+
+def event_of(body: dict[str, Any]) -> bytes:
+    """An error body (:meth:`OpenAIError.body`, :func:`error_body`) as one server-sent event."""
+    return b"data: " + _encode(body) + b"\n\n"
+
+
+def reason_phrase(status: int) -> str:
+    """The registered reason phrase of ``status``, or ``""`` for a code outside the registry."""
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def status_line(status: int, phrase: str | None = None) -> str:
+    """``HttpResponse.status`` as LLMariner's engines fill it: ``"200 OK"``.
+
+    ``phrase`` is the peer's own reason (kept as sent); without one, the
+    registered phrase; a code outside the registry with no phrase is the
+    code alone (``"599"``), as HTTP allows an empty reason.
+    """
+    reason = reason_phrase(status) if phrase is None else phrase
+    return f"{status} {reason}" if reason else str(status)
+
+
+def _encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
 class OpenAIError(Exception):
@@ -21,7 +108,8 @@ class OpenAIError(Exception):
     """
 
     status: int = 500
-    error_type: str = "server_error"
+    #: None: OpenAI's type for the status (:func:`error_type_for`); a subclass may name a precise kind.
+    error_type: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -31,20 +119,15 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         """The JSON body to answer with, as a dict."""
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.error_type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return error_body(self.status, self.message, error_type=self.error_type, param=self.param, code=self.code)
 
     def to_json(self) -> bytes:
         """The JSON body to answer with, encoded."""
-        return json.dumps(self.body(), ensure_ascii=False, separators=(",", ":")).encode(
-            "utf-8", "surrogatepass"
-        )
+        return _encode(self.body())
+
+    def to_event(self) -> bytes:
+        """The error as a stream's last server-sent event."""
+        return event_of(self.body())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, param={self.param!r}, code={self.code!r})"
@@ -54,7 +137,6 @@ class InvalidRequestError(OpenAIError):
     """The client's request cannot be honoured as sent: HTTP 400."""
 
     status = 400
-    error_type = "invalid_request_error"
 
 
 class NotImplementedRequestError(OpenAIError):

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.sse import EventReceived, SSEParser
+from protocol.sse import DONE_DATA, EventReceived, SSEParser
 
 __all__ = ["StreamWatcher", "Usage", "carries_output", "usage_of", "usage_of_body"]
 
@@ -103,7 +103,7 @@ class StreamWatcher:
         """Take the bytes of one relayed event; True if they hold the stream's first output."""
         first = False
         for event in self._parser.receive_data(data):
-            if not isinstance(event, EventReceived) or event.data == "[DONE]":
+            if not isinstance(event, EventReceived) or event.data == DONE_DATA:
                 continue
             if self.first_output_seen and '"usage"' not in event.data:
                 continue

@@ -7,12 +7,12 @@ a pure function of its arguments. The machine that produces these values is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
+from protocol.openai_errors import error_event, error_json
 from protocol.pb import worker_pb2
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
@@ -242,9 +242,7 @@ class FailRequest:
 
     def error_body(self) -> bytes:
         """The OpenAI-style JSON error body for this failure."""
-        return json.dumps(
-            {"error": {"message": self.message, "type": _error_type(self.status), "code": self.status}}
-        ).encode()
+        return error_json(self.status, self.message, code=self.status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,15 +354,6 @@ def is_streaming(request: worker_pb2.TaskRequest) -> bool:
     return False
 
 
-def _error_type(status: int) -> str:
-    if status == 504:
-        return "timeout"
-    if 400 <= status < 500:
-        return "invalid_request_error"
-    return "server_error"
-
-
 def sse_error_event(status: int, message: str) -> bytes:
     """An error as one server-sent event, for a stream whose headers are already out."""
-    body = json.dumps({"error": {"message": message, "type": _error_type(status), "code": status}})
-    return f"data: {body}\n\n".encode()
+    return error_event(status, message, code=status)

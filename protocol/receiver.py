@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from http import HTTPStatus
 from typing import Union
 
+from protocol.openai_errors import status_line
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor import Processor
 from protocol.processor_types import (
@@ -96,18 +96,11 @@ def error_result(task_id: str, status: int, message: str, delivered: int = 0) ->
     status if nothing was sent yet, else a last server-sent event carrying the error."""
     if delivered == 0:
         body = FailRequest(None, task_id, status, message).error_body()
-        response = worker_pb2.HttpResponse(status_code=status, status=_status_line(status), body=body)
+        response = worker_pb2.HttpResponse(status_code=status, status=status_line(status), body=body)
         response.header["Content-Type"].values.append("application/json")
         return worker_pb2.TaskResult(task_id=task_id, result_index=0, http_response=response)
     event = worker_pb2.ServerSentEvent(data=sse_error_event(status, message), is_last_event=True)
     return worker_pb2.TaskResult(task_id=task_id, result_index=delivered, server_sent_event=event)
-
-
-def _status_line(status: int) -> str:
-    try:
-        return f"{status} {HTTPStatus(status).phrase}"
-    except ValueError:
-        return str(status)
 
 
 class Receiver:
@@ -251,7 +244,7 @@ class Receiver:
             return []
         self._tasks.discard(target)
         effects = self.processor.cancel(now, target)
-        ok = worker_pb2.HttpResponse(status_code=200, status=_status_line(200))
+        ok = worker_pb2.HttpResponse(status_code=200, status=status_line(200))
         self._send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok))
         return effects
 

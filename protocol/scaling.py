@@ -45,6 +45,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Union
 
+from protocol.openai_errors import error_body
 from protocol.scaling_labels import (
     CRASH_WAITING_REASONS,
     DEFAULT_MAX_REPLICAS,
@@ -113,9 +114,7 @@ class ScaleError:
 
     def openai_body(self) -> dict[str, dict[str, str | None]]:
         """The OpenAI-style error body for this answer."""
-        # OpenAI answers an unknown model with invalid_request_error/model_not_found.
-        kind = "invalid_request_error" if self.http_status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
+        return error_body(self.http_status, self.message, code=self.code)
 
     def headers(self) -> dict[str, str]:
         """``Retry-After`` (whole seconds, at least 1) when there is one."""

@@ -1,4 +1,4 @@
-"""Server-sent events: an incremental parser and an encoder; pure, no I/O.
+"""Server-sent events: an incremental parser, a block splitter and an encoder; pure, no I/O.
 
 Rules this file keeps: bytes in (split anywhere), events out, exactly as the
 HTML standard's event-stream interpretation says: CRLF, LF and CR line
@@ -12,22 +12,24 @@ buffering without end.
 On LLMariner's wire an engine forwards the runtime's stream verbatim:
 each ``ServerSentEvent.data`` is one framed block (``data: {...}\\n\\n``) and
 the gateway concatenates them into its response body, so this parser reads
-that body as it would the runtime's own.
+that body as it would the runtime's own; an engine cuts the runtime's stream
+into those blocks with :class:`SSEBlockSplitter`, byte for byte. Error events
+(``data: {"error": ...}``) come from :mod:`protocol.openai_errors`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.openai_errors import LocalUsageError, UpstreamError
 
 DEFAULT_MAX_EVENT_SIZE = 16 * 1024 * 1024
+#: What the data of the last event of a chat or completions stream says; the one definition.
 DONE_DATA = "[DONE]"
-DONE_EVENT = b"data: [DONE]\n\n"
+DONE_EVENT = b"data: " + DONE_DATA.encode("ascii") + b"\n\n"
 
 _BOM = b"\xef\xbb\xbf"
 _CR = 0x0D
@@ -154,6 +156,59 @@ class SSEParser:
         self._event_size = 0
 
 
+class SSEBlockSplitter:
+    """Cuts an event stream into its raw events, each with the blank line that ends it.
+
+    Unlike :class:`SSEParser` it keeps the runtime's framing
+    byte for byte (``event:``/``id:`` lines, comments, line ends), which is
+    what ``ServerSentEvent.data`` carries on LLMariner's wire. Empty blocks
+    (repeated blank lines) are skipped; an event longer than
+    ``max_event_size`` raises :class:`EventTooLarge`. Pure.
+    """
+
+    def __init__(self, max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE) -> None:
+        self.max_event_size = max_event_size
+        self._buffer = bytearray()
+        self._scan = 0
+        self._line_start = 0
+
+    def receive_data(self, data: bytes) -> list[bytes]:
+        """Feed bytes (split anywhere); returns the events they complete."""
+        buf = self._buffer
+        buf += data
+        events: list[bytes] = []
+        block_start = 0
+        while (match := _LINE_END.search(buf, self._scan)) is not None:
+            end = match.start()
+            if buf[end] == _CR:
+                if end + 1 == len(buf):
+                    break  # a CR LF may be split across reads
+                after = end + 2 if buf[end + 1] == _LF else end + 1
+            else:
+                after = end + 1
+            if end == self._line_start:
+                block = bytes(buf[block_start:after])
+                if end > block_start:
+                    events.append(block)
+                block_start = after
+            self._line_start = self._scan = after
+        del buf[:block_start]
+        self._scan -= block_start
+        self._line_start -= block_start
+        if self.max_event_size is not None and len(buf) > self.max_event_size:
+            raise EventTooLarge(f"A server-sent event exceeded {self.max_event_size} bytes.")
+        return events
+
+    def end_of_stream(self) -> bytes | None:
+        """An unterminated last event, closed with a blank line (None if there is none)."""
+        rest = bytes(self._buffer).rstrip(b"\r\n")
+        self._buffer.clear()
+        self._scan = self._line_start = 0
+        return rest + b"\n\n" if rest else None
+
+
+
+
 def encode_event(data: str | bytes, *, event: str | None = None, event_id: str | None = None) -> bytes:
     """One framed event; data holding line breaks becomes several ``data:`` lines.
 
@@ -174,11 +229,3 @@ def encode_event(data: str | bytes, *, event: str | None = None, event_id: str |
 def encode_json(value: Any) -> bytes:
     """One event whose data is ``value`` as compact JSON (one line, so one ``data:`` field)."""
     return encode_event(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
-
-
-def encode_error(error_body: Mapping[str, Any]) -> bytes:
-    """An error event in the form OpenAI and vLLM stream it: ``data: {"error": {...}}``.
-
-    Pass :meth:`protocol.openai_errors.OpenAIError.body`.
-    """
-    return encode_json(dict(error_body))

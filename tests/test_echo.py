@@ -11,15 +11,15 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai import (
-    LocalUsageError,
+from protocol.openai_completions import text_completion_event_data
+from protocol.openai_errors import LocalUsageError
+from protocol.openai_requests import (
     parse_audio_transcription,
     parse_chat_completion,
     parse_completion,
     parse_embedding,
     parse_model_response,
     parse_tokenize,
-    text_completion_event_data,
 )
 from protocol.pb import worker_pb2
 from protocol.sse import EventReceived, SSEParser

@@ -1,6 +1,6 @@
 """Hostile server-sent events from runtimes, on both sides of the wire.
 
-Engine side: :class:`~infx.runtimes.SSEBlockSplitter` cuts a runtime's stream
+Engine side: :class:`~protocol.sse.SSEBlockSplitter` cuts a runtime's stream
 into the events ``ServerSentEvent.data`` carries. Gateway side:
 :class:`~infx.gateway.CompletionTransform` turns chat events back into legacy
 completion events. Fed any bytes (lone CRs, NULs, invalid UTF-8, no blank
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from infx.gateway import CompletionTransform
-from infx.runtimes import SSEBlockSplitter
+from protocol.sse import SSEBlockSplitter
 from protocol.openai_errors import UpstreamError
 from tools.fuzz.drivers import check_runtime_answer
 

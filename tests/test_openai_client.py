@@ -15,14 +15,9 @@ except ImportError:  # pragma: no cover
     import httpx
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai import (
-    OpenAIError,
-    parse_chat_completion,
-    parse_completion,
-    parse_embedding,
-    text_completion_body,
-    text_completion_event_data,
-)
+from protocol.openai_completions import text_completion_body, text_completion_event_data
+from protocol.openai_errors import OpenAIError
+from protocol.openai_requests import parse_chat_completion, parse_completion, parse_embedding
 from protocol.pb import worker_pb2
 from protocol.sse import EventReceived, SSEParser, encode_event
 

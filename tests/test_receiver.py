@@ -213,7 +213,9 @@ def test_a_failure_after_results_were_relayed_ends_the_stream_with_an_error_even
     results = h.results()
     assert [r.result_index for r in results] == [0, 1]
     assert results[1].server_sent_event.is_last_event
-    assert b'"code": 502' in results[1].server_sent_event.data
+    event = results[1].server_sent_event.data
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[len(b"data: "):])["error"]["code"] == 502
 
 
 def test_a_cancel_request_from_the_peer_stops_the_local_engine_and_is_answered(h):

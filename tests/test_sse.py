@@ -6,14 +6,14 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.openai import InvalidRequestError
+from protocol.openai_errors import InvalidRequestError
 from protocol.sse import (
     DONE_EVENT,
     EventReceived,
     EventTooLarge,
     RetryReceived,
+    SSEBlockSplitter,
     SSEParser,
-    encode_error,
     encode_event,
     encode_json,
 )
@@ -177,6 +177,74 @@ def test_encoder_frames_json_done_errors_and_refuses_multiline_names():
     assert DONE_EVENT == b"data: [DONE]\n\n"
     assert encode_event(b'{"x":"\xc3\xa9"}\r\ny') == b'data: {"x":"\xc3\xa9"}\ndata: y\n\n'
     error = InvalidRequestError("bad", param="x")
-    assert json.loads(parse(encode_error(error.body()))[0].data) == error.body()
+    assert json.loads(parse(error.to_event())[0].data) == error.body()
     with pytest.raises(LocalUsageError):
         encode_event("x", event="a\nb")
+
+
+# -- SSEBlockSplitter: the runtime's stream cut into its raw events, byte for byte
+
+
+line_end = st.sampled_from(["\n", "\r\n", "\r"])
+field_line = st.tuples(
+    st.sampled_from(["data: ", "data:", "event: ", "id: ", ": "]),
+    st.text(st.characters(blacklist_characters="\r\n", codec="utf-8"), max_size=30),
+)
+
+
+@st.composite
+def event_streams(draw: st.DrawFn) -> tuple[list[bytes], bytes]:
+    # One line-end style per stream: a CR then an LF is one CR LF, however it was meant.
+    le = draw(line_end)
+    blocks = []
+    for _ in range(draw(st.integers(0, 6))):
+        lines = draw(st.lists(field_line, min_size=1, max_size=4))
+        text = "".join(prefix + value + le for prefix, value in lines) + le
+        blocks.append(text.encode("utf-8"))
+    # Extra blank lines between events dispatch nothing and are skipped.
+    separators = [draw(st.sampled_from([b"", le.encode()])) for _ in blocks]
+    stream = b"".join(sep + block for sep, block in zip(separators, blocks))
+    return blocks, stream
+
+
+@settings(max_examples=80, deadline=None)
+@given(event_streams(), st.lists(st.integers(1, 40), max_size=20))
+def test_splitter_returns_each_event_verbatim_however_the_stream_is_cut(
+    case: tuple[list[bytes], bytes], cuts: list[int]
+) -> None:
+    blocks, stream = case
+    splitter = SSEBlockSplitter()
+    out: list[bytes] = []
+    pos = 0
+    for size in cuts:
+        out += splitter.receive_data(stream[pos:pos + size])
+        pos += size
+    out += splitter.receive_data(stream[pos:])
+    # A trailing lone CR may be the first half of CR LF: it completes at the end of stream.
+    rest = splitter.end_of_stream()
+    if rest is not None:
+        assert blocks and blocks[-1].endswith(b"\r")
+        out.append(blocks[-1])
+    assert out == blocks
+
+
+def test_splitter_relays_an_event_far_larger_than_4_kib_in_one_piece() -> None:
+    payload = b"data: " + b"x" * 300_000 + b"\n\n"
+    splitter = SSEBlockSplitter()
+    out = []
+    for i in range(0, len(payload), 1000):
+        out += splitter.receive_data(payload[i:i + 1000])
+    assert out == [payload]
+
+
+def test_splitter_refuses_an_event_past_its_bound() -> None:
+    splitter = SSEBlockSplitter(max_event_size=100)
+    with pytest.raises(EventTooLarge):
+        splitter.receive_data(b"data: " + b"x" * 200)
+
+
+def test_splitter_closes_an_unterminated_last_event_at_end_of_stream() -> None:
+    splitter = SSEBlockSplitter()
+    assert splitter.receive_data(b"data: 1\n\ndata: [DONE]") == [b"data: 1\n\n"]
+    assert splitter.end_of_stream() == b"data: [DONE]\n\n"
+    assert splitter.end_of_stream() is None

@@ -1,0 +1,98 @@
+"""The one OpenAI error and status-line vocabulary: OpenAI's type map, the body's shape, error
+events a stream parser reads back, and status lines that never fail on a non-standard code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, strategies as st
+
+from protocol.openai_errors import (
+    InvalidRequestError,
+    NotImplementedRequestError,
+    OpenAIError,
+    UpstreamError,
+    error_body,
+    error_event,
+    error_json,
+    error_type_for,
+    event_of,
+    reason_phrase,
+    status_line,
+)
+from protocol.sse import EventReceived, SSEParser
+
+
+@pytest.mark.parametrize(("status", "kind"), [
+    (400, "invalid_request_error"), (401, "invalid_request_error"), (403, "invalid_request_error"),
+    (404, "invalid_request_error"), (413, "invalid_request_error"), (422, "invalid_request_error"),
+    (429, "requests"),
+    (500, "server_error"), (502, "server_error"), (503, "server_error"), (504, "server_error"),
+    (522, "server_error"), (599, "server_error"),
+])
+def test_the_type_map_is_openais_own(status, kind):
+    """OpenAI types client errors invalid_request_error, a 429 by the limit reached, and every
+    server error (its 503 "overloaded" too) server_error: the gateway's old 503 service_unavailable
+    and the processor's 504 timeout are gone."""
+    assert error_type_for(status) == kind
+    assert error_body(status, "m")["error"]["type"] == kind
+
+
+def test_the_body_has_openais_four_fields_and_a_precise_kind_wins():
+    assert error_body(404, "no such model", param="model", code="model_not_found") == {
+        "error": {"message": "no such model", "type": "invalid_request_error", "param": "model",
+                  "code": "model_not_found"}
+    }
+    assert error_body(502, "x", error_type="upstream_error")["error"]["type"] == "upstream_error"
+    # The processor keeps the status in ``code``, as it always did.
+    assert error_body(503, "x", code=503)["error"]["code"] == 503
+
+
+def test_error_json_is_compact_utf8_and_keeps_what_the_message_says():
+    raw = error_json(400, "é \ud800 \n")
+    assert b'": ' not in raw and b', "' not in raw and b"\xc3\xa9" in raw
+    assert json.loads(raw.decode("utf-8", "surrogatepass"))["error"]["message"] == "é \ud800 \n"
+
+
+def test_an_error_event_is_one_sse_event_whose_data_is_the_body():
+    event = error_event(503, "The engine is busy.\nTry later.", code=503)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n") and event.count(b"\n") == 2
+    (parsed,) = SSEParser().receive_data(event)
+    assert isinstance(parsed, EventReceived)
+    assert json.loads(parsed.data) == error_body(503, "The engine is busy.\nTry later.", code=503)
+    assert event_of(error_body(503, "The engine is busy.\nTry later.", code=503)) == event
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [
+    (InvalidRequestError("bad", param="messages"), 400, "invalid_request_error"),
+    (NotImplementedRequestError("no audio"), 501, "not_implemented"),
+    (UpstreamError("garbled"), 502, "upstream_error"),
+    (OpenAIError("bug"), 500, "server_error"),
+])
+def test_error_classes_speak_the_same_vocabulary(error, status, kind):
+    assert error.status == status
+    assert error.body() == error_body(status, error.message, error_type=kind, param=error.param, code=error.code)
+    assert json.loads(error.to_json()) == error.body()
+    assert error.to_event() == event_of(error.body())
+
+
+@pytest.mark.parametrize(("status", "line"), [
+    (200, "200 OK"), (202, "202 Accepted"), (404, "404 Not Found"), (503, "503 Service Unavailable"),
+    (522, "522"), (599, "599"), (999, "999"),
+])
+def test_status_lines_name_registered_codes_and_never_fail_on_others(status, line):
+    assert status_line(status) == line
+
+
+def test_a_peers_own_reason_is_kept_as_sent():
+    assert status_line(522, "Origin Connection Time-out") == "522 Origin Connection Time-out"
+    assert status_line(200, "Fine") == "200 Fine"
+    assert status_line(522, "") == "522"
+    assert reason_phrase(599) == "" and reason_phrase(429) == "Too Many Requests"
+
+
+@given(st.integers(min_value=-10, max_value=10_000))
+def test_status_line_takes_any_code(status):
+    line = status_line(status)
+    assert line == str(status) or line.startswith(f"{status} ")
