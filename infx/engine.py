@@ -90,7 +90,7 @@ class _Sink:
         if not self.ended:
             self.ended = True
             self.agent._tasks.pop(self.task_id, None)
-            self.agent._run(self.agent.core.finish_task(self.agent.clock.seconds(), self.task_id))
+            self.agent._run(self.agent.core.finish_task(self.task_id, self.agent.clock.seconds()))
 
 
 class EngineAgent(Service):
@@ -149,12 +149,12 @@ class EngineAgent(Service):
         self._stopped = stopped
         log.info("engine {engine_id} draining {n} tasks", engine_id=self.core.config.engine_id,
                  n=self.core.in_progress)
-        self._run(self.core.shutdown(self.clock.seconds(), self.grace))
+        self._run(self.core.shutdown(self.grace, self.clock.seconds()))
         return stopped
 
     def runtime_changed(self, ready: bool, models: tuple[str, ...]) -> None:
         """The runtime's health check changed its verdict (:mod:`infx.runtime_watch`)."""
-        self._run(self.core.runtime_changed(self.clock.seconds(), ready, models))
+        self._run(self.core.runtime_changed(ready, models, self.clock.seconds()))
 
     # -- effects ------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class EngineAgent(Service):
         self._timer.arm(self.core.next_deadline())
 
     def _on_timer(self) -> None:
-        self._run(self.core.handle_timer(self.clock.seconds()))
+        self._run(self.core.handle_timeout(self.clock.seconds()))
 
     # -- streams ------------------------------------------------------------------
 
@@ -220,7 +220,7 @@ class EngineAgent(Service):
         def confirmed(_: Any) -> None:
             if call.final is None:
                 self.core.stream_confirmed(stream_id)
-                self._log_repeats(self._stream_failures.cleared(self.clock.seconds(), "stream"))
+                self._log_repeats(self._stream_failures.cleared("stream", self.clock.seconds()))
                 log.info("engine {engine_id}: stream {stream_id} accepted by the gateway",
                          engine_id=self.core.config.engine_id, stream_id=stream_id)
 
@@ -239,7 +239,7 @@ class EngineAgent(Service):
             return
         if message.HasField("new_task"):
             try:
-                effects = self.core.task_received(self.clock.seconds(), stream_id, message.new_task)
+                effects = self.core.task_received(stream_id, message.new_task, self.clock.seconds())
             except GatewayProtocolError as exc:
                 log.warn("engine {engine_id}: {error}", engine_id=self.core.config.engine_id, error=str(exc))
             else:
@@ -249,12 +249,12 @@ class EngineAgent(Service):
     def _ended(self, stream_id: int, failure: Failure | None) -> None:
         stream = self._streams.pop(stream_id)
         reason = "ended by the gateway" if failure is None else failure.getErrorMessage()
-        self._log_repeats(self._stream_failures.occurred(self.clock.seconds(), "stream", f"stream closed: {reason}"))
+        self._log_repeats(self._stream_failures.occurred("stream", f"stream closed: {reason}", self.clock.seconds()))
         use = self._channels[stream.channel]
         use.streams -= 1
         if use.streams == 0 and stream.channel is not self._channel:
             self._close_channel(stream.channel)
-        self._run(self.core.stream_closed(self.clock.seconds(), stream_id, self._jitter()))
+        self._run(self.core.stream_closed(stream_id, self._jitter(), self.clock.seconds()))
 
     def _log_repeats(self, reports: list[RepeatReport]) -> None:
         for report in reports:

@@ -344,7 +344,7 @@ class PeerReceiver:
                 self.streams_opened += 1
                 if self.state is ReceiverLoopState.CONNECTING:
                     self.state = ReceiverLoopState.OPEN
-                self._log(self._failures.cleared(self.clock.seconds(), "stream"))
+                self._log(self._failures.cleared("stream", self.clock.seconds()))
                 log.info("peer {name}: connected at {address}", name=self.name, address=str(self.address),
                          event="peer_connected")
 
@@ -367,7 +367,7 @@ class PeerReceiver:
                     why = f"lost: {e.code.name} {e.message}"
                 else:
                     why = f"cannot be reached: {e.code.name} {e.message}"
-                self._log(self._failures.occurred(self.clock.seconds(), "stream", f"peer {self.name} {why}"),
+                self._log(self._failures.occurred("stream", f"peer {self.name} {why}", self.clock.seconds()),
                           warn=e.code is StatusCode.UNAUTHENTICATED)
         except RemoteProtocolError as e:
             log.warn("peer {name} broke the protocol: {error}", name=self.name, error=str(e))
@@ -534,7 +534,7 @@ class Exchanger:
             address = str(call.peer)
             host = address.rsplit(":", 1)[0]
             text = f"peer at {host} refused: missing or wrong internal secret"
-            for report in self._refusals.occurred(self.clock.seconds(), host, text):
+            for report in self._refusals.occurred(host, text, self.clock.seconds()):
                 log.warn("{text}", text=report.text(), address=address, event="peer_refused", count=report.count)
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         if self._shutting_down:

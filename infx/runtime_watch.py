@@ -86,7 +86,7 @@ class RuntimeWatch(Service):
         self.agent = agent
         self.runtime = runtime
         self.changed = changed
-        self._timer = DeadlineTimer(clock, lambda: self._run(self.machine.handle_timer(self.clock.seconds())))
+        self._timer = DeadlineTimer(clock, lambda: self._run(self.machine.handle_timeout(self.clock.seconds())))
         self._pending: Deferred[object] | None = None
         runtime.on_unreachable.append(self._unreachable)
 
@@ -130,11 +130,11 @@ class RuntimeWatch(Service):
             body: Deferred[bytes] = Deferred()
             response.deliverBody(_CappedBody(body))
             return body.addCallback(lambda data: self._outcome(
-                pending, lambda now: self.machine.check_answered(now, check.check_id, response.code, data)))
+                pending, lambda now: self.machine.check_answered(check.check_id, response.code, data, now)))
 
         def failed(failure: Failure) -> None:
             reason = failure.getErrorMessage() or failure.type.__name__
-            self._outcome(pending, lambda now: self.machine.check_failed(now, check.check_id, reason))
+            self._outcome(pending, lambda now: self.machine.check_failed(check.check_id, reason, now))
 
         pending.addCallback(answered)
         pending.addErrback(failed)

@@ -126,7 +126,7 @@ class _EchoTask:
         self._clock = clock
         self._sink = sink
         self._started = clock.seconds()
-        self._schedule = echo_task(task, self._started, config)
+        self._schedule = echo_task(task, config, self._started)
         self._next = 0
         self._aborted = False
         self._call: IDelayedCall | None = None

@@ -147,7 +147,7 @@ class WorkerService:
     def _refused(self, address: str, why: str) -> None:
         host = address.rsplit(":", 1)[0] if ":" in address else address
         now = self.dispatcher.clock.seconds()
-        for report in self.refusals.occurred(now, host, f"engine at {host} refused: {why}"):
+        for report in self.refusals.occurred(host, f"engine at {host} refused: {why}", now):
             log.warn("{text}", text=report.text(), address=address, event="engine_refused", count=report.count)
 
 

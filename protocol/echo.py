@@ -87,7 +87,7 @@ class ScheduledResult:
     is_last: bool
 
 
-def echo_task(task: worker_pb2.Task, now: float, config: EchoConfig = EchoConfig()) -> list[ScheduledResult]:
+def echo_task(task: worker_pb2.Task, config: EchoConfig, now: float) -> list[ScheduledResult]:
     """All results of ``task``, in order; ``now`` (seconds since the epoch) stamps ``created``."""
     kind = task.request.WhichOneof("request")
     created = int(now)

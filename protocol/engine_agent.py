@@ -1,10 +1,13 @@
 """The engine agent's bookkeeping: streams to the gateway, tasks in flight, status; pure.
 
 Rules this file keeps: no I/O, no clock reads, no randomness. Every input is
-a method call that takes ``now`` (seconds, any monotonic scale) and returns
-the effects the caller must perform, in order, as frozen dataclasses;
-``next_deadline()`` says when to call ``handle_timer(now)``. Jitter for the
-reconnect backoff is an argument, so a simulation decides it. Everything
+a method call that takes ``now`` (seconds, any monotonic scale; always the
+last argument, never defaulted) and returns the effects the caller must
+perform, in order, as frozen dataclasses; ``next_deadline()`` says when to
+call ``handle_timeout(now)``. Jitter for the reconnect backoff is an
+argument the caller must give, so a simulation decides it. A closed stream
+is forgotten at once (its id stays known as closed, because ids only grow),
+so that reconnecting for days keeps the machine as small as on day one. Everything
 that changes which task runs, which stream a result goes to, and what the
 gateway is told about this engine lives here; running a task is the
 runtime's business (``StartTask`` / ``AbortTask``).
@@ -13,7 +16,7 @@ Streams (``StreamState``)::
 
     start / reconnect / go-away -> OPEN     the current stream; status reports go here
     OPEN    -> RETIRING   go-away: answered 202, a new stream replaces it; its tasks finish here
-    OPEN | RETIRING -> CLOSED   the gateway ended it / it failed / it is retired and idle
+    OPEN | RETIRING -> CLOSED   the gateway ended it / it failed / it is retired and idle (then forgotten)
 
 Agent (``AgentState``)::
 
@@ -300,7 +303,13 @@ class EngineAgentCore:
 
     def stream_state(self, stream_id: int) -> StreamState:
         """State of a stream this machine opened."""
-        return self._stream(stream_id).state
+        stream = self._stream(stream_id)
+        return StreamState.CLOSED if stream is None else stream.state
+
+    @property
+    def held_streams(self) -> tuple[int, ...]:
+        """The streams the machine keeps (open or retiring): closed ones are forgotten."""
+        return tuple(self._streams)
 
     @property
     def in_progress(self) -> int:
@@ -350,7 +359,7 @@ class EngineAgentCore:
         )
 
     def next_deadline(self) -> float | None:
-        """When ``handle_timer`` must run next, or None."""
+        """When ``handle_timeout`` must run next, or None."""
         candidates: list[float] = []
         if self._reconnect_at is not None:
             candidates.append(self._reconnect_at)
@@ -376,8 +385,9 @@ class EngineAgentCore:
         self._open(now, False, effects)
         return effects
 
-    def runtime_changed(self, now: float, ready: bool, models: tuple[str, ...] = ()) -> list[Effect]:
-        """The runtime started or stopped answering, or lists other ``models``; the gateway is told at once."""
+    def runtime_changed(self, ready: bool, models: tuple[str, ...], now: float) -> list[Effect]:
+        """The runtime started or stopped answering, or lists other ``models`` (``()``: none of its
+        own); the gateway is told at once."""
         if any(not m for m in models) or len(set(models)) != len(models):
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
         self._runtime_ready = ready
@@ -388,10 +398,10 @@ class EngineAgentCore:
 
     def stream_confirmed(self, stream_id: int) -> None:
         """The gateway answered on this stream (headers or a task): the backoff starts over."""
-        if self._stream(stream_id).state is not StreamState.CLOSED:
+        if self._stream(stream_id) is not None:
             self._failures = 0
 
-    def task_received(self, now: float, stream_id: int, task: worker_pb2.Task) -> list[Effect]:
+    def task_received(self, stream_id: int, task: worker_pb2.Task, now: float) -> list[Effect]:
         """A Task arrived on a stream.
 
         A task on a stream we already closed is dropped: we half-closed it,
@@ -400,7 +410,7 @@ class EngineAgentCore:
         id is that of a task still in flight.
         """
         stream = self._stream(stream_id)
-        if stream.state is StreamState.CLOSED:
+        if stream is None:
             return []
         self.stream_confirmed(stream_id)
         if task.id in self._tasks:
@@ -455,7 +465,7 @@ class EngineAgentCore:
         task.next_index += 1
         return [SendResult(task.stream_id, out)]
 
-    def finish_task(self, now: float, task_id: str) -> list[Effect]:
+    def finish_task(self, task_id: str, now: float) -> list[Effect]:
         """The runtime is done with the task (after its last result, or after failing)."""
         task = self._tasks.get(task_id)
         if task is None:
@@ -470,7 +480,7 @@ class EngineAgentCore:
         self._check_drained(effects)
         return effects
 
-    def stream_closed(self, now: float, stream_id: int, jitter: float = 0.5) -> list[Effect]:
+    def stream_closed(self, stream_id: int, jitter: float, now: float) -> list[Effect]:
         """The stream ended (the gateway closed it, or it failed); its tasks are aborted.
 
         ``jitter`` in [0, 1) places the reconnect delay within its band.
@@ -478,11 +488,11 @@ class EngineAgentCore:
         """
         stream = self._stream(stream_id)
         effects: list[Effect] = []
-        if stream.state is StreamState.CLOSED:
+        if stream is None:
             return effects
-        stream.state = StreamState.CLOSED
         for task_id in [t for t in self._tasks if t in stream.tasks]:
             self._drop(task_id, effects)
+        self._close(stream)
         self._start_waiting(effects)
         if stream_id == self._current:
             self._current = None
@@ -492,7 +502,7 @@ class EngineAgentCore:
         self._check_drained(effects)
         return effects
 
-    def shutdown(self, now: float, grace: float) -> list[Effect]:
+    def shutdown(self, grace: float, now: float) -> list[Effect]:
         """Stop taking work: report ready=false, let tasks finish for up to ``grace`` seconds."""
         if self.state is AgentState.IDLE:
             self.state = AgentState.STOPPED
@@ -507,7 +517,7 @@ class EngineAgentCore:
         self._check_drained(effects)
         return effects
 
-    def handle_timer(self, now: float) -> list[Effect]:
+    def handle_timeout(self, now: float) -> list[Effect]:
         """Time passed: expire tasks, reconnect, periodic status, retire idle streams, end the drain."""
         effects: list[Effect] = []
         if self._drain_deadline is not None and now >= self._drain_deadline:
@@ -533,11 +543,16 @@ class EngineAgentCore:
 
     # -- internals ----------------------------------------------------------------
 
-    def _stream(self, stream_id: int) -> _Stream:
-        stream = self._streams.get(stream_id)
-        if stream is None:
+    def _stream(self, stream_id: int) -> _Stream | None:
+        """The stream, or None once it is closed; ids this machine never gave out are misuse."""
+        if not 1 <= stream_id < self._next_stream_id:
             raise AgentUsageError(f"unknown stream {stream_id}")
-        return stream
+        return self._streams.get(stream_id)
+
+    def _close(self, stream: _Stream) -> None:
+        """The stream is CLOSED: forget it (its id, below ``_next_stream_id``, reads as closed)."""
+        stream.state = StreamState.CLOSED
+        del self._streams[stream.id]
 
     def _open(self, now: float, new_connection: bool, effects: list[Effect]) -> None:
         stream = _Stream(id=self._next_stream_id, state=StreamState.OPEN, opened_at=now)
@@ -583,12 +598,14 @@ class EngineAgentCore:
         task = self._tasks.pop(task_id)
         if task.running:
             self._running -= 1
-        self._streams[task.stream_id].tasks.discard(task_id)
+        stream = self._streams.get(task.stream_id)
+        if stream is not None:
+            stream.tasks.discard(task_id)
 
     def _retire_idle(self, now: float, effects: list[Effect]) -> None:
-        for stream in self._streams.values():
+        for stream in list(self._streams.values()):
             if stream.state is StreamState.RETIRING and not stream.tasks and now >= stream.linger_until:
-                stream.state = StreamState.CLOSED
+                self._close(stream)
                 effects.append(CloseStream(stream.id))
 
     def _status_due(self, stream: _Stream) -> float:
@@ -615,8 +632,7 @@ class EngineAgentCore:
         self.state = AgentState.STOPPED
         self._drain_deadline = None
         self._current = None
-        for stream in self._streams.values():
-            if stream.state is not StreamState.CLOSED:
-                stream.state = StreamState.CLOSED
-                effects.append(CloseStream(stream.id))
+        for stream in list(self._streams.values()):
+            self._close(stream)
+            effects.append(CloseStream(stream.id))
         effects.append(Stopped())

@@ -1,13 +1,13 @@
 """Repeated identical failures, logged once with a count rather than once per retry.
 
-No I/O, no clock reads: ``now`` is an argument. A reconnect loop that fails
+No I/O, no clock reads: ``now`` is an argument (the last, never defaulted). A reconnect loop that fails
 the same way every few seconds (a wrong key, a gateway that is not there)
 would otherwise write the same lines forever; an operator needs the first
 occurrence, then how often it went on, then that it stopped.
 
 Shape: call :meth:`RepeatSuppressor.occurred` for every failure and
 :meth:`RepeatSuppressor.cleared` on success; each returns the
-:class:`RepeatReport` to log, or None when nothing new is worth a line.
+:class:`RepeatReport` lines to log, none when nothing new is worth a line.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class RepeatSuppressor:
         self.max_keys = max_keys
         self._runs: dict[Hashable, _Run] = {}
 
-    def occurred(self, now: float, key: Hashable, message: str) -> list[RepeatReport]:
+    def occurred(self, key: Hashable, message: str, now: float) -> list[RepeatReport]:
         """A failure happened: the lines to log now (none while a run is being counted)."""
         run = self._runs.get(key)
         reports: list[RepeatReport] = []
@@ -98,7 +98,7 @@ class RepeatSuppressor:
             run.reported_at = now
         return reports
 
-    def cleared(self, now: float, key: Hashable) -> list[RepeatReport]:
+    def cleared(self, key: Hashable, now: float) -> list[RepeatReport]:
         """The failing thing succeeded: a closing line if the failure had repeated."""
         run = self._runs.get(key)
         return [] if run is None else self._stop(now, key, run)

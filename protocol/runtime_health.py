@@ -1,8 +1,8 @@
 """Whether the runtime behind an engine agent answers: its health check as a state machine; pure.
 
 Rules this file keeps: no I/O, no clock reads. Inputs are method calls that
-take ``now`` and return effects as frozen dataclasses; ``next_deadline()``
-says when to call ``handle_timer(now)``. The caller performs a
+take ``now`` (last, never defaulted) and return effects as frozen
+dataclasses; ``next_deadline()`` says when to call ``handle_timeout(now)``. The caller performs a
 :class:`CheckRuntime` (an HTTP GET of ``path`` on the runtime) and reports
 its outcome with the check's ``check_id``; an outcome of a check that was
 abandoned (it timed out) is ignored.
@@ -130,7 +130,7 @@ class RuntimeHealth:
         return self.state is HealthState.UP
 
     def next_deadline(self) -> float | None:
-        """When ``handle_timer`` must run next, or None."""
+        """When ``handle_timeout`` must run next, or None."""
         if self._in_flight is not None:
             return self._in_flight_since + self.config.timeout
         return self._next_check
@@ -142,7 +142,7 @@ class RuntimeHealth:
         self._started = True
         return [self._check(now)]
 
-    def check_answered(self, now: float, check_id: int, status: int, body: bytes) -> list[HealthEffect]:
+    def check_answered(self, check_id: int, status: int, body: bytes, now: float) -> list[HealthEffect]:
         """The runtime answered check ``check_id`` with ``status`` and ``body``."""
         if check_id != self._in_flight:
             return []
@@ -162,7 +162,7 @@ class RuntimeHealth:
             models = listed
         return self._up(now, models, f"{self.path} answered")
 
-    def check_failed(self, now: float, check_id: int, reason: str) -> list[HealthEffect]:
+    def check_failed(self, check_id: int, reason: str, now: float) -> list[HealthEffect]:
         """Check ``check_id`` got no answer (connection refused, reset, ...)."""
         if check_id != self._in_flight:
             return []
@@ -175,7 +175,7 @@ class RuntimeHealth:
             return []
         return [self._check(now)]
 
-    def handle_timer(self, now: float) -> list[HealthEffect]:
+    def handle_timeout(self, now: float) -> list[HealthEffect]:
         """Time passed: a check timed out, or the next one is due."""
         if self._in_flight is not None:
             if now < self._in_flight_since + self.config.timeout:

@@ -55,7 +55,7 @@ def stream_events(results):
 
 
 def test_a_chat_completion_echoes_the_last_user_message_exactly_when_its_last_token_is_due():
-    [result] = echo_task(chat_task(), NOW, CONFIG)
+    [result] = echo_task(chat_task(), CONFIG, NOW)
     completion = ChatCompletion.model_validate(body_of(result))
     assert completion.choices[0].message.content == "  hello   brave new\tworld "
     assert completion.choices[0].finish_reason == "stop"
@@ -69,7 +69,7 @@ def test_a_chat_completion_echoes_the_last_user_message_exactly_when_its_last_to
 
 
 def test_a_stream_sends_the_head_a_role_chunk_one_chunk_per_word_the_finish_the_usage_and_done():
-    results = echo_task(chat_task(stream=True, stream_options={"include_usage": True}), NOW, CONFIG)
+    results = echo_task(chat_task(stream=True, stream_options={"include_usage": True}), CONFIG, NOW)
     head = results[0].result.http_response
     assert head.status_code == 200 and list(head.header["Content-Type"].values) == ["text/event-stream"]
     assert [r.result.result_index for r in results] == list(range(len(results)))
@@ -87,23 +87,23 @@ def test_a_stream_sends_the_head_a_role_chunk_one_chunk_per_word_the_finish_the_
 
 
 def test_without_include_usage_there_is_no_usage_chunk_and_no_usage_key():
-    results = echo_task(chat_task(text="a b", stream=True), NOW, CONFIG)
+    results = echo_task(chat_task(text="a b", stream=True), CONFIG, NOW)
     data = stream_events(results)
     assert len(data) == 1 + 2 + 1 + 1
     assert all("usage" not in json.loads(d) for d in data[:-1])
 
 
 def test_max_tokens_cuts_the_echo_short_with_finish_reason_length():
-    [result] = echo_task(chat_task(text="one two three four", max_tokens=2), NOW, CONFIG)
+    [result] = echo_task(chat_task(text="one two three four", max_tokens=2), CONFIG, NOW)
     choice = body_of(result)["choices"][0]
     assert choice["message"]["content"] == "one two " and choice["finish_reason"] == "length"
     assert result.due == 1.0
 
 
 def test_n_choices_are_all_echoed():
-    [result] = echo_task(chat_task(text="x", n=3), NOW, CONFIG)
+    [result] = echo_task(chat_task(text="x", n=3), CONFIG, NOW)
     assert [c["index"] for c in body_of(result)["choices"]] == [0, 1, 2]
-    streamed = echo_task(chat_task(text="x y", n=2, stream=True), NOW, CONFIG)
+    streamed = echo_task(chat_task(text="x y", n=2, stream=True), CONFIG, NOW)
     chunks = [json.loads(d) for d in stream_events(streamed)[:-1]]
     assert sorted({c["choices"][0]["index"] for c in chunks}) == [0, 1]
 
@@ -111,19 +111,19 @@ def test_n_choices_are_all_echoed():
 def test_a_wire_n_beyond_openais_bound_is_a_400_result():
     request = chat_task()
     request.request.chat_completion.n = 2**31 - 1
-    [result] = echo_task(request, NOW, CONFIG)
+    [result] = echo_task(request, CONFIG, NOW)
     assert result.result.http_response.status_code == 400 and body_of(result)["error"]["param"] == "n"
 
 
 def test_a_conversation_without_a_user_message_echoes_nothing_at_once():
-    [result] = echo_task(chat_task(messages=[{"role": "system", "content": "only system"}]), NOW, CONFIG)
+    [result] = echo_task(chat_task(messages=[{"role": "system", "content": "only system"}]), CONFIG, NOW)
     assert body_of(result)["choices"][0]["message"]["content"] == "" and result.due == 0.0
 
 
 @settings(max_examples=100, deadline=None)
 @given(st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=60))
 def test_streamed_pieces_rebuild_any_text_and_count_its_words(text):
-    results = echo_task(chat_task(text=text, stream=True), NOW, EchoConfig(token_delay=0.1))
+    results = echo_task(chat_task(text=text, stream=True), EchoConfig(token_delay=0.1), NOW)
     chunks = [json.loads(d) for d in stream_events(results)[:-1]]
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert content == (text if text.split() else "")
@@ -134,7 +134,7 @@ def test_streamed_pieces_rebuild_any_text_and_count_its_words(text):
 
 def test_legacy_completions_stream_through_the_echo_and_back():
     parsed = parse_completion(json.dumps({"model": "echo", "prompt": "say it", "stream": True}).encode())
-    results = echo_task(task(parsed), NOW, CONFIG)
+    results = echo_task(task(parsed), CONFIG, NOW)
     data = [text_completion_event_data(d.encode()) for d in stream_events(results)]
     assert data[-1] == b"[DONE]"
     texts = [json.loads(d)["choices"][0]["text"] for d in data[:-1]]
@@ -143,7 +143,7 @@ def test_legacy_completions_stream_through_the_echo_and_back():
 
 
 def embed(**fields):
-    [result] = echo_task(task(parse_embedding(json.dumps({"model": "e", **fields}).encode())), NOW, CONFIG)
+    [result] = echo_task(task(parse_embedding(json.dumps({"model": "e", **fields}).encode())), CONFIG, NOW)
     return result
 
 
@@ -174,12 +174,11 @@ def test_too_many_dimensions_are_a_400_result_not_an_allocation():
 
 
 def test_tokenize_counts_words():
-    [result] = echo_task(task(parse_tokenize(b'{"model": "m", "prompt": "a b  c"}')), NOW, CONFIG)
+    [result] = echo_task(task(parse_tokenize(b'{"model": "m", "prompt": "a b  c"}')), CONFIG, NOW)
     out = body_of(result)
     assert out["count"] == 3 and len(out["tokens"]) == 3 and out["max_model_len"] == 4096
     [result] = echo_task(task(parse_tokenize(
-        b'{"model": "m", "messages": [{"role": "user", "content": "a b"}, {"role": "user", "content": "c"}]}')),
-        NOW, CONFIG)
+        b'{"model": "m", "messages": [{"role": "user", "content": "a b"}, {"role": "user", "content": "c"}]}')), CONFIG, NOW)
     assert body_of(result)["count"] == 3
 
 
@@ -188,7 +187,7 @@ def test_tokenize_counts_words():
     parse_model_response(b'{"model": "m", "input": "hi"}'),
 ])
 def test_kinds_the_echo_does_not_serve_get_a_501_with_an_openai_error_body(parsed):
-    [result] = echo_task(task(parsed), NOW, CONFIG)
+    [result] = echo_task(task(parsed), CONFIG, NOW)
     assert result.result.http_response.status_code == 501 and result.is_last
     assert result.result.http_response.status == "501 Not Implemented"
     assert body_of(result)["error"]["type"] == "not_implemented"
@@ -199,7 +198,7 @@ def test_agent_business_is_refused_as_misuse(kind):
     request = worker_pb2.TaskRequest()
     getattr(request, kind).SetInParent()
     with pytest.raises(LocalUsageError):
-        echo_task(worker_pb2.Task(id="x", request=request), NOW, CONFIG)
+        echo_task(worker_pb2.Task(id="x", request=request), CONFIG, NOW)
 
 
 def test_config_is_validated():

@@ -106,67 +106,67 @@ def test_start_opens_a_stream_and_reports_ready_status_at_once() -> None:
 def test_status_is_repeated_every_status_interval_when_nothing_changes() -> None:
     agent = running_agent()
     assert agent.next_deadline() == 10.0
-    assert agent.handle_timer(9.9) == []
-    [status] = statuses(agent.handle_timer(10.0))
+    assert agent.handle_timeout(9.9) == []
+    [status] = statuses(agent.handle_timeout(10.0))
     assert status.stream_id == 1
     assert agent.next_deadline() == 20.0
 
 
 def test_heartbeat_is_answered_200_on_its_own_stream_and_starts_nothing() -> None:
     agent = running_agent()
-    effects = agent.task_received(1.0, 1, heartbeat("hb-1"))
+    effects = agent.task_received(1, heartbeat("hb-1"), 1.0)
     assert answers(effects) == [(1, "hb-1", 200)]
     assert agent.in_progress == 0
 
 
 def test_tasks_beyond_max_concurrency_wait_and_start_as_slots_free() -> None:
     agent = running_agent()
-    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
-    assert started(agent.task_received(1.0, 1, chat("b"))) == ["b"]
-    assert started(agent.task_received(1.0, 1, embed("c"))) == []
+    assert started(agent.task_received(1, chat("a"), 1.0)) == ["a"]
+    assert started(agent.task_received(1, chat("b"), 1.0)) == ["b"]
+    assert started(agent.task_received(1, embed("c"), 1.0)) == []
     assert (agent.running, agent.in_progress) == (2, 3)
-    assert started(agent.finish_task(2.0, "a")) == ["c"]
+    assert started(agent.finish_task("a", 2.0)) == ["c"]
     assert (agent.running, agent.in_progress) == (2, 2)
 
 
 def test_tasks_past_the_queue_bound_are_answered_503_at_once_and_the_queue_takes_more_as_it_drains() -> None:
     agent = running_agent(max_concurrency=1, max_queued=2)
-    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
-    assert answers(agent.task_received(1.0, 1, chat("b")) + agent.task_received(1.0, 1, embed("c"))) == []
-    refused = agent.task_received(1.0, 1, chat("d"))
+    assert started(agent.task_received(1, chat("a"), 1.0)) == ["a"]
+    assert answers(agent.task_received(1, chat("b"), 1.0) + agent.task_received(1, embed("c"), 1.0)) == []
+    refused = agent.task_received(1, chat("d"), 1.0)
     assert answers(refused) == [(1, "d", 503)] and started(refused) == []
     body = json.loads([e for e in refused if isinstance(e, SendResult)][0].result.http_response.body)
     assert "at capacity" in body["error"]["message"]
     assert (agent.running, agent.queued, agent.in_progress) == (1, 2, 3)
     assert agent.task_stream("d") is None
-    assert started(agent.finish_task(2.0, "a")) == ["b"]
-    assert answers(agent.task_received(2.0, 1, chat("e"))) == []  # room again
+    assert started(agent.finish_task("a", 2.0)) == ["b"]
+    assert answers(agent.task_received(1, chat("e"), 2.0)) == []  # room again
     assert (agent.running, agent.queued) == (1, 2)
 
 
 def test_queue_bound_defaults_to_four_times_max_concurrency_and_zero_queues_nothing() -> None:
     assert config(max_concurrency=3).queue_limit == 12
     agent = running_agent(max_concurrency=1, max_queued=0)
-    assert started(agent.task_received(1.0, 1, chat("a"))) == ["a"]
-    assert answers(agent.task_received(1.0, 1, chat("b"))) == [(1, "b", 503)]
+    assert started(agent.task_received(1, chat("a"), 1.0)) == ["a"]
+    assert answers(agent.task_received(1, chat("b"), 1.0)) == [(1, "b", 503)]
     # Control tasks are never refused for capacity.
-    assert answers(agent.task_received(1.0, 1, heartbeat("hb"))) == [(1, "hb", 200)]
+    assert answers(agent.task_received(1, heartbeat("hb"), 1.0)) == [(1, "hb", 200)]
 
 
 def test_in_progress_counts_per_model_are_reported_coalesced_within_min_interval() -> None:
     agent = running_agent()
-    first = statuses(agent.task_received(1.0, 1, chat("a")))
+    first = statuses(agent.task_received(1, chat("a"), 1.0))
     assert [counts(s) for s in first] == [{"m1": 1, "m2": 0}]
-    assert statuses(agent.task_received(1.1, 1, embed("b"))) == []
-    assert statuses(agent.task_received(1.2, 1, embed("c"))) == []
+    assert statuses(agent.task_received(1, embed("b"), 1.1)) == []
+    assert statuses(agent.task_received(1, embed("c"), 1.2)) == []
     assert agent.next_deadline() == 1.5
-    [status] = statuses(agent.handle_timer(1.5))
+    [status] = statuses(agent.handle_timeout(1.5))
     assert counts(status) == {"m1": 1, "m2": 2}
 
 
 def test_results_go_to_the_tasks_stream_with_indexes_stamped_in_order() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1, chat("a"), 1.0)
     head = worker_pb2.TaskResult(http_response=worker_pb2.HttpResponse(status_code=200))
     sent = agent.send_result("a", head) + agent.send_result("a", sse(b"data: x\n\n")) + agent.send_result(
         "a", sse(b"", last=True)
@@ -178,8 +178,8 @@ def test_results_go_to_the_tasks_stream_with_indexes_stamped_in_order() -> None:
 
 def test_result_before_start_is_misuse_and_result_of_unknown_task_is_dropped() -> None:
     agent = running_agent(max_concurrency=1)
-    agent.task_received(1.0, 1, chat("a"))
-    agent.task_received(1.0, 1, chat("b"))
+    agent.task_received(1, chat("a"), 1.0)
+    agent.task_received(1, chat("b"), 1.0)
     with pytest.raises(AgentUsageError):
         agent.send_result("b", sse(b"data: x\n\n"))
     assert agent.send_result("nope", sse(b"data: x\n\n")) == []
@@ -187,12 +187,12 @@ def test_result_before_start_is_misuse_and_result_of_unknown_task_is_dropped() -
 
 def test_cancel_of_running_task_aborts_it_answers_200_and_drops_later_results() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
-    effects = agent.task_received(2.0, 1, cancel("c-1", "a"))
+    agent.task_received(1, chat("a"), 1.0)
+    effects = agent.task_received(1, cancel("c-1", "a"), 2.0)
     assert AbortTask("a") in effects
     assert answers(effects) == [(1, "c-1", 200)]
     assert agent.send_result("a", sse(b"data: late\n\n")) == []
-    assert agent.finish_task(3.0, "a") == []
+    assert agent.finish_task("a", 3.0) == []
     assert agent.in_progress == 0
 
 
@@ -202,17 +202,17 @@ def test_a_task_past_its_timeout_is_answered_504_and_its_slot_goes_to_the_next()
     slow.timeout_seconds = 5
     waiting = chat("b")
     waiting.timeout_seconds = 30
-    agent.task_received(1.0, 1, slow)
-    agent.task_received(2.0, 1, waiting)
+    agent.task_received(1, slow, 1.0)
+    agent.task_received(1, waiting, 2.0)
     assert agent.next_deadline() == 6.0
-    assert agent.handle_timer(5.9) == []
-    effects = agent.handle_timer(6.0)
+    assert agent.handle_timeout(5.9) == []
+    effects = agent.handle_timeout(6.0)
     assert AbortTask("a") in effects
     assert answers(effects) == [(1, "a", 504)]
     assert started(effects) == ["b"]
     assert agent.send_result("a", sse(b"data: late\n\n")) == []
-    assert answers(agent.handle_timer(31.9)) == []
-    assert answers(agent.handle_timer(32.0)) == [(1, "b", 504)]  # 30 s from its arrival
+    assert answers(agent.handle_timeout(31.9)) == []
+    assert answers(agent.handle_timeout(32.0)) == [(1, "b", 504)]  # 30 s from its arrival
 
 
 def test_a_streaming_task_past_its_timeout_is_aborted_without_a_second_response() -> None:
@@ -221,9 +221,9 @@ def test_a_streaming_task_past_its_timeout_is_aborted_without_a_second_response(
     agent = running_agent()
     task = chat("a")
     task.timeout_seconds = 5
-    agent.task_received(1.0, 1, task)
+    agent.task_received(1, task, 1.0)
     agent.send_result("a", sse(b"data: one\n\n"))
-    effects = agent.handle_timer(6.0)
+    effects = agent.handle_timeout(6.0)
     assert AbortTask("a") in effects
     assert answers(effects) == [] and not [e for e in effects if isinstance(e, SendResult)]
     assert agent.in_progress == 0
@@ -231,97 +231,129 @@ def test_a_streaming_task_past_its_timeout_is_aborted_without_a_second_response(
 
 def test_a_waiting_task_past_its_timeout_never_starts() -> None:
     agent = running_agent(max_concurrency=1)
-    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1, chat("a"), 1.0)
     queued = chat("b")
     queued.timeout_seconds = 2
-    agent.task_received(1.0, 1, queued)
-    effects = agent.handle_timer(3.0)
+    agent.task_received(1, queued, 1.0)
+    effects = agent.handle_timeout(3.0)
     assert answers(effects) == [(1, "b", 504)]
     assert AbortTask("b") not in effects
-    assert started(agent.finish_task(4.0, "a")) == []
+    assert started(agent.finish_task("a", 4.0)) == []
     assert agent.in_progress == 0
 
 
 def test_cancel_of_waiting_task_removes_it_without_abort() -> None:
     agent = running_agent(max_concurrency=1)
-    agent.task_received(1.0, 1, chat("a"))
-    agent.task_received(1.0, 1, chat("b"))
-    effects = agent.task_received(2.0, 1, cancel("c-1", "b"))
+    agent.task_received(1, chat("a"), 1.0)
+    agent.task_received(1, chat("b"), 1.0)
+    effects = agent.task_received(1, cancel("c-1", "b"), 2.0)
     assert not any(isinstance(e, AbortTask) for e in effects)
     assert answers(effects) == [(1, "c-1", 200)]
-    assert started(agent.finish_task(3.0, "a")) == []
+    assert started(agent.finish_task("a", 3.0)) == []
 
 
 def test_cancel_of_unknown_task_is_answered_404() -> None:
     agent = running_agent()
-    assert answers(agent.task_received(1.0, 1, cancel("c-1", "ghost"))) == [(1, "c-1", 404)]
+    assert answers(agent.task_received(1, cancel("c-1", "ghost"), 1.0)) == [(1, "c-1", 404)]
 
 
 def test_empty_request_is_answered_501_like_llmariner() -> None:
     agent = running_agent()
-    effects = agent.task_received(1.0, 1, worker_pb2.Task(id="x"))
+    effects = agent.task_received(1, worker_pb2.Task(id="x"), 1.0)
     assert answers(effects) == [(1, "x", 501)]
 
 
 def test_reused_id_of_a_task_in_flight_is_a_gateway_violation() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
+    agent.task_received(1, chat("a"), 1.0)
     with pytest.raises(GatewayProtocolError):
-        agent.task_received(1.0, 1, chat("a"))
+        agent.task_received(1, chat("a"), 1.0)
     assert agent.in_progress == 1
 
 
 def test_go_away_answers_202_opens_a_new_connection_and_old_tasks_finish_on_old_stream() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
-    effects = agent.task_received(2.0, 1, go_away("g-1"))
+    agent.task_received(1, chat("a"), 1.0)
+    effects = agent.task_received(1, go_away("g-1"), 2.0)
     assert answers(effects) == [(1, "g-1", 202)]
     assert OpenStream(2, True) in effects
     assert [s.stream_id for s in statuses(effects)] == [2]
     assert agent.current_stream == 2
     assert agent.stream_state(1) is StreamState.RETIRING
     # New work arrives on the new stream; the old task's results still go to stream 1.
-    agent.task_received(2.5, 2, chat("b"))
+    agent.task_received(2, chat("b"), 2.5)
     [result] = agent.send_result("a", sse(b"data: x\n\n"))
     assert result.stream_id == 1
     # Old stream closes once idle and the linger is over, not before.
-    assert not any(isinstance(e, CloseStream) for e in agent.finish_task(3.0, "a"))
+    assert not any(isinstance(e, CloseStream) for e in agent.finish_task("a", 3.0))
     assert agent.next_deadline() == 4.0
-    assert CloseStream(1) in agent.handle_timer(4.0)
+    assert CloseStream(1) in agent.handle_timeout(4.0)
     assert agent.stream_state(1) is StreamState.CLOSED
     assert agent.stream_state(2) is StreamState.OPEN
 
 
 def test_task_arriving_on_a_retiring_stream_is_still_served_there() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, go_away("g-1"))
-    assert started(agent.task_received(1.5, 1, chat("late"))) == ["late"]
+    agent.task_received(1, go_away("g-1"), 1.0)
+    assert started(agent.task_received(1, chat("late"), 1.5)) == ["late"]
     [result] = agent.send_result("late", sse(b"data: x\n\n"))
     assert result.stream_id == 1
 
 
 def test_task_on_a_closed_stream_is_dropped() -> None:
     agent = running_agent()
-    agent.stream_closed(1.0, 1)
-    assert agent.task_received(1.5, 1, chat("a")) == []
+    agent.stream_closed(1, 0.5, 1.0)
+    assert agent.task_received(1, chat("a"), 1.5) == []
     assert agent.in_progress == 0
+
+
+def test_closed_streams_are_forgotten_so_a_thousand_reconnects_leave_one_stream() -> None:
+    """1,000 reconnects used to leave 1,001 streams, every one scanned by next_deadline()."""
+    agent = running_agent()
+    now = 0.0
+    for stream_id in range(1, 1001):
+        agent.task_received(stream_id, chat(f"t{stream_id}"), now)
+        agent.stream_closed(stream_id, 0.5, now)
+        now = agent.next_deadline()  # type: ignore[assignment]
+        assert OpenStream(stream_id + 1, True) in agent.handle_timeout(now)
+    assert agent.held_streams == (1001,) and agent.current_stream == 1001
+    # A forgotten stream still reads as closed: late news of it changes nothing.
+    assert agent.stream_state(1) is StreamState.CLOSED
+    assert agent.stream_closed(1, 0.5, now) == []
+    assert agent.task_received(500, chat("late"), now) == [] and agent.in_progress == 0
+    agent.stream_confirmed(999)
+    with pytest.raises(AgentUsageError):
+        agent.stream_state(1002)  # never opened
+    with pytest.raises(AgentUsageError):
+        agent.stream_closed(0, 0.5, now)
+
+
+def test_retired_and_drained_streams_are_forgotten_too() -> None:
+    agent = running_agent()
+    agent.task_received(1, go_away("g-1"), 1.0)
+    assert agent.held_streams == (1, 2)
+    assert CloseStream(1) in agent.handle_timeout(3.0)  # idle past its linger
+    assert agent.held_streams == (2,) and agent.stream_state(1) is StreamState.CLOSED
+    effects = agent.shutdown(5.0, 4.0)
+    assert CloseStream(2) in effects and Stopped() in effects
+    assert agent.held_streams == () and agent.next_deadline() is None
 
 
 def test_lost_stream_aborts_its_tasks_and_reconnects_with_growing_backoff() -> None:
     agent = running_agent(max_concurrency=1)
-    agent.task_received(1.0, 1, chat("a"))
-    agent.task_received(1.0, 1, chat("b"))
-    effects = agent.stream_closed(2.0, 1, jitter=0.5)
+    agent.task_received(1, chat("a"), 1.0)
+    agent.task_received(1, chat("b"), 1.0)
+    effects = agent.stream_closed(1, jitter=0.5, now=2.0)
     assert effects[0] == AbortTask("a")
     assert agent.in_progress == 0 and agent.current_stream is None
     assert agent.next_deadline() == 3.0
-    assert agent.handle_timer(2.9) == []
-    effects = agent.handle_timer(3.0)
+    assert agent.handle_timeout(2.9) == []
+    effects = agent.handle_timeout(3.0)
     assert effects[0] == OpenStream(2, True)
-    agent.stream_closed(3.5, 2, jitter=0.5)
+    agent.stream_closed(2, jitter=0.5, now=3.5)
     assert agent.next_deadline() == 5.5  # doubled
-    agent.handle_timer(5.5)
-    agent.stream_closed(6.0, 3, jitter=0.0)
+    agent.handle_timeout(5.5)
+    agent.stream_closed(3, jitter=0.0, now=6.0)
     assert agent.next_deadline() == pytest.approx(6.0 + 4.0 * 0.8)  # jitter lowers the delay by up to 20 %
 
 
@@ -330,56 +362,56 @@ def test_backoff_is_capped_and_starts_over_once_the_gateway_answers() -> None:
     now = 0.0
     for stream_id in range(1, 7):
         now += 0.1
-        agent.stream_closed(now, stream_id)
+        agent.stream_closed(stream_id, 0.5, now)
         now = agent.next_deadline()  # type: ignore[assignment]
-        agent.handle_timer(now)
+        agent.handle_timeout(now)
     closed_at = now
-    agent.stream_closed(closed_at, 7)
+    agent.stream_closed(7, 0.5, closed_at)
     assert agent.next_deadline() == closed_at + 8.0
-    agent.handle_timer(closed_at + 8.0)
-    agent.task_received(closed_at + 9.0, 8, heartbeat("hb"))
-    agent.stream_closed(closed_at + 10.0, 8)
+    agent.handle_timeout(closed_at + 8.0)
+    agent.task_received(8, heartbeat("hb"), closed_at + 9.0)
+    agent.stream_closed(8, 0.5, closed_at + 10.0)
     assert agent.next_deadline() == closed_at + 11.0
 
 
 def test_shutdown_reports_not_ready_refuses_new_work_with_503_and_stops_when_drained() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
-    effects = agent.shutdown(2.0, grace=30.0)
+    agent.task_received(1, chat("a"), 1.0)
+    effects = agent.shutdown(grace=30.0, now=2.0)
     [status] = statuses(effects)
     assert not status.status.ready and counts(status)["m1"] == 1
     assert agent.state is AgentState.DRAINING
-    refused = agent.task_received(2.5, 1, chat("b"))
+    refused = agent.task_received(1, chat("b"), 2.5)
     assert answers(refused) == [(1, "b", 503)]
     body = json.loads(refused[0].result.http_response.body)  # type: ignore[union-attr]
     assert body["error"]["message"]
-    assert answers(agent.task_received(2.6, 1, heartbeat("hb"))) == [(1, "hb", 200)]
-    effects = agent.finish_task(3.0, "a")
+    assert answers(agent.task_received(1, heartbeat("hb"), 2.6)) == [(1, "hb", 200)]
+    effects = agent.finish_task("a", 3.0)
     assert effects[-2:] == [CloseStream(1), Stopped()]
     assert agent.state is AgentState.STOPPED
 
 
 def test_shutdown_grace_expiry_aborts_what_is_left() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
-    agent.shutdown(2.0, grace=5.0)
+    agent.task_received(1, chat("a"), 1.0)
+    agent.shutdown(grace=5.0, now=2.0)
     assert agent.next_deadline() == 7.0
-    effects = agent.handle_timer(7.0)
+    effects = agent.handle_timeout(7.0)
     assert effects == [AbortTask("a"), CloseStream(1), Stopped()]
 
 
 def test_shutdown_does_not_reconnect_a_lost_stream() -> None:
     agent = running_agent()
-    agent.task_received(1.0, 1, chat("a"))
-    agent.shutdown(2.0, grace=5.0)
-    effects = agent.stream_closed(3.0, 1)
+    agent.task_received(1, chat("a"), 1.0)
+    agent.shutdown(grace=5.0, now=2.0)
+    effects = agent.stream_closed(1, 0.5, 3.0)
     assert effects == [AbortTask("a"), Stopped()]
     assert agent.next_deadline() is None
 
 
 def test_shutdown_before_start_stops_at_once() -> None:
     agent = EngineAgentCore(config())
-    assert agent.shutdown(0.0, grace=1.0) == [Stopped()]
+    assert agent.shutdown(grace=1.0, now=0.0) == [Stopped()]
 
 
 @pytest.mark.parametrize(
@@ -445,39 +477,39 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         stream = agent.current_stream
         if op in ("chat", "embed", "heartbeat", "go_away", "cancel") and stream is not None:
             if op == "chat":
-                apply(agent.task_received(now, stream, chat(f"t{seq}")))
+                apply(agent.task_received(stream, chat(f"t{seq}"), now))
             elif op == "embed":
-                apply(agent.task_received(now, stream, embed(f"t{seq}")))
+                apply(agent.task_received(stream, embed(f"t{seq}"), now))
             elif op == "heartbeat":
-                apply(agent.task_received(now, stream, heartbeat(f"h{seq}")))
+                apply(agent.task_received(stream, heartbeat(f"h{seq}"), now))
             elif op == "go_away":
-                apply(agent.task_received(now, stream, go_away(f"g{seq}")))
+                apply(agent.task_received(stream, go_away(f"g{seq}"), now))
             else:
-                apply(agent.task_received(now, stream, cancel(f"c{seq}", f"t{seq - n}")))
+                apply(agent.task_received(stream, cancel(f"c{seq}", f"t{seq - n}"), now))
         elif op == "finish" and live:
             task_id = sorted(live)[n % len(live)]
             apply(agent.send_result(task_id, sse(b"", last=True)))
             live.remove(task_id)
             ended.add(task_id)
-            apply(agent.finish_task(now, task_id))
+            apply(agent.finish_task(task_id, now))
         elif op == "lose" and open_streams:
-            apply(agent.stream_closed(now, sorted(open_streams)[n % len(open_streams)], jitter=dt / 3.0))
+            apply(agent.stream_closed(sorted(open_streams)[n % len(open_streams)], jitter=dt / 3.0, now=now))
             open_streams.intersection_update(
                 s for s in open_streams if agent.stream_state(s) is not StreamState.CLOSED
             )
         elif op == "shutdown" and agent.state is AgentState.RUNNING:
-            apply(agent.shutdown(now, grace=n))
+            apply(agent.shutdown(grace=n, now=now))
         deadline = agent.next_deadline()
         if op == "tick" and deadline is not None:
             now = max(now, deadline)
-            apply(agent.handle_timer(now))
+            apply(agent.handle_timeout(now))
     if agent.state is AgentState.RUNNING:
-        apply(agent.shutdown(now, grace=1.0))
+        apply(agent.shutdown(grace=1.0, now=now))
     while agent.state is not AgentState.STOPPED:
         deadline = agent.next_deadline()
         assert deadline is not None
         now = max(now, deadline)
-        apply(agent.handle_timer(now))
+        apply(agent.handle_timeout(now))
     assert stopped == 1 and not live and not open_streams
 
 

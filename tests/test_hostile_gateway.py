@@ -67,7 +67,7 @@ class EchoEngine:
         if self.answer is not None:
             scheduled = [(0.0, result) for result in self.answer(task_)]
         else:
-            scheduled = [(r.due, r.result) for r in echo_task(task_, 0.0, ECHO)]
+            scheduled = [(r.due, r.result) for r in echo_task(task_, ECHO, 0.0)]
         for due, result in scheduled:
             self.stack.clock.callLater(due, self.stack.dispatcher.result_received, self, result)
         return True
@@ -352,7 +352,7 @@ def test_hostile_engine_results_end_in_an_answer_and_other_requests_are_unaffect
     source = RandomSource(seed)
 
     def hostile(task_: worker_pb2.Task) -> list[worker_pb2.TaskResult]:
-        honest = [r.result for r in echo_task(task_, 0.0)]
+        honest = [r.result for r in echo_task(task_, EchoConfig(), 0.0)]
         out = []
         for result in honest:
             action = source.integer(0, 5)

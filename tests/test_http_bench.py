@@ -114,7 +114,7 @@ def test_echo_server_answers_like_the_builtin_echo_engine() -> None:
     ours = json.loads(body)
     task = worker_pb2.Task(id="t")
     task.request.chat_completion.CopyFrom(parse_chat_completion(json.dumps(request).encode()).request.chat_completion)
-    builtin = json.loads(echo_task(task, 0.0, EchoConfig(token_delay=0.0))[0].result.http_response.body)
+    builtin = json.loads(echo_task(task, EchoConfig(token_delay=0.0), 0.0)[0].result.http_response.body)
     assert content_type == b"application/json"
     for answer in (ours, builtin):
         answer.pop("id")

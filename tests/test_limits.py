@@ -392,7 +392,7 @@ class _AgentRoute:
         self.most_held = 0
 
     def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> bool:
-        self._perform(self.core.task_received(self.stack.clock.seconds(), 1, task_))
+        self._perform(self.core.task_received(1, task_, self.stack.clock.seconds()))
         self.most_held = max(self.most_held, self.core.in_progress)
         return True
 
@@ -406,7 +406,7 @@ class _AgentRoute:
                     self.refused += 1
                 self.stack.clock.callLater(0, self.stack.dispatcher.result_received, self, effect.result)
             elif isinstance(effect, StartTask):
-                scheduled = echo_task(effect.task, 0.0, ECHO)
+                scheduled = echo_task(effect.task, ECHO, 0.0)
                 for n, item in enumerate(scheduled):
                     self.stack.clock.callLater(item.due, self._result, effect.task.id, item.result,
                                                n == len(scheduled) - 1)
@@ -414,7 +414,7 @@ class _AgentRoute:
     def _result(self, task_id: str, result: worker_pb2.TaskResult, last: bool) -> None:
         self._perform(self.core.send_result(task_id, result))
         if last:
-            self._perform(self.core.finish_task(self.stack.clock.seconds(), task_id))
+            self._perform(self.core.finish_task(task_id, self.stack.clock.seconds()))
 
 
 # -- bytes buffered for a slow client ----------------------------------------------------------

@@ -32,7 +32,7 @@ def gateway(request: httpx.Request) -> httpx.Response:
         parsed = PARSERS[request.url.path](request.content)
     except OpenAIError as err:
         return httpx.Response(err.status, content=err.to_json(), headers={"content-type": "application/json"})
-    results = echo_task(worker_pb2.Task(id="t", request=parsed.request), 1_700_000_000.0, EchoConfig(token_delay=0))
+    results = echo_task(worker_pb2.Task(id="t", request=parsed.request), EchoConfig(token_delay=0), 1_700_000_000.0)
     head = results[0].result.http_response
     if not parsed.stream:
         body = text_completion_body(head.body) if legacy else head.body

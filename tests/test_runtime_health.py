@@ -36,7 +36,7 @@ def test_starts_unknown_checks_health_at_once_and_is_ready_once_it_answers():
     h = RuntimeHealth(HealthConfig())
     first = check(h.start(T0))
     assert first.path == "/health" and not h.ready and h.state is HealthState.UNKNOWN
-    assert changes(h.check_answered(T0 + 0.1, first.check_id, 200, b"")) == [
+    assert changes(h.check_answered(first.check_id, 200, b"", T0 + 0.1)) == [
         ReadinessChanged(True, (), "/health answered")]
     assert h.ready and h.next_deadline() == T0 + 0.1 + 5.0
 
@@ -44,58 +44,58 @@ def test_starts_unknown_checks_health_at_once_and_is_ready_once_it_answers():
 def test_a_runtime_without_health_is_checked_with_v1_models_for_good():
     h = RuntimeHealth(HealthConfig())
     first = check(h.start(T0))
-    second = check(h.check_answered(T0, first.check_id, 404, b"Not Found"))
+    second = check(h.check_answered(first.check_id, 404, b"Not Found", T0))
     assert second.path == "/v1/models" and not h.ready
-    assert changes(h.check_answered(T0, second.check_id, 200, MODELS))[0].ready
-    third = check(h.handle_timer(T0 + 5))
+    assert changes(h.check_answered(second.check_id, 200, MODELS, T0))[0].ready
+    third = check(h.handle_timeout(T0 + 5))
     assert third.path == "/v1/models"
 
 
 def test_a_runtime_with_neither_endpoint_is_up_while_it_answers_http_at_all():
     h = RuntimeHealth(HealthConfig())
     first = check(h.start(T0))
-    second = check(h.check_answered(T0, first.check_id, 404, b""))
-    assert changes(h.check_answered(T0, second.check_id, 404, b""))[0].ready
-    third = check(h.handle_timer(T0 + 5))
-    assert changes(h.check_failed(T0 + 5, third.check_id, "connection refused"))[0].ready is False
+    second = check(h.check_answered(first.check_id, 404, b"", T0))
+    assert changes(h.check_answered(second.check_id, 404, b"", T0))[0].ready
+    third = check(h.handle_timeout(T0 + 5))
+    assert changes(h.check_failed(third.check_id, "connection refused", T0 + 5))[0].ready is False
 
 
 def test_listing_models_from_a_runtime_without_v1_models_is_down():
     h = RuntimeHealth(HealthConfig(list_models=True))
     first = check(h.start(T0))
-    assert changes(h.check_answered(T0, first.check_id, 404, b""))[0].ready is False
+    assert changes(h.check_answered(first.check_id, 404, b"", T0))[0].ready is False
 
 
 def test_a_loading_runtime_is_down_and_checked_more_often_until_it_answers():
     h = RuntimeHealth(HealthConfig(interval=5, down_interval=1))
     first = check(h.start(T0))
-    went_down = changes(h.check_answered(T0, first.check_id, 503, b'{"status":"loading model"}'))
+    went_down = changes(h.check_answered(first.check_id, 503, b'{"status":"loading model"}', T0))
     assert went_down == [ReadinessChanged(False, (), "/health answered 503")]
     assert h.next_deadline() == T0 + 1
-    assert h.handle_timer(T0 + 0.5) == []
-    second = check(h.handle_timer(T0 + 1))
-    assert h.check_failed(T0 + 1, second.check_id, "connection refused") == []  # still down: no change
-    third = check(h.handle_timer(T0 + 2))
-    assert changes(h.check_answered(T0 + 2, third.check_id, 200, b""))[0].ready
+    assert h.handle_timeout(T0 + 0.5) == []
+    second = check(h.handle_timeout(T0 + 1))
+    assert h.check_failed(second.check_id, "connection refused", T0 + 1) == []  # still down: no change
+    third = check(h.handle_timeout(T0 + 2))
+    assert changes(h.check_answered(third.check_id, 200, b"", T0 + 2))[0].ready
 
 
 def test_a_check_that_does_not_answer_in_time_fails_and_its_late_answer_is_ignored():
     h = RuntimeHealth(HealthConfig(timeout=2))
     first = check(h.start(T0))
-    h.check_answered(T0, first.check_id, 200, b"")
-    second = check(h.handle_timer(T0 + 5))
+    h.check_answered(first.check_id, 200, b"", T0)
+    second = check(h.handle_timeout(T0 + 5))
     assert h.next_deadline() == T0 + 7
-    assert changes(h.handle_timer(T0 + 7)) == [ReadinessChanged(False, (), "/health did not answer within 2s")]
-    assert h.check_answered(T0 + 7.5, second.check_id, 200, b"") == [] and not h.ready
+    assert changes(h.handle_timeout(T0 + 7)) == [ReadinessChanged(False, (), "/health did not answer within 2s")]
+    assert h.check_answered(second.check_id, 200, b"", T0 + 7.5) == [] and not h.ready
 
 
 def test_a_connection_error_of_a_task_checks_at_once_but_never_twice_at_a_time():
     h = RuntimeHealth(HealthConfig())
     first = check(h.start(T0))
     assert h.connection_failed(T0) == []  # a check is on its way
-    h.check_answered(T0, first.check_id, 200, b"")
+    h.check_answered(first.check_id, 200, b"", T0)
     second = check(h.connection_failed(T0 + 1))
-    assert changes(h.check_failed(T0 + 1, second.check_id, "connection refused")) == [
+    assert changes(h.check_failed(second.check_id, "connection refused", T0 + 1)) == [
         ReadinessChanged(False, (), "connection refused")]
 
 
@@ -103,22 +103,22 @@ def test_listing_models_reports_them_and_their_changes():
     h = RuntimeHealth(HealthConfig(list_models=True))
     first = check(h.start(T0))
     assert first.path == "/v1/models"
-    assert changes(h.check_answered(T0, first.check_id, 200, MODELS)) == [
+    assert changes(h.check_answered(first.check_id, 200, MODELS, T0)) == [
         ReadinessChanged(True, ("tiny", "big"), "/v1/models answered")]
-    second = check(h.handle_timer(T0 + 5))
-    assert h.check_answered(T0 + 5, second.check_id, 200, MODELS) == []  # nothing changed
-    third = check(h.handle_timer(T0 + 10))
+    second = check(h.handle_timeout(T0 + 5))
+    assert h.check_answered(second.check_id, 200, MODELS, T0 + 5) == []  # nothing changed
+    third = check(h.handle_timeout(T0 + 10))
     only_tiny = json.dumps({"data": [{"id": "tiny"}]}).encode()
-    assert changes(h.check_answered(T0 + 10, third.check_id, 200, only_tiny))[0].models == ("tiny",)
-    fourth = check(h.handle_timer(T0 + 15))
+    assert changes(h.check_answered(third.check_id, 200, only_tiny, T0 + 10))[0].models == ("tiny",)
+    fourth = check(h.handle_timeout(T0 + 15))
     # Down: the models last listed are kept (reported not ready), so requests for them wait.
-    assert changes(h.check_failed(T0 + 15, fourth.check_id, "reset")) == [ReadinessChanged(False, ("tiny",), "reset")]
+    assert changes(h.check_failed(fourth.check_id, "reset", T0 + 15)) == [ReadinessChanged(False, ("tiny",), "reset")]
 
 
 def test_listing_models_needs_a_model_list_in_the_answer():
     h = RuntimeHealth(HealthConfig(list_models=True))
     first = check(h.start(T0))
-    assert changes(h.check_answered(T0, first.check_id, 200, b"<html>ok</html>"))[0].ready is False
+    assert changes(h.check_answered(first.check_id, 200, b"<html>ok</html>", T0))[0].ready is False
 
 
 @given(st.binary(max_size=200))

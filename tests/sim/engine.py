@@ -113,7 +113,7 @@ class ScriptedRuntime:
         engine.perform(core.send_result(run.task.id, result))
         if last:
             self.live.pop(run.task.id, None)
-            engine.perform(core.finish_task(engine.cluster.scheduler.now, run.task.id))
+            engine.perform(core.finish_task(run.task.id, engine.cluster.scheduler.now))
         engine.flush()
 
 
@@ -184,7 +184,7 @@ class EngineNode:
 
     def shutdown(self, grace: float) -> None:
         if self.core.state is AgentState.RUNNING:
-            self.perform(self.core.shutdown(self.cluster.scheduler.now, grace))
+            self.perform(self.core.shutdown(grace, self.cluster.scheduler.now))
             self.flush()
 
     @property
@@ -275,7 +275,7 @@ class EngineNode:
     def _stream_failed(self, core: EngineAgentCore, stream_id: int) -> None:
         if core is not self.core or self.crashed:
             return  # that process is gone
-        self.perform(self.core.stream_closed(self.cluster.scheduler.now, stream_id, self.cluster.rng.random()))
+        self.perform(self.core.stream_closed(stream_id, self.cluster.rng.random(), self.cluster.scheduler.now))
         self.flush()
 
     # -- the connection's events -------------------------------------------------------
@@ -298,14 +298,14 @@ class EngineNode:
                     del self.streams[stream_id]
                     if end is not self.current and not self._streams_on(end) and not end.closed:
                         end.conn.go_away()
-                    self.perform(self.core.stream_closed(now, stream_id, self.cluster.rng.random()))
+                    self.perform(self.core.stream_closed(stream_id, self.cluster.rng.random(), now))
 
     def _task_received(self, now: float, stream_id: int, task: worker_pb2.Task) -> None:
         if task.request.WhichOneof("request") in ("chat_completion", "embedding"):
             self.cluster.ledger.task_sent(task, self.tenant, f"engine {self.name}")
             self.cluster.stats["tasks_run"] += 1
         try:
-            effects = self.core.task_received(now, stream_id, task)
+            effects = self.core.task_received(stream_id, task, now)
         except GatewayProtocolError:
             self.cluster.stats["engine_protocol_errors"] += 1
             return
@@ -327,7 +327,7 @@ class EngineNode:
     def _on_timer(self) -> None:
         if self.crashed:
             return
-        self.perform(self.core.handle_timer(self.cluster.scheduler.now))
+        self.perform(self.core.handle_timeout(self.cluster.scheduler.now))
         self.flush()
 
     def __repr__(self) -> str:
