@@ -232,7 +232,6 @@ class StreamState(Enum):
 class _Stream:
     id: int
     state: StreamState
-    opened_at: float
     tasks: set[str] = field(default_factory=set)
     last_status: status_pb2.EngineStatus | None = None
     last_status_at: float = -math.inf
@@ -335,11 +334,6 @@ class EngineAgentCore:
     def models(self) -> tuple[str, ...]:
         """The models this engine serves: those configured, else those the runtime listed."""
         return self.config.models or self._runtime_models
-
-    @property
-    def runtime_ready(self) -> bool:
-        """Whether the runtime answers (always, unless ``wait_for_runtime``)."""
-        return self._runtime_ready
 
     def engine_status(self) -> status_pb2.EngineStatus:
         """What the gateway should know about this engine now."""
@@ -555,7 +549,7 @@ class EngineAgentCore:
         del self._streams[stream.id]
 
     def _open(self, now: float, new_connection: bool, effects: list[Effect]) -> None:
-        stream = _Stream(id=self._next_stream_id, state=StreamState.OPEN, opened_at=now)
+        stream = _Stream(id=self._next_stream_id, state=StreamState.OPEN)
         self._next_stream_id += 1
         self._streams[stream.id] = stream
         self._current = stream.id
