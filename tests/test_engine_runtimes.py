@@ -4,11 +4,13 @@ openai runtime against a small OpenAI-compatible twisted.web server on loopback.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor, task
-from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
@@ -144,7 +146,6 @@ class FakeRuntime(resource.Resource):
         super().__init__()
         self.requests: list[tuple[bytes, dict, dict[bytes, list[bytes]]]] = []
         self.lost: defer.Deferred[str] = defer.Deferred()
-        self.wrote_all: defer.Deferred[None] = defer.Deferred()
 
     def render_POST(self, request: server.Request) -> bytes | int:
         raw = request.content.read()
@@ -161,11 +162,8 @@ class FakeRuntime(resource.Resource):
             request.setHeader(b"content-type", b"application/json")
             request.setHeader(b"x-runtime", b"yes")
             return b'{"error":{"message":"bad model","type":"invalid_request_error"}}'
-        if model in ("hang", "hang-body"):
+        if model == "hang":
             request.notifyFinish().addBoth(lambda _: self.lost.callback("lost"))
-            if model == "hang-body":
-                request.setHeader(b"content-length", b"100")
-                request.write(b'{"partial":')
             return server.NOT_DONE_YET
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
@@ -175,18 +173,6 @@ class FakeRuntime(resource.Resource):
                 b'event: message\r\ndata: {"n":2,"big":"' + big.encode() + b'"}\r\n\r\n',
                 b"data: [DONE]\n\n",
             ]
-            if model == "paced":
-                first, rest = b'data: {"n":0}\n\n', [b'data: {"n":%d}\n\n' % i for i in range(1, 50)]
-                request.write(first)
-
-                def later() -> None:
-                    for event in rest:
-                        request.write(event)
-                    request.finish()
-                    self.wrote_all.callback(None)
-
-                reactor.callLater(0.05, later)
-                return server.NOT_DONE_YET
             if model == "hang-stream":
                 request.notifyFinish().addBoth(lambda _: self.lost.callback("lost"))
                 request.write(events[0])
@@ -325,37 +311,103 @@ def test_openai_abort_mid_stream_closes_the_upstream_connection(fake_runtime):
         yield task.deferLater(reactor, 0.005, lambda: None)
     running.abort()
     assert (yield fake.lost) == "lost"
-    yield task.deferLater(reactor, 0.01, lambda: None)
     assert len(sink.results) == 2 and sink.finished == 0
 
 
-@pytest_twisted.inlineCallbacks
-def test_openai_abort_while_reading_a_whole_body_closes_the_upstream_connection(fake_runtime):
-    fake, runtime = fake_runtime
+# -- the openai runtime on a memory transport: exact about what happens after an abort or a pause
+
+
+class MemoryUpstream:
+    """The openai runtime's real HTTP client, its connection a StringTransport on a Clock:
+    the test writes the runtime's answer byte by byte and sees exactly what the client does."""
+
+    def __init__(self) -> None:
+        self.reactor = MemoryReactorClock()
+        agent = Agent.usingEndpointFactory(self.reactor, _MemoryEndpoints(self.reactor))
+        self.runtime = OpenAIRuntime(self.reactor, agent, "http://runtime.test:8000")
+        self.transport = StringTransport()
+        self.protocol: Any = None
+
+    def connect(self) -> bytes:
+        """Accept the client's connection; returns the request it wrote."""
+        _host, _port, factory, _timeout, _bind = self.reactor.tcpClients.pop()
+        self.protocol = factory.buildProtocol(None)
+        self.protocol.makeConnection(self.transport)
+        return self.transport.value()
+
+    def answer(self, data: bytes) -> None:
+        self.protocol.dataReceived(data)
+
+
+class _MemoryEndpoints:
+    def __init__(self, reactor: MemoryReactorClock) -> None:
+        self.reactor = reactor
+
+    def endpointForURI(self, uri: Any) -> TCP4ClientEndpoint:
+        return TCP4ClientEndpoint(self.reactor, uri.host.decode("ascii"), uri.port)
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def test_nothing_is_relayed_after_an_abort_mid_stream_and_the_upstream_read_stops() -> None:
+    upstream = MemoryUpstream()
     sink = Sink()
-    running = runtime.start(embed_task("x", model="hang-body"), sink)
-    while not fake.requests:
-        yield task.deferLater(reactor, 0.005, lambda: None)
-    yield task.deferLater(reactor, 0.02, lambda: None)
+    running = upstream.runtime.start(chat_task("x", stream=True), sink)
+    assert upstream.connect().startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    upstream.answer(STREAM_HEAD + chunk(b'data: {"n":1}\n\n'))
+    assert [r.WhichOneof("message") for r in sink.results] == ["http_response", "server_sent_event"]
     running.abort()
-    assert (yield fake.lost) == "lost"
+    assert upstream.transport.producerState == "stopped"  # a TCP transport closes its connection
+    upstream.answer(chunk(b'data: {"n":2}\n\n') + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    upstream.reactor.advance(60)
+    assert len(sink.results) == 2 and sink.finished == 0
+
+
+def test_an_abort_while_the_whole_body_is_read_stops_the_read_and_reports_nothing() -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    running = upstream.runtime.start(embed_task("x"), sink)
+    assert upstream.connect().startswith(b"POST /v1/embeddings HTTP/1.1\r\n")
+    upstream.answer(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                    b'{"partial":')
+    assert sink.results == []
+    running.abort()
+    assert upstream.transport.producerState == "stopped"
+    upstream.answer(b" " * 89)  # the rest of the body
+    upstream.reactor.advance(60)
     assert sink.results == [] and sink.finished == 0
 
 
-@pytest_twisted.inlineCallbacks
-def test_openai_stream_stops_reading_the_runtime_while_the_grpc_stream_is_full(fake_runtime):
-    fake, runtime = fake_runtime
+def test_an_abort_before_the_answer_aborts_the_connection() -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    running = upstream.runtime.start(chat_task("x"), sink)
+    upstream.connect()
+    running.abort()
+    assert upstream.transport.disconnecting
+    upstream.reactor.advance(60)
+    assert sink.results == [] and sink.finished == 0
+
+
+def test_a_full_grpc_stream_pauses_the_upstream_read_until_it_drains() -> None:
+    upstream = MemoryUpstream()
     sink = Sink()
     sink.blocked = defer.Deferred()
-    runtime.start(chat_task("x", model="paced", stream=True), sink)
-    while len(sink.results) < 2:
-        yield task.deferLater(reactor, 0.005, lambda: None)
-    yield fake.wrote_all
-    yield task.deferLater(reactor, 0.05, lambda: None)
-    assert len(sink.results) == 2, "nothing more is read while the sink is blocked"
+    upstream.runtime.start(chat_task("x", stream=True), sink)
+    upstream.connect()
+    upstream.answer(STREAM_HEAD + chunk(b'data: {"n":0}\n\n'))
+    assert len(sink.results) == 2
+    assert upstream.transport.producerState == "paused", "nothing more is read while the sink is blocked"
     blocked, sink.blocked = sink.blocked, None
     blocked.callback(None)
-    yield sink.done
+    assert upstream.transport.producerState == "producing"
+    upstream.answer(b"".join(chunk(b'data: {"n":%d}\n\n' % i) for i in range(1, 50)) + b"0\r\n\r\n")
+    assert sink.finished == 1
     assert len(sink.events) == 51 and sink.events[-1].is_last_event
 
 
@@ -438,3 +490,18 @@ def test_openai_refuses_a_verbatim_request_line_no_runtime_should_see(fake_runti
     sink = Sink()
     runtime.start(task, sink)
     assert sink.finished == 1 and sink.head.status_code == 400 and not fake.requests
+
+
+@pytest.mark.parametrize(("status_line", "relayed"), [
+    (b"HTTP/1.1 522 Origin Connection Time-out", "522 Origin Connection Time-out"),
+    (b"HTTP/1.1 599 ", "599"),
+    (b"HTTP/1.1 200 Fine", "200 Fine"),
+])
+def test_a_runtimes_status_outside_the_registry_is_relayed_with_its_own_reason(status_line, relayed) -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(chat_task("x"), sink)
+    upstream.connect()
+    upstream.answer(status_line + b"\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
+    assert sink.finished == 1
+    assert (sink.head.status_code, sink.head.status, sink.head.body) == (int(status_line.split()[1]), relayed, b"{}")
