@@ -113,7 +113,11 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
         port = yield listen_grpc(reactor, f"tcp:{free}:interface=127.0.0.1", server)
         try:
             yield accepted.addTimeout(10, reactor)
-            yield task.deferLater(reactor, 0.05, lambda: None)
+            # The recovery line follows the gateway's answer (its headers) on the next turns.
+            for _ in range(500):
+                if any("now stopped" in line for line in logs.matching("connect failed")):
+                    break
+                yield task.deferLater(reactor, 0.01, lambda: None)
         finally:
             stopping = agent.stopService()
             yield port.stopListening()
