@@ -57,6 +57,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from protocol.errors import LocalUsageError, RemoteProtocolError
 from protocol.openai_errors import error_json, status_line
 from protocol.pb import status_pb2, worker_pb2
 
@@ -71,11 +72,11 @@ RUNTIME_KINDS = frozenset(
 )
 
 
-class AgentUsageError(Exception):
+class AgentUsageError(LocalUsageError):
     """The caller drove the machine wrongly (unknown stream, start twice, bad config)."""
 
 
-class GatewayProtocolError(Exception):
+class GatewayProtocolError(RemoteProtocolError):
     """The gateway broke the protocol (e.g. reused the id of a task still in flight).
 
     The offending task is dropped; the stream goes on.

@@ -19,6 +19,8 @@ import json
 from http import HTTPStatus
 from typing import Any
 
+from protocol import errors
+
 #: OpenAI's error ``type`` for a 429: OpenAI names the limit that was reached
 #: (``requests`` or ``tokens``); infx's limits count requests.
 RATE_LIMIT_TYPE = "requests"
@@ -99,7 +101,7 @@ def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
-class OpenAIError(Exception):
+class OpenAIError(errors.RemoteProtocolError):
     """An error that ends an HTTP exchange with an OpenAI-style JSON body.
 
     The body has OpenAI's shape,
@@ -153,5 +155,5 @@ class UpstreamError(OpenAIError):
     error_type = "upstream_error"
 
 
-class LocalUsageError(Exception):
+class LocalUsageError(errors.LocalUsageError):
     """The caller used this package wrongly (e.g. passed a heartbeat to the runtime converter)."""

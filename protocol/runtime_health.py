@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from protocol.errors import LocalUsageError
+
 __all__ = [
     "CheckRuntime", "HealthConfig", "HealthEffect", "HealthState", "HealthUsageError", "ReadinessChanged",
     "RuntimeHealth", "listed_models",
@@ -43,7 +45,7 @@ MODELS_PATH = "/v1/models"
 _NO_HEALTH_ENDPOINT = frozenset({404, 405})
 
 
-class HealthUsageError(Exception):
+class HealthUsageError(LocalUsageError):
     """The caller drove the machine wrongly (bad config, start twice)."""
 
 
