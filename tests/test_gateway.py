@@ -110,6 +110,14 @@ class ScriptedRunner:
         sink.event_received(chunk_event("partial"))
         sink.failed(502, "engine vanished mid-stream", None)
 
+    def script_origin_down(self, submission, sink):
+        sink.response_received(worker_pb2.HttpResponse(status_code=522, status="522", body=b""))
+        sink.completed()
+
+    def script_odd_verbatim(self, submission, sink):
+        sink.response_received(worker_pb2.HttpResponse(status_code=599, status="599", body=b"{}"), verbatim=True)
+        sink.completed()
+
     def script_teapot(self, submission, sink):
         sink.response_received(worker_pb2.HttpResponse(
             status_code=400, body=b'{"error": {"message": "bad prompt", "type": "invalid_request_error"}}'))
@@ -236,6 +244,26 @@ def test_error_statuses_map_to_openai_exceptions(gateway_factory):
     with pytest.raises(openai.BadRequestError):
         yield threads.deferToThread(
             lambda: c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], temperature=7))
+
+
+@pytest_twisted.inlineCallbacks
+def test_error_bodies_carry_openais_types_and_non_standard_statuses_pass_unharmed(gateway_factory):
+    """503 is server_error (as OpenAI answers it), a client error invalid_request_error; an engine's
+    522 or a runtime's verbatim 599 reach the client with their code, never a crash or a 500."""
+    _, _, base = yield gateway_factory()
+
+    def post(model):
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}]}).encode()
+        return threads.deferToThread(raw, base, "POST", "/v1/chat/completions", body)
+
+    status, _, body = yield post("busy")
+    assert status == 503 and json.loads(body)["error"]["type"] == "server_error"
+    status, _, body = yield post("unknown")
+    assert status == 404 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, _, body = yield post("origin-down")
+    assert status == 522 and json.loads(body)["error"]["type"] == "server_error"
+    status, _, body = yield post("odd-verbatim")
+    assert (status, body) == (599, b"{}")
 
 
 @pytest_twisted.inlineCallbacks
