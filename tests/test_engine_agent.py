@@ -503,6 +503,8 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         if op == "tick" and deadline is not None:
             now = max(now, deadline)
             apply(agent.handle_timeout(now))
+        # The machine keeps exactly the streams that are not closed: closed ones are forgotten.
+        assert set(agent.held_streams) == open_streams
     if agent.state is AgentState.RUNNING:
         apply(agent.shutdown(grace=1.0, now=now))
     while agent.state is not AgentState.STOPPED:
@@ -510,7 +512,7 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         assert deadline is not None
         now = max(now, deadline)
         apply(agent.handle_timeout(now))
-    assert stopped == 1 and not live and not open_streams
+    assert stopped == 1 and not live and not open_streams and agent.held_streams == ()
 
 
 def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None:
