@@ -96,3 +96,62 @@ def test_a_peers_own_reason_is_kept_as_sent():
 def test_status_line_takes_any_code(status):
     line = status_line(status)
     assert line == str(status) or line.startswith(f"{status} ")
+
+
+# -- one place: nobody else spells an error body, a status phrase or [DONE]
+
+
+def _sources():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for folder in ("protocol", "infx"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if "pb" not in path.relative_to(root / folder).parts:
+                yield path.relative_to(root).as_posix(), path.read_text()
+
+
+def _vocabulary_spelled_elsewhere(name: str, source: str) -> list[str]:
+    import ast
+
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        where = f"{name}:{getattr(node, 'lineno', 0)}"
+        if isinstance(node, ast.Dict) and any(
+            isinstance(k, ast.Constant) and k.value == "error" and isinstance(v, ast.Dict)
+            for k, v in zip(node.keys, node.values)
+        ) and name != "protocol/openai_errors.py":
+            found.append(f"{where}: an error body built by hand")
+        elif isinstance(node, ast.Constant) and id(node) not in docstrings:
+            text = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
+            if isinstance(text, str):
+                if '{"error"' in text and name != "protocol/openai_errors.py":
+                    found.append(f"{where}: an error body spelled as text")
+                if "[DONE]" in text and name != "protocol/sse.py":
+                    found.append(f"{where}: [DONE] spelled outside protocol/sse.py")
+        elif (isinstance(node, ast.Name) and node.id == "HTTPStatus" or isinstance(node, ast.Attribute)
+              and node.attr in ("HTTPStatus", "RESPONSES")) and name != "protocol/openai_errors.py":
+            found.append(f"{where}: a status phrase looked up outside protocol/openai_errors.py")
+    return found
+
+
+def test_error_bodies_status_phrases_and_done_come_only_from_the_vocabulary():
+    found = [line for name, source in _sources() for line in _vocabulary_spelled_elsewhere(name, source)]
+    assert found == []
+
+
+@pytest.mark.parametrize("source", [
+    'body = {"error": {"message": "x", "type": "server_error"}}',
+    "body = b'{\"error\": {\"message\": \"x\"}}'",
+    'from http import HTTPStatus\nphrase = HTTPStatus(522).phrase',
+    'from twisted.web import http\nphrase = http.RESPONSES[404]',
+    'DONE = b"data: [DONE]\\n\\n"',
+])
+def test_the_one_place_check_bites(source):
+    assert _vocabulary_spelled_elsewhere("infx/elsewhere.py", source) != []
