@@ -49,10 +49,14 @@ from protocol.grpc_metadata import (
     encode_timeout,
     validate_metadata,
 )
+from protocol.h2_budgets import (
+    ENHANCE_YOUR_CALM, BudgetExceeded, ConnectionBudgets, FrameScanner, TokenBucket,
+)
 from protocol.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
 __all__ = [
-    "CallEnded", "CallLimitReached", "CallStarted", "ConnectionTerminated", "EndCause", "Event",
+    "CallEnded", "CallLimitReached", "CallStarted", "ConnectionBudgets", "ConnectionTerminated",
+    "EndCause", "Event",
     "GOAWAY_ACK_TIMEOUT",
     "GoAwayReceived", "GrpcConfig", "GrpcConnection", "InputEnded", "InvalidMetadata",
     "LocalProtocolError", "MessageReceived", "MessageTooLarge", "Metadata",
@@ -113,6 +117,22 @@ class GrpcConfig:
     max_ping_strikes: int = 2
     #: ``user-agent`` sent on every call (client side).
     user_agent: str = "infx-grpc/0.1"
+    #: What a connection may cost whoever the peer is (frame sizes, rates,
+    #: frames per receive); see :class:`ConnectionBudgets`.
+    budgets: ConnectionBudgets = ConnectionBudgets()
+    #: Bytes of gRPC messages not yet complete, summed over a connection's
+    #: calls; over it, the call holding most ends RESOURCE_EXHAUSTED.  None:
+    #: one connection window, or one largest message if that is larger.
+    max_partial_message_bytes: int | None = None
+    #: Server side: connections start with the ``unauthenticated_*`` limits
+    #: below (advertised in SETTINGS) until the service vouches for the peer
+    #: with :meth:`GrpcConnection.authenticate`, so that a peer without
+    #: credentials costs a small, fixed amount.  False: trusted from the start.
+    require_authentication: bool = False
+    unauthenticated_max_concurrent_streams: int = 4
+    #: Stream and connection receive windows until authenticated.
+    unauthenticated_window_size: int = 65_535
+    unauthenticated_max_message_length: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if not 65_535 <= self.initial_window_size <= 2**31 - 1:
@@ -135,6 +155,35 @@ class GrpcConfig:
             raise ValueError("keepalive_timeout must be > 0")
         if self.max_ping_strikes < 0 or self.min_ping_interval < 0:
             raise ValueError("ping flood settings must be >= 0")
+        if self.max_partial_message_bytes is not None and self.max_partial_message_bytes < 0:
+            raise ValueError("max_partial_message_bytes must be >= 0 or None")
+        if self.unauthenticated_max_concurrent_streams < 1:
+            raise ValueError("unauthenticated_max_concurrent_streams must be >= 1")
+        if not 65_535 <= self.unauthenticated_window_size <= 2**31 - 1:
+            raise ValueError("unauthenticated_window_size must be in [65535, 2**31-1]")
+        if self.unauthenticated_max_message_length < 0:
+            raise ValueError("unauthenticated_max_message_length must be >= 0")
+
+    def limits(self, authenticated: bool) -> tuple[int, int, int]:
+        """(stream window, max concurrent streams, max message length) that
+        apply to a peer: the unauthenticated ones never exceed the others."""
+        if authenticated:
+            return (self.initial_window_size, self.max_concurrent_streams,
+                    self.max_receive_message_length)
+        return (min(self.unauthenticated_window_size, self.initial_window_size),
+                min(self.unauthenticated_max_concurrent_streams, self.max_concurrent_streams),
+                min(self.unauthenticated_max_message_length, self.max_receive_message_length))
+
+    def partial_message_budget(self, authenticated: bool = True) -> int:
+        """Bytes of incomplete messages a connection may hold (see
+        :attr:`max_partial_message_bytes`): at least one largest message
+        must fit, or it could never arrive."""
+        if not authenticated:
+            window, _, message = self.limits(False)
+            return max(window, message + 5)
+        if self.max_partial_message_bytes is not None:
+            return self.max_partial_message_bytes
+        return max(self.connection_window_size, self.max_receive_message_length + 5)
 
 
 class LocalProtocolError(Exception):
@@ -485,11 +534,14 @@ class GrpcConnection:
             client_side=config.client_side, header_encoding=None,
             validate_outbound_headers=False, normalize_outbound_headers=False,
         ))
+        self._authenticated = config.client_side or not config.require_authentication
+        trusted = self._authenticated
+        window, streams, self._max_message = config.limits(trusted)
         settings: dict[h2.settings.SettingCodes, int] = {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window,
             h2.settings.SettingCodes.MAX_FRAME_SIZE: config.max_inbound_frame_size,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: config.max_header_list_size,
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: streams,
         }
         if config.client_side:
             settings[h2.settings.SettingCodes.ENABLE_PUSH] = 0
@@ -502,6 +554,19 @@ class GrpcConnection:
         # connection error; keep it well above ours so that the per-call
         # check (RESOURCE_EXHAUSTED for that call alone) is what applies.
         self._h2.decoder.max_header_list_size = max(4 * config.max_header_list_size, 65_536)
+        # The budgets: frames are checked as their headers arrive, before h2.
+        self._scanner = FrameScanner(
+            config.budgets, preface_size=0 if config.client_side else 24,
+            max_data_frame_size=min(window, config.max_inbound_frame_size),
+            max_header_list_size=config.max_header_list_size)
+        self._resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
+        self._partial_budget = config.partial_message_budget(trusted)
+        # Bytes of incomplete messages held over all calls.
+        self._partial_total = 0
+        # Input held back by the frames-per-receive budget.
+        self._backlog = bytearray()
+        # The connection receive window opened so far (RFC 9113's initial).
+        self._connection_window = 65_535
         self._calls: dict[int, _Call] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._events: list[Event] = []
@@ -536,33 +601,119 @@ class GrpcConnection:
         self._initiated = True
         self._last_received = now
         self._h2.initiate_connection()
-        increment = self.config.connection_window_size - 65_535
-        if increment > 0:
-            self._h2.increment_flow_control_window(increment)
+        self._open_connection_window()
+
+    def _open_connection_window(self) -> None:
+        config = self.config
+        target = (config.connection_window_size if self._authenticated
+                  else min(config.unauthenticated_window_size, config.connection_window_size))
+        if self._initiated and target > self._connection_window:
+            self._h2.increment_flow_control_window(target - self._connection_window)
+            self._connection_window = target
+
+    def authenticate(self) -> None:
+        """Server: a call on this connection passed authentication, so the
+        peer gets the full limits (streams, windows, message size) from now
+        on; new SETTINGS and a connection WINDOW_UPDATE tell it so.  Idempotent."""
+        if self._authenticated or self._terminated:
+            return
+        self._authenticated = True
+        config = self.config
+        self._max_message = config.max_receive_message_length
+        self._partial_budget = config.partial_message_budget()
+        # Allow the larger frames at once: the peer may use the new window
+        # as soon as it has our SETTINGS, before we see its ack.
+        self._scanner.max_data_frame_size = min(config.initial_window_size,
+                                                config.max_inbound_frame_size)
+        self._h2.update_settings({
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+        })
+        self._open_connection_window()
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the full limits apply (see :meth:`authenticate`)."""
+        return self._authenticated
+
+    def output_stalled(self) -> None:
+        """The transport stopped taking our bytes (the peer is not reading):
+        control frames that need a reply count against
+        ``budgets.max_stalled_control_replies`` until :meth:`output_drained`."""
+        self._scanner.output_stalled = True
+
+    def output_drained(self) -> None:
+        """The transport took what we wrote again."""
+        self._scanner.output_stalled = False
+        self._scanner.stalled_replies = 0
 
     def receive_data(self, data: bytes, now: float) -> list[Event]:
-        """Feed bytes read from the transport; return what they caused."""
+        """Feed bytes read from the transport; return what they caused.
+
+        At most ``budgets.max_frames_per_receive`` frames are processed; the
+        rest is kept (:attr:`has_pending_input`) for :meth:`receive_pending`,
+        and the caller should stop reading until it is gone.
+        """
         if self._terminated:
             return self.take_events()
+        if self._backlog:
+            self._backlog += data
+            return self.receive_pending(now)
+        return self._receive(data, now)
+
+    @property
+    def has_pending_input(self) -> bool:
+        """Whether received bytes wait for :meth:`receive_pending`."""
+        return bool(self._backlog) and not self._terminated
+
+    def receive_pending(self, now: float) -> list[Event]:
+        """Process the next part of the input kept by :meth:`receive_data`."""
+        backlog = self._backlog
+        if self._terminated or not backlog:
+            return self.take_events()
+        self._backlog = bytearray()
+        return self._receive(bytes(backlog), now)
+
+    def _receive(self, data: bytes, now: float) -> list[Event]:
         self._just_ended.clear()
         self._last_received = now
         self._keepalive_deadline = None
-        try:
-            h2_events = self._h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            # h2 has queued a GOAWAY with the right code already.
-            code = getattr(exc, "error_code", _ERR.PROTOCOL_ERROR)
-            self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
-                            status=StatusCode.UNAVAILABLE)
-            return self.take_events()
-        handlers = self._handlers
-        for event in h2_events:
-            handler = handlers.get(type(event))
-            if handler is not None:
-                handler(self, event, now)
-            if self._terminated:
-                break
+        consumed, violation = self._scanner.scan(data, now)
+        if consumed < len(data):
+            if violation is None:
+                self._backlog = bytearray(memoryview(data)[consumed:])
+            data = data[:consumed]
+        if data:
+            try:
+                h2_events = self._h2.receive_data(data)
+            except h2.exceptions.ProtocolError as exc:
+                # h2 has queued a GOAWAY with the right code already.
+                code = getattr(exc, "error_code", _ERR.PROTOCOL_ERROR)
+                self._backlog = bytearray()
+                self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
+                                status=StatusCode.UNAVAILABLE)
+                return self.take_events()
+            handlers = self._handlers
+            for event in h2_events:
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    handler(self, event, now)
+                if self._terminated:
+                    break
+        if violation is not None:
+            self._exceeded(violation)
         return self.take_events()
+
+    def _exceeded(self, violation: BudgetExceeded) -> None:
+        """A peer went over a budget: GOAWAY (naming the last stream we
+        took) with the violation's code, and every call ends."""
+        self._backlog = bytearray()
+        if self._terminated:
+            return
+        self._h2.close_connection(error_code=violation.error_code,
+                                  additional_data=violation.reason.encode("ascii"))
+        self._terminate(violation.error_code, violation.reason, remote=False,
+                        status=StatusCode.UNAVAILABLE)
 
     def take_events(self) -> list[Event]:
         """Events caused by commands rather than input (e.g. the graceful
@@ -1000,6 +1151,7 @@ class GrpcConnection:
         """Drop a call; return its unconsumed bytes to the connection window."""
         if self._calls.pop(call.stream_id, None) is None:
             return
+        self._drop_partial(call)
         call.pending.clear()
         call.pending_bytes = 0
         if call.unacked:
@@ -1019,6 +1171,7 @@ class GrpcConnection:
         """End a call on our own initiative (not the peer's status): what we
         received on it is unacceptable, or its deadline passed."""
         call.discarding = True
+        self._drop_partial(call)
         if self._client:
             self._reset_quietly(call.stream_id, _ERR.CANCEL)
             self._end_call(call, code, message, (), cause)
@@ -1275,8 +1428,28 @@ class GrpcConnection:
             return
         data = event.data or b""
         leftover = flow - self._reassemble(call, data)
+        if self._partial_total > self._partial_budget:
+            self._end_largest_hoarder()
         if leftover > 0:
+            # Bytes of messages not complete yet (and padding) go back to
+            # the window at once, so that a message larger than a window
+            # still flows; the partial budget bounds what they can hold.
             self._h2.acknowledge_received_data(leftover, stream_id)
+
+    def _end_largest_hoarder(self) -> None:
+        """Incomplete messages hold more than the connection's budget: the
+        call holding most of it ends RESOURCE_EXHAUSTED (its stream reset)."""
+        hoarder = max(self._calls.values(), key=lambda c: c.have)
+        self._fail_call(hoarder, StatusCode.RESOURCE_EXHAUSTED,
+                        f"incomplete messages over the connection's budget of "
+                        f"{self._partial_budget} bytes")
+
+    def _drop_partial(self, call: _Call) -> None:
+        """Free what the call holds of an incomplete message."""
+        self._partial_total -= call.have
+        call.have = 0
+        call.parts = []
+        del call.buf[:]
 
     def _reassemble(self, call: _Call, data: bytes) -> int:
         """Cut ``data`` into messages; return how many of its bytes belong to
@@ -1286,7 +1459,7 @@ class GrpcConnection:
         pos = 0
         end = len(data)
         attributed = 0
-        limit = self.config.max_receive_message_length
+        limit = self._max_message
         stream_id = call.stream_id
         events = self._events
         while pos < end:
@@ -1348,10 +1521,12 @@ class GrpcConnection:
                         call.parts.append(bytearray())
                     call.parts[-1] += memoryview(data)[pos:pos + take]
                 call.have += take
+                self._partial_total += take
                 pos += take
                 if call.have < call.need:
                     break
                 payload = b"".join(call.parts)
+                self._partial_total -= call.have
                 call.parts = []
                 call.have = 0
             call.in_body = False
@@ -1369,7 +1544,7 @@ class GrpcConnection:
     def _too_large(self, call: _Call, length: int) -> int:
         self._fail_call(call, StatusCode.RESOURCE_EXHAUSTED,
                         f"received message larger than max ({length} vs. "
-                        f"{self.config.max_receive_message_length})")
+                        f"{self._max_message})")
         return 0
 
     def _decode(self, call: _Call, flag: int, payload: bytes) -> bytes:
@@ -1380,7 +1555,7 @@ class GrpcConnection:
         if call.recv_encoding is None:
             raise _CallFailed(StatusCode.INTERNAL,
                               "compressed message without a grpc-encoding")
-        limit = self.config.max_receive_message_length
+        limit = self._max_message
         decompressor = zlib.decompressobj(31)
         try:
             message = decompressor.decompress(payload, limit + 1)
@@ -1418,8 +1593,14 @@ class GrpcConnection:
         elif call.phase is _Phase.CLOSING:
             self._forget(call)
         else:
+            answered = call.phase is not _Phase.WAITING_HEADERS
             self._end_call(call, StatusCode.CANCELLED, "cancelled by the client", (),
                            EndCause.RESET, code)
+            # Rapid reset (CVE-2023-44487): each stream opened and reset
+            # before we answered it cost a call set-up and nothing for the
+            # peer, so they are rate-limited like nginx and Netty do.
+            if not answered and not self._resets.take(now):
+                self._exceeded(BudgetExceeded(ENHANCE_YOUR_CALM, "too many streams reset"))
 
     def _on_window_updated(self, event: h2.events.WindowUpdated, now: float) -> None:
         stream_id = event.stream_id or 0
