@@ -515,6 +515,7 @@ class Exchanger:
         """Serve one peer's stream: its reports register its engines, its results reach our requests."""
         if self.config.secret is not None and not _bearer_matches(call, self.config.secret):
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
+        call.authenticated()
         if self._shutting_down:
             raise GrpcError(StatusCode.UNAVAILABLE, f"gateway {self.config.pod_name!r} is shutting down")
         stream = PeerStream(call)

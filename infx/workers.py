@@ -80,6 +80,7 @@ class WorkerService:
         principal = self.keys.engine(metadata_value(call, "authorization"))
         if principal is None:
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
+        call.authenticated()
         stream = EngineStream(call, str(call.peer))
         self.streams.add(stream)
         reason = "engine stream ended"

@@ -130,9 +130,9 @@ class GrpcConfig:
     #: credentials costs a small, fixed amount.  False: trusted from the start.
     require_authentication: bool = False
     unauthenticated_max_concurrent_streams: int = 4
-    #: Stream and connection receive windows until authenticated.
+    #: Stream and connection receive windows until authenticated; also the
+    #: partial-message budget, so no message spanning frames can be larger.
     unauthenticated_window_size: int = 65_535
-    unauthenticated_max_message_length: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if not 65_535 <= self.initial_window_size <= 2**31 - 1:
@@ -161,26 +161,21 @@ class GrpcConfig:
             raise ValueError("unauthenticated_max_concurrent_streams must be >= 1")
         if not 65_535 <= self.unauthenticated_window_size <= 2**31 - 1:
             raise ValueError("unauthenticated_window_size must be in [65535, 2**31-1]")
-        if self.unauthenticated_max_message_length < 0:
-            raise ValueError("unauthenticated_max_message_length must be >= 0")
 
-    def limits(self, authenticated: bool) -> tuple[int, int, int]:
-        """(stream window, max concurrent streams, max message length) that
-        apply to a peer: the unauthenticated ones never exceed the others."""
+    def limits(self, authenticated: bool) -> tuple[int, int]:
+        """(stream window, max concurrent streams) that apply to a peer: the
+        unauthenticated ones never exceed the others."""
         if authenticated:
-            return (self.initial_window_size, self.max_concurrent_streams,
-                    self.max_receive_message_length)
+            return self.initial_window_size, self.max_concurrent_streams
         return (min(self.unauthenticated_window_size, self.initial_window_size),
-                min(self.unauthenticated_max_concurrent_streams, self.max_concurrent_streams),
-                min(self.unauthenticated_max_message_length, self.max_receive_message_length))
+                min(self.unauthenticated_max_concurrent_streams, self.max_concurrent_streams))
 
     def partial_message_budget(self, authenticated: bool = True) -> int:
         """Bytes of incomplete messages a connection may hold (see
         :attr:`max_partial_message_bytes`): at least one largest message
         must fit, or it could never arrive."""
         if not authenticated:
-            window, _, message = self.limits(False)
-            return max(window, message + 5)
+            return self.limits(False)[0]
         if self.max_partial_message_bytes is not None:
             return self.max_partial_message_bytes
         return max(self.connection_window_size, self.max_receive_message_length + 5)
@@ -536,7 +531,7 @@ class GrpcConnection:
         ))
         self._authenticated = config.client_side or not config.require_authentication
         trusted = self._authenticated
-        window, streams, self._max_message = config.limits(trusted)
+        window, streams = config.limits(trusted)
         settings: dict[h2.settings.SettingCodes, int] = {
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window,
             h2.settings.SettingCodes.MAX_FRAME_SIZE: config.max_inbound_frame_size,
@@ -614,12 +609,15 @@ class GrpcConnection:
     def authenticate(self) -> None:
         """Server: a call on this connection passed authentication, so the
         peer gets the full limits (streams, windows, message size) from now
-        on; new SETTINGS and a connection WINDOW_UPDATE tell it so.  Idempotent."""
+        on; new SETTINGS and a connection WINDOW_UPDATE tell it so.  Idempotent.
+
+        Until then a message is bounded by the partial budget (one small
+        window) rather than refused by its length prefix: a legitimate first
+        message may arrive in the read that also carries the credentials."""
         if self._authenticated or self._terminated:
             return
         self._authenticated = True
         config = self.config
-        self._max_message = config.max_receive_message_length
         self._partial_budget = config.partial_message_budget()
         # Allow the larger frames at once: the peer may use the new window
         # as soon as it has our SETTINGS, before we see its ack.
@@ -1459,7 +1457,7 @@ class GrpcConnection:
         pos = 0
         end = len(data)
         attributed = 0
-        limit = self._max_message
+        limit = self.config.max_receive_message_length
         stream_id = call.stream_id
         events = self._events
         while pos < end:
@@ -1544,7 +1542,7 @@ class GrpcConnection:
     def _too_large(self, call: _Call, length: int) -> int:
         self._fail_call(call, StatusCode.RESOURCE_EXHAUSTED,
                         f"received message larger than max ({length} vs. "
-                        f"{self._max_message})")
+                        f"{self.config.max_receive_message_length})")
         return 0
 
     def _decode(self, call: _Call, flag: int, payload: bytes) -> bytes:
@@ -1555,7 +1553,7 @@ class GrpcConnection:
         if call.recv_encoding is None:
             raise _CallFailed(StatusCode.INTERNAL,
                               "compressed message without a grpc-encoding")
-        limit = self._max_message
+        limit = self.config.max_receive_message_length
         decompressor = zlib.decompressobj(31)
         try:
             message = decompressor.decompress(payload, limit + 1)
