@@ -608,7 +608,7 @@ class GrpcConnection:
 
     def authenticate(self) -> None:
         """Server: a call on this connection passed authentication, so the
-        peer gets the full limits (streams, windows, message size) from now
+        peer gets the full limits (streams, windows, partial budget) from now
         on; new SETTINGS and a connection WINDOW_UPDATE tell it so.  Idempotent.
 
         Until then a message is bounded by the partial budget (one small
