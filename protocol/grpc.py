@@ -558,8 +558,10 @@ class GrpcConnection:
         self._partial_budget = config.partial_message_budget(trusted)
         # Bytes of incomplete messages held over all calls.
         self._partial_total = 0
-        # Input held back by the frames-per-receive budget.
-        self._backlog = bytearray()
+        # Input held back by the frames-per-receive budget: a read, and
+        # where in it the next receive starts (so it is never copied).
+        self._backlog = b""
+        self._backlog_at = 0
         # The connection receive window opened so far (RFC 9113's initial).
         self._connection_window = 65_535
         self._calls: dict[int, _Call] = {}
@@ -654,40 +656,44 @@ class GrpcConnection:
         """
         if self._terminated:
             return self.take_events()
-        if self._backlog:
-            self._backlog += data
+        if self.has_pending_input:
+            # More input while some is held back (a TLS layer may deliver
+            # several records at once): it queues behind.
+            self._backlog = self._backlog[self._backlog_at:] + data
+            self._backlog_at = 0
             return self.receive_pending(now)
-        return self._receive(data, now)
+        return self._receive(data, 0, now)
 
     @property
     def has_pending_input(self) -> bool:
         """Whether received bytes wait for :meth:`receive_pending`."""
-        return bool(self._backlog) and not self._terminated
+        return len(self._backlog) > self._backlog_at and not self._terminated
 
     def receive_pending(self, now: float) -> list[Event]:
         """Process the next part of the input kept by :meth:`receive_data`."""
-        backlog = self._backlog
-        if self._terminated or not backlog:
+        if not self.has_pending_input:
             return self.take_events()
-        self._backlog = bytearray()
-        return self._receive(bytes(backlog), now)
+        data, start = self._backlog, self._backlog_at
+        self._backlog, self._backlog_at = b"", 0
+        return self._receive(data, start, now)
 
-    def _receive(self, data: bytes, now: float) -> list[Event]:
+    def _receive(self, data: bytes, start: int, now: float) -> list[Event]:
         self._just_ended.clear()
         self._last_received = now
         self._keepalive_deadline = None
-        consumed, violation = self._scanner.scan(data, now)
-        if consumed < len(data):
+        view: bytes | memoryview = memoryview(data)[start:] if start else data
+        consumed, violation = self._scanner.scan(view, now)
+        if consumed < len(view):
             if violation is None:
-                self._backlog = bytearray(memoryview(data)[consumed:])
-            data = data[:consumed]
-        if data:
+                self._backlog, self._backlog_at = data, start + consumed
+            view = memoryview(view)[:consumed]
+        if view:
             try:
-                h2_events = self._h2.receive_data(data)
+                h2_events = self._h2.receive_data(view)
             except h2.exceptions.ProtocolError as exc:
                 # h2 has queued a GOAWAY with the right code already.
                 code = getattr(exc, "error_code", _ERR.PROTOCOL_ERROR)
-                self._backlog = bytearray()
+                self._backlog, self._backlog_at = b"", 0
                 self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
                                 status=StatusCode.UNAVAILABLE)
                 return self.take_events()
@@ -705,7 +711,7 @@ class GrpcConnection:
     def _exceeded(self, violation: BudgetExceeded) -> None:
         """A peer went over a budget: GOAWAY (naming the last stream we
         took) with the violation's code, and every call ends."""
-        self._backlog = bytearray()
+        self._backlog, self._backlog_at = b"", 0
         if self._terminated:
             return
         self._h2.close_connection(error_code=violation.error_code,

@@ -79,7 +79,7 @@ class ConnectionBudgets:
     #: Frames handed to h2 per receive call; the rest waits for the next one
     #: (:attr:`GrpcConnection.has_pending_input`), so that one connection's
     #: megabyte of tiny frames does not hold up the others.
-    max_frames_per_receive: int = 256
+    max_frames_per_receive: int = 64
 
     def __post_init__(self) -> None:
         if self.max_control_frame_size < 16 * KiB:

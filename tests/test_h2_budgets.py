@@ -292,16 +292,16 @@ def test_the_block_bound_admits_any_list_within_the_limit_under_huffman():
 # -- 5. partial-message bytes ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk", [None, 1000])
-def test_partial_messages_over_the_budget_end_the_largest_hoarder(chunk):
+@pytest.mark.parametrize("chunk, scale", [(None, 100), (1000, 100), (1, 1)])
+def test_partial_messages_over_the_budget_end_the_largest_hoarder(chunk, scale):
     """Streams sending parts of large messages, obeying flow control: once the
     parts held pass the budget, the call holding most ends RESOURCE_EXHAUSTED
     (RST_STREAM), the others continue, and what is held stays bounded."""
-    budget = 300_000
+    budget = 3000 * scale
     peer = Peer(max_receive_message_length=1 << 20, max_partial_message_bytes=budget)
     wire = b""
     sids = []
-    for size in (100_000, 120_000, 90_000):
+    for size in (1000 * scale, 1200 * scale, 900 * scale):
         sid, frame = peer.headers()
         sids.append(sid)
         wire += frame + raw_frame(DATA, 0, sid, struct.pack(">BI", 0, 1 << 20) + bytes(size))
@@ -313,9 +313,9 @@ def test_partial_messages_over_the_budget_end_the_largest_hoarder(chunk):
     out = wire_frames(peer.server.data_to_send())
     assert (RST_STREAM, sids[1]) in [(kind, sid) for kind, _, sid, _ in out]
     # The others still complete their messages.
-    peer.feed(raw_frame(DATA, 0, sids[0], bytes((1 << 20) - 100_000)))
+    peer.feed(raw_frame(DATA, 0, sids[0], bytes((1 << 20) - 1000 * scale)))
     assert [e.stream_id for e in peer.events if isinstance(e, MessageReceived)] == [sids[0]]
-    assert peer.server._partial_total == 90_000
+    assert peer.server._partial_total == 900 * scale
 
 
 def test_one_largest_message_always_fits_the_default_budget():
