@@ -50,7 +50,8 @@ from protocol.grpc_metadata import (
     validate_metadata,
 )
 from protocol.h2_budgets import (
-    ENHANCE_YOUR_CALM, BudgetExceeded, ConnectionBudgets, FrameScanner, TokenBucket,
+    ENHANCE_YOUR_CALM, UNAUTHENTICATED_BUDGETS, BudgetExceeded, ConnectionBudgets, FrameScanner,
+    TokenBucket,
 )
 from protocol.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
@@ -130,6 +131,7 @@ class GrpcConfig:
     #: credentials costs a small, fixed amount.  False: trusted from the start.
     require_authentication: bool = False
     unauthenticated_max_concurrent_streams: int = 4
+    unauthenticated_budgets: ConnectionBudgets = UNAUTHENTICATED_BUDGETS
     #: Stream and connection receive windows until authenticated; also the
     #: partial-message budget, so no message spanning frames can be larger.
     unauthenticated_window_size: int = 65_535
@@ -550,11 +552,12 @@ class GrpcConnection:
         # check (RESOURCE_EXHAUSTED for that call alone) is what applies.
         self._h2.decoder.max_header_list_size = max(4 * config.max_header_list_size, 65_536)
         # The budgets: frames are checked as their headers arrive, before h2.
+        budgets = config.budgets if trusted else config.unauthenticated_budgets
         self._scanner = FrameScanner(
-            config.budgets, preface_size=0 if config.client_side else 24,
+            budgets, preface_size=0 if config.client_side else 24,
             max_data_frame_size=min(window, config.max_inbound_frame_size),
             max_header_list_size=config.max_header_list_size)
-        self._resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
+        self._resets = TokenBucket(budgets.reset_rate, budgets.reset_burst)
         self._partial_budget = config.partial_message_budget(trusted)
         # Bytes of incomplete messages held over all calls.
         self._partial_total = 0
@@ -625,6 +628,8 @@ class GrpcConnection:
         # as soon as it has our SETTINGS, before we see its ack.
         self._scanner.max_data_frame_size = min(config.initial_window_size,
                                                 config.max_inbound_frame_size)
+        self._scanner.use(config.budgets)
+        self._resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
         self._h2.update_settings({
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "BudgetExceeded", "ConnectionBudgets", "FrameScanner", "TokenBucket", "max_header_block_size",
+    "UNAUTHENTICATED_BUDGETS", "BudgetExceeded", "ConnectionBudgets", "FrameScanner", "TokenBucket", "max_header_block_size",
 ]
 
 KiB = 1024
@@ -94,6 +94,13 @@ class ConnectionBudgets:
             raise ValueError("rates must be > 0")
 
 
+#: Until a peer has authenticated (``GrpcConfig.require_authentication``):
+#: a tenth of the bursts and rates, and a fifth of the stalled replies.
+UNAUTHENTICATED_BUDGETS = ConnectionBudgets(
+    settings_burst=10, settings_rate=1.0, max_stalled_control_replies=20,
+    reset_burst=20, reset_rate=10.0)
+
+
 @dataclass(frozen=True)
 class BudgetExceeded:
     """A peer went over a budget: end the connection with ``error_code``."""
@@ -157,6 +164,11 @@ class FrameScanner:
         self._head = b""
         self._block = 0
         self._in_block = False
+        self._settings = TokenBucket(budgets.settings_rate, budgets.settings_burst)
+
+    def use(self, budgets: ConnectionBudgets) -> None:
+        """Apply other budgets from now on (a peer just authenticated)."""
+        self.budgets = budgets
         self._settings = TokenBucket(budgets.settings_rate, budgets.settings_burst)
 
     def scan(self, data: bytes | memoryview, now: float) -> tuple[int, BudgetExceeded | None]:

@@ -350,6 +350,19 @@ def test_an_unauthenticated_connection_gets_small_windows_few_streams_and_small_
     assert peer.terminated()[0].error_code == FLOW_CONTROL_ERROR
 
 
+def test_an_unauthenticated_connection_has_a_tenth_of_the_reset_and_settings_budgets():
+    peer = Peer(require_authentication=True)
+    peer.feed(_rapid_reset(peer, 21))
+    assert peer.terminated()[0].error_code == ENHANCE_YOUR_CALM
+    peer = Peer(require_authentication=True)
+    sid, frame = peer.headers()
+    peer.feed(frame)
+    peer.server.authenticate()
+    peer.feed(_rapid_reset(peer, 150))          # within the authenticated burst of 200
+    peer.feed(raw_frame(SETTINGS, 0, 0, b"") * 50)
+    assert peer.terminated() == []
+
+
 def test_authenticate_lifts_the_limits_with_new_settings_and_a_window_update():
     client = GrpcConnection(GrpcConfig(client_side=True))
     server = GrpcConnection(GrpcConfig(client_side=False, require_authentication=True,
