@@ -28,11 +28,13 @@ __all__ = [
 KiB = 1024
 _DATA = 0x0
 _HEADERS = 0x1
+_PRIORITY = 0x2
 _SETTINGS = 0x4
 _PUSH_PROMISE = 0x5
 _PING = 0x6
 _CONTINUATION = 0x9
 _ACK = 0x1
+_END_STREAM = 0x1
 _END_HEADERS = 0x4
 #: HTTP/2 error codes used here (RFC 9113 7).
 FLOW_CONTROL_ERROR = 0x3
@@ -76,6 +78,12 @@ class ConnectionBudgets:
     #: per second (rapid reset, CVE-2023-44487): each costs us a call set-up.
     reset_burst: int = 200
     reset_rate: float = 100.0
+    #: Frames that ask nothing of us and carry nothing (PRIORITY, unknown
+    #: types, empty DATA without END_STREAM, acks of nothing we sent), at
+    #: once and then per second: gRPC peers hardly send any, a flood of them
+    #: is CPU for nothing (Tomcat's "overhead protection" has the same idea).
+    idle_frame_burst: int = 1000
+    idle_frame_rate: float = 100.0
     #: Frames handed to h2 per receive call; the rest waits for the next one
     #: (:attr:`GrpcConnection.has_pending_input`), so that one connection's
     #: megabyte of tiny frames does not hold up the others.
@@ -86,11 +94,11 @@ class ConnectionBudgets:
             raise ValueError("max_control_frame_size must be >= 16384 (RFC 9113 4.2)")
         if self.max_settings_frame_size < 36:
             raise ValueError("max_settings_frame_size must be >= 36 (six settings)")
-        for name in ("settings_burst", "reset_burst", "max_stalled_control_replies",
-                     "max_frames_per_receive"):
+        for name in ("settings_burst", "reset_burst", "idle_frame_burst",
+                     "max_stalled_control_replies", "max_frames_per_receive"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.settings_rate <= 0 or self.reset_rate <= 0:
+        if self.settings_rate <= 0 or self.reset_rate <= 0 or self.idle_frame_rate <= 0:
             raise ValueError("rates must be > 0")
 
 
@@ -98,7 +106,7 @@ class ConnectionBudgets:
 #: a tenth of the bursts and rates, and a fifth of the stalled replies.
 UNAUTHENTICATED_BUDGETS = ConnectionBudgets(
     settings_burst=10, settings_rate=1.0, max_stalled_control_replies=20,
-    reset_burst=20, reset_rate=10.0)
+    reset_burst=20, reset_rate=10.0, idle_frame_burst=100, idle_frame_rate=10.0)
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ class FrameScanner:
 
     __slots__ = (
         "budgets", "max_data_frame_size", "max_header_block_size", "output_stalled",
-        "stalled_replies", "_skip", "_head", "_block", "_in_block", "_settings",
+        "stalled_replies", "_skip", "_head", "_block", "_in_block", "_settings", "_idle",
     )
 
     def __init__(self, budgets: ConnectionBudgets, *, preface_size: int,
@@ -165,11 +173,13 @@ class FrameScanner:
         self._block = 0
         self._in_block = False
         self._settings = TokenBucket(budgets.settings_rate, budgets.settings_burst)
+        self._idle = TokenBucket(budgets.idle_frame_rate, budgets.idle_frame_burst)
 
     def use(self, budgets: ConnectionBudgets) -> None:
         """Apply other budgets from now on (a peer just authenticated)."""
         self.budgets = budgets
         self._settings = TokenBucket(budgets.settings_rate, budgets.settings_burst)
+        self._idle = TokenBucket(budgets.idle_frame_rate, budgets.idle_frame_burst)
 
     def scan(self, data: bytes | memoryview, now: float) -> tuple[int, BudgetExceeded | None]:
         """How many bytes of ``data`` may go to h2 now, and why not more.
@@ -216,6 +226,8 @@ class FrameScanner:
             if length > self.max_data_frame_size:
                 return BudgetExceeded(FLOW_CONTROL_ERROR,
                                       f"DATA frame of {length} bytes is larger than any window")
+            if not length and not flags & _END_STREAM:
+                return self._idle_frame(now)
             return None
         if length > budgets.max_control_frame_size:
             return BudgetExceeded(FRAME_SIZE_ERROR,
@@ -235,7 +247,17 @@ class FrameScanner:
             return self._reply_owed()
         elif kind == _PING and not flags & _ACK:
             return self._reply_owed()
+        elif (kind == _SETTINGS or kind == _PING or kind == _PRIORITY
+              or kind > _CONTINUATION):
+            # Acks (we send few SETTINGS and PINGs), priorities (gRPC has
+            # none) and frame types we ignore.
+            return self._idle_frame(now)
         return None
+
+    def _idle_frame(self, now: float) -> BudgetExceeded | None:
+        if self._idle.take(now):
+            return None
+        return BudgetExceeded(ENHANCE_YOUR_CALM, "too many frames that do nothing")
 
     def _reply_owed(self) -> BudgetExceeded | None:
         if not self.output_stalled:

@@ -209,6 +209,43 @@ def test_pings_while_our_output_is_stalled_end_the_connection_past_the_bound(chu
     assert goaway_of(peer.server)[2] == b"control frames sent while not reading"
 
 
+# -- frames that do nothing ---------------------------------------------------------------
+
+PRIORITY = 0x2
+
+
+@pytest.mark.parametrize("name, frame", [
+    ("priority", raw_frame(PRIORITY, 0, 1, struct.pack(">IB", 0, 15))),
+    ("unknown type", raw_frame(0xEE, 0, 0, b"x")),
+    ("empty DATA", raw_frame(DATA, 0, 1, b"")),
+    ("PING ack", raw_frame(PING, ACK, 0, bytes(8))),
+    ("SETTINGS ack", raw_frame(SETTINGS, ACK, 0, b"")),
+])
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_a_flood_of_frames_that_do_nothing_ends_the_connection_past_the_burst(name, frame, chunk):
+    peer = Peer(budgets=ConnectionBudgets(idle_frame_burst=30, idle_frame_rate=1.0))
+    sid, headers = peer.headers()
+    peer.feed(headers)
+    peer.feed(frame * 29, chunk=chunk)
+    assert peer.terminated() == []
+    peer.feed(frame * 2, chunk=chunk)
+    (terminated,) = peer.terminated()
+    assert terminated.error_code == ENHANCE_YOUR_CALM
+    assert goaway_of(peer.server)[2] == b"too many frames that do nothing"
+
+
+def test_frames_that_do_nothing_at_the_allowed_rate_and_ends_of_stream_never_trip():
+    peer = Peer(budgets=ConnectionBudgets(idle_frame_burst=5, idle_frame_rate=1.0))
+    for second in range(1, 40):
+        sid, headers = peer.headers()
+        # An empty DATA frame that ends the stream is a half-close, not idle.
+        peer.feed(headers + raw_frame(DATA, END_STREAM, sid, b"")
+                  + raw_frame(PRIORITY, 0, sid, struct.pack(">IB", 0, 15)), now=second)
+        peer.server.send_status(sid, StatusCode.OK)
+        peer.server.data_to_send()
+    assert peer.terminated() == []
+
+
 # -- 3. frame sizes for non-DATA frames ------------------------------------------------------
 
 
@@ -501,6 +538,7 @@ HOSTILE = {
     "oversized settings": lambda peer, n: raw_frame(SETTINGS, 0, 0, bytes(6 * (43 + n))),
     "endless continuation": lambda peer, n: raw_frame(HEADERS, 0, 1, bytes(1000))
     + raw_frame(CONTINUATION, 0, 1, bytes(16_000)) * (4 + n),
+    "priority flood": lambda peer, n: raw_frame(0x2, 0, 1, struct.pack(">IB", 0, 1)) * (1001 + n),
     "data beyond the window": lambda peer, n: peer.headers()[1]
     + raw_frame(DATA, 0, 1, bytes(4 * 1024 * 1024 + 1 + n)),
 }
