@@ -365,6 +365,8 @@ _PREFIX = struct.Struct(">BI")
 #: reference until the message is complete; smaller ones are copied
 #: together at once.
 _PIECE_MIN = 8 * 1024
+#: WINDOW_UPDATE increments below this count as frames that do nothing.
+_TINY_WINDOW_UPDATE = 1024
 _SUPPORTED_ENCODINGS = ("identity", "gzip")
 _ACCEPT_ENCODING = b"identity,gzip"
 _ERR = h2.errors.ErrorCodes
@@ -1613,6 +1615,13 @@ class GrpcConnection:
 
     def _on_window_updated(self, event: h2.events.WindowUpdated, now: float) -> None:
         stream_id = event.stream_id or 0
+        if (event.delta or 0) < _TINY_WINDOW_UPDATE:
+            # h2, grpc-core and grpc-go return at least 1 KiB at a time (or
+            # a good part of the window): smaller increments are a flood.
+            violation = self._scanner.idle_frame(now)
+            if violation is not None:
+                self._exceeded(violation)
+                return
         if stream_id == 0:
             self._flush_all()
         else:

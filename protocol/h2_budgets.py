@@ -227,7 +227,7 @@ class FrameScanner:
                 return BudgetExceeded(FLOW_CONTROL_ERROR,
                                       f"DATA frame of {length} bytes is larger than any window")
             if not length and not flags & _END_STREAM:
-                return self._idle_frame(now)
+                return self.idle_frame(now)
             return None
         if length > budgets.max_control_frame_size:
             return BudgetExceeded(FRAME_SIZE_ERROR,
@@ -251,10 +251,12 @@ class FrameScanner:
               or kind > _CONTINUATION):
             # Acks (we send few SETTINGS and PINGs), priorities (gRPC has
             # none) and frame types we ignore.
-            return self._idle_frame(now)
+            return self.idle_frame(now)
         return None
 
-    def _idle_frame(self, now: float) -> BudgetExceeded | None:
+    def idle_frame(self, now: float) -> BudgetExceeded | None:
+        """Count a frame that does nothing (also called by the owner for
+        what only the payload shows, e.g. a tiny WINDOW_UPDATE)."""
         if self._idle.take(now):
             return None
         return BudgetExceeded(ENHANCE_YOUR_CALM, "too many frames that do nothing")

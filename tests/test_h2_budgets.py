@@ -220,6 +220,7 @@ PRIORITY = 0x2
     ("empty DATA", raw_frame(DATA, 0, 1, b"")),
     ("PING ack", raw_frame(PING, ACK, 0, bytes(8))),
     ("SETTINGS ack", raw_frame(SETTINGS, ACK, 0, b"")),
+    ("tiny WINDOW_UPDATE", raw_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))),
 ])
 @pytest.mark.parametrize("chunk", [None, 1])
 def test_a_flood_of_frames_that_do_nothing_ends_the_connection_past_the_burst(name, frame, chunk):

@@ -27,7 +27,8 @@ from protocol.grpc import ConnectionBudgets, GrpcConfig
 from protocol.h2_budgets import ENHANCE_YOUR_CALM
 from tools.fuzz.drivers import PREFACE, SETTINGS, WINDOW_UPDATE, raw_frame
 
-TINY = raw_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1))
+# Window updates big enough to be real work (tiny ones are a budget of their own).
+TINY = raw_frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1024))
 
 
 def turn() -> defer.Deferred:
