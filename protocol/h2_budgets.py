@@ -7,14 +7,15 @@ budget is refused as soon as its header arrives and never buffered; it also
 says where to stop so that one call feeds at most a bounded number of frames
 to h2 (fairness between connections).  :class:`TokenBucket` is the rate
 limit the budgets share.  :class:`GrpcConnection` (``protocol/grpc.py``)
-owns one scanner and turns a :class:`BudgetExceeded` into
-GOAWAY(ENHANCE_YOUR_CALM).
+owns one scanner and turns a :class:`BudgetExceeded` into a GOAWAY with
+its error code.
 
 Where the ideas come from (ideas, not code): golang/net's http2 server
 bounds the control frames it has queued but not written
 (``maxQueuedControlFrames``) and the handlers a connection may keep busy;
 nginx and Netty bound streams reset by the client per time window
-(CVE-2023-44487, "rapid reset"); grpc-core bounds pings with strikes.
+(CVE-2023-44487, "rapid reset"); grpc-core bounds pings with strikes;
+Tomcat's "overhead protection" counts frames that make it work for nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "UNAUTHENTICATED_BUDGETS", "BudgetExceeded", "ConnectionBudgets", "FrameScanner", "TokenBucket", "max_header_block_size",
+    "UNAUTHENTICATED_BUDGETS", "BudgetExceeded", "ConnectionBudgets", "FrameScanner",
+    "TokenBucket", "max_header_block_size",
 ]
 
 KiB = 1024
@@ -148,7 +150,8 @@ class FrameScanner:
     :meth:`scan` is given every received byte, in order, and checks each
     frame header as soon as its 9 bytes are in: frame sizes, the bytes of a
     header block (HEADERS + CONTINUATION) against the header list limit,
-    the SETTINGS rate and the replies owed while our output is stalled.
+    the SETTINGS rate, frames that do nothing, and the replies owed while
+    our output is stalled.
     Payloads are skipped, never copied.
     """
 
