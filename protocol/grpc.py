@@ -1609,7 +1609,7 @@ class GrpcConnection:
                            EndCause.RESET, code)
             # Rapid reset (CVE-2023-44487): each stream opened and reset
             # before we answered it cost a call set-up and nothing for the
-            # peer, so they are rate-limited like nginx and Netty do.
+            # peer, so they are rate-limited (Netty's idea; see h2_budgets).
             if not answered and not self._resets.take(now):
                 self._exceeded(BudgetExceeded(ENHANCE_YOUR_CALM, "too many streams reset"))
 

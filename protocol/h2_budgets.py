@@ -12,10 +12,15 @@ its error code.
 
 Where the ideas come from (ideas, not code): golang/net's http2 server
 bounds the control frames it has queued but not written
-(``maxQueuedControlFrames``) and the handlers a connection may keep busy;
-nginx and Netty bound streams reset by the client per time window
-(CVE-2023-44487, "rapid reset"); grpc-core bounds pings with strikes;
-Tomcat's "overhead protection" counts frames that make it work for nothing.
+(``maxQueuedControlFrames``).  Against rapid reset (CVE-2023-44487) it
+bounds the handlers running at once to the stream limit and ends the
+connection when the requests queued behind them grow too many; nginx ends
+a connection that opens too many streams in one event-loop iteration;
+Netty bounds RST_STREAM frames per time window, which is the shape used
+here (a token bucket on the caller's clock), because a stream reset before
+we answered it is exactly the work the attack makes us do for nothing.
+grpc-core bounds pings with strikes; Tomcat's "overhead protection" counts
+frames that make it work for nothing.
 """
 
 from __future__ import annotations
