@@ -20,6 +20,7 @@ from twisted.python import usage
 
 from protocol.echo import EchoConfig
 from protocol.engine_agent import AgentConfig, AgentUsageError
+from protocol.runtime_load import LoadConfig, LoadUsageError
 
 MiB = 1024 * 1024
 
@@ -66,6 +67,11 @@ class Options(usage.Options):
         ["token-delay", None, "0", "echo runtime: seconds between streamed tokens."],
         ["cluster-id", None, "", "Cluster id reported in EngineStatus."],
         ["grace", None, "30", "Seconds in-flight tasks get to finish on shutdown."],
+        ["runtime-load-interval", None, "1",
+         "openai runtime: seconds between reads of the runtime's own load (vLLM, SGLang, llama.cpp "
+         "/metrics and /slots), reported to the gateway for routing; 0 turns it off."],
+        ["runtime-load-report-interval", None, "2",
+         "openai runtime: least seconds between two status reports sent only because the load changed."],
     ]
 
     def postOptions(self) -> None:
@@ -97,6 +103,8 @@ class Options(usage.Options):
         self["status-interval"] = self._number("status-interval", float, minimum=0.0, strict=True)
         self["token-delay"] = self._number("token-delay", float, minimum=0.0)
         self["grace"] = self._number("grace", float, minimum=0.0)
+        self["runtime-load-interval"] = self._number("runtime-load-interval", float, minimum=0.0)
+        self["runtime-load-report-interval"] = self._number("runtime-load-report-interval", float, minimum=0.0)
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -115,7 +123,11 @@ class Options(usage.Options):
                 status_interval=self["status-interval"],
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
-        except (AgentUsageError, ValueError) as exc:
+            self["load-config"] = None
+            if self["runtime"] == "openai" and self["runtime-load-interval"] > 0:
+                self["load-config"] = LoadConfig(interval=self["runtime-load-interval"],
+                                                 report_min_interval=self["runtime-load-report-interval"])
+        except (AgentUsageError, LoadUsageError, ValueError) as exc:
             raise usage.UsageError(str(exc)) from exc
 
     def _number(self, name: str, kind: type[int] | type[float], *, minimum: float, strict: bool = False) -> Any:
@@ -148,10 +160,12 @@ def makeService(options: Options) -> IService:
     from twisted.web.client import Agent, HTTPConnectionPool
 
     from infx.engine import EngineAgent
+    from infx.runtime_load_watch import RuntimeLoadWatch, scrape_pool
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.engine_agent import EngineAgentCore
     from protocol.grpc import GrpcConfig
+    from protocol.runtime_load import RuntimeLoadMonitor
 
     top = MultiService()
     runtime: Runtime
@@ -174,4 +188,10 @@ def makeService(options: Options) -> IService:
     agent = EngineAgent(reactor, EngineAgentCore(options["agent-config"]), runtime, connect,
                         key=options["key"] or "", grace=options["grace"])
     agent.setServiceParent(top)
+    if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
+        scrapes = scrape_pool(reactor)
+        _PoolCloser(scrapes).setServiceParent(top)
+        RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
+                         Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
+                         agent.runtime_load_changed).setServiceParent(top)
     return top

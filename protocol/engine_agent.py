@@ -34,6 +34,11 @@ already streaming is only aborted, and the gateway's own deadline ends the
 client's response. Either way the runtime stops working for nobody. Results of a task that is no longer known are dropped, because a
 runtime may still be unwinding after an abort.
 
+The runtime's own load (``runtime_load_changed``, from the monitor of
+:mod:`protocol.runtime_load`, which already coalesces it) goes out with every
+model's status as ``runtime_load``; with none, the field is absent and the
+gateway routes by in-progress counts alone.
+
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
 engine does, so a newer gateway can add kinds); runtime tasks that arrive
@@ -269,6 +274,7 @@ class EngineAgentCore:
         self._reconnect_at: float | None = None
         self._failures = 0
         self._drain_deadline: float | None = None
+        self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
 
     # -- inspection ---------------------------------------------------------------
 
@@ -307,7 +313,7 @@ class EngineAgentCore:
         for task in self._tasks.values():
             if task.model in counts:
                 counts[task.model] += 1
-        return status_pb2.EngineStatus(
+        status = status_pb2.EngineStatus(
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
             cluster_id=self.config.cluster_id,
@@ -316,6 +322,11 @@ class EngineAgentCore:
                 for m, n in counts.items()
             ],
         )
+        if self._runtime_load is not None:
+            # One runtime serves all of this engine's models: its load is each one's.
+            for model in status.models:
+                model.runtime_load.CopyFrom(self._runtime_load)
+        return status
 
     def next_deadline(self) -> float | None:
         """When ``handle_timer`` must run next, or None."""
@@ -342,6 +353,13 @@ class EngineAgentCore:
         self.state = AgentState.RUNNING
         effects: list[Effect] = []
         self._open(now, False, effects)
+        return effects
+
+    def runtime_load_changed(self, now: float, load: status_pb2.EngineStatus.RuntimeLoad | None) -> list[Effect]:
+        """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
+        self._runtime_load = load
+        effects: list[Effect] = []
+        self._report(now, effects)
         return effects
 
     def stream_confirmed(self, stream_id: int) -> None:
