@@ -106,6 +106,11 @@ class ProcessorConfig:
         for the cap gets 503 instead of 429, so that the forwarding peer retries
         it elsewhere rather than handing the client a limit of this gateway's.
         None: no cap.
+    shed_waiting_threshold: a sheddable task that would wait while every
+        engine serving its model is at ``max_in_flight_per_engine`` fails at
+        once with 429 and ``busy_retry_after`` when its model's queue already
+        holds this many tasks (0: sheddable tasks never wait behind full
+        engines). They are also the first refused when the whole queue is full.
     """
 
     queue_timeout: float = 30.0
@@ -121,6 +126,7 @@ class ProcessorConfig:
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
     max_tasks_per_tenant: int | None = None
+    shed_waiting_threshold: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -146,6 +152,8 @@ class ProcessorConfig:
             problems.append("max_in_flight_per_engine must be >= 1 or None")
         if self.max_tasks_per_tenant is not None and self.max_tasks_per_tenant < 1:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
+        if self.shed_waiting_threshold < 0:
+            problems.append("shed_waiting_threshold must be >= 0")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
