@@ -8,9 +8,17 @@ Kubernetes Secret (one Secret key holding the whole file)::
         tenant: team-a
         rate_limit: {rate: 5, burst: 10}   # optional, requests per second
         admin: true                        # optional, may read /admin/status
+        criticality: standard              # optional: critical, standard (default) or sheddable
+        weight: 1                          # optional: share of held requests' turns (> 0)
     engine_keys:               # engines dialling the worker gRPC port
       - key: ek-team-a
         tenant: team-a
+
+``criticality`` is the most a key's requests may claim (and their default;
+the ``x-infx-criticality`` header may lower it, see
+:func:`protocol.fair_queue.requested_criticality`); ``weight`` is the key's
+share when requests wait for an engine: keys with the same ``name`` share
+one turn, as one caller.
 
 Without a key file, authentication is off and every caller and engine is in
 the default tenant.
@@ -25,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from protocol.fair_queue import Criticality, parse_criticality
 from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"
@@ -42,6 +51,8 @@ class Principal:
     key_id: str
     admin: bool = False
     rate_limit: RateLimit | None = None
+    criticality: Criticality = Criticality.STANDARD
+    weight: float = 1.0
 
 
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", admin=True)
@@ -135,6 +146,7 @@ def _entries(items: Any, source: str, section: str) -> dict[str, Principal]:
                 limit = RateLimit(rate=float(spec["rate"]), burst=int(spec.get("burst", max(1, int(float(spec["rate"]))))))
             except (TypeError, KeyError, ValueError) as e:
                 raise KeyFileError(f"{where}: rate_limit needs a positive 'rate' and optional 'burst' ({e})") from None
+        criticality, weight = _share(item, where)
         if item["key"] in table:
             raise KeyFileError(f"{where}: duplicate key")
         table[item["key"]] = Principal(
@@ -142,5 +154,23 @@ def _entries(items: Any, source: str, section: str) -> dict[str, Principal]:
             key_id=str(item.get("name", f"{section}[{index}]")),
             admin=bool(item.get("admin", False)),
             rate_limit=limit,
+            criticality=criticality,
+            weight=weight,
         )
     return table
+
+
+def _share(item: dict[str, Any], where: str) -> tuple[Criticality, float]:
+    """A key's ``criticality`` and ``weight`` members (see the module docstring)."""
+    criticality = Criticality.STANDARD
+    if item.get("criticality") is not None:
+        if not isinstance(item["criticality"], str):
+            raise KeyFileError(f"{where}: criticality must be critical, standard or sheddable")
+        try:
+            criticality = parse_criticality(item["criticality"])
+        except ValueError as e:
+            raise KeyFileError(f"{where}: {e}") from None
+    weight = item.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise KeyFileError(f"{where}: weight must be a number > 0, got {weight!r}")
+    return criticality, float(weight)

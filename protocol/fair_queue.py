@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-__all__ = ["Criticality", "FairQueueUsageError", "HeldQueue", "parse_criticality"]
+__all__ = ["Criticality", "CriticalityRefused", "FairQueueUsageError", "HeldQueue", "parse_criticality",
+           "requested_criticality"]
 
 
 class FairQueueUsageError(Exception):
@@ -64,6 +65,29 @@ def parse_criticality(value: str) -> Criticality:
         return Criticality(value.strip().lower())
     except ValueError:
         raise ValueError(f"criticality must be critical, standard or sheddable, got {value!r}") from None
+
+
+class CriticalityRefused(ValueError):
+    """A request asked for a criticality it may not have (unknown, or above its key's)."""
+
+
+def requested_criticality(allowed: Criticality, admin: bool, header: str | None) -> Criticality:
+    """A request's criticality: its key's, or the one its header asks for.
+
+    The header may only lower what the key allows (a critical key's batch job
+    may mark itself sheddable), except for an admin key, which may set any;
+    asking for more is refused rather than quietly lowered, so that the
+    client learns at once that its request would not be treated as it thinks.
+    """
+    if header is None or not header.strip():
+        return allowed
+    try:
+        wanted = parse_criticality(header)
+    except ValueError as e:
+        raise CriticalityRefused(str(e)) from None
+    if wanted.rank < allowed.rank and not admin:
+        raise CriticalityRefused(f"this API key allows criticality {allowed.value} at most, not {wanted.value}")
+    return wanted
 
 
 @dataclass
