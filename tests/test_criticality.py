@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import generate_latest
 import pytest_twisted
 from twisted.internet import threads
 
@@ -130,4 +131,5 @@ def test_a_sheddable_request_to_saturated_engines_gets_429_with_retry_after_and_
     for c in (holding, waiting):
         (response,) = c.responses()
         assert response.status == 200
-    assert stack.processor.counters.shed == 1
+    stack.metrics.watch(stack.dispatcher.gauges, lambda: stack.processor.counters)
+    assert b"infx_sheddable_refusals_total 1.0" in generate_latest(stack.metrics.registry)
