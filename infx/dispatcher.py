@@ -12,6 +12,7 @@ other.
 from __future__ import annotations
 
 import itertools
+import secrets
 from typing import Any, Callable, Iterator, Protocol
 
 from twisted.internet.interfaces import IReactorTime
@@ -71,7 +72,10 @@ class Dispatcher:
         self.processor = processor
         self.metrics = metrics
         counter = itertools.count(1)
-        self._new_id = task_ids or (lambda: f"t{next(counter)}")
+        # A task forwarded to a peer keeps its id there, beside the peer's own tasks: a random
+        # prefix per gateway keeps two gateways' counters from handing out the same id.
+        prefix = secrets.token_hex(4)
+        self._new_id = task_ids or (lambda: f"t{prefix}-{next(counter)}")
         self._timer = DeadlineTimer(clock, self._fire)
         #: Called with each TaskQueued (the scaler's scale-from-zero hook).
         self.on_task_queued: list[Callable[[TaskQueued], None]] = []
