@@ -24,12 +24,15 @@ an engine. Its order:
 
 Removing a task without serving it (cancel, queue timeout) charges nothing:
 the flow's next task takes its place in the turn. Memory is one entry per
-held task plus one per flow that holds tasks or is ahead of the clock; a
-band that empties forgets its flows (a new busy period starts even).
+held task plus one per flow that holds tasks or is ahead of the clock, and
+a heap of the flows' turns with at most one stale entry per change of a
+flow's head (dropped as they surface); a band that empties forgets its flows
+(a new busy period starts even). ``peek`` and ``take`` cost O(log flows).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -103,6 +106,8 @@ class _Band:
     clock: float = 0.0
     flows: dict[str, _Flow] = field(default_factory=dict)
     size: int = 0
+    #: (head finish, head arrival, flow) per turn; stale once that flow's head changed.
+    turns: list[tuple[float, int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +135,6 @@ class HeldQueue:
     def __contains__(self, task_id: object) -> bool:
         return task_id in self._entries
 
-    def count(self, criticality: Criticality) -> int:
-        """Tasks held at this criticality."""
-        return self._bands[criticality.rank].size
-
     def add(self, task_id: str, flow: str = "", weight: float = 1.0,
             criticality: Criticality = Criticality.STANDARD) -> None:
         """Hold ``task_id`` for ``flow`` (whose share is ``weight``, > 0) at ``criticality``."""
@@ -146,22 +147,25 @@ class HeldQueue:
         if state is None:
             state = band.flows[flow] = _Flow(weight, last_finish=band.clock)
         state.weight = weight
-        if not state.tasks:
+        was_idle = not state.tasks
+        if was_idle:
             state.head_finish = max(band.clock, state.last_finish) + 1.0 / weight
         state.tasks[task_id] = None
         band.size += 1
         self._entries[task_id] = _Entry(flow, criticality, self._seq)
         self._seq += 1
+        if was_idle:
+            self._push(band, flow, state)
 
     def peek(self) -> str | None:
         """The task to serve next, or None when nothing is held."""
         for band in self._bands:
-            if band.size:
-                best = min(
-                    (f for f in band.flows.values() if f.tasks),
-                    key=lambda f: (f.head_finish, self._entries[next(iter(f.tasks))].seq),
-                )
-                return next(iter(best.tasks))
+            while band.turns:
+                finish, seq, name = band.turns[0]
+                flow = band.flows.get(name)
+                if flow is not None and flow.tasks and flow.head_finish == finish and self._head_seq(flow) == seq:
+                    return next(iter(flow.tasks))
+                heapq.heappop(band.turns)  # stale: that flow's head has changed since
         return None
 
     def take(self, task_id: str) -> None:
@@ -174,6 +178,7 @@ class HeldQueue:
             flow.last_finish = flow.head_finish
             if flow.tasks:
                 flow.head_finish = flow.last_finish + 1.0 / flow.weight
+                self._push(band, entry.flow, flow)
         self._forget(task_id, entry, band)
 
     def remove(self, task_id: str) -> None:
@@ -183,15 +188,15 @@ class HeldQueue:
         del flow.tasks[task_id]
         if first and not flow.tasks:
             flow.last_finish = flow.head_finish - 1.0 / flow.weight
+        elif first:
+            self._push(band, entry.flow, flow)  # the next task takes the turn, arriving later
         self._forget(task_id, entry, band)
 
-    def newest(self, criticality: Criticality) -> str | None:
-        """The most recent arrival held at ``criticality`` (the first to shed), or None."""
-        band = self._bands[criticality.rank]
-        if not band.size:
-            return None
-        candidates = [next(reversed(f.tasks)) for f in band.flows.values() if f.tasks]
-        return max(candidates, key=lambda t: self._entries[t].seq)
+    def _head_seq(self, flow: _Flow) -> int:
+        return self._entries[next(iter(flow.tasks))].seq
+
+    def _push(self, band: _Band, name: str, flow: _Flow) -> None:
+        heapq.heappush(band.turns, (flow.head_finish, self._head_seq(flow), name))
 
     def _locate(self, task_id: str) -> tuple[_Entry, _Band, _Flow]:
         entry = self._entries.get(task_id)
@@ -205,6 +210,7 @@ class HeldQueue:
         band.size -= 1
         if not band.size:
             band.flows.clear()  # idle: the next busy period starts even
+            band.turns.clear()
             return
         flow = band.flows[entry.flow]
         if not flow.tasks and flow.last_finish <= band.clock:

@@ -79,13 +79,22 @@ def test_a_flow_that_comes_back_cannot_claim_the_turns_it_missed():
     assert drain(q, 4) == ["a6", "b1", "a7", "b2"]  # alternating: no run of turns for b
 
 
-def test_newest_of_a_band_is_the_latest_arrival():
+def test_iteration_is_in_arrival_order_whatever_the_turns():
     q = HeldQueue()
     q.add("s1", "a", criticality=SHEDDABLE)
     q.add("s2", "b", criticality=SHEDDABLE)
     q.add("n", "a")
-    assert q.newest(SHEDDABLE) == "s2" and q.newest(CRITICAL) is None
-    assert q.count(SHEDDABLE) == 2 and list(q) == ["s1", "s2", "n"] and "n" in q
+    assert list(q) == ["s1", "s2", "n"] and "n" in q and "x" not in q
+
+
+def test_many_flows_take_turns_in_order_of_arrival_at_equal_weight():
+    q = HeldQueue()
+    for i in range(3):
+        for flow in range(200):
+            q.add(f"f{flow}-{i}", f"f{flow}")
+    served = drain(q)
+    assert served[:200] == [f"f{flow}-0" for flow in range(200)]
+    assert served[200:400] == [f"f{flow}-1" for flow in range(200)]
 
 
 def test_misuse_is_refused():
