@@ -41,7 +41,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 __all__ = [
-    "LoadReading", "MetricsFormatError", "Sample", "SlotTask", "parse_exposition",
+    "WANTED", "LoadReading", "MetricsFormatError", "Sample", "SlotTask", "parse_exposition",
     "parse_slots", "reading_from_metrics", "reading_from_slots",
 ]
 
@@ -187,8 +187,12 @@ def _max(samples: list[Sample], *names: str) -> float | None:
     return None
 
 
+#: Counts go out as int32 (``RuntimeLoad.running_requests``); a runtime's absurd figure is capped there.
+_MAX_COUNT = 2**31 - 1
+
+
 def _count(value: float | None) -> int:
-    return 0 if value is None else max(0, round(value))
+    return 0 if value is None else min(_MAX_COUNT, max(0, round(value)))
 
 
 def _fraction(value: float | None) -> float | None:

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from protocol.runtime_load import RuntimeLoad
 from protocol.runtime_metrics import (
+    WANTED,
     MetricsFormatError,
     SlotTask,
     parse_exposition,
@@ -107,6 +109,12 @@ def test_a_body_of_other_metrics_says_nothing():
     assert reading_from_metrics("") is None
 
 
+def test_absurd_counts_are_capped_to_what_the_wire_carries():
+    reading = reading_from_metrics("vllm:num_requests_running 1e300\nvllm:num_requests_waiting -5\n")
+    assert reading is not None and (reading.running, reading.waiting) == (2**31 - 1, 0)
+    RuntimeLoad(reading.source, reading.running, reading.waiting).to_pb()
+
+
 def test_fractions_outside_zero_to_one_are_clamped_and_nan_is_ignored():
     reading = reading_from_metrics("vllm:kv_cache_usage_perc 1.5\nvllm:num_requests_running NaN\n")
     assert reading is not None and reading.kv_cache_usage == 1.0 and reading.running == 0
@@ -159,3 +167,29 @@ def test_slots_merge_with_the_metrics_deferred_count():
 def test_slots_that_are_not_llamacpp_slots_are_a_format_error(body):
     with pytest.raises(MetricsFormatError):
         parse_slots(body)
+
+
+_line = st.tuples(
+    st.sampled_from(sorted(WANTED) + ["other_metric", "# HELP x"]),
+    st.text(alphabet=st.sampled_from(list('{}="\\,ab 0123456789.e+-\tNaInf')), max_size=40),
+).map("".join)
+
+
+@given(st.lists(_line, max_size=8).map("\n".join))
+def test_any_body_is_a_reading_none_or_a_format_error(text):
+    try:
+        reading = reading_from_metrics(text)
+    except MetricsFormatError:
+        return
+    assert reading is None or (0 <= reading.running < 2**31 and 0 <= reading.waiting < 2**31)
+    if reading is not None and reading.kv_cache_usage is not None:
+        assert 0.0 <= reading.kv_cache_usage <= 1.0
+
+
+@given(st.binary(max_size=200))
+def test_any_slots_body_is_read_or_a_format_error(body):
+    try:
+        processing, tasks = parse_slots(body)
+    except MetricsFormatError:
+        return
+    assert processing >= 0 and all(0 <= t.cached_tokens <= t.prompt_tokens for t in tasks)
