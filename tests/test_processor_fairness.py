@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protocol.fair_queue import Criticality
 from protocol.processor import Processor
@@ -133,3 +135,61 @@ def test_weight_and_threshold_are_validated():
     p = make()
     with pytest.raises(ProcessorUsageError, match="weight"):
         submit(p, "x", weight=0.0)
+
+
+ORDER = {CRITICAL: 0, STANDARD: 1, SHEDDABLE: 2}
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("submit"), st.sampled_from("ABC"), st.sampled_from(list(Criticality))),
+        st.tuples(st.just("finish")),
+        st.tuples(st.just("cancel"), st.integers(0, 30)),
+        st.tuples(st.just("wait"), st.sampled_from([1.0, 20.0])),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops, st.sampled_from([0, 2]))
+def test_every_task_ends_once_and_a_freed_slot_never_skips_a_more_critical_waiting_task(script, threshold):
+    p = make(max_in_flight_per_engine=2, queue_timeout=30, max_waiting_tasks=6, shed_waiting_threshold=threshold)
+    now, n = T0, 0
+    criticality: dict[str, Criticality] = {}
+    running: list[str] = []
+    ended: list[str] = []
+
+    def apply(effects: list[object]) -> None:
+        for e in effects:
+            if isinstance(e, SendTask):
+                waiting = p.waiting_task_ids("t", "m")
+                # What got the slot is at least as critical as everything still waiting.
+                assert all(ORDER[criticality[w]] >= ORDER[criticality[e.task.id]] for w in waiting)
+                running.append(e.task.id)
+            elif isinstance(e, FailRequest):
+                ended.append(e.task_id)
+                if e.task_id in running:
+                    running.remove(e.task_id)
+
+    for op in script:
+        if op[0] == "submit":
+            task_id = f"x{n}"
+            n += 1
+            criticality[task_id] = op[2]
+            apply(submit(p, task_id, op[1], now=now, criticality=op[2]))
+        elif op[0] == "finish" and running:
+            task_id = running.pop(0)
+            ended.append(task_id)
+            apply(p.receive_result(now, "route-e1", http(task_id)))
+        elif op[0] == "cancel":
+            live = [t for t in criticality if t not in ended]
+            if live:
+                task_id = live[op[1] % len(live)]
+                ended.append(task_id)
+                if task_id in running:
+                    running.remove(task_id)
+                apply(p.cancel(now, task_id))
+        elif op[0] == "wait":
+            now += op[1]
+            apply(p.handle_timeout(now))
+    assert len(ended) == len(set(ended))
+    assert p.status()["tasks"] == len(criticality) - len(ended)
