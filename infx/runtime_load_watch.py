@@ -81,17 +81,23 @@ class _CappedBody(Protocol):
 
 
 class RuntimeLoadWatch(Service):
-    """Scrapes the runtime at ``root`` and calls ``changed(load)`` when its reported load changes."""
+    """Scrapes the runtime at ``root`` and calls ``changed(load)`` when its reported load changes.
+
+    ``authorize(headers)`` adds the runtime's credentials to each GET;
+    ``refused()`` is called when the runtime answers 401 (its key changed).
+    """
 
     def __init__(self, clock: IReactorTime, monitor: RuntimeLoadMonitor, agent: IAgent, root: str,
                  changed: Callable[[RuntimeLoad | None], None],
-                 authorize: Callable[[Headers], None] | None = None) -> None:
+                 authorize: Callable[[Headers], None] | None = None,
+                 refused: Callable[[], None] | None = None) -> None:
         self.clock = clock
         self.monitor = monitor
         self.agent = agent
         self.root = root.rstrip("/")
         self.changed = changed
         self.authorize = authorize
+        self.refused = refused
         self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timer(self.clock.seconds())))
         self._pending: list[Deferred[object]] = []
         self._reporting = False
@@ -160,6 +166,8 @@ class RuntimeLoadWatch(Service):
         answered: Deferred[ScrapeAnswer] = Deferred()
 
         def got(response: IResponse) -> Deferred[None]:
+            if response.code == 401 and self.refused is not None:
+                self.refused()  # the key may have been rotated: let the credentials reread it
             body: Deferred[bytes] = Deferred()
             response.deliverBody(_CappedBody(body))
             return body.addCallbacks(

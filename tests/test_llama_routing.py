@@ -22,12 +22,18 @@ WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_t
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PolicyResult]:
-    logs = tmp_path_factory.mktemp("llama-routing")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("llama-routing")
+
+
+@pytest.fixture(scope="module")
+def results(logs: Path) -> dict[str, PolicyResult]:
     # Conversations need a longer context than the tiny model's 256 tokens (bytes are tokens);
     # the model and its servers read it when they are made, and the other tests' stays as it was.
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(llama_runtime, "CONTEXT_LENGTH", 1024)
+        # The servers' access log (stdout) must reach their log file before they are killed.
+        patch.setenv("PYTHONUNBUFFERED", "1")
         model = llama_runtime.write_tiny_model(logs / "tiny.gguf")
         return {policy: run_policy(policy, WORKLOAD, model, logs / policy)
                 for policy in ("affinity", "least_in_progress")}
@@ -43,6 +49,15 @@ def test_every_turn_is_answered_and_every_runtime_logged_its_prompts(results):
         assert result.errors == 0
         assert len(result.ttft) == WORKLOAD.conversations * WORKLOAD.turns
         assert sum(r.requests for r in result.runtimes) == WORKLOAD.conversations * WORKLOAD.turns
+
+
+def test_a_runtime_without_metrics_is_asked_and_no_load_is_reported(results, logs):
+    """llama-cpp-python's server has no /metrics (nor /slots, which the agent asks next, a
+    second later): each agent's first read gets 404, and it reports no runtime_load."""
+    for server in (logs / "affinity").glob("llama-*.log"):
+        assert '"GET /metrics HTTP/1.1" 404' in server.read_text(errors="replace")
+    for agent in (logs / "affinity").glob("engine-*.log"):
+        assert "reports its load" not in agent.read_text(errors="replace")
 
 
 def test_affinity_keeps_conversations_where_their_prefix_is_cached_across_both_gateways(results):

@@ -132,6 +132,22 @@ def test_scrapes_carry_the_runtimes_credentials(runtime_server):
         yield stop(service)
 
 
+@pytest.mark.parametrize("runtime_server", [(vllm(1, 0), "secret")], indirect=True)
+@pytest_twisted.inlineCallbacks
+def test_a_refused_key_is_reported_and_no_load_is(runtime_server):
+    fake, root = runtime_server
+    changed: list[Any] = []
+    refusals: list[None] = []
+    service = watch(root, changed, authorize=lambda headers: headers.setRawHeaders(b"authorization", [b"Bearer old"]),
+                    refused=lambda: refusals.append(None))
+    service.startService()
+    try:
+        yield eventually(lambda: len(refusals) >= 2)
+        assert changed == [] and fake.paths[0] == b"/metrics"
+    finally:
+        yield stop(service)
+
+
 def parse(*argv: str) -> Options:
     options = Options()
     options.parseOptions(["--server", "gw:1", "--models", "m", *argv])
