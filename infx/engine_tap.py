@@ -4,6 +4,10 @@ Every option is validated in ``Options.postOptions`` (a ``UsageError`` names
 the bad one); ``makeService`` only wires. ``--upstream`` is the runtime
 server's root URL (``http://127.0.0.1:8000``); a trailing ``/v1`` is
 accepted and dropped (see :mod:`infx.runtimes`).
+
+With ``--runtime openai`` the agent also reads the runtime's own load
+(:mod:`infx.runtime_load_watch`) every ``--runtime-load-interval`` seconds
+and reports it with its status.
 """
 
 from __future__ import annotations
