@@ -153,6 +153,7 @@ class GatewayService(service.MultiService):
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
+            shed_waiting_threshold=config.shed_waiting_threshold,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
@@ -166,6 +167,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         )
         self.worker_server = GrpcServer(reactor, grpc_config)
         self.workers = WorkerService(self.dispatcher, keys)
@@ -325,6 +327,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,

@@ -113,6 +113,11 @@ class ProcessorConfig:
         got the answer goes to another engine with room at once, or waits in
         the queue (for ``queue_timeout`` from its first busy answer, never past
         its deadline) and, if time runs out, gets the runtime's own answer.
+    shed_waiting_threshold: a sheddable task that would wait while every
+        engine serving its model is at ``max_in_flight_per_engine`` fails at
+        once with 429 and ``busy_retry_after`` when its model's queue already
+        holds this many tasks (0: sheddable tasks never wait behind full
+        engines). They are also the first refused when the whole queue is full.
     """
 
     queue_timeout: float = 30.0
@@ -130,6 +135,7 @@ class ProcessorConfig:
     max_tasks_per_tenant: int | None = None
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
+    shed_waiting_threshold: int = 0
 
     def __post_init__(self) -> None:
         problems = []
@@ -157,6 +163,8 @@ class ProcessorConfig:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
         if not 0 < self.busy_backoff <= self.max_busy_backoff:
             problems.append("busy_backoff must be > 0 and <= max_busy_backoff")
+        if self.shed_waiting_threshold < 0:
+            problems.append("shed_waiting_threshold must be >= 0")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
