@@ -98,7 +98,7 @@ class RuntimeLoadWatch(Service):
         self.changed = changed
         self.authorize = authorize
         self.refused = refused
-        self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timer(self.clock.seconds())))
+        self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timeout(self.clock.seconds())))
         self._pending: list[Deferred[object]] = []
         self._reporting = False
 
@@ -153,7 +153,7 @@ class RuntimeLoadWatch(Service):
             if self._pending is mine:
                 self._pending = []
             if self.running:
-                self._run(self.monitor.scrape_done(self.clock.seconds(), scrape.scrape_id, answers))
+                self._run(self.monitor.scrape_done(scrape.scrape_id, answers, self.clock.seconds()))
 
         everything.addCallback(done)
 

@@ -1,8 +1,8 @@
 """The engine agent's reading of its runtime's load: when to scrape, what to report; pure.
 
 Rules this file keeps: no I/O, no clock reads. Inputs are method calls that
-take ``now`` and return effects as frozen dataclasses; ``next_deadline()``
-says when to call ``handle_timer(now)``. The caller performs a
+take ``now`` (last, never defaulted) and return effects as frozen
+dataclasses; ``next_deadline()`` says when to call ``handle_timeout(now)``. The caller performs a
 :class:`ScrapeRuntime` (HTTP GETs of its paths on the runtime, with the
 runtime's credentials) and reports the answers with its ``scrape_id``; the
 answers to a scrape that was abandoned (it timed out) are ignored. Parsing is
@@ -175,7 +175,7 @@ class _HitWindow:
         self.points: deque[tuple[float, float, float]] = deque()
         self.rate: float | None = None
 
-    def add(self, now: float, hits: float, queries: float) -> float | None:
+    def add(self, hits: float, queries: float, now: float) -> float | None:
         if self.points and (hits < self.points[-1][1] or queries < self.points[-1][2]):
             self.points.clear()  # the runtime restarted: its counters began again
         self.points.append((now, hits, queries))
@@ -216,7 +216,7 @@ class RuntimeLoadMonitor:
         return self._reported
 
     def next_deadline(self) -> float | None:
-        """When ``handle_timer`` must run next, or None."""
+        """When ``handle_timeout`` must run next, or None."""
         candidates = [t for t in (self._scrape_at, self._report_due) if t is not None]
         if self._pending is not None:
             candidates.append(self._pending[1] + self.config.timeout)
@@ -231,7 +231,7 @@ class RuntimeLoadMonitor:
         self.started = True
         return self._scrape(now)
 
-    def scrape_done(self, now: float, scrape_id: int, answers: Mapping[str, ScrapeAnswer]) -> list[LoadEffect]:
+    def scrape_done(self, scrape_id: int, answers: Mapping[str, ScrapeAnswer], now: float) -> list[LoadEffect]:
         """The answers to scrape ``scrape_id`` (a path missing from ``answers`` failed)."""
         if self._pending is None or self._pending[0] != scrape_id:
             return []
@@ -250,7 +250,7 @@ class RuntimeLoadMonitor:
             self._scrape_at = now + self.config.absent_interval
         return effects
 
-    def handle_timer(self, now: float) -> list[LoadEffect]:
+    def handle_timeout(self, now: float) -> list[LoadEffect]:
         """Time passed: abandon a scrape that took too long, scrape, send a held-back report."""
         effects: list[LoadEffect] = []
         if self._pending is not None and now >= self._pending[1] + self.config.timeout:
@@ -319,14 +319,14 @@ class RuntimeLoadMonitor:
 
     def _hit_rate(self, now: float, reading: LoadReading) -> float | None:
         if reading.prefix_hits is not None and reading.prefix_queries is not None:
-            return self._hits.add(now, reading.prefix_hits, reading.prefix_queries)
+            return self._hits.add(reading.prefix_hits, reading.prefix_queries, now)
         if reading.slot_tasks:
             for task in reading.slot_tasks:
                 if self._slot_seen.get(task.slot_id) != task.task_id:
                     self._slot_seen[task.slot_id] = task.task_id
                     self._slot_hits += task.cached_tokens
                     self._slot_queries += task.prompt_tokens
-            return self._hits.add(now, self._slot_hits, self._slot_queries)
+            return self._hits.add(self._slot_hits, self._slot_queries, now)
         return reading.prefix_hit_rate
 
     def _take(self, now: float, reading: LoadReading, effects: list[LoadEffect]) -> None:

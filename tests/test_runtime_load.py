@@ -45,13 +45,13 @@ class Driver:
 
     def answer(self, **by_path):
         answers = {path: by_path[path.strip("/")] for path in self.scrape.paths if path.strip("/") in by_path}
-        effects = self.monitor.scrape_done(self.now, self.scrape.scrape_id, answers)
+        effects = self.monitor.scrape_done(self.scrape.scrape_id, answers, self.now)
         self.scrape = None
         return effects
 
     def tick(self, to):
         self.now = to
-        effects = self.monitor.handle_timer(self.now)
+        effects = self.monitor.handle_timeout(self.now)
         scrapes = [e for e in effects if isinstance(e, ScrapeRuntime)]
         if scrapes:
             self.scrape = scrapes[0]
@@ -161,7 +161,7 @@ def test_a_scrape_that_takes_too_long_is_abandoned_and_its_late_answer_ignored()
     late = d.scrape
     assert d.monitor.next_deadline() == 3.0
     assert loads(d.tick(3.0)) == [None]
-    assert d.monitor.scrape_done(3.5, late.scrape_id, {"/metrics": vllm(running=9)}) == []
+    assert d.monitor.scrape_done(late.scrape_id, {"/metrics": vllm(running=9)}, 3.5) == []
     assert d.monitor.next_deadline() == 4.0
 
 
