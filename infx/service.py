@@ -366,6 +366,8 @@ class GatewayService(service.MultiService):
 
         if not self.config.kube:
             return StaticPeers(self.config.peers, on_change)
+        import random
+
         from kubernetes import client
 
         from infx.kube import PodWatcher, PodWatcherConfig, kube_api_client
@@ -373,7 +375,8 @@ class GatewayService(service.MultiService):
         watcher_config = PodWatcherConfig.from_environment(self.config.pod_label, self.config.effective_peer_port,
                                                            environ=self.environ)
         api = client.CoreV1Api(kube_api_client(self.environ))
-        return PodWatcher(self.reactor, api, watcher_config, on_change)
+        # Seeded by the OS: replicas restarted together must not back off in step.
+        return PodWatcher(self.reactor, api, watcher_config, on_change, random.SystemRandom())
 
     def _peer_channel(self, address: PeerAddress) -> GrpcChannel:
         from infx.transport import client_endpoint
