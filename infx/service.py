@@ -183,12 +183,15 @@ class GatewayService(service.MultiService):
 
     def _build_scaler(self) -> Any:
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
+        import random
+
         from infx.kube import PodWatcherConfig, kube_api_client
         from infx.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace
         scaler_service = kubernetes_scaler(self.reactor, kube_api_client(self.environ), namespace, self.pod_name,
+                                           rng=random.SystemRandom(),
                                            config=ScalerConfig(peer_report_interval=self.config.status_interval),
                                            registry=self.registry)
         scaler_service.setServiceParent(self)

@@ -71,14 +71,11 @@ from protocol.scaling_labels import (
     ScaleType,
     ScalingRemoteError,
     ScalingSettings,
-    ServiceQueryResponse,
-    as_service_query_response,
     deployment_snapshot,
     parse_duration,
     parse_models,
     parse_scaling_labels,
     pod_crash_reason,
-    service_query_response,
 )
 
 __all__ = [
@@ -91,9 +88,9 @@ __all__ = [
     "DeploymentSnapshot", "Effect", "FailHeld", "HoldResolved", "LabelWarning",
     "ParsedLabels", "PostEvent", "ScaleError", "ScaleReason", "ScaleType", "ScaleWrite",
     "Scaler", "ScalerConfig", "ScalingLocalError", "ScalingRemoteError", "ScalingSettings",
-    "ServiceQueryResponse", "as_service_query_response", "cold_start_target",
+    "cold_start_target",
     "deployment_snapshot", "parse_duration", "parse_models", "parse_scaling_labels",
-    "pod_crash_reason", "service_query_response",
+    "pod_crash_reason",
 ]
 
 
@@ -196,7 +193,7 @@ class ScalerConfig:
     """Every tunable of the scaler, with the defaults of issue #7."""
 
     tick_interval: float = 1.0
-    """Seconds between autoscaler ticks (the Twisted driver's LoopingCall)."""
+    """Seconds between autoscaler ticks (a deadline of the machine's, while it leads)."""
     stable_window: float = 60.0
     """Seconds of load averaged for ordinary decisions."""
     panic_window: float = 6.0
@@ -258,7 +255,7 @@ _PHASE_TRANSITIONS: dict[ColdStartPhase, frozenset[ColdStartPhase]] = {
 class _Hold:
     request_id: Hashable
     key: DeploymentKey
-    model: str | None
+    model: str
     since: float
     deadline: float
 
@@ -361,8 +358,9 @@ class Scaler:
     Inputs are method calls taking ``now``; each returns the effects to
     perform, in order. The Twisted side (``infx.scaler``) feeds it the
     deployment and pod watches, engine readiness, request counters and the
-    request counts peer gateways report, calls :meth:`tick` while it holds
-    the leader lease, and :meth:`handle_timeout` at :meth:`next_deadline`.
+    request counts peer gateways report, whether it holds the leader lease
+    (:meth:`lead`), and calls :meth:`handle_timeout` at :meth:`next_deadline`,
+    which also runs the autoscaler's ticks while leading.
     """
 
     def __init__(self, config: ScalerConfig | None = None) -> None:
@@ -376,6 +374,8 @@ class Scaler:
         self._holds: dict[Hashable, _Hold] = {}
         self._deadlines: list[tuple[float, int, Hashable]] = []
         self._seq = 0
+        self._next_tick: float | None = None
+        self._leading = False
 
     # -- observations --------------------------------------------------------
 
@@ -416,11 +416,6 @@ class Scaler:
             for warning in snapshot.warnings:
                 effects.append(PostEvent(dep.key, "InvalidScalingLabel", warning.message, "Warning"))
         effects.extend(self._check_crash(dep, now))
-        if snapshot.available_replicas > 0 and snapshot.replicas > 0:
-            # OpenModelZ's Scale() ends when the deployment is available;
-            # requests for a model still wait for an engine to report it ready.
-            for hold in [h for h in dep.holds.values() if h.model is None]:
-                effects.append(self._resolve(dep, hold, now, True, None))
         if (dep.phase is ColdStartPhase.WAITING and snapshot.replicas == 0 and dep.holds
                 and not self._blocked(dep, now)):
             # Someone took it back to zero while we wait (another gateway's
@@ -458,7 +453,7 @@ class Scaler:
             if dep.phase is ColdStartPhase.WAITING and dep.cold_started_at is not None:
                 effects.append(ColdStartFinished(key, now - dep.cold_started_at))
             for hold in list(dep.holds.values()):
-                if hold.model in (model, None):
+                if hold.model == model:
                     effects.append(self._resolve(dep, hold, now, True, None))
         return effects
 
@@ -536,23 +531,6 @@ class Scaler:
         key = next((k for k in keys if self._deployments[k].snapshot.settings.scalable
                     and not self._blocked(self._deployments[k], now)), keys[0])
         return self._hold(request_id, self._deployments[key], model, now, deadline)
-
-    def hold_deployment(self, request_id: Hashable, key: DeploymentKey, now: float,
-                        deadline: float | None = None) -> list[Effect]:
-        """OpenModelZ's ``Scale(namespace, name)``: wait until ``key`` is available.
-
-        Available means the Deployment reports available replicas, or an
-        engine reported one of its models ready, whichever is seen first.
-        """
-        dep = self._deployments.get(key)
-        if dep is None:
-            error = ScaleError(404, f"no scalable deployment {key}", None, "model_not_found")
-            return [HoldResolved(request_id, key, False, False, error, 0.0)]
-        snapshot = dep.snapshot
-        if (snapshot.available_replicas > 0 and snapshot.replicas > 0) or any(
-                m in self._ready for m in snapshot.models):
-            return [HoldResolved(request_id, key, True, True, None, 0.0)]
-        return self._hold(request_id, dep, None, now, deadline)
 
     def release(self, request_id: Hashable, now: float) -> list[Effect]:
         """Forget a held request (client gone, or the processor dispatched it itself)."""
@@ -681,6 +659,29 @@ class Scaler:
 
     # -- time ----------------------------------------------------------------
 
+    def start(self, now: float) -> list[Effect]:
+        """Begin the autoscaler's schedule: a tick every ``tick_interval`` from now, while leading."""
+        self._next_tick = now + self.config.tick_interval
+        return []
+
+    def stop(self) -> list[Effect]:
+        """End the schedule (holds keep their own deadlines)."""
+        self._next_tick = None
+        return []
+
+    def lead(self, leading: bool, now: float) -> list[Effect]:
+        """This gateway won or lost the autoscaler's lease; ticks run only while it leads."""
+        self._leading = leading
+        if self._next_tick is not None:
+            while self._next_tick <= now:  # the schedule kept its beat while not leading
+                self._next_tick += self.config.tick_interval
+        return []
+
+    @property
+    def leading(self) -> bool:
+        """Whether the autoscaler runs here (see :meth:`lead`)."""
+        return self._leading
+
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must run next (hold deadlines, startup timeouts, retries)."""
         while self._deadlines and self._deadlines[0][2] not in self._holds:
@@ -691,10 +692,15 @@ class Scaler:
                 best = min(best, dep.retry_write_at)
             if dep.cold_started_at is not None and dep.holds:
                 best = min(best, dep.cold_started_at + dep.snapshot.settings.startup_timeout)
+        if self._leading and self._next_tick is not None:
+            best = min(best, self._next_tick)
         return None if best == math.inf else best
 
     def handle_timeout(self, now: float) -> list[Effect]:
-        """Expire holds past their deadline or startup timeout; retry failed cold-start writes."""
+        """Expire holds past their deadline or startup timeout; retry failed cold-start writes; tick.
+
+        A tick that fell due runs once however late (missed ones are skipped).
+        """
         effects: list[Effect] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request_id = heapq.heappop(self._deadlines)
@@ -702,7 +708,7 @@ class Scaler:
             if hold is None or hold.deadline > now:
                 continue
             dep = self._deployments[hold.key]
-            error = ScaleError(503, f"model {hold.model or hold.key} is still starting and the "
+            error = ScaleError(503, f"model {hold.model} is still starting and the "
                                "request's deadline passed", self.config.retry_after)
             effects.append(self._resolve(dep, hold, now, False, error))
         for dep in list(self._deployments.values()):
@@ -721,12 +727,17 @@ class Scaler:
                 dep.retry_write_at = None
                 if dep.holds and dep.phase is ColdStartPhase.IDLE and not self._blocked(dep, now):
                     effects.extend(self._begin_write(dep, now))
+        if self._next_tick is not None and now >= self._next_tick:
+            while self._next_tick <= now:
+                self._next_tick += self.config.tick_interval
+            if self._leading:
+                effects.extend(self.tick(now))
         return effects
 
     # -- autoscaler ----------------------------------------------------------
 
     def tick(self, now: float) -> list[Effect]:
-        """One autoscaler pass over every deployment; call only while leader."""
+        """One autoscaler pass over every deployment (:meth:`handle_timeout` runs it on schedule)."""
         effects: list[Effect] = []
         cfg = self.config
         for dep in self._deployments.values():
@@ -860,7 +871,7 @@ class Scaler:
             dep.set_phase(ColdStartPhase.IDLE)
         return effects
 
-    def _hold(self, request_id: Hashable, dep: _Deployment, model: str | None, now: float,
+    def _hold(self, request_id: Hashable, dep: _Deployment, model: str, now: float,
               deadline: float | None) -> list[Effect]:
         if request_id in self._holds:
             raise ScalingLocalError(f"request {request_id!r} is already held")
@@ -890,8 +901,7 @@ class Scaler:
         if deadline is not None:
             self._seq += 1
             heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
-        if model is not None:
-            self._load(model).last_activity = now
+        self._load(model).last_activity = now
         if dep.phase is ColdStartPhase.IDLE and dep.retry_write_at is None:
             dep.cold_started_at = now if dep.cold_started_at is None else dep.cold_started_at
             if dep.snapshot.replicas >= 1:

@@ -135,8 +135,6 @@ def test_unknown_model_is_not_found():
     assert r.error.openai_body()["error"]["type"] == "invalid_request_error"
     assert r.error.openai_body()["error"]["code"] == "model_not_found"
     assert r.error.headers() == {}
-    [r] = scaler.hold_deployment("b", DeploymentKey("ml", "nope"), 0.0)
-    assert (r.found, r.error.http_status) == (False, 404)
 
 
 def test_not_scalable_deployment_answers_503_at_once():
@@ -153,13 +151,15 @@ def test_holding_the_same_request_twice_is_local_misuse():
         scaler.hold_model("a", "llama-3", 0.0)
 
 
-def test_hold_deployment_is_openmodelz_scale_and_ends_on_any_model_ready():
+def test_one_cold_start_for_a_deployment_of_two_models_and_each_model_ready_ends_its_own_holds():
     scaler = scaler_with(models="m1,m2")
-    [write] = scaler.hold_deployment("x", KEY, 0.0)
+    [write] = scaler.hold_model("x", "m1", 0.0)
     assert write.reason is ScaleReason.COLD_START
+    assert scaler.hold_model("y", "m2", 0.0) == []
     perform(scaler, write, {KEY: 0}, 0.0)
     [r] = of(scaler.model_ready("m2", 3.0), HoldResolved)
-    assert (r.request_id, r.available, r.key) == ("x", True, KEY)
+    assert (r.request_id, r.available, r.key) == ("y", True, KEY)
+    assert scaler.held_count(KEY) == 1
 
 
 def test_hold_cap_answers_503_with_retry_after_beyond_it():
@@ -650,19 +650,18 @@ def test_request_racing_a_landing_scale_to_zero_still_gets_its_cold_start():
     assert cluster[KEY] == 1
 
 
-def test_hold_deployment_also_ends_when_the_deployment_reports_available_replicas():
+def test_available_replicas_do_not_end_a_model_hold_only_an_engine_ready_does():
     scaler = scaler_with()
-    [write] = scaler.hold_deployment("x", KEY, 0.0)
-    scaler.hold_model("m", "llama-3", 0.0)
+    [write] = scaler.hold_model("m", "llama-3", 0.0)
     perform(scaler, write, {KEY: 0}, 0.0)
     available = deployment_snapshot({
         "metadata": {"name": "llama", "namespace": "ml", "generation": 2,
                      "labels": {SCALABLE_LABEL: "true"}, "annotations": {MODELS_ANNOTATION: "llama-3"}},
         "spec": {"replicas": 1}, "status": {"availableReplicas": 1}})
-    [r] = of(scaler.observe_deployment(available, 5.0), HoldResolved)
-    assert (r.request_id, r.available) == ("x", True)
-    assert scaler.held_count(KEY) == 1  # the model request still waits for its engine
-    assert scaler.hold_deployment("y", KEY, 6.0) == [HoldResolved("y", KEY, True, True, None, 0.0)]
+    assert of(scaler.observe_deployment(available, 5.0), HoldResolved) == []
+    assert scaler.held_count(KEY) == 1  # the request waits for its engine, not for the pod
+    [r] = of(scaler.model_ready("llama-3", 6.0), HoldResolved)
+    assert (r.request_id, r.available) == ("m", True)
 
 
 @settings(max_examples=80, deadline=None)
@@ -822,3 +821,26 @@ def test_requests_started_at_peers_keep_a_deployment_from_going_to_zero():
         assert run_ticks(scaler, float(t), t + 5.0, cluster) == []
     [(t, write)] = run_ticks(scaler, 60.0, 100.0, cluster)
     assert (t, write.reason) == (65.0, ScaleReason.SCALE_TO_ZERO)  # 10 s after the last increase
+
+
+def test_ticks_are_deadlines_of_the_machine_and_run_only_while_it_leads():
+    scaler = scaler_with(replicas=1, **{TARGET_LOAD_LABEL: "1", MAX_SCALE_LABEL: "5"})
+    assert scaler.start(100.0) == []
+    assert scaler.next_deadline() is None  # not leading: nothing to wake for
+    for _ in range(3):
+        scaler.request_started("llama-3", 100.0)
+    scaler.lead(True, 100.5)
+    assert scaler.next_deadline() == 101.0
+    assert scaler.handle_timeout(100.9) == []
+    [write] = of(scaler.handle_timeout(101.0), ScaleWrite)
+    assert (write.reason, write.replicas) == (ScaleReason.SCALE_UP, 2)
+    assert scaler.next_deadline() == 102.0
+    scaler.write_failed(write, "down", 101.0)
+    scaler.handle_timeout(105.5)  # late: one tick, and the missed ones are skipped
+    assert scaler.next_deadline() == 106.0
+    scaler.lead(False, 105.6)
+    assert scaler.next_deadline() is None
+    scaler.lead(True, 108.2)  # the schedule kept its beat
+    assert scaler.next_deadline() == 109.0
+    scaler.stop()
+    assert scaler.next_deadline() is None

@@ -3,7 +3,14 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time, release_lease
+from protocol.scaling_lease import (
+    RenewSchedule,
+    RoundDue,
+    decide_lease,
+    micro_time,
+    parse_micro_time,
+    release_lease,
+)
 
 NOW = 1_700_000_000.0
 
@@ -88,3 +95,25 @@ def test_rfc3339_seconds_are_read_too():
 def test_lease_times_parse_in_every_spelling_of_utc(text):
     """A renewTime the server echoes as +00:00 must not read as 'expired' (every gateway would lead)."""
     assert parse_micro_time(text) == pytest.approx(1796041031.009835, abs=1.0)
+
+
+def test_renew_rounds_are_due_at_start_then_every_interval_and_never_overlap():
+    schedule = RenewSchedule(5.0)
+    assert schedule.next_deadline() is None
+    assert schedule.start(100.0) == [RoundDue()]
+    assert schedule.next_deadline() is None  # a round is out
+    assert schedule.handle_timeout(105.0) == []
+    schedule.round_done(100.2)
+    assert schedule.next_deadline() == 105.0
+    assert schedule.handle_timeout(104.9) == []
+    assert schedule.handle_timeout(105.0) == [RoundDue()]
+    schedule.round_done(117.0)  # a slow round: the missed beats are skipped
+    assert schedule.next_deadline() == 120.0
+    schedule.stop()
+    assert schedule.next_deadline() is None
+    assert schedule.handle_timeout(200.0) == []
+
+
+def test_a_renew_interval_must_be_positive():
+    with pytest.raises(ValueError):
+        RenewSchedule(0)
