@@ -6,7 +6,7 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.informer import (
