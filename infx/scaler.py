@@ -185,7 +185,7 @@ class InferenceScaler:
         now = self.clock.seconds()
         deadline = None if timeout is None else now + timeout
         d = self._waiter(request_id)
-        self._apply(self.machine.hold_model(request_id, model, now, deadline))
+        self._apply(self.machine.hold_model(request_id, model, deadline, now))
         return d
 
     def release(self, request_id: Hashable) -> None:
@@ -266,27 +266,27 @@ class InferenceScaler:
 
     def model_gone(self, model: str) -> None:
         """No engine serves ``model`` any more (processor hook)."""
-        self.machine.model_gone(model, self.clock.seconds())
+        self._apply_some(self.machine.model_gone(model, self.clock.seconds()))
 
     def request_started(self, model: str) -> None:
         """Count a request for ``model`` accepted here (rps and in-flight load)."""
-        self.machine.request_started(model, self.clock.seconds())
+        self._apply_some(self.machine.request_started(model, self.clock.seconds()))
 
     def request_finished(self, model: str) -> None:
         """The request counted by :meth:`request_started` ended."""
-        self.machine.request_finished(model, self.clock.seconds())
+        self._apply_some(self.machine.request_finished(model, self.clock.seconds()))
 
     def observe_in_progress(self, model: str, count: int) -> None:
         """Engines (of every gateway) report ``count`` tasks in progress for ``model``."""
-        self.machine.observe_in_progress(model, count, self.clock.seconds())
+        self._apply_some(self.machine.observe_in_progress(model, count, self.clock.seconds()))
 
     def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int]) -> None:
         """A peer gateway reported the requests per model it accepted since it started (rps load)."""
-        self.machine.observe_peer_requests(peer, counts, self.clock.seconds())
+        self._apply_some(self.machine.observe_peer_requests(peer, counts, self.clock.seconds()))
 
     def forget_peer(self, peer: Hashable) -> None:
         """``peer``'s reports ended; the next ones start a new baseline."""
-        self.machine.forget_peer(peer)
+        self._apply_some(self.machine.forget_peer(peer))
 
     # -- effects ---------------------------------------------------------------
 
@@ -309,6 +309,11 @@ class InferenceScaler:
                 if self.metrics is not None:
                     self.metrics.cold_start_seconds.labels(str(effect.key)).observe(effect.seconds)
         self._rearm()
+
+    def _apply_some(self, effects: list[Effect]) -> None:
+        """:meth:`_apply` for the per-request inputs, which rarely have effects: no rearm when none."""
+        if effects:
+            self._apply(effects)
 
     def _rearm(self) -> None:
         self._timer.arm(self.machine.next_deadline())

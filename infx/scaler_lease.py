@@ -100,7 +100,7 @@ class LeaseElector:
             lease = await self.store.read()
             if self._stopped:
                 return
-            decision = decide_lease(lease, self.identity, self.name, self.clock.seconds(), self.duration)
+            decision = decide_lease(lease, self.identity, self.name, self.duration, self.clock.seconds())
             if decision.body is not None:
                 if decision.create:
                     await self.store.create(decision.body)

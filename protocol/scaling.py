@@ -193,7 +193,7 @@ class Scaler:
             if not keys:
                 del self._by_model[model]
         error = ScaleError(404, f"deployment {key} no longer serves its models", None, "model_not_found")
-        return [self._resolve(dep, hold, now, False, error) for hold in list(dep.cold.holds.values())]
+        return [self._resolve(dep, hold, False, error, now) for hold in list(dep.cold.holds.values())]
 
     def observe_pods(self, key: DeploymentKey, crash_reason: str | None, now: float) -> list[Effect]:
         """The deployment's pods changed; ``crash_reason`` from :func:`pod_crash_reason` of any pod."""
@@ -213,14 +213,15 @@ class Scaler:
                 effects.append(ColdStartFinished(key, now - dep.cold.started_at))
             for hold in list(dep.cold.holds.values()):
                 if hold.model == model:
-                    effects.append(self._resolve(dep, hold, now, True, None))
+                    effects.append(self._resolve(dep, hold, True, None, now))
         return effects
 
-    def model_gone(self, model: str, now: float) -> None:
+    def model_gone(self, model: str, now: float) -> list[Effect]:
         """No engine serves ``model`` any more; later requests for it wait again."""
         self._ready.discard(model)
+        return []
 
-    def observe_in_progress(self, model: str, count: int, now: float) -> None:
+    def observe_in_progress(self, model: str, count: int, now: float) -> list[Effect]:
         """Engines reported ``count`` tasks in progress for ``model`` (across all gateways).
 
         This is what lets the leader see load that arrived at other gateways,
@@ -230,15 +231,17 @@ class Scaler:
         if count > 0 or load.reported > 0:
             load.last_activity = now
         load.reported = count
+        return []
 
-    def request_started(self, model: str, now: float) -> None:
+    def request_started(self, model: str, now: float) -> list[Effect]:
         """A request for ``model`` was accepted by this gateway."""
         load = self._load(model)
         load.in_flight += 1
         load.started(now)
         load.last_activity = now
+        return []
 
-    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int], now: float) -> None:
+    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int], now: float) -> list[Effect]:
         """Peer gateway ``peer`` reported ``counts``: requests per model it accepted since it started.
 
         The increase since the peer's previous report counts as requests
@@ -251,35 +254,37 @@ class Scaler:
         previous = self._peers.get(peer)
         self._peers[peer] = (now, counts)
         if previous is None:
-            return
+            return []
         since, before = previous
         if any(counts.get(model, 0) < count for model, count in before.items()):
-            return
+            return []
         since = max(since, now - self.config.peer_report_interval)
         for model, count in counts.items():
             increase = count - before.get(model, 0)
             if increase:
                 load = self._load(model)
-                load.started_over(since, now, increase)
+                load.started_over(since, increase, now)
                 load.last_activity = now
+        return []
 
-    def forget_peer(self, peer: Hashable) -> None:
+    def forget_peer(self, peer: Hashable) -> list[Effect]:
         """``peer``'s reports ended (its stream closed): its next report is a first one."""
         self._peers.pop(peer, None)
+        return []
 
-    def request_finished(self, model: str, now: float) -> None:
+    def request_finished(self, model: str, now: float) -> list[Effect]:
         """A request started with :meth:`request_started` completed (in any way)."""
         load = self._load(model)
         if load.in_flight <= 0:
             raise ScalingLocalError(f"request_finished for {model!r} without request_started")
         load.in_flight -= 1
         load.last_activity = now
+        return []
 
     # -- holds ---------------------------------------------------------------
 
-    def hold_model(self, request_id: Hashable, model: str, now: float,
-                   deadline: float | None = None) -> list[Effect]:
-        """A request for ``model`` found no ready engine: wait for a scalable deployment."""
+    def hold_model(self, request_id: Hashable, model: str, deadline: float | None, now: float) -> list[Effect]:
+        """A request for ``model`` found no ready engine: wait (until ``deadline``, if any) for a deployment."""
         if model in self._ready:
             return [HoldResolved(request_id, None, True, True, None, 0.0)]
         keys = self._by_model.get(model)
@@ -289,7 +294,7 @@ class Scaler:
         # Prefer a deployment that can start: scalable, and not blocked by a crash loop.
         key = next((k for k in keys if self._deployments[k].snapshot.settings.scalable
                     and not self._deployments[k].crash.blocked(now)), keys[0])
-        return self._hold(request_id, self._deployments[key], model, now, deadline)
+        return self._hold(request_id, self._deployments[key], model, deadline, now)
 
     def release(self, request_id: Hashable, now: float) -> list[Effect]:
         """Forget a held request (client gone, or the processor dispatched it itself)."""
@@ -316,7 +321,7 @@ class Scaler:
         load = self._loads.get(model)
         if load is None:
             return 0.0, 0.0
-        return load.rates(now, self.config.stable_window, self.config.panic_window)
+        return load.rates(self.config.stable_window, self.config.panic_window, now)
 
     def held_count(self, key: DeploymentKey) -> int:
         """Requests held for ``key`` right now."""
@@ -466,7 +471,7 @@ class Scaler:
             dep = self._deployments[hold.key]
             error = ScaleError(503, f"model {hold.model} is still starting and the "
                                "request's deadline passed", self.config.retry_after)
-            effects.append(self._resolve(dep, hold, now, False, error))
+            effects.append(self._resolve(dep, hold, False, error, now))
         for dep in list(self._deployments.values()):
             if dep.cold.timed_out(dep.snapshot.settings.startup_timeout, now):
                 message = (f"deployment {dep.key} did not become ready within "
@@ -569,8 +574,8 @@ class Scaler:
         dep.cold.abandon()
         return effects
 
-    def _hold(self, request_id: Hashable, dep: _Deployment, model: str, now: float,
-              deadline: float | None) -> list[Effect]:
+    def _hold(self, request_id: Hashable, dep: _Deployment, model: str, deadline: float | None,
+              now: float) -> list[Effect]:
         if request_id in self._holds:
             raise ScalingLocalError(f"request {request_id!r} is already held")
         settings = dep.snapshot.settings
@@ -609,15 +614,15 @@ class Scaler:
     def _begin_write(self, dep: _Deployment, now: float) -> ScaleWrite:
         return dep.cold.begin_write(dep.snapshot.replicas, dep.snapshot.settings, now)
 
-    def _resolve(self, dep: _Deployment, hold: Hold, now: float, available: bool,
-                 error: ScaleError | None) -> HoldResolved:
+    def _resolve(self, dep: _Deployment, hold: Hold, available: bool, error: ScaleError | None,
+                 now: float) -> HoldResolved:
         self._holds.pop(hold.request_id, None)
         dep.cold.holds.pop(hold.request_id, None)
         dep.cold.hold_left()
         return HoldResolved(hold.request_id, dep.key, available, True, error, now - hold.since)
 
     def _fail_all(self, dep: _Deployment, error: ScaleError, now: float) -> Iterable[Effect]:
-        return [self._resolve(dep, hold, now, False, error) for hold in list(dep.cold.holds.values())]
+        return [self._resolve(dep, hold, False, error, now) for hold in list(dep.cold.holds.values())]
 
 
 def _event_for(write: ScaleWrite, written: int) -> PostEvent:

@@ -35,7 +35,7 @@ class Load:
     def started(self, now: float) -> None:
         self._add(math.floor(now), 1.0)
 
-    def started_over(self, since: float, now: float, count: float) -> None:
+    def started_over(self, since: float, count: float, now: float) -> None:
         """``count`` starts spread evenly over the whole seconds after ``since``'s, up to ``now``'s."""
         last = math.floor(now)
         seconds = max(1, last - math.floor(since))
@@ -54,7 +54,7 @@ class Load:
             buckets.insert(i, [second, count])
         self.bucket_total += count
 
-    def rates(self, now: float, stable: float, panic: float) -> tuple[float, float]:
+    def rates(self, stable: float, panic: float, now: float) -> tuple[float, float]:
         """(stable, panic) started requests per second, ending at ``now``."""
         horizon = math.floor(now) - stable
         while self.buckets and self.buckets[0][0] <= horizon:

@@ -55,8 +55,8 @@ class LeaseDecision:
     create: bool = False
 
 
-def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, now: float,
-                 duration: float) -> LeaseDecision:
+def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, duration: float,
+                 now: float) -> LeaseDecision:
     """Acquire, renew or respect the Lease ``lease`` (None when it does not exist)."""
     if lease is None:
         return LeaseDecision(True, {

@@ -23,19 +23,19 @@ def lease(holder, renewed, duration=15, transitions=2, version="7"):
 
 
 def test_missing_lease_is_created_by_us():
-    d = decide_lease(None, "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(None, "gw-a", "infx-scaler", 15, NOW)
     assert (d.leader, d.create) == (True, True)
     assert d.body["spec"]["holderIdentity"] == "gw-a"
     assert d.body["metadata"]["name"] == "infx-scaler"
 
 
 def test_someone_elses_fresh_lease_is_respected():
-    d = decide_lease(lease("gw-b", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-b", NOW - 5), "gw-a", "infx-scaler", 15, NOW)
     assert (d.leader, d.body) == (False, None)
 
 
 def test_an_expired_lease_is_taken_over_with_its_resource_version():
-    d = decide_lease(lease("gw-b", NOW - 15), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-b", NOW - 15), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader and not d.create
     spec = d.body["spec"]
     assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("gw-a", 3)
@@ -44,7 +44,7 @@ def test_an_expired_lease_is_taken_over_with_its_resource_version():
 
 
 def test_our_own_lease_is_renewed_without_a_transition():
-    d = decide_lease(lease("gw-a", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-a", NOW - 5), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader
     assert d.body["spec"]["leaseTransitions"] == 2
     assert parse_micro_time(d.body["spec"]["renewTime"]) == NOW
@@ -52,7 +52,7 @@ def test_our_own_lease_is_renewed_without_a_transition():
 
 
 def test_a_released_lease_is_taken_without_counting_a_transition():
-    d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader and d.body["spec"]["leaseTransitions"] == 2
 
 
@@ -62,7 +62,7 @@ def test_our_lease_is_released_at_its_resource_version_and_taken_at_once():
     assert (spec["holderIdentity"], spec["leaseDurationSeconds"], spec["leaseTransitions"]) == ("", 1, 2)
     assert parse_micro_time(spec["renewTime"]) == NOW
     assert body["metadata"]["resourceVersion"] == "7"
-    taken = decide_lease(body, "gw-b", "infx-scaler", NOW + 0.1, 15)
+    taken = decide_lease(body, "gw-b", "infx-scaler", 15, NOW + 0.1)
     assert taken.leader and taken.body["spec"]["holderIdentity"] == "gw-b"
 
 
@@ -75,7 +75,7 @@ def test_only_our_own_lease_is_released():
 def test_unreadable_times_count_as_expired():
     broken = lease("gw-b", NOW)
     broken["spec"]["renewTime"] = broken["spec"]["acquireTime"] = "yesterday"
-    assert decide_lease(broken, "gw-a", "infx-scaler", NOW, 15).leader
+    assert decide_lease(broken, "gw-a", "infx-scaler", 15, NOW).leader
 
 
 @settings(max_examples=50, deadline=None)
