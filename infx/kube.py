@@ -1,4 +1,4 @@
-"""Peer discovery for the task exchanger: pods watched through the Kubernetes API, or a static list.
+"""The Kubernetes informer's one adapter, and peer discovery on it (pods watched, or a static list).
 
 The Twisted side of :mod:`protocol.informer` and :mod:`protocol.peers`.
 :class:`KubeInformer` is the one adapter of the pure list-then-watch machine
@@ -16,8 +16,8 @@ import json
 import os
 import random
 import threading
-from dataclasses import dataclass, field
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterable, Mapping, Protocol, TypeVar, cast
 
 import yaml

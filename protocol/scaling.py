@@ -1,7 +1,8 @@
 """Scaling decisions for engine deployments: no I/O, no clock reads, effects are values.
 
-Rules this file keeps: time is a ``now`` argument and :meth:`Scaler.next_deadline`
-says when the machine must be woken; every decision comes out as a frozen
+Rules this file keeps: time is a ``now`` argument (always last) and
+:meth:`Scaler.next_deadline` says when the machine must be woken, the
+autoscaler's ticks included; every decision comes out as a frozen
 effect value (:class:`ScaleWrite`, :class:`HoldResolved`, :class:`FailHeld`,
 :class:`PostEvent`, :class:`ColdStartFinished`) that the Twisted layer
 performs; calling a method out of turn (a write result for no pending write,
@@ -33,6 +34,12 @@ What it decides, and how it improves on OpenModelZ:
   rollout past its progress deadline) blocks scale-ups with exponential
   backoff and fails held requests at once; the user's min is never
   rewritten; a new deployment generation lifts the block.
+
+:class:`Scaler` composes three sub-machines, each with a record and a file of
+its own per deployment: :class:`~protocol.scaling_coldstart.ColdStart`,
+:class:`~protocol.scaling_crash.CrashGuard` and
+:class:`~protocol.scaling_autoscale.Autoscale`. Its vocabulary (effects,
+errors, config) is :mod:`protocol.scaling_types`, re-exported here.
 """
 
 from __future__ import annotations
