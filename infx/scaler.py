@@ -147,7 +147,6 @@ class InferenceScaler:
         self._waiters: dict[Hashable, defer.Deferred[HoldResolved]] = {}
         self._ids = itertools.count()
         self._timer = DeadlineTimer(clock, self._timeout)
-        self._pods: dict[tuple[str, str], tuple[Mapping[str, str], str | None]] = {}
         self.writes_in_flight: set[defer.Deferred[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------
@@ -222,8 +221,7 @@ class InferenceScaler:
         now = self.clock.seconds()
         effects = self.machine.observe_deployment(snapshot, now)
         if snapshot.opted_in:
-            effects += self.machine.observe_pods(snapshot.key, self._crash_reason(snapshot.selector,
-                                                                                snapshot.key.namespace), now)
+            effects += self.machine.recheck_pods(snapshot.key, now)
         self._apply(effects)
 
     def forget_deployment(self, namespace: str, name: str) -> None:
@@ -233,32 +231,10 @@ class InferenceScaler:
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool = False) -> None:
         """A Pod was added, modified or (``deleted``) removed: recheck crash loops of its deployments."""
         metadata = pod.get("metadata") or {}
-        namespace = metadata.get("namespace") or "default"
-        pod_key = (namespace, metadata.get("name") or "")
         labels: Mapping[str, str] = metadata.get("labels") or {}
-        if deleted:
-            self._pods.pop(pod_key, None)
-        else:
-            self._pods[pod_key] = (labels, pod_crash_reason(pod))
-        self._recheck_pods(namespace, labels)
-
-    def _recheck_pods(self, namespace: str, labels: Mapping[str, str]) -> None:
-        now = self.clock.seconds()
-        effects: list[Effect] = []
-        for key in self.machine.deployments():
-            snapshot = self.machine.snapshot(key)
-            if snapshot is None or key.namespace != namespace or not _selects(snapshot.selector, labels):
-                continue
-            effects += self.machine.observe_pods(key, self._crash_reason(snapshot.selector, namespace), now)
-        self._apply(effects)
-
-    def _crash_reason(self, selector: Mapping[str, str], namespace: str) -> str | None:
-        if not selector:
-            return None
-        for (pod_namespace, _), (labels, reason) in self._pods.items():
-            if reason is not None and pod_namespace == namespace and _selects(selector, labels):
-                return reason
-        return None
+        self._apply(self.machine.observe_pod(metadata.get("namespace") or "default", metadata.get("name") or "",
+                                             labels, None if deleted else pod_crash_reason(pod), deleted,
+                                             self.clock.seconds()))
 
     def model_ready(self, model: str) -> None:
         """An engine reported ``model`` ready (processor hook)."""
@@ -454,10 +430,6 @@ class ProcessorLink:
         for model, count in in_flight.items():
             self.scaler.observe_in_progress(model, count)
         self._reported = set(in_flight)
-
-
-def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
 
 class ScalerService(service.Service):

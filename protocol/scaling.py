@@ -51,7 +51,7 @@ from dataclasses import dataclass, field, replace
 
 from protocol.scaling_autoscale import Autoscale, Load
 from protocol.scaling_coldstart import ColdStart, ColdStartPhase, Hold, cold_start_target
-from protocol.scaling_crash import CrashGuard
+from protocol.scaling_crash import CrashGuard, PodCrashes, selects
 
 from protocol.scaling_labels import (
     CRASH_WAITING_REASONS,
@@ -155,6 +155,7 @@ class Scaler:
         self._seq = 0
         self._next_tick: float | None = None
         self._leading = False
+        self._pods = PodCrashes()
 
     # -- observations --------------------------------------------------------
 
@@ -209,6 +210,29 @@ class Scaler:
             return []
         dep.crash.observe_pods(crash_reason)
         return self._check_crash(dep, now)
+
+    def observe_pod(self, namespace: str, name: str, labels: Mapping[str, str], crash_reason: str | None,
+                    deleted: bool, now: float) -> list[Effect]:
+        """A pod was added, modified or (``deleted``) removed: recheck the deployments selecting it.
+
+        ``crash_reason`` is :func:`pod_crash_reason` of the pod.
+        """
+        if deleted:
+            self._pods.pod_deleted(namespace, name)
+        else:
+            self._pods.pod_updated(namespace, name, labels, crash_reason)
+        effects: list[Effect] = []
+        for dep in list(self._deployments.values()):
+            if dep.key.namespace == namespace and selects(dep.snapshot.selector, labels):
+                effects += self.recheck_pods(dep.key, now)
+        return effects
+
+    def recheck_pods(self, key: DeploymentKey, now: float) -> list[Effect]:
+        """Tell ``key`` the crash evidence of the pods it selects, as last seen by :meth:`observe_pod`."""
+        dep = self._deployments.get(key)
+        if dep is None:
+            return []
+        return self.observe_pods(key, self._pods.reason(key.namespace, dep.snapshot.selector), now)
 
     def model_ready(self, model: str, now: float) -> list[Effect]:
         """An engine (on any gateway) reported ``model`` ready: its held requests are served."""

@@ -7,17 +7,19 @@ outside a running block begins an episode that blocks scale-ups for
 ``crash_backoff * 2**(episodes-1)`` seconds (capped); evidence that flickers
 inside it (a pod between restarts) does not. A new generation of the pod
 template (new image, new args) lifts everything; one that only changed
-replicas (every scale write bumps it) lifts nothing.
+replicas (every scale write bumps it) lifts nothing. :class:`PodCrashes`
+keeps the pods seen, so that a deployment learns its pods' evidence.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from protocol.scaling_labels import DeploymentKey, DeploymentSnapshot
 
-__all__ = ["CrashGuard"]
+__all__ = ["CrashGuard", "PodCrashes", "selects"]
 
 
 @dataclass
@@ -90,3 +92,30 @@ class CrashGuard:
         """True once per episode: the first refused request posts an Event."""
         first, self.announced = not self.announced, True
         return first
+
+
+def selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
+    """Whether a deployment's ``matchLabels`` select a pod with ``labels`` (an empty selector selects none)."""
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+class PodCrashes:
+    """The pods seen, by namespace and name: their labels and crash reason (None: not crashing)."""
+
+    def __init__(self) -> None:
+        self._pods: dict[tuple[str, str], tuple[Mapping[str, str], str | None]] = {}
+
+    def pod_updated(self, namespace: str, name: str, labels: Mapping[str, str], reason: str | None) -> None:
+        self._pods[(namespace, name)] = (dict(labels), reason)
+
+    def pod_deleted(self, namespace: str, name: str) -> None:
+        self._pods.pop((namespace, name), None)
+
+    def reason(self, namespace: str, selector: Mapping[str, str]) -> str | None:
+        """The crash reason of a pod in ``namespace`` that ``selector`` selects, if any crashes."""
+        if not selector:
+            return None
+        for (pod_namespace, _), (labels, reason) in self._pods.items():
+            if reason is not None and pod_namespace == namespace and selects(selector, labels):
+                return reason
+        return None

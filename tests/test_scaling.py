@@ -844,3 +844,31 @@ def test_ticks_are_deadlines_of_the_machine_and_run_only_while_it_leads():
     assert scaler.next_deadline() == 109.0
     scaler.stop()
     assert scaler.next_deadline() is None
+
+
+def selected_snap(replicas=0):
+    return deployment_snapshot({
+        "metadata": {"name": "llama", "namespace": "ml", "generation": 1,
+                     "labels": {SCALABLE_LABEL: "true"}, "annotations": {MODELS_ANNOTATION: "llama-3"}},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "llama"}}}})
+
+
+def test_a_crashing_pod_blocks_the_deployments_selecting_it_in_its_namespace_only():
+    scaler = Scaler(ScalerConfig(crash_backoff=10))
+    scaler.observe_deployment(selected_snap(), 0.0)
+    assert scaler.observe_pod("other", "p", {"app": "llama"}, "ImagePullBackOff", False, 0.0) == []
+    assert scaler.observe_pod("ml", "q", {"app": "else"}, "ImagePullBackOff", False, 0.0) == []
+    [event] = of(scaler.observe_pod("ml", "p", {"app": "llama"}, "ImagePullBackOff", False, 1.0), PostEvent)
+    assert event.reason == "CrashLoop" and "ImagePullBackOff" in event.message
+    [r] = of(scaler.hold_model("a", "llama-3", None, 2.0), HoldResolved)
+    assert r.error.http_status == 503
+
+
+def test_pods_seen_before_their_deployment_count_once_it_is_rechecked():
+    scaler = Scaler(ScalerConfig())
+    scaler.observe_pod("ml", "p", {"app": "llama"}, "CrashLoopBackOff", False, 0.0)
+    scaler.observe_deployment(selected_snap(), 0.0)
+    assert of(scaler.recheck_pods(KEY, 0.0), PostEvent)[0].reason == "CrashLoop"
+    scaler.observe_pod("ml", "p", {"app": "llama"}, None, True, 1.0)  # the pod is deleted
+    assert scaler.recheck_pods(KEY, 100.0) == []
+    assert of(scaler.hold_model("a", "llama-3", None, 100.0), ScaleWrite)  # the block ran out
