@@ -56,8 +56,11 @@ class GatewayConfig:
     max_task_duration: float = 600.0
     #: Largest accepted HTTP request body, in bytes.
     max_body_size: int = 32 * 1024 * 1024
-    #: Largest gRPC message on the worker and internal services, in bytes.
-    max_message_size: int = 100 * 1024 * 1024
+    #: Largest gRPC message on the worker and internal services, in bytes: the
+    #: largest task is a request body of ``max_body_size`` plus its headers and
+    #: framing (1 MiB).  It is also what a connection may hold of incomplete
+    #: messages, so it bounds a hoarding peer's cost (README "Connection budgets").
+    max_message_size: int = 33 * 1024 * 1024
     #: Seconds in-flight requests get to finish on shutdown.
     grace_period: float = 30.0
     #: Seconds between heartbeats to local engines (none when unset); an engine

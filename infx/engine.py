@@ -152,6 +152,10 @@ class EngineAgent(Service):
         self._run(self.core.shutdown(self.clock.seconds(), self.grace))
         return stopped
 
+    def runtime_changed(self, ready: bool, models: tuple[str, ...]) -> None:
+        """The runtime's health check changed its verdict (:mod:`infx.runtime_watch`)."""
+        self._run(self.core.runtime_changed(self.clock.seconds(), ready, models))
+
     # -- effects ------------------------------------------------------------------
 
     def _run(self, effects: list[Effect]) -> None:

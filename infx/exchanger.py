@@ -537,6 +537,7 @@ class Exchanger:
             for report in self._refusals.occurred(self.clock.seconds(), host, text):
                 log.warn("{text}", text=report.text(), address=address, event="peer_refused", count=report.count)
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
+        call.authenticated()
         if self._shutting_down:
             raise GrpcError(StatusCode.UNAVAILABLE, f"gateway {self.config.pod_name!r} is shutting down")
         stream = PeerStream(call)

@@ -44,6 +44,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from infx.upstream_key import UpstreamKey
 from protocol.echo import EchoConfig, echo_task
 from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError
 from protocol.openai_runtime import RuntimeRequest, runtime_request
@@ -384,6 +385,7 @@ class _OpenAITask:
             message = f"The task's request line {method!r} {path!r} is not valid."
             self._end_with(_error_result(InvalidRequestError(message)))
             return
+        runtime.authorize(headers)
         url = (runtime.root + path).encode("latin-1")
         self._pending = runtime.agent.request(method.encode("latin-1"), url, headers, _BytesProducer(body))
         self._pending.addCallbacks(self._response, self._unreachable)
@@ -404,6 +406,8 @@ class _OpenAITask:
         if self._done or failure.check(CancelledError):
             return
         log.info("runtime unreachable at {url}: {error}", url=self.runtime.root, error=failure.getErrorMessage())
+        for listener in self.runtime.on_unreachable:
+            listener()
         message = f"The engine could not reach its runtime: {failure.getErrorMessage()}"
         self._end_with(_error_result(RuntimeUnavailable(message), self._latency()))
 
@@ -424,6 +428,8 @@ class _OpenAITask:
         if self._done:
             return None
         status, phrase = response.code, response.phrase.decode("latin-1")
+        if status == 401 and self.runtime.credentials is not None:
+            self.runtime.credentials.refused()
         headers = self._headers(response)
         if self._stream and 200 <= status < 300:
             self._sink.send(self._mark(_http_response(status, phrase, headers=headers, latency_ms=self._latency())))
@@ -493,7 +499,10 @@ class OpenAIRuntime:
     headers and bodies are relayed as they are; streamed answers are relayed
     event by event as they arrive, whatever their size up to
     ``max_event_size``. Aborting a task closes its upstream connection, which
-    makes the server stop generating.
+    makes the server stop generating. ``credentials``, if given, go out as
+    ``Authorization: Bearer`` on every request (the client's own
+    ``Authorization`` never does). ``on_unreachable`` listeners hear of every
+    request that could not reach the server (the health check then runs at once).
     """
 
     def __init__(
@@ -504,12 +513,20 @@ class OpenAIRuntime:
         *,
         max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE,
         boundary: Callable[[], str] = lambda: "infx-" + secrets.token_hex(16),
+        credentials: UpstreamKey | None = None,
     ) -> None:
         self.clock = clock
         self.agent = agent
         self.root = upstream_root(upstream)
         self.max_event_size = max_event_size
         self.boundary = boundary
+        self.credentials = credentials
+        self.on_unreachable: list[Callable[[], None]] = []
+
+    def authorize(self, headers: Headers) -> None:
+        """Add the runtime's credentials, if any, to a request's ``headers``."""
+        if self.credentials is not None:
+            headers.setRawHeaders(b"Authorization", [b"Bearer " + self.credentials.current().encode("ascii")])
 
     def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
         return _OpenAITask(self, task, sink)

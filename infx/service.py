@@ -166,6 +166,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         )
         self.worker_server = GrpcServer(reactor, grpc_config)
         self.workers = WorkerService(self.dispatcher, keys)
@@ -328,6 +329,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,

@@ -104,6 +104,7 @@ class WorkerService:
         if principal is None:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
+        call.authenticated()
         stream = EngineStream(call, address, authorization, principal)
         self.streams.add(stream)
         reason = "engine stream ended"

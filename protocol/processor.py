@@ -37,7 +37,7 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     submit -> WAITING | DISPATCHED
     WAITING       -> DISPATCHED                   an engine for the model became ready
     DISPATCHED    -> STREAMING                    first result delivered (no retries after)
-    DISPATCHED    -> RETRY_PENDING                engine lost / replied 503 / send failed
+    DISPATCHED    -> RETRY_PENDING                engine lost / send failed / runtime busy (re-routed at once)
     RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
 
 Routing: engines of the task's tenant only, and only those that can take the
@@ -60,6 +60,13 @@ model) fails at once with 503 and ``busy_retry_after`` instead, as do those
 already waiting for such a model: nothing will come to serve them here, and
 the client is better off retrying at once elsewhere than holding on for the
 grace period. Tasks a peer's engine can take are still routed to it.
+Busy runtimes: a runtime's 503 or 429 (``BUSY_STATUSES``) before any result
+of a task (not a targeted one) is not the loss of its engine. The engine gets
+no task until its ``Retry-After`` (or ``busy_backoff``) passed; the task goes
+at once to another engine with room, or waits in the queue, counted from its
+first busy answer for ``queue_timeout``; when that or its deadline comes
+first, the client gets the runtime's latest answer as it is (status, body,
+headers). An engine whose stream is lost stays the other case: retries.
 
 Attempts: each dispatch of a task is an attempt with its own wire id (the task
 id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
@@ -79,6 +86,7 @@ from typing import Any
 from protocol import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
+    BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,
@@ -96,6 +104,7 @@ from protocol.processor_types import (
     TaskQueued,
     is_streaming,
     model_of,
+    retry_after_seconds,
 )
 
 __all__ = [
@@ -185,6 +194,18 @@ class _Task:
     # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
     attempt: int = 0
     wire_id: str = ""
+    # The latest busy answer of a runtime (see "Busy runtimes"), and when the first came.
+    busy_reply: worker_pb2.TaskResult | None = None
+    busy_since: float | None = None
+
+    # Times a busy runtime sent it back (these do not use up ``max_retries``).
+    busy_returns: int = 0
+
+    @property
+    def redispatches(self) -> int:
+        """Times the task went back for another dispatch, whatever the cause (a lost
+        engine, a failed send, a busy runtime): what logs and metrics call its retries."""
+        return self.retries + self.busy_returns
 
 
 @dataclass(slots=True)
@@ -198,6 +219,8 @@ class _Engine:
     in_flight: set[str] = field(default_factory=set)
     pending_heartbeat: str | None = None
     missed_heartbeats: int = 0
+    # Set while the engine's runtime said it is busy: routing skips it until then.
+    busy_until: float | None = None
 
     @property
     def routable(self) -> bool:
@@ -227,6 +250,7 @@ class ProcessorCounters:
     heartbeats_missed: int = 0
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
+    busy_replies: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -256,6 +280,8 @@ class Processor:
         self._freed: dict[EngineKey, None] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
+        # (busy_until, seq, engine): when an engine's busy back-off ends.
+        self._backoffs: list[tuple[float, int, EngineKey]] = []
 
     # --- requests ---------------------------------------------------------
 
@@ -482,9 +508,8 @@ class Processor:
             return effects
         if kind == "http_response":
             code = result.http_response.status_code
-            if code == 503 and self._can_retry(now, task):
-                engine_id = task.engine.engine_id if task.engine else ""
-                self._retry(now, task, f"engine {engine_id!r} is unavailable (503)", effects)
+            if code in BUSY_STATUSES and not task.target and now < task.deadline:
+                self._runtime_busy(now, task, result, effects)
                 return effects
             last = not task.streaming or code < 200 or code >= 400
         else:
@@ -518,7 +543,9 @@ class Processor:
         """When ``handle_timeout`` must next be called, or None if nothing is timed."""
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
-        candidates = [t for t in (self._timers[0][0] if self._timers else None, self._next_heartbeat) if t is not None]
+        firsts = (self._timers[0][0] if self._timers else None, self._next_heartbeat,
+                  self._backoffs[0][0] if self._backoffs else None)
+        candidates = [t for t in firsts if t is not None]
         return min(candidates) if candidates else None
 
     def handle_timeout(self, now: float) -> list[Effect]:
@@ -530,6 +557,13 @@ class Processor:
                 self._task_timer(now, self._tasks[entry[2]], effects)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             self._heartbeat_round(now, effects)
+        while self._backoffs and self._backoffs[0][0] <= now:
+            until, _, key = heapq.heappop(self._backoffs)
+            engine = self._engines.get(key)
+            if engine is not None and engine.busy_until == until:
+                engine.busy_until = None
+                if engine.routable:
+                    self._dispatch_waiting(now, engine, effects)
         self._refill(now, effects)
         return effects
 
@@ -623,6 +657,7 @@ class Processor:
                         "locality": e.locality.value,
                         "ready": e.status.ready,
                         "draining": e.draining,
+                        "busy_until": e.busy_until,
                         "cluster_id": e.status.cluster_id,
                         "models": [
                             {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count}
@@ -651,7 +686,10 @@ class Processor:
             self._fail(task, 400, self._typed_form_missing(task), effects)
             return
         if self._waiting_total >= self.config.max_waiting_tasks:
-            self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
+            if task.busy_reply is not None:
+                self._deliver(task, task.busy_reply, True, effects)
+            else:
+                self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
             return
         if self.draining and self._pick(task, ignore_cap=True) is None:
             self._refuse_draining(task, effects)
@@ -661,7 +699,8 @@ class Processor:
         queue = self._waiting.setdefault(key, {})
         queue[task.id] = None
         self._waiting_total += 1
-        self._set_timer(task, min(now + self.config.queue_timeout, task.deadline))
+        queued_since = now if task.busy_since is None else task.busy_since
+        self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
         if not self._served_but_full(task):
             effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
 
@@ -684,8 +723,13 @@ class Processor:
         return cap is not None and len(engine.in_flight) >= cap
 
     def _served_but_full(self, task: _Task) -> bool:
-        """Whether the task waits only for a slot: an engine would take it but for its in-flight cap."""
-        return self.config.max_in_flight_per_engine is not None and self._pick(task, ignore_cap=True) is not None
+        """Whether the task waits only for room: an engine would take it but for its in-flight
+        cap or its runtime's busy back-off."""
+        return self._pick(task, ignore_cap=True) is not None
+
+    def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
+        """Whether routing must skip a routable engine for now (full, or its runtime busy)."""
+        return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
 
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
         best: _Engine | None = None
@@ -694,7 +738,7 @@ class Processor:
         if not engines:
             return None
         for engine in engines.values():
-            if not engine.routable or task.model not in engine.ready_models or (not ignore_cap and self._full(engine)):
+            if not engine.routable or task.model not in engine.ready_models or self._blocked(engine, ignore_cap):
                 continue
             if not task_forms.eligible(task.request, engine.status):
                 continue
@@ -708,7 +752,7 @@ class Processor:
                 best, best_rank = engine, rank
         if best is None and self.config.dynamic_model_loading:
             for engine in engines.values():
-                if not engine.routable or (not ignore_cap and self._full(engine)):
+                if not engine.routable or self._blocked(engine, ignore_cap):
                     continue
                 if not task_forms.eligible(task.request, engine.status):
                     continue
@@ -818,14 +862,48 @@ class Processor:
         else:
             self._set_timer(task, min(now + self.config.retry_delay, task.deadline))
 
+    def _runtime_busy(self, now: float, task: _Task, result: worker_pb2.TaskResult, effects: list[Effect]) -> None:
+        engine = self._engines.get(task.engine) if task.engine is not None else None
+        until: float | None = None
+        if engine is not None:
+            delay = retry_after_seconds(result.http_response)
+            delay = self.config.busy_backoff if delay is None else max(delay, self.config.busy_backoff)
+            until = now + min(delay, self.config.max_busy_backoff)
+            if engine.busy_until is None or until > engine.busy_until:
+                engine.busy_until = until
+                self._timer_seq += 1
+                heapq.heappush(self._backoffs, (until, self._timer_seq, engine.key))
+            task.avoid.add(engine.key.engine_id)
+        reply = worker_pb2.TaskResult()
+        reply.CopyFrom(result)
+        task.busy_reply = reply
+        if task.busy_since is None:
+            task.busy_since = now
+        self.counters.busy_replies += 1
+        task.busy_returns += 1
+        self._unassign(task)
+        self._move(task, TaskState.RETRY_PENDING)
+        give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
+        if until is not None and until >= give_up and self._pick(task) is None:
+            # Nobody can take it now, and its engine is not to be asked again before the wait
+            # would end: waiting cannot help, so the client gets the runtime's answer at once.
+            self._deliver(task, reply, True, effects)
+            return
+        self._route(now, task, effects)
+
     def _task_timer(self, now: float, task: _Task, effects: list[Effect]) -> None:
-        if now >= task.deadline:
+        if task.state is TaskState.WAITING and task.busy_reply is not None:
+            # Time ran out waiting for a busy runtime: its own answer is the truest one.
+            self._deliver(task, task.busy_reply, True, effects)
+        elif now >= task.deadline:
             self._stop_on_engine(task, effects)
             self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
         elif task.state is TaskState.WAITING:
             if self._served_but_full(task):
                 cap = self.config.max_in_flight_per_engine
-                message = f"every engine serving model {task.model!r} is at its limit of {cap} tasks"
+                message = f"every engine serving model {task.model!r} is busy"
+                if cap is not None:
+                    message += f" or at its limit of {cap} tasks"
             else:
                 message = f"no ready engine serves model {task.model!r}"
             message += f" (waited {self.config.queue_timeout:g}s)"
@@ -837,7 +915,7 @@ class Processor:
         self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
     ) -> None:
         effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
-                                   task.engine, task.route, task.retries))
+                                   task.engine, task.route, task.redispatches))
         self._end(task, TaskOutcome.FAILED)
 
     def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
@@ -937,7 +1015,8 @@ class Processor:
             renamed.CopyFrom(result)
             renamed.task_id = task.id
             result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route, task.retries))
+        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
+                                     task.redispatches))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:

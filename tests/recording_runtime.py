@@ -131,6 +131,9 @@ def _serve(port_file: str) -> None:
             body = request.content.read()
             if uri.startswith("/_rec/"):
                 return self._control(uri, body, request)
+            if uri == "/health":
+                # The engine agent's readiness check: answered, never recorded or scripted.
+                return b""
             recorded.append({
                 "method": request.method.decode("latin-1"), "path": uri,
                 "headers": [[n.decode("latin-1"), v.decode("latin-1")]

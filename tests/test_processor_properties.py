@@ -237,7 +237,8 @@ class World:
         self.check_no_idle_slot()
 
     def check_no_idle_slot(self) -> None:
-        """A task waits only while every engine that would take it is full (or none would)."""
+        """A task waits only while every engine that would take it is full or its runtime busy
+        (or none would)."""
         p = self.p
         engine_cap = p.config.max_in_flight_per_engine
         if engine_cap is None:
@@ -246,7 +247,7 @@ class World:
         for model in MODELS:
             for task_id in p.waiting_task_ids("t", model):
                 for engine_id, e in engines.items():
-                    takes = e["ready"] and not e["draining"] and (
+                    takes = e["ready"] and not e["draining"] and e["busy_until"] is None and (
                         p.config.dynamic_model_loading or any(m["id"] == model and m["ready"] for m in e["models"]))
                     takes = takes and (self.form_of[task_id] != "verbatim" or self.capable[engine_id])
                     assert not takes or len(e["tasks"]) >= engine_cap, f"{engine_id} has a free slot while tasks wait"
