@@ -185,12 +185,15 @@ class GatewayService(service.MultiService):
 
     def _build_scaler(self) -> Any:
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
+        import random
+
         from infx.kube import PodWatcherConfig, kube_api_client
         from infx.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace
         scaler_service = kubernetes_scaler(self.reactor, kube_api_client(self.environ), namespace, self.pod_name,
+                                           rng=random.SystemRandom(),
                                            config=ScalerConfig(peer_report_interval=self.config.status_interval),
                                            registry=self.registry)
         scaler_service.setServiceParent(self)
@@ -369,6 +372,8 @@ class GatewayService(service.MultiService):
 
         if not self.config.kube:
             return StaticPeers(self.config.peers, on_change)
+        import random
+
         from kubernetes import client
 
         from infx.kube import PodWatcher, PodWatcherConfig, kube_api_client
@@ -376,7 +381,8 @@ class GatewayService(service.MultiService):
         watcher_config = PodWatcherConfig.from_environment(self.config.pod_label, self.config.effective_peer_port,
                                                            environ=self.environ)
         api = client.CoreV1Api(kube_api_client(self.environ))
-        return PodWatcher(self.reactor, api, watcher_config, on_change)
+        # Seeded by the OS: replicas restarted together must not back off in step.
+        return PodWatcher(self.reactor, api, watcher_config, on_change, random.SystemRandom())
 
     def _peer_channel(self, address: PeerAddress) -> GrpcChannel:
         from infx.transport import client_endpoint

@@ -38,14 +38,6 @@ FORBIDDEN_NAMES = frozenset({
 #: Builtins that do I/O or run code from strings.
 FORBIDDEN_BUILTINS = frozenset({"open", "print", "input", "exec", "eval", "__import__", "breakpoint"})
 
-#: Offenders present in main when this test was written, each fixed on another branch; the list
-#: must match exactly, so an entry is removed when its fix is merged (and a new offender fails).
-#: protocol/peers.py: ``rng or random.Random()``; the ``informer`` branch (#15) removes the default.
-KNOWN_OFFENDERS = frozenset({
-    "protocol/peers.py: random.Random() without a seed reads the OS's entropy",
-})
-
-
 def _module_allowed(module: str) -> bool:
     if module in PURE_STDLIB:
         return True
@@ -116,15 +108,9 @@ def _protocol_sources() -> list[Path]:
 
 
 def test_protocol_package_imports_only_pure_modules_and_uses_no_clock_or_os_randomness():
-    offenders = set()
-    for path in _protocol_sources():
-        for found in violations(path.read_text(), str(path.relative_to(ROOT))):
-            where, _line, what = found.split(":", 2)
-            offenders.add(f"{where}:{what}")  # by file, so that edits above a known one do not matter
-    assert offenders == KNOWN_OFFENDERS, (
-        "new offenders: " + repr(sorted(offenders - KNOWN_OFFENDERS))
-        + "; fixed (remove from KNOWN_OFFENDERS): " + repr(sorted(KNOWN_OFFENDERS - offenders))
-    )
+    offenders = [found for path in _protocol_sources()
+                 for found in violations(path.read_text(), str(path.relative_to(ROOT)))]
+    assert offenders == []
 
 
 def test_the_check_reads_every_protocol_module():
