@@ -37,11 +37,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from protocol.errors import LocalUsageError, RemoteProtocolError
+
 __all__ = ["Criticality", "CriticalityRefused", "FairQueueUsageError", "HeldQueue", "parse_criticality",
            "requested_criticality"]
 
 
-class FairQueueUsageError(Exception):
+class FairQueueUsageError(LocalUsageError):
     """The caller drove the queue wrongly (a task twice, an unknown task, a bad weight)."""
 
 
@@ -70,7 +72,7 @@ def parse_criticality(value: str) -> Criticality:
         raise ValueError(f"criticality must be critical, standard or sheddable, got {value!r}") from None
 
 
-class CriticalityRefused(ValueError):
+class CriticalityRefused(ValueError, RemoteProtocolError):
     """A request asked for a criticality it may not have (unknown, or above its key's)."""
 
 

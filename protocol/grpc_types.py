@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass
 from typing import Union
 
+from protocol.errors import LocalUsageError
 from protocol.grpc_metadata import Metadata, MetadataError, StatusCode
 from protocol.h2_budgets import UNAUTHENTICATED_BUDGETS, ConnectionBudgets
 
@@ -137,7 +138,7 @@ class GrpcConfig:
         return max(self.connection_window_size, self.max_receive_message_length + 5)
 
 
-class LocalProtocolError(Exception):
+class LocalProtocolError(LocalUsageError):
     """The caller used the machine wrongly (e.g. a command for a call that
     has already ended, or a server command on a client connection)."""
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar, Union
 
+from protocol.errors import LocalUsageError, RemoteProtocolError
+
 __all__ = [
     "Added",
     "Backoff",
@@ -56,7 +58,7 @@ T = TypeVar("T")
 HTTP_GONE = 410
 
 
-class MalformedWatchObject(ValueError):
+class MalformedWatchObject(ValueError, RemoteProtocolError):
     """A list or watch carried an object the machine cannot read (a remote violation).
 
     Carries the HTTP status the API server would use for a malformed body, so
@@ -66,7 +68,7 @@ class MalformedWatchObject(ValueError):
     http_status = 500
 
 
-class WatchMisuse(RuntimeError):
+class WatchMisuse(RuntimeError, LocalUsageError):
     """The caller drove the :class:`Informer` out of order (a local error)."""
 
 

@@ -19,6 +19,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from protocol.errors import LocalUsageError
 from protocol.informer import Added, Backoff, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 
 __all__ = [
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 
-class InvalidPeerAddress(ValueError):
+class InvalidPeerAddress(ValueError, LocalUsageError):
     """A static peer was not given as ``HOST:PORT`` (a configuration error)."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
+from protocol import errors
 from protocol.openai_errors import error_event, error_json
 from protocol.pb import worker_pb2
 
@@ -30,7 +31,7 @@ class ProcessorError(Exception):
     """Base of the processor's exceptions."""
 
 
-class ProcessorUsageError(ProcessorError):
+class ProcessorUsageError(ProcessorError, errors.LocalUsageError):
     """The caller misused the processor (duplicate task id, unknown task, bad config).
 
     Remote misbehaviour (an engine sending results out of order, an engine
@@ -39,7 +40,7 @@ class ProcessorUsageError(ProcessorError):
     """
 
 
-class RemoteProtocolError(ProcessorError):
+class RemoteProtocolError(ProcessorError, errors.RemoteProtocolError):
     """A peer gateway sent a message that breaks the protocol; its stream should end.
 
     ``grpc_status`` is the status to end the stream with (3, INVALID_ARGUMENT).

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from protocol.errors import LocalUsageError
 from protocol.pb import status_pb2
 from protocol.runtime_metrics import (
     LoadReading,
@@ -61,7 +62,7 @@ SLOTS_PATH = "/slots"
 _NOT_THERE = frozenset({404, 405, 501})
 
 
-class LoadUsageError(Exception):
+class LoadUsageError(LocalUsageError):
     """The caller drove the machine wrongly (bad config, start twice)."""
 
 

@@ -40,6 +40,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from protocol.errors import RemoteProtocolError
+
 __all__ = [
     "WANTED", "LoadReading", "MetricsFormatError", "Sample", "SlotTask", "parse_exposition",
     "parse_slots", "reading_from_metrics", "reading_from_slots",
@@ -49,7 +51,7 @@ __all__ = [
 MAX_BODY = 4 * 1024 * 1024
 
 
-class MetricsFormatError(Exception):
+class MetricsFormatError(RemoteProtocolError):
     """The runtime's metrics or slots body is malformed."""
 
 

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.errors import RemoteProtocolError
+
 DEFAULT_MIN_REPLICAS = 1
 DEFAULT_MAX_REPLICAS = 5
 DEFAULT_ZERO_DURATION = 180.0
@@ -61,7 +63,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(h|ms|m|s)")
 _DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 
 
-class ScalingRemoteError(Exception):
+class ScalingRemoteError(RemoteProtocolError):
     """The Kubernetes API handed us an object we cannot interpret.
 
     Carries the HTTP status the gateway answers with when this blocks a

@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any, Union
 
+from protocol.errors import LocalUsageError
 from protocol.openai_errors import error_body
 from protocol.scaling_labels import DeploymentKey
 
@@ -24,7 +25,7 @@ __all__ = [
 ]
 
 
-class ScalingLocalError(Exception):
+class ScalingLocalError(LocalUsageError):
     """The caller drove the scaler out of turn (a bug in the caller, not the cluster)."""
 
 
