@@ -40,9 +40,14 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     DISPATCHED    -> RETRY_PENDING                engine lost / replied 503 / send failed
     RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
 
-Routing: engines of the task's tenant only; among ready engines with the
-model ready: engines that already failed this task last, local before remote,
-then fewest in-flight tasks, then engine id (so the choice is deterministic).
+Routing: engines of the task's tenant only, ready with the model ready;
+engines that already failed this task last. Then the policy of
+``config.routing`` (:mod:`protocol.routing`): ``affinity`` (infx's, for a task
+submitted with ``RoutingHints``: bounded-load consistent hashing refined by
+prefix, session and adapter affinity), ``round_robin``, or
+``least_in_progress`` (LLMariner's, and the rule for tasks without hints):
+local before remote, then fewest in-flight tasks, then engine id (so the
+choice is deterministic).
 
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
@@ -94,6 +99,8 @@ from protocol.processor_types import (
     is_streaming,
     model_of,
 )
+from protocol.routing import Router, RoutingPolicy
+from protocol.routing_hints import RoutingHints
 
 __all__ = [
     "CancelTaskOnEngine",
@@ -182,6 +189,7 @@ class _Task:
     # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
     attempt: int = 0
     wire_id: str = ""
+    hints: RoutingHints | None = None
 
 
 @dataclass(slots=True)
@@ -253,6 +261,7 @@ class Processor:
         self._freed: dict[EngineKey, None] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
+        self._router = Router(self.config.routing, self.config.max_in_flight_per_engine)
 
     # --- requests ---------------------------------------------------------
 
@@ -267,6 +276,7 @@ class Processor:
         header: Mapping[str, Sequence[str]] | None = None,
         deadline: float | None = None,
         target_engine_id: str = "",
+        hints: RoutingHints | None = None,
     ) -> list[Effect]:
         """Accept a task; it ends exactly once (result, failure, or ``cancel``).
 
@@ -275,6 +285,8 @@ class Processor:
         to one engine of the tenant (a task forwarded by a peer, a heartbeat):
         it is never retried, and fails with 503 at once if that engine is not
         there or not ready, so that a forwarding peer can retry elsewhere.
+        ``hints`` (:func:`protocol.routing_hints.hints_from_json`) let the
+        affinity policy route by prefix, session and adapter.
         """
         if task_id in self._tasks or task_id in self._control:
             raise ProcessorUsageError(f"task {task_id!r} is already in progress")
@@ -295,6 +307,7 @@ class Processor:
             streaming=is_streaming(request),
             deadline=now + self.config.max_task_duration if deadline is None else deadline,
             target=target_engine_id,
+            hints=hints,
         )
         tenant_cap = self.config.max_tasks_per_tenant
         over_tenant_cap = tenant_cap is not None and self._tenant_tasks[tenant_id] >= tenant_cap
@@ -388,6 +401,7 @@ class Processor:
             engine.locality = locality
             engine.status = snapshot
         engine.ready_models = frozenset(m.id for m in snapshot.models if m.is_ready)
+        self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot)
         if changed and (was_local or locality is Locality.LOCAL):
             effects.append(LocalEnginesChanged())
         if locality is Locality.LOCAL and self.config.heartbeat_interval is not None and self._next_heartbeat is None:
@@ -427,6 +441,7 @@ class Processor:
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
+                self._router.engine_updated(engine.key, frozenset(), engine.status)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
@@ -659,6 +674,12 @@ class Processor:
         return self.config.max_in_flight_per_engine is not None and self._pick(task, ignore_cap=True) is not None
 
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
+        policy = self.config.routing.policy
+        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
+                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
+            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid)
+            if key is not None or not self.config.dynamic_model_loading:
+                return None if key is None else self._engines[key]
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
         engines = self._by_tenant.get(task.tenant_id)
@@ -693,6 +714,7 @@ class Processor:
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
+        self._router.task_sent(engine.key, task.model, task.hints)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
@@ -832,7 +854,9 @@ class Processor:
         if task.engine is not None:
             engine = self._engines.get(task.engine)
             if engine is not None:
-                engine.in_flight.discard(task.id)
+                if task.id in engine.in_flight:
+                    engine.in_flight.remove(task.id)
+                    self._router.task_left(engine.key)
                 if self.config.max_in_flight_per_engine is not None:
                     self._freed[engine.key] = None
         if task.wire_id:
@@ -857,6 +881,7 @@ class Processor:
         lost: list[tuple[_Engine, _Task]] = []
         for engine in engines:
             del self._engines[engine.key]
+            self._router.engine_removed(engine.key)
             tenant = self._by_tenant[engine.key.tenant_id]
             del tenant[engine.key.engine_id]
             if not tenant:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Union
 
 from protocol.pb import worker_pb2
+from protocol.routing import RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The
@@ -106,6 +107,7 @@ class ProcessorConfig:
         for the cap gets 503 instead of 429, so that the forwarding peer retries
         it elsewhere rather than handing the client a limit of this gateway's.
         None: no cap.
+    routing: the routing policy and its weights (:mod:`protocol.routing`).
     """
 
     queue_timeout: float = 30.0
@@ -121,6 +123,7 @@ class ProcessorConfig:
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
     max_tasks_per_tenant: int | None = None
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         problems = []
