@@ -13,9 +13,11 @@ Policies (``RoutingConfig.policy``):
     Every engine of a (tenant, model) has ``ring_points`` points on a hash
     ring; a request's home key (:mod:`protocol.routing_hints`) lands on the
     ring and the first engine clockwise *with room* is its home. Room is the
-    bounded-load rule: an engine's load must stay below
-    ``ceil(load_factor * (total load + 1) / engines)``, so no engine carries
-    more than ``load_factor`` times the mean, plus one. Every gateway knows
+    bounded-load rule: an engine's load must stay below the capacity
+    ``max(ceil(load_factor * (total load + 1) / engines), min_capacity)``, so
+    no engine carries more than ``load_factor`` times the mean, plus one
+    (below ``min_capacity`` requests an engine is never loaded enough for
+    the bound to matter, and affinity is worth most). Every gateway knows
     the same engines from the exchange, so a conversation arriving at any
     replica has the same home while that engine has room: no central
     service, no state shared. The home, the next ``spare_candidates`` engines
@@ -77,6 +79,8 @@ class RoutingConfig:
 
     load_factor: the bounded-load factor c (> 1): no engine is chosen whose
         load would exceed c times the mean load plus one.
+    min_capacity: the load every engine may take whatever the mean (an idle
+        cluster still batches a shared prefix on one engine).
     prefix_weight, home_weight, session_weight, adapter_weight, queue_weight,
         kv_weight: weights of the affinity score.
     ring_points: points per engine on the hash ring (more: an even split of
@@ -92,6 +96,7 @@ class RoutingConfig:
 
     policy: RoutingPolicy = RoutingPolicy.AFFINITY
     load_factor: float = 1.25
+    min_capacity: int = 4
     prefix_weight: float = 2.0
     home_weight: float = 1.0
     session_weight: float = 0.5
@@ -111,6 +116,8 @@ class RoutingConfig:
         for name in ("prefix_weight", "home_weight", "session_weight", "adapter_weight", "queue_weight", "kv_weight"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name} must be >= 0")
+        if self.min_capacity < 1:
+            problems.append("min_capacity must be >= 1")
         if self.ring_points < 1:
             problems.append("ring_points must be >= 1")
         if self.spare_candidates < 0:
@@ -342,6 +349,10 @@ class Router:
         chosen = self._affinity(tenant_id, model, pool, hints, avoid, fallback=False)
         return chosen or self._affinity(tenant_id, model, pool, hints, avoid, fallback=True)
 
+    def capacity(self, total: int, engines: int) -> int:
+        """The bounded-load rule: an engine with this load (or more) takes no task by affinity."""
+        return max(math.ceil(self.config.load_factor * (total + 1) / engines), self.config.min_capacity)
+
     def _open(self, member: _Member) -> bool:
         cap = self._max_in_flight
         return cap is None or member.own < cap
@@ -372,7 +383,7 @@ class Router:
         self, tenant_id: str, model: str, pool: _Pool, hints: RoutingHints, avoid: set[str], fallback: bool
     ) -> EngineKey | None:
         config = self.config
-        capacity = max(1, math.ceil(config.load_factor * (pool.total + 1) / len(pool.members)))
+        capacity = self.capacity(pool.total, len(pool.members))
 
         def takes(member: _Member) -> bool:
             return member.load < capacity and self._open(member) and (fallback or member.key.engine_id not in avoid)
