@@ -212,7 +212,7 @@ class Dispatcher:
         deadline = None if submission.timeout is None else now + submission.timeout
         self.perform(self.processor.submit(
             now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
-            header=submission.headers, deadline=deadline,
+            header=submission.headers, deadline=deadline, hints=submission.routing_hints,
         ))
         return origin
 

@@ -28,7 +28,7 @@ from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
-from protocol import openai_completions, openai_requests
+from protocol import openai_completions, openai_requests, routing_hints
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
@@ -182,8 +182,9 @@ class ApiCall:
         self.trace.tenant = principal.tenant
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
+        body = request.content.read() if request.content else b""
         try:
-            parsed = parse(request.content.read() if request.content else b"")
+            parsed = parse(body)
         except OpenAIError as e:
             return self._finish_error(e.status, e.to_json())
         self.model = parsed.model
@@ -201,14 +202,16 @@ class ApiCall:
                 503, f"No engine serves the model '{parsed.model}' right now; retry later.",
                 code="model_unavailable", param="model",
             )
+        submission_headers = _forwarded_headers(request, request_id)
         submission = Submission(
             tenant=principal.tenant,
             model=parsed.model,
             request=parsed.request,
             streaming=parsed.stream,
-            headers=_forwarded_headers(request, request_id),
+            headers=submission_headers,
             timeout=_client_timeout(request),
             request_id=request_id,
+            routing_hints=routing_hints.hints_from_json(self.endpoint, body, submission_headers),
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protocol.pb import worker_pb2
+from protocol.routing_hints import RoutingHints
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Submission:
     timeout: float | None = None
     #: Correlates logs and the engine's work with the client's request.
     request_id: str = ""
+    #: Prefix blocks, session and adapter for the routing policy (None: route by load).
+    routing_hints: RoutingHints | None = None
 
 
 @dataclass
