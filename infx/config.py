@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from protocol.routing import RoutingPolicy
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
@@ -66,6 +68,10 @@ class GatewayConfig:
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None
+    #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
+    #: affinity with bounded loads, the same on every replica), ``least_in_progress``
+    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
+    routing_policy: str = "affinity"
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
@@ -223,6 +229,9 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         cap = getattr(config, name)
         if cap is not None and cap < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
+    policies = [policy.value for policy in RoutingPolicy]
+    if config.routing_policy not in policies:
+        raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube:

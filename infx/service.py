@@ -34,6 +34,7 @@ from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
+from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
@@ -88,6 +89,7 @@ class GatewayService(service.MultiService):
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
+            routing=RoutingConfig(policy=RoutingPolicy(config.routing_policy)),
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)

@@ -67,6 +67,8 @@ class Options(usage.Options):
          "Tasks kept on one engine at once; more go to other engines or wait [default: no cap]."],
         ["max-tasks-per-tenant", None, None,
          "Live tasks one tenant may have on this gateway; past it, 429 with Retry-After [default: no cap]."],
+        ["routing-policy", None, None,
+         f"affinity, least_in_progress (LLMariner's) or round_robin [default: {_DEFAULTS.routing_policy}]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

@@ -88,3 +88,12 @@ def test_twistd_infx_cap_flags_reach_the_processor():
     options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7"])
     processor = GatewayService(Clock(), options.config_value, environ={}).processor
     assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)
+
+
+def test_routing_policy_is_one_of_the_three():
+    from infx.config import ConfigError, GatewayConfig, validate
+
+    assert validate(GatewayConfig()).routing_policy == "affinity"
+    assert validate(GatewayConfig(routing_policy="round_robin")).routing_policy == "round_robin"
+    with pytest.raises(ConfigError, match="--routing-policy: expected one of affinity, least_in_progress, round_robin"):
+        validate(GatewayConfig(routing_policy="random"))
