@@ -41,9 +41,12 @@ Policies (``RoutingConfig.policy``):
     Each (tenant, model)'s engines in turn, by engine id.
 
 Load of an engine: the larger of this processor's tasks in flight on it and
-what the engine reports: its runtime's running plus waiting requests
+what the engine last reported plus the tasks this processor sent it since,
+less those that left it since.
+The report is its runtime's running plus waiting requests
 (``EngineStatus.Model.runtime_load``), else its ``in_progress_task_count``,
-summed over its models. The runtime's figure counts every gateway's tasks.
+summed over its models; it counts every gateway's tasks, so with several
+gateways each sees about the same load and makes about the same choice.
 """
 
 from __future__ import annotations
@@ -95,17 +98,17 @@ class RoutingConfig:
     """
 
     policy: RoutingPolicy = RoutingPolicy.AFFINITY
-    load_factor: float = 1.25
+    load_factor: float = 1.3
     min_capacity: int = 4
-    prefix_weight: float = 2.0
-    home_weight: float = 1.0
+    prefix_weight: float = 8.0
+    home_weight: float = 0.5
     session_weight: float = 0.5
     adapter_weight: float = 0.5
     queue_weight: float = 0.5
     kv_weight: float = 0.25
-    ring_points: int = 16
+    ring_points: int = 100
     spare_candidates: int = 2
-    index_blocks_per_engine: int = 16384
+    index_blocks_per_engine: int = 2048
     index_blocks_total: int = 1_000_000
     sessions: int = 100_000
 
@@ -227,12 +230,15 @@ class _Member:
     pools: frozenset[str] = frozenset()
     own: int = 0
     reported: int = 0
+    # Tasks this processor sent minus those that left since the engine's last report,
+    # which cannot count them yet.
+    since_report: int = 0
     kv: float | None = None
     adapters: frozenset[str] = frozenset()
 
     @property
     def load(self) -> int:
-        return max(self.own, self.reported)
+        return max(self.own, self.reported + self.since_report)
 
 
 @dataclass(slots=True)
@@ -272,7 +278,7 @@ class Router:
         if member is None:
             member = self._members[key] = _Member(key)
         reported, member.kv, adapters = reported_load(status)
-        self._set_load(member, member.own, reported)
+        self._set_load(member, member.own, reported, 0)
         if adapters != member.adapters:
             for adapter in member.adapters - adapters:
                 holders = self._adapters[adapter]
@@ -308,7 +314,7 @@ class Router:
         """A task was dispatched to ``key``: count it, and remember its prefix and session there."""
         member = self._members.get(key)
         if member is not None:
-            self._set_load(member, member.own + 1, member.reported)
+            self._set_load(member, member.own + 1, member.reported, member.since_report + 1)
         if hints is None or self.config.policy is not RoutingPolicy.AFFINITY:
             return
         self.index.record(key, hints.blocks)
@@ -323,11 +329,11 @@ class Router:
         """A task this processor sent to ``key`` left it (ended, failed over)."""
         member = self._members.get(key)
         if member is not None:
-            self._set_load(member, member.own - 1, member.reported)
+            self._set_load(member, member.own - 1, member.reported, member.since_report - 1)
 
-    def _set_load(self, member: _Member, own: int, reported: int) -> None:
+    def _set_load(self, member: _Member, own: int, reported: int, since_report: int) -> None:
         before = member.load
-        member.own, member.reported = own, reported
+        member.own, member.reported, member.since_report = own, reported, since_report
         delta = member.load - before
         if delta:
             for model in member.pools:

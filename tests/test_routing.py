@@ -15,6 +15,7 @@ from protocol.routing_hints import RoutingHints, hints_from_json
 from tests.processor_helpers import chat, engine_status, http, one
 
 ENGINES = [f"e{i}" for i in range(8)]
+C = RoutingConfig().load_factor
 
 
 def conversation(n, turns=1, user_words=60):
@@ -92,10 +93,10 @@ def test_no_engine_is_loaded_above_the_bound_however_many_share_a_home():
     for _ in range(200):
         _, engine_id, _ = d.send(shared)
         total = sum(load.values())
-        assert load[engine_id] < max(math.ceil(1.25 * (total + 1) / len(ENGINES)), 4)
+        assert load[engine_id] < max(math.ceil(C * (total + 1) / len(ENGINES)), 4)
         load[engine_id] += 1
-    assert max(load.values()) <= 1.25 * (sum(load.values()) / len(ENGINES)) + 1
-    assert len({e for e, n in load.items() if n}) >= math.ceil(len(ENGINES) / 1.25)  # the spill spreads it
+    assert max(load.values()) <= C * (sum(load.values()) / len(ENGINES)) + 1
+    assert len({e for e, n in load.items() if n}) >= math.ceil(len(ENGINES) / C)  # the spill spreads it
 
 
 def test_a_spilled_conversation_comes_back_to_the_engine_that_holds_its_prefix():
@@ -204,6 +205,6 @@ def test_every_choice_respects_the_load_bound(steps):
             continue
         loads = {e: processor.engine("t", e).in_flight for e in ENGINES}
         task_id, engine_id, route = d.send(conversation(conv))
-        capacity = max(math.ceil(1.25 * (sum(loads.values()) + 1) / len(ENGINES)), 4)
+        capacity = max(math.ceil(C * (sum(loads.values()) + 1) / len(ENGINES)), 4)
         assert loads[engine_id] < capacity
         running.append((task_id, route))

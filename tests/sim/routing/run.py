@@ -12,6 +12,7 @@ same load bound, as a targeted task. Time is simulated; nothing sleeps.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -22,8 +23,8 @@ from typing import Any
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.routing import RoutingConfig, RoutingPolicy
-from protocol.routing_hints import hints_from_json
-from tests.sim.routing.runtime import Job, RuntimeSpec, SimRuntime, chain
+from protocol.routing_hints import HintsConfig, hints_from_json
+from tests.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
 from tests.sim.routing.workloads import Request, make
 
 POLICIES = ("round_robin", "least_in_progress", "affinity", "oracle")
@@ -74,12 +75,17 @@ class Result:
 class Simulation:
     def __init__(self, workload: str, policy: str, gateways: int, seed: int, duration: float = 60.0,
                  warmup: float = 10.0, engines: int = 8, spec: RuntimeSpec = RuntimeSpec(),
-                 scale: float = 1.0, report_interval: float = 0.25) -> None:
+                 scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig()) -> None:
         self.result = Result(workload, policy, gateways, seed)
         self.policy, self.duration, self.warmup, self.report_interval = policy, duration, warmup, report_interval
         self.rng = random.Random(seed * 7919 + gateways)
         self.workload = make(workload, seed, scale)
-        routing = RoutingConfig(policy=RoutingPolicy(policy if policy != "oracle" else "least_in_progress"))
+        # The index remembers about as many blocks per engine as the engine's cache holds
+        # (a token is about 6 bytes of the prompt's JSON here), as an operator would set it.
+        index_blocks = spec.cache_blocks * BLOCK_TOKENS * 6 // HintsConfig().block_bytes
+        routing = dataclasses.replace(routing, index_blocks_per_engine=index_blocks,
+                                      policy=RoutingPolicy(policy if policy != "oracle" else "least_in_progress"))
+        self.bound = routing
         self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing)) for _ in range(gateways)]
         self.runtimes = {f"e{i}": SimRuntime(f"e{i}", spec) for i in range(engines)}
         self.result.load_samples = dict.fromkeys(self.runtimes, 0)
@@ -154,7 +160,7 @@ class Simulation:
     def oracle(self, request: Request) -> str:
         blocks = chain(request.prompt)
         loads = {name: r.load() for name, r in self.runtimes.items()}
-        config = RoutingConfig()
+        config = self.bound
         capacity = max(math.ceil(config.load_factor * (sum(loads.values()) + 1) / len(loads)), config.min_capacity)
         open_ = [name for name in self.runtimes if loads[name] < capacity]
         return max(open_, key=lambda n: (self.runtimes[n].cached_prefix_blocks(blocks), -loads[n], n))

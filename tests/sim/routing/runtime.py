@@ -31,7 +31,7 @@ def chain(tokens: list[int], start: int = 0, previous: int = 0) -> list[int]:
 class RuntimeSpec:
     """The hardware: cache size in blocks, batch size, seconds per prefill token and decode step."""
 
-    cache_blocks: int = 1000
+    cache_blocks: int = 2000
     max_batch: int = 32
     prefill_per_token: float = 0.0001
     decode_base: float = 0.015

@@ -63,9 +63,10 @@ class SharedPrefixClient:
 
 
 class MultiTurnClient:
-    """A chat user: conversations of 4 to 8 turns, each repeating the whole history."""
+    """A user asking about a document: it opens the conversation (800 to 1,600 tokens), then
+    4 to 8 turns of short questions and answers, each turn repeating the whole history."""
 
-    think = 2.0
+    think = 0.5
 
     def __init__(self, rng: random.Random, system: list[int], group: str = "chat") -> None:
         self.rng, self.system, self.group = rng, system, group
@@ -76,8 +77,10 @@ class MultiTurnClient:
         self.conversation = Conversation([(SYSTEM, self.system)])
 
     def next(self) -> Request:
-        self.conversation.messages.append((USER, words(self.rng, self.rng.randint(100, 200))))
-        return self.conversation.request(words(self.rng, self.rng.randint(80, 160)), self.group)
+        opening = len(self.conversation.messages) == 1
+        length = self.rng.randint(800, 1600) if opening else self.rng.randint(30, 80)
+        self.conversation.messages.append((USER, words(self.rng, length)))
+        return self.conversation.request(words(self.rng, self.rng.randint(40, 80)), self.group)
 
     def done(self, request: Request) -> None:
         self.conversation.messages.append((ASSISTANT, request.output))
@@ -98,12 +101,13 @@ def make(name: str, seed: int, scale: float = 1.0) -> Workload:
     """``shared-prefix``, ``multi-turn``, ``bursty`` (chat users and a tenant's burst of
     shared-prefix requests from 20 s to 40 s) or ``bursty-baseline`` (the chat users alone)."""
     rng = random.Random(seed)
-    n = max(4, int(96 * scale))
+    n = max(8, int(256 * scale))
     if name == "shared-prefix":
-        systems = [words(rng, 2000) for _ in range(12)]
-        return Workload([SharedPrefixClient(random.Random(rng.random()), systems[i % 12]) for i in range(n)], [None] * n)
+        systems = [words(rng, 2000) for _ in range(24)]
+        return Workload([SharedPrefixClient(random.Random(rng.random()), systems[i % 24]) for i in range(n)], [None] * n)
     chat_system = words(rng, 12)
     if name == "multi-turn":
+        n //= 2
         return Workload([MultiTurnClient(random.Random(rng.random()), chat_system) for _ in range(n)], [None] * n)
     if name in ("bursty", "bursty-baseline"):
         steady = [MultiTurnClient(random.Random(rng.random()), chat_system, "steady") for _ in range(n // 2)]
