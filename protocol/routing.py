@@ -171,7 +171,9 @@ class PrefixIndex:
         self._per_engine = per_engine
         self._total = total
         self._by_engine: dict[EngineKey, OrderedDict[int, None]] = {}
-        self._holders: dict[int, dict[EngineKey, None]] = {}
+        # Block -> the engine it was sent to, or engines (in the order first sent) when several:
+        # most blocks have one holder, and a bare key takes a fraction of a dict's memory.
+        self._holders: dict[int, EngineKey | dict[EngineKey, None]] = {}
         self.size = 0
 
     def _cap(self) -> int:
@@ -192,7 +194,13 @@ class PrefixIndex:
                 lru.move_to_end(block)
             else:
                 lru[block] = None
-                self._holders.setdefault(block, {})[key] = None
+                held = self._holders.get(block)
+                if held is None:
+                    self._holders[block] = key
+                elif isinstance(held, dict):
+                    held[key] = None
+                else:
+                    self._holders[block] = {held: None, key: None}
                 self.size += 1
         self._trim(key, self._cap())
 
@@ -200,9 +208,12 @@ class PrefixIndex:
         lru = self._by_engine[key]
         while len(lru) > cap:
             block, _ = lru.popitem(last=False)
-            holders = self._holders[block]
-            del holders[key]
-            if not holders:
+            held = self._holders[block]
+            if isinstance(held, dict):
+                del held[key]
+                if len(held) == 1:
+                    self._holders[block] = next(iter(held))
+            else:
                 del self._holders[block]
             self.size -= 1
 
@@ -216,11 +227,14 @@ class PrefixIndex:
         """Per engine, how many leading blocks of ``blocks`` it was sent (0: absent)."""
         depth: dict[EngineKey, int] = {}
         for i, block in enumerate(blocks):
-            holders = self._holders.get(block)
-            if not holders:
+            held = self._holders.get(block)
+            if held is None:
                 break
-            for key in holders:
-                depth[key] = i + 1
+            if isinstance(held, dict):
+                for key in held:
+                    depth[key] = i + 1
+            else:
+                depth[held] = i + 1
         return depth
 
 

@@ -208,3 +208,17 @@ def test_every_choice_respects_the_load_bound(steps):
         capacity = max(math.ceil(C * (sum(loads.values()) + 1) / len(ENGINES)), 4)
         assert loads[engine_id] < capacity
         running.append((task_id, route))
+
+
+def test_a_block_sent_to_several_engines_is_held_by_each_until_it_forgets():
+    index = PrefixIndex(per_engine=100, total=1000)
+    a, b, c = EngineKey("t", "a"), EngineKey("t", "b"), EngineKey("t", "c")
+    index.record(a, (1, 2, 3))
+    index.record(b, (1, 2))
+    index.record(c, (1,))
+    assert index.depths((1, 2, 3, 4)) == {a: 3, b: 2, c: 1}
+    index.forget(b)
+    index.forget(c)
+    assert index.depths((1, 2, 3)) == {a: 3}
+    index.forget(a)
+    assert index.depths((1,)) == {} and index.size == 0
