@@ -109,7 +109,7 @@ class RoutingConfig:
     ring_points: int = 100
     spare_candidates: int = 2
     index_blocks_per_engine: int = 2048
-    index_blocks_total: int = 500_000
+    index_blocks_total: int = 250_000
     sessions: int = 100_000
 
     def __post_init__(self) -> None:

@@ -7,9 +7,11 @@ completes, which fills the prefix index and the session table. Then timed:
 ``--decisions`` next turns of random conversations, each ``submit`` (routing,
 dispatch, index update) plus the engine's answer, and ``Router.choose``
 alone. Memory: what the routing state takes (``tracemalloc``: traced memory
-after filling it, less before), and its entry counts.
+after filling it, less before: the hash ring, prefix index and session
+table), and its entry counts.
 
-Usage: ``python tools/bench/routing_bench.py [--engines 500] [--conversations 100000] [--json]``
+Usage: ``python tools/bench/routing_bench.py [--engines 500] [--conversations 100000]
+[--opening-words 600] [--json]``
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from protocol.processor import Locality, Processor, ProcessorConfig, SendTask
 from protocol.routing_hints import RoutingHints, hints_from_json
 
 
-def _hints(rng: random.Random, n: int, turn: int) -> RoutingHints:
-    opening = f"conversation {n}: " + " ".join(str(rng.randrange(10**6)) for _ in range(120))
+def _hints(rng: random.Random, n: int, turn: int, words: int) -> RoutingHints:
+    opening = f"conversation {n}: " + " ".join(str(rng.randrange(10**6)) for _ in range(words))
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": opening}]
     for t in range(turn):
         messages += [{"role": "assistant", "content": f"answer {t} " * 20}, {"role": "user", "content": f"more {t}"}]
@@ -40,11 +42,13 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=500)
     parser.add_argument("--conversations", type=int, default=100_000)
     parser.add_argument("--decisions", type=int, default=20_000)
+    parser.add_argument("--opening-words", type=int, default=600,
+                        help="numbers in each conversation's first message (600: about 16 blocks)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rng = random.Random(1)
-    first = [_hints(random.Random(n), n, 0) for n in range(args.conversations)]
-    later = {n: _hints(random.Random(n), n, 1) for n in rng.sample(range(args.conversations), min(2000, args.conversations))}
+    first = [_hints(random.Random(n), n, 0, args.opening_words) for n in range(args.conversations)]
+    later = {n: _hints(random.Random(n), n, 1, args.opening_words) for n in rng.sample(range(args.conversations), min(2000, args.conversations))}
     request = worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(model="m", stream=False))
     answer = worker_pb2.HttpResponse(status_code=200)
 
@@ -64,8 +68,7 @@ def main() -> None:
                                                hints=hints) if isinstance(e, SendTask)]
         processor.receive_result(0.0, send.route, worker_pb2.TaskResult(task_id=task_id, http_response=answer))
 
-    turn(first[0])  # builds the hash ring
-    base, _ = tracemalloc.get_traced_memory()
+    base, _ = tracemalloc.get_traced_memory()  # the engines, before any routing state (ring included)
     for hints in first:
         turn(hints)
     filled, _ = tracemalloc.get_traced_memory()
@@ -88,7 +91,7 @@ def main() -> None:
         "engines": args.engines, "conversations": args.conversations, "blocks_per_request": round(blocks, 1),
         "us_per_submit_and_answer": round(per_turn, 1), "us_per_choose": round(per_choice, 1),
         "state_mib": round((filled - base) / 2**20, 1), **state,
-        "bytes_per_index_block": round((filled - base) / max(1, state["index_blocks"] + state["sessions"])),
+        "bytes_per_entry": round((filled - base) / max(1, state["index_blocks"] + state["sessions"])),
     }
     if args.json:
         print(json.dumps(result))
