@@ -97,3 +97,11 @@ def test_routing_policy_is_one_of_the_three():
     assert validate(GatewayConfig(routing_policy="round_robin")).routing_policy == "round_robin"
     with pytest.raises(ConfigError, match="--routing-policy: expected one of affinity, least_in_progress, round_robin"):
         validate(GatewayConfig(routing_policy="random"))
+
+
+def test_routing_policy_flag_reaches_the_config():
+    from infx.tap import Options
+
+    options = Options()
+    options.parseOptions(["--routing-policy", "least_in_progress"])
+    assert options.config_value.routing_policy == "least_in_progress"
