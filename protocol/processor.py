@@ -261,7 +261,7 @@ class Processor:
         self._freed: dict[EngineKey, None] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
-        self._router = Router(self.config.routing, self.config.max_in_flight_per_engine)
+        self._router = Router(self.config.routing)
 
     # --- requests ---------------------------------------------------------
 
@@ -677,7 +677,8 @@ class Processor:
         policy = self.config.routing.policy
         if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
                 (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
-            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid)
+            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
+                                      lambda key: self._full(self._engines[key]))
             if key is not None or not self.config.dynamic_model_loading:
                 return None if key is None else self._engines[key]
         best: _Engine | None = None

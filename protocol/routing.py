@@ -55,6 +55,7 @@ import hashlib
 import math
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -268,15 +269,10 @@ class _Pool:
 
 
 class Router:
-    """The routing state of one processor: pools, loads, prefix index, sessions.
+    """The routing state of one processor: pools, loads, prefix index, sessions."""
 
-    ``max_in_flight`` is the processor's per-engine cap (None: none); an
-    engine at it is never chosen.
-    """
-
-    def __init__(self, config: RoutingConfig, max_in_flight: int | None = None) -> None:
+    def __init__(self, config: RoutingConfig) -> None:
         self.config = config
-        self._max_in_flight = max_in_flight
         self._members: dict[EngineKey, _Member] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self.index = PrefixIndex(config.index_blocks_per_engine, config.index_blocks_total)
@@ -355,36 +351,37 @@ class Router:
 
     # --- what the processor asks --------------------------------------------
 
-    def choose(self, tenant_id: str, model: str, hints: RoutingHints | None, avoid: set[str]) -> EngineKey | None:
-        """The engine for a task of (tenant, model), or None when every engine is at its cap.
+    def choose(
+        self, tenant_id: str, model: str, hints: RoutingHints | None, avoid: set[str],
+        blocked: Callable[[EngineKey], bool],
+    ) -> EngineKey | None:
+        """The engine for a task of (tenant, model), or None when every engine is ``blocked``.
 
-        Engines in ``avoid`` (they failed this task) are chosen only when no
-        other engine can take it. ``hints`` is None for round-robin.
+        ``blocked`` says which engines the processor holds back now (at its
+        in-flight cap, say); they are never chosen. Engines in ``avoid`` (they
+        failed this task) are chosen only when no other engine can take it.
+        ``hints`` is None for round-robin.
         """
         pool = self._pools.get((tenant_id, model))
         if pool is None:
             return None
         if hints is None or self.config.policy is RoutingPolicy.ROUND_ROBIN:
-            return self._in_turn(pool, avoid)
-        chosen = self._affinity(tenant_id, model, pool, hints, avoid, fallback=False)
-        return chosen or self._affinity(tenant_id, model, pool, hints, avoid, fallback=True)
+            return self._in_turn(pool, avoid, blocked)
+        chosen = self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=False)
+        return chosen or self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=True)
 
     def capacity(self, total: int, engines: int) -> int:
         """The bounded-load rule: an engine with this load (or more) takes no task by affinity."""
         return max(math.ceil(self.config.load_factor * (total + 1) / engines), self.config.min_capacity)
 
-    def _open(self, member: _Member) -> bool:
-        cap = self._max_in_flight
-        return cap is None or member.own < cap
-
-    def _in_turn(self, pool: _Pool, avoid: set[str]) -> EngineKey | None:
+    def _in_turn(self, pool: _Pool, avoid: set[str], blocked: Callable[[EngineKey], bool]) -> EngineKey | None:
         if pool.in_turn is None:
             pool.in_turn = sorted(pool.members.values(), key=lambda m: m.key.engine_id)
         engines = pool.in_turn
         for avoided_too in (False, True):
             for step in range(len(engines)):
                 member = engines[(pool.turn + step) % len(engines)]
-                if self._open(member) and (avoided_too or member.key.engine_id not in avoid):
+                if (avoided_too or member.key.engine_id not in avoid) and not blocked(member.key):
                     pool.turn = (pool.turn + step + 1) % len(engines)
                     return member.key
         return None
@@ -400,13 +397,15 @@ class Router:
         return pool.ring
 
     def _affinity(
-        self, tenant_id: str, model: str, pool: _Pool, hints: RoutingHints, avoid: set[str], fallback: bool
+        self, tenant_id: str, model: str, pool: _Pool, hints: RoutingHints, avoid: set[str],
+        blocked: Callable[[EngineKey], bool], fallback: bool,
     ) -> EngineKey | None:
         config = self.config
         capacity = self.capacity(pool.total, len(pool.members))
 
         def takes(member: _Member) -> bool:
-            return member.load < capacity and self._open(member) and (fallback or member.key.engine_id not in avoid)
+            return (member.load < capacity and (fallback or member.key.engine_id not in avoid)
+                    and not blocked(member.key))
 
         ring = pool.ring if pool.ring is not None else self._build_ring(pool)
         candidates: dict[EngineKey, _Member] = {}

@@ -222,3 +222,18 @@ def test_a_block_sent_to_several_engines_is_held_by_each_until_it_forgets():
     assert index.depths((1, 2, 3)) == {a: 3}
     index.forget(a)
     assert index.depths((1,)) == {} and index.size == 0
+
+
+def test_the_in_flight_cap_holds_under_affinity_and_a_freed_slot_takes_a_waiting_task():
+    processor = Processor(ProcessorConfig(max_in_flight_per_engine=2, routing=RoutingConfig()))
+    for engine_id in ("a", "b"):
+        processor.update_engine(0.0, ("route", engine_id), "t", engine_status(engine_id, "m"), Locality.REMOTE)
+    shared = conversation(1)
+    sent = []
+    for n in range(5):
+        effects = processor.submit(0.0, task_id=f"x{n}", tenant_id="t", request=chat(), origin="o", hints=shared)
+        sent += [e for e in effects if isinstance(e, SendTask)]
+    assert sorted(e.engine.engine_id for e in sent) == ["a", "a", "b", "b"]
+    assert processor.waiting_task_ids("t", "m") == ["x4"]
+    freed = one(processor.receive_result(0.0, sent[0].route, http(sent[0].task.id)), SendTask)
+    assert freed.task.id == "x4" and freed.engine == sent[0].engine

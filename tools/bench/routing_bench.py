@@ -84,7 +84,7 @@ def main() -> None:
     router = processor._router
     started = time.perf_counter()
     for hints in picks:
-        router.choose("t", "m", hints, set())
+        router.choose("t", "m", hints, set(), lambda key: False)
     per_choice = (time.perf_counter() - started) / len(picks) * 1e6
     blocks = sum(len(h.blocks) for h in first) / len(first)
     result = {
