@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from protocol.routing import RoutingPolicy
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
@@ -75,6 +77,10 @@ class GatewayConfig:
     #: A sheddable request that would wait while every engine of its model is at
     #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
     shed_waiting_threshold: int = 0
+    #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
+    #: affinity with bounded loads, the same on every replica), ``least_in_progress``
+    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
+    routing_policy: str = "affinity"
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
@@ -290,6 +296,9 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
     if config.shed_waiting_threshold < 0:
         raise ConfigError(f"--shed-waiting-threshold: must be at least 0, got {config.shed_waiting_threshold}")
+    policies = [policy.value for policy in RoutingPolicy]
+    if config.routing_policy not in policies:
+        raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable

@@ -217,7 +217,7 @@ class Dispatcher:
         self.perform(self.processor.submit(
             now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
             header=submission.headers, deadline=deadline, criticality=submission.criticality,
-            flow=submission.flow, weight=submission.weight,
+            flow=submission.flow, weight=submission.weight, hints=submission.routing_hints,
         ))
         return origin
 

@@ -37,8 +37,7 @@ from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
-from protocol import openai_completions, openai_requests, openai_verbatim
-from protocol import openai_completions, openai_requests
+from protocol import openai_completions, openai_requests, openai_verbatim, routing_hints
 from protocol.fair_queue import CriticalityRefused, requested_criticality
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2
@@ -206,13 +205,14 @@ class ApiCall:
         self.trace.tenant = principal.tenant
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
+        body = request.content.read() if request.content else b""
         try:
             criticality = requested_criticality(principal.criticality, principal.admin,
                                                 _header(request, CRITICALITY_HEADER))
         except CriticalityRefused as e:
             return self._refuse(400, f"{CRITICALITY_HEADER}: {e}", code="invalid_criticality")
         try:
-            parsed = parse(request.content.read() if request.content else b"")
+            parsed = parse(body)
         except OpenAIError as e:
             return self._finish_error(e.status, e.to_json())
         self.model = parsed.model
@@ -234,17 +234,19 @@ class ApiCall:
                 503, f"No engine serves the model '{parsed.model}' right now; retry later.",
                 code="model_unavailable", param="model",
             )
+        submission_headers = _forwarded_headers(request, request_id)
         submission = Submission(
             tenant=principal.tenant,
             model=parsed.model,
             request=parsed.request,
             streaming=parsed.stream,
-            headers=_forwarded_headers(request, request_id),
+            headers=submission_headers,
             timeout=_client_timeout(request),
             request_id=request_id,
             criticality=criticality,
             flow=principal.key_id,
             weight=principal.weight,
+            routing_hints=routing_hints.hints_from_json(self.endpoint, body, submission_headers),
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)

@@ -36,6 +36,7 @@ from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
+from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
@@ -154,6 +155,7 @@ class GatewayService(service.MultiService):
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             shed_waiting_threshold=config.shed_waiting_threshold,
+            routing=RoutingConfig(policy=RoutingPolicy(config.routing_policy)),
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)

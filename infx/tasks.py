@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from protocol.fair_queue import Criticality
 from protocol.pb import worker_pb2
+from protocol.routing_hints import RoutingHints
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class Submission:
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
     weight: float = 1.0
+    #: Prefix blocks, session and adapter for the routing policy (None: route by load).
+    routing_hints: RoutingHints | None = None
 
 
 @dataclass

@@ -42,9 +42,14 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
 
 Routing: engines of the task's tenant only, and only those that can take the
 task's request (:func:`protocol.task_forms.eligible`; each gets the form it
-understands, :func:`protocol.task_forms.for_engine`); among ready engines with the
-model ready: engines that already failed this task last, local before remote,
-then fewest in-flight tasks, then engine id (so the choice is deterministic).
+understands, :func:`protocol.task_forms.for_engine`), ready with the model
+ready; engines that already failed this task last. Then the policy of
+``config.routing`` (:mod:`protocol.routing`): ``affinity`` (infx's, for a task
+submitted with ``RoutingHints``: bounded-load consistent hashing refined by
+prefix, session and adapter affinity), ``round_robin``, or
+``least_in_progress`` (LLMariner's, and the rule for tasks without hints):
+local before remote, then fewest in-flight tasks, then engine id (so the
+choice is deterministic).
 
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
@@ -116,6 +121,8 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
+from protocol.routing import Router, RoutingPolicy
+from protocol.routing_hints import RoutingHints
 
 __all__ = [
     "CancelTaskOnEngine",
@@ -220,6 +227,7 @@ class _Task:
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
     weight: float = 1.0
+    hints: RoutingHints | None = None
 
 
 @dataclass(slots=True)
@@ -299,6 +307,7 @@ class Processor:
         self.draining = False
         # (busy_until, seq, engine): when an engine's busy back-off ends.
         self._backoffs: list[tuple[float, int, EngineKey]] = []
+        self._router = Router(self.config.routing)
 
     # --- requests ---------------------------------------------------------
 
@@ -316,6 +325,7 @@ class Processor:
         criticality: Criticality = Criticality.STANDARD,
         flow: str = "",
         weight: float = 1.0,
+        hints: RoutingHints | None = None,
     ) -> list[Effect]:
         """Accept a task; it ends exactly once (result, failure, or ``cancel``).
 
@@ -326,6 +336,8 @@ class Processor:
         there or not ready, so that a forwarding peer can retry elsewhere.
         ``criticality``, ``flow`` and ``weight`` place it in its model's queue
         should it wait (see the module docstring).
+        ``hints`` (:func:`protocol.routing_hints.hints_from_json`) let the
+        affinity policy route by prefix, session and adapter.
         """
         if task_id in self._tasks or task_id in self._control:
             raise ProcessorUsageError(f"task {task_id!r} is already in progress")
@@ -351,6 +363,7 @@ class Processor:
             criticality=criticality,
             flow=flow,
             weight=weight,
+            hints=hints,
         )
         tenant_cap = self.config.max_tasks_per_tenant
         over_tenant_cap = tenant_cap is not None and self._tenant_tasks[tenant_id] >= tenant_cap
@@ -446,6 +459,7 @@ class Processor:
             engine.locality = locality
             engine.status = snapshot
         engine.ready_models = frozenset(m.id for m in snapshot.models if m.is_ready)
+        self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot)
         if changed and (was_local or locality is Locality.LOCAL):
             effects.append(LocalEnginesChanged())
         if locality is Locality.LOCAL and self.config.heartbeat_interval is not None and self._next_heartbeat is None:
@@ -485,6 +499,7 @@ class Processor:
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
+                self._router.engine_updated(engine.key, frozenset(), engine.status)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
@@ -780,7 +795,19 @@ class Processor:
         """Whether routing must skip a routable engine for now (full, or its runtime busy)."""
         return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
 
+    def _held_back(self, task: _Task, engine: _Engine) -> bool:
+        """What the routing policy must not choose for ``task``: an engine that is full, busy
+        or blocked, or that cannot take the task's request in any form."""
+        return self._blocked(engine, False) or not task_forms.eligible(task.request, engine.status)
+
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
+        policy = self.config.routing.policy
+        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
+                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
+            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
+                                      lambda key: self._held_back(task, self._engines[key]))
+            if key is not None or not self.config.dynamic_model_loading:
+                return None if key is None else self._engines[key]
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
         engines = self._by_tenant.get(task.tenant_id)
@@ -819,6 +846,7 @@ class Processor:
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
+        self._router.task_sent(engine.key, task.model, task.hints)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
@@ -858,7 +886,19 @@ class Processor:
                 if target is None and task.request.typed_request_incomplete:
                     if self._no_engine_takes_it(task):
                         self._fail(task, 400, self._typed_form_missing(task), effects)
-                    continue  # a later task of the queue may take another form
+                    else:
+                        # The head waits for an engine that takes its verbatim form; a task
+                        # behind it (in arrival order) may take this one's typed form now.
+                        task = next((t for t in map(self._tasks.__getitem__, queue)
+                                     if not t.request.typed_request_incomplete and self._pick(t) is not None),
+                                    task)
+                        target = None if task.id == task_id else self._pick(task)
+                        if target is None:
+                            break
+                        self._unwait(task, served=True)
+                        self._dispatch(now, task, target, effects)
+                    queue = self._waiting.get(key)
+                    continue
                 if target is None:
                     break
                 self._unwait(task, served=True)
@@ -1002,7 +1042,9 @@ class Processor:
         if task.engine is not None:
             engine = self._engines.get(task.engine)
             if engine is not None:
-                engine.in_flight.discard(task.id)
+                if task.id in engine.in_flight:
+                    engine.in_flight.remove(task.id)
+                    self._router.task_left(engine.key)
                 if self.config.max_in_flight_per_engine is not None:
                     self._freed[engine.key] = None
         if task.wire_id:
@@ -1027,6 +1069,7 @@ class Processor:
         lost: list[tuple[_Engine, _Task]] = []
         for engine in engines:
             del self._engines[engine.key]
+            self._router.engine_removed(engine.key)
             tenant = self._by_tenant[engine.key.tenant_id]
             del tenant[engine.key.engine_id]
             if not tenant:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Union
 
 from protocol.pb import worker_pb2
+from protocol.routing import RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The
@@ -118,6 +119,7 @@ class ProcessorConfig:
         once with 429 and ``busy_retry_after`` when its model's queue already
         holds this many tasks (0: sheddable tasks never wait behind full
         engines). They are also the first refused when the whole queue is full.
+    routing: the routing policy and its weights (:mod:`protocol.routing`).
     """
 
     queue_timeout: float = 30.0
@@ -136,6 +138,7 @@ class ProcessorConfig:
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
     shed_waiting_threshold: int = 0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     def __post_init__(self) -> None:
         problems = []

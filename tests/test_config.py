@@ -143,3 +143,18 @@ def test_any_listen_value_is_accepted_as_an_endpoint_or_refused_with_a_config_er
         assert str(e).startswith("--http") and "\n" not in str(e)
         return
     serverFromString(None, endpoint)  # what the service will do, later, with the reactor
+def test_routing_policy_is_one_of_the_three():
+    from infx.config import ConfigError, GatewayConfig, validate
+
+    assert validate(GatewayConfig()).routing_policy == "affinity"
+    assert validate(GatewayConfig(routing_policy="round_robin")).routing_policy == "round_robin"
+    with pytest.raises(ConfigError, match="--routing-policy: expected one of affinity, least_in_progress, round_robin"):
+        validate(GatewayConfig(routing_policy="random"))
+
+
+def test_routing_policy_flag_reaches_the_config():
+    from infx.tap import Options
+
+    options = Options()
+    options.parseOptions(["--routing-policy", "least_in_progress"])
+    assert options.config_value.routing_policy == "least_in_progress"
