@@ -17,6 +17,9 @@ Inputs
     ``close_route``            a stream ended: its engines go, its tasks fail over
     ``receive_result``         a ``TaskResult`` arrived on a route
     ``dispatch_failed``        a ``SendTask`` could not be sent
+    ``dispatch_refused``       a route at its queue cap did not take a ``SendTask``
+    ``route_blocked``          a route's stream stopped draining (backpressure)
+    ``route_writable``         a blocked route drains again
     ``go_away``                shutdown: ask local engines to reconnect elsewhere
     ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
     ``handle_timeout``         time passed: deadlines, queue timeouts, retries, heartbeats
@@ -27,6 +30,7 @@ Outputs (effects, performed by the caller in the order given)
     ``DeliverResult``          hand the next result to its origin; ``last`` ends the request
     ``FailRequest``            end the request with an HTTP status and a reason
     ``CloseEngine``            close a local engine's stream (missed heartbeats)
+    ``CloseRoute``             close a route that stayed blocked past ``route_stuck_timeout``
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
     ``LocalEnginesChanged``    re-report local engines to peers (receivers)
     ``EnginesRemoved``         engines left: senders may register what their peers reported
@@ -42,6 +46,11 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
 Routing: engines of the task's tenant only; among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
+
+Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
+(not draining) counts as full, so its tasks go elsewhere or wait; a task the
+route refused at its queue cap is routed again at once, with no retry counted;
+a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
@@ -70,6 +79,7 @@ from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     CancelTaskOnEngine,
     CloseEngine,
+    CloseRoute,
     DeliverResult,
     Effect,
     EngineKey,
@@ -86,10 +96,12 @@ from protocol.processor_types import (
     is_streaming,
     model_of,
 )
+from protocol.route_flow import RouteFlow
 
 __all__ = [
     "CancelTaskOnEngine",
     "CloseEngine",
+    "CloseRoute",
     "DeliverResult",
     "Effect",
     "EngineKey",
@@ -242,6 +254,8 @@ class Processor:
         # Engines a task left since the current input began: with an in-flight cap,
         # their freed slots go to waiting tasks before the input returns (``_refill``).
         self._freed: dict[EngineKey, None] = {}
+        # Routes whose streams are not draining (backpressure), and since when.
+        self._flow = RouteFlow(self.config.route_stuck_timeout)
 
     # --- requests ---------------------------------------------------------
 
@@ -303,6 +317,9 @@ class Processor:
                 self._fail(task, 503, f"engine {task.target!r} is not connected", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
+            elif engine.route in self._flow:
+                message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+                self._fail(task, 503, message, effects, self.config.busy_retry_after)
             elif self._full(engine):
                 message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
                 self._fail(task, 503, message, effects, self.config.busy_retry_after)
@@ -401,12 +418,60 @@ class Processor:
         Closing a route that never registered an engine is harmless.
         """
         effects: list[Effect] = []
+        self._close_route(now, route, reason, effects)
+        self._refill(now, effects)
+        return effects
+
+    def _close_route(self, now: float, route: Route, reason: str, effects: list[Effect]) -> None:
+        self._flow.unblock(route)
         self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects, closing=route)
         for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
             engine_id = task.engine.engine_id if task.engine else ""
             self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
         for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
             del self._control[control_id]
+
+    # --- backpressure -----------------------------------------------------
+
+    def route_blocked(self, now: float, route: Route) -> list[Effect]:
+        """``route``'s stream stopped draining: its engines get no new tasks until
+        ``route_writable``, and it is closed if that does not come within
+        ``route_stuck_timeout``. Reporting it again keeps the first time."""
+        self._flow.block(route, now)
+        return []
+
+    def route_writable(self, now: float, route: Route) -> list[Effect]:
+        """``route`` drains again: its engines take waiting tasks now.
+
+        A route that was not blocked (or has closed) is left as it is.
+        """
+        effects: list[Effect] = []
+        if self._flow.unblock(route):
+            for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
+                self._dispatch_waiting(now, engine, effects)
+        return effects
+
+    def dispatch_refused(self, now: float, task_id: str, route: Route) -> list[Effect]:
+        """``route`` did not take the ``SendTask`` whose task carried ``task_id``: its
+        queue is at its cap. The route counts as blocked (``route_blocked``), and the
+        task is routed again at once, to another engine or the queue; this is not a
+        failure of the engine, so no retry is counted and the engine is not avoided.
+
+        A stale report (the task ended or moved on) only blocks the route.
+        """
+        self._flow.block(route, now)
+        effects: list[Effect] = []
+        control = self._control.get(task_id)
+        if control is not None:
+            if control.route == route:
+                del self._control[task_id]
+            return effects
+        task = self._attempts.get(task_id)
+        if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
+            return effects
+        self._unassign(task)
+        self._move(task, TaskState.RETRY_PENDING)
+        self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
@@ -489,7 +554,8 @@ class Processor:
         """When ``handle_timeout`` must next be called, or None if nothing is timed."""
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
-        candidates = [t for t in (self._timers[0][0] if self._timers else None, self._next_heartbeat) if t is not None]
+        first_task = self._timers[0][0] if self._timers else None
+        candidates = [t for t in (first_task, self._next_heartbeat, self._flow.next_deadline()) if t is not None]
         return min(candidates) if candidates else None
 
     def handle_timeout(self, now: float) -> list[Effect]:
@@ -501,6 +567,10 @@ class Processor:
                 self._task_timer(now, self._tasks[entry[2]], effects)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             self._heartbeat_round(now, effects)
+        for route in self._flow.take_stuck(now):
+            reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
+            effects.append(CloseRoute(route, reason))
+            self._close_route(now, route, reason, effects)
         self._refill(now, effects)
         return effects
 
@@ -616,12 +686,15 @@ class Processor:
             effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
 
     def _full(self, engine: _Engine) -> bool:
+        """At its in-flight cap, or on a route that is not draining."""
         cap = self.config.max_in_flight_per_engine
-        return cap is not None and len(engine.in_flight) >= cap
+        return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
 
     def _served_but_full(self, task: _Task) -> bool:
-        """Whether the task waits only for a slot: an engine would take it but for its in-flight cap."""
-        return self.config.max_in_flight_per_engine is not None and self._pick(task, ignore_cap=True) is not None
+        """Whether the task waits only for a slot: an engine would take it but for its
+        in-flight cap or its blocked route."""
+        could_be_full = self.config.max_in_flight_per_engine is not None or len(self._flow) > 0
+        return could_be_full and self._pick(task, ignore_cap=True) is not None
 
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
         best: _Engine | None = None
@@ -753,7 +826,8 @@ class Processor:
         elif task.state is TaskState.WAITING:
             if self._served_but_full(task):
                 cap = self.config.max_in_flight_per_engine
-                message = f"every engine serving model {task.model!r} is at its limit of {cap} tasks"
+                limit = f"is at its limit of {cap} tasks" if cap is not None else "is not draining its stream"
+                message = f"every engine serving model {task.model!r} {limit}"
             else:
                 message = f"no ready engine serves model {task.model!r}"
             message += f" (waited {self.config.queue_timeout:g}s)"

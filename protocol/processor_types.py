@@ -106,6 +106,11 @@ class ProcessorConfig:
         for the cap gets 503 instead of 429, so that the forwarding peer retries
         it elsewhere rather than handing the client a limit of this gateway's.
         None: no cap.
+    route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
+        stay blocked (its adapter reported it not draining, and no drain since)
+        before the processor closes it with ``CloseRoute``; its tasks fail over
+        like any lost engine's. A blocked route gets no new tasks meanwhile.
+        None: blocked routes are never closed for it.
     """
 
     queue_timeout: float = 30.0
@@ -121,6 +126,7 @@ class ProcessorConfig:
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
     max_tasks_per_tenant: int | None = None
+    route_stuck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -146,6 +152,8 @@ class ProcessorConfig:
             problems.append("max_in_flight_per_engine must be >= 1 or None")
         if self.max_tasks_per_tenant is not None and self.max_tasks_per_tenant < 1:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
+        if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
+            problems.append("route_stuck_timeout must be > 0 or None")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
@@ -162,7 +170,8 @@ class SendTask:
 
     ``task.id`` names this attempt on the wire: the task id for a first
     dispatch, ``"{id}#{n}"`` for a retry (results are mapped back to the task).
-    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``.
+    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``;
+    if the route refused it at its queue cap, with ``Processor.dispatch_refused``.
     """
 
     route: Route
@@ -240,6 +249,18 @@ class CloseEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseRoute:
+    """Close ``route`` (an engine's or a peer's stream): it stopped draining and stayed
+    blocked for ``route_stuck_timeout``. Whatever is still queued on it is dropped.
+
+    The processor has already removed its engines and failed over their tasks.
+    """
+
+    route: Route
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TaskQueued:
     """A task started waiting because no ready engine of its tenant serves its model.
 
@@ -281,6 +302,7 @@ Effect = Union[
     DeliverResult,
     FailRequest,
     CloseEngine,
+    CloseRoute,
     TaskQueued,
     LocalEnginesChanged,
     EnginesRemoved,

@@ -35,6 +35,7 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import StringTransport
 
+from infx.dispatcher import SendOutcome
 from infx.auth import KeyStore
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.engine_agent import AgentConfig, EngineAgentCore, SendResult, StartTask
@@ -391,10 +392,10 @@ class _AgentRoute:
         self.refused = 0
         self.most_held = 0
 
-    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         self._perform(self.core.task_received(self.stack.clock.seconds(), 1, task_))
         self.most_held = max(self.most_held, self.core.in_progress)
-        return True
+        return SendOutcome.SENT
 
     def close(self, reason: str) -> None:
         raise AssertionError(f"the gateway closed the agent's stream: {reason}")
