@@ -92,7 +92,7 @@ class GatewayService(service.MultiService):
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys)
+        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
         self.http = _ListeningService(reactor, config.http, site, on_listening=self._http_listening)
