@@ -337,9 +337,19 @@ def partial_message_hoard(target: Target, which: str, seconds: float, streams: i
     """Streams that each send part of a huge declared message, obeying flow control."""
     outcome = Outcome(f"partial-message hoard ({streams} x {per_stream // MiB} MiB of {declared // MiB} MiB)")
     peer = H2Peer(target, target.grpc_port(which), outcome)
-    ids = [peer.open(request_headers(target, which)) for _ in range(streams)]
-    for stream_id in ids:
+    ids: list[int] = []
+    while len(ids) < streams and not peer.gone:
+        if peer.conn.open_outbound_streams >= peer.conn.remote_settings.max_concurrent_streams:
+            # An unauthenticated connection may get a tight stream limit until its first call is let in.
+            peer.pump(0.3)
+            if peer.conn.open_outbound_streams >= peer.conn.remote_settings.max_concurrent_streams:
+                outcome.notes.append(f"{len(ids)} streams allowed")
+                break
+        stream_id = peer.open(request_headers(target, which))
         peer.send_data(stream_id, grpc_message(b"", declared=declared))
+        ids.append(stream_id)
+        if len(ids) == 1:
+            peer.pump(0.3)
     chunk = b"\0" * 16384
     sent = dict.fromkeys(ids, 0)
     going = _for(seconds)
