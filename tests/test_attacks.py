@@ -187,7 +187,8 @@ def test_a_settings_flood_that_never_reads_the_acks_is_cut_off(under_attack, whi
 def test_a_16_mib_settings_frame_is_refused_by_its_header(under_attack, which: str):
     """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.big_settings_frame(t, which, s))
-    assert outcome.goaway in (FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM), outcome.summary()
+    # The GOAWAY may be lost to the reset of a connection closed with our bytes unread.
+    assert outcome.goaway in (FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM) or outcome.closed, outcome.summary()
     assert outcome.sent < 8 * attacks.MiB, outcome.summary()
 
 
