@@ -11,12 +11,13 @@ back (generously bounded). No latency is asserted: timing is measured by
 ``tools/bench/attack_bench.py``.
 
 Several attacks are answered by the connection budgets of the gRPC machine
-(``protocol/grpc.py``, issue #13 part A): those tests are marked
-``NEEDS_BUDGETS`` in their docstring.
+(``protocol/h2_budgets.py``, issue #13 part A): those tests are marked
+``needs_budgets`` and skipped in a tree without them.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,8 @@ SECONDS = 1.5
 RSS_SLACK = 160 * 1024 * 1024
 FRAME_SIZE_ERROR, PROTOCOL_ERROR, REFUSED_STREAM = 0x6, 0x1, 0x7
 GRPC_PORTS = ["worker", "internal"]
+needs_budgets = pytest.mark.skipif(importlib.util.find_spec("protocol.h2_budgets") is None,
+                                   reason="needs the gRPC connection budgets (issue #13 part A)")
 
 
 @pytest.fixture(scope="module")
@@ -161,32 +164,31 @@ def test_h2_slowloris_does_not_disturb_the_legitimate_client(under_attack, which
 
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_connection_churn_leaves_no_memory_behind(under_attack, which: str):
-    """NEEDS_BUDGETS for the memory bound (closed connections freed without a full GC)."""
     outcome = under_attack(lambda t, s: attacks.connection_churn(t, which, s))
     assert outcome.connections > 50, outcome.summary()
 
 
-# --- answered by the connection budgets (issue #13 part A, branch h2budgets) -------------
+# --- answered by the connection budgets (issue #13 part A) --------------------------------
 
 
+@needs_budgets
 @pytest.mark.parametrize("authenticated", [True, False], ids=["with-credentials", "without-credentials"])
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_rapid_reset_ends_with_goaway_enhance_your_calm(under_attack, which: str, authenticated: bool):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.rapid_reset(t, which, s, authenticated=authenticated))
     assert outcome.goaway == ENHANCE_YOUR_CALM, outcome.summary()
 
 
+@needs_budgets
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_a_settings_flood_that_never_reads_the_acks_is_cut_off(under_attack, which: str):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.settings_flood(t, which, s))
     assert outcome.goaway == ENHANCE_YOUR_CALM or outcome.closed == outcome.connections, outcome.summary()
 
 
+@needs_budgets
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_a_16_mib_settings_frame_is_refused_by_its_header(under_attack, which: str):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.big_settings_frame(t, which, s))
     # The GOAWAY may be lost to the reset of a connection closed with our bytes unread.
     assert outcome.goaway in (FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM) or outcome.closed, outcome.summary()
@@ -195,21 +197,20 @@ def test_a_16_mib_settings_frame_is_refused_by_its_header(under_attack, which: s
 
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_a_continuation_flood_is_cut_off(under_attack, which: str):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.continuation_flood(t, which, s))
     assert outcome.goaway is not None and outcome.closed == 1, outcome.summary()
     assert outcome.sent < 8 * attacks.MiB, outcome.summary()
 
 
+@needs_budgets
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_half_of_a_16_mib_headers_frame_is_refused_by_its_header(under_attack, which: str):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.half_headers(t, which, s))
     assert outcome.goaway in (FRAME_SIZE_ERROR, ENHANCE_YOUR_CALM), outcome.summary()
 
 
+@needs_budgets
 @pytest.mark.parametrize("which", GRPC_PORTS)
 def test_a_partial_message_hoard_ends_its_calls_resource_exhausted(under_attack, which: str):
-    """NEEDS_BUDGETS."""
     outcome = under_attack(lambda t, s: attacks.partial_message_hoard(t, which, s))
     assert outcome.grpc_statuses.get("8", 0) >= 1 or outcome.goaway == ENHANCE_YOUR_CALM, outcome.summary()
