@@ -167,10 +167,7 @@ class Dispatcher:
             elif outcome is SendOutcome.REFUSED:
                 self._perform_later(self.processor.dispatch_refused(now, effect.task.id, route))
             elif outcome is SendOutcome.BLOCKED:
-                # Told now, so that the very next input already routes around it.
-                blocked = self.processor.route_blocked(now, route)
-                if blocked:
-                    self._perform_later(blocked)
+                self._blocked(route)
         elif isinstance(effect, DeliverResult):
             origin: TaskOrigin = effect.origin  # type: ignore[assignment]
             origin.result_delivered(effect)
@@ -178,8 +175,11 @@ class Dispatcher:
             origin = effect.origin  # type: ignore[assignment]
             origin.request_failed(effect)
         elif isinstance(effect, CancelTaskOnEngine):
+            # Best effort: a cancel the route refuses is dropped, but a stream it shows
+            # to be blocked is blocked for tasks too.
             route = effect.route  # type: ignore[assignment]
-            route.send_task(effect.task, effect.engine.tenant_id)
+            if route.send_task(effect.task, effect.engine.tenant_id) is SendOutcome.BLOCKED:
+                self._blocked(route)
         elif isinstance(effect, CloseEngine):
             route = effect.route  # type: ignore[assignment]
             log.warn("closing engine {engine}: {reason}", engine=effect.engine.engine_id, reason=effect.reason)
@@ -197,6 +197,12 @@ class Dispatcher:
         elif isinstance(effect, EnginesRemoved):
             for removed in self.on_engines_removed:
                 removed(effect)
+
+    def _blocked(self, route: EngineRoute) -> None:
+        # Told now, not later, so that the very next input already routes around it.
+        effects = self.processor.route_blocked(self.clock.seconds(), route)
+        if effects:
+            self._perform_later(effects)
 
     def _perform_later(self, effects: list[Effect]) -> None:
         # Effects produced while performing others run after them, in order.
