@@ -567,7 +567,7 @@ class Processor:
                 self._task_timer(now, self._tasks[entry[2]], effects)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             self._heartbeat_round(now, effects)
-        for route in self._flow.take_stuck(now):
+        for route in self._flow.stuck(now):
             reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
             effects.append(CloseRoute(route, reason))
             self._close_route(now, route, reason, effects)

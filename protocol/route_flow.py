@@ -44,13 +44,11 @@ class RouteFlow:
             return None
         return min(self._since.values()) + self.stuck_after
 
-    def take_stuck(self, now: float) -> list[Route]:
+    def stuck(self, now: float) -> list[Route]:
         """The routes blocked for ``stuck_after`` seconds by ``now``, in the order they
-        became blocked; they are forgotten here (the processor closes them)."""
+        became blocked. They stay blocked until ``unblock``: while the processor
+        closes one, tasks failing over must not land on the next one it will close."""
         if self.stuck_after is None:
             return []
         limit = now - self.stuck_after
-        stuck = [route for route, since in sorted(self._since.items(), key=lambda item: item[1]) if since <= limit]
-        for route in stuck:
-            del self._since[route]
-        return stuck
+        return [route for route, since in sorted(self._since.items(), key=lambda item: item[1]) if since <= limit]

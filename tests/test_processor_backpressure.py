@@ -163,6 +163,19 @@ def test_a_repeated_block_report_keeps_the_first_time():
     assert only(p.handle_timeout(T0 + 10), CloseRoute)
 
 
+def test_routes_stuck_together_are_all_closed_and_no_task_fails_over_onto_one_of_them():
+    p = make(route_stuck_timeout=3.0)
+    join(p, "e1", "m")
+    join(p, "e2", "m")
+    submit(p, "a")
+    p.route_blocked(T0, "route-e1")
+    p.route_blocked(T0, "route-e2")
+    effects = p.handle_timeout(T0 + 3)
+    assert [e.route for e in only(effects, CloseRoute)] == ["route-e1", "route-e2"]
+    assert sent(effects) == []
+    assert p.task_state("a") is TaskState.WAITING
+
+
 def test_a_stuck_peer_route_takes_all_its_remote_engines_with_it():
     p = make(route_stuck_timeout=5.0)
     join(p, "r1", "m", route="peer", locality=REMOTE)
@@ -194,9 +207,10 @@ def test_route_flow_takes_stuck_routes_in_the_order_they_blocked():
     flow.block("a", 0.5)
     flow.block("c", 5.0)
     assert flow.next_deadline() == 2.5
-    assert flow.take_stuck(3.0) == ["a", "b"]
-    assert "c" in flow and len(flow) == 1
-    assert RouteFlow(stuck_after=None).take_stuck(1e9) == []
+    assert flow.stuck(3.0) == ["a", "b"]
+    assert flow.unblock("a") and not flow.unblock("a")
+    assert "c" in flow and len(flow) == 2
+    assert RouteFlow(stuck_after=None).stuck(1e9) == []
 
 
 _ops = st.lists(
