@@ -45,6 +45,9 @@ class GatewayConfig:
     internal_secret: str | None = None
     #: Models served by an in-process echo engine (what ``tools/run`` starts).
     echo_models: tuple[str, ...] = ()
+    #: Tenant the built-in echo engine serves. Without ``api_keys`` every caller is in the
+    #: default tenant, so another tenant needs a key file (callers reach it with a key of that tenant).
+    echo_tenant: str = "default"
     #: Seconds between the built-in echo engine's streamed words (0: as fast as it can).
     echo_token_delay: float = 0.01
     #: Seconds a task may wait for an engine that serves its model.
@@ -53,8 +56,11 @@ class GatewayConfig:
     max_task_duration: float = 600.0
     #: Largest accepted HTTP request body, in bytes.
     max_body_size: int = 32 * 1024 * 1024
-    #: Largest gRPC message on the worker and internal services, in bytes.
-    max_message_size: int = 100 * 1024 * 1024
+    #: Largest gRPC message on the worker and internal services, in bytes: the
+    #: largest task is a request body of ``max_body_size`` plus its headers and
+    #: framing (1 MiB).  It is also what a connection may hold of incomplete
+    #: messages, so it bounds a hoarding peer's cost (README "Connection budgets").
+    max_message_size: int = 33 * 1024 * 1024
     #: Seconds in-flight requests get to finish on shutdown.
     grace_period: float = 30.0
     #: Seconds between heartbeats to local engines (none when unset); an engine
@@ -94,11 +100,14 @@ class GatewayConfig:
 
 
 _PORT_ONLY = re.compile(r"^\d+$")
+_SIGNED = re.compile(r"^-?\d+$")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d+)$")
 
 
 def listen_endpoint(value: str, option: str) -> str:
-    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted endpoint string."""
+    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted server endpoint
+    string that can listen. Checked here, before anything starts, so that a typo is a usage
+    error rather than a port that never opens."""
     value = str(value).strip()
     if _PORT_ONLY.match(value):
         port = int(value)
@@ -107,16 +116,53 @@ def listen_endpoint(value: str, option: str) -> str:
         return f"tcp:{port}"
     if ":" not in value:
         raise ConfigError(f"{option}: expected a port number or an endpoint such as tcp:8080, got {value!r}")
+    _check_server_endpoint(value, option)
     return value
+
+
+#: Endpoint types whose description carries a TCP port (``tcp:PORT``, ``port=PORT``).
+_TCP_TYPES = frozenset({"tcp", "tcp6", "ssl"})
+
+
+def _check_server_endpoint(value: str, option: str) -> None:
+    """Refuse what Twisted's parser refuses, and ports outside 0-65535 (which it only refuses
+    at listen time). Building an endpoint does not touch the reactor, so none is given."""
+    from OpenSSL import SSL, crypto
+    from twisted.internet.endpoints import serverFromString
+
+    host_port = _HOST_PORT.match(value)
+    try:
+        serverFromString(None, value)
+    except ValueError as e:
+        if host_port and str(e).startswith("Unknown endpoint type"):
+            host, port = host_port.group(1), host_port.group(2)
+            kind = "tcp6" if host.startswith("[") else "tcp"
+            interface = host.strip("[]").replace(":", "\\:")
+            raise ConfigError(f"{option}: {value!r} is HOST:PORT, which is not a listen endpoint; "
+                              f"did you mean {kind}:{port}:interface={interface}?") from None
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e}); "
+                          "expected a port number or e.g. tcp:8080:interface=127.0.0.1") from None
+    except (TypeError, RuntimeError, IndexError, KeyError) as e:
+        # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash).
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e or type(e).__name__})") from None
+    except OSError as e:  # ssl: a certificate or key file that cannot be read
+        raise ConfigError(f"{option}: cannot read {e.filename}: {e.strerror}") from None
+    except (SSL.Error, crypto.Error):
+        raise ConfigError(f"{option}: the certificate and private key of {value!r} are not PEM that loads "
+                          "(privateKey= and certKey= name the files)") from None
+    if value.split(":", 1)[0] in _TCP_TYPES:
+        port = endpoint_port(value)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"{option}: port {port} is out of range")
 
 
 def endpoint_port(endpoint: str) -> int:
     """The port number inside ``tcp:8083:interface=...``-style strings."""
     parts = endpoint.split(":")
     for part in parts[1:]:
-        if _PORT_ONLY.match(part):
+        if _SIGNED.match(part):
             return int(part)
-        if part.startswith("port="):
+        if part.startswith("port=") and _SIGNED.match(part[5:]):
             return int(part[5:])
     raise ConfigError(f"cannot tell the port of endpoint {endpoint!r}; set peer_port")
 
@@ -183,10 +229,18 @@ def load_yaml(path: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+        raise ConfigError(f"--config: {path} is not valid YAML: {yaml_problem(e)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of option names to values")
     return data
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's complaint on one line: where it is and what is wrong, without the quoted source."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return where + " ".join(str(problem).split())
 
 
 def build_config(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> GatewayConfig:
@@ -206,6 +260,9 @@ def build_config(file_values: Mapping[str, Any], flags: Mapping[str, Any]) -> Ga
 
 
 def validate(config: GatewayConfig) -> GatewayConfig:
+    if config.internal_grpc.startswith("ssl:") and any(
+            (config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)):
+        raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
     replaced: dict[str, Any] = {
         "http": listen_endpoint(config.http, "--http"),
         "worker_grpc": listen_endpoint(config.worker_grpc, "--worker-grpc"),
@@ -213,6 +270,11 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     }
     for peer in config.peers:
         host_port(peer, "--peers")
+    if config.echo_tenant != "default" and not config.api_keys:
+        raise ConfigError(f"--echo-tenant {config.echo_tenant!r} needs --api-keys: without a key file every caller "
+                          "is in the default tenant and could never reach it")
+    if not config.echo_tenant:
+        raise ConfigError("--echo-tenant: must be a non-empty tenant name")
     if config.peers and config.kube:
         raise ConfigError("--peers and --kube are exclusive: peers come from one source")
     if config.scaler and not config.kube:
@@ -230,8 +292,9 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
-    if config.kube:
-        config.effective_peer_port  # raises ConfigError when it cannot be derived
+    if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable
+        raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
+                          "give --peer-port when --internal-grpc listens on port 0")
     return config
 
 
@@ -254,4 +317,4 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "listen_endpoint", "host_port", "internal_tls"]
+__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port", "internal_tls"]

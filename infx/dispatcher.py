@@ -19,8 +19,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
-from infx.metrics import GatewayMetrics
-from infx.tasks import Availability, ResultSink, Submission, TaskHandle
+from infx.metrics import OTHER_MODEL, GatewayMetrics
+from infx.tasks import Availability, ResultSink, ServedBy, Submission, TaskHandle
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor import Processor
 from protocol.processor_types import (
@@ -142,6 +142,10 @@ class Dispatcher:
         self.can_start: Callable[[str, str], bool] = lambda tenant, model: False
         #: When each (tenant, model) was last listed by an engine: tells "gone" from "unknown".
         self._recent_models: dict[tuple[str, str], float] = {}
+        #: This gateway's name, for the request log of requests its own engines served.
+        self.pod_name = ""
+        #: HTTP requests in progress by task id, to time their wait for a first dispatch.
+        self._http: dict[str, HttpOrigin] = {}
 
     # --- inputs -----------------------------------------------------------
 
@@ -160,8 +164,12 @@ class Dispatcher:
             engine = self.processor.engine(effect.engine.tenant_id, effect.engine.engine_id)
             if engine is not None and engine.locality is Locality.REMOTE:
                 self.metrics.exchanged.labels("out").inc()
+            owner = self._http.get(self.processor.attempt_owner(effect.task.id) or "")
             outcome = route.send_task(effect.task, effect.engine.tenant_id)
             now = self.clock.seconds()
+            if owner is not None and outcome is not SendOutcome.REFUSED:
+                # A refused task goes back to the queue: its wait has not ended.
+                owner.dispatched(now)
             if outcome is SendOutcome.GONE:
                 self._perform_later(self.processor.dispatch_failed(now, effect.task.id, "engine stream closed", route=route))
             elif outcome is SendOutcome.REFUSED:
@@ -236,8 +244,9 @@ class Dispatcher:
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
         self.run(lambda now: self.processor.receive_result(now, route, result))
 
-    def go_away(self) -> None:
-        self.run(self.processor.go_away)
+    def drain(self) -> None:
+        """Shutdown: local engines go away; what no peer's engine can take fails at once with 503."""
+        self.run(self.processor.drain)
 
     # --- peers (called by the exchanger, infx/exchanger.py) -----------------
 
@@ -270,11 +279,12 @@ class Dispatcher:
 
     def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
         task_id = self._new_id()
-        origin = HttpOrigin(self, task_id, submission.model, sink)
+        now = self.clock.seconds()
+        origin = HttpOrigin(self, task_id, submission.tenant, submission.model, sink, now)
+        self._http[task_id] = origin
         self.requests_started[submission.model] = self.requests_started.get(submission.model, 0) + 1
         for started in self.on_request_started:
             started(submission.model)
-        now = self.clock.seconds()
         deadline = None if submission.timeout is None else now + submission.timeout
         self.perform(self.processor.submit(
             now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
@@ -299,6 +309,9 @@ class Dispatcher:
         for model in self.processor.known_models(tenant):
             self._recent_models[(tenant, model)] = now
 
+    def takes_http_request(self, tenant: str, model: str) -> bool:
+        return self.processor.takes_http_request(tenant, model)
+
     def models(self, tenant: str) -> list[str]:
         return sorted(self.processor.known_models(tenant, ready_only=True))
 
@@ -309,40 +322,85 @@ class Dispatcher:
         for tenant, _ in self.processor.engine_counts():
             self._remember_models(tenant)
 
+    def model_label(self, tenant: str, model: str) -> str:
+        """``model`` as a metric label: itself if the tenant's engines list it, else OTHER_MODEL."""
+        return model if model in self.processor.known_models(tenant) else OTHER_MODEL
+
     def gauges(self) -> Iterator[tuple[str, tuple[str, ...], int]]:
-        """Current (metric, labels, value) of the processor's gauges, read when /metrics is scraped."""
+        """Current (metric, labels, value) of the processor's gauges, read when /metrics is scraped.
+
+        Queued and in-flight are also given at zero for every model an engine lists, so that
+        a dashboard sees an idle model as 0 rather than as no data.
+        """
+        known = {tenant: self.processor.known_models(tenant) for tenant in self.processor.tenants()}
+        for tenant, models in known.items():
+            for model in models:
+                yield "queued", (tenant, model), 0
+                yield "in_flight", (tenant, model), 0
+            yield "models_ready", (tenant,), len(self.processor.known_models(tenant, ready_only=True))
         for (tenant, model), count in self.processor.waiting_counts().items():
-            yield "queued", (tenant, model), count
+            yield "queued", (tenant, model if model in known.get(tenant, ()) else OTHER_MODEL), count
         for (tenant, model), count in self.processor.in_flight_counts().items():
-            yield "in_flight", (tenant, model), count
+            yield "in_flight", (tenant, model if model in known.get(tenant, ()) else OTHER_MODEL), count
         for (tenant, locality), count in self.processor.engine_counts().items():
             yield "engines", (tenant, locality.value), count
+            yield "engines_ready", (tenant, locality.value), 0
+        for (tenant, locality), count in self.processor.routable_engine_counts().items():
+            yield "engines_ready", (tenant, locality.value), count
+
+    def gateway_of(self, route: object) -> str:
+        """The gateway an engine's route leads to: the peer's pod for a peer's stream, else this one."""
+        pod = getattr(route, "pod_name", None)
+        return self.pod_name if pod is None else str(pod)
 
 
 class HttpOrigin:
     """Turns the processor's effects for one HTTP request into ResultSink calls; its TaskHandle."""
 
-    def __init__(self, dispatcher: Dispatcher, task_id: str, model: str, sink: ResultSink) -> None:
+    def __init__(self, dispatcher: Dispatcher, task_id: str, tenant: str, model: str, sink: ResultSink,
+                 submitted_at: float) -> None:
         self.dispatcher = dispatcher
         self.task_id = task_id
+        self.tenant = tenant
         self.model = model
         self.sink = sink
+        self.submitted_at = submitted_at
+        self.served_by: ServedBy | None = ServedBy()
         self.ended = False
 
     def _end(self) -> None:
         if not self.ended:
             self.ended = True
+            self.dispatcher._http.pop(self.task_id, None)
             for finished in self.dispatcher.on_request_finished:
                 finished(self.model)
 
+    def dispatched(self, now: float) -> None:
+        """A SendTask for this request was performed: the first one ends its wait in the queue."""
+        served = self.served_by
+        if served is not None and served.queued_seconds is None:
+            served.queued_seconds = now - self.submitted_at
+            label = self.dispatcher.model_label(self.tenant, self.model)
+            self.dispatcher.metrics.queue_seconds.labels(self.tenant, label).observe(served.queued_seconds)
+
+    def _served(self, effect: DeliverResult | FailRequest) -> None:
+        served = self.served_by
+        if served is None:
+            return
+        served.retries = effect.retries
+        if effect.engine is not None:
+            served.engine_id = effect.engine.engine_id
+            served.gateway = self.dispatcher.gateway_of(effect.route)
+
     def result_delivered(self, effect: DeliverResult) -> None:
+        self._served(effect)
         result = effect.result
         if effect.last:
             self._end()
         kind = result.WhichOneof("message")
         if kind == "http_response":
             # Headers (and a non-streaming body) are written out at once.
-            self.sink.response_received(result.http_response)
+            self.sink.response_received(result.http_response, verbatim=result.verbatim_answer)
             self.consumed(1)
         elif kind == "server_sent_event" and result.server_sent_event.data:
             self.sink.event_received(bytes(result.server_sent_event.data))
@@ -353,6 +411,7 @@ class HttpOrigin:
             self.sink.completed()
 
     def request_failed(self, effect: FailRequest) -> None:
+        self._served(effect)
         self._end()
         self.sink.failed(effect.status, effect.message, effect.retry_after)
 

@@ -48,6 +48,7 @@ from protocol.engine_agent import (
 )
 from protocol.openai_errors import UpstreamError
 from protocol.pb import worker_pb2
+from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 
 __all__ = ["PROCESS_TASKS", "EngineAgent"]
 
@@ -130,6 +131,8 @@ class EngineAgent(Service):
         self._running_effects = False
         self._timer = DeadlineTimer(clock, self._on_timer)
         self._stopped: Deferred[None] | None = None
+        #: A gateway that refuses us (wrong key) or is not there fails every reconnect the same way.
+        self._stream_failures = RepeatSuppressor()
 
     # -- service ------------------------------------------------------------------
 
@@ -148,6 +151,10 @@ class EngineAgent(Service):
                  n=self.core.in_progress)
         self._run(self.core.shutdown(self.clock.seconds(), self.grace))
         return stopped
+
+    def runtime_changed(self, ready: bool, models: tuple[str, ...]) -> None:
+        """The runtime's health check changed its verdict (:mod:`infx.runtime_watch`)."""
+        self._run(self.core.runtime_changed(self.clock.seconds(), ready, models))
 
     # -- effects ------------------------------------------------------------------
 
@@ -209,12 +216,13 @@ class EngineAgent(Service):
             metadata=self._metadata,
         )
         self._streams[stream_id] = _Stream(call, channel)
-        log.info("engine {engine_id}: opening stream {stream_id}", engine_id=self.core.config.engine_id,
-                 stream_id=stream_id)
 
         def confirmed(_: Any) -> None:
             if call.final is None:
                 self.core.stream_confirmed(stream_id)
+                self._log_repeats(self._stream_failures.cleared(self.clock.seconds(), "stream"))
+                log.info("engine {engine_id}: stream {stream_id} accepted by the gateway",
+                         engine_id=self.core.config.engine_id, stream_id=stream_id)
 
         call.initial_metadata().addCallback(confirmed)
         self._read(stream_id, call)
@@ -241,13 +249,18 @@ class EngineAgent(Service):
     def _ended(self, stream_id: int, failure: Failure | None) -> None:
         stream = self._streams.pop(stream_id)
         reason = "ended by the gateway" if failure is None else failure.getErrorMessage()
-        log.info("engine {engine_id}: stream {stream_id} closed: {reason}", engine_id=self.core.config.engine_id,
-                 stream_id=stream_id, reason=reason)
+        self._log_repeats(self._stream_failures.occurred(self.clock.seconds(), "stream", f"stream closed: {reason}"))
         use = self._channels[stream.channel]
         use.streams -= 1
         if use.streams == 0 and stream.channel is not self._channel:
             self._close_channel(stream.channel)
         self._run(self.core.stream_closed(self.clock.seconds(), stream_id, self._jitter()))
+
+    def _log_repeats(self, reports: list[RepeatReport]) -> None:
+        for report in reports:
+            emit = log.info if report.kind is RepeatKind.STOPPED else log.warn
+            emit("engine {engine_id}: {text}", engine_id=self.core.config.engine_id, text=report.text(),
+                 repeat=report.kind.value, count=report.count)
 
     def _close_channel(self, channel: GrpcChannel) -> Deferred[None]:
         use = self._channels.pop(channel, None)

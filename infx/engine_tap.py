@@ -4,6 +4,12 @@ Every option is validated in ``Options.postOptions`` (a ``UsageError`` names
 the bad one); ``makeService`` only wires. ``--upstream`` is the runtime
 server's root URL (``http://127.0.0.1:8000``); a trailing ``/v1`` is
 accepted and dropped (see :mod:`infx.runtimes`).
+
+With ``--runtime openai`` the agent checks its runtime's health
+(:mod:`infx.runtime_watch`) and reports its models ready only while it
+answers; without ``--models`` it serves the models the runtime lists. The
+runtime's API key comes from ``--upstream-api-key-file`` (reread as it
+changes, see :mod:`infx.upstream_key`) or ``$INFX_UPSTREAM_API_KEY``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,6 +25,7 @@ from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred
 from twisted.python import usage
 
+from infx.cli import VersionOption, one_line_errors
 from protocol.echo import EchoConfig
 from protocol.engine_agent import AgentConfig, AgentUsageError
 
@@ -39,10 +47,10 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     """Options of ``twistd infx-engine``."""
 
-    synopsis = "--server HOST:PORT --models a,b [--runtime echo|openai --upstream URL] [options]"
+    synopsis = "--server HOST:PORT [--models a,b] [--runtime echo|openai --upstream URL] [options]"
 
     optFlags = [
         ["tls", None, "Connect to the gateway over TLS (ALPN h2)."],
@@ -52,7 +60,15 @@ class Options(usage.Options):
         ["runtime", None, "echo", "echo (built in, for trying and testing) or openai (forward to --upstream)."],
         ["upstream", None, None,
          "openai runtime: the server's root URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is dropped)."],
-        ["models", None, None, "Comma-separated model ids this engine serves (required)."],
+        ["models", None, None,
+         "Comma-separated model ids this engine serves (required with echo; with openai, "
+         "default: the models the runtime lists at GET /v1/models)."],
+        ["upstream-api-key-file", None, None,
+         "openai runtime: file holding the runtime's API key, sent as 'Authorization: Bearer KEY'; "
+         "reread when it changes (a mounted Secret). Default: the key in $INFX_UPSTREAM_API_KEY, if set."],
+        ["runtime-check-interval", None, "5",
+         "openai runtime: seconds between health checks of the runtime while it answers "
+         "(every second while it does not)."],
         ["engine-id", None, None, "Engine id reported to the gateway (default: hostname-pid)."],
         ["key", None, None,
          "Engine API key, sent as 'authorization: Bearer KEY' (default: $INFX_ENGINE_KEY, "
@@ -83,9 +99,10 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--upstream must be an http(s) URL without query, got {url!r}")
         elif self["upstream"]:
             raise usage.UsageError("--upstream only applies to --runtime openai")
+        self._upstream_key()
         models = tuple(m.strip() for m in (self["models"] or "").split(",") if m.strip())
-        if not models:
-            raise usage.UsageError("--models a,b is required")
+        if not models and self["runtime"] != "openai":
+            raise usage.UsageError("--models a,b is required with --runtime echo")
         if len(set(models)) != len(models):
             raise usage.UsageError("--models lists a model twice")
         self["models"] = models
@@ -97,6 +114,7 @@ class Options(usage.Options):
         self["status-interval"] = self._number("status-interval", float, minimum=0.0, strict=True)
         self["token-delay"] = self._number("token-delay", float, minimum=0.0)
         self["grace"] = self._number("grace", float, minimum=0.0)
+        self["runtime-check-interval"] = self._number("runtime-check-interval", float, minimum=0.0, strict=True)
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -112,11 +130,32 @@ class Options(usage.Options):
             self["agent-config"] = AgentConfig(
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
-                status_interval=self["status-interval"],
+                status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
         except (AgentUsageError, ValueError) as exc:
             raise usage.UsageError(str(exc)) from exc
+
+    def _upstream_key(self) -> None:
+        """Check the runtime's key source now, so that a bad file fails at start with its option named."""
+        from infx.upstream_key import UpstreamKeyError, read_key_file
+
+        path = self["upstream-api-key-file"]
+        env_key = os.environ.get("INFX_UPSTREAM_API_KEY", "").strip()
+        self["upstream-key"] = None
+        if (path or env_key) and self["runtime"] != "openai":
+            raise usage.UsageError("an upstream API key only applies to --runtime openai")
+        if path and env_key:
+            raise usage.UsageError("give --upstream-api-key-file or $INFX_UPSTREAM_API_KEY, not both")
+        if path:
+            try:
+                read_key_file(path)
+            except UpstreamKeyError as exc:
+                raise usage.UsageError(f"--upstream-api-key-file: {exc}") from None
+        elif env_key:
+            if any(not 0x21 <= ord(c) <= 0x7E for c in env_key):
+                raise usage.UsageError("$INFX_UPSTREAM_API_KEY must be printable ASCII without spaces")
+            self["upstream-key"] = env_key
 
     def _number(self, name: str, kind: type[int] | type[float], *, minimum: float, strict: bool = False) -> Any:
         raw = self[name]
@@ -128,6 +167,10 @@ class Options(usage.Options):
             bound = ">" if strict else ">="
             raise usage.UsageError(f"--{name} must be {bound} {minimum:g}, got {raw!r}")
         return value
+
+
+#: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
+CommandLineOptions = one_line_errors(Options, "infx-engine")
 
 
 class _PoolCloser(Service):
@@ -148,18 +191,38 @@ def makeService(options: Options) -> IService:
     from twisted.web.client import Agent, HTTPConnectionPool
 
     from infx.engine import EngineAgent
+    from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
+    from infx.runtime_watch import RuntimeWatch, check_pool
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.transport import GrpcChannel, client_endpoint
+    from infx.upstream_key import UpstreamKey
     from protocol.engine_agent import EngineAgentCore
     from protocol.grpc import GrpcConfig
+    from protocol.runtime_health import HealthConfig, RuntimeHealth
 
     top = MultiService()
     runtime: Runtime
+    agent_config = options["agent-config"]
+    watch: RuntimeWatch | None = None
     if options["runtime"] == "openai":
+        agent_config = replace(agent_config, capabilities=OPENAI_CAPABILITIES)
         pool = HTTPConnectionPool(reactor, persistent=True)
         pool.maxPersistentPerHost = options["max-concurrency"]
         _PoolCloser(pool).setServiceParent(top)
-        runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool, connectTimeout=10), options["upstream"])
+        http = Agent(reactor, pool=pool, connectTimeout=10)
+        credentials = None
+        if options["upstream-api-key-file"]:
+            credentials = UpstreamKey(reactor, path=options["upstream-api-key-file"])
+        elif options["upstream-key"]:
+            credentials = UpstreamKey(reactor, key=options["upstream-key"])
+        runtime = OpenAIRuntime(reactor, http, options["upstream"], credentials=credentials)
+        health = HealthConfig(interval=options["runtime-check-interval"],
+                              down_interval=min(1.0, options["runtime-check-interval"]),
+                              list_models=not options["models"])
+        checks_pool = check_pool(reactor)
+        _PoolCloser(checks_pool).setServiceParent(top)
+        checks = Agent(reactor, pool=checks_pool, connectTimeout=5)
+        watch = RuntimeWatch(reactor, RuntimeHealth(health), checks, runtime, lambda ready, models: None)
     else:
         runtime = EchoRuntime(reactor, options["echo-config"])
     host, port, tls = options["host"], options["port"], bool(options["tls"])
@@ -171,7 +234,10 @@ def makeService(options: Options) -> IService:
         return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
                            scheme="https" if tls else "http")
 
-    agent = EngineAgent(reactor, EngineAgentCore(options["agent-config"]), runtime, connect,
+    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime, connect,
                         key=options["key"] or "", grace=options["grace"])
     agent.setServiceParent(top)
+    if watch is not None:
+        watch.changed = agent.runtime_changed
+        watch.setServiceParent(top)
     return top

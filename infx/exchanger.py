@@ -61,6 +61,7 @@ from protocol.pb import internal_pb2, worker_pb2
 from protocol.peers import Backoff, PeerAddress, PeerChange
 from protocol.processor_types import DeliverResult, EnginesRemoved, FailRequest, RemoteProtocolError
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverState
+from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 from protocol.sender import Sender
 
 __all__ = [
@@ -261,6 +262,8 @@ class PeerReceiver:
         self._done: Deferred[None] | None = None
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {config.secret}"),) if config.secret else ())
+        #: A peer that refuses us or is not there fails every redial alike: logged once, then counted.
+        self._failures = RepeatSuppressor()
 
     def start(self) -> None:
         log.info("dialling peer {name} at {address}", name=self.name, address=str(self.address))
@@ -321,7 +324,6 @@ class PeerReceiver:
             if self._stopping:
                 break
             delay = self.config.backoff.delay(max(1, self.failures), self._rng)
-            log.info("peer {name}: stream ended, redialling in {delay:.2f}s", name=self.name, delay=delay)
             self.state = ReceiverLoopState.BACKING_OFF
             self._sleep = Deferred()
             self._sleep_timer = self.clock.callLater(delay, self._wake)
@@ -353,7 +355,9 @@ class PeerReceiver:
                 self.streams_opened += 1
                 if self.state is ReceiverLoopState.CONNECTING:
                     self.state = ReceiverLoopState.OPEN
-                log.info("peer {name}: stream open", name=self.name)
+                self._log(self._failures.cleared(self.clock.seconds(), "stream"))
+                log.info("peer {name}: connected at {address}", name=self.name, address=str(self.address),
+                         event="peer_connected")
 
         call.initial_metadata().addCallback(headers_received)
         try:
@@ -368,8 +372,14 @@ class PeerReceiver:
                 stream.flush()
         except GrpcError as e:
             if not self._stopping:
-                log.info("peer {name}: stream ended: {code} {message}", name=self.name,
-                         code=e.code.name, message=e.message)
+                if e.code is StatusCode.UNAUTHENTICATED:
+                    why = f"refused our internal secret ({e.message})"
+                elif accepted:
+                    why = f"lost: {e.code.name} {e.message}"
+                else:
+                    why = f"cannot be reached: {e.code.name} {e.message}"
+                self._log(self._failures.occurred(self.clock.seconds(), "stream", f"peer {self.name} {why}"),
+                          warn=e.code is StatusCode.UNAUTHENTICATED)
         except RemoteProtocolError as e:
             log.warn("peer {name} broke the protocol: {error}", name=self.name, error=str(e))
             call.cancel()
@@ -380,6 +390,11 @@ class PeerReceiver:
                 self.dispatcher.receiver_closed(receiver)
             await channel.close()
         return accepted
+
+    def _log(self, reports: list[RepeatReport], warn: bool = False) -> None:
+        for report in reports:
+            emit = log.warn if warn and report.kind is not RepeatKind.STOPPED else log.info
+            emit("{text}", text=report.text(), name=self.name, event="peer_failure", count=report.count)
 
     def __repr__(self) -> str:
         return f"<PeerReceiver {self.name} {self.address} {self.state.value}>"
@@ -422,6 +437,8 @@ class Exchanger:
         self.on_peer_gone: list[Callable[[PeerStream], None]] = []
         self._shutting_down = False
         self._recreating: dict[str, IDelayedCall] = {}
+        #: A peer with the wrong secret redials forever: its refusal is logged once per host, then counted.
+        self._refusals = RepeatSuppressor()
 
     # --- life cycle -------------------------------------------------------------
 
@@ -525,7 +542,13 @@ class Exchanger:
     async def process_tasks_internal(self, call: ServerCall) -> None:
         """Serve one peer's stream: its reports register its engines, its results reach our requests."""
         if self.config.secret is not None and not _bearer_matches(call, self.config.secret):
+            address = str(call.peer)
+            host = address.rsplit(":", 1)[0]
+            text = f"peer at {host} refused: missing or wrong internal secret"
+            for report in self._refusals.occurred(self.clock.seconds(), host, text):
+                log.warn("{text}", text=report.text(), address=address, event="peer_refused", count=report.count)
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
+        call.authenticated()
         if self._shutting_down:
             raise GrpcError(StatusCode.UNAVAILABLE, f"gateway {self.config.pod_name!r} is shutting down")
         stream = PeerStream(call, self.dispatcher.route_writable)
@@ -556,9 +579,15 @@ class Exchanger:
         A newer stream from the same pod replaces the older one (the peer
         reconnected; the old connection is stale).
         """
+        pod = message.server_status.pod_name
         if stream.sender is None:
             stream.sender = Sender(self.dispatcher.processor, route=stream)
-        pod = message.server_status.pod_name
+            log.info("peer {pod} dialled in from {address} with {engines} engines", pod=pod or "?",
+                     address=str(stream.call.peer), engines=len(message.server_status.engine_statuses),
+                     event="peer_dialled_in")
+        if message.server_status.draining and not stream.sender.peer_draining:
+            log.info("peer {pod} is draining: its engines take no new tasks from here", pod=pod or "?",
+                     event="peer_draining")
         older = self._by_pod.get(pod)
         if older is not None and older is not stream:
             self.remove_server(pod)
@@ -585,6 +614,8 @@ class Exchanger:
         if self._by_pod.get(stream.pod_name) is stream:
             del self._by_pod[stream.pod_name]
         if stream.sender is not None:
+            log.info("peer {pod} disconnected: its {engines} engines are gone here", pod=stream.pod_name or "?",
+                     engines=len(stream.sender.engines), event="peer_gone")
             self.dispatcher.peer_stream_closed(stream.sender)
             for gone in self.on_peer_gone:
                 gone(stream)

@@ -5,6 +5,15 @@ and ends in exactly one response: the engine's answer, relayed (SSE events
 verbatim, flushed one by one), or an OpenAI-style error with the status that
 names what went wrong. The resource tree is built by :func:`build_resource`
 so it can be mounted inside another Twisted application.
+
+The task carries the client's request verbatim (:mod:`protocol.openai_verbatim`)
+beside its typed form, at the endpoint's own API path (wherever the tree is
+mounted) with the client's query string. An answer marked ``verbatim`` (the
+runtime's own, from infx's engine agent) reaches the client unchanged:
+status, reason, headers but hop-by-hop ones, body, events, and no ``[DONE]``
+of the gateway's. Answers of LLMariner engines are relayed as before (error
+bodies in OpenAI's shape, chat answers to ``/v1/completions`` converted back,
+``[DONE]`` ending every chat or completions stream).
 """
 
 from __future__ import annotations
@@ -26,8 +35,9 @@ from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
+from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
-from protocol import openai_completions, openai_requests
+from protocol import openai_completions, openai_requests, openai_verbatim
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
@@ -42,7 +52,15 @@ NOT_FORWARDED = frozenset(
         "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length", "cookie",
     }
 )
+#: Headers of the runtime's answer that describe the agent's hop, not the answer.
+NOT_RELAYED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-connection", "te", "trailer",
+     "transfer-encoding", "upgrade", "content-length"}
+)
 DONE_EVENT = b"data: [DONE]\n\n"
+#: APIs whose streams end with DONE_EVENT (the Responses API's never do), so that one
+#: missing from a LLMariner engine's stream is added.
+DONE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 #: Seconds a client is told to wait when a model's engines have all gone away.
 GONE_RETRY_AFTER = 5
 
@@ -187,6 +205,7 @@ class Gateway:
 # --- the API handlers ---------------------------------------------------------
 
 Parser = Callable[[bytes], openai_requests.ParsedRequest]
+TypedParser = Callable[[Any], openai_requests.ParsedRequest]
 
 
 @implementer(IPushProducer)
@@ -205,13 +224,13 @@ class ApiCall:
         self.endpoint = endpoint
         self.model = ""
         self.started_at = gateway.clock.seconds()
+        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at)
         self.transform = transform
         self.handle: TaskHandle | None = None
         self.streaming = False
         self.sse_started = False
         self.done_sent = False
         self.finished = False
-        self.first_event = True
         self.paused = False
         self.pending: deque[bytes] = deque()
         self.pending_bytes = 0
@@ -219,6 +238,8 @@ class ApiCall:
         self._end_pending: int | None = None
         self.status = 200
         self.submitted = False
+        #: The answer is the runtime's own (see the module docstring): relay it unchanged.
+        self.verbatim = False
 
     # -- request side
 
@@ -226,6 +247,7 @@ class ApiCall:
         request = self.request
         request_id = _header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
+        self.trace.request_id = request_id
         # A GatewaySite refuses an oversized body before it gets here; another site
         # (the resource mounted in a plain twisted.web Site) has buffered it whole.
         if _body_size(request) > self.gateway.max_body_size:
@@ -233,6 +255,7 @@ class ApiCall:
         principal = self._authenticate()
         if principal is None:
             return self._refuse(401, "Missing or unknown API key.", code="invalid_api_key")
+        self.trace.tenant = principal.tenant
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         try:
@@ -242,6 +265,11 @@ class ApiCall:
         self.model = parsed.model
         self.streaming = parsed.stream
         availability = self.gateway.runner.availability(principal.tenant, parsed.model)
+        self.trace.named(parsed.model, availability is not Availability.UNKNOWN)
+        if (parsed.typed_error is not None and availability is Availability.SERVED
+                and not self.gateway.runner.takes_http_request(principal.tenant, parsed.model)):
+            # Only LLMariner engines serve the model, and the request has no typed form for them.
+            return self._finish_error(parsed.typed_error.status, parsed.typed_error.to_json())
         if availability is Availability.UNKNOWN:
             return self._refuse(
                 404, f"The model '{parsed.model}' does not exist or no engine serves it.",
@@ -297,7 +325,7 @@ class ApiCall:
 
     # -- result sink (see infx.tasks.ResultSink)
 
-    def response_received(self, response: worker_pb2.HttpResponse) -> None:
+    def response_received(self, response: worker_pb2.HttpResponse, verbatim: bool = False) -> None:
         if self.finished:
             return
         status = response.status_code or 200
@@ -305,11 +333,15 @@ class ApiCall:
             # Not a final HTTP status (1xx, or not one at all): never relay it as the status line.
             self._finish_error(502, error_body(502, f"The engine answered with HTTP status {status}."))
             return
+        if verbatim:
+            self._relay_verbatim(status, response)
+            return
         if status != 200:
             self._finish_error(status, _as_openai_error(status, bytes(response.body)))
             return
         if not self.streaming:
             body = bytes(response.body)
+            self.trace.body(body)
             if self.transform is not None:
                 try:
                     body = self.transform.whole(body)
@@ -327,15 +359,30 @@ class ApiCall:
         self.request.setHeader("x-accel-buffering", "no")
         self.request.registerProducer(self, True)
 
+    def _relay_verbatim(self, status: int, response: worker_pb2.HttpResponse) -> None:
+        """The runtime's status line, headers and body (or the start of its stream), as they came."""
+        self.verbatim = True
+        request = self.request
+        phrase = response.status.split(" ", 1)[1] if " " in response.status else ""
+        request.setResponseCode(status, phrase.encode("latin-1") if phrase else None)
+        request.defaultContentType = None  # no content type the runtime did not send
+        for name, header in response.header.items():
+            if name.lower() not in NOT_RELAYED:
+                request.responseHeaders.setRawHeaders(name, [v.encode("latin-1") for v in header.values])
+        if self.streaming and 200 <= status < 300:
+            self.sse_started = True
+            request.registerProducer(self, True)
+            return
+        body = bytes(response.body)
+        request.setHeader("content-length", str(len(body)))
+        request.write(body)
+        self._end(status)
+
     def event_received(self, data: bytes) -> None:
         if self.finished or not self.sse_started:
             return
-        if self.first_event:
-            self.first_event = False
-            self.gateway.metrics.first_token_seconds.labels(self.model).observe(
-                self.gateway.clock.seconds() - self.started_at
-            )
-        if self.transform is not None:
+        self.trace.event(self.gateway.clock.seconds(), data)
+        if self.transform is not None and not self.verbatim:
             try:
                 data = self.transform.event(data)
             except OpenAIError as e:
@@ -353,7 +400,7 @@ class ApiCall:
     def completed(self) -> None:
         if self.finished:
             return
-        if self.sse_started and not self.done_sent:
+        if self.sse_started and not self.done_sent and not self.verbatim and self.endpoint in DONE_ENDPOINTS:
             self._write_event(DONE_EVENT)
             self.done_sent = True
         self._end(200)
@@ -454,16 +501,16 @@ class ApiCall:
 
     def _record(self, status: int) -> None:
         self.status = status
-        labels = (self.endpoint, self.model or "-", str(status))
-        self.gateway.metrics.requests.labels(*labels).inc()
-        self.gateway.metrics.request_seconds.labels(*labels).observe(self.gateway.clock.seconds() - self.started_at)
+        self.trace.finish(self.gateway.clock.seconds(), status, self.handle.served_by if self.handle else None)
 
 
 class CompletionTransform:
-    """Rewrites the engine's chat answers as legacy ``text_completion`` answers.
+    """Rewrites a LLMariner engine's chat answers as legacy ``text_completion`` answers.
 
-    ``/v1/completions`` travels to engines as a chat completion (the wire has
-    no completion request), so each answer is converted on the way back.
+    ``/v1/completions`` travels to LLMariner engines as a chat completion (their
+    wire has no completion request), so each of their answers is converted on
+    the way back; an infx engine's verbatim answer is the runtime's own
+    ``/v1/completions`` answer and is not touched.
     """
 
     def __init__(self) -> None:
@@ -555,19 +602,34 @@ def _as_openai_error(status: int, body: bytes) -> bytes:
 
 
 class _Endpoint(resource.Resource):
+    """A JSON endpoint: ``typed`` converts for LLMariner engines, the body also travels verbatim.
+
+    ``kind`` is the typed request kind; ``runtime_path`` the path the runtime
+    serves the endpoint at: ``/v1/{name}``, or vLLM's ``/tokenize``.
+    """
+
     isLeaf = True
 
-    def __init__(self, gateway: Gateway, name: str, parse: Parser,
-                 transform: Callable[[], CompletionTransform] | None = None) -> None:
+    def __init__(self, gateway: Gateway, name: str, kind: str, typed: TypedParser,
+                 transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
         super().__init__()
         self.gateway = gateway
         self.name = name
-        self.parse = parse
+        self.kind = kind
+        self.typed = typed
         self.transform = transform
+        self.runtime_path = runtime_path or f"/v1/{name}"
 
     def render_POST(self, request: server.Request) -> int | bytes:
         call = ApiCall(self.gateway, request, self.name, self.transform() if self.transform else None)
-        return call.start(self.parse)
+        path = _runtime_uri(request, self.runtime_path)
+        return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
+
+
+def _runtime_uri(request: server.Request, path: str) -> str:
+    """``path`` with the client's query string, if it sent one."""
+    _, mark, query = request.uri.partition(b"?")
+    return path + (mark + query).decode("latin-1")
 
 
 def _parse_multipart_transcription(request: server.Request) -> Parser:
@@ -596,7 +658,8 @@ def _parse_multipart_transcription(request: server.Request) -> Parser:
                 filename = part.get_filename() or "audio"
             else:
                 fields[name] = data.decode("utf-8", "replace")
-        return openai_requests.parse_audio_transcription(fields, file, filename)
+        path = _runtime_uri(request, "/v1/audio/transcriptions")
+        return openai_verbatim.parse_form(path, body, fields, file, filename)
 
     return parse
 
@@ -723,14 +786,16 @@ def build_resource(gateway: Gateway) -> resource.Resource:
     root.putChild(b"v1", v1)
     chat = _Tree()
     v1.putChild(b"chat", chat)
-    chat.putChild(b"completions", _Endpoint(gateway, "chat/completions", openai_requests.parse_chat_completion))
-    v1.putChild(
-        b"completions",
-        _Endpoint(gateway, "completions", openai_requests.parse_completion, CompletionTransform),
-    )
-    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", openai_requests.parse_embedding))
-    v1.putChild(b"responses", _Endpoint(gateway, "responses", openai_requests.parse_model_response))
-    v1.putChild(b"tokenize", _Endpoint(gateway, "tokenize", openai_requests.parse_tokenize))
+    chat.putChild(b"completions", _Endpoint(
+        gateway, "chat/completions", "chat_completion", openai_requests.parse_chat_completion))
+    v1.putChild(b"completions", _Endpoint(
+        gateway, "completions", "chat_completion", openai_requests.parse_completion, CompletionTransform))
+    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", "embedding", openai_requests.parse_embedding))
+    v1.putChild(b"responses", _Endpoint(
+        gateway, "responses", "model_response", openai_requests.parse_model_response))
+    # vLLM serves /tokenize at its root, not under /v1.
+    v1.putChild(b"tokenize", _Endpoint(
+        gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path="/tokenize"))
     audio = _Tree()
     v1.putChild(b"audio", audio)
     audio.putChild(b"transcriptions", _Transcriptions(gateway))

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Protocol
 
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from twisted.application.service import Service
@@ -27,6 +28,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
+from infx.config import ConfigError
 from protocol.peers import (
     Backoff,
     MalformedWatchObject,
@@ -142,12 +144,24 @@ def kube_api_client(environ: Mapping[str, str] | None = None) -> client.ApiClien
     """
     environ = os.environ if environ is None else environ
     configuration = client.Configuration()
-    if environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-    else:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=environ.get("KUBECONFIG") or None, client_configuration=configuration)
+    try:
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=environ.get("KUBECONFIG") or None, client_configuration=configuration)
+    except (config.ConfigException, yaml.YAMLError, OSError, ValueError, TypeError, AttributeError) as e:
+        # The client library's messages for a missing or malformed config (a mapping
+        # file that is not a kubeconfig raises the last three).
+        where = ("in-cluster settings (KUBERNETES_SERVICE_HOST and the service account)"
+                 if environ.get("KUBERNETES_SERVICE_HOST") else environ.get("KUBECONFIG") or "~/.kube/config")
+        raise ConfigError(f"--kube: no usable Kubernetes client config from {where}: {_one_line(e)}") from None
     return client.ApiClient(configuration)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
 
 
 class PodWatcher:

@@ -1,26 +1,42 @@
 """Prometheus metrics of one gateway, on a registry passed in (never the global one).
 
 One object owns every metric so that tests can build a gateway with a fresh
-registry and read exact values back.
+registry and read exact values back. Cardinality is bounded by construction:
+a ``model`` label takes only models some engine of the tenant lists (or
+that the scaler can start), every other name counts as :data:`OTHER_MODEL`,
+so clients naming random models add no series; ``tenant`` comes from the
+API key file (one value, ``default``, when auth is off); ``endpoint`` and
+``status`` are the gateway's own finite sets.
 """
 
 from __future__ import annotations
 
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Iterator
+from importlib import metadata
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+# ``*_created`` series would double every counter and histogram, for nothing an operator reads.
+prometheus_client.disable_created_metrics()
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
+#: The model label of requests for models no engine serves here (404s, typos, probes).
+OTHER_MODEL = "__other__"
 
 #: Gauges read from the processor when /metrics is scraped: name -> (help, label names).
 PROCESSOR_GAUGES = {
     "queued": ("infx_tasks_queued", "Tasks waiting for an engine that serves their model.", ("tenant", "model")),
     "in_flight": ("infx_tasks_in_flight", "Tasks sent to an engine and not yet ended.", ("tenant", "model")),
     "engines": ("infx_engines", "Engines known to this gateway.", ("tenant", "locality")),
+    "engines_ready": ("infx_engines_ready", "Engines that take tasks now (ready, not told to go away).",
+                      ("tenant", "locality")),
+    "models_ready": ("infx_models_ready", "Models that some ready engine of the tenant serves.", ("tenant",)),
 }
 
 #: Counters the processor keeps, exported at scrape time: attribute -> (name, help).
@@ -31,10 +47,20 @@ PROCESSOR_COUNTERS = {
     "slow_consumers": ("infx_slow_consumer_failures", "Requests failed because their consumer fell too far behind."),
     "heartbeats_missed": ("infx_heartbeats_missed", "Heartbeats local engines did not answer in time."),
     "tenant_cap_refusals": ("infx_tenant_cap_refusals", "Tasks refused because their tenant was at its cap."),
+    "drain_refusals": ("infx_drain_refusals",
+                       "Tasks failed at once (503) while draining because no engine left here serves their model."),
 }
 
 GaugeSource = Callable[[], Iterable[tuple[str, tuple[str, ...], int]]]
 CounterSource = Callable[[], Any]
+
+
+def version() -> str:
+    """infx's installed version, for ``infx_build_info``."""
+    try:
+        return metadata.version("infx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _ProcessorMetrics(Collector):
@@ -49,7 +75,11 @@ class _ProcessorMetrics(Collector):
             key: GaugeMetricFamily(name, text, labels=list(labels))
             for key, (name, text, labels) in PROCESSOR_GAUGES.items()
         }
+        # Sources may name a label set more than once (models folded into OTHER_MODEL): sum them.
+        values: Tally[tuple[str, tuple[str, ...]]] = Tally()
         for key, labels, value in self.gauges():
+            values[(key, labels)] += value
+        for (key, labels), value in sorted(values.items()):
             families[key].add_metric(list(labels), value)
         yield from families.values()
         counters = self.counters()
@@ -70,17 +100,35 @@ class GatewayMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        by_request = ["endpoint", "tenant", "model", "status"]
         self.requests = Counter(
-            "infx_http_requests", "HTTP API requests by endpoint, model and status.",
-            ["endpoint", "model", "status"], registry=registry,
+            "infx_http_requests", "HTTP API requests by endpoint, tenant, model and status.",
+            by_request, registry=registry,
         )
         self.request_seconds = Histogram(
             "infx_http_request_duration_seconds", "Time from request to the end of its response.",
-            ["endpoint", "model", "status"], buckets=LATENCY_BUCKETS, registry=registry,
+            by_request, buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.first_token_seconds = Histogram(
-            "infx_time_to_first_token_seconds", "Time from request to the first streamed event.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=registry,
+            "infx_time_to_first_token_seconds",
+            "Time from request to the first streamed event that carries output (not the role-only chunk).",
+            ["endpoint", "tenant", "model"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.queue_seconds = Histogram(
+            "infx_queue_wait_seconds", "Time from a request's arrival to its first dispatch to an engine.",
+            ["tenant", "model"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.input_tokens = Counter(
+            "infx_input_tokens", "Prompt (input) tokens, as the engines' usage reports them.",
+            ["tenant", "model"], registry=registry,
+        )
+        self.output_tokens = Counter(
+            "infx_output_tokens", "Generated (output) tokens, as the engines' usage reports them.",
+            ["tenant", "model"], registry=registry,
+        )
+        self.request_retries = Counter(
+            "infx_request_retries", "Re-dispatches it took to answer HTTP requests that ended.",
+            ["tenant", "model"], registry=registry,
         )
         self.exchanged = Counter(
             "infx_exchanged_tasks", "Tasks sent to a peer gateway (out) or received from one (in).",
@@ -89,3 +137,7 @@ class GatewayMetrics:
         self.slow_clients = Counter(
             "infx_slow_client_aborts", "Streams ended because the client read too slowly.", registry=registry,
         )
+        build = Gauge("infx_build_info", "infx's version; the value is always 1.", ["version"], registry=registry)
+        build.labels(version()).set(1)
+        for direction in ("in", "out"):
+            self.exchanged.labels(direction)

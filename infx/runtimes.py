@@ -7,6 +7,15 @@ one with ``is_last_event``; then ``finish()``. Task ids and result indexes
 are stamped by the agent's core, so a runtime need not set them. A runtime
 must stop reporting once aborted (the agent drops stray results anyway).
 
+The ``openai`` runtime runs a task that carries the client's request
+verbatim (``TaskRequest.http_request``, see :mod:`protocol.task_forms`) as it
+is: the client's method, path, body and headers (but hop-by-hop ones,
+``Authorization``, ``Cookie``, ``Content-Length``, ``Host``, ``Accept-Encoding``
+and ``Expect``, which belong to this hop), and marks the answer ``verbatim_answer`` so that the
+gateway relays it unchanged; it announces this with
+:data:`CAPABILITIES`. A task with only the typed form (from a gateway that
+does not know the capability) is converted by :mod:`protocol.openai_runtime`.
+
 The ``openai`` runtime's upstream URL is the server's root
 (``http://127.0.0.1:8000``); a trailing ``/v1`` is accepted and dropped,
 because the endpoints are those LLMariner's engine uses:
@@ -35,11 +44,14 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from infx.upstream_key import UpstreamKey
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_errors import LocalUsageError, OpenAIError, UpstreamError
+from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError
 from protocol.openai_runtime import RuntimeRequest, runtime_request
 from protocol.pb import worker_pb2
+from protocol.processor_types import is_streaming
 from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, encode_error
+from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
 __all__ = [
     "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeUnavailable", "RunningTask",
@@ -232,6 +244,16 @@ _REQUEST_HEADERS_DROPPED = frozenset(
      "transfer-encoding", "upgrade", "host", "content-length", "content-type", "accept-encoding",
      "authorization"}
 )
+# The client's headers that describe the gateway's hop or its credentials, for a verbatim request.
+_VERBATIM_HEADERS_DROPPED = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
+     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization", "cookie", "expect"}
+)
+# An absolute path with its query (no spaces or controls), and an HTTP method, as RFC 9112 allows them.
+_REQUEST_TARGET = re.compile(r"/[\x21-\x7e]*")
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+#: What the ``openai`` runtime announces in ``EngineStatus.infx_capabilities``.
+CAPABILITIES = (HTTP_REQUEST_CAPABILITY,)
 _RESPONSE_HEADERS_DROPPED = frozenset(
     {"connection", "keep-alive", "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade",
      "content-length"}
@@ -338,18 +360,34 @@ class _OpenAITask:
         self._done = False
         self._pending: Deferred[Any] | None = None
         self._body_transport: Any = None
-        try:
-            self._rr = runtime_request(task.request)
-        except OpenAIError as exc:
-            self._end_with(_error_result(exc))
-            return
-        content_type, body = _request_body(self._rr, runtime.boundary)
-        headers = Headers({b"Content-Type": [content_type.encode("ascii")], b"User-Agent": [b"infx-engine"]})
+        self._verbatim = task.request.HasField("http_request")
+        if self._verbatim:
+            verbatim = task.request.http_request
+            self._stream = is_streaming(task.request)
+            method, path, body = (verbatim.method or "POST"), verbatim.path, bytes(verbatim.body)
+            headers = Headers({b"User-Agent": [b"infx-engine"]})
+            dropped = _VERBATIM_HEADERS_DROPPED
+        else:
+            try:
+                rr = runtime_request(task.request)
+            except OpenAIError as exc:
+                self._end_with(_error_result(exc))
+                return
+            self._stream = rr.stream
+            content_type, body = _request_body(rr, runtime.boundary)
+            method, path = "POST", rr.path
+            headers = Headers({b"Content-Type": [content_type.encode("ascii")], b"User-Agent": [b"infx-engine"]})
+            dropped = _REQUEST_HEADERS_DROPPED
         for name, value in task.header.items():
-            if name.lower() not in _REQUEST_HEADERS_DROPPED:
+            if name.lower() not in dropped:
                 headers.setRawHeaders(name.encode("latin-1"), [v.encode("latin-1") for v in value.values])
-        url = (runtime.root + self._rr.path).encode("ascii")
-        self._pending = runtime.agent.request(b"POST", url, headers, _BytesProducer(body))
+        if not _REQUEST_TARGET.fullmatch(path) or not _TOKEN.fullmatch(method):
+            message = f"The task's request line {method!r} {path!r} is not valid."
+            self._end_with(_error_result(InvalidRequestError(message)))
+            return
+        runtime.authorize(headers)
+        url = (runtime.root + path).encode("latin-1")
+        self._pending = runtime.agent.request(method.encode("latin-1"), url, headers, _BytesProducer(body))
         self._pending.addCallbacks(self._response, self._unreachable)
         self._pending.addErrback(self._bug)
 
@@ -368,6 +406,8 @@ class _OpenAITask:
         if self._done or failure.check(CancelledError):
             return
         log.info("runtime unreachable at {url}: {error}", url=self.runtime.root, error=failure.getErrorMessage())
+        for listener in self.runtime.on_unreachable:
+            listener()
         message = f"The engine could not reach its runtime: {failure.getErrorMessage()}"
         self._end_with(_error_result(RuntimeUnavailable(message), self._latency()))
 
@@ -388,9 +428,11 @@ class _OpenAITask:
         if self._done:
             return None
         status, phrase = response.code, response.phrase.decode("latin-1")
+        if status == 401 and self.runtime.credentials is not None:
+            self.runtime.credentials.refused()
         headers = self._headers(response)
-        if self._rr.stream and 200 <= status < 300:
-            self._sink.send(_http_response(status, phrase, headers=headers, latency_ms=self._latency()))
+        if self._stream and 200 <= status < 300:
+            self._sink.send(self._mark(_http_response(status, phrase, headers=headers, latency_ms=self._latency())))
             relay = _StreamRelay(self)
             response.deliverBody(relay)
             self._body_transport = relay.transport
@@ -398,7 +440,7 @@ class _OpenAITask:
         latency = self._latency()
 
         def whole(body: bytes) -> None:
-            self._end_with(_http_response(status, phrase, body, headers, latency))
+            self._end_with(self._mark(_http_response(status, phrase, body, headers, latency)))
 
         def broken(reason: Failure) -> None:
             message = f"The runtime's answer broke off: {reason.getErrorMessage()}"
@@ -408,6 +450,11 @@ class _OpenAITask:
         response.deliverBody(reader)
         self._body_transport = reader.transport
         return None
+
+    def _mark(self, result: worker_pb2.TaskResult) -> worker_pb2.TaskResult:
+        """The runtime's own answer to a verbatim request is marked as such for the gateway."""
+        result.verbatim_answer = self._verbatim
+        return result
 
     @property
     def done(self) -> bool:
@@ -452,7 +499,10 @@ class OpenAIRuntime:
     headers and bodies are relayed as they are; streamed answers are relayed
     event by event as they arrive, whatever their size up to
     ``max_event_size``. Aborting a task closes its upstream connection, which
-    makes the server stop generating.
+    makes the server stop generating. ``credentials``, if given, go out as
+    ``Authorization: Bearer`` on every request (the client's own
+    ``Authorization`` never does). ``on_unreachable`` listeners hear of every
+    request that could not reach the server (the health check then runs at once).
     """
 
     def __init__(
@@ -463,12 +513,20 @@ class OpenAIRuntime:
         *,
         max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE,
         boundary: Callable[[], str] = lambda: "infx-" + secrets.token_hex(16),
+        credentials: UpstreamKey | None = None,
     ) -> None:
         self.clock = clock
         self.agent = agent
         self.root = upstream_root(upstream)
         self.max_event_size = max_event_size
         self.boundary = boundary
+        self.credentials = credentials
+        self.on_unreachable: list[Callable[[], None]] = []
+
+    def authorize(self, headers: Headers) -> None:
+        """Add the runtime's credentials, if any, to a request's ``headers``."""
+        if self.credentials is not None:
+            headers.setRawHeaders(b"Authorization", [b"Bearer " + self.credentials.current().encode("ascii")])
 
     def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
         return _OpenAITask(self, task, sink)

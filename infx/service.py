@@ -9,6 +9,7 @@ a twisted.web site can instead mount ``service.http_resource`` themselves.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -21,9 +22,10 @@ from twisted.internet import defer
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
-from infx.auth import DEFAULT_TENANT, KeyStore, Principal
-from infx.config import ConfigError, GatewayConfig, internal_tls
+from infx.auth import KeyStore, Principal
+from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls
 from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
 from infx.gateway import Gateway, GatewaySite, build_resource
@@ -39,23 +41,59 @@ from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 log = Logger()
 
 
-class _ListeningService(service.Service):
-    """Listens on a Twisted server endpoint string; remembers the port (tests read it)."""
+class ListenFailed(Exception):
+    """A listen option's endpoint could not be bound; ``str()`` is the one line an operator sees."""
 
-    def __init__(self, reactor: Any, description: str, factory: Any, on_listening: Any = None) -> None:
+
+class ListeningService(service.Service):
+    """Listens on a Twisted server endpoint string; remembers the port (tests read it).
+
+    The port is bound in ``privilegedStartService``, which ``twistd`` calls
+    before ``-u``/``-g`` drop root, so that ports below 1024 work; an
+    application that only calls ``startService`` gets it bound there.
+    :attr:`bound` fires with the port, or fails with :class:`ListenFailed`
+    naming the option, the endpoint and why.
+    """
+
+    def __init__(self, reactor: Any, option: str, description: str, factory: Any) -> None:
         self.reactor = reactor
+        self.option = option
         self.description = description
         self.factory = factory
         self.port: Any = None
-        self._on_listening = on_listening
+        self.bound: Deferred[Any] = Deferred()
+        self._listening: Deferred[Any] | None = None
+        self._abandoned = False
 
-    @defer.inlineCallbacks
-    def startService(self) -> Any:
+    def abandon(self) -> None:
+        """Another port of the same gateway failed: close this one, or never bind it."""
+        self._abandoned = True
+        if self.port is not None:
+            port, self.port = self.port, None
+            port.stopListening()
+
+    def privilegedStartService(self) -> None:
+        service.Service.privilegedStartService(self)
+        self._listen()
+
+    def startService(self) -> None:
         service.Service.startService(self)
-        endpoint = serverFromString(self.reactor, self.description)
-        self.port = yield endpoint.listen(self.factory)
-        if self._on_listening is not None:
-            self._on_listening()
+        self._listen()
+
+    def _listen(self) -> None:
+        if self._listening is not None or self._abandoned:
+            return
+        self._listening = defer.maybeDeferred(
+            lambda: serverFromString(self.reactor, self.description).listen(self.factory))
+        self._listening.addCallbacks(self._listened, self._failed)
+
+    def _listened(self, port: Any) -> None:
+        self.port = port
+        self.bound.callback(port)
+
+    def _failed(self, reason: Failure) -> None:
+        self.bound.errback(ListenFailed(f"{self.option}: cannot listen on {self.description}: "
+                                        f"{_listen_error(reason.value, self.description)}"))
 
     def stopService(self) -> Deferred[None] | None:
         service.Service.stopService(self)
@@ -63,6 +101,26 @@ class _ListeningService(service.Service):
             port, self.port = self.port, None
             return defer.maybeDeferred(port.stopListening)
         return None
+
+
+def _listen_error(error: BaseException, description: str) -> str:
+    """The reason in words, with the hint an operator needs for the usual two."""
+    socket_error = getattr(error, "socketError", None)
+    if isinstance(socket_error, OSError) and socket_error.errno == errno.EADDRINUSE:
+        return f"port {_port_of(description)} is already in use"
+    if isinstance(socket_error, OSError) and socket_error.errno in (errno.EACCES, errno.EPERM):
+        return (f"permission denied for port {_port_of(description)} (ports below 1024 need root: "
+                "start twistd as root with -u/-g to drop privileges after binding)")
+    if isinstance(socket_error, OSError) and socket_error.strerror:
+        return socket_error.strerror
+    return str(error) or type(error).__name__
+
+
+def _port_of(description: str) -> str:
+    try:
+        return str(endpoint_port(description))
+    except ConfigError:
+        return description
 
 
 class GatewayService(service.MultiService):
@@ -79,7 +137,14 @@ class GatewayService(service.MultiService):
         self.config = config
         self.registry = registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
-        keys = KeyStore.from_file(config.api_keys) if config.api_keys else KeyStore.disabled()
+        self.key_reload: Any = None
+        if config.api_keys:
+            from infx.key_reload import watched_key_store
+
+            keys, self.key_reload = watched_key_store(reactor, config.api_keys)
+            self.key_reload.setServiceParent(self)
+        else:
+            keys = KeyStore.disabled()
         self.keys = keys
         # With the scaler, a task may wait for a cold start, not only for an engine to reconnect.
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
@@ -95,24 +160,26 @@ class GatewayService(service.MultiService):
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
-        self.http = _ListeningService(reactor, config.http, site, on_listening=self._http_listening)
+        self.http = ListeningService(reactor, "--http", config.http, site)
         self.http.setServiceParent(self)
 
         grpc_config = GrpcConfig(
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         )
         self.worker_server = GrpcServer(reactor, grpc_config)
         self.workers = WorkerService(self.dispatcher, keys)
         self.workers.register(self.worker_server)
-        self.worker_grpc = _ListeningService(reactor, config.worker_grpc, self.worker_server,
-                                             on_listening=self._worker_listening)
+        self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server)
         self.worker_grpc.setServiceParent(self)
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
         self.pod_name = pod_name or self._default_pod_name()
+        self.dispatcher.pod_name = self.pod_name
         self._build_exchange(self.pod_name)
         self.scaler: Any = self._build_scaler() if config.scaler else None
+        self._start_all_or_nothing()
 
     # --- scaling engine deployments (infx/scaler.py) -------------------------
 
@@ -150,7 +217,7 @@ class GatewayService(service.MultiService):
 
         key = secrets.token_urlsafe(24)
         if self.keys.enabled:
-            self.keys.add_engine_key(key, Principal(tenant=DEFAULT_TENANT, key_id="builtin-echo"))
+            self.keys.add_engine_key(key, Principal(tenant=self.config.echo_tenant, key_id="builtin-echo"))
 
         def connect() -> GrpcChannel:
             address = self.worker_grpc.port.getHost()
@@ -163,13 +230,66 @@ class GatewayService(service.MultiService):
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)
 
-    def _worker_listening(self) -> None:
+    # --- start-up: all ports or none ----------------------------------------
+
+    def _start_all_or_nothing(self) -> None:
+        """Nothing that depends on a port (readiness, the built-in engine, peers, the scaler)
+        starts until every port listens; one that cannot be bound closes the others."""
+        self._listeners = [self.http, self.worker_grpc, self.internal_grpc]
+        self._all_bound = False
+        self._dependents_started = False
+        self._listen_failure: Failure | None = None
+        self._listen_waiters: list[Deferred[None]] = []
+        bound = defer.gatherResults([listener.bound for listener in self._listeners], consumeErrors=True)
+        bound.addCallbacks(self._every_port_listens, self._a_port_failed)
+
+    def when_listening(self) -> Deferred[None]:
+        """Fires once every port listens; fails with :class:`ListenFailed` if one cannot be bound."""
+        waiter: Deferred[None] = Deferred()
+        if self._listen_failure is not None:
+            waiter.errback(self._listen_failure)
+        elif self._all_bound:
+            waiter.callback(None)
+        else:
+            self._listen_waiters.append(waiter)
+        return waiter
+
+    @property
+    def listen_failure(self) -> ListenFailed | None:
+        """Why a port could not be bound, once one could not (twistd's start-up checks it)."""
+        error = None if self._listen_failure is None else self._listen_failure.value
+        return error if isinstance(error, ListenFailed) else None
+
+    def startService(self) -> None:
+        service.MultiService.startService(self)
+        self._start_dependents()
+
+    def _every_port_listens(self, _: Any) -> None:
+        self._all_bound = True
+        self._start_dependents()
+        waiters, self._listen_waiters = self._listen_waiters, []
+        for waiter in waiters:
+            waiter.callback(None)
+
+    def _a_port_failed(self, reason: Failure) -> None:
+        failure = reason.value.subFailure if isinstance(reason.value, defer.FirstError) else reason
+        self._listen_failure = failure
+        log.critical("{error}", error=str(failure.value))
+        for listener in self._listeners:
+            listener.abandon()
+        waiters, self._listen_waiters = self._listen_waiters, []
+        for waiter in waiters:
+            waiter.errback(failure)
+
+    def _start_dependents(self) -> None:
+        if not (self.running and self._all_bound) or self._dependents_started:
+            return
+        self._dependents_started = True
+        self.exchanger.start()
         if self.builtin_engine is not None:
             self.builtin_engine.startService()
         if self.scaler is not None:
             self.scaler_link.start()
-
-    def _http_listening(self) -> None:
         self.gateway.listening = True
 
     @defer.inlineCallbacks
@@ -177,7 +297,7 @@ class GatewayService(service.MultiService):
         """Graceful shutdown: unready, go-away to engines, drain within the grace period, stop."""
         self.gateway.shutting_down = True
         self.workers.accepting = False
-        self.dispatcher.go_away()
+        self.dispatcher.drain()
         exchange_drained = self.exchanger.drain()
         deadline = self.reactor.seconds() + self.config.grace_period
         while ((self.gateway.active_calls or not exchange_drained.called)
@@ -207,6 +327,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
@@ -224,8 +345,8 @@ class GatewayService(service.MultiService):
 
             self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
-        self.internal_grpc = _ListeningService(self.reactor, config.internal_grpc, listening_factory,
-                                               on_listening=self.exchanger.start)
+        self.internal_grpc = ListeningService(self.reactor, "--internal-grpc", config.internal_grpc,
+                                              listening_factory)
         self.internal_grpc.setServiceParent(self)
 
     def _default_pod_name(self) -> str:

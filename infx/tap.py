@@ -12,6 +12,7 @@ from twisted.application.service import IService
 from twisted.python import usage
 
 from infx.auth import KeyFileError, KeyStore
+from infx.cli import VersionOption, one_line_errors, service_or_exit
 from infx.config import ConfigError, GatewayConfig, build_config, load_yaml
 
 _DEFAULTS = GatewayConfig()
@@ -42,7 +43,7 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
 ]
 
 
-class Options(usage.Options):
+class Options(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
     optFlags: list[list[str | None]] = _FLAGS
@@ -52,6 +53,9 @@ class Options(usage.Options):
         ["worker-grpc", None, None, f"Engine-facing gRPC listen port or endpoint [default: {_DEFAULTS.worker_grpc}]."],
         ["echo-models", None, None,
          "Comma-separated models served by a built-in echo engine in this process (for trying infx)."],
+        ["echo-tenant", None, None,
+         "Tenant the built-in echo engine serves; other than default needs --api-keys, and callers reach "
+         f"it with a key of that tenant [default: {_DEFAULTS.echo_tenant}]."],
         ["echo-token-delay", None, None,
          f"Seconds between the built-in echo engine's streamed words [default: {_DEFAULTS.echo_token_delay:g}]."],
         ["api-keys", None, None, "YAML file of API keys and tenants (auth is off without it)."],
@@ -85,7 +89,9 @@ class Options(usage.Options):
             self.config_value = build_config(file_values, flags)
             if self.config_value.api_keys:
                 KeyStore.from_file(self.config_value.api_keys)
-        except (ConfigError, KeyFileError) as e:
+        except KeyFileError as e:
+            raise usage.UsageError(f"--api-keys: {e}") from None
+        except ConfigError as e:
             raise usage.UsageError(str(e)) from None
 
     def _flag_values(self) -> dict[str, Any]:
@@ -93,10 +99,19 @@ class Options(usage.Options):
         return {name: (True if self[name] else None) for name, *_ in _FLAGS if name is not None}
 
 
+#: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
+CommandLineOptions = one_line_errors(Options, "infx")
+
+
 def makeService(options: Options) -> IService:
-    """Build the gateway's service tree from validated options."""
+    """Build the gateway's service tree from validated options; the process ends if a port
+    cannot be bound (see :class:`~infx.cli.ExitIfCannotListen`)."""
     from twisted.internet import reactor
 
+    from infx.cli import ExitIfCannotListen
     from infx.service import build_gateway
 
-    return build_gateway(reactor, options.config_value)
+    twistd = getattr(options, "parent", None)  # twistd's own options: -n or not
+    daemon = twistd is not None and not twistd.get("nodaemon", True)
+    return service_or_exit("infx", lambda: ExitIfCannotListen(
+        reactor, build_gateway(reactor, options.config_value), daemon=daemon))

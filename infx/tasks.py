@@ -33,11 +33,27 @@ class Submission:
     request_id: str = ""
 
 
+@dataclass
+class ServedBy:
+    """Where a request's task ran, for its log line: the runner fills it in as it goes."""
+
+    engine_id: str = ""
+    #: The gateway whose engine served it: this one's pod name, or the peer's that relayed the result.
+    gateway: str = ""
+    retries: int = 0
+    #: Seconds from submission to the first dispatch (None: never dispatched).
+    queued_seconds: float | None = None
+
+
 class ResultSink(Protocol):
     """Receives one task's outcome, in order; exactly one of completed/failed ends it."""
 
-    def response_received(self, response: worker_pb2.HttpResponse) -> None:
-        """The engine's status line and headers (and, unless streaming, the body)."""
+    def response_received(self, response: worker_pb2.HttpResponse, verbatim: bool = False) -> None:
+        """The engine's status line and headers (and, unless streaming, the body).
+
+        ``verbatim``: the runtime's own answer to the client's own request
+        (``TaskResult.verbatim_answer``), to relay unchanged.
+        """
 
     def event_received(self, data: bytes) -> None:
         """One server-sent event, framed as the runtime sent it."""
@@ -50,6 +66,9 @@ class ResultSink(Protocol):
 
 
 class TaskHandle(Protocol):
+    #: Who served the task so far (None: the runner does not say).
+    served_by: ServedBy | None
+
     def cancel(self) -> None:
         """The client is gone: stop the task and call the sink no more."""
 
@@ -76,6 +95,9 @@ class TaskRunner(Protocol):
 
     def availability(self, tenant: str, model: str) -> Availability:
         """Whether the tenant's engines serve the model, could, did recently, or never did."""
+
+    def takes_http_request(self, tenant: str, model: str) -> bool:
+        """Whether an engine of the tenant listing the model runs the client's request verbatim."""
 
     def models(self, tenant: str) -> list[str]:
         """The models ready engines of the tenant serve, local and remote, sorted."""

@@ -18,6 +18,7 @@ from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
 from protocol.processor_types import Locality
+from protocol.repeats import RepeatSuppressor
 
 log = Logger()
 
@@ -40,11 +41,15 @@ class EngineStream:
     ``on_drained`` is called when it drains again.
     """
 
-    def __init__(self, call: ServerCall, peer: str, on_drained: Callable[[EngineStream], None] | None = None,
+    def __init__(self, call: ServerCall, peer: str, authorization: str | None = None,
+                 principal: Any = None, on_drained: Callable[[EngineStream], None] | None = None,
                  max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         self.peer = peer
         self.closed = False
+        #: What the engine presented and who that made it, to end the stream if its key is revoked.
+        self.authorization = authorization
+        self.principal = principal
         self._on_drained = on_drained
         self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
 
@@ -79,8 +84,11 @@ class WorkerService:
         self.keys = keys
         self.max_queued_bytes = max_queued_bytes
         self.streams: set[EngineStream] = set()
+        keys.on_replaced.append(self.keys_replaced)
         #: False once the gateway shuts down: engines told to go away must not come back here.
         self.accepting = True
+        #: An engine with a wrong key redials forever: its refusal is logged once per host, then counted.
+        self.refusals = RepeatSuppressor()
 
     def register(self, server: GrpcServer) -> None:
         server.add_method(
@@ -88,15 +96,35 @@ class WorkerService:
             worker_pb2.ProcessTasksResponse.SerializeToString, kind=CallKind.STREAM_STREAM,
         )
 
+    def keys_replaced(self) -> None:
+        """The key file was reloaded: an engine whose key is gone, or now names another tenant,
+        loses its stream (its tasks fail over) and must dial again with a valid key."""
+        for stream in list(self.streams):
+            if not stream.closed and self.keys.engine(stream.authorization) != stream.principal:
+                log.warn("engine {peer}: its key was removed or changed in the key file; ending its stream",
+                         peer=stream.peer)
+                stream.closed = True
+                stream.call.abort(StatusCode.UNAUTHENTICATED, "engine key revoked")
+                # Now, not when the handler's pending recv() ends: its engines go and tasks fail over.
+                self.streams.discard(stream)
+                self.dispatcher.route_closed(stream, "engine key revoked")
+
     async def process_tasks(self, call: ServerCall) -> None:
         if not self.accepting:
             raise GrpcError(StatusCode.UNAVAILABLE, "gateway is shutting down")
-        principal = self.keys.engine(metadata_value(call, "authorization"))
+        address = str(call.peer)
+        authorization = metadata_value(call, "authorization")
+        principal = self.keys.engine(authorization)
         if principal is None:
+            self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
-        stream = EngineStream(call, str(call.peer), self.dispatcher.route_writable, self.max_queued_bytes)
+        call.authenticated()
+        stream = EngineStream(call, address, authorization, principal, self.dispatcher.route_writable,
+                              self.max_queued_bytes)
         self.streams.add(stream)
         reason = "engine stream ended"
+        engine_id = ""
+        models: tuple[tuple[str, bool], ...] | None = None
         try:
             while True:
                 message: Any = await call.recv()
@@ -104,9 +132,21 @@ class WorkerService:
                     break
                 kind = message.WhichOneof("message")
                 if kind == "engine_status":
-                    if not message.engine_status.engine_id:
+                    status = message.engine_status
+                    if not status.engine_id:
+                        self._refused(address, "engine status without engine_id")
                         raise GrpcError(StatusCode.INVALID_ARGUMENT, "engine status without engine_id")
-                    self.dispatcher.engine_status(stream, principal.tenant, message.engine_status, Locality.LOCAL)
+                    reported = tuple(sorted((m.id, m.is_ready and status.ready) for m in status.models))
+                    if not engine_id:
+                        engine_id = status.engine_id
+                        log.info("engine {engine_id} connected from {address}: tenant {tenant!r}, models {models}",
+                                 engine_id=engine_id, address=address, tenant=principal.tenant,
+                                 models=_models_text(reported), event="engine_connected")
+                    elif reported != models:
+                        log.info("engine {engine_id}: models now {models}", engine_id=engine_id,
+                                 models=_models_text(reported), event="engine_models_changed")
+                    models = reported
+                    self.dispatcher.engine_status(stream, principal.tenant, status, Locality.LOCAL)
                 elif kind == "task_result":
                     self.dispatcher.result_received(stream, message.task_result)
         except GrpcError as e:
@@ -115,4 +155,17 @@ class WorkerService:
         finally:
             stream.closed = True
             self.streams.discard(stream)
+            if engine_id:
+                log.info("engine {engine_id} gone ({address}): {reason}", engine_id=engine_id, address=address,
+                         reason=reason, event="engine_gone")
             self.dispatcher.route_closed(stream, reason)
+
+    def _refused(self, address: str, why: str) -> None:
+        host = address.rsplit(":", 1)[0] if ":" in address else address
+        now = self.dispatcher.clock.seconds()
+        for report in self.refusals.occurred(now, host, f"engine at {host} refused: {why}"):
+            log.warn("{text}", text=report.text(), address=address, event="engine_refused", count=report.count)
+
+
+def _models_text(models: tuple[tuple[str, bool], ...]) -> str:
+    return ", ".join(f"{model} ({'ready' if ready else 'not ready'})" for model, ready in models) or "none"

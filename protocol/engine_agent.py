@@ -34,6 +34,13 @@ already streaming is only aborted, and the gateway's own deadline ends the
 client's response. Either way the runtime stops working for nobody. Results of a task that is no longer known are dropped, because a
 runtime may still be unwinding after an abort.
 
+Models are ready while the runtime is (``runtime_changed``, from the health
+check of :mod:`protocol.runtime_health`): with ``wait_for_runtime`` they are
+reported not ready until the runtime first answers, and again whenever it
+stops answering, so that the gateway holds their requests in its queue
+instead of sending them here. With no ``models`` configured, the models are
+those the runtime lists. Readiness changes are reported at once.
+
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
 engine does, so a newer gateway can add kinds); runtime tasks that arrive
@@ -92,6 +99,11 @@ class AgentConfig:
     attempts to open a stream, each delay scaled by ``1 ± reconnect_jitter``.
     ``go_away_linger``: a retired stream stays open at least this long, since
     the gateway may have sent tasks on it before it saw our 202.
+    ``capabilities``: what the runtime understands beyond LLMariner's protocol,
+    reported as ``EngineStatus.infx_capabilities`` (see :mod:`protocol.task_forms`).
+    ``wait_for_runtime``: models are not ready until ``runtime_changed`` says
+    the runtime answers (without it they are always ready, as with the echo
+    runtime); ``models`` may then be empty: the runtime's own list is served.
     """
 
     engine_id: str
@@ -106,12 +118,16 @@ class AgentConfig:
     reconnect_multiplier: float = 2.0
     reconnect_jitter: float = 0.2
     go_away_linger: float = 5.0
+    capabilities: tuple[str, ...] = ()
+    wait_for_runtime: bool = False
 
     def __post_init__(self) -> None:
         if not self.engine_id:
             raise AgentUsageError("engine_id must not be empty")
-        if not self.models or any(not m for m in self.models) or len(set(self.models)) != len(self.models):
-            raise AgentUsageError("models must be a non-empty list of distinct, non-empty ids")
+        if not self.models and not self.wait_for_runtime:
+            raise AgentUsageError("models must not be empty unless they come from the runtime (wait_for_runtime)")
+        if any(not m for m in self.models) or len(set(self.models)) != len(self.models):
+            raise AgentUsageError("models must be distinct, non-empty ids")
         if self.max_concurrency < 1:
             raise AgentUsageError("max_concurrency must be at least 1")
         if self.max_queued is not None and self.max_queued < 0:
@@ -245,6 +261,11 @@ def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskR
     return result
 
 
+def _readiness(status: status_pb2.EngineStatus) -> tuple[bool, tuple[tuple[str, bool], ...]]:
+    """What of a status must reach the gateway without delay: which models it may route here."""
+    return status.ready, tuple((m.id, m.is_ready) for m in status.models)
+
+
 def task_model(task: worker_pb2.Task) -> str:
     """The model a runtime task names ("" for control tasks)."""
     kind = task.request.WhichOneof("request")
@@ -269,6 +290,8 @@ class EngineAgentCore:
         self._reconnect_at: float | None = None
         self._failures = 0
         self._drain_deadline: float | None = None
+        self._runtime_ready = not config.wait_for_runtime
+        self._runtime_models: tuple[str, ...] = ()
 
     # -- inspection ---------------------------------------------------------------
 
@@ -301,9 +324,19 @@ class EngineAgentCore:
         task = self._tasks.get(task_id)
         return None if task is None else task.stream_id
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models this engine serves: those configured, else those the runtime listed."""
+        return self.config.models or self._runtime_models
+
+    @property
+    def runtime_ready(self) -> bool:
+        """Whether the runtime answers (always, unless ``wait_for_runtime``)."""
+        return self._runtime_ready
+
     def engine_status(self) -> status_pb2.EngineStatus:
         """What the gateway should know about this engine now."""
-        counts = dict.fromkeys(self.config.models, 0)
+        counts = dict.fromkeys(self.models, 0)
         for task in self._tasks.values():
             if task.model in counts:
                 counts[task.model] += 1
@@ -311,8 +344,9 @@ class EngineAgentCore:
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
             cluster_id=self.config.cluster_id,
+            infx_capabilities=self.config.capabilities,
             models=[
-                status_pb2.EngineStatus.Model(id=m, is_ready=True, in_progress_task_count=n)
+                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
                 for m, n in counts.items()
             ],
         )
@@ -342,6 +376,16 @@ class EngineAgentCore:
         self.state = AgentState.RUNNING
         effects: list[Effect] = []
         self._open(now, False, effects)
+        return effects
+
+    def runtime_changed(self, now: float, ready: bool, models: tuple[str, ...] = ()) -> list[Effect]:
+        """The runtime started or stopped answering, or lists other ``models``; the gateway is told at once."""
+        if any(not m for m in models) or len(set(models)) != len(models):
+            raise AgentUsageError("runtime models must be distinct, non-empty ids")
+        self._runtime_ready = ready
+        self._runtime_models = models
+        effects: list[Effect] = []
+        self._report(now, effects)
         return effects
 
     def stream_confirmed(self, stream_id: int) -> None:
@@ -551,7 +595,7 @@ class EngineAgentCore:
 
     def _status_due(self, stream: _Stream) -> float:
         status = self.engine_status()
-        if stream.last_status is None or status.ready != stream.last_status.ready:
+        if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
             return stream.last_status_at if stream.last_status is not None else -math.inf
         if status != stream.last_status:
             return stream.last_status_at + self.config.status_min_interval

@@ -3,13 +3,16 @@
 Rules these modules keep: no I/O, no clock reads; bad client input ends in
 :class:`InvalidRequestError` (HTTP 400, OpenAI error body) and nothing else.
 
-- Gateway, request side: ``parse_chat_completion``, ``parse_completion``,
+- Gateway, request side: the client's request verbatim beside its typed
+  form (:mod:`protocol.openai_verbatim`); the typed form for LLMariner
+  engines: ``parse_chat_completion``, ``parse_completion``,
   ``parse_embedding``, ``parse_model_response``, ``parse_audio_transcription``,
   ``parse_tokenize`` -> :class:`ParsedRequest` (:mod:`protocol.openai_requests`).
-- Gateway, legacy completions answers: ``text_completion_body``,
+- Gateway, legacy completions answers of LLMariner engines: ``text_completion_body``,
   ``text_completion_event_data`` (:mod:`protocol.openai_completions`).
-- Engine: ``runtime_request`` -> :class:`RuntimeRequest` (path + JSON or
-  multipart form) for the runtime (:mod:`protocol.openai_runtime`).
+- Engine, for a task with only the typed form: ``runtime_request`` ->
+  :class:`RuntimeRequest` (path + JSON or multipart form) for the runtime
+  (:mod:`protocol.openai_runtime`).
 """
 
 from protocol.openai_completions import (

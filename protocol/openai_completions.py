@@ -1,8 +1,11 @@
 """Legacy completions, response side: ``chat.completion`` -> ``text_completion``; pure, no I/O.
 
-Rules this file keeps: the gateway serves ``/v1/completions`` by asking the
-engine for a chat completion (see :func:`protocol.openai_requests.parse_completion`)
-and rewrites each answer here, whole bodies and streamed chunks alike. An
+Rules this file keeps: a LLMariner engine has no completions request on its
+wire, so the gateway asks it for a chat completion instead (see
+:func:`protocol.openai_requests.parse_completion`) and rewrites each of its
+answers here, whole bodies and streamed chunks alike; vLLM's extras that mean
+the same in both APIs (``stop_reason``, ``prompt_logprobs``) are kept. An infx
+engine gets ``/v1/completions`` itself and its answer is never converted. An
 answer that is not the chat JSON the API promises raises
 :class:`~protocol.openai_errors.UpstreamError` (HTTP 502); nothing else escapes.
 """
@@ -56,7 +59,7 @@ def _convert(chat: JSONObject, key: str) -> JSONObject:
         "object": "text_completion",
         "created": chat.get("created", 0),
         "model": chat.get("model", ""),
-        "choices": [_choice(choice, key) for choice in choices],
+        "choices": [_choice(choice, key, chat.get("prompt_logprobs")) for choice in choices],
     }
     if chat.get("system_fingerprint") is not None:
         out["system_fingerprint"] = chat["system_fingerprint"]
@@ -65,7 +68,7 @@ def _convert(chat: JSONObject, key: str) -> JSONObject:
     return out
 
 
-def _choice(choice: Any, key: str) -> JSONObject:
+def _choice(choice: Any, key: str, prompt_logprobs: Any) -> JSONObject:
     if not isinstance(choice, dict):
         raise UpstreamError("A choice in the runtime's answer is not an object.")
     message = choice.get(key) or {}
@@ -74,12 +77,20 @@ def _choice(choice: Any, key: str) -> JSONObject:
     text = message.get("content") or ""
     if not isinstance(text, str):
         raise UpstreamError("A choice's content in the runtime's answer is not a string.")
-    return {
+    out: JSONObject = {
         "text": text,
         "index": choice.get("index", 0),
         "logprobs": None,
         "finish_reason": choice.get("finish_reason"),
     }
+    if "stop_reason" in choice:
+        out["stop_reason"] = choice["stop_reason"]
+    # vLLM puts a chat answer's prompt_logprobs beside the choices, a completion's in each choice.
+    if "prompt_logprobs" in choice:
+        out["prompt_logprobs"] = choice["prompt_logprobs"]
+    elif prompt_logprobs is not None:
+        out["prompt_logprobs"] = prompt_logprobs
+    return out
 
 
 def _decode(data: bytes) -> JSONObject:

@@ -1,11 +1,18 @@
-"""Gateway direction: OpenAI request JSON -> wire ``TaskRequest``; pure, no I/O.
+"""Gateway direction: OpenAI request JSON -> LLMariner's typed ``TaskRequest``; pure, no I/O.
 
-Rules this file keeps: every parser takes the client's bytes (or already
-parsed form fields) and returns a :class:`ParsedRequest` or raises
+This is the form a LLMariner engine takes. infx's own engines get the
+client's request verbatim instead (:mod:`protocol.openai_verbatim`, which
+calls these parsers for the typed form beside it); what follows limits only
+what LLMariner engines receive, and the README lists it.
+
+Rules this file keeps: every parser takes the client's bytes (or its
+already parsed JSON object, or form fields) and returns a
+:class:`ParsedRequest` or raises
 :class:`~protocol.openai_errors.InvalidRequestError` (HTTP 400 with an
-OpenAI error body) -- no other exception, whatever the input. Unknown fields
-are ignored, as OpenAI-compatible servers do. Values the wire cannot carry
-faithfully are rejected rather than silently changed.
+OpenAI error body) -- no other exception, whatever the input. Members the
+typed messages have no field for are dropped (the verbatim form keeps them).
+Values the wire cannot carry faithfully are rejected rather than silently
+changed; such a request then goes only to infx engines.
 
 Known proto3 limits, inherited from LLMariner's wire, where zero means "not
 set": ``n``/``max_tokens`` below 1 are rejected; a zero penalty is the
@@ -69,20 +76,24 @@ class ParsedRequest:
     ``include_usage`` is what the client asked for in
     ``stream_options.include_usage``; the gateway may ask the engine for
     usage anyway (for metrics) and drop the usage chunk when this is false.
+    ``typed_error`` says why ``request`` holds no typed form (only the
+    client's verbatim request, see :mod:`protocol.openai_verbatim`): the
+    400 to answer when no engine can take the verbatim form.
     """
 
     request: worker_pb2.TaskRequest
     model: str
     stream: bool
     include_usage: bool = False
+    typed_error: InvalidRequestError | None = None
 
 
 # -- chat completions ---------------------------------------------------------
 
 
-def parse_chat_completion(body: bytes | str) -> ParsedRequest:
+def parse_chat_completion(body: bytes | str | JSONObject) -> ParsedRequest:
     """``POST /v1/chat/completions`` body -> ``TaskRequest.chat_completion``."""
-    obj = loads_object(body)
+    obj = _object(body)
     req = ChatRequest()
     req.model = required(obj, "model", "", as_nonempty_str)
     messages = required(obj, "messages", "", as_list)
@@ -278,7 +289,7 @@ def _stream(obj: JSONObject, req: ChatRequest) -> bool:
 # -- legacy completions -------------------------------------------------------
 
 
-def parse_completion(body: bytes | str) -> ParsedRequest:
+def parse_completion(body: bytes | str | JSONObject) -> ParsedRequest:
     """``POST /v1/completions`` body -> a chat completion for the engine.
 
     The prompt becomes the single user message (a list holding one string
@@ -289,7 +300,7 @@ def parse_completion(body: bytes | str) -> ParsedRequest:
     shape). ``max_tokens`` defaults to the legacy API's 16. The gateway
     turns the answer back with :mod:`protocol.openai_completions`.
     """
-    obj = loads_object(body)
+    obj = _object(body)
     req = ChatRequest()
     req.model = required(obj, "model", "", as_nonempty_str)
     req.messages.add(role="user").content.add(type="text", text=_legacy_prompt(obj))
@@ -339,13 +350,13 @@ def _unsupported(param: str, message: str) -> InvalidRequestError:
 # -- embeddings ----------------------------------------------------------------
 
 
-def parse_embedding(body: bytes | str) -> ParsedRequest:
+def parse_embedding(body: bytes | str | JSONObject) -> ParsedRequest:
     """``POST /v1/embeddings`` body -> ``TaskRequest.embedding``.
 
     A string input travels in ``input``; an array (strings, token ids, or
     arrays of token ids) in ``encoded_input``.
     """
-    obj = loads_object(body)
+    obj = _object(body)
     req = embeddings_pb2.CreateEmbeddingRequest()
     req.model = required(obj, "model", "", as_nonempty_str)
     value = required(obj, "input", "", lambda v, param: v)
@@ -387,7 +398,7 @@ def _embedding_input(value: Any) -> list[Any]:
 # -- responses -----------------------------------------------------------------
 
 
-def parse_model_response(body: bytes | str) -> ParsedRequest:
+def parse_model_response(body: bytes | str | JSONObject) -> ParsedRequest:
     """``POST /v1/responses`` body -> ``TaskRequest.model_response``.
 
     A string ``input`` travels as is; any other input, ``tools``, the
@@ -395,7 +406,7 @@ def parse_model_response(body: bytes | str) -> ParsedRequest:
     travel base64-encoded. ``truncation`` ("auto"/"disabled") maps onto the
     wire's bool.
     """
-    obj = loads_object(body)
+    obj = _object(body)
     req = model_response_pb2.CreateModelResponseRequest()
     req.model = required(obj, "model", "", as_nonempty_str)
     value = obj.get("input")
@@ -543,9 +554,9 @@ def parse_audio_transcription(fields: Mapping[str, str], file: bytes | None, fil
 # -- tokenize -----------------------------------------------------------------
 
 
-def parse_tokenize(body: bytes | str) -> ParsedRequest:
+def parse_tokenize(body: bytes | str | JSONObject) -> ParsedRequest:
     """vLLM's ``POST /tokenize`` body (``prompt`` or chat ``messages``) -> ``TaskRequest.tokenize_request``."""
-    obj = loads_object(body)
+    obj = _object(body)
     req = tokenize_pb2.TokenizeRequest()
     req.model = required(obj, "model", "", as_nonempty_str)
     prompt = optional(obj, "prompt", "", as_str)
@@ -561,6 +572,11 @@ def parse_tokenize(body: bytes | str) -> ParsedRequest:
 
 
 # -- small readers -------------------------------------------------------------
+
+
+def _object(body: bytes | str | JSONObject) -> JSONObject:
+    """The request's JSON object; the gateway may have parsed it already (see :mod:`protocol.openai_verbatim`)."""
+    return body if isinstance(body, dict) else loads_object(body)
 
 
 def _number_between(minimum: float, maximum: float) -> Callable[[Any, str], float]:

@@ -1,4 +1,9 @@
-"""Engine direction: wire ``TaskRequest`` -> the OpenAI request a runtime takes; pure, no I/O.
+"""Engine direction: a typed ``TaskRequest`` -> the OpenAI request a runtime takes; pure, no I/O.
+
+infx's agent uses this only for a task without the client's verbatim request
+(``TaskRequest.http_request``, sent by infx's gateway to engines that announce
+the ``http-request`` capability, which the agent runs as it is); that is, a
+task from a gateway that only speaks LLMariner's typed protocol.
 
 Rules this file keeps: the exact reverse of :mod:`protocol.openai_requests`.
 A field is emitted only when the wire carries a non-zero value (proto3 has no

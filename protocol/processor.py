@@ -20,7 +20,8 @@ Inputs
     ``dispatch_refused``       a route at its queue cap did not take a ``SendTask``
     ``route_blocked``          a route's stream stopped draining (backpressure)
     ``route_writable``         a blocked route drains again
-    ``go_away``                shutdown: ask local engines to reconnect elsewhere
+    ``go_away``                ask local engines to reconnect elsewhere
+    ``drain``                  shutdown: ``go_away``, and tasks no engine left can take fail at once
     ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
     ``handle_timeout``         time passed: deadlines, queue timeouts, retries, heartbeats
 
@@ -40,10 +41,12 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     submit -> WAITING | DISPATCHED
     WAITING       -> DISPATCHED                   an engine for the model became ready
     DISPATCHED    -> STREAMING                    first result delivered (no retries after)
-    DISPATCHED    -> RETRY_PENDING                engine lost / replied 503 / send failed
+    DISPATCHED    -> RETRY_PENDING                engine lost / send failed / runtime busy (re-routed at once)
     RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
 
-Routing: engines of the task's tenant only; among ready engines with the
+Routing: engines of the task's tenant only, and only those that can take the
+task's request (:func:`protocol.task_forms.eligible`; each gets the form it
+understands, :func:`protocol.task_forms.for_engine`); among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
 
@@ -60,6 +63,20 @@ queue) before the input that freed it returns. A tenant with
 ``max_tasks_per_tenant`` live tasks has its next one failed at once (429, or
 503 for a targeted task so that the forwarding peer retries elsewhere).
 
+Draining (``drain``, on shutdown): local engines are told to go away, and a
+task that would wait (no routable engine, local or a peer's, serves its
+model) fails at once with 503 and ``busy_retry_after`` instead, as do those
+already waiting for such a model: nothing will come to serve them here, and
+the client is better off retrying at once elsewhere than holding on for the
+grace period. Tasks a peer's engine can take are still routed to it.
+Busy runtimes: a runtime's 503 or 429 (``BUSY_STATUSES``) before any result
+of a task (not a targeted one) is not the loss of its engine. The engine gets
+no task until its ``Retry-After`` (or ``busy_backoff``) passed; the task goes
+at once to another engine with room, or waits in the queue, counted from its
+first busy answer for ``queue_timeout``; when that or its deadline comes
+first, the client gets the runtime's latest answer as it is (status, body,
+headers). An engine whose stream is lost stays the other case: retries.
+
 Attempts: each dispatch of a task is an attempt with its own wire id (the task
 id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
 attempt only, so a late answer to an abandoned attempt is ignored. An attempt
@@ -75,8 +92,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from protocol import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
+    BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
@@ -95,6 +114,7 @@ from protocol.processor_types import (
     TaskQueued,
     is_streaming,
     model_of,
+    retry_after_seconds,
 )
 from protocol.route_flow import RouteFlow
 
@@ -186,6 +206,9 @@ class _Task:
     # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
     attempt: int = 0
     wire_id: str = ""
+    # The latest busy answer of a runtime (see "Busy runtimes"), and when the first came.
+    busy_reply: worker_pb2.TaskResult | None = None
+    busy_since: float | None = None
 
 
 @dataclass(slots=True)
@@ -199,6 +222,8 @@ class _Engine:
     in_flight: set[str] = field(default_factory=set)
     pending_heartbeat: str | None = None
     missed_heartbeats: int = 0
+    # Set while the engine's runtime said it is busy: routing skips it until then.
+    busy_until: float | None = None
 
     @property
     def routable(self) -> bool:
@@ -227,6 +252,8 @@ class ProcessorCounters:
     slow_consumers: int = 0
     heartbeats_missed: int = 0
     tenant_cap_refusals: int = 0
+    drain_refusals: int = 0
+    busy_replies: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -254,6 +281,10 @@ class Processor:
         # Engines a task left since the current input began: with an in-flight cap,
         # their freed slots go to waiting tasks before the input returns (``_refill``).
         self._freed: dict[EngineKey, None] = {}
+        # Set by ``drain``: a task that would wait fails at once instead.
+        self.draining = False
+        # (busy_until, seq, engine): when an engine's busy back-off ends.
+        self._backoffs: list[tuple[float, int, EngineKey]] = []
         # Routes whose streams are not draining (backpressure), and since when.
         self._flow = RouteFlow(self.config.route_stuck_timeout)
 
@@ -315,6 +346,8 @@ class Processor:
             engine = self._by_tenant.get(tenant_id, {}).get(task.target)
             if engine is None:
                 self._fail(task, 503, f"engine {task.target!r} is not connected", effects)
+            elif not task_forms.eligible(request, engine.status):
+                self._fail(task, 503, f"engine {task.target!r} cannot take this request's form", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
             elif engine.route in self._flow:
@@ -485,6 +518,19 @@ class Processor:
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
 
+    def drain(self, now: float) -> list[Effect]:
+        """Shutdown: ``go_away`` to local engines; from now on a task that no routable engine
+        serves fails at once (503, ``busy_retry_after``) rather than waiting, and so do
+        those waiting now. Tasks waiting only for a slot on a busy engine keep waiting."""
+        effects = self.go_away(now)
+        self.draining = True
+        for key in list(self._waiting):
+            for task_id in list(self._waiting.get(key, ())):
+                task = self._tasks[task_id]
+                if self._pick(task, ignore_cap=True) is None:
+                    self._refuse_draining(task, effects)
+        return effects
+
     # --- results ----------------------------------------------------------
 
     def receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
@@ -518,9 +564,8 @@ class Processor:
             return effects
         if kind == "http_response":
             code = result.http_response.status_code
-            if code == 503 and self._can_retry(now, task):
-                engine_id = task.engine.engine_id if task.engine else ""
-                self._retry(now, task, f"engine {engine_id!r} is unavailable (503)", effects)
+            if code in BUSY_STATUSES and not task.target and now < task.deadline:
+                self._runtime_busy(now, task, result, effects)
                 return effects
             last = not task.streaming or code < 200 or code >= 400
         else:
@@ -554,8 +599,9 @@ class Processor:
         """When ``handle_timeout`` must next be called, or None if nothing is timed."""
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
-        first_task = self._timers[0][0] if self._timers else None
-        candidates = [t for t in (first_task, self._next_heartbeat, self._flow.next_deadline()) if t is not None]
+        firsts = (self._timers[0][0] if self._timers else None, self._next_heartbeat,
+                  self._backoffs[0][0] if self._backoffs else None, self._flow.next_deadline())
+        candidates = [t for t in firsts if t is not None]
         return min(candidates) if candidates else None
 
     def handle_timeout(self, now: float) -> list[Effect]:
@@ -567,6 +613,13 @@ class Processor:
                 self._task_timer(now, self._tasks[entry[2]], effects)
         if self._next_heartbeat is not None and self._next_heartbeat <= now:
             self._heartbeat_round(now, effects)
+        while self._backoffs and self._backoffs[0][0] <= now:
+            until, _, key = heapq.heappop(self._backoffs)
+            engine = self._engines.get(key)
+            if engine is not None and engine.busy_until == until:
+                engine.busy_until = None
+                if engine.routable:
+                    self._dispatch_waiting(now, engine, effects)
         for route in self._flow.stuck(now):
             reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
             effects.append(CloseRoute(route, reason))
@@ -611,12 +664,27 @@ class Processor:
         """Engines per (tenant, locality)."""
         return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values()))
 
+    def routable_engine_counts(self) -> dict[tuple[str, Locality], int]:
+        """Engines that take tasks now (ready, not told to go away), per (tenant, locality)."""
+        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values() if e.routable))
+
+    def tenants(self) -> list[str]:
+        """Tenants with at least one engine registered, sorted."""
+        return sorted(self._by_tenant)
+
     def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
         """What the processor knows of one engine, or None if it is not registered."""
         engine = self._engines.get(EngineKey(tenant_id, engine_id))
         if engine is None:
             return None
         return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
+
+    def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
+        """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
+        return any(
+            task_forms.takes_http_request(e.status) and any(m.id == model_id for m in e.status.models)
+            for e in self._by_tenant.get(tenant_id, {}).values()
+        )
 
     def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
         """Models the tenant's engines list (loading ones too); with ``ready_only``,
@@ -649,6 +717,7 @@ class Processor:
                         "locality": e.locality.value,
                         "ready": e.status.ready,
                         "draining": e.draining,
+                        "busy_until": e.busy_until,
                         "cluster_id": e.status.cluster_id,
                         "models": [
                             {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count}
@@ -673,17 +742,41 @@ class Processor:
         if engine is not None:
             self._dispatch(now, task, engine, effects)
             return
+        if self._no_engine_takes_it(task):
+            self._fail(task, 400, self._typed_form_missing(task), effects)
+            return
         if self._waiting_total >= self.config.max_waiting_tasks:
-            self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
+            if task.busy_reply is not None:
+                self._deliver(task, task.busy_reply, True, effects)
+            else:
+                self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
+            return
+        if self.draining and self._pick(task, ignore_cap=True) is None:
+            self._refuse_draining(task, effects)
             return
         self._move(task, TaskState.WAITING)
         key = (task.tenant_id, task.model)
         queue = self._waiting.setdefault(key, {})
         queue[task.id] = None
         self._waiting_total += 1
-        self._set_timer(task, min(now + self.config.queue_timeout, task.deadline))
+        queued_since = now if task.busy_since is None else task.busy_since
+        self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
         if not self._served_but_full(task):
             effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
+
+    def _no_engine_takes_it(self, task: _Task) -> bool:
+        """Engines list the task's model, but none can take its request (only its verbatim form
+        exists and they are LLMariner engines): waiting would not help."""
+        return (
+            bool(task.request.typed_request_incomplete)
+            and task.model in self.known_models(task.tenant_id)
+            and not self.takes_http_request(task.tenant_id, task.model)
+        )
+
+    @staticmethod
+    def _typed_form_missing(task: _Task) -> str:
+        return (f"no engine serving model {task.model!r} can take this request "
+                f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
 
     def _full(self, engine: _Engine) -> bool:
         """At its in-flight cap, or on a route that is not draining."""
@@ -691,10 +784,14 @@ class Processor:
         return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
 
     def _served_but_full(self, task: _Task) -> bool:
-        """Whether the task waits only for a slot: an engine would take it but for its
-        in-flight cap or its blocked route."""
-        could_be_full = self.config.max_in_flight_per_engine is not None or len(self._flow) > 0
-        return could_be_full and self._pick(task, ignore_cap=True) is not None
+        """Whether the task waits only for room: an engine would take it but for its in-flight
+        cap, its runtime's busy back-off or its blocked route."""
+        return self._pick(task, ignore_cap=True) is not None
+
+    def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
+        """Whether routing must skip a routable engine for now (full, its route not
+        draining, or its runtime busy)."""
+        return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
 
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
         best: _Engine | None = None
@@ -703,7 +800,9 @@ class Processor:
         if not engines:
             return None
         for engine in engines.values():
-            if not engine.routable or task.model not in engine.ready_models or (not ignore_cap and self._full(engine)):
+            if not engine.routable or task.model not in engine.ready_models or self._blocked(engine, ignore_cap):
+                continue
+            if not task_forms.eligible(task.request, engine.status):
                 continue
             rank = (
                 engine.key.engine_id in task.avoid,
@@ -715,7 +814,9 @@ class Processor:
                 best, best_rank = engine, rank
         if best is None and self.config.dynamic_model_loading:
             for engine in engines.values():
-                if not engine.routable or (not ignore_cap and self._full(engine)):
+                if not engine.routable or self._blocked(engine, ignore_cap):
+                    continue
+                if not task_forms.eligible(task.request, engine.status):
                     continue
                 rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
                 if best_rank is None or rank < best_rank:
@@ -734,7 +835,7 @@ class Processor:
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
-            request=task.request,
+            request=task_forms.for_engine(task.request, engine.status),
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
@@ -766,6 +867,10 @@ class Processor:
             for task_id in list(self._waiting.get(key, ())):
                 task = self._tasks[task_id]
                 target = self._pick(task)
+                if target is None and task.request.typed_request_incomplete:
+                    if self._no_engine_takes_it(task):
+                        self._fail(task, 400, self._typed_form_missing(task), effects)
+                    continue  # a later task of the queue may take another form
                 if target is None:
                     break
                 self._unwait(task)
@@ -819,15 +924,47 @@ class Processor:
         else:
             self._set_timer(task, min(now + self.config.retry_delay, task.deadline))
 
+    def _runtime_busy(self, now: float, task: _Task, result: worker_pb2.TaskResult, effects: list[Effect]) -> None:
+        engine = self._engines.get(task.engine) if task.engine is not None else None
+        until: float | None = None
+        if engine is not None:
+            delay = retry_after_seconds(result.http_response)
+            delay = self.config.busy_backoff if delay is None else max(delay, self.config.busy_backoff)
+            until = now + min(delay, self.config.max_busy_backoff)
+            if engine.busy_until is None or until > engine.busy_until:
+                engine.busy_until = until
+                self._timer_seq += 1
+                heapq.heappush(self._backoffs, (until, self._timer_seq, engine.key))
+            task.avoid.add(engine.key.engine_id)
+        reply = worker_pb2.TaskResult()
+        reply.CopyFrom(result)
+        task.busy_reply = reply
+        if task.busy_since is None:
+            task.busy_since = now
+        self.counters.busy_replies += 1
+        self._unassign(task)
+        self._move(task, TaskState.RETRY_PENDING)
+        give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
+        if until is not None and until >= give_up and self._pick(task) is None:
+            # Nobody can take it now, and its engine is not to be asked again before the wait
+            # would end: waiting cannot help, so the client gets the runtime's answer at once.
+            self._deliver(task, reply, True, effects)
+            return
+        self._route(now, task, effects)
+
     def _task_timer(self, now: float, task: _Task, effects: list[Effect]) -> None:
-        if now >= task.deadline:
+        if task.state is TaskState.WAITING and task.busy_reply is not None:
+            # Time ran out waiting for a busy runtime: its own answer is the truest one.
+            self._deliver(task, task.busy_reply, True, effects)
+        elif now >= task.deadline:
             self._stop_on_engine(task, effects)
             self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
         elif task.state is TaskState.WAITING:
             if self._served_but_full(task):
                 cap = self.config.max_in_flight_per_engine
-                limit = f"is at its limit of {cap} tasks" if cap is not None else "is not draining its stream"
-                message = f"every engine serving model {task.model!r} {limit}"
+                message = f"every engine serving model {task.model!r} is busy"
+                if cap is not None:
+                    message += f" or at its limit of {cap} tasks"
             else:
                 message = f"no ready engine serves model {task.model!r}"
             message += f" (waited {self.config.queue_timeout:g}s)"
@@ -838,8 +975,14 @@ class Processor:
     def _fail(
         self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
     ) -> None:
-        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after))
+        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
+                                   task.engine, task.route, task.retries))
         self._end(task, TaskOutcome.FAILED)
+
+    def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
+        self.counters.drain_refusals += 1
+        message = f"this gateway is shutting down and no other engine serves model {task.model!r}; retry"
+        self._fail(task, 503, message, effects, self.config.busy_retry_after)
 
     def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
         """Cancel the current attempt on the route it was sent on, whether or not its
@@ -933,7 +1076,7 @@ class Processor:
             renamed.CopyFrom(result)
             renamed.task_id = task.id
             result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last))
+        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route, task.retries))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:

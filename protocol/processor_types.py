@@ -70,8 +70,8 @@ class ProcessorConfig:
     queue_timeout: how long a task waits for an engine that serves its model
         before it fails with 503 (never past the task's own deadline).
     max_task_duration: deadline of a task whose client gave none.
-    max_retries: re-dispatches of one task after a scheduling failure, the loss
-        of its engine or an engine reply of 503, before any result was delivered.
+    max_retries: re-dispatches of one task after a scheduling failure or the
+        loss of its engine, before any result was delivered.
     retry_delay: pause before a re-dispatch, so that a flapping engine is not
         hammered; 0 re-dispatches at once.
     dynamic_model_loading: when no engine serves a model, send the task to the
@@ -106,6 +106,13 @@ class ProcessorConfig:
         for the cap gets 503 instead of 429, so that the forwarding peer retries
         it elsewhere rather than handing the client a limit of this gateway's.
         None: no cap.
+    busy_backoff: seconds an engine whose runtime answered busy (503 or 429,
+        see ``BUSY_STATUSES``) without a ``Retry-After`` gets no task; with one
+        it gets none for that long (never less than ``busy_backoff``, so that a
+        ``Retry-After: 0`` cannot make a busy loop; at most ``max_busy_backoff``). The task that
+        got the answer goes to another engine with room at once, or waits in
+        the queue (for ``queue_timeout`` from its first busy answer, never past
+        its deadline) and, if time runs out, gets the runtime's own answer.
     route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
         stay blocked (its adapter reported it not draining, and no drain since)
         before the processor closes it with ``CloseRoute``; its tasks fail over
@@ -126,6 +133,8 @@ class ProcessorConfig:
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
     max_tasks_per_tenant: int | None = None
+    busy_backoff: float = 1.0
+    max_busy_backoff: float = 60.0
     route_stuck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
@@ -152,6 +161,8 @@ class ProcessorConfig:
             problems.append("max_in_flight_per_engine must be >= 1 or None")
         if self.max_tasks_per_tenant is not None and self.max_tasks_per_tenant < 1:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
+        if not 0 < self.busy_backoff <= self.max_busy_backoff:
+            problems.append("busy_backoff must be > 0 and <= max_busy_backoff")
         if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
             problems.append("route_stuck_timeout must be > 0 or None")
         if not self.control_task_prefix:
@@ -208,6 +219,11 @@ class DeliverResult:
     task_id: str
     result: worker_pb2.TaskResult
     last: bool
+    #: Who served it, for logs and metrics: the engine, the route it was reached by
+    #: (a peer's for a remote engine), and how many re-dispatches it took.
+    engine: EngineKey | None = None
+    route: Route = None
+    retries: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +244,10 @@ class FailRequest:
     message: str
     delivered: int = 0
     retry_after: float | None = None
+    #: As in :class:`DeliverResult`: the engine the task was last on (if any), its route, re-dispatches.
+    engine: EngineKey | None = None
+    route: Route = None
+    retries: int = 0
 
     def error_body(self) -> bytes:
         """The OpenAI-style JSON error body for this failure."""
@@ -307,6 +327,28 @@ Effect = Union[
     LocalEnginesChanged,
     EnginesRemoved,
 ]
+
+
+# --- busy runtimes -----------------------------------------------------------
+
+#: Runtime answers that mean "busy, try again later" rather than "this request is wrong":
+#: vLLM, SGLang and Ollama send 503 when overloaded or loading, and 429 when a queue is full.
+BUSY_STATUSES = frozenset({429, 503})
+
+
+def retry_after_seconds(response: worker_pb2.HttpResponse) -> float | None:
+    """The ``Retry-After`` of a response in seconds, or None when absent or not delay-seconds.
+
+    An HTTP-date is treated as absent: the processor has no wall clock to
+    subtract it from, and the default back-off is a safe reading of it.
+    """
+    for name, values in response.header.items():
+        if name.lower() == "retry-after" and values.values:
+            text = values.values[0].strip()
+            if text.isdigit():
+                return float(text)
+            return None
+    return None
 
 
 # --- request helpers -------------------------------------------------------

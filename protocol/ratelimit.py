@@ -45,6 +45,17 @@ class TokenBucket:
         self._tokens = float(limit.burst)
         self._updated = now
 
+    @property
+    def limit(self) -> RateLimit:
+        return self._limit
+
+    def set_limit(self, limit: RateLimit, now: float) -> None:
+        """The key's limit changed (its key file was reloaded): tokens earned so far are kept,
+        up to the new burst, and refill at the new rate from ``now``."""
+        self._refill(now)
+        self._limit = limit
+        self._tokens = min(self._tokens, float(limit.burst))
+
     def _refill(self, now: float) -> None:
         elapsed = max(0.0, now - self._updated)
         self._tokens = min(float(self._limit.burst), self._tokens + elapsed * self._limit.rate)
@@ -78,4 +89,6 @@ class RateLimiter:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = TokenBucket(limit, now)
+        elif bucket.limit != limit:
+            bucket.set_limit(limit, now)
         return bucket.take(now)

@@ -26,8 +26,9 @@ a new one):
   go to ``deliver(effect)``.
 - ``local_engines_changed(now)`` whenever the processor emits
   ``LocalEnginesChanged``; ``handle_timeout(now)`` at ``next_deadline()``.
-- ``shutdown(now)`` to drain: every engine is reported not ready, in-flight
-  tasks go on, new ones are refused; close the stream once ``drained``.
+- ``shutdown(now)`` to drain: every engine is reported not ready and the
+  report says ``draining`` (an infx extension, field 101), in-flight tasks go
+  on, new ones are refused; close the stream once ``drained``.
 - ``closed(now)`` when the stream ends: its tasks are cancelled (the peer's
   clients are gone); returns processor effects.
 """
@@ -125,7 +126,7 @@ class Receiver:
         self._requests_started = requests_started
         self._outbox: list[internal_pb2.ProcessTasksInternalRequest] = []
         self._tasks: set[str] = set()
-        self._reported: tuple[dict[tuple[str, str], bytes], dict[str, int]] | None = None
+        self._reported: tuple[dict[tuple[str, str], bytes], dict[str, int], bool] | None = None
         self._next_report: float | None = None
 
     # --- commands -----------------------------------------------------------
@@ -260,10 +261,11 @@ class Receiver:
     def _report(self, now: float, force: bool) -> None:
         statuses = self._local_statuses()
         engines = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
-        snapshot = (engines, dict(self._requests_started()))
+        draining = self.state is ReceiverState.DRAINING
+        snapshot = (engines, dict(self._requests_started()), draining)
         if force or snapshot != self._reported:
             report = internal_pb2.ServerStatus(pod_name=self.config.pod_name,
-                                               model_requests_started=snapshot[1])
+                                               model_requests_started=snapshot[1], draining=draining)
             for tenant, status in statuses:
                 report.engine_statuses.add(engine_status=status, tenant_id=tenant)
             self._outbox.append(internal_pb2.ProcessTasksInternalRequest(server_status=report))

@@ -11,7 +11,9 @@ another peer first) is left alone while that registration lasts; the sender
 remembers the peer's last report and registers such an engine as soon as the
 processor says it went (``engines_removed``), since the peer re-reports only
 when something changes on its side. Results the peer returns go into the
-processor as results of the original tasks. The per-model request counts of
+processor as results of the original tasks. A peer whose report says it is
+``draining`` (infx's field 101) has its engines registered not ready, so they
+get no new tasks from here whatever readiness they report. The per-model request counts of
 the peer's last report are kept in :attr:`Sender.requests_started` for the
 autoscaler (a LLMariner peer sends none).
 
@@ -55,6 +57,8 @@ class Sender:
         self.processor = processor
         self.route: Route = self if route is None else route
         self.pod_name = ""
+        #: The peer said it is draining (shutting down): its engines get no new tasks from here.
+        self.peer_draining = False
         #: Requests per model the peer accepted from its clients since it started, as last reported.
         self.requests_started: dict[str, int] = {}
         self._engines: set[EngineKey] = set()
@@ -112,6 +116,7 @@ class Sender:
 
     def _status_received(self, now: float, status: internal_pb2.ServerStatus) -> list[Effect]:
         self.pod_name = status.pod_name
+        self.peer_draining = status.draining
         self.requests_started = dict(status.model_requests_started)
         effects: list[Effect] = []
         reported: set[EngineKey] = set()
@@ -120,6 +125,8 @@ class Sender:
             key = EngineKey(entry.tenant_id, entry.engine_status.engine_id)
             remembered = status_pb2.EngineStatus()
             remembered.CopyFrom(entry.engine_status)
+            if status.draining:
+                remembered.ready = False
             self._reported[key] = remembered
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is not self.route:
@@ -127,7 +134,7 @@ class Sender:
                 # until it goes (engines_removed).
                 continue
             reported.add(key)
-            effects += self.processor.update_engine(now, self.route, key.tenant_id, entry.engine_status, Locality.REMOTE)
+            effects += self.processor.update_engine(now, self.route, key.tenant_id, remembered, Locality.REMOTE)
         for key in sorted(self._engines - reported, key=lambda k: (k.tenant_id, k.engine_id)):
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is self.route:

@@ -2,7 +2,7 @@
 
 It stands where vLLM or Ollama would: ``POST /v1/chat/completions``
 (JSON, or SSE when ``stream`` is true, sent with chunked transfer encoding
-one event per chunk) and ``POST /v1/embeddings``. The answer is the last
+one event per chunk), ``POST /v1/embeddings`` and ``GET /health``. The answer is the last
 user message prefixed with ``upstream:``; a user message of exactly
 ``fail with 400`` gets an OpenAI-style 400. Every request is recorded
 (path, headers, JSON body) so a test can check what the engine forwarded.
@@ -30,6 +30,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+    def do_GET(self) -> None:
+        # The engine agent's health check, answered as vLLM does; not recorded, since a test
+        # checks what the engine forwarded, and checks come at any time.
+        if self.path == "/health":
+            self._json(200, {})
+        else:
+            self._json(404, {"error": {"message": f"no route {self.path}", "type": "invalid_request_error"}})
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length", "0"))

@@ -88,3 +88,58 @@ def test_twistd_infx_cap_flags_reach_the_processor():
     options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7"])
     processor = GatewayService(Clock(), options.config_value, environ={}).processor
     assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)
+
+
+# --- listen endpoints: refused before anything starts ------------------------------------------------
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from infx.config import listen_endpoint  # noqa: E402
+
+
+@pytest.mark.parametrize("value,message", [
+    ("tcp:99999", "--http: port 99999 is out of range"),
+    ("tcp:-1", "--http: port -1 is out of range"),
+    ("tcp:port=70000", "--http: port 70000 is out of range"),
+    ("tcp:notaport", r"--http: 'tcp:notaport' is not a server endpoint \(invalid literal"),
+    ("foo:bar", r"--http: 'foo:bar' is not a server endpoint \(Unknown endpoint type: 'foo'\)"),
+    ("tcp:8080:interfce=127.0.0.1", "unexpected keyword argument 'interfce'"),
+    ("127.0.0.1:28080", r"'127.0.0.1:28080' is HOST:PORT.*did you mean tcp:28080:interface=127.0.0.1\?"),
+    ("localhost:8080", r"did you mean tcp:8080:interface=localhost\?"),
+    ("[::1]:8080", r"did you mean tcp6:8080:interface=\\:\\:1\?"),
+    ("ssl:8443:privateKey=/nonexistent/key.pem", "--http: cannot read /nonexistent/key.pem: No such file"),
+])
+def test_listen_endpoints_that_could_never_listen_are_refused(value, message):
+    with pytest.raises(ConfigError, match=message):
+        listen_endpoint(value, "--http")
+
+
+def test_an_ssl_endpoint_whose_files_are_not_pem_is_refused(tmp_path):
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a key\n")
+    with pytest.raises(ConfigError, match="certificate and private key of .* are not PEM that loads"):
+        listen_endpoint(f"ssl:8443:privateKey={junk}", "--http")
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("8080", "tcp:8080"), ("0", "tcp:0"), ("tcp:0:interface=127.0.0.1", "tcp:0:interface=127.0.0.1"),
+    ("tcp6:8080:interface=\\:\\:1", "tcp6:8080:interface=\\:\\:1"), ("unix:/run/infx.sock", "unix:/run/infx.sock"),
+    ("tcp:port=8080:backlog=100", "tcp:port=8080:backlog=100"),
+])
+def test_ports_and_endpoint_strings_that_can_listen_are_accepted(value, expected):
+    assert listen_endpoint(value, "--http") == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.text(max_size=40),
+                 st.builds(lambda kind, rest: f"{kind}:{rest}", st.sampled_from(["tcp", "tcp6", "unix", "ssl", "x"]),
+                           st.text(alphabet="0123456789:=-abcdefghinoprtx.\\", max_size=30))))
+def test_any_listen_value_is_accepted_as_an_endpoint_or_refused_with_a_config_error(value):
+    from twisted.internet.endpoints import serverFromString
+
+    try:
+        endpoint = listen_endpoint(value, "--http")
+    except ConfigError as e:
+        assert str(e).startswith("--http") and "\n" not in str(e)
+        return
+    serverFromString(None, endpoint)  # what the service will do, later, with the reactor

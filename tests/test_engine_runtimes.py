@@ -428,3 +428,84 @@ def test_openai_stream_stops_reading_the_runtime_while_the_grpc_stream_is_full(f
     blocked.callback(None)
     yield sink.done
     assert len(sink.events) == 51 and sink.events[-1].is_last_event
+
+
+# -- openai runtime: a task that carries the client's request verbatim -------------------------------
+
+
+def verbatim_task(path: str, body: bytes, *, stream: bool = False, **headers: list[str]) -> worker_pb2.Task:
+    task = worker_pb2.Task(id="v1")
+    task.request.chat_completion.model = "m"
+    task.request.chat_completion.stream = stream
+    task.request.typed_request_incomplete = "routing fields only"
+    task.request.http_request.CopyFrom(worker_pb2.HttpRequest(method="POST", path=path, body=body))
+    for name, values in headers.items():
+        task.header[name.replace("_", "-")].values.extend(values)
+    return task
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_runs_a_verbatim_request_as_it_came_and_marks_the_answer(fake_runtime):
+    fake, runtime = fake_runtime
+    body = b'{"model": "m", "messages": [], "seed": 0,  "top_k": 5}'
+    sink = Sink()
+    runtime.start(verbatim_task("/v1/chat/completions?x=1", body, Content_Type=["application/json; charset=utf-8"],
+                                User_Agent=["OpenAI/Python 9"], X_Custom=["a", "b"], Authorization=["Bearer sk"],
+                                Accept_Encoding=["gzip"]), sink)
+    yield sink.done
+    path, received, headers = fake.requests[0]
+    assert path == b"/v1/chat/completions"
+    assert received == json.loads(body)
+    assert headers[b"Content-Type"] == [b"application/json; charset=utf-8"]
+    assert headers[b"User-Agent"] == [b"OpenAI/Python 9"] and headers[b"X-Custom"] == [b"a", b"b"]
+    assert b"Authorization" not in headers and b"Accept-Encoding" not in headers
+    assert sink.results[0].verbatim_answer
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_streams_a_verbatim_request_by_its_routing_stream_flag(fake_runtime):
+    fake, runtime = fake_runtime
+    sink = Sink()
+    runtime.start(verbatim_task("/v1/chat/completions", b'{"model":"m","stream":true}', stream=True,
+                                Content_Type=["application/json"]), sink)
+    yield sink.done
+    assert sink.results[0].verbatim_answer
+    assert [e.data for e in sink.events][0] == b'data: {"n":1}\n\n'
+    assert sink.events[-1].is_last_event
+
+
+@pytest_twisted.inlineCallbacks
+def test_openai_sends_a_verbatim_multipart_body_with_the_clients_content_type(fake_runtime):
+    fake, runtime = fake_runtime
+    form = (b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nm\r\n--b\r\nContent-Disposition: form-data;'
+            b' name="file"; filename="a.mp3"\r\nContent-Type: audio/mpeg\r\n\r\nID3\x00\r\n--b--\r\n')
+    task = verbatim_task("/v1/audio/transcriptions", form, Content_Type=["multipart/form-data; boundary=b"])
+    task.request.ClearField("chat_completion")
+    task.request.audio_transcription.model = "m"
+    sink = Sink()
+    runtime.start(task, sink)
+    yield sink.done
+    _, received, headers = fake.requests[0]
+    assert received["raw"].encode("latin-1") == form
+    assert headers[b"Content-Type"] == [b"multipart/form-data; boundary=b"]
+
+
+def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
+    from infx.runtimes import CAPABILITIES
+    from protocol.engine_agent import AgentConfig, EngineAgentCore
+    from protocol.task_forms import HTTP_REQUEST_CAPABILITY
+
+    core = EngineAgentCore(AgentConfig(engine_id="e", models=("m",), capabilities=CAPABILITIES))
+    assert list(core.engine_status().infx_capabilities) == [HTTP_REQUEST_CAPABILITY]
+    assert not EngineAgentCore(AgentConfig(engine_id="e", models=("m",))).engine_status().infx_capabilities
+
+
+@pytest.mark.parametrize("path, method", [("v1/x", "POST"), ("/v1/x\r\nX-Evil: 1", "POST"), ("/v1/a b", "POST"),
+                                          ("/v1/x", "PO ST")])
+def test_openai_refuses_a_verbatim_request_line_no_runtime_should_see(fake_runtime, path, method):
+    fake, runtime = fake_runtime
+    task = verbatim_task(path, b"{}")
+    task.request.http_request.method = method
+    sink = Sink()
+    runtime.start(task, sink)
+    assert sink.finished == 1 and sink.head.status_code == 400 and not fake.requests

@@ -60,6 +60,8 @@ def test_key_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         ["--server", "gw:1", "--models", "m,m"],
         ["--server", "gw:1", "--models", "m", "--runtime", "vllm"],
         ["--server", "gw:1", "--models", "m", "--runtime", "openai"],
+        ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-check-interval", "0"],
+        ["--server", "gw:1", "--models", "m", "--upstream-api-key-file", "/nonexistent"],
         ["--server", "gw:1", "--models", "m", "--runtime", "openai", "--upstream", "ftp://x"],
         ["--server", "gw:1", "--models", "m", "--upstream", "http://x:1"],
         ["--server", "gw:1", "--models", "m", "--max-concurrency", "0"],
@@ -82,6 +84,44 @@ def test_make_service_builds_a_tree_with_the_agent(runtime: list[str]) -> None:
     assert isinstance(service, MultiService)
     agents = [s for s in service if isinstance(s, EngineAgent)]
     assert len(agents) == 1 and agents[0].core.config.models == ("m",)
+
+
+def test_openai_runtime_without_models_serves_what_the_runtime_lists() -> None:
+    options = parse("--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:8000")
+    config = options["agent-config"]
+    assert config.models == () and config.wait_for_runtime
+    assert not parse("--server", "gw:1", "--models", "m")["agent-config"].wait_for_runtime
+
+
+def test_upstream_key_comes_from_a_file_or_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    openai = ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:8000"]
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-file\n")
+    assert parse(*openai, "--upstream-api-key-file", str(key_file))["upstream-key"] is None
+    monkeypatch.setenv("INFX_UPSTREAM_API_KEY", "sk-env")
+    assert parse(*openai)["upstream-key"] == "sk-env"
+    with pytest.raises(usage.UsageError, match="not both"):
+        parse(*openai, "--upstream-api-key-file", str(key_file))
+    with pytest.raises(usage.UsageError, match="only applies to --runtime openai"):
+        parse("--server", "gw:1", "--models", "m")
+    monkeypatch.delenv("INFX_UPSTREAM_API_KEY")
+    key_file.write_text("")
+    with pytest.raises(usage.UsageError, match="--upstream-api-key-file: .* is empty"):
+        parse(*openai, "--upstream-api-key-file", str(key_file))
+
+
+def test_the_openai_tree_watches_its_runtime_and_tells_the_agent(tmp_path: Path) -> None:
+    from infx.runtime_watch import RuntimeWatch
+
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-1")
+    service = makeService(parse("--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:8000",
+                                "--upstream-api-key-file", str(key_file), "--runtime-check-interval", "2"))
+    watches = [s for s in service if isinstance(s, RuntimeWatch)]
+    agent = next(s for s in service if isinstance(s, EngineAgent))
+    assert len(watches) == 1 and watches[0].changed == agent.runtime_changed
+    assert watches[0].machine.config.interval == 2 and watches[0].machine.config.list_models
+    assert watches[0].runtime.credentials is not None and watches[0].runtime.credentials.current() == "sk-1"
 
 
 class _Output(protocol.ProcessProtocol):

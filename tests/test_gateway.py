@@ -53,6 +53,9 @@ class ScriptedRunner:
     def models(self, tenant):
         return ["m", "m2"]
 
+    def takes_http_request(self, tenant, model):
+        return False
+
     def status(self):
         return {"tasks": len(self.sinks)}
 
@@ -62,6 +65,8 @@ class ScriptedRunner:
         runner = self
 
         class Handle:
+            served_by = None
+
             def cancel(self):
                 runner.cancelled.append(submission)
 
@@ -333,7 +338,7 @@ def test_health_readiness_metrics_and_admin_status(gateway_factory):
         lambda: client(base).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}]))
     status, _, metrics = yield threads.deferToThread(raw, base, "GET", "/metrics")
     assert status == 200
-    assert b'infx_http_requests_total{endpoint="chat/completions",model="m",status="200"} 1.0' in metrics
+    assert b'infx_http_requests_total{endpoint="chat/completions",model="m",status="200",tenant="default"} 1.0' in metrics
     status, _, dump = yield threads.deferToThread(raw, base, "GET", "/admin/status")
     assert status == 200 and "tasks" in json.loads(dump)
 

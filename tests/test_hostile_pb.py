@@ -185,7 +185,10 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
     RemoteProtocolError; every task it starts ends when the stream closes."""
     processor = Processor()
     engine = object()
-    processor.update_engine(0, engine, "t", status("e1", "m"), Locality.LOCAL)
+    engine_status = status("e1", "m")
+    if data.draw(st.booleans()):  # an infx engine, which takes verbatim requests too
+        engine_status.infx_capabilities.append("http-request")
+    processor.update_engine(0, engine, "t", engine_status, Locality.LOCAL)
     receiver = Receiver(processor, ReceiverConfig(pod_name="me"))
     receiver.connected(0)
     receiver.pop_messages()

@@ -8,7 +8,9 @@ from openai.types import Completion
 from protocol.openai import (
     UpstreamError,
     text_completion_body,
+    text_completion_chunk_from_chat,
     text_completion_event_data,
+    text_completion_from_chat,
 )
 
 CHAT = {
@@ -72,3 +74,16 @@ def test_a_malformed_runtime_answer_is_a_502(data):
         text_completion_body(data)
     assert info.value.status == 502
     assert json.loads(info.value.to_json())["error"]["type"] == "upstream_error"
+
+
+def test_vllm_stop_reason_and_prompt_logprobs_survive_the_conversion():
+    chat = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+            "prompt_logprobs": [None, {"11": {"logprob": -1.5}}],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+                         "stop_reason": 50256}]}
+    choice = text_completion_from_chat(chat)["choices"][0]
+    assert choice["stop_reason"] == 50256
+    assert choice["prompt_logprobs"] == [None, {"11": {"logprob": -1.5}}]
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": "y"}, "finish_reason": "stop", "stop_reason": "END"}]}
+    assert text_completion_chunk_from_chat(chunk)["choices"][0]["stop_reason"] == "END"

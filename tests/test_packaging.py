@@ -49,3 +49,40 @@ def test_wheel_installs_packages_and_plugins(tmp_path):
     ).stdout
     commands = {line.split()[0] for line in help_text.splitlines() if line.startswith("    ") and line.split()}
     assert {"infx", "infx-engine"} <= commands, help_text
+
+
+def test_after_the_install_step_of_the_dockerfile_twistd_has_no_plugin_cache_to_write(tmp_path):
+    """A non-root user cannot write ``site-packages/twisted/plugins/dropin.cache``; after
+    ``python -m infx.plugin_cache`` (the Dockerfile's step) no twistd start needs to."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "python -m infx.plugin_cache" in dockerfile
+    fresh = tmp_path / "venv"
+    venv.create(fresh, with_pip=False)
+    python = fresh / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(wheels), str(ROOT)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
+                    *map(str, wheels.glob("infx-*.whl"))], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cache = site / "twisted" / "plugins" / "dropin.cache"
+    assert not cache.exists()  # what a non-root user's first twistd would try to write
+
+    step = subprocess.run([str(python), "-m", "infx.plugin_cache"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert step.returncode == 0, step.stderr
+    caches = {path: path.stat().st_mtime_ns for path in [cache, *Path(sysconfig.get_paths()["purelib"]).glob(
+        "twisted/plugins/dropin.cache")]}
+    assert cache in caches
+
+    twistd = "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"
+    result = subprocess.run([str(python), "-c", twistd, "infx", "--version"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("infx "), result.stderr
+    assert {path: path.stat().st_mtime_ns for path in caches} == caches, "twistd rewrote a plugin cache"
+    check = subprocess.run([str(python), "-c", "from infx.plugin_cache import stale_caches; print(stale_caches())"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert check.stdout.strip() == "[]"

@@ -83,7 +83,7 @@ def test_waiting_only_for_a_slot_is_not_reported_to_the_scaler_as_a_missing_mode
     assert p.waiting_task_ids("t", "m") == ["b"]
 
 
-@pytest.mark.parametrize("ending", ["cancel", "deadline", "stream_error", "engine_503"])
+@pytest.mark.parametrize("ending", ["cancel", "deadline", "stream_error", "engine_500"])
 def test_every_way_a_task_leaves_an_engine_frees_its_slot(ending):
     p = make(max_in_flight_per_engine=1, retry_delay=0, max_retries=0)
     join(p, "e1", "m")
@@ -98,7 +98,7 @@ def test_every_way_a_task_leaves_an_engine_frees_its_slot(ending):
         p.receive_result(T0 + 1, "route-e1", http("a"))
         effects = p.receive_result(T0 + 1, "route-e1", http("a", index=1))  # an HttpResponse mid-stream
     else:
-        effects = p.receive_result(T0 + 1, "route-e1", http("a", code=503))
+        effects = p.receive_result(T0 + 1, "route-e1", http("a", code=500))
     assert not p.has_task("a")
     assert sent(effects) == [("b", "e1")]
 

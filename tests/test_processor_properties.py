@@ -1,7 +1,9 @@
 """Property test of the processor: random interleavings of engine joins, leaves and
 readiness flips, results (in order, out of order, duplicated, 503s), client cancels,
-slow consumers and clock steps. Every accepted task ends exactly once, nothing is
-delivered out of order or after the end, and the internal books stay consistent;
+slow consumers and clock steps, with infx and LLMariner engines and requests in
+typed, verbatim or both forms. Every accepted task ends exactly once, nothing is
+delivered out of order or after the end, every engine gets only a form it takes
+(a verbatim body travels alone), and the internal books stay consistent;
 with the caps on, no engine holds more than its cap, no slot stays idle while a task
 it could serve waits, and a tenant is refused (429) only when it is itself at its cap."""
 
@@ -22,6 +24,7 @@ from protocol.processor_types import (
     ProcessorConfig,
     SendTask,
 )
+from protocol import task_forms
 from tests.processor_helpers import chat, engine_status, http, sse
 
 ENGINES = ["e0", "e1", "e2"]
@@ -29,11 +32,11 @@ MODELS = ["m0", "m1"]
 DEAF = "e2"  # the one engine that never answers heartbeats
 
 join = st.tuples(st.just("join"), st.sampled_from(ENGINES), st.sets(st.sampled_from(MODELS)),
-                 st.sampled_from([True, True, True, False]), st.sampled_from(list(Locality)))
+                 st.sampled_from([True, True, True, False]), st.sampled_from(list(Locality)), st.booleans())
 # Tenant "u" has no engines: its tasks only wait, and must never crowd out tenant "t".
 submit = st.tuples(st.just("submit"), st.sampled_from(MODELS), st.booleans(),
                    st.sampled_from([None, None, None, None, *ENGINES]), st.sampled_from([None, 5.0, 50.0]),
-                   st.sampled_from(["t", "t", "t", "u"]))
+                   st.sampled_from(["t", "t", "t", "u"]), st.sampled_from(["typed", "typed", "both", "verbatim"]))
 result = st.tuples(st.just("result"), st.integers(0, 50),
                    st.sampled_from(["next"] * 6 + ["last"] * 2 + ["skip", "dup", "503", "500"]))
 OPS = {
@@ -46,13 +49,30 @@ OPS = {
     "send_failed": st.tuples(st.just("send_failed"), st.integers(0, 50)),
     "tick": st.tuples(st.just("tick"), st.sampled_from([0.5, 1.0, 1.0, 3.0, 3.0, 10.0, 40.0])),
     "go_away": st.tuples(st.just("go_away")),
+    "drain": st.tuples(st.just("drain")),
 }
 # Weighted so that a typical script runs many tasks through to their results.
 WEIGHTS = {"join": 2, "submit": 4, "result": 10, "leave": 1, "cancel": 1, "consume": 3, "send_failed": 1,
-           "tick": 3, "go_away": 1}
+           "tick": 3, "go_away": 1, "drain": 1}
 ops = st.sampled_from([kind for kind, weight in WEIGHTS.items() for _ in range(weight)]).flatmap(OPS.__getitem__)
 # Two engines serve both models at the start, so that most scripts get tasks onto engines.
-START = [("join", "e0", {"m0", "m1"}, True, Locality.LOCAL), ("join", "e1", {"m0", "m1"}, True, Locality.REMOTE)]
+START = [("join", "e0", {"m0", "m1"}, True, Locality.LOCAL, True),
+         ("join", "e1", {"m0", "m1"}, True, Locality.REMOTE, False)]
+
+
+def request_in(form: str, model: str, stream: bool):
+    """A request in one of the forms the gateway submits: typed only, typed + verbatim, verbatim only."""
+    request = chat(model, stream)
+    if form == "typed":
+        return request
+    if form == "verbatim":
+        request = task_forms.routing_fields("chat_completion", model, stream)
+        request.typed_request_incomplete = "the typed form refused it"
+    else:
+        request.chat_completion.user = "typed detail"
+    request.http_request.path = "/v1/chat/completions"
+    request.http_request.body = b'{"model":"%s"}' % model.encode()
+    return request
 script = st.lists(ops, min_size=20, max_size=100).map(lambda ops: START + ops)
 
 
@@ -71,6 +91,8 @@ class World:
         self.on_engine: dict[str, tuple[str, str, int]] = {}
         self.route_gen: dict[str, int] = defaultdict(int)
         self.tenant_of: dict[str, str] = {}
+        self.form_of: dict[str, str] = {}
+        self.capable: dict[str, bool] = {}
 
     def route(self, engine_id: str) -> str:
         return f"{engine_id}#{self.route_gen[engine_id]}"
@@ -78,7 +100,15 @@ class World:
     def apply(self, effects: list[object]) -> None:
         for effect in effects:
             if isinstance(effect, SendTask):
-                kind = effect.task.request.WhichOneof("request")
+                request = effect.task.request
+                kind = request.WhichOneof("request")
+                if request.HasField("http_request"):
+                    assert self.capable[effect.engine.engine_id], "a verbatim request sent to a LLMariner engine"
+                    assert not request.chat_completion.user, "the typed details travel beside the verbatim body"
+                elif kind == "chat_completion":
+                    assert not request.typed_request_incomplete
+                    task_id = effect.task.id.split("#")[0]
+                    assert self.form_of.get(task_id, "typed") != "verbatim", "a task with no typed form sent typed"
                 if kind == "chat_completion":
                     self.on_engine[effect.task.id] = (str(effect.route), effect.engine.engine_id, 0)
                 elif kind == "heartbeat" and effect.engine.engine_id != DEAF:
@@ -116,8 +146,11 @@ class World:
     def step(self, op: tuple) -> None:  # type: ignore[type-arg]
         p, kind = self.p, op[0]
         if kind == "join":
-            _, engine_id, models, ready, locality = op
+            _, engine_id, models, ready, locality, capable = op
             status = engine_status(engine_id, *sorted(models), ready=ready)
+            if capable:
+                status.infx_capabilities.append(task_forms.HTTP_REQUEST_CAPABILITY)
+            self.capable[engine_id] = capable
             self.apply(p.update_engine(self.now, self.route(engine_id), "t", status, locality))
         elif kind == "leave":
             _, engine_id, whole_stream = op
@@ -127,14 +160,16 @@ class World:
             elif p.engine_counts() and engine_id in p.status()["tenants"].get("t", {}).get("engines", {}):
                 self.apply(p.remove_engine(self.now, "t", engine_id, "left"))
         elif kind == "submit":
-            _, model, stream, target, timeout, tenant = op
+            _, model, stream, target, timeout, tenant, form = op
             self.n += 1
             task_id = f"task{self.n}"
             live_before = sum(1 for t in self.live_tasks() if self.tenant_of[t] == tenant)
             self.accepted.append(task_id)
             self.tenant_of[task_id] = tenant
+            self.form_of[task_id] = form
             deadline = None if timeout is None else self.now + timeout
-            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=chat(model, stream), origin="c",
+            request = request_in(form, model, stream)
+            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=request, origin="c",
                                deadline=deadline, target_engine_id=target or "")
             refused = any(isinstance(e, FailRequest) and e.status == 429 for e in effects)
             cap = p.config.max_tasks_per_tenant
@@ -178,6 +213,8 @@ class World:
             assert deadline is None or deadline > self.now, "a timer due now was not fired"
         elif kind == "go_away":
             self.apply(p.go_away(self.now))
+        elif kind == "drain":
+            self.apply(p.drain(self.now))
         self.check()
 
     def check(self) -> None:
@@ -200,19 +237,20 @@ class World:
         self.check_no_idle_slot()
 
     def check_no_idle_slot(self) -> None:
-        """A task waits only while every engine that would take it is full (or none would)."""
+        """A task waits only while every engine that would take it is full or its runtime busy
+        (or none would)."""
         p = self.p
         engine_cap = p.config.max_in_flight_per_engine
         if engine_cap is None:
             return
         engines = p.status()["tenants"].get("t", {}).get("engines", {})
         for model in MODELS:
-            if not p.waiting_task_ids("t", model):
-                continue
-            for engine_id, e in engines.items():
-                takes = e["ready"] and not e["draining"] and (
-                    p.config.dynamic_model_loading or any(m["id"] == model and m["ready"] for m in e["models"]))
-                assert not takes or len(e["tasks"]) >= engine_cap, f"{engine_id} has a free slot while tasks wait"
+            for task_id in p.waiting_task_ids("t", model):
+                for engine_id, e in engines.items():
+                    takes = e["ready"] and not e["draining"] and e["busy_until"] is None and (
+                        p.config.dynamic_model_loading or any(m["id"] == model and m["ready"] for m in e["models"]))
+                    takes = takes and (self.form_of[task_id] != "verbatim" or self.capable[engine_id])
+                    assert not takes or len(e["tasks"]) >= engine_cap, f"{engine_id} has a free slot while tasks wait"
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

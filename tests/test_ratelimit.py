@@ -60,3 +60,17 @@ def test_admitted_requests_never_exceed_burst_plus_rate_times_elapsed(rate, burs
         now += step
         admitted += bucket.take(now).allowed
         assert admitted <= burst + rate * now + 1e-6
+
+
+def test_a_changed_limit_for_a_key_applies_at_once_without_minting_tokens():
+    """A reloaded key file may change a key's limit: the next request is judged by the new one."""
+    limiter = RateLimiter()
+    generous, strict = RateLimit(rate=10, burst=10), RateLimit(rate=1, burst=2)
+    assert all(limiter.take("k", generous, 0.0).allowed for _ in range(5))
+    first = limiter.take("k", strict, 0.0)
+    assert first.allowed and first.limit == 2  # 5 tokens left, capped at the new burst of 2
+    assert limiter.take("k", strict, 0.0).allowed
+    refused = limiter.take("k", strict, 0.0)
+    assert not refused.allowed and refused.retry_after == 1.0
+    assert limiter.take("k", generous, 0.0).allowed is False  # raising the limit mints nothing now
+    assert limiter.take("k", generous, 0.1).allowed  # ...and refills at the new rate

@@ -281,3 +281,14 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
     assert delivered.origin is stream
     h.r.deliver(delivered)
     assert [r.task_id for r in h.results()] == ["task-1"]
+
+
+def test_a_draining_report_says_so_even_with_no_engine_to_mark_not_ready():
+    p = Processor()
+    r = Receiver(p, ReceiverConfig("pod-b", status_interval=10))
+    r.connected(T0)
+    [first] = [m.server_status for m in r.pop_messages()]
+    assert not first.draining
+    r.shutdown(T0 + 1)
+    [draining] = [m.server_status for m in r.pop_messages()]
+    assert draining.draining and list(draining.engine_statuses) == []

@@ -41,7 +41,7 @@ class Sink:
         self.status: int | None = None
         self.failure: tuple[int, str, float | None] | None = None
 
-    def response_received(self, response: Any) -> None:
+    def response_received(self, response: Any, verbatim: bool = False) -> None:
         self.status = response.status_code
 
     def event_received(self, data: bytes) -> None:

@@ -371,12 +371,12 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     # B's engine leaves, and A has not heard of it yet when it forwards a task there.
     b.p.remove_engine(network.now, "t", "eb", "crashed")
     a.request("task-1")
-    assert a.p.task_state("task-1") is TaskState.RETRY_PENDING and a.p.counters.retries == 1
+    # The refusal is a busy answer (a peer's 503): the task waits, with no engine left for it.
+    assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.busy_replies == 1
     network.links[0][0].local_engines_changed(network.now)  # B's report catches up
     network.pump()
     assert a.p.engine("t", "eb") is None
     a.engine_joins("ea")
-    network.tick(RETRY_DELAY)
     assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
 
 
@@ -553,3 +553,17 @@ def test_through_two_gateways_every_request_ends_exactly_once_whatever_the_inter
     assert sorted(ex.a.ended | ex.cancelled) == sorted(ex.requested)
     assert not ex.a.ended & ex.cancelled
     assert ex.a.p.status()["tasks"] == 0 and ex.b.p.status()["tasks"] == 0
+
+
+def test_a_draining_peers_engines_get_no_new_tasks_whatever_readiness_they_report():
+    p = Processor(ProcessorConfig(queue_timeout=5))
+    s = Sender(p)
+    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    assert not s.peer_draining and p.engine("t", "e1").routable
+    draining = report("pod-b", ("t", "e1", True))
+    draining.server_status.draining = True
+    s.message_received(T0, draining)
+    assert s.peer_draining and not p.engine("t", "e1").routable
+    assert not only(submit(p, "a"), SendTask)
+    # The peer came back (a new process under the same name, not draining): routable again.
+    assert only(s.message_received(T0, report("pod-b", ("t", "e1", True))), SendTask)

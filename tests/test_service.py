@@ -74,7 +74,7 @@ def test_metrics_export_engines_and_task_counts_read_at_scrape_time(running_gate
 
     text = generate_latest(gateway.registry).decode()
     assert 'infx_engines{locality="local",tenant="default"} 1.0' in text
-    assert 'infx_http_requests_total{endpoint="chat/completions",model="echo",status="200"} 1.0' in text
+    assert 'infx_http_requests_total{endpoint="chat/completions",model="echo",status="200",tenant="default"} 1.0' in text
     assert "# TYPE infx_tasks_queued gauge" in text and "# TYPE infx_tasks_in_flight gauge" in text
     assert gateway.registry.get_sample_value("infx_task_retries_total") == 0
     assert gateway.registry.get_sample_value("infx_tasks_ended_total", {"outcome": "completed"}) == 1
@@ -127,3 +127,31 @@ def test_heartbeats_keep_answering_engines_and_remove_silent_ones(running_gatewa
     finally:
         outbox.put(None)
         channel.close()
+
+
+@pytest_twisted.inlineCallbacks
+def test_the_builtin_echo_engine_serves_the_echo_tenant_reached_with_that_tenants_key(running_gateway, tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {key: sk-a, tenant: team-a}\n  - {key: sk-default}\n")
+    gateway, base = yield running_gateway(echo_models="echo", echo_tenant="team-a", api_keys=str(keys))
+    for _ in range(200):
+        if gateway.dispatcher.models("team-a"):
+            break
+        yield task.deferLater(reactor, 0.02, lambda: None)
+
+    def chat_as(key):
+        client = openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=10)
+        return client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
+
+    reply = yield threads.deferToThread(chat_as, "sk-a")
+    assert reply.choices[0].message.content == "hi"
+    with pytest.raises(openai.NotFoundError):
+        yield threads.deferToThread(chat_as, "sk-default")
+    assert list(gateway.dispatcher.status()["tenants"]["team-a"]["engines"]) == ["builtin-echo"]
+
+
+def test_an_echo_tenant_other_than_default_needs_a_key_file():
+    from infx.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--echo-tenant 'team-a' needs --api-keys"):
+        build_config({}, {"echo_models": "echo", "echo_tenant": "team-a"})

@@ -93,6 +93,44 @@ def test_cancel_task_is_an_infx_extension_at_field_100():
     assert encode(message) == b"\xa2\x06" + bytes([4]) + ld(1, "t9")
 
 
+def test_http_request_and_incomplete_typed_request_are_infx_extensions_at_101_and_102():
+    message = worker_pb2.TaskRequest(
+        chat_completion=chat_pb2.CreateChatCompletionRequest(model="m", stream=True),
+        http_request=worker_pb2.HttpRequest(method="POST", path="/v1/completions", body=b'{"a":1}'),
+        typed_request_incomplete="routing fields only",
+    )
+    http = ld(1, "POST") + ld(2, "/v1/completions") + ld(3, b'{"a":1}')
+    chat = ld(2, "m") + boolean(13)  # CreateChatCompletionRequest.model = 2, stream = 13
+    assert encode(message) == ld(1, chat) + ld(101, http) + ld(102, "routing fields only")
+
+
+def test_a_llmariner_engine_reads_an_http_request_task_as_its_typed_request():
+    message = worker_pb2.TaskRequest(
+        embedding=embeddings_pb2.CreateEmbeddingRequest(model="m", input="hi"),
+        http_request=worker_pb2.HttpRequest(method="POST", path="/v1/embeddings", body=b"{}"),
+    )
+    # A peer without fields 101/102 parses the same bytes: the oneof survives.
+    assert encode(message).startswith(ld(2, ld(1, "hi") + ld(2, "m")))
+    old = worker_pb2.TaskRequest.FromString(ld(2, ld(1, "hi") + ld(2, "m")) + ld(101, ld(2, "/x")))
+    assert old.embedding.model == "m" and old.http_request.path == "/x"
+
+
+def test_verbatim_answer_flag_is_an_infx_extension_at_field_100_of_task_result():
+    result = worker_pb2.TaskResult(
+        task_id="t1", http_response=worker_pb2.HttpResponse(status_code=200), verbatim_answer=True
+    )
+    assert encode(result) == ld(1, "t1") + ld(2, uint(1, 200)) + boolean(100)
+
+
+def test_engine_capabilities_are_an_infx_extension_at_field_100_of_engine_status():
+    status = status_pb2.EngineStatus(engine_id="e1", infx_capabilities=["http-request"])
+    assert encode(status) == ld(1, "e1") + ld(100, "http-request")
+    report = internal_pb2.ServerStatus(
+        engine_statuses=[internal_pb2.ServerStatus.EngineStatusWithTenantID(engine_status=status, tenant_id="t")]
+    )
+    assert internal_pb2.ServerStatus.FromString(encode(report)).engine_statuses[0].engine_status == status
+
+
 def test_task_result_http_response_arm():
     result = worker_pb2.TaskResult(
         task_id="t1",
@@ -147,6 +185,20 @@ def test_engine_status_with_models():
     assert encode(worker_pb2.ProcessTasksRequest(engine_status=status)) == ld(1, expected)
 
 
+def test_model_runtime_load_is_an_infx_extension_at_field_105():
+    load = status_pb2.EngineStatus.RuntimeLoad(
+        running_requests=3, waiting_requests=1, kv_cache_usage=0.5, prefix_cache_hit_rate=0.25,
+        loaded_adapters=["sql-lora"], source="vllm",
+    )
+    model = status_pb2.EngineStatus.Model(id="llama", runtime_load=load)
+    load_bytes = uint(1, 3) + uint(2, 1) + double(3, 0.5) + double(4, 0.25) + ld(5, "sql-lora") + ld(6, "vllm")
+    assert encode(model) == ld(1, "llama") + ld(105, load_bytes)
+    # Presence is carried: an explicit 0.0 KV usage is not "not reported".
+    idle = status_pb2.EngineStatus.RuntimeLoad(kv_cache_usage=0.0)
+    assert encode(idle) == double(3, 0.0)
+    assert idle.HasField("kv_cache_usage") and not idle.HasField("prefix_cache_hit_rate")
+
+
 def test_server_status_and_internal_request():
     status = internal_pb2.ServerStatus(
         pod_name="gw-0",
@@ -174,6 +226,14 @@ def test_server_status_request_counts_are_an_infx_extension_at_field_100():
     assert encode(internal_pb2.ProcessTasksInternalRequest(server_status=status)) == ld(1, expected)
 
 
+def test_server_status_draining_is_an_infx_extension_at_field_101():
+    status = internal_pb2.ServerStatus(pod_name="gw-0", draining=True)
+    # tag for field 101, wire type 0 is the varint 808 = a8 06
+    assert boolean(101) == b"\xa8\x06\x01"
+    assert encode(status) == ld(1, "gw-0") + boolean(101)
+    assert not internal_pb2.ServerStatus.FromString(ld(1, "gw-0")).draining
+
+
 def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     """A ServerStatus without field 100 (LLMariner's) parses infx's report, skipping the counts."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -186,7 +246,7 @@ def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     llmariner_status = message_factory.GetMessageClass(pool.FindMessageTypeByName("llmariner_compat.ServerStatus"))
-    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3})
+    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3}, draining=True)
     parsed = llmariner_status.FromString(encode(sent))
     assert parsed.pod_name == "gw-0"
     # Old reports (no field 100) parse here with no counts.

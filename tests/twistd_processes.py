@@ -162,12 +162,16 @@ class Gateway:
         engines: dict[str, Any] = self.status()["tenants"].get(tenant, {}).get("engines", {})
         return engines
 
-    def wait_for_engine(self, engine_id: str, tenant: str = "default", children: Sequence[TwistdChild] = ()) -> None:
-        """Until the engine is registered with every model ready."""
+    def wait_for_engine(self, engine_id: str, tenant: str = "default", children: Sequence[TwistdChild] = (),
+                        models_ready: bool = True) -> None:
+        """Until the engine is registered with every model ready (or, without ``models_ready``,
+        registered at all: its runtime may not answer yet)."""
 
         def ready() -> bool:
             engine = self.engines(tenant).get(engine_id)
-            return bool(engine and engine["ready"] and all(m["ready"] for m in engine["models"]))
+            if not models_ready:
+                return bool(engine)
+            return bool(engine and engine["ready"] and engine["models"] and all(m["ready"] for m in engine["models"]))
 
         wait_until(ready, f"engine {engine_id} to register", [self.child, *children])
 
@@ -186,18 +190,23 @@ class Engine:
 
     def __init__(self, log_dir: Path, gateway: Gateway, engine_id: str, models: Sequence[str], *,
                  runtime: str = "echo", upstream: str | None = None, token_delay: float | None = None,
-                 key: str | None = None, tenant: str = "default", extra: Sequence[str] = ()) -> None:
+                 key: str | None = None, tenant: str = "default", extra: Sequence[str] = (),
+                 env: dict[str, str] | None = None, models_ready: bool = True) -> None:
+        """``models`` may be empty with the openai runtime (it serves what its runtime lists);
+        ``models_ready=False`` waits only for the engine to register (its runtime may be down)."""
         self.engine_id = engine_id
-        args = ["infx-engine", "--server", gateway.worker_address, "--models", ",".join(models),
-                "--engine-id", engine_id, "--runtime", runtime, *extra]
+        args = ["infx-engine", "--server", gateway.worker_address, "--engine-id", engine_id, "--runtime", runtime,
+                *extra]
+        if models:
+            args += ["--models", ",".join(models)]
         if upstream is not None:
             args += ["--upstream", upstream]
         if token_delay is not None:
             args += ["--token-delay", str(token_delay)]
         # The key travels in the environment, as the option's help recommends.
-        env = {"INFX_ENGINE_KEY": key} if key else {}
-        self.child = TwistdChild(f"engine-{engine_id}", args, log_dir, env)
-        gateway.wait_for_engine(engine_id, tenant, [self.child])
+        child_env = {"INFX_ENGINE_KEY": key} if key else {}
+        self.child = TwistdChild(f"engine-{engine_id}", args, log_dir, {**child_env, **(env or {})})
+        gateway.wait_for_engine(engine_id, tenant, [self.child], models_ready=models_ready)
 
     def stop(self) -> None:
         self.child.stop()

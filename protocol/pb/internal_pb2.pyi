@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ServerStatus(_message.Message):
-    __slots__ = ("pod_name", "engine_statuses", "model_requests_started")
+    __slots__ = ("pod_name", "engine_statuses", "model_requests_started", "draining")
     class EngineStatusWithTenantID(_message.Message):
         __slots__ = ("engine_status", "tenant_id")
         ENGINE_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -27,10 +27,12 @@ class ServerStatus(_message.Message):
     POD_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STATUSES_FIELD_NUMBER: _ClassVar[int]
     MODEL_REQUESTS_STARTED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     pod_name: str
     engine_statuses: _containers.RepeatedCompositeFieldContainer[ServerStatus.EngineStatusWithTenantID]
     model_requests_started: _containers.ScalarMap[str, int]
-    def __init__(self, pod_name: _Optional[str] = ..., engine_statuses: _Optional[_Iterable[_Union[ServerStatus.EngineStatusWithTenantID, _Mapping]]] = ..., model_requests_started: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, pod_name: _Optional[str] = ..., engine_statuses: _Optional[_Iterable[_Union[ServerStatus.EngineStatusWithTenantID, _Mapping]]] = ..., model_requests_started: _Optional[_Mapping[str, int]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ProcessTasksInternalRequest(_message.Message):
     __slots__ = ("server_status", "task_result")

@@ -30,7 +30,7 @@ from protocol.pb import status_pb2 as protocol_dot_pb_dot_status__pb2
 from protocol.pb import tokenize_pb2 as protocol_dot_pb_dot_tokenize__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/worker.proto\x12\x1dllmariner.inference.server.v1\x1a\x17protocol/pb/audio.proto\x1a\x16protocol/pb/chat.proto\x1a\x1cprotocol/pb/embeddings.proto\x1a protocol/pb/model_response.proto\x1a\x18protocol/pb/status.proto\x1a\x1aprotocol/pb/tokenize.proto\"\x1d\n\x0bHeaderValue\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xf9\x01\n\x0cHttpResponse\x12\x13\n\x0bstatus_code\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12G\n\x06header\x18\x03 \x03(\x0b\x32\x37.llmariner.inference.server.v1.HttpResponse.HeaderEntry\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x12\x12\n\nlatency_ms\x18\x05 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"J\n\x0fServerSentEvent\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\ris_last_event\x18\x02 \x01(\x08\x12\x12\n\nlatency_ms\x18\x03 \x01(\x05\"\xd1\x01\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x44\n\rhttp_response\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.HttpResponseH\x00\x12K\n\x11server_sent_event\x18\x03 \x01(\x0b\x32..llmariner.inference.server.v1.ServerSentEventH\x00\x12\x14\n\x0cresult_index\x18\x04 \x01(\x05\x42\t\n\x07message\"\xa8\x01\n\x13ProcessTasksRequest\x12\x44\n\rengine_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"\x0f\n\rGoAwayRequest\"\x12\n\x10HeartbeatRequest\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"\x81\x05\n\x0bTaskRequest\x12P\n\x0f\x63hat_completion\x18\x01 \x01(\x0b\x32\x35.llmariner.chat.server.v1.CreateChatCompletionRequestH\x00\x12K\n\tembedding\x18\x02 \x01(\x0b\x32\x36.llmariner.embeddings.server.v1.CreateEmbeddingRequestH\x00\x12?\n\x07go_away\x18\x05 \x01(\x0b\x32,.llmariner.inference.server.v1.GoAwayRequestH\x00\x12\x44\n\theartbeat\x18\x06 \x01(\x0b\x32/.llmariner.inference.server.v1.HeartbeatRequestH\x00\x12Y\n\x13\x61udio_transcription\x18\x07 \x01(\x0b\x32:.llmariner.audio.server.v1.CreateAudioTranscriptionRequestH\x00\x12R\n\x0emodel_response\x18\x08 \x01(\x0b\x32\x38.llmariner.response.server.v1.CreateModelResponseRequestH\x00\x12I\n\x10tokenize_request\x18\t \x01(\x0b\x32-.llmariner.tokenize.server.v1.TokenizeRequestH\x00\x12G\n\x0b\x63\x61ncel_task\x18\x64 \x01(\x0b\x32\x30.llmariner.inference.server.v1.CancelTaskRequestH\x00\x42\t\n\x07request\"\x97\x02\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12?\n\x06header\x18\x03 \x03(\x0b\x32/.llmariner.inference.server.v1.Task.HeaderEntry\x12;\n\x07request\x18\x04 \x01(\x0b\x32*.llmariner.inference.server.v1.TaskRequest\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"M\n\x14ProcessTasksResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task2\x97\x01\n\x16InferenceWorkerService\x12}\n\x0cProcessTasks\x12\x32.llmariner.inference.server.v1.ProcessTasksRequest\x1a\x33.llmariner.inference.server.v1.ProcessTasksResponse\"\x00(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/worker.proto\x12\x1dllmariner.inference.server.v1\x1a\x17protocol/pb/audio.proto\x1a\x16protocol/pb/chat.proto\x1a\x1cprotocol/pb/embeddings.proto\x1a protocol/pb/model_response.proto\x1a\x18protocol/pb/status.proto\x1a\x1aprotocol/pb/tokenize.proto\"\x1d\n\x0bHeaderValue\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xf9\x01\n\x0cHttpResponse\x12\x13\n\x0bstatus_code\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12G\n\x06header\x18\x03 \x03(\x0b\x32\x37.llmariner.inference.server.v1.HttpResponse.HeaderEntry\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x12\x12\n\nlatency_ms\x18\x05 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"J\n\x0fServerSentEvent\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\ris_last_event\x18\x02 \x01(\x08\x12\x12\n\nlatency_ms\x18\x03 \x01(\x05\"\xea\x01\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x44\n\rhttp_response\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.HttpResponseH\x00\x12K\n\x11server_sent_event\x18\x03 \x01(\x0b\x32..llmariner.inference.server.v1.ServerSentEventH\x00\x12\x14\n\x0cresult_index\x18\x04 \x01(\x05\x12\x17\n\x0fverbatim_answer\x18\x64 \x01(\x08\x42\t\n\x07message\"\xa8\x01\n\x13ProcessTasksRequest\x12\x44\n\rengine_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"\x0f\n\rGoAwayRequest\"\x12\n\x10HeartbeatRequest\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"9\n\x0bHttpRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\"\xe5\x05\n\x0bTaskRequest\x12P\n\x0f\x63hat_completion\x18\x01 \x01(\x0b\x32\x35.llmariner.chat.server.v1.CreateChatCompletionRequestH\x00\x12K\n\tembedding\x18\x02 \x01(\x0b\x32\x36.llmariner.embeddings.server.v1.CreateEmbeddingRequestH\x00\x12?\n\x07go_away\x18\x05 \x01(\x0b\x32,.llmariner.inference.server.v1.GoAwayRequestH\x00\x12\x44\n\theartbeat\x18\x06 \x01(\x0b\x32/.llmariner.inference.server.v1.HeartbeatRequestH\x00\x12Y\n\x13\x61udio_transcription\x18\x07 \x01(\x0b\x32:.llmariner.audio.server.v1.CreateAudioTranscriptionRequestH\x00\x12R\n\x0emodel_response\x18\x08 \x01(\x0b\x32\x38.llmariner.response.server.v1.CreateModelResponseRequestH\x00\x12I\n\x10tokenize_request\x18\t \x01(\x0b\x32-.llmariner.tokenize.server.v1.TokenizeRequestH\x00\x12G\n\x0b\x63\x61ncel_task\x18\x64 \x01(\x0b\x32\x30.llmariner.inference.server.v1.CancelTaskRequestH\x00\x12@\n\x0chttp_request\x18\x65 \x01(\x0b\x32*.llmariner.inference.server.v1.HttpRequest\x12 \n\x18typed_request_incomplete\x18\x66 \x01(\tB\t\n\x07request\"\x97\x02\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12?\n\x06header\x18\x03 \x03(\x0b\x32/.llmariner.inference.server.v1.Task.HeaderEntry\x12;\n\x07request\x18\x04 \x01(\x0b\x32*.llmariner.inference.server.v1.TaskRequest\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"M\n\x14ProcessTasksResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task2\x97\x01\n\x16InferenceWorkerService\x12}\n\x0cProcessTasks\x12\x32.llmariner.inference.server.v1.ProcessTasksRequest\x1a\x33.llmariner.inference.server.v1.ProcessTasksResponse\"\x00(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,23 +50,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERSENTEVENT']._serialized_start=509
   _globals['_SERVERSENTEVENT']._serialized_end=583
   _globals['_TASKRESULT']._serialized_start=586
-  _globals['_TASKRESULT']._serialized_end=795
-  _globals['_PROCESSTASKSREQUEST']._serialized_start=798
-  _globals['_PROCESSTASKSREQUEST']._serialized_end=966
-  _globals['_GOAWAYREQUEST']._serialized_start=968
-  _globals['_GOAWAYREQUEST']._serialized_end=983
-  _globals['_HEARTBEATREQUEST']._serialized_start=985
-  _globals['_HEARTBEATREQUEST']._serialized_end=1003
-  _globals['_CANCELTASKREQUEST']._serialized_start=1005
-  _globals['_CANCELTASKREQUEST']._serialized_end=1041
-  _globals['_TASKREQUEST']._serialized_start=1044
-  _globals['_TASKREQUEST']._serialized_end=1685
-  _globals['_TASK']._serialized_start=1688
-  _globals['_TASK']._serialized_end=1967
+  _globals['_TASKRESULT']._serialized_end=820
+  _globals['_PROCESSTASKSREQUEST']._serialized_start=823
+  _globals['_PROCESSTASKSREQUEST']._serialized_end=991
+  _globals['_GOAWAYREQUEST']._serialized_start=993
+  _globals['_GOAWAYREQUEST']._serialized_end=1008
+  _globals['_HEARTBEATREQUEST']._serialized_start=1010
+  _globals['_HEARTBEATREQUEST']._serialized_end=1028
+  _globals['_CANCELTASKREQUEST']._serialized_start=1030
+  _globals['_CANCELTASKREQUEST']._serialized_end=1066
+  _globals['_HTTPREQUEST']._serialized_start=1068
+  _globals['_HTTPREQUEST']._serialized_end=1125
+  _globals['_TASKREQUEST']._serialized_start=1128
+  _globals['_TASKREQUEST']._serialized_end=1869
+  _globals['_TASK']._serialized_start=1872
+  _globals['_TASK']._serialized_end=2151
   _globals['_TASK_HEADERENTRY']._serialized_start=418
   _globals['_TASK_HEADERENTRY']._serialized_end=507
-  _globals['_PROCESSTASKSRESPONSE']._serialized_start=1969
-  _globals['_PROCESSTASKSRESPONSE']._serialized_end=2046
-  _globals['_INFERENCEWORKERSERVICE']._serialized_start=2049
-  _globals['_INFERENCEWORKERSERVICE']._serialized_end=2200
+  _globals['_PROCESSTASKSRESPONSE']._serialized_start=2153
+  _globals['_PROCESSTASKSRESPONSE']._serialized_end=2230
+  _globals['_INFERENCEWORKERSERVICE']._serialized_start=2233
+  _globals['_INFERENCEWORKERSERVICE']._serialized_end=2384
 # @@protoc_insertion_point(module_scope)

@@ -50,16 +50,18 @@ class ServerSentEvent(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., is_last_event: _Optional[bool] = ..., latency_ms: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("task_id", "http_response", "server_sent_event", "result_index")
+    __slots__ = ("task_id", "http_response", "server_sent_event", "result_index", "verbatim_answer")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     HTTP_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     SERVER_SENT_EVENT_FIELD_NUMBER: _ClassVar[int]
     RESULT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERBATIM_ANSWER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     http_response: HttpResponse
     server_sent_event: ServerSentEvent
     result_index: int
-    def __init__(self, task_id: _Optional[str] = ..., http_response: _Optional[_Union[HttpResponse, _Mapping]] = ..., server_sent_event: _Optional[_Union[ServerSentEvent, _Mapping]] = ..., result_index: _Optional[int] = ...) -> None: ...
+    verbatim_answer: bool
+    def __init__(self, task_id: _Optional[str] = ..., http_response: _Optional[_Union[HttpResponse, _Mapping]] = ..., server_sent_event: _Optional[_Union[ServerSentEvent, _Mapping]] = ..., result_index: _Optional[int] = ..., verbatim_answer: _Optional[bool] = ...) -> None: ...
 
 class ProcessTasksRequest(_message.Message):
     __slots__ = ("engine_status", "task_result")
@@ -83,8 +85,18 @@ class CancelTaskRequest(_message.Message):
     task_id: str
     def __init__(self, task_id: _Optional[str] = ...) -> None: ...
 
+class HttpRequest(_message.Message):
+    __slots__ = ("method", "path", "body")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    path: str
+    body: bytes
+    def __init__(self, method: _Optional[str] = ..., path: _Optional[str] = ..., body: _Optional[bytes] = ...) -> None: ...
+
 class TaskRequest(_message.Message):
-    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task")
+    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task", "http_request", "typed_request_incomplete")
     CHAT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GO_AWAY_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +105,8 @@ class TaskRequest(_message.Message):
     MODEL_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
+    HTTP_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TYPED_REQUEST_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     chat_completion: _chat_pb2.CreateChatCompletionRequest
     embedding: _embeddings_pb2.CreateEmbeddingRequest
     go_away: GoAwayRequest
@@ -101,7 +115,9 @@ class TaskRequest(_message.Message):
     model_response: _model_response_pb2.CreateModelResponseRequest
     tokenize_request: _tokenize_pb2.TokenizeRequest
     cancel_task: CancelTaskRequest
-    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ...) -> None: ...
+    http_request: HttpRequest
+    typed_request_incomplete: str
+    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ..., http_request: _Optional[_Union[HttpRequest, _Mapping]] = ..., typed_request_incomplete: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("id", "header", "request", "engine_id", "timeout_seconds")

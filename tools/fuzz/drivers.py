@@ -62,6 +62,7 @@ from protocol.openai_requests import (
     parse_tokenize,
 )
 from protocol.openai_runtime import runtime_request
+from protocol.openai_verbatim import parse_json
 from protocol.sse import EventReceived, SSEParser
 
 T = TypeVar("T")
@@ -705,6 +706,18 @@ def check_openai_body(body: bytes) -> None:
         wire = parsed.request.SerializeToString()
         check(type(parsed.request).FromString(wire) == parsed.request, "request does not survive the wire")
         json.dumps(runtime_request(parsed.request).json)
+    kinds = (("chat_completion", parse_chat_completion), ("chat_completion", parse_completion),
+             ("embedding", parse_embedding), ("model_response", parse_model_response),
+             ("tokenize_request", parse_tokenize))
+    for kind, typed in kinds:
+        try:
+            verbatim = parse_json(kind, "/v1/x", body, typed)
+        except InvalidRequestError as error:
+            check(error.status == 400, f"verbatim {typed.__name__}: status {error.status}")
+            continue
+        check(verbatim.request.http_request.body == body, "the verbatim body changed")
+        check(bool(verbatim.request.typed_request_incomplete) == (verbatim.typed_error is not None),
+              "typed form missing without a reason")
 
 
 def check_runtime_answer(body: bytes) -> None:

@@ -1,0 +1,104 @@
+"""One API request's trace: what the gateway learns as it serves it, ending in one log line and its metrics.
+
+The HTTP handler (:mod:`infx.gateway`) makes a :class:`RequestTrace` per
+request and tells it, in small calls, who asked (request id, tenant), for
+what (endpoint, model), what came back (the first output token, usage) and
+how it ended (status); the task machinery says who served it
+(:class:`~infx.tasks.ServedBy`: engine, gateway, retries, queue wait). :meth:`finish`
+runs once, whatever the path to the end, and writes the request's metrics
+and its structured ``request`` log line (twisted.logger named fields plus a
+readable text).
+"""
+
+from __future__ import annotations
+
+from twisted.logger import Logger
+
+from infx.metrics import OTHER_MODEL, GatewayMetrics
+from infx.tasks import ServedBy
+from protocol.openai_observe import StreamWatcher, Usage, usage_of_body
+
+__all__ = ["RequestTrace"]
+
+log = Logger()
+
+
+class RequestTrace:
+    """Gathers one request's facts; :meth:`finish` logs and counts them exactly once."""
+
+    def __init__(self, metrics: GatewayMetrics, endpoint: str, started_at: float) -> None:
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.started_at = started_at
+        self.request_id = ""
+        self.tenant = ""
+        #: The model the client named, as logged; the metrics' label is bounded (see :meth:`named`).
+        self.model = ""
+        self.model_label = OTHER_MODEL
+        self.first_token_seconds: float | None = None
+        self.usage: Usage | None = None
+        self.finished = False
+        self._stream = StreamWatcher()
+
+    def named(self, model: str, served_here: bool) -> None:
+        """The request's model; it becomes a label only if engines serve it (or could be started for it)."""
+        self.model = model
+        self.model_label = model if served_here else OTHER_MODEL
+
+    def body(self, body: bytes) -> None:
+        """A whole (non-streaming) answer: its usage, if any."""
+        self.usage = usage_of_body(body) or self.usage
+
+    def event(self, now: float, data: bytes) -> None:
+        """One relayed stream event: the first that carries output times the first token."""
+        if self._stream.feed(data) and self.first_token_seconds is None:
+            self.first_token_seconds = now - self.started_at
+            self.metrics.first_token_seconds.labels(self.endpoint, self._tenant_label, self.model_label).observe(
+                self.first_token_seconds)
+        if self._stream.usage is not None:
+            self.usage = self._stream.usage
+
+    def finish(self, now: float, status: int, served: ServedBy | None) -> None:
+        """The response ended with ``status`` (499: the client went first); later calls do nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        seconds = now - self.started_at
+        labels = (self.endpoint, self._tenant_label, self.model_label, str(status))
+        self.metrics.requests.labels(*labels).inc()
+        self.metrics.request_seconds.labels(*labels).observe(seconds)
+        by_model = (self._tenant_label, self.model_label)
+        if self.usage is not None:
+            self.metrics.input_tokens.labels(*by_model).inc(self.usage.input_tokens)
+            self.metrics.output_tokens.labels(*by_model).inc(self.usage.output_tokens)
+        if served is not None and served.retries:
+            self.metrics.request_retries.labels(*by_model).inc(served.retries)
+        self._log(status, seconds, served or ServedBy())
+
+    @property
+    def _tenant_label(self) -> str:
+        return self.tenant or "-"
+
+    def _log(self, status: int, seconds: float, served: ServedBy) -> None:
+        ttft = "-" if self.first_token_seconds is None else f"{self.first_token_seconds:.3f}s"
+        usage = self.usage
+        log.info(
+            "request {request_id} {endpoint} model={model!r} tenant={tenant!r} status={status} "
+            "latency={latency_seconds:.3f}s ttft={ttft} tokens_in={tokens_in} tokens_out={tokens_out} "
+            "engine={engine_id!r} gateway={gateway!r} retries={retries}",
+            event="request",
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            model=self.model,
+            tenant=self.tenant,
+            status=status,
+            latency_seconds=seconds,
+            ttft=ttft,
+            time_to_first_token_seconds=self.first_token_seconds,
+            queued_seconds=served.queued_seconds,
+            tokens_in=None if usage is None else usage.input_tokens,
+            tokens_out=None if usage is None else usage.output_tokens,
+            engine_id=served.engine_id,
+            gateway=served.gateway,
+            retries=served.retries,
+        )

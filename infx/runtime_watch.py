@@ -1,0 +1,146 @@
+"""The runtime's health check on Twisted: performs :class:`protocol.runtime_health.RuntimeHealth`'s effects.
+
+Every decision (when, which path, what an answer means) is the pure
+machine's; this service GETs the path on the ``openai`` runtime's server
+(with its credentials), reports the outcome, arms one timer from
+``next_deadline()``, and tells the engine agent when readiness changes.
+A task that could not reach the runtime triggers a check at once, through
+:attr:`infx.runtimes.OpenAIRuntime.on_unreachable`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+
+from infx.deadline import DeadlineTimer
+from infx.runtimes import OpenAIRuntime
+from protocol.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
+
+__all__ = ["MAX_CHECK_BODY", "RuntimeWatch", "check_pool"]
+
+log = Logger()
+
+#: A model list larger than this is not read (a check is not worth a large buffer).
+MAX_CHECK_BODY = 1024 * 1024
+
+
+class _QuietFactory(_HTTP11ClientFactory):
+    """Twisted logs every connection factory's start and stop; a check every few seconds
+    (on a connection the runtime may close between checks) would fill the log with them."""
+
+    noisy = False
+
+
+def check_pool(clock: IReactorTime) -> HTTPConnectionPool:
+    """Connections for the health checks alone, so that a check never waits behind busy task
+    connections; one kept open per runtime, quiet in the log."""
+    pool = HTTPConnectionPool(clock, persistent=True)
+    pool.maxPersistentPerHost = 1
+    pool._factory = _QuietFactory
+    return pool
+
+
+class _CappedBody(Protocol):
+    """Collects a check's body up to :data:`MAX_CHECK_BODY`, then fires ``done``."""
+
+    def __init__(self, done: Deferred[bytes]) -> None:
+        self._done = done
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > MAX_CHECK_BODY:
+            if self.transport is not None:
+                self.transport.stopProducing()
+            return
+        self._chunks.append(data)
+
+    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
+        if self._done.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss) or self._size > MAX_CHECK_BODY:
+            self._done.callback(b"".join(self._chunks))
+        else:
+            self._done.errback(reason)
+
+
+class RuntimeWatch(Service):
+    """Checks the runtime behind ``runtime`` and calls ``changed(ready, models)`` when that changes."""
+
+    def __init__(self, clock: IReactorTime, machine: RuntimeHealth, agent: IAgent, runtime: OpenAIRuntime,
+                 changed: Callable[[bool, tuple[str, ...]], None]) -> None:
+        self.clock = clock
+        self.machine = machine
+        self.agent = agent
+        self.runtime = runtime
+        self.changed = changed
+        self._timer = DeadlineTimer(clock, lambda: self._run(self.machine.handle_timer(self.clock.seconds())))
+        self._pending: Deferred[object] | None = None
+        runtime.on_unreachable.append(self._unreachable)
+
+    def startService(self) -> None:
+        super().startService()
+        self._run(self.machine.start(self.clock.seconds()))
+
+    def stopService(self) -> None:
+        super().stopService()
+        self._timer.cancel()
+        if self._pending is not None:
+            self._pending.cancel()
+
+    def _unreachable(self) -> None:
+        if self.running:
+            self._run(self.machine.connection_failed(self.clock.seconds()))
+
+    def _run(self, effects: list[HealthEffect]) -> None:
+        for effect in effects:
+            if isinstance(effect, CheckRuntime):
+                self._check(effect)
+            elif isinstance(effect, ReadinessChanged):
+                log.info("runtime at {url} {state}: {reason}", url=self.runtime.root,
+                         state="ready" if effect.ready else "not ready", reason=effect.reason)
+                self.changed(effect.ready, effect.models)
+        if self.running:
+            self._timer.arm(self.machine.next_deadline())
+
+    def _check(self, check: CheckRuntime) -> None:
+        if self._pending is not None:
+            self._pending.cancel()  # the machine abandoned it (timed out)
+        headers = Headers({b"User-Agent": [b"infx-engine"]})
+        self.runtime.authorize(headers)
+        url = (self.runtime.root + check.path).encode("ascii")
+        pending: Deferred[object] = self.agent.request(b"GET", url, headers)
+        self._pending = pending
+
+        def answered(response: IResponse) -> Deferred[None]:
+            if response.code == 401 and self.runtime.credentials is not None:
+                self.runtime.credentials.refused()
+            body: Deferred[bytes] = Deferred()
+            response.deliverBody(_CappedBody(body))
+            return body.addCallback(lambda data: self._outcome(
+                pending, lambda now: self.machine.check_answered(now, check.check_id, response.code, data)))
+
+        def failed(failure: Failure) -> None:
+            reason = failure.getErrorMessage() or failure.type.__name__
+            self._outcome(pending, lambda now: self.machine.check_failed(now, check.check_id, reason))
+
+        pending.addCallback(answered)
+        pending.addErrback(failed)
+
+    def _outcome(self, pending: Deferred[object], step: Callable[[float], list[HealthEffect]]) -> None:
+        if self._pending is pending:
+            self._pending = None
+        if self.running:
+            self._run(step(self.clock.seconds()))

@@ -1,0 +1,119 @@
+"""What an OpenAI-style answer says about itself: its first content token and its token usage.
+
+No I/O, no clock reads; nothing here changes a byte of the answer (the
+gateway relays it as it came). Time to first token is measured at the first
+event that carries output (content, a tool call, a refusal, reasoning, a
+completion's text, a ``*.delta`` of the Responses or transcription streams),
+not at the role-only chunk that chat streams open with. Token counts come
+from ``usage`` in a whole answer or in a stream's final chunk (chat and
+completions with ``stream_options.include_usage``, ``response.completed``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.sse import EventReceived, SSEParser
+
+__all__ = ["StreamWatcher", "Usage", "carries_output", "usage_of", "usage_of_body"]
+
+#: Delta members that are output (tool calls and the legacy function call count: they are what was generated).
+_OUTPUT_DELTAS = ("content", "tool_calls", "function_call", "refusal", "reasoning_content", "reasoning", "audio")
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens the engine reported: read (prompt, input) and generated (completion, output)."""
+
+    input_tokens: int
+    output_tokens: int
+
+
+def carries_output(chunk: Any) -> bool:
+    """Whether one decoded stream event carries generated output (not only a role or a finish)."""
+    if not isinstance(chunk, dict):
+        return False
+    kind = chunk.get("type")
+    if isinstance(kind, str) and kind.endswith(".delta"):
+        return bool(chunk.get("delta"))
+    choices = chunk.get("choices")
+    if not isinstance(choices, list):
+        return False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(delta.get(name) for name in _OUTPUT_DELTAS):
+            return True
+    return False
+
+
+def usage_of(answer: Any) -> Usage | None:
+    """The usage an answer or event reports, in either naming (prompt/completion, input/output)."""
+    if not isinstance(answer, dict):
+        return None
+    usage = answer.get("usage")
+    if usage is None and isinstance(answer.get("response"), dict):
+        usage = answer["response"].get("usage")
+    if not isinstance(usage, dict):
+        return None
+    read = _count(usage, "prompt_tokens", "input_tokens")
+    written = _count(usage, "completion_tokens", "output_tokens")
+    if read is None and written is None:
+        return None
+    return Usage(read or 0, written or 0)
+
+
+def usage_of_body(body: bytes) -> Usage | None:
+    """The usage of a whole (non-streaming) JSON answer; None if it has none or is not JSON."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        return usage_of(json.loads(body))
+    except ValueError:
+        return None
+
+
+def _count(usage: dict[str, Any], *names: str) -> int | None:
+    for name in names:
+        value = usage.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+class StreamWatcher:
+    """Reads a relayed event stream for its first output and its usage, without altering it.
+
+    Event JSON is decoded only until the first output is seen; after that
+    only events that mention ``usage`` are, so a long stream costs its SSE
+    framing and a substring search per event.
+    """
+
+    def __init__(self) -> None:
+        self._parser = SSEParser()
+        self.first_output_seen = False
+        self.usage: Usage | None = None
+
+    def feed(self, data: bytes) -> bool:
+        """Take the bytes of one relayed event; True if they hold the stream's first output."""
+        first = False
+        for event in self._parser.receive_data(data):
+            if not isinstance(event, EventReceived) or event.data == "[DONE]":
+                continue
+            if self.first_output_seen and '"usage"' not in event.data:
+                continue
+            try:
+                chunk = json.loads(event.data)
+            except ValueError:
+                continue
+            if not self.first_output_seen and carries_output(chunk):
+                self.first_output_seen = first = True
+            usage = usage_of(chunk)
+            if usage is not None:
+                self.usage = usage
+        return first

@@ -1,0 +1,94 @@
+"""First output token and usage, read from answers as the gateway relays them (pure)."""
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.openai_observe import StreamWatcher, Usage, carries_output, usage_of, usage_of_body
+
+
+def event(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def chat_chunk(**delta) -> dict:
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def test_the_role_only_chunk_and_empty_content_are_not_output():
+    assert not carries_output(chat_chunk(role="assistant"))
+    assert not carries_output(chat_chunk(role="assistant", content=""))
+    assert not carries_output({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert not carries_output({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})
+
+
+def test_content_tool_calls_refusals_and_reasoning_are_output():
+    assert carries_output(chat_chunk(content="Hel"))
+    assert carries_output(chat_chunk(tool_calls=[{"index": 0, "function": {"name": "f"}}]))
+    assert carries_output(chat_chunk(refusal="I can't"))
+    assert carries_output(chat_chunk(reasoning_content="thinking"))
+
+
+def test_completions_text_and_responses_or_transcription_deltas_are_output():
+    assert carries_output({"object": "text_completion", "choices": [{"index": 0, "text": "Once"}]})
+    assert not carries_output({"object": "text_completion", "choices": [{"index": 0, "text": ""}]})
+    assert carries_output({"type": "response.output_text.delta", "delta": "Hi"})
+    assert carries_output({"type": "transcript.text.delta", "delta": "Hi"})
+    assert not carries_output({"type": "response.created", "response": {}})
+
+
+def test_usage_in_either_naming_and_in_a_completed_response():
+    assert usage_of({"usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}) == Usage(3, 5)
+    assert usage_of({"usage": {"input_tokens": 2, "output_tokens": 7}}) == Usage(2, 7)
+    assert usage_of({"type": "response.completed", "response": {"usage": {"input_tokens": 1, "output_tokens": 4}}}) \
+        == Usage(1, 4)
+    assert usage_of({"usage": {"prompt_tokens": 6, "total_tokens": 6}}) == Usage(6, 0)  # embeddings
+    assert usage_of({"usage": None}) is None and usage_of({"usage": {"prompt_tokens": "3"}}) is None
+    assert usage_of({"usage": {"prompt_tokens": True}}) is None
+
+
+def test_usage_of_a_whole_body_tolerates_anything():
+    assert usage_of_body(b'{"usage": {"prompt_tokens": 1, "completion_tokens": 2}}') == Usage(1, 2)
+    assert usage_of_body(b'not json "usage"') is None
+    assert usage_of_body(b"") is None
+
+
+def test_the_watcher_finds_the_first_output_after_the_role_chunk_and_the_final_usage():
+    watcher = StreamWatcher()
+    assert watcher.feed(event(chat_chunk(role="assistant", content=""))) is False
+    assert watcher.feed(event(chat_chunk(content="Hel"))) is True
+    assert watcher.feed(event(chat_chunk(content="lo"))) is False
+    assert watcher.feed(event({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}})) is False
+    assert watcher.feed(b"data: [DONE]\n\n") is False
+    assert watcher.usage == Usage(4, 2)
+
+
+def test_the_watcher_reads_an_event_split_across_results():
+    watcher = StreamWatcher()
+    data = event(chat_chunk(content="x"))
+    assert watcher.feed(data[:7]) is False
+    assert watcher.feed(data[7:]) is True
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+        st.sampled_from(["choices", "delta", "content", "text", "type", "usage", "prompt_tokens", "response",
+                         "tool_calls", "input_tokens", "output_tokens"]), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(json_values)
+def test_any_json_an_engine_sends_is_read_without_raising(value):
+    carries_output(value)
+    usage = usage_of(value)
+    assert usage is None or (usage.input_tokens >= 0 and usage.output_tokens >= 0)
+    StreamWatcher().feed(event(value))
+
+
+@given(st.binary(max_size=200))
+def test_any_bytes_in_a_stream_are_read_without_raising(data):
+    StreamWatcher().feed(data)
+    usage_of_body(data)
