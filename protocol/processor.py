@@ -210,6 +210,15 @@ class _Task:
     busy_reply: worker_pb2.TaskResult | None = None
     busy_since: float | None = None
 
+    # Times a busy runtime sent it back (these do not use up ``max_retries``).
+    busy_returns: int = 0
+
+    @property
+    def redispatches(self) -> int:
+        """Times the task went back for another dispatch, whatever the cause (a lost
+        engine, a failed send, a busy runtime): what logs and metrics call its retries."""
+        return self.retries + self.busy_returns
+
 
 @dataclass(slots=True)
 class _Engine:
@@ -942,6 +951,7 @@ class Processor:
         if task.busy_since is None:
             task.busy_since = now
         self.counters.busy_replies += 1
+        task.busy_returns += 1
         self._unassign(task)
         self._move(task, TaskState.RETRY_PENDING)
         give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
@@ -976,7 +986,7 @@ class Processor:
         self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
     ) -> None:
         effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
-                                   task.engine, task.route, task.retries))
+                                   task.engine, task.route, task.redispatches))
         self._end(task, TaskOutcome.FAILED)
 
     def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
@@ -1076,7 +1086,8 @@ class Processor:
             renamed.CopyFrom(result)
             renamed.task_id = task.id
             result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route, task.retries))
+        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
+                                     task.redispatches))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:
