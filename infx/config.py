@@ -81,6 +81,9 @@ class GatewayConfig:
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
     #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
     routing_policy: str = "affinity"
+    #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
+    #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
+    route_stuck_timeout: float | None = 30.0
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
@@ -299,6 +302,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     policies = [policy.value for policy in RoutingPolicy]
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
+    if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
+        raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable
