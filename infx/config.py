@@ -69,6 +69,9 @@ class GatewayConfig:
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None
+    #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
+    #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
+    route_stuck_timeout: float | None = 30.0
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
@@ -282,6 +285,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         cap = getattr(config, name)
         if cap is not None and cap < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
+    if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
+        raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable

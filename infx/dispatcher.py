@@ -11,6 +11,7 @@ other.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from typing import Any, Callable, Iterator, Protocol
 
@@ -25,6 +26,7 @@ from protocol.processor import Processor
 from protocol.processor_types import (
     CancelTaskOnEngine,
     CloseEngine,
+    CloseRoute,
     DeliverResult,
     Effect,
     EngineKey,
@@ -42,16 +44,67 @@ log = Logger()
 
 #: A model no engine has listed for this long is unknown (404) again rather than gone (503).
 FORGET_MODELS_AFTER = 3600.0
+#: Bytes a route's stream may hold queued (not yet taken by its peer's flow control) before
+#: it refuses further tasks, which the processor then routes elsewhere.
+MAX_ROUTE_QUEUED_BYTES = 4 * 1024 * 1024
+
+
+class SendOutcome(enum.Enum):
+    """What became of a task handed to a route."""
+
+    SENT = "sent"  # queued, and the stream takes more
+    BLOCKED = "blocked"  # queued, but the stream is not draining: the route reports when it drains
+    REFUSED = "refused"  # not queued: the stream already holds its cap of queued bytes
+    GONE = "gone"  # not queued: the route is closed
 
 
 class EngineRoute(Protocol):
     """Where tasks for an engine go: a local engine's stream or a peer's sender."""
 
-    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
-        """Queue ``task`` for sending; False when the route is already gone."""
+    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
+        """Queue ``task`` for sending, or say why not; a route that answers BLOCKED
+        calls :meth:`Dispatcher.route_writable` once its stream drains."""
 
     def close(self, reason: str) -> None:
         """End the route (the processor gave up on its engine)."""
+
+
+class StreamSendGate:
+    """A route's sends on its gRPC call, with the call's backpressure turned into
+    :class:`SendOutcome` (shared by engine streams and peer streams).
+
+    The call's ``send()`` Deferred is already fired while the stream takes more;
+    an unfired one means the stream is over its high-water mark (the peer's
+    flow-control window is shut, or the transport is paused): the gate is blocked
+    until it fires, and while blocked refuses a task once ``max_queued_bytes`` are
+    queued, so a peer that never reads holds at most that much (plus one task).
+    """
+
+    def __init__(self, call: Any, on_drained: Callable[[], None],
+                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
+        self.call = call
+        self.on_drained = on_drained
+        self.max_queued_bytes = max_queued_bytes
+        self.blocked = False
+
+    def send(self, message: Any) -> SendOutcome:
+        if self.blocked and self.call.buffered_amount >= self.max_queued_bytes:
+            return SendOutcome.REFUSED
+        sent = self.call.send(message)
+        if sent.called and not self.blocked:
+            sent.addErrback(lambda _: None)
+            return SendOutcome.SENT
+        if self.blocked:
+            sent.addErrback(lambda _: None)
+        else:
+            self.blocked = True
+            # An error means the call ended: the route's close reports that, not a drain.
+            sent.addCallbacks(self._drained, lambda _: None)
+        return SendOutcome.BLOCKED
+
+    def _drained(self, _: object) -> None:
+        self.blocked = False
+        self.on_drained()
 
 
 class TaskOrigin(Protocol):
@@ -114,9 +167,14 @@ class Dispatcher:
             owner = self._http.get(self.processor.attempt_owner(effect.task.id) or "")
             if owner is not None:
                 owner.dispatched(self.clock.seconds())
-            if not route.send_task(effect.task, effect.engine.tenant_id):
-                now = self.clock.seconds()
+            outcome = route.send_task(effect.task, effect.engine.tenant_id)
+            now = self.clock.seconds()
+            if outcome is SendOutcome.GONE:
                 self._perform_later(self.processor.dispatch_failed(now, effect.task.id, "engine stream closed", route=route))
+            elif outcome is SendOutcome.REFUSED:
+                self._perform_later(self.processor.dispatch_refused(now, effect.task.id, route))
+            elif outcome is SendOutcome.BLOCKED:
+                self._blocked(route)
         elif isinstance(effect, DeliverResult):
             origin: TaskOrigin = effect.origin  # type: ignore[assignment]
             origin.result_delivered(effect)
@@ -124,11 +182,18 @@ class Dispatcher:
             origin = effect.origin  # type: ignore[assignment]
             origin.request_failed(effect)
         elif isinstance(effect, CancelTaskOnEngine):
+            # Best effort: a cancel the route refuses is dropped, but a stream it shows
+            # to be blocked is blocked for tasks too.
             route = effect.route  # type: ignore[assignment]
-            route.send_task(effect.task, effect.engine.tenant_id)
+            if route.send_task(effect.task, effect.engine.tenant_id) is SendOutcome.BLOCKED:
+                self._blocked(route)
         elif isinstance(effect, CloseEngine):
             route = effect.route  # type: ignore[assignment]
             log.warn("closing engine {engine}: {reason}", engine=effect.engine.engine_id, reason=effect.reason)
+            route.close(effect.reason)
+        elif isinstance(effect, CloseRoute):
+            route = effect.route  # type: ignore[assignment]
+            log.warn("closing {route}: {reason}", route=repr(route), reason=effect.reason)
             route.close(effect.reason)
         elif isinstance(effect, TaskQueued):
             for listener in self.on_task_queued:
@@ -139,6 +204,12 @@ class Dispatcher:
         elif isinstance(effect, EnginesRemoved):
             for removed in self.on_engines_removed:
                 removed(effect)
+
+    def _blocked(self, route: EngineRoute) -> None:
+        # Told now, not later, so that the very next input already routes around it.
+        effects = self.processor.route_blocked(self.clock.seconds(), route)
+        if effects:
+            self._perform_later(effects)
 
     def _perform_later(self, effects: list[Effect]) -> None:
         # Effects produced while performing others run after them, in order.
@@ -164,6 +235,10 @@ class Dispatcher:
     def route_closed(self, route: EngineRoute, reason: str) -> None:
         self.run(lambda now: self.processor.close_route(now, route, reason))
         self._engines_changed()
+
+    def route_writable(self, route: EngineRoute) -> None:
+        """A route that answered BLOCKED drains again: it takes tasks again."""
+        self.run(lambda now: self.processor.route_writable(now, route))
 
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
         self.run(lambda now: self.processor.receive_result(now, route, result))

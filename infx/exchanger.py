@@ -53,7 +53,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
@@ -106,31 +106,42 @@ class PeerStream:
     """One accepted ``ProcessTasksInternal`` stream: the route of the engines its peer reports.
 
     The pure :class:`~protocol.sender.Sender` is created on the first status
-    report (:meth:`Exchanger.add_or_update_server_status`).
+    report (:meth:`Exchanger.add_or_update_server_status`). A peer that stops
+    reading blocks the route (see :class:`~infx.dispatcher.StreamSendGate`);
+    ``on_drained`` is called when it drains again.
     """
 
-    def __init__(self, call: ServerCall) -> None:
+    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None) -> None:
         self.call = call
         self.sender: Sender | None = None
         self.closed = False
         self._pending: Deferred[Any] | None = None
+        self._on_drained = on_drained
+        self._gate = StreamSendGate(call, self._drained)
 
     @property
     def pod_name(self) -> str:
         return self.sender.pod_name if self.sender is not None else ""
 
-    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
-            return False
-        message = internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id)
-        self.call.send(message).addErrback(lambda _: None)
-        return True
+            return SendOutcome.GONE
+        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id))
+
+    def _drained(self) -> None:
+        if not self.closed and self._on_drained is not None:
+            self._on_drained(self)
 
     def close(self, reason: str) -> None:
-        """End the stream with UNAVAILABLE; the handler then closes the sender."""
+        """End the stream with UNAVAILABLE (or a reset, if messages the peer has not read
+        are queued: a status behind them would never go out); the handler then closes
+        the sender."""
         if not self.closed:
             self.closed = True
-            self.call.abort(StatusCode.UNAVAILABLE, reason)
+            if self.call.buffered_amount:
+                self.call.reset(reason)
+            else:
+                self.call.abort(StatusCode.UNAVAILABLE, reason)
             # An aborted call delivers nothing more: wake the handler's pending read.
             if self._pending is not None and not self._pending.called:
                 self._pending.cancel()
@@ -539,7 +550,7 @@ class Exchanger:
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         if self._shutting_down:
             raise GrpcError(StatusCode.UNAVAILABLE, f"gateway {self.config.pod_name!r} is shutting down")
-        stream = PeerStream(call)
+        stream = PeerStream(call, self.dispatcher.route_writable)
         self.streams.add(stream)
         # Headers now tell the peer's receiver the stream is accepted before any task flows.
         call.send_initial_metadata()

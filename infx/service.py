@@ -153,10 +153,11 @@ class GatewayService(service.MultiService):
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
+            route_stuck_timeout=config.route_stuck_timeout,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys)
+        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
         self.http = ListeningService(reactor, "--http", config.http, site)

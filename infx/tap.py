@@ -71,6 +71,9 @@ class Options(VersionOption, usage.Options):
          "Tasks kept on one engine at once; more go to other engines or wait [default: no cap]."],
         ["max-tasks-per-tenant", None, None,
          "Live tasks one tenant may have on this gateway; past it, 429 with Retry-After [default: no cap]."],
+        ["route-stuck-timeout", None, None,
+         "Seconds an engine or peer may leave its stream unread before it is closed and its tasks "
+         f"fail over [default: {_DEFAULTS.route_stuck_timeout:g}]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

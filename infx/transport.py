@@ -472,6 +472,16 @@ class _CallCommon:
                 return
             yield message
 
+    @property
+    def buffered_amount(self) -> int:
+        """Bytes of this call's messages queued and not yet handed to HTTP/2
+        (waiting for the next flush or for the peer's flow-control window)."""
+        protocol = self._protocol
+        if protocol is None or self.stream_id is None:
+            return 0
+        amount: int = protocol.conn.buffered_amount(self.stream_id)
+        return amount
+
     def _sent(self) -> Deferred[None]:
         """After a message was queued: flush soon, and tell the sender whether to wait."""
         protocol = self._protocol
@@ -624,6 +634,17 @@ class ServerCall(_CallCommon):
         self._finished = True
         self._conn.send_status(self.stream_id, code, message, trailers or self._trailing)
         self._protocol.finished(self)
+        self._protocol.flush()
+
+    def reset(self, message: str) -> None:
+        """End the call now with RST_STREAM(CANCEL), dropping what is still queued
+        to send: for a peer that stopped reading, behind whose queued messages a
+        status would wait forever.  The handler sees the call cancelled."""
+        if self._ended is not None or self._finished:
+            return
+        self._conn.cancel(self.stream_id)
+        self._protocol.finished(self)
+        self._end(CallEnded(self.stream_id, StatusCode.CANCELLED, message, (), EndCause.RESET))
         self._protocol.flush()
 
     def _check_open(self) -> None:

@@ -17,6 +17,9 @@ Inputs
     ``close_route``            a stream ended: its engines go, its tasks fail over
     ``receive_result``         a ``TaskResult`` arrived on a route
     ``dispatch_failed``        a ``SendTask`` could not be sent
+    ``dispatch_refused``       a route at its queue cap did not take a ``SendTask``
+    ``route_blocked``          a route's stream stopped draining (backpressure)
+    ``route_writable``         a blocked route drains again
     ``go_away``                ask local engines to reconnect elsewhere
     ``drain``                  shutdown: ``go_away``, and tasks no engine left can take fail at once
     ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
@@ -28,6 +31,7 @@ Outputs (effects, performed by the caller in the order given)
     ``DeliverResult``          hand the next result to its origin; ``last`` ends the request
     ``FailRequest``            end the request with an HTTP status and a reason
     ``CloseEngine``            close a local engine's stream (missed heartbeats)
+    ``CloseRoute``             close a route that stayed blocked past ``route_stuck_timeout``
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
     ``LocalEnginesChanged``    re-report local engines to peers (receivers)
     ``EnginesRemoved``         engines left: senders may register what their peers reported
@@ -45,6 +49,11 @@ task's request (:func:`protocol.task_forms.eligible`; each gets the form it
 understands, :func:`protocol.task_forms.for_engine`); among ready engines with the
 model ready: engines that already failed this task last, local before remote,
 then fewest in-flight tasks, then engine id (so the choice is deterministic).
+
+Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
+(not draining) counts as full, so its tasks go elsewhere or wait; a task the
+route refused at its queue cap is routed again at once, with no retry counted;
+a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
@@ -89,6 +98,7 @@ from protocol.processor_types import (
     BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
+    CloseRoute,
     DeliverResult,
     Effect,
     EngineKey,
@@ -106,10 +116,12 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
+from protocol.route_flow import RouteFlow
 
 __all__ = [
     "CancelTaskOnEngine",
     "CloseEngine",
+    "CloseRoute",
     "DeliverResult",
     "Effect",
     "EngineKey",
@@ -273,6 +285,8 @@ class Processor:
         self.draining = False
         # (busy_until, seq, engine): when an engine's busy back-off ends.
         self._backoffs: list[tuple[float, int, EngineKey]] = []
+        # Routes whose streams are not draining (backpressure), and since when.
+        self._flow = RouteFlow(self.config.route_stuck_timeout)
 
     # --- requests ---------------------------------------------------------
 
@@ -336,6 +350,9 @@ class Processor:
                 self._fail(task, 503, f"engine {task.target!r} cannot take this request's form", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
+            elif engine.route in self._flow:
+                message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+                self._fail(task, 503, message, effects, self.config.busy_retry_after)
             elif self._full(engine):
                 message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
                 self._fail(task, 503, message, effects, self.config.busy_retry_after)
@@ -434,12 +451,60 @@ class Processor:
         Closing a route that never registered an engine is harmless.
         """
         effects: list[Effect] = []
+        self._close_route(now, route, reason, effects)
+        self._refill(now, effects)
+        return effects
+
+    def _close_route(self, now: float, route: Route, reason: str, effects: list[Effect]) -> None:
+        self._flow.unblock(route)
         self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects, closing=route)
         for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
             engine_id = task.engine.engine_id if task.engine else ""
             self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
         for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
             del self._control[control_id]
+
+    # --- backpressure -----------------------------------------------------
+
+    def route_blocked(self, now: float, route: Route) -> list[Effect]:
+        """``route``'s stream stopped draining: its engines get no new tasks until
+        ``route_writable``, and it is closed if that does not come within
+        ``route_stuck_timeout``. Reporting it again keeps the first time."""
+        self._flow.block(route, now)
+        return []
+
+    def route_writable(self, now: float, route: Route) -> list[Effect]:
+        """``route`` drains again: its engines take waiting tasks now.
+
+        A route that was not blocked (or has closed) is left as it is.
+        """
+        effects: list[Effect] = []
+        if self._flow.unblock(route):
+            for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
+                self._dispatch_waiting(now, engine, effects)
+        return effects
+
+    def dispatch_refused(self, now: float, task_id: str, route: Route) -> list[Effect]:
+        """``route`` did not take the ``SendTask`` whose task carried ``task_id``: its
+        queue is at its cap. The route counts as blocked (``route_blocked``), and the
+        task is routed again at once, to another engine or the queue; this is not a
+        failure of the engine, so no retry is counted and the engine is not avoided.
+
+        A stale report (the task ended or moved on) only blocks the route.
+        """
+        self._flow.block(route, now)
+        effects: list[Effect] = []
+        control = self._control.get(task_id)
+        if control is not None:
+            if control.route == route:
+                del self._control[task_id]
+            return effects
+        task = self._attempts.get(task_id)
+        if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
+            return effects
+        self._unassign(task)
+        self._move(task, TaskState.RETRY_PENDING)
+        self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
@@ -535,7 +600,7 @@ class Processor:
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
         firsts = (self._timers[0][0] if self._timers else None, self._next_heartbeat,
-                  self._backoffs[0][0] if self._backoffs else None)
+                  self._backoffs[0][0] if self._backoffs else None, self._flow.next_deadline())
         candidates = [t for t in firsts if t is not None]
         return min(candidates) if candidates else None
 
@@ -555,6 +620,10 @@ class Processor:
                 engine.busy_until = None
                 if engine.routable:
                     self._dispatch_waiting(now, engine, effects)
+        for route in self._flow.stuck(now):
+            reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
+            effects.append(CloseRoute(route, reason))
+            self._close_route(now, route, reason, effects)
         self._refill(now, effects)
         return effects
 
@@ -710,12 +779,13 @@ class Processor:
                 f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
 
     def _full(self, engine: _Engine) -> bool:
+        """At its in-flight cap, or on a route that is not draining."""
         cap = self.config.max_in_flight_per_engine
-        return cap is not None and len(engine.in_flight) >= cap
+        return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
 
     def _served_but_full(self, task: _Task) -> bool:
         """Whether the task waits only for room: an engine would take it but for its in-flight
-        cap or its runtime's busy back-off."""
+        cap, its runtime's busy back-off or its blocked route."""
         return self._pick(task, ignore_cap=True) is not None
 
     def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
@@ -894,6 +964,8 @@ class Processor:
                 message = f"every engine serving model {task.model!r} is busy"
                 if cap is not None:
                     message += f" or at its limit of {cap} tasks"
+                if self._flow:
+                    message += " or not draining its stream"
             else:
                 message = f"no ready engine serves model {task.model!r}"
             message += f" (waited {self.config.queue_timeout:g}s)"

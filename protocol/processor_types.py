@@ -113,6 +113,11 @@ class ProcessorConfig:
         got the answer goes to another engine with room at once, or waits in
         the queue (for ``queue_timeout`` from its first busy answer, never past
         its deadline) and, if time runs out, gets the runtime's own answer.
+    route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
+        stay blocked (its adapter reported it not draining, and no drain since)
+        before the processor closes it with ``CloseRoute``; its tasks fail over
+        like any lost engine's. A blocked route gets no new tasks meanwhile.
+        None: blocked routes are never closed for it.
     """
 
     queue_timeout: float = 30.0
@@ -130,6 +135,7 @@ class ProcessorConfig:
     max_tasks_per_tenant: int | None = None
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
+    route_stuck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -157,6 +163,8 @@ class ProcessorConfig:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
         if not 0 < self.busy_backoff <= self.max_busy_backoff:
             problems.append("busy_backoff must be > 0 and <= max_busy_backoff")
+        if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
+            problems.append("route_stuck_timeout must be > 0 or None")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
@@ -173,7 +181,8 @@ class SendTask:
 
     ``task.id`` names this attempt on the wire: the task id for a first
     dispatch, ``"{id}#{n}"`` for a retry (results are mapped back to the task).
-    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``.
+    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``;
+    if the route refused it at its queue cap, with ``Processor.dispatch_refused``.
     """
 
     route: Route
@@ -260,6 +269,18 @@ class CloseEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseRoute:
+    """Close ``route`` (an engine's or a peer's stream): it stopped draining and stayed
+    blocked for ``route_stuck_timeout``. Whatever is still queued on it is dropped.
+
+    The processor has already removed its engines and failed over their tasks.
+    """
+
+    route: Route
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TaskQueued:
     """A task started waiting because no ready engine of its tenant serves its model.
 
@@ -301,6 +322,7 @@ Effect = Union[
     DeliverResult,
     FailRequest,
     CloseEngine,
+    CloseRoute,
     TaskQueued,
     LocalEnginesChanged,
     EnginesRemoved,

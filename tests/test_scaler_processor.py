@@ -15,7 +15,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import Dispatcher, SendOutcome
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from infx.scaler import (
@@ -60,9 +60,9 @@ class Route:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send_task(self, task: Any, tenant_id: str) -> bool:
+    def send_task(self, task: Any, tenant_id: str) -> SendOutcome:
         self.sent.append(task)
-        return True
+        return SendOutcome.SENT
 
     def close(self, reason: str) -> None:
         pass
