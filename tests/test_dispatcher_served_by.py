@@ -12,6 +12,7 @@ from twisted.internet import task
 from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
 from infx.tasks import Submission
+from protocol.gateway_effects import CoreConfig
 from protocol.processor import Processor
 from protocol.processor_types import Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status, http
@@ -27,8 +28,8 @@ class PeerRoute(Route):
 def dispatcher(**config: Any) -> tuple[task.Clock, Dispatcher]:
     clock = task.Clock()
     clock.advance(100)
-    d = Dispatcher(clock, Processor(ProcessorConfig(**config)), GatewayMetrics(CollectorRegistry()))
-    d.pod_name = "gw-a"
+    d = Dispatcher(clock, Processor(ProcessorConfig(**config)), GatewayMetrics(CollectorRegistry()),
+                   config=CoreConfig(pod_name="gw-a"))
     return clock, d
 
 
@@ -59,7 +60,7 @@ def test_a_request_a_peers_engine_served_after_a_retry_names_that_peer():
     d.engine_status(peer, "default", engine_status("e2", "m"), Locality.REMOTE)
     sink = Sink()
     handle = submit(d, sink)
-    d.result_received(local, http(local.sent[0].id, 503))  # e1 is busy: the task goes to e2
+    d.route_closed(local, "engine stream ended")  # e1 is lost: the task is retried on e2
     d.result_received(peer, http(peer.sent[0].id))
     served = handle.served_by
     assert (served.engine_id, served.gateway, served.retries, served.queued_seconds) == ("e2", "gw-b", 1, 0.0)

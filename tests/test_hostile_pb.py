@@ -40,6 +40,7 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
+from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import Receiver, ReceiverConfig
 from protocol.sender import Sender
 
@@ -165,7 +166,7 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
         if message is None:
             continue
         try:
-            sender.message_received(1, message)
+            sender.message_received(message, 1)
         except RemoteProtocolError as error:
             assert error.grpc_status == StatusCode.INVALID_ARGUMENT
     view = processor.engine("t", "local")
@@ -189,7 +190,7 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
     if data.draw(st.booleans()):  # an infx engine, which takes verbatim requests too
         engine_status.infx_capabilities.append("http-request")
     processor.update_engine(0, engine, "t", engine_status, Locality.LOCAL)
-    receiver = Receiver(processor, ReceiverConfig(pod_name="me"))
+    receiver = BufferedReceiver(processor, ReceiverConfig(pod_name="me"))
     receiver.connected(0)
     receiver.pop_messages()
     honest = internal_pb2.ProcessTasksInternalResponse(tenant_id="t", new_task=worker_pb2.Task(
@@ -200,7 +201,7 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
         if message is None:
             continue
         try:
-            effects = receiver.task_received(1, message)
+            effects = receiver.task_received(message, 1)
         except RemoteProtocolError:
             continue
         for effect in effects:

@@ -19,6 +19,7 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
+from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverState
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 
@@ -33,7 +34,7 @@ class Harness:
     def __init__(self) -> None:
         self.p = Processor(ProcessorConfig(retry_delay=0))
         self.counts: dict[str, int] = {}
-        self.r = Receiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
+        self.r = BufferedReceiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
         self.engine_tasks: list[SendTask | CancelTaskOnEngine] = []
 
     def run(self, effects: list[object]) -> None:
@@ -58,7 +59,7 @@ class Harness:
                 tenant: str = "t", timeout: int = 0, now: float = T0) -> None:
         task = worker_pb2.Task(id=task_id, engine_id=engine_id, request=request or chat(), timeout_seconds=timeout)
         task.header["X-Request-ID"].values.append("req-1")
-        self.run(self.r.task_received(now, internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant)))
+        self.run(self.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant), now))
 
     def engine_says(self, engine_id: str, result: worker_pb2.TaskResult, now: float = T0) -> None:
         self.run(self.p.receive_result(now, f"engine:{engine_id}", result))
@@ -221,11 +222,11 @@ def test_a_cancel_request_from_the_peer_stops_the_local_engine_and_is_answered(h
     h.forward("task-1")
     cancel = worker_pb2.Task(id="cancel-9", engine_id="e1", request=worker_pb2.TaskRequest(
         cancel_task=worker_pb2.CancelTaskRequest(task_id="task-1")))
-    h.run(h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t")))
+    h.run(h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t"), T0))
     assert one(h.engine_tasks, CancelTaskOnEngine).cancelled_task_id == "task-1"
     assert not h.p.has_task("task-1")
     assert [(r.task_id, r.http_response.status_code) for r in h.results()] == [("cancel-9", 200)]
-    h.run(h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t")))
+    h.run(h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t"), T0))
     assert [(r.task_id, r.http_response.status_code) for r in h.results()] == [("cancel-9", 404)]
 
 
@@ -256,14 +257,14 @@ def test_when_the_stream_ends_its_tasks_are_cancelled_on_the_engines(h):
 
 def test_misuse_and_remote_violations_raise_distinct_errors(h):
     with pytest.raises(RemoteProtocolError):
-        h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(tenant_id="t"))
+        h.r.task_received(internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     with pytest.raises(ProcessorUsageError):
         h.r.connected(T0)
     with pytest.raises(ProcessorUsageError):
         h.r.deliver(FailRequest(h.r, "never-received", 503, "x"))
-    fresh = Receiver(h.p, ReceiverConfig("pod-c"))
+    fresh = BufferedReceiver(h.p, ReceiverConfig("pod-c"))
     with pytest.raises(ProcessorUsageError):
-        fresh.task_received(T0, internal_pb2.ProcessTasksInternalResponse())
+        fresh.task_received(internal_pb2.ProcessTasksInternalResponse(), T0)
     with pytest.raises(ProcessorUsageError):
         ReceiverConfig("pod", status_interval=0)
 
@@ -272,11 +273,11 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
     h = Harness()
     h.join("e1", "m")
     stream = object()
-    h.r = Receiver(h.p, ReceiverConfig("pod-b"), origin=stream)
+    h.r = BufferedReceiver(h.p, ReceiverConfig("pod-b"), origin=stream)
     h.r.connected(T0)
     h.r.pop_messages()
     task = worker_pb2.Task(id="task-1", engine_id="e1", request=chat())
-    h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"))
+    h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"), T0)
     delivered = one(h.p.receive_result(T0, "engine:e1", http("task-1")), DeliverResult)
     assert delivered.origin is stream
     h.r.deliver(delivered)
@@ -285,7 +286,7 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
 
 def test_a_draining_report_says_so_even_with_no_engine_to_mark_not_ready():
     p = Processor()
-    r = Receiver(p, ReceiverConfig("pod-b", status_interval=10))
+    r = BufferedReceiver(p, ReceiverConfig("pod-b", status_interval=10))
     r.connected(T0)
     [first] = [m.server_status for m in r.pop_messages()]
     assert not first.draining
