@@ -68,7 +68,6 @@ from protocol.processor_types import (
     CloseEngine,
     CloseRoute,
     DeliverResult,
-    Effect,
     EnginesRemoved,
     FailRequest,
     Locality,
@@ -190,8 +189,16 @@ class GatewayCore:
         self.requests_started[model] = self.requests_started.get(model, 0) + 1
         self._http[task_id] = _HttpRequest(origin, model)
         out: list[CoreEffect] = [RequestStarted(model)]
-        self._absorb(self.processor.submit(now, task_id=task_id, tenant_id=tenant_id, request=request, origin=origin,
-                                           header=header, deadline=deadline, **routing), now, out)
+        self._absorb(self.processor.submit(
+            task_id=task_id,
+            tenant_id=tenant_id,
+            request=request,
+            origin=origin,
+            header=header,
+            deadline=deadline,
+            **routing,
+            now=now,
+        ), now, out)
         return self._after(now, out)
 
     def cancel(self, task_id: str, now: float) -> list[CoreEffect]:
@@ -200,7 +207,7 @@ class GatewayCore:
         if request is None:
             return []
         out: list[CoreEffect] = [RequestFinished(request.model)]
-        self._absorb(self.processor.cancel(now, task_id), now, out)
+        self._absorb(self.processor.cancel(task_id, now), now, out)
         return self._after(now, out)
 
     def results_consumed(self, task_id: str, count: int, now: float) -> list[CoreEffect]:
@@ -227,19 +234,19 @@ class GatewayCore:
         """An ``EngineStatus`` on an engine's stream (authenticated for ``tenant_id``): ``LOCAL`` for
         an engine attached here (peers' engines come through :meth:`peer_stream_message`)."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.update_engine(now, stream, tenant_id, status, locality), now, out)
+        self._absorb(self.processor.update_engine(stream, tenant_id, status, locality, now), now, out)
         return self._after(now, out, engines_changed=True)
 
     def engine_result(self, stream: Route, result: worker_pb2.TaskResult, now: float) -> list[CoreEffect]:
         """A ``TaskResult`` on a local engine's stream."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.receive_result(now, stream, result), now, out)
+        self._absorb(self.processor.receive_result(stream, result, now), now, out)
         return self._after(now, out)
 
     def engine_closed(self, stream: Route, reason: str, now: float) -> list[CoreEffect]:
         """A local engine's stream ended: its engines go and their tasks fail over."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.close_route(now, stream, reason), now, out)
+        self._absorb(self.processor.close_route(stream, reason, now), now, out)
         return self._after(now, out, engines_changed=True)
 
     # --- sends on routes (engine streams and accepted peer streams) ------------------
@@ -247,25 +254,25 @@ class GatewayCore:
     def task_not_sent(self, route: Route, wire_id: str, now: float) -> list[CoreEffect]:
         """A ``SendTask`` found its route already closed."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.dispatch_failed(now, wire_id, "engine stream closed", route=route), now, out)
+        self._absorb(self.processor.dispatch_failed(wire_id, "engine stream closed", route=route, now=now), now, out)
         return self._after(now, out)
 
     def task_refused(self, route: Route, wire_id: str, now: float) -> list[CoreEffect]:
         """A route at its cap of queued bytes did not take a ``SendTask``: routed again at once."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.dispatch_refused(now, wire_id, route), now, out)
+        self._absorb(self.processor.dispatch_refused(wire_id, route, now), now, out)
         return self._after(now, out)
 
     def route_blocked(self, route: Route, now: float) -> list[CoreEffect]:
         """A route's stream stopped draining: it gets no tasks until :meth:`route_writable`."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.route_blocked(now, route), now, out)
+        self._absorb(self.processor.route_blocked(route, now), now, out)
         return self._after(now, out)
 
     def route_writable(self, route: Route, now: float) -> list[CoreEffect]:
         """A blocked route drains again."""
         out: list[CoreEffect] = []
-        self._absorb(self.processor.route_writable(now, route), now, out)
+        self._absorb(self.processor.route_writable(route, now), now, out)
         return self._after(now, out)
 
     # --- peers that dial us (senders) ------------------------------------------------
@@ -527,7 +534,7 @@ class GatewayCore:
         out: list[CoreEffect] = []
         for tenant, waiting_model in sorted(self.processor.waiting_counts()):
             if waiting_model == model:
-                self._absorb(self.processor.fail_waiting(now, tenant, model, status, message), now, out)
+                self._absorb(self.processor.fail_waiting(tenant, model, status, message, now), now, out)
         return self._after(now, out)
 
     # --- time --------------------------------------------------------------------------

@@ -154,7 +154,6 @@ class Processor(ProcessorTables):
 
     def submit(
         self,
-        now: float,
         *,
         task_id: str,
         tenant_id: str,
@@ -163,6 +162,7 @@ class Processor(ProcessorTables):
         header: Mapping[str, Sequence[str]] | None = None,
         deadline: float | None = None,
         target_engine_id: str = "",
+        now: float,
     ) -> list[Effect]:
         """Accept a task; it ends exactly once (result, failure, or ``cancel``).
 
@@ -224,7 +224,7 @@ class Processor(ProcessorTables):
             self._route(now, task, effects)
         return effects
 
-    def cancel(self, now: float, task_id: str) -> list[Effect]:
+    def cancel(self, task_id: str, now: float) -> list[Effect]:
         """The client went away: the request ends with no answer, and its engine is told to stop."""
         task = self._require(task_id)
         effects: list[Effect] = []
@@ -248,7 +248,7 @@ class Processor(ProcessorTables):
             )
         task.unconsumed -= count
 
-    def fail_waiting(self, now: float, tenant_id: str, model_id: str, status: int, message: str) -> list[Effect]:
+    def fail_waiting(self, tenant_id: str, model_id: str, status: int, message: str, now: float) -> list[Effect]:
         """Fail every task waiting for (tenant, model) now, e.g. when the scaler cannot provide it."""
         effects: list[Effect] = []
         for task_id in list(self._waiting.get((tenant_id, model_id), ())):
@@ -258,7 +258,7 @@ class Processor(ProcessorTables):
     # --- engines ----------------------------------------------------------
 
     def update_engine(
-        self, now: float, route: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality
+        self, route: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality, now: float
     ) -> list[Effect]:
         """Add an engine or take its new status; waiting tasks it can serve go to it now.
 
@@ -297,7 +297,7 @@ class Processor(ProcessorTables):
             self._dispatch_waiting(now, engine, effects)
         return effects
 
-    def remove_engine(self, now: float, tenant_id: str, engine_id: str, reason: str) -> list[Effect]:
+    def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
         """An engine is gone: it leaves routing and its in-flight tasks fail over."""
         engine = self._engines.get(EngineKey(tenant_id, engine_id))
         if engine is None:
@@ -307,7 +307,7 @@ class Processor(ProcessorTables):
         self._refill(now, effects)
         return effects
 
-    def close_route(self, now: float, route: Route, reason: str) -> list[Effect]:
+    def close_route(self, route: Route, reason: str, now: float) -> list[Effect]:
         """A stream ended: engines registered on it go, tasks sent on it fail over.
 
         Closing a route that never registered an engine is harmless.
@@ -328,14 +328,14 @@ class Processor(ProcessorTables):
 
     # --- backpressure -----------------------------------------------------
 
-    def route_blocked(self, now: float, route: Route) -> list[Effect]:
+    def route_blocked(self, route: Route, now: float) -> list[Effect]:
         """``route``'s stream stopped draining: its engines get no new tasks until
         ``route_writable``, and it is closed if that does not come within
         ``route_stuck_timeout``. Reporting it again keeps the first time."""
         self._flow.block(route, now)
         return []
 
-    def route_writable(self, now: float, route: Route) -> list[Effect]:
+    def route_writable(self, route: Route, now: float) -> list[Effect]:
         """``route`` drains again: its engines take waiting tasks now.
 
         A route that was not blocked (or has closed) is left as it is.
@@ -346,7 +346,7 @@ class Processor(ProcessorTables):
                 self._dispatch_waiting(now, engine, effects)
         return effects
 
-    def dispatch_refused(self, now: float, task_id: str, route: Route) -> list[Effect]:
+    def dispatch_refused(self, task_id: str, route: Route, now: float) -> list[Effect]:
         """``route`` did not take the ``SendTask`` whose task carried ``task_id``: its
         queue is at its cap. The route counts as blocked (``route_blocked``), and the
         task is routed again at once, to another engine or the queue; this is not a
@@ -395,7 +395,7 @@ class Processor(ProcessorTables):
 
     # --- results ----------------------------------------------------------
 
-    def receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
+    def receive_result(self, route: Route, result: worker_pb2.TaskResult, now: float) -> list[Effect]:
         """A result arrived on ``route``; deliver it in order, retry, or end the task.
 
         ``result.task_id`` names an attempt (the id its ``SendTask`` carried).
@@ -435,7 +435,7 @@ class Processor(ProcessorTables):
         self._deliver(task, result, last, effects)
         return effects
 
-    def dispatch_failed(self, now: float, task_id: str, reason: str, route: Route | None = None) -> list[Effect]:
+    def dispatch_failed(self, task_id: str, reason: str, route: Route | None, now: float) -> list[Effect]:
         """A ``SendTask`` whose task carried ``task_id`` (on ``route``, if given) could
         not be sent; the task fails over like one whose engine was lost.
 

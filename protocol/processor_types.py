@@ -181,7 +181,7 @@ class SendTask:
 
     ``task.id`` names this attempt on the wire: the task id for a first
     dispatch, ``"{id}#{n}"`` for a retry (results are mapped back to the task).
-    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``;
+    If the send fails, report it with ``Processor.dispatch_failed(task.id, ...)``;
     if the route refused it at its queue cap, with ``Processor.dispatch_refused``.
     """
 

@@ -173,7 +173,6 @@ class Receiver:
         self._tasks.add(task.id)
         outputs: list[ReceiverOutput] = []
         outputs += self.processor.submit(
-            now,
             task_id=task.id,
             tenant_id=tenant_id,
             request=task.request,
@@ -181,6 +180,7 @@ class Receiver:
             header={name: list(value.values) for name, value in task.header.items()},
             deadline=now + task.timeout_seconds if task.timeout_seconds > 0 else None,
             target_engine_id=task.engine_id,
+            now=now,
         )
         return outputs
 
@@ -211,7 +211,7 @@ class Receiver:
         self._next_report = None
         effects: list[ReceiverOutput] = []
         for task_id in sorted(self._tasks):
-            effects += self.processor.cancel(now, task_id)
+            effects += self.processor.cancel(task_id, now)
         self._tasks.clear()
         return effects
 
@@ -265,7 +265,7 @@ class Receiver:
             return [_send_result(error_result(task.id, 404, f"no task {target!r} on this stream"))]
         self._tasks.discard(target)
         outputs: list[ReceiverOutput] = []
-        outputs += self.processor.cancel(now, target)
+        outputs += self.processor.cancel(target, now)
         ok = worker_pb2.HttpResponse(status_code=200, status=_status_line(200))
         outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
         return outputs

@@ -73,7 +73,7 @@ class Sender:
         if kind == "server_status":
             return self._status_received(request.server_status, now)
         if kind == "task_result":
-            return self.processor.receive_result(now, self.route, request.task_result)
+            return self.processor.receive_result(self.route, request.task_result, now)
         raise RemoteProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
 
     def closed(self, now: float) -> list[Effect]:
@@ -83,7 +83,7 @@ class Sender:
         self._closed = True
         self._engines.clear()
         self._reported.clear()
-        return self.processor.close_route(now, self.route, f"peer {self.pod_name!r} disconnected")
+        return self.processor.close_route(self.route, f"peer {self.pod_name!r} disconnected", now)
 
     def engines_removed(self, keys: tuple[EngineKey, ...], now: float) -> list[Effect]:
         """Engines left the processor: register those the peer last reported, if nothing
@@ -96,7 +96,7 @@ class Sender:
             if status is None or self.processor.engine(key.tenant_id, key.engine_id) is not None:
                 continue
             self._engines.add(key)
-            effects += self.processor.update_engine(now, self.route, key.tenant_id, status, Locality.REMOTE)
+            effects += self.processor.update_engine(self.route, key.tenant_id, status, Locality.REMOTE, now)
         return effects
 
     @property
@@ -124,11 +124,11 @@ class Sender:
                 # until it goes (engines_removed).
                 continue
             reported.add(key)
-            effects += self.processor.update_engine(now, self.route, key.tenant_id, remembered, Locality.REMOTE)
+            effects += self.processor.update_engine(self.route, key.tenant_id, remembered, Locality.REMOTE, now)
         for key in sorted(self._engines - reported, key=lambda k: (k.tenant_id, k.engine_id)):
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is self.route:
                 reason = f"no longer reported by peer {self.pod_name!r}"
-                effects += self.processor.remove_engine(now, key.tenant_id, key.engine_id, reason)
+                effects += self.processor.remove_engine(key.tenant_id, key.engine_id, reason, now)
         self._engines = reported
         return effects

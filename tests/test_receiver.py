@@ -20,7 +20,7 @@ from protocol.processor_types import (
     SendTask,
 )
 from tests.receiver_helpers import BufferedReceiver
-from protocol.receiver import Receiver, ReceiverConfig, ReceiverState
+from protocol.receiver import ReceiverConfig, ReceiverState
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 
 T0 = 50.0
@@ -50,7 +50,7 @@ class Harness:
         status = engine_status(engine_id, *models, ready=ready)
         for model in status.models:
             model.in_progress_task_count = in_progress
-        effects = self.p.update_engine(now, f"engine:{engine_id}", tenant, status, locality)
+        effects = self.p.update_engine(f"engine:{engine_id}", tenant, status, locality, now)
         self.run(effects)
         if self.r.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
             self.r.local_engines_changed(now)
@@ -62,7 +62,7 @@ class Harness:
         self.run(self.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant), now))
 
     def engine_says(self, engine_id: str, result: worker_pb2.TaskResult, now: float = T0) -> None:
-        self.run(self.p.receive_result(now, f"engine:{engine_id}", result))
+        self.run(self.p.receive_result(f"engine:{engine_id}", result, now))
 
     def reports(self) -> list[internal_pb2.ServerStatus]:
         return [m.server_status for m in self.r.pop_messages() if m.WhichOneof("message") == "server_status"]
@@ -115,7 +115,7 @@ def test_it_reports_again_on_every_change_and_sends_nothing_when_nothing_changed
     assert engines_in(one(h.reports(), internal_pb2.ServerStatus)) == [("t", "e1", False)]
     h.join("e2", "m")
     assert len(one(h.reports(), internal_pb2.ServerStatus).engine_statuses) == 2
-    h.run(h.p.remove_engine(T0, "t", "e2", "gone"))
+    h.run(h.p.remove_engine("t", "e2", "gone", T0))
     h.r.local_engines_changed(T0)
     assert len(one(h.reports(), internal_pb2.ServerStatus).engine_statuses) == 1
     h.join("r1", "m", locality=Locality.REMOTE)
@@ -124,10 +124,10 @@ def test_it_reports_again_on_every_change_and_sends_nothing_when_nothing_changed
 
 def test_model_order_alone_is_not_a_change(h):
     h.reports()
-    h.run(h.p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m", "a"), Locality.LOCAL))
+    h.run(h.p.update_engine("engine:e1", "t", engine_status("e1", "m", "a"), Locality.LOCAL, T0))
     h.r.local_engines_changed(T0)
     assert [m.id for m in one(h.reports(), internal_pb2.ServerStatus).engine_statuses[0].engine_status.models] == ["a", "m"]
-    h.run(h.p.update_engine(T0, "engine:e1", "t", engine_status("e1", "a", "m"), Locality.LOCAL))
+    h.run(h.p.update_engine("engine:e1", "t", engine_status("e1", "a", "m"), Locality.LOCAL, T0))
     h.r.local_engines_changed(T0)
     assert h.reports() == []
 
@@ -138,7 +138,7 @@ def test_the_periodic_check_reports_only_if_something_changed(h):
     h.r.handle_timeout(T0 + 10)
     assert h.reports() == [] and h.r.next_deadline() == T0 + 20
     # A change the receiver was not told about is caught by the periodic check.
-    h.p.update_engine(T0 + 11, "engine:e1", "t", engine_status("e1", "m", "n"), Locality.LOCAL)
+    h.p.update_engine("engine:e1", "t", engine_status("e1", "m", "n"), Locality.LOCAL, T0 + 11)
     h.r.handle_timeout(T0 + 15)
     assert h.reports() == []
     h.r.handle_timeout(T0 + 20)
@@ -210,7 +210,7 @@ def test_a_failure_after_results_were_relayed_ends_the_stream_with_an_error_even
     h.reports()
     h.forward("task-1", request=chat(stream=True))
     h.engine_says("e1", http("task-1"))
-    h.run(h.p.remove_engine(T0, "t", "e1", "crashed"))
+    h.run(h.p.remove_engine("t", "e1", "crashed", T0))
     results = h.results()
     assert [r.result_index for r in results] == [0, 1]
     assert results[1].server_sent_event.is_last_event
@@ -278,7 +278,7 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
     h.r.pop_messages()
     task = worker_pb2.Task(id="task-1", engine_id="e1", request=chat())
     h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"), T0)
-    delivered = one(h.p.receive_result(T0, "engine:e1", http("task-1")), DeliverResult)
+    delivered = one(h.p.receive_result("engine:e1", http("task-1"), T0), DeliverResult)
     assert delivered.origin is stream
     h.r.deliver(delivered)
     assert [r.task_id for r in h.results()] == ["task-1"]

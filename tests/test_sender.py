@@ -51,7 +51,7 @@ def task_message(effect: SendTask | CancelTaskOnEngine) -> internal_pb2.ProcessT
 
 
 def submit(p: Processor, task_id: str, **kw: object) -> list[object]:
-    return list(p.submit(T0, task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw))
+    return list(p.submit(task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw, now=T0))
 
 
 # --- the sender alone ---------------------------------------------------------------
@@ -107,11 +107,11 @@ def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks()
 
 def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_over():
     p = Processor(ProcessorConfig(retry_delay=0))
-    p.update_engine(T0, "engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL)
+    p.update_engine("engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL, T0)
     s = Sender(p)
     s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")
-    p.update_engine(T0, "engine:local", "t", engine_status("local", "m"), Locality.LOCAL)
+    p.update_engine("engine:local", "t", engine_status("local", "m"), Locality.LOCAL, T0)
     effects = s.closed(T0)
     assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("local", "a#2")]
     assert p.engine_counts() == {("t", Locality.LOCAL): 1}
@@ -119,7 +119,7 @@ def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_o
 
 def test_a_peer_cannot_take_over_a_local_engine_or_another_peer_s_engine():
     p = Processor()
-    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     first, second = Sender(p), Sender(p)
     first.message_received(report("pod-b", ("t", "e2", True)), T0)
     second.message_received(report("pod-c", ("t", "e1", True), ("t", "e2", True)), T0)
@@ -163,11 +163,11 @@ def test_an_engine_a_peer_reported_while_it_was_attached_here_is_registered_once
     old stream here lingers). When the old stream ends, pod-c's earlier report is the only
     word of where e0 is: pod-c will not report again, since nothing changed on its side."""
     p = Processor(ProcessorConfig(queue_timeout=30))
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
     s = Sender(p)
     assert s.message_received(report("pod-c", ("t", "e0", True)), T0) == []
     assert p.engine("t", "e0").locality is Locality.LOCAL and s.engines == frozenset()
-    gone = removed(p.close_route(T0, "engine:e0", "stream ended"))
+    gone = removed(p.close_route("engine:e0", "stream ended", T0))
     assert p.engine("t", "e0") is None
     submit(p, "a")  # waits: no engine for m yet
     effects = s.engines_removed(gone, T0)
@@ -193,9 +193,9 @@ def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_repo
     p = Processor()
     c = Sender(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
     assert p.engine("t", "e0").route == "engine:e0"
-    c.engines_removed(removed(p.close_route(T0, "engine:e0", "stream ended")), T0)
+    c.engines_removed(removed(p.close_route("engine:e0", "stream ended", T0)), T0)
     assert p.engine("t", "e0").route is c
     c.message_received(report("pod-c"), T0)  # and pod-c's own removal still works
     assert p.engine("t", "e0") is None
@@ -203,15 +203,15 @@ def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_repo
 
 def test_a_sender_registers_only_what_its_peer_still_reports_and_nothing_once_closed():
     p = Processor()
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
-    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
+    p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     c, d = Sender(p), Sender(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
     c.message_received(report("pod-c"), T0)  # pod-c no longer has e0
     d.message_received(report("pod-d", ("t", "e1", True)), T0)
     d.closed(T0)
-    assert c.engines_removed(removed(p.close_route(T0, "engine:e0", "ended")), T0) == []
-    assert d.engines_removed(removed(p.close_route(T0, "engine:e1", "ended")), T0) == []
+    assert c.engines_removed(removed(p.close_route("engine:e0", "ended", T0)), T0) == []
+    assert d.engines_removed(removed(p.close_route("engine:e1", "ended", T0)), T0) == []
     assert p.engine_counts() == {}
 
 
@@ -221,7 +221,7 @@ def test_an_engine_that_reconnected_to_a_peer_is_reached_through_it_once_its_old
     network, a, b = net
     a.engine_joins("eb")
     assert a.p.engine("t", "eb").locality is Locality.LOCAL
-    a.dispatch(a.p.close_route(network.now, "engine:eb", "old stream ended"))
+    a.dispatch(a.p.close_route("engine:eb", "old stream ended", network.now))
     assert a.p.engine("t", "eb").locality is Locality.REMOTE
     a.request("task-1")
     assert [t.id for t in b.engine_inbox["eb"]] == ["task-1"]
@@ -275,14 +275,20 @@ class Gateway:
 
     def engine_joins(self, engine_id: str, ready: bool = True) -> None:
         status = engine_status(engine_id, "m", ready=ready)
-        self.dispatch(self.p.update_engine(self.network.now, f"engine:{engine_id}", "t", status, Locality.LOCAL))
+        self.dispatch(self.p.update_engine(f"engine:{engine_id}", "t", status, Locality.LOCAL, self.network.now))
 
     def engine_says(self, engine_id: str, result: worker_pb2.TaskResult) -> None:
-        self.dispatch(self.p.receive_result(self.network.now, f"engine:{engine_id}", result))
+        self.dispatch(self.p.receive_result(f"engine:{engine_id}", result, self.network.now))
 
     def request(self, task_id: str, **kw: object) -> None:
-        self.dispatch(self.p.submit(self.network.now, task_id=task_id, tenant_id="t", origin="client",
-                                    request=kw.pop("request", chat()), **kw))
+        self.dispatch(self.p.submit(
+            task_id=task_id,
+            tenant_id="t",
+            origin="client",
+            request=kw.pop("request", chat()),
+            **kw,
+            now=self.network.now,
+        ))
 
 
 class Network:
@@ -371,7 +377,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     network, a, b = net
     a.engine_joins("ea", ready=False)
     # B's engine leaves, and A has not heard of it yet when it forwards a task there.
-    b.p.remove_engine(network.now, "t", "eb", "crashed")
+    b.p.remove_engine("t", "eb", "crashed", network.now)
     a.request("task-1")
     # The refusal is a busy answer (a peer's 503): the task waits, with no engine left for it.
     assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.busy_replies == 1
@@ -384,7 +390,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
 
 def test_a_task_refused_by_a_peer_whose_engine_is_not_ready_waits_for_another_engine(net):
     network, a, b = net
-    b.p.update_engine(network.now, "engine:eb", "t", engine_status("eb", "m", ready=False), Locality.LOCAL)
+    b.p.update_engine("engine:eb", "t", engine_status("eb", "m", ready=False), Locality.LOCAL, network.now)
     a.request("task-1")  # A still believes eb is ready: B refuses it at once with 503
     network.links[0][0].local_engines_changed(network.now)
     network.pump()
@@ -399,7 +405,7 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
     a.engine_joins("ea", ready=False)
     a.request("task-1")
     a.engine_joins("ea")
-    b.dispatch(b.p.remove_engine(network.now, "t", "eb", "crashed"))
+    b.dispatch(b.p.remove_engine("t", "eb", "crashed", network.now))
     assert a.p.engine("t", "eb") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
     network.tick(RETRY_DELAY)
     assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
@@ -410,7 +416,7 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
 def test_a_client_that_goes_away_stops_the_engine_on_the_peer(net):
     network, a, b = net
     a.request("task-1", request=chat(stream=True))
-    a.dispatch(a.p.cancel(network.now, "task-1"))
+    a.dispatch(a.p.cancel("task-1", network.now))
     cancel = b.engine_inbox["eb"][-1]
     assert cancel.request.cancel_task.task_id == "task-1"
     assert not b.p.has_task("task-1")
@@ -520,13 +526,13 @@ class Exchange:
             self.gateway(op[1]).engine_joins(f"e{op[1]}", ready=op[2])
         elif kind == "engine_gone":
             gateway = self.gateway(op[1])
-            gateway.dispatch(gateway.p.close_route(self.net.now, f"engine:e{op[1]}", "engine stream ended"))
+            gateway.dispatch(gateway.p.close_route(f"engine:e{op[1]}", "engine stream ended", self.net.now))
         elif kind == "cancel":
             live = [t for t in self.requested if t not in self.a.ended and t not in self.cancelled]
             if live:
                 task_id = live[op[1] % len(live)]
                 self.cancelled.add(task_id)
-                self.a.dispatch(self.a.p.cancel(self.net.now, task_id))
+                self.a.dispatch(self.a.p.cancel(task_id, self.net.now))
         elif kind == "tick":
             self.net.tick(op[1])
         elif kind == "shutdown_b":
