@@ -253,8 +253,10 @@ class PeerDial:
             pass
 
     def _release(self, dial: Dial | None) -> None:
+        if dial is not self.dial:
+            return  # that stream is gone; a newer one's held reports wait for their own release
         held, self._held = self._held, None
-        if held is None or dial is not self.dial:
+        if held is None:
             return
         for message in held:
             self._write(message)
