@@ -57,7 +57,6 @@ from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.gateway_core import DialledPeer
-from protocol.gateway_core import DialState as ReceiverLoopState
 from protocol.gateway_effects import (
     CancelDial,
     CoreEffect,
@@ -83,7 +82,6 @@ __all__ = [
     "Exchanger",
     "ExchangerConfig",
     "PeerStream",
-    "ReceiverLoopState",
 ]
 
 log = Logger()

@@ -13,7 +13,8 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
-from infx.exchanger import Exchanger, ExchangerConfig, ReceiverLoopState
+from infx.exchanger import Exchanger, ExchangerConfig
+from protocol.gateway_core import DialState
 from infx.scaler import InferenceScaler, InMemoryServiceQuery
 from infx.service import GatewayService
 from protocol.peers import Backoff, PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
@@ -260,7 +261,7 @@ def test_receivers_follow_the_pod_source_one_per_live_pod_at_its_current_address
     assert {name: r.address for name, r in exchanger.receivers.items()} == {"b": b_addr, "c": PeerAddress("127.0.0.1", 3)}
     source.change(PeerAddressChanged("b", b_addr, b_moved))
     assert exchanger.receivers["b"].address == b_moved and exchanger.receivers["b"] is not first
-    assert first.state is ReceiverLoopState.STOPPED
+    assert first.state is DialState.STOPPED
     source.change(PeerRemoved("c", PeerAddress("127.0.0.1", 3)))
     assert list(exchanger.receivers) == ["b"]
     # Nothing listens at b's address: the receiver redials with backoff, never giving up.
@@ -277,7 +278,7 @@ def test_receivers_follow_the_pod_source_one_per_live_pod_at_its_current_address
     stopped = exchanger.stop()
     clock.advance(0)
     assert stopped.called and source.stopped
-    assert same.state is ReceiverLoopState.STOPPED and dict(exchanger.receivers) == {}
+    assert same.state is DialState.STOPPED and dict(exchanger.receivers) == {}
     source.change(PeerAdded("b", b_moved))  # shutting down: no receiver is created again
     assert dict(exchanger.receivers) == {}
     assert channels.count(b_moved) >= 3
@@ -297,13 +298,13 @@ def test_a_receiver_whose_channel_factory_fails_is_redialled_after_a_backoff_del
 
     clock, exchanger, source = clocked_exchanger(connect, Backoff(initial=0.05, cap=0.1))
     source.change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))
-    assert len(calls) == 1 and exchanger.receivers["b"].state is ReceiverLoopState.CONNECTING
+    assert len(calls) == 1 and exchanger.receivers["b"].state is DialState.CONNECTING
     clock.advance(0)  # the failure is reported once the effects at hand are done
-    assert exchanger.receivers["b"].state is ReceiverLoopState.BACKING_OFF
+    assert exchanger.receivers["b"].state is DialState.BACKING_OFF
     source.change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))  # no change: no dial before the delay
     assert len(calls) == 1
     clock.advance(0.05)
-    assert len(calls) == 2 and exchanger.receivers["b"].state is not ReceiverLoopState.STOPPED
+    assert len(calls) == 2 and exchanger.receivers["b"].state is not DialState.STOPPED
     exchanger.stop()
     clock.advance(1)
     assert len(calls) == 2
@@ -316,7 +317,7 @@ def test_draining_receiver_reports_not_ready_then_half_closes_once_forwarded_tas
     yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
     receiver = b.exchanger.receivers[internal_address(a)]
     yield b.exchanger.drain()
-    assert receiver.state is ReceiverLoopState.STOPPED
+    assert receiver.state is DialState.STOPPED
     # a saw the stream end cleanly: b's engine is gone there, and no stream is left.
     yield until(lambda: engines(a) == {} and a.exchanger.streams == set())
 
@@ -335,7 +336,7 @@ def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_t
     receiver = exchanger.receivers["b"]
     expected_rng = random.Random(7)
     for failures in range(1, 7):
-        assert endpoint.attempts == failures and receiver.state is ReceiverLoopState.BACKING_OFF
+        assert endpoint.attempts == failures and receiver.state is DialState.BACKING_OFF
         delay = backoff.delay(failures, expected_rng)
         assert 0.5 * min(5.0, 2.0 ** (failures - 1)) <= delay <= min(5.0, 2.0 ** (failures - 1))
         clock.advance(delay * 0.999)
@@ -345,7 +346,7 @@ def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_t
     assert receiver.failures == endpoint.attempts == 7
     d = exchanger.stop()
     clock.advance(60)
-    assert d.called and receiver.state is ReceiverLoopState.STOPPED
+    assert d.called and receiver.state is DialState.STOPPED
     assert endpoint.attempts == 7  # none after stop
 
 
