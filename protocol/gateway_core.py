@@ -505,7 +505,6 @@ class GatewayCore:
             self._forget_peer(peer)
         for stream in list(self._accepted):
             self._forget_accepted(stream, now, out)
-            self._accepted.pop(stream, None)
             out.append(EndPeerStream(stream, StatusCode.UNAVAILABLE,
                                      f"gateway {self.config.pod_name!r} is shutting down"))
         return self._after(now, out, engines_changed=True)
