@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import itertools
 import random
+import secrets
 from typing import Any, Callable, Iterator, Protocol
 
 from twisted.internet.interfaces import IReactorTime
@@ -152,7 +153,10 @@ class Dispatcher:
         self.core = GatewayCore(processor, config or CoreConfig(pod_name=""), rng or random.Random())
         self.metrics = metrics
         counter = itertools.count(1)
-        self._new_id = task_ids or (lambda: f"t{next(counter)}")
+        # A task forwarded to a peer keeps its id there, beside the peer's own tasks: a random
+        # prefix per gateway keeps two gateways' counters from handing out the same id.
+        prefix = secrets.token_hex(4)
+        self._new_id = task_ids or (lambda: f"t{prefix}-{next(counter)}")
         self._timer = DeadlineTimer(clock, self._fire)
         #: Performs effects on peer dials and peer streams (the exchanger sets it).
         self.peer_effects: Callable[[CoreEffect], None] | None = None
@@ -284,7 +288,8 @@ class Dispatcher:
         origin = HttpOrigin(self, task_id, submission.tenant, submission.model, sink, now)
         deadline = None if submission.timeout is None else now + submission.timeout
         self.perform(self.core.submit(origin, task_id, submission.tenant, submission.model, submission.request,
-                                      submission.headers, deadline, now))
+                                      submission.headers, deadline, now, criticality=submission.criticality,
+                                      flow=submission.flow, weight=submission.weight))
         return origin
 
     def availability(self, tenant: str, model: str) -> Availability:

@@ -414,6 +414,7 @@ class Exchanger:
             for report in self._refusals.occurred(self.clock.seconds(), host, text):
                 log.warn("{text}", text=report.text(), address=address, event="peer_refused", count=report.count)
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
+        call.authenticated()
         core = self.dispatcher.core
         stream = PeerStream(call, self.dispatcher.route_writable)
         self.streams.add(stream)

@@ -1,11 +1,13 @@
-"""Peer discovery for the task exchanger: pods watched through the Kubernetes API, or a static list.
+"""The Kubernetes informer's one adapter, and peer discovery on it (pods watched, or a static list).
 
-The Twisted side of :mod:`protocol.peers`. The official ``kubernetes`` client
-blocks, so each of its requests runs in this watcher's own one-thread pool
-(never the reactor's shared pool, which a long watch would starve); watch
-events are handed back with ``callFromThread`` and every decision is made on
-the reactor thread by the pure :class:`~protocol.peers.PodWatch` machine.
-Backoff timers use the injected clock.
+The Twisted side of :mod:`protocol.informer` and :mod:`protocol.peers`.
+:class:`KubeInformer` is the one adapter of the pure list-then-watch machine
+(peer discovery and the scaler both use it): the official ``kubernetes``
+client blocks, so each of its requests runs in the informer's own one-thread
+pool (never the reactor's shared pool, which a long watch would starve);
+watch events are handed back with ``callFromThread`` and every decision is
+made on the reactor thread by the pure machines. Backoff timers use the
+injected clock.
 """
 
 from __future__ import annotations
@@ -14,38 +16,52 @@ import json
 import os
 import random
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Generic, Iterable, Mapping, Protocol, TypeVar, cast
 
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from twisted.application.service import Service
 from twisted.internet import defer
-from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.threadpool import ThreadPool
 
 from infx.config import ConfigError
-from protocol.peers import (
+from infx.deadline import DeadlineTimer
+from protocol.informer import (
     Backoff,
+    CacheEvent,
+    Effect,
+    Informer,
+    InformerState,
+    ListRequested,
     MalformedWatchObject,
+    WatchErrorReceived,
+    WatchEvent,
+    WatchRequested,
+    object_mapping,
+    parse_watch_event,
+)
+from protocol.peers import (
     PeerAdded,
     PeerAddress,
     PeerChange,
+    PeerSet,
     PodState,
-    PodWatch,
-    WatchErrorReceived,
-    WatchEvent,
-    WatchState,
     parse_peer_address,
-    parse_watch_event,
+    pod_key,
     pod_state,
+    pod_version,
 )
 
 __all__ = [
+    "InformerConfig",
+    "KubeInformer",
     "PeerSource",
     "PeerSourceService",
     "PodWatcher",
@@ -56,6 +72,8 @@ __all__ = [
 ]
 
 log = Logger()
+
+T = TypeVar("T")
 
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 
@@ -87,6 +105,29 @@ class WatchFailed(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(f"watch failed with {code}: {message}")
         self.code = code
+
+
+@dataclass(frozen=True)
+class InformerConfig:
+    """One collection to list and watch, and how patiently.
+
+    ``what`` names the collection in logs and thread names (``pods``).
+    ``watch_timeout`` is the ``timeoutSeconds`` asked of the API server: a
+    watch is re-opened from the last resourceVersion at least that often.
+    ``request_timeout`` bounds lists and connects, so stopping never waits
+    longer than that for a list.
+    """
+
+    what: str
+    namespace: str
+    label_selector: str | None = None
+    watch_timeout: int = 60
+    request_timeout: float = 10.0
+    backoff: Backoff = field(default_factory=Backoff)
+
+    def __post_init__(self) -> None:
+        if self.watch_timeout < 1:
+            raise ValueError("watch_timeout is a whole number of seconds, at least 1")
 
 
 @dataclass(frozen=True)
@@ -164,30 +205,39 @@ def _one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-class PodWatcher:
-    """Keeps ``on_change`` told of the live peer pods, by list-then-watch on the API server.
+class KubeInformer(Generic[T]):
+    """Drives one :class:`~protocol.informer.Informer` against the API server with the official client.
 
-    ``api`` is a ``kubernetes.client.CoreV1Api``. ``on_change`` runs on the
-    reactor thread, once per :data:`~protocol.peers.PeerChange`; after
-    :meth:`stop` it is never called again.
+    ``list_call`` is a ``list_namespaced_*`` method of a client API object
+    (``CoreV1Api.list_namespaced_pod``, ``AppsV1Api.list_namespaced_deployment``);
+    ``decode`` reads one object of the collection as JSON (raising
+    :class:`~protocol.informer.MalformedWatchObject` on garbage). The
+    blocking calls run in this informer's own one-thread pool (never the
+    reactor's shared pool, which a long watch would starve); watch events come
+    back with ``callFromThread``, and ``on_events`` gets the cache's changes on
+    the reactor thread. After :meth:`stop` it is never called again.
     """
 
     def __init__(
         self,
         reactor: ThreadingClock,
-        api: client.CoreV1Api,
-        config: PodWatcherConfig,
-        on_change: Callable[[PeerChange], None],
-        rng: random.Random | None = None,
+        list_call: Callable[..., Any],
+        decode: Callable[[Mapping[str, Any]], T],
+        key: Callable[[T], Hashable],
+        version: Callable[[T], str | None],
+        on_events: Callable[[list[CacheEvent[T]]], None],
+        config: InformerConfig,
+        rng: random.Random,
     ) -> None:
         self._reactor = reactor
-        self._api = api
+        self._list_call = list_call
+        self._decode = decode
+        self._on_events = on_events
         self._config = config
-        self._on_change = on_change
-        self._machine = PodWatch(config.own_pod_name, config.peer_port, config.backoff, rng)
-        self._pool = ThreadPool(minthreads=0, maxthreads=1, name=f"infx-kube-{config.namespace}")
-        self._in_flight: defer.Deferred[None] | None = None
-        self._timer: Any = None  # an IDelayedCall
+        self._machine: Informer[T] = Informer(key, version, config.backoff, rng)
+        self._pool = ThreadPool(minthreads=0, maxthreads=1, name=f"infx-kube-{config.what}-{config.namespace}")
+        self._in_flight: defer.Deferred[Any] | None = None
+        self._timer = DeadlineTimer(cast(IReactorTime, reactor), self._timer_fired)  # a ThreadingClock is one
         self._stopped: list[defer.Deferred[None]] = []
         # Shared with the pool thread: the open watch response, so stop() can unblock its read.
         self._lock = threading.Lock()
@@ -195,11 +245,12 @@ class PodWatcher:
         self._response: Any = None
 
     @property
-    def peers(self) -> Mapping[str, PeerAddress]:
-        return self._machine.peers.peers
+    def objects(self) -> Mapping[Hashable, T]:
+        """The cache, by key."""
+        return self._machine.objects
 
     @property
-    def state(self) -> WatchState:
+    def state(self) -> InformerState:
         return self._machine.state
 
     @property
@@ -209,21 +260,18 @@ class PodWatcher:
 
     def start(self) -> None:
         self._pool.start()
-        self._machine.start()
-        log.info("watching pods in {namespace} with {selector!r}",
+        log.info("watching {what} in {namespace} with {selector!r}", what=self._config.what,
                  namespace=self._config.namespace, selector=self._config.label_selector)
-        self._drive()
+        self._perform(self._machine.start())
 
     def stop(self) -> defer.Deferred[None]:
-        """Stop at once for callbacks; the Deferred fires when the watch thread has returned.
+        """Stop at once for callbacks; the Deferred fires when the pool thread has returned.
 
         Idempotent. A blocked watch read is unblocked at once; a list in
         flight finishes within ``request_timeout``.
         """
         self._machine.stop()
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
+        self._timer.cancel()
         with self._lock:
             self._stopping = True
             response = self._response
@@ -239,23 +287,27 @@ class PodWatcher:
 
     # --- reactor thread --------------------------------------------------------------
 
-    def _drive(self) -> None:
-        """Start whatever the machine's state asks for, unless a request is already out."""
-        state = self._machine.state
-        if self._in_flight is not None or self._timer is not None:
-            return
-        if state is WatchState.LISTING:
-            self._run(self._list_blocking).addCallbacks(self._listed, self._failed)
-        elif state is WatchState.WATCHING:
-            rv = self._machine.resource_version
-            assert rv is not None
-            self._run(self._watch_blocking, rv).addCallbacks(self._watch_ended, self._failed)
-        elif state is WatchState.BACKING_OFF:
-            deadline = self._machine.next_deadline()
-            assert deadline is not None
-            delay = max(0.0, deadline - self._reactor.seconds())
-            log.info("retrying the pod watch in {delay:.2f}s", delay=delay)
-            self._timer = self._reactor.callLater(delay, self._timer_fired)
+    def _perform(self, effects: list[Effect[T]]) -> None:
+        """Start the request the machine asks for, hand its cache changes on, arm its deadline."""
+        changes: list[CacheEvent[T]] = []
+        for effect in effects:
+            if isinstance(effect, ListRequested):
+                self._run(self._list_blocking).addCallbacks(self._listed, self._failed)
+            elif isinstance(effect, WatchRequested):
+                self._run(self._watch_blocking, effect.resource_version).addCallbacks(
+                    self._watch_ended, self._failed)
+            else:
+                changes.append(effect)
+        if changes:
+            try:
+                self._on_events(changes)
+            except Exception:
+                log.failure("on_events raised for {what}", what=self._config.what)
+        deadline = self._machine.next_deadline()
+        if deadline is not None:
+            log.info("retrying the {what} watch in {delay:.2f}s", what=self._config.what,
+                     delay=max(0.0, deadline - self._reactor.seconds()))
+        self._timer.arm(deadline)
 
     def _run(self, f: Callable[..., Any], *args: Any) -> defer.Deferred[Any]:
         d = deferToThreadPool(self._reactor, self._pool, f, *args)  # type: ignore[arg-type]
@@ -263,7 +315,7 @@ class PodWatcher:
 
         def landed(result: Any) -> Any:
             self._in_flight = None
-            if self._machine.state is WatchState.STOPPED:
+            if self._machine.state is InformerState.STOPPED:
                 if self._pool.started:
                     self._pool.stop()
                 waiters, self._stopped[:] = list(self._stopped), []
@@ -276,30 +328,27 @@ class PodWatcher:
         return d
 
     def _timer_fired(self) -> None:
-        self._timer = None
-        self._machine.handle_timer(self._reactor.seconds())
-        self._drive()
+        self._perform(self._machine.handle_timeout(self._reactor.seconds()))
 
-    def _listed(self, result: tuple[list[PodState], str] | None) -> None:
+    def _listed(self, result: tuple[list[T], str] | None) -> None:
         if result is None:
             return
-        pods, rv = result
-        self._emit(self._machine.listed(pods, rv))
-        log.info("listed {count} pods at resourceVersion {rv}", count=len(pods), rv=rv)
-        self._drive()
+        objects, rv = result
+        log.info("listed {count} {what} at resourceVersion {rv}", count=len(objects), what=self._config.what,
+                 rv=rv)
+        self._perform(self._machine.listed(objects, rv))
 
-    def _event_received(self, event: WatchEvent) -> None:
-        if self._machine.state is WatchState.WATCHING:
-            self._emit(self._machine.event_received(event))
+    def _event_received(self, event: WatchEvent[T]) -> None:
+        if self._machine.state is InformerState.WATCHING:
+            self._perform(self._machine.event_received(event))
 
     def _watch_ended(self, result: None) -> None:
-        if self._machine.state is not WatchState.WATCHING:
+        if self._machine.state is not InformerState.WATCHING:
             return
-        self._machine.watch_ended()
-        self._drive()
+        self._perform(self._machine.watch_ended())
 
     def _failed(self, failure: Failure) -> None:
-        if self._machine.state not in (WatchState.LISTING, WatchState.WATCHING):
+        if self._machine.state not in (InformerState.LISTING, InformerState.WATCHING):
             return
         error = failure.value
         status: int | None = None
@@ -307,36 +356,35 @@ class PodWatcher:
             status = error.status
         elif isinstance(error, WatchFailed):
             status = error.code
-        log.warn("pod {what} failed ({status}): {error}",
+        log.warn("{kind} {what} failed ({status}): {error}", kind=self._config.what,
                  what=self._machine.state.value, status=status, error=error)
-        self._machine.failed(self._reactor.seconds(), status)
-        self._drive()
-
-    def _emit(self, changes: list[PeerChange]) -> None:
-        for change in changes:
-            log.info("peer change: {change}", change=change)
-            try:
-                self._on_change(change)
-            except Exception:
-                log.failure("on_change raised for {change}", change=change)
+        self._perform(self._machine.failed(status, self._reactor.seconds()))
 
     # --- pool thread -----------------------------------------------------------------
 
-    def _list_blocking(self) -> tuple[list[PodState], str]:
-        pod_list = self._api.list_namespaced_pod(
+    def _list_blocking(self) -> tuple[list[T], str]:
+        response = self._list_call(
             self._config.namespace,
             label_selector=self._config.label_selector or None,
+            _preload_content=False,
             _request_timeout=self._config.request_timeout,
         )
-        raw = self._api.api_client.sanitize_for_serialization(pod_list)
-        rv = (raw.get("metadata") or {}).get("resourceVersion")
+        try:
+            raw = json.loads(response.data)
+        except ValueError as error:
+            raise MalformedWatchObject(f"bad list body: {error}") from None
+        raw = object_mapping(raw, "list body")
+        rv = object_mapping(raw.get("metadata"), "list metadata").get("resourceVersion")
         if not isinstance(rv, str):
-            raise MalformedWatchObject("pod list without metadata.resourceVersion")
-        return [pod_state(item) for item in raw.get("items") or []], rv
+            raise MalformedWatchObject(f"{self._config.what} list without metadata.resourceVersion")
+        items = raw.get("items") or []
+        if not isinstance(items, list):
+            raise MalformedWatchObject(f"{self._config.what} list items is not a list")
+        return [self._decode(object_mapping(item, "list item")) for item in items], rv
 
     def _watch_blocking(self, resource_version: str) -> None:
         """One watch request, its events handed to the reactor, until it ends or breaks."""
-        response: Any = self._api.list_namespaced_pod(
+        response: Any = self._list_call(
             self._config.namespace,
             label_selector=self._config.label_selector or None,
             watch=True,
@@ -355,7 +403,7 @@ class PodWatcher:
         try:
             for line in _lines(response):
                 try:
-                    event = parse_watch_event(json.loads(line))
+                    event = parse_watch_event(json.loads(line), self._decode)
                 except ValueError as error:
                     raise MalformedWatchObject(f"bad watch event: {error}") from None
                 if isinstance(event, WatchErrorReceived):
@@ -365,6 +413,59 @@ class PodWatcher:
             with self._lock:
                 self._response = None
             response.close()
+
+
+class PodWatcher:
+    """Keeps ``on_change`` told of the live peer pods: a pod :class:`KubeInformer` and a :class:`PeerSet`.
+
+    ``api`` is a ``kubernetes.client.CoreV1Api``. ``on_change`` runs on the
+    reactor thread, once per :data:`~protocol.peers.PeerChange`; after
+    :meth:`stop` it is never called again. ``rng`` jitters the backoff.
+    """
+
+    def __init__(
+        self,
+        reactor: ThreadingClock,
+        api: client.CoreV1Api,
+        config: PodWatcherConfig,
+        on_change: Callable[[PeerChange], None],
+        rng: random.Random,
+    ) -> None:
+        self._on_change = on_change
+        self._peers = PeerSet(config.own_pod_name, config.peer_port)
+        self._informer: KubeInformer[PodState] = KubeInformer(
+            reactor, api.list_namespaced_pod, pod_state, pod_key, pod_version, self._cache_changed,
+            InformerConfig("pods", config.namespace, config.label_selector, config.watch_timeout,
+                           config.request_timeout, config.backoff), rng)
+
+    @property
+    def peers(self) -> Mapping[str, PeerAddress]:
+        return self._peers.peers
+
+    @property
+    def state(self) -> InformerState:
+        return self._informer.state
+
+    @property
+    def resource_version(self) -> str | None:
+        """Where the next watch resumes (None until listed, and after a 410)."""
+        return self._informer.resource_version
+
+    def start(self) -> None:
+        self._informer.start()
+
+    def stop(self) -> defer.Deferred[None]:
+        """See :meth:`KubeInformer.stop`."""
+        return self._informer.stop()
+
+    def _cache_changed(self, events: list[CacheEvent[PodState]]) -> None:
+        for event in events:
+            for change in self._peers.cache_changed(event):
+                log.info("peer change: {change}", change=change)
+                try:
+                    self._on_change(change)
+                except Exception:
+                    log.failure("on_change raised for {change}", change=change)
 
 
 def _lines(response: Any) -> Iterable[bytes]:

@@ -4,38 +4,44 @@ Scale engine deployments from zero when a request arrives (without losing
 it), autoscale them from load measured in this process and reported by the
 other gateways (started requests in the exchanger's status reports, tasks in
 progress in the engines'), and take them to zero when idle. Every decision
-is made by the pure :class:`protocol.scaling.Scaler`; this module owns the
-timers (one ``callLater`` for the machine's deadline, a ``LoopingCall`` for
-the autoscaler tick, both on an injected clock), the Kubernetes I/O (off the
-reactor thread), leader election, Events and metrics.
+is made by the pure :class:`protocol.scaling.Scaler`; :class:`InferenceScaler`
+owns its one timer (the machine's deadline, autoscaler ticks included, on an
+injected clock), performs its scale writes and Events and keeps its metrics.
+A held request ends available, or with a 503 and ``Retry-After``; never with
+a blind forward.
 
-The shape keeps OpenModelZ's recognisable: a :class:`ServiceQuery` protocol
-(``get_replicas``/``set_replicas``) with an in-memory and a Kubernetes
-implementation, and :meth:`InferenceScaler.scale` returning a
-:class:`FunctionScaleResult` — but a held request ends available, or with a
-503 and ``Retry-After``; never with a blind forward.
+The rest lives next door: the Kubernetes adapters (Scale, Events, Lease) in
+:mod:`infx.scaler_kube`, leader election in :mod:`infx.scaler_lease`, the
+deployment and pod informers in :mod:`infx.scaler_watch`.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import threading
+import random
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from twisted.application import service
-from twisted.internet import defer, threads
+from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
+from infx.scaler_kube import (
+    EventRecorder,
+    KubernetesAPIError,
+    KubernetesEvents,
+    KubernetesLease,
+    KubernetesServiceQuery,
+    ScaleConflict,
+    ServiceQuery,
+)
+from infx.scaler_lease import LeaseElector
+from infx.scaler_watch import ScalerWatches
 from protocol.scaling import (
-    SCALABLE_LABEL,
     ColdStartFinished,
     DeploymentKey,
     Effect,
@@ -43,93 +49,18 @@ from protocol.scaling import (
     HoldResolved,
     PostEvent,
     ScaleError,
-    ScaleReason,
     Scaler,
     ScalerConfig,
     ScaleWrite,
     ScalingLocalError,
     ScalingRemoteError,
-    ServiceQueryResponse,
-    as_service_query_response,
     deployment_snapshot,
     pod_crash_reason,
 )
-from protocol.scaling_lease import decide_lease, micro_time, release_lease
-
-T = TypeVar("T")
 
 COLD_START_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
 MAX_CAS_ATTEMPTS = 10
 """Read-resolve-replace rounds before a scale write gives up (each 409 means someone else moved)."""
-
-
-@dataclass(frozen=True)
-class FunctionScaleResult:
-    """OpenModelZ's result of waiting for a deployment: available, or an error with its HTTP meaning."""
-
-    available: bool
-    error: ScaleError | None
-    found: bool
-    duration: float
-
-
-@dataclass(frozen=True)
-class ScaleRecord:
-    """A Scale subresource as read: replicas (0 when the server omitted them) and its resourceVersion."""
-
-    replicas: int
-    resource_version: str
-
-
-class ScaleConflict(Exception):
-    """The Scale changed since it was read (HTTP 409): re-read and decide again."""
-
-    http_status = 409
-
-
-class KubernetesAPIError(Exception):
-    """The API server refused or failed a call; ``status`` is its HTTP status (0: no answer)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status} {message}")
-        self.status = status
-
-
-class ServiceQuery(Protocol):
-    """Read and write a deployment's replicas (OpenModelZ's interface, plus compare-and-set)."""
-
-    def get_replicas(self, service: str, namespace: str) -> defer.Deferred[ServiceQueryResponse]:
-        """The deployment's scaling view; errbacks KubernetesAPIError (404 if absent)."""
-
-    def set_replicas(self, service: str, namespace: str, count: int) -> defer.Deferred[None]:
-        """Set replicas unconditionally (OpenModelZ's SetReplicas; the scaler itself uses CAS)."""
-
-    def read_scale(self, service: str, namespace: str) -> defer.Deferred[ScaleRecord]:
-        """Read the Scale subresource."""
-
-    def replace_scale(self, service: str, namespace: str, replicas: int,
-                      resource_version: str) -> defer.Deferred[None]:
-        """Replace the Scale if it is still at ``resource_version``; errbacks ScaleConflict if not."""
-
-
-class EventRecorder(Protocol):
-    """Where the scaler's Kubernetes Events go."""
-
-    def post(self, event: PostEvent) -> defer.Deferred[None]:
-        """Record ``event`` on its deployment."""
-
-
-class LeaseStore(Protocol):
-    """Read and compare-and-set one Lease object."""
-
-    def read(self) -> defer.Deferred[dict[str, Any] | None]:
-        """The Lease as JSON, or None when it does not exist."""
-
-    def create(self, body: dict[str, Any]) -> defer.Deferred[None]:
-        """Create it; errbacks ScaleConflict if someone else did first."""
-
-    def replace(self, body: dict[str, Any]) -> defer.Deferred[None]:
-        """Replace it at the resourceVersion in ``body``; errbacks ScaleConflict on a race."""
 
 
 class ScalerMetrics:
@@ -187,7 +118,9 @@ class InferenceScaler:
     (compare-and-set); ``events`` records Kubernetes Events (a failure is
     logged and never blocks a scale); ``fail_held(model, error)`` lets the
     processor fail the tasks it holds for a model (crash loop, startup
-    timeout); ``is_leader()`` says whether this gateway runs the autoscaler.
+    timeout); ``leader`` says whether this gateway runs the autoscaler until
+    :meth:`leader_changed` says otherwise. The machine's deadlines (holds,
+    startup timeouts, retries and the autoscaler's ticks) are one timer.
     """
 
     log = Logger()
@@ -201,7 +134,7 @@ class InferenceScaler:
         config: ScalerConfig | None = None,
         registry: CollectorRegistry | None = None,
         fail_held: Callable[[str, ScaleError], None] | None = None,
-        is_leader: Callable[[], bool] = lambda: True,
+        leader: bool = True,
     ) -> None:
         self.clock = clock
         self.service_query = service_query
@@ -210,57 +143,47 @@ class InferenceScaler:
         self.metrics = ScalerMetrics(registry, self.machine) if registry is not None else None
         #: Fails the processor's held tasks of a model (crash loop, startup timeout).
         self.fail_held = fail_held
-        self._is_leader = is_leader
-        self._waiters: dict[Hashable, defer.Deferred[FunctionScaleResult]] = {}
+        self._waiters: dict[Hashable, defer.Deferred[HoldResolved]] = {}
         self._ids = itertools.count()
         self._timer = DeadlineTimer(clock, self._timeout)
-        self._ticker = LoopingCall(self.tick)
-        self._ticker.clock = clock
-        self._pods: dict[tuple[str, str], tuple[Mapping[str, str], str | None]] = {}
         self.writes_in_flight: set[defer.Deferred[None]] = set()
 
     # -- lifecycle -----------------------------------------------------------
 
+        self.leader_changed(leader)
+
     def start(self) -> None:
-        """Start the autoscaler tick."""
-        if not self._ticker.running:
-            self._ticker.start(self.machine.config.tick_interval, now=False)
+        """Start the autoscaler's ticks."""
+        self._apply(self.machine.start(self.clock.seconds()))
 
     def stop(self) -> None:
-        """Stop the timers; held requests stay held (the caller ends or cancels them)."""
-        if self._ticker.running:
-            self._ticker.stop()
+        """Stop the ticks and the timer; held requests stay held (the caller ends or cancels them)."""
+        self.machine.stop()
         self._timer.cancel()
+
+    def leader_changed(self, leader: bool) -> None:
+        """This gateway now runs the autoscaler, or no longer does (the Lease elector's hook)."""
+        if self.metrics is not None:
+            self.metrics.leader.set(1 if leader else 0)
+        self._apply(self.machine.lead(leader, self.clock.seconds()))
 
     # -- holds ---------------------------------------------------------------
 
-    def scale(self, namespace: str, name: str, timeout: float | None = None) -> defer.Deferred[FunctionScaleResult]:
-        """Wait until deployment ``namespace/name`` serves a model, starting it from zero if needed.
-
-        Fires with a :class:`FunctionScaleResult`; cancelling the Deferred
-        (client gone) releases the hold.
-        """
-        request_id = ("scale", next(self._ids))
-        now = self.clock.seconds()
-        deadline = None if timeout is None else now + timeout
-        d = self._waiter(request_id)
-        self._apply(self.machine.hold_deployment(request_id, DeploymentKey(namespace, name), now, deadline))
-        return d
-
     def hold(self, model: str, request_id: Hashable | None = None,
-             timeout: float | None = None) -> defer.Deferred[FunctionScaleResult]:
+             timeout: float | None = None) -> defer.Deferred[HoldResolved]:
         """Hold a request for ``model`` that found no ready engine until one serves it.
 
         The processor dispatches the request itself when the engine reports
-        ready; this Deferred tells the caller whether to keep waiting
-        (``available``) or to answer ``error`` (404, or 503 with Retry-After).
+        ready; this Deferred fires with the machine's :class:`HoldResolved`,
+        telling the caller whether to keep waiting (``available``) or to
+        answer ``error`` (404, or 503 with Retry-After).
         """
         if request_id is None:
             request_id = ("hold", next(self._ids))
         now = self.clock.seconds()
         deadline = None if timeout is None else now + timeout
         d = self._waiter(request_id)
-        self._apply(self.machine.hold_model(request_id, model, now, deadline))
+        self._apply(self.machine.hold_model(request_id, model, deadline, now))
         return d
 
     def release(self, request_id: Hashable) -> None:
@@ -272,15 +195,15 @@ class InferenceScaler:
         if self._waiters.pop(request_id, None) is not None:
             self._apply(self.machine.release(request_id, self.clock.seconds()))
 
-    def _waiter(self, request_id: Hashable) -> defer.Deferred[FunctionScaleResult]:
+    def _waiter(self, request_id: Hashable) -> defer.Deferred[HoldResolved]:
         if request_id in self._waiters:
             raise ScalingLocalError(f"request {request_id!r} is already held")
 
-        def cancel(_: defer.Deferred[FunctionScaleResult]) -> None:
+        def cancel(_: defer.Deferred[HoldResolved]) -> None:
             if self._waiters.pop(request_id, None) is not None:
                 self._apply(self.machine.release(request_id, self.clock.seconds()))
 
-        d: defer.Deferred[FunctionScaleResult] = defer.Deferred(cancel)
+        d: defer.Deferred[HoldResolved] = defer.Deferred(cancel)
         self._waiters[request_id] = d
         return d
 
@@ -297,69 +220,20 @@ class InferenceScaler:
         now = self.clock.seconds()
         effects = self.machine.observe_deployment(snapshot, now)
         if snapshot.opted_in:
-            effects += self.machine.observe_pods(snapshot.key, self._crash_reason(snapshot.selector,
-                                                                                snapshot.key.namespace), now)
+            effects += self.machine.recheck_pods(snapshot.key, now)
         self._apply(effects)
 
     def forget_deployment(self, namespace: str, name: str) -> None:
         """A Deployment was deleted."""
         self._apply(self.machine.forget_deployment(DeploymentKey(namespace, name), self.clock.seconds()))
 
-    def reset_deployments(self, deployments: Iterable[Mapping[str, Any]]) -> None:
-        """A full list: observe every item and forget the deployments it no longer has."""
-        seen = set()
-        for deployment in deployments:
-            metadata = deployment.get("metadata") or {}
-            seen.add(DeploymentKey(metadata.get("namespace") or "default", metadata.get("name") or ""))
-            self.observe_deployment(deployment)
-        for key in self.machine.deployments():
-            if key not in seen:
-                self.forget_deployment(key.namespace, key.name)
-
     def observe_pod(self, pod: Mapping[str, Any], deleted: bool = False) -> None:
         """A Pod was added, modified or (``deleted``) removed: recheck crash loops of its deployments."""
         metadata = pod.get("metadata") or {}
-        namespace = metadata.get("namespace") or "default"
-        pod_key = (namespace, metadata.get("name") or "")
         labels: Mapping[str, str] = metadata.get("labels") or {}
-        if deleted:
-            self._pods.pop(pod_key, None)
-        else:
-            self._pods[pod_key] = (labels, pod_crash_reason(pod))
-        self._recheck_pods(namespace, labels)
-
-    def reset_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
-        """A full pod list replaces what was known."""
-        self._pods.clear()
-        for pod in pods:
-            metadata = pod.get("metadata") or {}
-            self._pods[(metadata.get("namespace") or "default", metadata.get("name") or "")] = (
-                metadata.get("labels") or {}, pod_crash_reason(pod))
-        now = self.clock.seconds()
-        effects: list[Effect] = []
-        for key in self.machine.deployments():
-            snapshot = self.machine.snapshot(key)
-            if snapshot is not None:
-                effects += self.machine.observe_pods(key, self._crash_reason(snapshot.selector, key.namespace), now)
-        self._apply(effects)
-
-    def _recheck_pods(self, namespace: str, labels: Mapping[str, str]) -> None:
-        now = self.clock.seconds()
-        effects: list[Effect] = []
-        for key in self.machine.deployments():
-            snapshot = self.machine.snapshot(key)
-            if snapshot is None or key.namespace != namespace or not _selects(snapshot.selector, labels):
-                continue
-            effects += self.machine.observe_pods(key, self._crash_reason(snapshot.selector, namespace), now)
-        self._apply(effects)
-
-    def _crash_reason(self, selector: Mapping[str, str], namespace: str) -> str | None:
-        if not selector:
-            return None
-        for (pod_namespace, _), (labels, reason) in self._pods.items():
-            if reason is not None and pod_namespace == namespace and _selects(selector, labels):
-                return reason
-        return None
+        self._apply(self.machine.observe_pod(metadata.get("namespace") or "default", metadata.get("name") or "",
+                                             labels, None if deleted else pod_crash_reason(pod), deleted,
+                                             self.clock.seconds()))
 
     def model_ready(self, model: str) -> None:
         """An engine reported ``model`` ready (processor hook)."""
@@ -367,38 +241,27 @@ class InferenceScaler:
 
     def model_gone(self, model: str) -> None:
         """No engine serves ``model`` any more (processor hook)."""
-        self.machine.model_gone(model, self.clock.seconds())
+        self._apply_some(self.machine.model_gone(model, self.clock.seconds()))
 
     def request_started(self, model: str) -> None:
         """Count a request for ``model`` accepted here (rps and in-flight load)."""
-        self.machine.request_started(model, self.clock.seconds())
+        self._apply_some(self.machine.request_started(model, self.clock.seconds()))
 
     def request_finished(self, model: str) -> None:
         """The request counted by :meth:`request_started` ended."""
-        self.machine.request_finished(model, self.clock.seconds())
+        self._apply_some(self.machine.request_finished(model, self.clock.seconds()))
 
     def observe_in_progress(self, model: str, count: int) -> None:
         """Engines (of every gateway) report ``count`` tasks in progress for ``model``."""
-        self.machine.observe_in_progress(model, count, self.clock.seconds())
+        self._apply_some(self.machine.observe_in_progress(model, count, self.clock.seconds()))
 
     def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int]) -> None:
         """A peer gateway reported the requests per model it accepted since it started (rps load)."""
-        self.machine.observe_peer_requests(peer, counts, self.clock.seconds())
+        self._apply_some(self.machine.observe_peer_requests(peer, counts, self.clock.seconds()))
 
     def forget_peer(self, peer: Hashable) -> None:
         """``peer``'s reports ended; the next ones start a new baseline."""
-        self.machine.forget_peer(peer)
-
-    # -- autoscaler ------------------------------------------------------------
-
-    def tick(self) -> None:
-        """One autoscaler pass, if this gateway leads."""
-        leader = self._is_leader()
-        if self.metrics is not None:
-            self.metrics.leader.set(1 if leader else 0)
-        if not leader:
-            return
-        self._apply(self.machine.tick(self.clock.seconds()))
+        self._apply_some(self.machine.forget_peer(peer))
 
     # -- effects ---------------------------------------------------------------
 
@@ -407,7 +270,7 @@ class InferenceScaler:
             if isinstance(effect, HoldResolved):
                 d = self._waiters.pop(effect.request_id, None)
                 if d is not None:
-                    d.callback(FunctionScaleResult(effect.available, effect.error, effect.found, effect.waited))
+                    d.callback(effect)
             elif isinstance(effect, ScaleWrite):
                 self._start_write(effect)
             elif isinstance(effect, PostEvent):
@@ -421,6 +284,11 @@ class InferenceScaler:
                 if self.metrics is not None:
                     self.metrics.cold_start_seconds.labels(str(effect.key)).observe(effect.seconds)
         self._rearm()
+
+    def _apply_some(self, effects: list[Effect]) -> None:
+        """:meth:`_apply` for the per-request inputs, which rarely have effects: no rearm when none."""
+        if effects:
+            self._apply(effects)
 
     def _rearm(self) -> None:
         self._timer.arm(self.machine.next_deadline())
@@ -529,459 +397,55 @@ class ProcessorLink:
             model, error.http_status, error.message, now))
 
 
-def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
-# -- in-memory implementations (tests, embedding without Kubernetes) ---------------
-
-
-class InMemoryServiceQuery:
-    """Deployments held in memory with resourceVersions, behaving like the scale subresource.
-
-    Also an :class:`EventRecorder` (events land in ``events``), so a test or an
-    embedded gateway can run the scaler with no Kubernetes at all.
-    ``on_change(deployment)`` is called after every write, as a watch would.
-    """
-
-    def __init__(self, on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.deployments: dict[DeploymentKey, dict[str, Any]] = {}
-        self.events: list[PostEvent] = []
-        self.writes: list[tuple[DeploymentKey, int]] = []
-        self.on_change = on_change
-        self._version = itertools.count(1)
-
-    def add(self, deployment: dict[str, Any]) -> dict[str, Any]:
-        """Store a Deployment (JSON); returns it with its resourceVersion."""
-        metadata = deployment.setdefault("metadata", {})
-        metadata.setdefault("namespace", "default")
-        metadata["resourceVersion"] = str(next(self._version))
-        metadata.setdefault("generation", 1)
-        key = DeploymentKey(metadata["namespace"], metadata["name"])
-        self.deployments[key] = deployment
-        return deployment
-
-    def _get(self, service: str, namespace: str) -> dict[str, Any]:
-        deployment = self.deployments.get(DeploymentKey(namespace, service))
-        if deployment is None:
-            raise KubernetesAPIError(404, f"deployments.apps {service!r} not found")
-        return deployment
-
-    def _set(self, deployment: dict[str, Any], count: int) -> None:
-        metadata = deployment["metadata"]
-        deployment.setdefault("spec", {})["replicas"] = count
-        metadata["resourceVersion"] = str(next(self._version))
-        metadata["generation"] = int(metadata.get("generation", 1)) + 1
-        self.writes.append((DeploymentKey(metadata["namespace"], metadata["name"]), count))
-        if self.on_change is not None:
-            self.on_change(deployment)
-
-    def get_replicas(self, service: str, namespace: str) -> defer.Deferred[ServiceQueryResponse]:
-        return defer.maybeDeferred(lambda: as_service_query_response(self._get(service, namespace)))
-
-    def set_replicas(self, service: str, namespace: str, count: int) -> defer.Deferred[None]:
-        return defer.maybeDeferred(lambda: self._set(self._get(service, namespace), count))
-
-    def read_scale(self, service: str, namespace: str) -> defer.Deferred[ScaleRecord]:
-        def read() -> ScaleRecord:
-            deployment = self._get(service, namespace)
-            return ScaleRecord(int(deployment.get("spec", {}).get("replicas", 1)),
-                               deployment["metadata"]["resourceVersion"])
-        return defer.maybeDeferred(read)
-
-    def replace_scale(self, service: str, namespace: str, replicas: int,
-                      resource_version: str) -> defer.Deferred[None]:
-        def replace() -> None:
-            deployment = self._get(service, namespace)
-            if deployment["metadata"]["resourceVersion"] != resource_version:
-                raise ScaleConflict(f"{namespace}/{service} changed since {resource_version}")
-            self._set(deployment, replicas)
-        return defer.maybeDeferred(replace)
-
-    def post(self, event: PostEvent) -> defer.Deferred[None]:
-        self.events.append(event)
-        return defer.succeed(None)
-
-
-# -- Kubernetes implementations (official client, off the reactor thread) ------------------
-
-
-def _api_error(error: Exception) -> Exception:
-    from kubernetes.client.rest import ApiException
-
-    if isinstance(error, ApiException):
-        if error.status == 409:
-            return ScaleConflict(str(error.reason))
-        return KubernetesAPIError(int(error.status or 0), str(error.reason))
-    return error
-
-
-class _InThread:
-    """Run blocking client calls in the reactor's thread pool, mapping API errors."""
-
-    def __init__(self, reactor: Any) -> None:
-        self.reactor = reactor
-
-    def call(self, f: Callable[..., T], *args: Any, **kwargs: Any) -> defer.Deferred[T]:
-        def run() -> T:
-            try:
-                return f(*args, **kwargs)
-            except Exception as error:
-                raise _api_error(error) from error
-        return threads.deferToThreadPool(self.reactor, self.reactor.getThreadPool(), run)
-
-
-class KubernetesServiceQuery(_InThread):
-    """:class:`ServiceQuery` on the ``apps/v1`` API: deployments and their Scale subresource.
-
-    The Scale is replaced with the resourceVersion that was read: a JSON-patch
-    ``test`` cannot express "still at zero", because the API server omits
-    ``spec.replicas`` from a Scale when it is 0.
-    """
-
-    def __init__(self, reactor: Any, api_client: Any) -> None:
-        super().__init__(reactor)
-        from kubernetes import client
-
-        self.apps = client.AppsV1Api(api_client)
-
-    def get_replicas(self, service: str, namespace: str) -> defer.Deferred[ServiceQueryResponse]:
-        def read() -> ServiceQueryResponse:
-            response = self.apps.read_namespaced_deployment(service, namespace, _preload_content=False)
-            return as_service_query_response(json.loads(response.data))
-        return self.call(read)
-
-    def set_replicas(self, service: str, namespace: str, count: int) -> defer.Deferred[None]:
-        def patch() -> None:
-            self.apps.patch_namespaced_deployment_scale(service, namespace, {"spec": {"replicas": count}},
-                                                        _preload_content=False)
-        return self.call(patch)
-
-    def read_scale(self, service: str, namespace: str) -> defer.Deferred[ScaleRecord]:
-        def read() -> ScaleRecord:
-            response = self.apps.read_namespaced_deployment_scale(service, namespace, _preload_content=False)
-            scale = json.loads(response.data)
-            return ScaleRecord(int((scale.get("spec") or {}).get("replicas") or 0),
-                               scale["metadata"]["resourceVersion"])
-        return self.call(read)
-
-    def replace_scale(self, service: str, namespace: str, replicas: int,
-                      resource_version: str) -> defer.Deferred[None]:
-        body = {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                "metadata": {"name": service, "namespace": namespace, "resourceVersion": resource_version},
-                "spec": {"replicas": replicas}}
-
-        def replace() -> None:
-            self.apps.replace_namespaced_deployment_scale(service, namespace, body, _preload_content=False)
-        return self.call(replace)
-
-
-class KubernetesEvents(_InThread):
-    """:class:`EventRecorder` posting ``events.k8s.io/v1`` Events regarding the deployment."""
-
-    def __init__(self, reactor: Any, api_client: Any, clock: IReactorTime, instance: str,
-                 controller: str = "infx.io/scaler") -> None:
-        super().__init__(reactor)
-        from kubernetes import client
-
-        self.api = client.EventsV1Api(api_client)
-        self.clock = clock
-        self.instance = instance
-        self.controller = controller
-
-    def post(self, event: PostEvent) -> defer.Deferred[None]:
-        key = event.key
-        body = {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event",
-            "metadata": {"generateName": f"{key.name}.", "namespace": key.namespace},
-            "eventTime": micro_time(self.clock.seconds()),
-            "reportingController": self.controller, "reportingInstance": self.instance,
-            "action": "Scale", "reason": event.reason, "note": event.message[:1024], "type": event.type,
-            "regarding": {"apiVersion": "apps/v1", "kind": "Deployment", "name": key.name,
-                          "namespace": key.namespace},
-        }
-
-        def create() -> None:
-            self.api.create_namespaced_event(key.namespace, body, _preload_content=False)
-        return self.call(create)
-
-
-class KubernetesLease(_InThread):
-    """:class:`LeaseStore` on one ``coordination.k8s.io/v1`` Lease."""
-
-    def __init__(self, reactor: Any, api_client: Any, name: str, namespace: str) -> None:
-        super().__init__(reactor)
-        from kubernetes import client
-
-        self.api = client.CoordinationV1Api(api_client)
-        self.name = name
-        self.namespace = namespace
-
-    def read(self) -> defer.Deferred[dict[str, Any] | None]:
-        def read() -> dict[str, Any] | None:
-            from kubernetes.client.rest import ApiException
-            try:
-                response = self.api.read_namespaced_lease(self.name, self.namespace, _preload_content=False)
-            except ApiException as error:
-                if error.status == 404:
-                    return None
-                raise
-            lease: dict[str, Any] = json.loads(response.data)
-            return lease
-        return self.call(read)
-
-    def create(self, body: dict[str, Any]) -> defer.Deferred[None]:
-        def create() -> None:
-            self.api.create_namespaced_lease(self.namespace, body, _preload_content=False)
-        return self.call(create)
-
-    def replace(self, body: dict[str, Any]) -> defer.Deferred[None]:
-        def replace() -> None:
-            self.api.replace_namespaced_lease(self.name, self.namespace, body, _preload_content=False)
-        return self.call(replace)
-
-
-class LeaseElector:
-    """Leader election: acquire or renew a Lease every ``renew_interval`` on ``clock``.
-
-    Leading ends as soon as a renewal fails or someone else holds an
-    unexpired Lease; ``clock.seconds()`` must be wall-clock time, since the
-    Lease's times are compared across gateways.
-    """
-
-    log = Logger()
-
-    def __init__(self, clock: IReactorTime, store: LeaseStore, identity: str, name: str = "infx-scaler",
-                 duration: float = 15.0, renew_interval: float = 5.0,
-                 on_change: Callable[[bool], None] | None = None) -> None:
-        self.clock = clock
-        self.store = store
-        self.identity = identity
-        self.name = name
-        self.duration = duration
-        self.leader = False
-        self._on_change = on_change
-        self._loop = LoopingCall(self.round)
-        self._loop.clock = clock
-        self._renew_interval = renew_interval
-        self._stopped = False
-
-    def start(self) -> None:
-        """Try now, then every renew interval."""
-        self._stopped = False
-        if not self._loop.running:
-            self._loop.start(self._renew_interval, now=True)
-
-    def stop(self) -> defer.Deferred[None]:
-        """Stop trying, and hand back a Lease we hold so that another
-        gateway leads at its next round, not a Lease duration later."""
-        self._stopped = True
-        if self._loop.running:
-            self._loop.stop()
-        held = self.leader
-        self._set(False)
-        if not held:
-            return defer.succeed(None)
-        return defer.ensureDeferred(self._release())
-
-    async def _release(self) -> None:
-        try:
-            body = release_lease(await self.store.read(), self.identity, self.clock.seconds())
-            if body is not None:
-                await self.store.replace(body)
-        except ScaleConflict:
-            pass  # it changed hands meanwhile: nothing of ours to release
-        except Exception:
-            self.log.failure("releasing lease {name} failed", name=self.name)
-
-    def is_leader(self) -> bool:
-        """Whether this gateway leads right now."""
-        return self.leader
-
-    def round(self) -> defer.Deferred[None]:
-        """One acquire-or-renew attempt."""
-        return defer.ensureDeferred(self._round())
-
-    async def _round(self) -> None:
-        try:
-            lease = await self.store.read()
-            if self._stopped:
-                return
-            decision = decide_lease(lease, self.identity, self.name, self.clock.seconds(), self.duration)
-            if decision.body is not None:
-                if decision.create:
-                    await self.store.create(decision.body)
-                else:
-                    await self.store.replace(decision.body)
-            if not self._stopped:
-                self._set(decision.leader)
-            elif decision.leader and decision.body is not None:
-                await self._release()  # won just as we stopped
-        except ScaleConflict:
-            self._set(False)
-        except Exception:
-            self.log.failure("lease {name} round failed", name=self.name)
-            self._set(False)
-
-    def _set(self, leader: bool) -> None:
-        if leader != self.leader:
-            self.leader = leader
-            self.log.info("{identity} {what} lease {name}", identity=self.identity, name=self.name,
-                          what="now holds" if leader else "no longer holds")
-            if self._on_change is not None:
-                self._on_change(leader)
-
-
-class KubernetesWatch:
-    """List, then watch, one collection in a daemon thread; results go to the reactor thread.
-
-    ``on_reset(items)`` gets every full list (first, and after 410 Gone or an
-    error); ``on_event(type, object)`` each ADDED/MODIFIED/DELETED. Stopping
-    takes effect at the next event or within ``watch_timeout`` seconds.
-    """
-
-    log = Logger()
-
-    def __init__(self, reactor: Any, list_call: Callable[..., Any], on_reset: Callable[[list[Any]], None],
-                 on_event: Callable[[str, dict[str, Any]], None], *, watch_timeout: int = 30,
-                 retry_delay: float = 1.0, **list_kwargs: Any) -> None:
-        self.reactor = reactor
-        self.list_call = list_call
-        self.list_kwargs = list_kwargs
-        self.on_reset = on_reset
-        self.on_event = on_event
-        self.watch_timeout = watch_timeout
-        self.retry_delay = retry_delay
-        self._stopped = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        """Begin listing and watching in a thread of its own."""
-        self._stopped.clear()
-        self._thread = threading.Thread(target=self._run, name="infx-scaler-watch", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """No more callbacks after this returns (on the reactor thread)."""
-        self._stopped.set()
-
-    def _deliver(self, f: Callable[..., None], *args: Any) -> None:
-        def call() -> None:
-            if not self._stopped.is_set():
-                f(*args)
-        self.reactor.callFromThread(call)
-
-    def _run(self) -> None:
-        from kubernetes import watch
-        from kubernetes.client.rest import ApiException
-
-        resource_version: str | None = None
-        while not self._stopped.is_set():
-            try:
-                if resource_version is None:
-                    response = self.list_call(_preload_content=False, **self.list_kwargs)
-                    listed = json.loads(response.data)
-                    resource_version = listed["metadata"]["resourceVersion"]
-                    self._deliver(self.on_reset, listed.get("items") or [])
-                stream = watch.Watch()
-                for event in stream.stream(self.list_call, resource_version=resource_version,
-                                           timeout_seconds=self.watch_timeout, allow_watch_bookmarks=True,
-                                           **self.list_kwargs):
-                    if self._stopped.is_set():
-                        stream.stop()
-                        break
-                    kind, raw = event["type"], event["raw_object"]
-                    if kind == "ERROR":
-                        # 410 Gone: our resourceVersion is too old; anything else: back off first.
-                        if raw.get("code") != 410:
-                            self._wait_before_retry(RuntimeError(raw.get("message", "watch error")))
-                        resource_version = None
-                        break
-                    resource_version = raw.get("metadata", {}).get("resourceVersion", resource_version)
-                    if kind != "BOOKMARK":
-                        self._deliver(self.on_event, kind, raw)
-            except ApiException as error:
-                if error.status != 410:
-                    self._wait_before_retry(error)
-                resource_version = None
-            except Exception as error:  # the connection dropped, or the server answered garbage
-                self._wait_before_retry(error)
-                resource_version = None
-
-    def _wait_before_retry(self, error: Exception) -> None:
-        if not self._stopped.is_set():
-            self.log.warn("watch failed, relisting: {error}", error=error)
-            self._stopped.wait(self.retry_delay)
-
-
 class ScalerService(service.Service):
-    """The scaler in a service tree: its tick, its watches and (optionally) leader election."""
+    """The scaler in a service tree: its timer, its watches and (optionally) leader election."""
 
-    def __init__(self, scaler: InferenceScaler, watches: Iterable[KubernetesWatch] = (),
+    def __init__(self, scaler: InferenceScaler, watches: ScalerWatches | None = None,
                  elector: LeaseElector | None = None) -> None:
         self.scaler = scaler
-        self.watches = list(watches)
+        self.watches = watches
         self.elector = elector
 
     def startService(self) -> None:
         super().startService()
         self.scaler.start()
-        for w in self.watches:
-            w.start()
+        if self.watches is not None:
+            self.watches.start()
         if self.elector is not None:
             self.elector.start()
 
     def stopService(self) -> defer.Deferred[None]:
-        """Stop watching and ticking; done once a held Lease is handed back."""
-        for w in self.watches:
-            w.stop()
-        released = self.elector.stop() if self.elector is not None else defer.succeed(None)
+        """Stop watching and ticking; done once the watch threads returned and a held Lease is handed back."""
+        stopped = [self.watches.stop()] if self.watches is not None else []
+        if self.elector is not None:
+            stopped.append(self.elector.stop())
         self.scaler.stop()
         super().stopService()
-        return released
+        return defer.gatherResults(stopped, consumeErrors=True).addCallback(lambda _: None)
 
 
 def kubernetes_scaler(
-    reactor: Any, api_client: Any, namespace: str, identity: str, *,
+    reactor: Any, api_client: Any, namespace: str, identity: str, *, rng: random.Random,
     config: ScalerConfig | None = None, registry: CollectorRegistry | None = None,
     fail_held: Callable[[str, ScaleError], None] | None = None, lease_name: str = "infx-scaler",
     watch_timeout: int = 30,
 ) -> ScalerService:
     """Wire an :class:`InferenceScaler` to Kubernetes in ``namespace``: what ``--scaler`` builds.
 
-    ``identity`` (the pod name) names this gateway in the Lease and Events.
+    ``identity`` (the pod name) names this gateway in the Lease and Events;
+    ``rng`` jitters the watches' backoff. The autoscaler runs while this
+    gateway holds the Lease.
     """
-    from kubernetes import client
-
-    elector = LeaseElector(reactor, KubernetesLease(reactor, api_client, lease_name, namespace), identity,
-                           lease_name)
     scaler = InferenceScaler(
         reactor, KubernetesServiceQuery(reactor, api_client),
         events=KubernetesEvents(reactor, api_client, reactor, identity), config=config,
-        registry=registry, fail_held=fail_held, is_leader=elector.is_leader)
-    apps = client.AppsV1Api(api_client)
-    core = client.CoreV1Api(api_client)
-
-    def deployment_event(kind: str, obj: dict[str, Any]) -> None:
-        if kind == "DELETED":
-            metadata = obj.get("metadata") or {}
-            scaler.forget_deployment(metadata.get("namespace") or namespace, metadata.get("name") or "")
-        else:
-            scaler.observe_deployment(obj)
-
-    deployments = KubernetesWatch(
-        reactor, apps.list_namespaced_deployment, scaler.reset_deployments, deployment_event,
-        watch_timeout=watch_timeout, namespace=namespace, label_selector=f"{SCALABLE_LABEL}=true")
-    pods = KubernetesWatch(
-        reactor, core.list_namespaced_pod, scaler.reset_pods,
-        lambda kind, obj: scaler.observe_pod(obj, deleted=kind == "DELETED"),
-        watch_timeout=watch_timeout, namespace=namespace)
-    return ScalerService(scaler, [deployments, pods], elector)
+        registry=registry, fail_held=fail_held, leader=False)
+    elector = LeaseElector(reactor, KubernetesLease(reactor, api_client, lease_name, namespace), identity,
+                           lease_name, on_change=scaler.leader_changed)
+    watches = ScalerWatches(reactor, api_client, scaler, namespace, rng=rng, watch_timeout=watch_timeout)
+    return ScalerService(scaler, watches, elector)
 
 
 __all__ = [
-    "EventRecorder", "FunctionScaleResult", "InMemoryServiceQuery", "InferenceScaler",
-    "KubernetesAPIError", "KubernetesEvents", "KubernetesLease", "KubernetesServiceQuery",
-    "KubernetesWatch", "LeaseElector", "LeaseStore", "ProcessorLink", "ScaleConflict", "ScaleReason", "ScaleRecord",
-    "ScalerMetrics", "ScalerService", "ServiceQuery", "kubernetes_scaler",
+    "InferenceScaler", "ProcessorLink", "ScalerMetrics", "ScalerService", "kubernetes_scaler",
 ]

@@ -155,6 +155,7 @@ class GatewayService(service.MultiService):
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             route_stuck_timeout=config.route_stuck_timeout,
+            shed_waiting_threshold=config.shed_waiting_threshold,
         ))
         self.pod_name = pod_name or self._default_pod_name()
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
@@ -170,6 +171,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         )
         self.worker_server = GrpcServer(reactor, grpc_config)
         self.workers = WorkerService(self.dispatcher, keys)
@@ -185,12 +187,15 @@ class GatewayService(service.MultiService):
 
     def _build_scaler(self) -> Any:
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
+        import random
+
         from infx.kube import PodWatcherConfig, kube_api_client
         from infx.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace
         scaler_service = kubernetes_scaler(self.reactor, kube_api_client(self.environ), namespace, self.pod_name,
+                                           rng=random.SystemRandom(),
                                            config=ScalerConfig(peer_report_interval=self.config.status_interval),
                                            registry=self.registry)
         scaler_service.setServiceParent(self)
@@ -325,6 +330,7 @@ class GatewayService(service.MultiService):
             client_side=False,
             max_receive_message_length=config.max_message_size,
             max_send_message_length=config.max_message_size,
+            require_authentication=True,
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
@@ -366,6 +372,8 @@ class GatewayService(service.MultiService):
 
         if not self.config.kube:
             return StaticPeers(self.config.peers, on_change)
+        import random
+
         from kubernetes import client
 
         from infx.kube import PodWatcher, PodWatcherConfig, kube_api_client
@@ -373,7 +381,8 @@ class GatewayService(service.MultiService):
         watcher_config = PodWatcherConfig.from_environment(self.config.pod_label, self.config.effective_peer_port,
                                                            environ=self.environ)
         api = client.CoreV1Api(kube_api_client(self.environ))
-        return PodWatcher(self.reactor, api, watcher_config, on_change)
+        # Seeded by the OS: replicas restarted together must not back off in step.
+        return PodWatcher(self.reactor, api, watcher_config, on_change, random.SystemRandom())
 
     def _peer_channel(self, address: PeerAddress) -> GrpcChannel:
         from infx.transport import client_endpoint

@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import inspect
 import random
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -111,6 +112,19 @@ Deserializer = Callable[[bytes], Any]
 
 def _identity(data: Any) -> Any:
     return data
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` without the reference to its object: a no-op once the
+    object is gone (a timer or delayed call then never keeps it alive)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 class GrpcError(Exception):
@@ -233,8 +247,13 @@ class GrpcProtocol(Protocol):
     def __init__(self, clock: IReactorTime, config: GrpcConfig) -> None:
         self.clock = clock
         self.conn = GrpcConnection(config)
-        self._timer = DeadlineTimer(clock, self._on_timer)
+        # The timer holds us weakly: a closed connection is then freed by
+        # reference counting alone, not at the next full collection.
+        self._timer = DeadlineTimer(clock, _weakly(self._on_timer))
         self._flush_call: IDelayedCall | None = None
+        # The next turn's share of input held back by the frame budget.
+        self._input_call: IDelayedCall | None = None
+        self._reading_paused = False
         self._dispatching = False
         self._call_start_written = False
         self._closed = False
@@ -262,20 +281,43 @@ class GrpcProtocol(Protocol):
         self.flush()
 
     def dataReceived(self, data: bytes) -> None:
+        self._receive(self.conn.receive_data, data)
+
+    def _receive(self, receive: Callable[..., list[Event]], *data: bytes) -> None:
+        """Feed the machine (at most its frame budget per turn), dispatch,
+        write.  While input is held back, the transport stops reading and
+        the rest goes in at the next reactor turn, after other connections
+        had theirs: one connection's flood of tiny frames cannot starve them."""
         self._dispatching = True
         try:
-            events = self.conn.receive_data(data, self.clock.seconds())
-            self.dispatch(events)
+            self.dispatch(receive(*data, self.clock.seconds()))
         finally:
             self._dispatching = False
         self.flush()
+        if self._closed or self.transport is None:
+            return
+        if self.conn.has_pending_input:
+            if not self._reading_paused:
+                self._reading_paused = True
+                self.transport.pauseProducing()
+            if self._input_call is None:
+                self._input_call = self.clock.callLater(0, _weakly(self._receive_pending))
+        elif self._reading_paused:
+            self._reading_paused = False
+            self.transport.resumeProducing()
+
+    def _receive_pending(self) -> None:
+        self._input_call = None
+        if not self._closed:
+            self._receive(self.conn.receive_pending)
 
     def connectionLost(self, reason: Failure = internet_error.ConnectionDone()) -> None:  # type: ignore[assignment]
         self._closed = True
         self._timer.cancel()
-        if self._flush_call is not None and self._flush_call.active():
-            self._flush_call.cancel()
-        self._flush_call = None
+        for delayed in (self._flush_call, self._input_call):
+            if delayed is not None and delayed.active():
+                delayed.cancel()
+        self._flush_call = self._input_call = None
         self._dispatching = True
         try:
             self.dispatch(self.conn.connection_lost(str(reason.value)))
@@ -287,9 +329,11 @@ class GrpcProtocol(Protocol):
 
     def pauseProducing(self) -> None:
         self.paused = True
+        self.conn.output_stalled()
 
     def resumeProducing(self) -> None:
         self.paused = False
+        self.conn.output_drained()
         waiters, self._resume_waiters = self._resume_waiters, []
         self._dispatching = True
         try:
@@ -556,6 +600,13 @@ class ServerCall(_CallCommon):
         if self.deadline is None:
             return None
         return max(0.0, self.deadline - self._protocol.clock.seconds())
+
+    def authenticated(self) -> None:
+        """The caller's credentials passed: lift the connection's
+        unauthenticated limits (``GrpcConfig.require_authentication``)."""
+        if not self._conn.authenticated:
+            self._conn.authenticate()
+            self._protocol.flush()
 
     # -- receiving ----------------------------------------------------------
 

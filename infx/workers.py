@@ -118,6 +118,7 @@ class WorkerService:
         if principal is None:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
+        call.authenticated()
         stream = EngineStream(call, address, self.dispatcher.route_writable, self.max_queued_bytes,
                               authorization, principal)
         self.streams.add(stream)

@@ -2,7 +2,7 @@
 
 Rules this file keeps: no sockets, no threads, no reactor, no clock reads.
 Bytes go in through :meth:`GrpcConnection.receive_data`, events come out as
-frozen dataclasses, bytes to write come out of
+frozen dataclasses (``protocol/grpc_types.py``), bytes to write come out of
 :meth:`GrpcConnection.data_to_send`; commands are methods.  Time is the
 ``now`` argument (any monotonic float, in seconds); the machine says when it
 must be woken through :meth:`GrpcConnection.next_deadline` and the caller
@@ -25,9 +25,8 @@ import heapq
 import struct
 import zlib
 from collections import deque
-from dataclasses import dataclass
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -49,10 +48,33 @@ from protocol.grpc_metadata import (
     encode_timeout,
     validate_metadata,
 )
+from protocol.grpc_types import (
+    GOAWAY_ACK_TIMEOUT,
+    CallEnded,
+    CallLimitReached,
+    CallStarted,
+    ConnectionTerminated,
+    EndCause,
+    Event,
+    GoAwayReceived,
+    GrpcConfig,
+    InputEnded,
+    InvalidMetadata,
+    LocalProtocolError,
+    MessageReceived,
+    MessageTooLarge,
+    PingAcknowledged,
+    ResponseHeadersReceived,
+    SendBufferDrained,
+)
+from protocol.h2_budgets import (
+    ENHANCE_YOUR_CALM, BudgetExceeded, ConnectionBudgets, FrameScanner, TokenBucket,
+)
 from protocol.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
 __all__ = [
-    "CallEnded", "CallLimitReached", "CallStarted", "ConnectionTerminated", "EndCause", "Event",
+    "CallEnded", "CallLimitReached", "CallStarted", "ConnectionBudgets", "ConnectionTerminated",
+    "EndCause", "Event",
     "GOAWAY_ACK_TIMEOUT",
     "GoAwayReceived", "GrpcConfig", "GrpcConnection", "InputEnded", "InvalidMetadata",
     "LocalProtocolError", "MessageReceived", "MessageTooLarge", "Metadata",
@@ -62,89 +84,6 @@ __all__ = [
     "encode_timeout", "status_for_http", "status_for_reset",
 ]
 
-MiB = 1024 * 1024
-#: Seconds a draining server waits for the ack of the PING behind its first
-#: GOAWAY before naming its last stream anyway (a round trip is far less).
-GOAWAY_ACK_TIMEOUT = 1.0
-
-
-@dataclass(frozen=True)
-class GrpcConfig:
-    """Every option of a :class:`GrpcConnection`, validated on construction.
-
-    Window sizes are large on purpose: with HTTP/2's 64 KiB default a
-    single stream cannot fill a loopback link (see PERF-NOTES.md).
-    """
-
-    #: True for the side that starts calls (the HTTP/2 client).
-    client_side: bool
-    #: Largest message (after decompression) we accept; a longer length
-    #: prefix ends that call alone with RESOURCE_EXHAUSTED.  grpcio's default.
-    max_receive_message_length: int = 4 * MiB
-    #: Largest message we agree to send (None: no limit); over it,
-    #: :meth:`GrpcConnection.send_message` raises :class:`MessageTooLarge`.
-    max_send_message_length: int | None = None
-    #: SETTINGS_INITIAL_WINDOW_SIZE we advertise (per stream receive window).
-    initial_window_size: int = 4 * MiB
-    #: Connection-level receive window, opened right after the preface.
-    connection_window_size: int = 16 * MiB
-    #: SETTINGS_MAX_FRAME_SIZE we advertise and accept at once; the protocol
-    #: maximum is 2**24 - 1.
-    max_inbound_frame_size: int = 2**24 - 1
-    #: SETTINGS_MAX_HEADER_LIST_SIZE; a larger header block ends that call
-    #: with RESOURCE_EXHAUSTED.
-    max_header_list_size: int = 16 * 1024
-    #: SETTINGS_MAX_CONCURRENT_STREAMS we advertise; a new stream past it
-    #: is refused with RST_STREAM(REFUSED_STREAM), safe for the peer to retry.
-    max_concurrent_streams: int = 1000
-    #: Send a PING after this many seconds without receiving anything (None:
-    #: no keepalive).  Servers built on grpc-core reject pings more often
-    #: than every 5 minutes unless configured otherwise.
-    keepalive_interval: float | None = None
-    #: How long to wait for any bytes after a keepalive PING before declaring
-    #: the connection dead.
-    keepalive_timeout: float = 20.0
-    #: Received PINGs closer together than this, while we have sent no
-    #: headers or data in between, count as strikes (grpc-core's
-    #: ``GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS``).
-    min_ping_interval: float = 300.0
-    #: More strikes than this and the connection ends with GOAWAY
-    #: ENHANCE_YOUR_CALM (grpc-core's ``max_ping_strikes``); 0 disables.
-    max_ping_strikes: int = 2
-    #: ``user-agent`` sent on every call (client side).
-    user_agent: str = "infx-grpc/0.1"
-
-    def __post_init__(self) -> None:
-        if not 65_535 <= self.initial_window_size <= 2**31 - 1:
-            raise ValueError("initial_window_size must be in [65535, 2**31-1]")
-        if not 65_535 <= self.connection_window_size <= 2**31 - 1:
-            raise ValueError("connection_window_size must be in [65535, 2**31-1]")
-        if not 16_384 <= self.max_inbound_frame_size <= 2**24 - 1:
-            raise ValueError("max_inbound_frame_size must be in [16384, 2**24-1]")
-        if self.max_receive_message_length < 0:
-            raise ValueError("max_receive_message_length must be >= 0")
-        if self.max_send_message_length is not None and self.max_send_message_length < 0:
-            raise ValueError("max_send_message_length must be >= 0 or None")
-        if self.max_header_list_size < 1024:
-            raise ValueError("max_header_list_size must be >= 1024")
-        if self.max_concurrent_streams < 1:
-            raise ValueError("max_concurrent_streams must be >= 1")
-        if self.keepalive_interval is not None and self.keepalive_interval <= 0:
-            raise ValueError("keepalive_interval must be > 0 or None")
-        if self.keepalive_timeout <= 0:
-            raise ValueError("keepalive_timeout must be > 0")
-        if self.max_ping_strikes < 0 or self.min_ping_interval < 0:
-            raise ValueError("ping flood settings must be >= 0")
-
-
-class LocalProtocolError(Exception):
-    """The caller used the machine wrongly (e.g. a command for a call that
-    has already ended, or a server command on a client connection)."""
-
-
-class InvalidMetadata(LocalProtocolError, MetadataError):
-    """Metadata the caller asked to send is not allowed by the spec."""
-
 
 def _checked(metadata: Metadata) -> Metadata:
     try:
@@ -152,163 +91,6 @@ def _checked(metadata: Metadata) -> Metadata:
     except MetadataError as exc:
         raise InvalidMetadata(str(exc)) from exc
 
-
-class CallLimitReached(LocalProtocolError):
-    """The peer's SETTINGS_MAX_CONCURRENT_STREAMS is reached: wait for a
-    call to end before starting another."""
-
-
-class MessageTooLarge(LocalProtocolError):
-    """A message to send is over ``max_send_message_length``; the call
-    should end with :attr:`code` (RESOURCE_EXHAUSTED, as grpcio does)."""
-
-    code = StatusCode.RESOURCE_EXHAUSTED
-
-
-class EndCause(enum.Enum):
-    """Where a :class:`CallEnded` status came from."""
-
-    #: The server's trailers after response headers (client side).
-    TRAILERS = "trailers"
-    #: A trailers-only response (one HEADERS frame ending the stream).
-    TRAILERS_ONLY = "trailers-only"
-    #: Synthesized from a malformed or non-gRPC response (non-200 :status,
-    #: wrong content-type, missing grpc-status, stream ended without
-    #: trailers), from a message over the receive limit or a bad encoding.
-    SYNTHESIZED = "synthesized"
-    #: The peer sent RST_STREAM (``reset_code`` says which).
-    RESET = "reset"
-    #: The call's deadline passed.
-    DEADLINE = "deadline"
-    #: The stream was refused by GOAWAY (stream id above the last id) or
-    #: REFUSED_STREAM: the server never saw it, so it is safe to retry.
-    REFUSED = "refused"
-    #: The connection ended (GOAWAY with an error, protocol error, keepalive
-    #: timeout, or :meth:`GrpcConnection.connection_lost`).
-    CONNECTION = "connection"
-
-
-@dataclass(frozen=True, slots=True)
-class CallStarted:
-    """Server side: a client started a call."""
-
-    stream_id: int
-    #: The ``:path``, e.g. ``/package.Service/Method``.
-    method: str
-    metadata: Metadata
-    #: Absolute deadline on the caller's ``now`` scale, or None.
-    deadline: float | None
-    authority: str | None
-    #: The request's ``grpc-encoding`` (None for identity).
-    encoding: str | None
-    #: Encodings the client accepts for responses (``grpc-accept-encoding``).
-    accept_encodings: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ResponseHeadersReceived:
-    """Client side: the server sent its initial metadata (not sent for a
-    trailers-only response: then only :class:`CallEnded` arrives)."""
-
-    stream_id: int
-    metadata: Metadata
-    #: The response's ``grpc-encoding`` (None for identity).
-    encoding: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class MessageReceived:
-    """One whole gRPC message (decompressed) arrived on a call.
-
-    The caller must pass ``flow_controlled_length`` to
-    :meth:`GrpcConnection.acknowledge` once it has consumed the message:
-    that is what reopens the peer's send window, so a slow consumer pushes
-    back on its sender.
-    """
-
-    stream_id: int
-    data: bytes
-    flow_controlled_length: int
-    #: Whether the message arrived with the compressed flag set.
-    compressed: bool
-
-
-@dataclass(frozen=True, slots=True)
-class InputEnded:
-    """Server side: the client half-closed (no more request messages)."""
-
-    stream_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class CallEnded:
-    """A call is over and its stream is gone.
-
-    Client side: the final status of the call, whatever produced it (see
-    :attr:`cause`).  Server side: the call ended without the application
-    sending its status (the client reset it, the connection died, or the
-    machine answered for it: DEADLINE_EXCEEDED when the deadline passed,
-    RESOURCE_EXHAUSTED or INTERNAL for a request message it could not
-    accept), so the handler must stop; commands on this stream are
-    dropped or refused from then on.
-    """
-
-    stream_id: int
-    status: StatusCode
-    message: str
-    trailers: Metadata
-    cause: EndCause
-    #: The HTTP/2 error code of the RST_STREAM, when cause is RESET/REFUSED.
-    reset_code: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SendBufferDrained:
-    """Everything queued on this call (waiting for flow-control window) has
-    been handed to HTTP/2: the sender may produce more (backpressure)."""
-
-    stream_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class GoAwayReceived:
-    """The peer sent GOAWAY: calls with stream ids up to ``last_stream_id``
-    may still finish, later ones have already ended (REFUSED, UNAVAILABLE)
-    and no new call may be started on this connection."""
-
-    last_stream_id: int
-    error_code: int
-    debug_data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class PingAcknowledged:
-    """A PING sent with :meth:`GrpcConnection.ping` was acknowledged."""
-
-    payload: bytes
-    #: Round-trip time in seconds, on the caller's ``now`` scale.
-    round_trip_time: float
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionTerminated:
-    """The connection is finished: flush :meth:`GrpcConnection.data_to_send`
-    and close the transport.  Every call has already ended with a
-    :class:`CallEnded` event."""
-
-    #: HTTP/2 error code (0 for a clean, drained shutdown).
-    error_code: int
-    #: Human-readable reason (for logs).
-    reason: str
-    #: True when the peer ended it (GOAWAY received, closed the socket).
-    remote: bool
-
-
-Event = Union[
-    CallStarted, ResponseHeadersReceived, MessageReceived, InputEnded,
-    CallEnded, SendBufferDrained, GoAwayReceived, PingAcknowledged,
-    ConnectionTerminated,
-]
 
 
 # ---------------------------------------------------------------------------
@@ -319,6 +101,8 @@ _PREFIX = struct.Struct(">BI")
 #: reference until the message is complete; smaller ones are copied
 #: together at once.
 _PIECE_MIN = 8 * 1024
+#: WINDOW_UPDATE increments below this count as frames that do nothing.
+_TINY_WINDOW_UPDATE = 1024
 _SUPPORTED_ENCODINGS = ("identity", "gzip")
 _ACCEPT_ENCODING = b"identity,gzip"
 _ERR = h2.errors.ErrorCodes
@@ -485,11 +269,14 @@ class GrpcConnection:
             client_side=config.client_side, header_encoding=None,
             validate_outbound_headers=False, normalize_outbound_headers=False,
         ))
+        self._authenticated = config.client_side or not config.require_authentication
+        trusted = self._authenticated
+        window, streams = config.limits(trusted)
         settings: dict[h2.settings.SettingCodes, int] = {
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window,
             h2.settings.SettingCodes.MAX_FRAME_SIZE: config.max_inbound_frame_size,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: config.max_header_list_size,
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: streams,
         }
         if config.client_side:
             settings[h2.settings.SettingCodes.ENABLE_PUSH] = 0
@@ -502,6 +289,22 @@ class GrpcConnection:
         # connection error; keep it well above ours so that the per-call
         # check (RESOURCE_EXHAUSTED for that call alone) is what applies.
         self._h2.decoder.max_header_list_size = max(4 * config.max_header_list_size, 65_536)
+        # The budgets: frames are checked as their headers arrive, before h2.
+        budgets = config.budgets if trusted else config.unauthenticated_budgets
+        self._scanner = FrameScanner(
+            budgets, preface_size=0 if config.client_side else 24,
+            max_data_frame_size=min(window, config.max_inbound_frame_size),
+            max_header_list_size=config.max_header_list_size)
+        self._resets = TokenBucket(budgets.reset_rate, budgets.reset_burst)
+        self._partial_budget = config.partial_message_budget(trusted)
+        # Bytes of incomplete messages held over all calls.
+        self._partial_total = 0
+        # Input held back by the frames-per-receive budget: a read, and
+        # where in it the next receive starts (so it is never copied).
+        self._backlog = b""
+        self._backlog_at = 0
+        # The connection receive window opened so far (RFC 9113's initial).
+        self._connection_window = 65_535
         self._calls: dict[int, _Call] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._events: list[Event] = []
@@ -536,33 +339,128 @@ class GrpcConnection:
         self._initiated = True
         self._last_received = now
         self._h2.initiate_connection()
-        increment = self.config.connection_window_size - 65_535
-        if increment > 0:
-            self._h2.increment_flow_control_window(increment)
+        self._open_connection_window()
+
+    def _open_connection_window(self) -> None:
+        config = self.config
+        target = (config.connection_window_size if self._authenticated
+                  else min(config.unauthenticated_window_size, config.connection_window_size))
+        if self._initiated and target > self._connection_window:
+            self._h2.increment_flow_control_window(target - self._connection_window)
+            self._connection_window = target
+
+    def authenticate(self) -> None:
+        """Server: a call on this connection passed authentication, so the
+        peer gets the full limits (streams, windows, partial budget) from now
+        on; new SETTINGS and a connection WINDOW_UPDATE tell it so.  Idempotent.
+
+        Until then a message is bounded by the partial budget (one small
+        window) rather than refused by its length prefix: a legitimate first
+        message may arrive in the read that also carries the credentials."""
+        if self._authenticated or self._terminated:
+            return
+        self._authenticated = True
+        config = self.config
+        self._partial_budget = config.partial_message_budget()
+        # Allow the larger frames at once: the peer may use the new window
+        # as soon as it has our SETTINGS, before we see its ack.
+        self._scanner.max_data_frame_size = min(config.initial_window_size,
+                                                config.max_inbound_frame_size)
+        self._scanner.use(config.budgets)
+        self._resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
+        self._h2.update_settings({
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
+        })
+        self._open_connection_window()
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the full limits apply (see :meth:`authenticate`)."""
+        return self._authenticated
+
+    def output_stalled(self) -> None:
+        """The transport stopped taking our bytes (the peer is not reading):
+        control frames that need a reply count against
+        ``budgets.max_stalled_control_replies`` until :meth:`output_drained`."""
+        self._scanner.output_stalled = True
+
+    def output_drained(self) -> None:
+        """The transport took what we wrote again."""
+        self._scanner.output_stalled = False
+        self._scanner.stalled_replies = 0
 
     def receive_data(self, data: bytes, now: float) -> list[Event]:
-        """Feed bytes read from the transport; return what they caused."""
+        """Feed bytes read from the transport; return what they caused.
+
+        At most ``budgets.max_frames_per_receive`` frames are processed; the
+        rest is kept (:attr:`has_pending_input`) for :meth:`receive_pending`,
+        and the caller should stop reading until it is gone.
+        """
         if self._terminated:
             return self.take_events()
+        if self.has_pending_input:
+            # More input while some is held back (a TLS layer may deliver
+            # several records at once): it queues behind.
+            self._backlog = self._backlog[self._backlog_at:] + data
+            self._backlog_at = 0
+            return self.receive_pending(now)
+        return self._receive(data, 0, now)
+
+    @property
+    def has_pending_input(self) -> bool:
+        """Whether received bytes wait for :meth:`receive_pending`."""
+        return len(self._backlog) > self._backlog_at and not self._terminated
+
+    def receive_pending(self, now: float) -> list[Event]:
+        """Process the next part of the input kept by :meth:`receive_data`."""
+        if not self.has_pending_input:
+            return self.take_events()
+        data, start = self._backlog, self._backlog_at
+        self._backlog, self._backlog_at = b"", 0
+        return self._receive(data, start, now)
+
+    def _receive(self, data: bytes, start: int, now: float) -> list[Event]:
         self._just_ended.clear()
         self._last_received = now
         self._keepalive_deadline = None
-        try:
-            h2_events = self._h2.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
-            # h2 has queued a GOAWAY with the right code already.
-            code = getattr(exc, "error_code", _ERR.PROTOCOL_ERROR)
-            self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
-                            status=StatusCode.UNAVAILABLE)
-            return self.take_events()
-        handlers = self._handlers
-        for event in h2_events:
-            handler = handlers.get(type(event))
-            if handler is not None:
-                handler(self, event, now)
-            if self._terminated:
-                break
+        view: bytes | memoryview = memoryview(data)[start:] if start else data
+        consumed, violation = self._scanner.scan(view, now)
+        if consumed < len(view):
+            if violation is None:
+                self._backlog, self._backlog_at = data, start + consumed
+            view = memoryview(view)[:consumed]
+        if view:
+            try:
+                h2_events = self._h2.receive_data(view)
+            except h2.exceptions.ProtocolError as exc:
+                # h2 has queued a GOAWAY with the right code already.
+                code = getattr(exc, "error_code", _ERR.PROTOCOL_ERROR)
+                self._backlog, self._backlog_at = b"", 0
+                self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
+                                status=StatusCode.UNAVAILABLE)
+                return self.take_events()
+            handlers = self._handlers
+            for event in h2_events:
+                handler = handlers.get(type(event))
+                if handler is not None:
+                    handler(self, event, now)
+                if self._terminated:
+                    break
+        if violation is not None:
+            self._exceeded(violation)
         return self.take_events()
+
+    def _exceeded(self, violation: BudgetExceeded) -> None:
+        """A peer went over a budget: GOAWAY (naming the last stream we
+        took) with the violation's code, and every call ends."""
+        self._backlog, self._backlog_at = b"", 0
+        if self._terminated:
+            return
+        self._h2.close_connection(error_code=violation.error_code,
+                                  additional_data=violation.reason.encode("ascii"))
+        self._terminate(violation.error_code, violation.reason, remote=False,
+                        status=StatusCode.UNAVAILABLE)
 
     def take_events(self) -> list[Event]:
         """Events caused by commands rather than input (e.g. the graceful
@@ -1000,6 +898,7 @@ class GrpcConnection:
         """Drop a call; return its unconsumed bytes to the connection window."""
         if self._calls.pop(call.stream_id, None) is None:
             return
+        self._drop_partial(call)
         call.pending.clear()
         call.pending_bytes = 0
         if call.unacked:
@@ -1019,6 +918,7 @@ class GrpcConnection:
         """End a call on our own initiative (not the peer's status): what we
         received on it is unacceptable, or its deadline passed."""
         call.discarding = True
+        self._drop_partial(call)
         if self._client:
             self._reset_quietly(call.stream_id, _ERR.CANCEL)
             self._end_call(call, code, message, (), cause)
@@ -1275,8 +1175,28 @@ class GrpcConnection:
             return
         data = event.data or b""
         leftover = flow - self._reassemble(call, data)
+        if self._partial_total > self._partial_budget:
+            self._end_largest_hoarder()
         if leftover > 0:
+            # Bytes of messages not complete yet (and padding) go back to
+            # the window at once, so that a message larger than a window
+            # still flows; the partial budget bounds what they can hold.
             self._h2.acknowledge_received_data(leftover, stream_id)
+
+    def _end_largest_hoarder(self) -> None:
+        """Incomplete messages hold more than the connection's budget: the
+        call holding most of it ends RESOURCE_EXHAUSTED (its stream reset)."""
+        hoarder = max(self._calls.values(), key=lambda c: c.have)
+        self._fail_call(hoarder, StatusCode.RESOURCE_EXHAUSTED,
+                        f"incomplete messages over the connection's budget of "
+                        f"{self._partial_budget} bytes")
+
+    def _drop_partial(self, call: _Call) -> None:
+        """Free what the call holds of an incomplete message."""
+        self._partial_total -= call.have
+        call.have = 0
+        call.parts = []
+        del call.buf[:]
 
     def _reassemble(self, call: _Call, data: bytes) -> int:
         """Cut ``data`` into messages; return how many of its bytes belong to
@@ -1348,10 +1268,12 @@ class GrpcConnection:
                         call.parts.append(bytearray())
                     call.parts[-1] += memoryview(data)[pos:pos + take]
                 call.have += take
+                self._partial_total += take
                 pos += take
                 if call.have < call.need:
                     break
                 payload = b"".join(call.parts)
+                self._partial_total -= call.have
                 call.parts = []
                 call.have = 0
             call.in_body = False
@@ -1418,11 +1340,24 @@ class GrpcConnection:
         elif call.phase is _Phase.CLOSING:
             self._forget(call)
         else:
+            answered = call.phase is not _Phase.WAITING_HEADERS
             self._end_call(call, StatusCode.CANCELLED, "cancelled by the client", (),
                            EndCause.RESET, code)
+            # Rapid reset (CVE-2023-44487): each stream opened and reset
+            # before we answered it cost a call set-up and nothing for the
+            # peer, so they are rate-limited (Netty's idea; see h2_budgets).
+            if not answered and not self._resets.take(now):
+                self._exceeded(BudgetExceeded(ENHANCE_YOUR_CALM, "too many streams reset"))
 
     def _on_window_updated(self, event: h2.events.WindowUpdated, now: float) -> None:
         stream_id = event.stream_id or 0
+        if (event.delta or 0) < _TINY_WINDOW_UPDATE:
+            # h2, grpc-core and grpc-go return at least 1 KiB at a time (or
+            # a good part of the window): smaller increments are a flood.
+            violation = self._scanner.idle_frame(now)
+            if violation is not None:
+                self._exceeded(violation)
+                return
         if stream_id == 0:
             self._flush_all()
         else:

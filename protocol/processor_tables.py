@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from protocol import task_forms
+from protocol.fair_queue import Criticality, HeldQueue
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.route_flow import RouteFlow
@@ -93,6 +94,19 @@ class _Task:
     busy_reply: worker_pb2.TaskResult | None = None
     busy_since: float | None = None
 
+    # Times a busy runtime sent it back (these do not use up ``max_retries``).
+    busy_returns: int = 0
+
+    @property
+    def redispatches(self) -> int:
+        """Times the task went back for another dispatch, whatever the cause (a lost
+        engine, a failed send, a busy runtime): what logs and metrics call its retries."""
+        return self.retries + self.busy_returns
+    # Its place in a held queue (see ``protocol.fair_queue``).
+    criticality: Criticality = Criticality.STANDARD
+    flow: str = ""
+    weight: float = 1.0
+
 
 @dataclass(slots=True)
 class _Engine:
@@ -137,6 +151,7 @@ class ProcessorCounters:
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
     busy_replies: int = 0
+    shed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 class ProcessorTables:
@@ -149,9 +164,11 @@ class ProcessorTables:
         self._tasks: dict[str, _Task] = {}
         self._engines: dict[EngineKey, _Engine] = {}
         self._by_tenant: dict[str, dict[str, _Engine]] = {}
-        # (tenant, model) -> task ids in arrival order (a dict keeps order and removes in O(1)).
-        self._waiting: dict[tuple[str, str], dict[str, None]] = {}
+        # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
+        self._waiting: dict[tuple[str, str], HeldQueue] = {}
         self._waiting_total = 0
+        # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
+        self._sheddable: dict[str, None] = {}
         self._timers: list[tuple[float, int, str]] = []
         self._timer_seq = 0
         self._control: dict[str, _Control] = {}

@@ -1,7 +1,8 @@
 """Scaling decisions for engine deployments: no I/O, no clock reads, effects are values.
 
-Rules this file keeps: time is a ``now`` argument and :meth:`Scaler.next_deadline`
-says when the machine must be woken; every decision comes out as a frozen
+Rules this file keeps: time is a ``now`` argument (always last) and
+:meth:`Scaler.next_deadline` says when the machine must be woken, the
+autoscaler's ticks included; every decision comes out as a frozen
 effect value (:class:`ScaleWrite`, :class:`HoldResolved`, :class:`FailHeld`,
 :class:`PostEvent`, :class:`ColdStartFinished`) that the Twisted layer
 performs; calling a method out of turn (a write result for no pending write,
@@ -33,17 +34,24 @@ What it decides, and how it improves on OpenModelZ:
   rollout past its progress deadline) blocks scale-ups with exponential
   backoff and fails held requests at once; the user's min is never
   rewritten; a new deployment generation lifts the block.
+
+:class:`Scaler` composes three sub-machines, each with a record and a file of
+its own per deployment: :class:`~protocol.scaling_coldstart.ColdStart`,
+:class:`~protocol.scaling_crash.CrashGuard` and
+:class:`~protocol.scaling_autoscale.Autoscale`. Its vocabulary (effects,
+errors, config) is :mod:`protocol.scaling_types`, re-exported here.
 """
 
 from __future__ import annotations
 
-import enum
 import heapq
 import math
-from collections import deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Union
+
+from protocol.scaling_autoscale import Autoscale, Load
+from protocol.scaling_coldstart import ColdStart, ColdStartPhase, Hold, cold_start_target
+from protocol.scaling_crash import CrashGuard, PodCrashes, selects
 
 from protocol.scaling_labels import (
     CRASH_WAITING_REASONS,
@@ -71,14 +79,23 @@ from protocol.scaling_labels import (
     ScaleType,
     ScalingRemoteError,
     ScalingSettings,
-    ServiceQueryResponse,
-    as_service_query_response,
     deployment_snapshot,
     parse_duration,
     parse_models,
     parse_scaling_labels,
     pod_crash_reason,
-    service_query_response,
+)
+from protocol.scaling_types import (
+    ColdStartFinished,
+    Effect,
+    FailHeld,
+    HoldResolved,
+    PostEvent,
+    ScaleError,
+    ScaleReason,
+    ScalerConfig,
+    ScaleWrite,
+    ScalingLocalError,
 )
 
 __all__ = [
@@ -91,268 +108,27 @@ __all__ = [
     "DeploymentSnapshot", "Effect", "FailHeld", "HoldResolved", "LabelWarning",
     "ParsedLabels", "PostEvent", "ScaleError", "ScaleReason", "ScaleType", "ScaleWrite",
     "Scaler", "ScalerConfig", "ScalingLocalError", "ScalingRemoteError", "ScalingSettings",
-    "ServiceQueryResponse", "as_service_query_response", "cold_start_target",
+    "cold_start_target",
     "deployment_snapshot", "parse_duration", "parse_models", "parse_scaling_labels",
-    "pod_crash_reason", "service_query_response",
+    "pod_crash_reason",
 ]
 
-
-class ScalingLocalError(Exception):
-    """The caller drove the scaler out of turn (a bug in the caller, not the cluster)."""
-
-
-@dataclass(frozen=True)
-class ScaleError:
-    """Why a held request was not served, in the terms the gateway answers with."""
-
-    http_status: int
-    message: str
-    retry_after: float | None = None
-    """Seconds for the ``Retry-After`` header; None when retrying cannot help."""
-    code: str = "model_unavailable"
-
-    def openai_body(self) -> dict[str, dict[str, str | None]]:
-        """The OpenAI-style error body for this answer."""
-        # OpenAI answers an unknown model with invalid_request_error/model_not_found.
-        kind = "invalid_request_error" if self.http_status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": None, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        """``Retry-After`` (whole seconds, at least 1) when there is one."""
-        if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
-
-
-class ScaleReason(str, enum.Enum):
-    """Why a replica count is written; also the label of the scale-writes metric."""
-
-    COLD_START = "cold_start"
-    SCALE_UP = "scale_up"
-    SCALE_DOWN = "scale_down"
-    SCALE_TO_ZERO = "scale_to_zero"
-
-
-@dataclass(frozen=True)
-class ScaleWrite:
-    """Set ``key``'s replicas to ``replicas``, decided while it had ``from_replicas``.
-
-    The performer reads the Scale, passes the replicas it read to
-    :meth:`Scaler.resolve_write` (which may cancel or change the write), and
-    replaces it with the resourceVersion it read; on 409 it reads and resolves
-    again. It reports back with :meth:`Scaler.write_done` or
-    :meth:`Scaler.write_failed`.
-    """
-
-    key: DeploymentKey
-    from_replicas: int
-    replicas: int
-    reason: ScaleReason
-
-
-@dataclass(frozen=True)
-class HoldResolved:
-    """A held request's wait is over: ``available``, or failed with ``error``."""
-
-    request_id: Hashable
-    key: DeploymentKey | None
-    available: bool
-    found: bool
-    error: ScaleError | None
-    waited: float
-
-
-@dataclass(frozen=True)
-class FailHeld:
-    """Fail every task the processor holds for ``model`` (the scaler's own holds get HoldResolved)."""
-
-    model: str
-    error: ScaleError
-
-
-@dataclass(frozen=True)
-class PostEvent:
-    """Record a Kubernetes Event on the deployment (best effort: a failure blocks nothing)."""
-
-    key: DeploymentKey
-    reason: str
-    message: str
-    type: str = "Normal"
-
-
-@dataclass(frozen=True)
-class ColdStartFinished:
-    """A cold start ended with an engine ready, ``seconds`` after it began (for the histogram)."""
-
-    key: DeploymentKey
-    seconds: float
-
-
-Effect = Union[ScaleWrite, HoldResolved, FailHeld, PostEvent, ColdStartFinished]
-
-
-@dataclass(frozen=True)
-class ScalerConfig:
-    """Every tunable of the scaler, with the defaults of issue #7."""
-
-    tick_interval: float = 1.0
-    """Seconds between autoscaler ticks (the Twisted driver's LoopingCall)."""
-    stable_window: float = 60.0
-    """Seconds of load averaged for ordinary decisions."""
-    panic_window: float = 6.0
-    """Seconds of load averaged to detect a burst."""
-    panic_threshold: float = 2.0
-    """Panic when the panic-window load needs this many times the current replicas."""
-    scale_down_window: float = 60.0
-    """Seconds a lower desired count must persist before scaling down (its highest value wins)."""
-    max_scale_down_ratio: float = 0.5
-    """At most this share of the replicas goes away in one tick."""
-    held_cap: int = 1000
-    """Held requests per deployment beyond which new ones are answered 503 at once."""
-    crash_backoff: float = 10.0
-    """First scale-up block after a crash loop; doubles each time, up to ``crash_backoff_max``."""
-    crash_backoff_max: float = 600.0
-    write_retry_delay: float = 1.0
-    """Seconds before a cold-start write that failed (not a 409) is tried again."""
-    retry_after: float = 10.0
-    """``Retry-After`` on an expired hold or a full hold queue."""
-    peer_report_interval: float = 10.0
-    """Seconds between a peer gateway's reports while its counts change (its status interval):
-    the longest span a reported increase is spread back over, so that a burst after an idle
-    spell is not diluted over the whole spell."""
-
-    def __post_init__(self) -> None:
-        if min(self.tick_interval, self.stable_window, self.panic_window, self.peer_report_interval) <= 0:
-            raise ScalingLocalError("tick interval, windows and peer report interval must be positive")
-        if not 0 < self.max_scale_down_ratio <= 1:
-            raise ScalingLocalError("max_scale_down_ratio must be in (0, 1]")
-        if self.held_cap < 1:
-            raise ScalingLocalError("held_cap must be at least 1")
-
-
-def cold_start_target(held: int, settings: ScalingSettings) -> int:
-    """Replicas a cold start asks for: ``clamp(ceil(held / target), max(1, min), max)``."""
-    want = math.ceil(held / settings.target_load) if held else 0
-    return min(max(want, max(1, settings.min_replicas)), settings.max_replicas)
-
-
-class ColdStartPhase(enum.Enum):
-    """Where a deployment's single-flight cold start is."""
-
-    IDLE = "idle"
-    """No cold start; a held request begins one."""
-    WRITING = "writing"
-    """A ScaleWrite is out; its result is awaited."""
-    WAITING = "waiting"
-    """Replicas are requested; waiting for an engine to report a model ready."""
-
-
-_PHASE_TRANSITIONS: dict[ColdStartPhase, frozenset[ColdStartPhase]] = {
-    ColdStartPhase.IDLE: frozenset({ColdStartPhase.WRITING, ColdStartPhase.WAITING}),
-    ColdStartPhase.WRITING: frozenset({ColdStartPhase.WAITING, ColdStartPhase.IDLE}),
-    ColdStartPhase.WAITING: frozenset({ColdStartPhase.WRITING, ColdStartPhase.IDLE}),
-}
-
-
-@dataclass
-class _Hold:
-    request_id: Hashable
-    key: DeploymentKey
-    model: str | None
-    since: float
-    deadline: float
-
-
-@dataclass
-class _Load:
-    """In-process load of one model: counters, per-second start buckets, last activity."""
-
-    in_flight: int = 0
-    reported: int = 0
-    last_activity: float = -math.inf
-    buckets: deque[list[float]] = field(default_factory=deque)
-    """[second, starts] pairs, oldest first, covering the stable window."""
-    bucket_total: float = 0.0
-
-    def started(self, now: float) -> None:
-        self._add(math.floor(now), 1.0)
-
-    def started_over(self, since: float, now: float, count: float) -> None:
-        """``count`` starts spread evenly over the whole seconds after ``since``'s, up to ``now``'s."""
-        last = math.floor(now)
-        seconds = max(1, last - math.floor(since))
-        for second in range(last - seconds + 1, last + 1):
-            self._add(second, count / seconds)
-
-    def _add(self, second: int, count: float) -> None:
-        # Seconds stay in order; a peer's report may fill seconds already past.
-        buckets = self.buckets
-        i = len(buckets)
-        while i and buckets[i - 1][0] > second:
-            i -= 1
-        if i and buckets[i - 1][0] == second:
-            buckets[i - 1][1] += count
-        else:
-            buckets.insert(i, [second, count])
-        self.bucket_total += count
-
-    def rates(self, now: float, stable: float, panic: float) -> tuple[float, float]:
-        """(stable, panic) started requests per second, ending at ``now``."""
-        horizon = math.floor(now) - stable
-        while self.buckets and self.buckets[0][0] <= horizon:
-            self.bucket_total -= self.buckets.popleft()[1]
-        panic_horizon = math.floor(now) - panic
-        recent = 0.0
-        for second, count in reversed(self.buckets):
-            if second <= panic_horizon:
-                break
-            recent += count
-        return self.bucket_total / stable, recent / panic
 
 
 @dataclass
 class _Deployment:
+    """What the scaler knows of one deployment: its last snapshot and its three sub-machines' records."""
+
     snapshot: DeploymentSnapshot
     first_seen: float
-    phase: ColdStartPhase = ColdStartPhase.IDLE
-    cold_started_at: float | None = None
-    retry_write_at: float | None = None
-    write_out: ScaleWrite | None = None
-    """The cold-start write being performed."""
-    autoscale_out: ScaleWrite | None = None
-    """The autoscaler's write being performed (the next tick skips the deployment until it ends)."""
-    holds: dict[Hashable, _Hold] = field(default_factory=dict)
-    crash_from_pods: str | None = None
-    crashing: bool = False
-    block_count: int = 0
-    blocked_until: float = -math.inf
-    block_reason: str | None = None
-    seen_generation: int = 0
-    seen_template: str = ""
-    block_announced: bool = False
+    cold: ColdStart
+    crash: CrashGuard
+    auto: Autoscale = field(default_factory=Autoscale)
     warnings_posted: tuple[LabelWarning, ...] = ()
-    samples: deque[tuple[float, float]] = field(default_factory=deque)
-    """(time, capacity load) per tick, covering the stable window."""
-    sample_total: float = 0.0
-    panic_until: float = -math.inf
-    down_since: float | None = None
-    recommendations: deque[tuple[float, int]] = field(default_factory=deque)
-    """(time, desired) over the scale-down window, desired strictly decreasing: a sliding max."""
-    desired: int | None = None
 
     @property
     def key(self) -> DeploymentKey:
         return self.snapshot.key
-
-    def set_phase(self, phase: ColdStartPhase) -> None:
-        if phase is self.phase:
-            return
-        if phase not in _PHASE_TRANSITIONS[self.phase]:
-            raise ScalingLocalError(f"{self.key}: cold start cannot go {self.phase.value} -> {phase.value}")
-        self.phase = phase
-
-    def crash_reason(self) -> str | None:
-        return self.crash_from_pods or self.snapshot.progress_failure
 
 
 class Scaler:
@@ -361,21 +137,25 @@ class Scaler:
     Inputs are method calls taking ``now``; each returns the effects to
     perform, in order. The Twisted side (``infx.scaler``) feeds it the
     deployment and pod watches, engine readiness, request counters and the
-    request counts peer gateways report, calls :meth:`tick` while it holds
-    the leader lease, and :meth:`handle_timeout` at :meth:`next_deadline`.
+    request counts peer gateways report, whether it holds the leader lease
+    (:meth:`lead`), and calls :meth:`handle_timeout` at :meth:`next_deadline`,
+    which also runs the autoscaler's ticks while leading.
     """
 
     def __init__(self, config: ScalerConfig | None = None) -> None:
         self.config = config or ScalerConfig()
         self._deployments: dict[DeploymentKey, _Deployment] = {}
         self._by_model: dict[str, list[DeploymentKey]] = {}
-        self._loads: dict[str, _Load] = {}
+        self._loads: dict[str, Load] = {}
         # Each peer's last report: when, and its cumulative counts (the baseline of the next).
         self._peers: dict[Hashable, tuple[float, dict[str, int]]] = {}
         self._ready: set[str] = set()
-        self._holds: dict[Hashable, _Hold] = {}
+        self._holds: dict[Hashable, Hold] = {}
         self._deadlines: list[tuple[float, int, Hashable]] = []
         self._seq = 0
+        self._next_tick: float | None = None
+        self._leading = False
+        self._pods = PodCrashes()
 
     # -- observations --------------------------------------------------------
 
@@ -386,27 +166,14 @@ class Scaler:
             return self.forget_deployment(snapshot.key, now)
         dep = self._deployments.get(snapshot.key)
         if dep is None:
-            dep = _Deployment(snapshot=snapshot, first_seen=now, seen_generation=snapshot.generation,
-                              seen_template=snapshot.template_hash)
+            dep = _Deployment(snapshot, now, ColdStart(snapshot.key), CrashGuard.first_seen(snapshot))
             self._deployments[snapshot.key] = dep
         else:
             for model in dep.snapshot.models:
                 self._by_model[model].remove(dep.key)
                 if not self._by_model[model]:
                     del self._by_model[model]
-            if snapshot.generation > dep.seen_generation and snapshot.template_hash != dep.seen_template:
-                # A new generation of the pods (new image, new args) deserves
-                # a fresh chance; a generation that only changed replicas
-                # (every scale write bumps it) lifts nothing.
-                dep.block_count = 0
-                dep.blocked_until = -math.inf
-                dep.block_reason = None
-                dep.block_announced = False
-                dep.crash_from_pods = None
-                dep.crashing = False
-            if snapshot.generation >= dep.seen_generation:
-                dep.seen_generation = snapshot.generation
-                dep.seen_template = snapshot.template_hash
+            dep.crash.observe_snapshot(snapshot)
             dep.snapshot = snapshot
         for model in snapshot.models:
             self._by_model.setdefault(model, []).append(snapshot.key)
@@ -416,16 +183,11 @@ class Scaler:
             for warning in snapshot.warnings:
                 effects.append(PostEvent(dep.key, "InvalidScalingLabel", warning.message, "Warning"))
         effects.extend(self._check_crash(dep, now))
-        if snapshot.available_replicas > 0 and snapshot.replicas > 0:
-            # OpenModelZ's Scale() ends when the deployment is available;
-            # requests for a model still wait for an engine to report it ready.
-            for hold in [h for h in dep.holds.values() if h.model is None]:
-                effects.append(self._resolve(dep, hold, now, True, None))
-        if (dep.phase is ColdStartPhase.WAITING and snapshot.replicas == 0 and dep.holds
-                and not self._blocked(dep, now)):
+        if (dep.cold.phase is ColdStartPhase.WAITING and snapshot.replicas == 0 and dep.cold.holds
+                and not dep.crash.blocked(now)):
             # Someone took it back to zero while we wait (another gateway's
             # leader going to zero): ask again; resolve_write skips if moot.
-            effects.extend(self._begin_write(dep, now))
+            effects.append(self._begin_write(dep, now))
         return effects
 
     def forget_deployment(self, key: DeploymentKey, now: float) -> list[Effect]:
@@ -439,15 +201,38 @@ class Scaler:
             if not keys:
                 del self._by_model[model]
         error = ScaleError(404, f"deployment {key} no longer serves its models", None, "model_not_found")
-        return [self._resolve(dep, hold, now, False, error) for hold in list(dep.holds.values())]
+        return [self._resolve(dep, hold, False, error, now) for hold in list(dep.cold.holds.values())]
 
     def observe_pods(self, key: DeploymentKey, crash_reason: str | None, now: float) -> list[Effect]:
         """The deployment's pods changed; ``crash_reason`` from :func:`pod_crash_reason` of any pod."""
         dep = self._deployments.get(key)
         if dep is None:
             return []
-        dep.crash_from_pods = crash_reason
+        dep.crash.observe_pods(crash_reason)
         return self._check_crash(dep, now)
+
+    def observe_pod(self, namespace: str, name: str, labels: Mapping[str, str], crash_reason: str | None,
+                    deleted: bool, now: float) -> list[Effect]:
+        """A pod was added, modified or (``deleted``) removed: recheck the deployments selecting it.
+
+        ``crash_reason`` is :func:`pod_crash_reason` of the pod.
+        """
+        if deleted:
+            self._pods.pod_deleted(namespace, name)
+        else:
+            self._pods.pod_updated(namespace, name, labels, crash_reason)
+        effects: list[Effect] = []
+        for dep in list(self._deployments.values()):
+            if dep.key.namespace == namespace and selects(dep.snapshot.selector, labels):
+                effects += self.recheck_pods(dep.key, now)
+        return effects
+
+    def recheck_pods(self, key: DeploymentKey, now: float) -> list[Effect]:
+        """Tell ``key`` the crash evidence of the pods it selects, as last seen by :meth:`observe_pod`."""
+        dep = self._deployments.get(key)
+        if dep is None:
+            return []
+        return self.observe_pods(key, self._pods.reason(key.namespace, dep.snapshot.selector), now)
 
     def model_ready(self, model: str, now: float) -> list[Effect]:
         """An engine (on any gateway) reported ``model`` ready: its held requests are served."""
@@ -455,18 +240,19 @@ class Scaler:
         effects: list[Effect] = []
         for key in self._by_model.get(model, ()):
             dep = self._deployments[key]
-            if dep.phase is ColdStartPhase.WAITING and dep.cold_started_at is not None:
-                effects.append(ColdStartFinished(key, now - dep.cold_started_at))
-            for hold in list(dep.holds.values()):
-                if hold.model in (model, None):
-                    effects.append(self._resolve(dep, hold, now, True, None))
+            if dep.cold.phase is ColdStartPhase.WAITING and dep.cold.started_at is not None:
+                effects.append(ColdStartFinished(key, now - dep.cold.started_at))
+            for hold in list(dep.cold.holds.values()):
+                if hold.model == model:
+                    effects.append(self._resolve(dep, hold, True, None, now))
         return effects
 
-    def model_gone(self, model: str, now: float) -> None:
+    def model_gone(self, model: str, now: float) -> list[Effect]:
         """No engine serves ``model`` any more; later requests for it wait again."""
         self._ready.discard(model)
+        return []
 
-    def observe_in_progress(self, model: str, count: int, now: float) -> None:
+    def observe_in_progress(self, model: str, count: int, now: float) -> list[Effect]:
         """Engines reported ``count`` tasks in progress for ``model`` (across all gateways).
 
         This is what lets the leader see load that arrived at other gateways,
@@ -476,15 +262,17 @@ class Scaler:
         if count > 0 or load.reported > 0:
             load.last_activity = now
         load.reported = count
+        return []
 
-    def request_started(self, model: str, now: float) -> None:
+    def request_started(self, model: str, now: float) -> list[Effect]:
         """A request for ``model`` was accepted by this gateway."""
         load = self._load(model)
         load.in_flight += 1
         load.started(now)
         load.last_activity = now
+        return []
 
-    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int], now: float) -> None:
+    def observe_peer_requests(self, peer: Hashable, counts: Mapping[str, int], now: float) -> list[Effect]:
         """Peer gateway ``peer`` reported ``counts``: requests per model it accepted since it started.
 
         The increase since the peer's previous report counts as requests
@@ -497,35 +285,37 @@ class Scaler:
         previous = self._peers.get(peer)
         self._peers[peer] = (now, counts)
         if previous is None:
-            return
+            return []
         since, before = previous
         if any(counts.get(model, 0) < count for model, count in before.items()):
-            return
+            return []
         since = max(since, now - self.config.peer_report_interval)
         for model, count in counts.items():
             increase = count - before.get(model, 0)
             if increase:
                 load = self._load(model)
-                load.started_over(since, now, increase)
+                load.started_over(since, increase, now)
                 load.last_activity = now
+        return []
 
-    def forget_peer(self, peer: Hashable) -> None:
+    def forget_peer(self, peer: Hashable) -> list[Effect]:
         """``peer``'s reports ended (its stream closed): its next report is a first one."""
         self._peers.pop(peer, None)
+        return []
 
-    def request_finished(self, model: str, now: float) -> None:
+    def request_finished(self, model: str, now: float) -> list[Effect]:
         """A request started with :meth:`request_started` completed (in any way)."""
         load = self._load(model)
         if load.in_flight <= 0:
             raise ScalingLocalError(f"request_finished for {model!r} without request_started")
         load.in_flight -= 1
         load.last_activity = now
+        return []
 
     # -- holds ---------------------------------------------------------------
 
-    def hold_model(self, request_id: Hashable, model: str, now: float,
-                   deadline: float | None = None) -> list[Effect]:
-        """A request for ``model`` found no ready engine: wait for a scalable deployment."""
+    def hold_model(self, request_id: Hashable, model: str, deadline: float | None, now: float) -> list[Effect]:
+        """A request for ``model`` found no ready engine: wait (until ``deadline``, if any) for a deployment."""
         if model in self._ready:
             return [HoldResolved(request_id, None, True, True, None, 0.0)]
         keys = self._by_model.get(model)
@@ -534,25 +324,8 @@ class Scaler:
             return [HoldResolved(request_id, None, False, False, error, 0.0)]
         # Prefer a deployment that can start: scalable, and not blocked by a crash loop.
         key = next((k for k in keys if self._deployments[k].snapshot.settings.scalable
-                    and not self._blocked(self._deployments[k], now)), keys[0])
-        return self._hold(request_id, self._deployments[key], model, now, deadline)
-
-    def hold_deployment(self, request_id: Hashable, key: DeploymentKey, now: float,
-                        deadline: float | None = None) -> list[Effect]:
-        """OpenModelZ's ``Scale(namespace, name)``: wait until ``key`` is available.
-
-        Available means the Deployment reports available replicas, or an
-        engine reported one of its models ready, whichever is seen first.
-        """
-        dep = self._deployments.get(key)
-        if dep is None:
-            error = ScaleError(404, f"no scalable deployment {key}", None, "model_not_found")
-            return [HoldResolved(request_id, key, False, False, error, 0.0)]
-        snapshot = dep.snapshot
-        if (snapshot.available_replicas > 0 and snapshot.replicas > 0) or any(
-                m in self._ready for m in snapshot.models):
-            return [HoldResolved(request_id, key, True, True, None, 0.0)]
-        return self._hold(request_id, dep, None, now, deadline)
+                    and not self._deployments[k].crash.blocked(now)), keys[0])
+        return self._hold(request_id, self._deployments[key], model, deadline, now)
 
     def release(self, request_id: Hashable, now: float) -> list[Effect]:
         """Forget a held request (client gone, or the processor dispatched it itself)."""
@@ -561,8 +334,8 @@ class Scaler:
             return []
         dep = self._deployments.get(hold.key)
         if dep is not None:
-            del dep.holds[request_id]
-            self._after_hold_left(dep)
+            del dep.cold.holds[request_id]
+            dep.cold.hold_left()
         return []
 
     def serves(self, model: str) -> bool:
@@ -579,24 +352,24 @@ class Scaler:
         load = self._loads.get(model)
         if load is None:
             return 0.0, 0.0
-        return load.rates(now, self.config.stable_window, self.config.panic_window)
+        return load.rates(self.config.stable_window, self.config.panic_window, now)
 
     def held_count(self, key: DeploymentKey) -> int:
         """Requests held for ``key`` right now."""
         dep = self._deployments.get(key)
-        return len(dep.holds) if dep else 0
+        return len(dep.cold.holds) if dep else 0
 
     def phase(self, key: DeploymentKey) -> ColdStartPhase:
         """Where ``key``'s cold start is."""
         dep = self._deployments.get(key)
         if dep is None:
             raise ScalingLocalError(f"unknown deployment {key}")
-        return dep.phase
+        return dep.cold.phase
 
     def desired(self, key: DeploymentKey) -> int | None:
         """Replicas the last tick wanted for ``key`` (None before the first tick)."""
         dep = self._deployments.get(key)
-        return dep.desired if dep else None
+        return dep.auto.desired if dep else None
 
     def snapshot(self, key: DeploymentKey) -> DeploymentSnapshot | None:
         """The last observed state of ``key``."""
@@ -621,9 +394,9 @@ class Scaler:
         if write.reason is ScaleReason.COLD_START:
             if current >= 1:
                 return None
-            if self._blocked(dep, now):
+            if dep.crash.blocked(now):
                 return None
-            return cold_start_target(len(dep.holds), dep.snapshot.settings)
+            return cold_start_target(len(dep.cold.holds), dep.snapshot.settings)
         if write.reason is ScaleReason.SCALE_TO_ZERO:
             if current != write.from_replicas or not self._idle_long_enough(dep, now):
                 return None
@@ -640,31 +413,31 @@ class Scaler:
         effects: list[Effect] = []
         self._take_out(dep, write)
         if write.reason is ScaleReason.COLD_START:
-            dep.set_phase(ColdStartPhase.WAITING)
-            self._after_hold_left(dep)
+            dep.cold.set_phase(ColdStartPhase.WAITING)
+            dep.cold.hold_left()
         if written is not None:
             dep.snapshot = replace(dep.snapshot, replicas=written)
             effects.append(_event_for(write, written))
         if write.reason is ScaleReason.SCALE_TO_ZERO and written == 0:
             # Its engines are on their way out; a request from now on must
             # wait for (and trigger) a cold start, not trust a stale "ready".
-            dep.desired = 0
+            dep.auto.desired = 0
             self._ready.difference_update(dep.snapshot.models)
-            if dep.phase is ColdStartPhase.WAITING and dep.holds:
+            if dep.cold.phase is ColdStartPhase.WAITING and dep.cold.holds:
                 # A request arrived after this write was resolved: its cold
                 # start saw replicas still up and wrote nothing; ask again.
-                effects.extend(self._begin_write(dep, now))
+                effects.append(self._begin_write(dep, now))
         return effects
 
     def _take_out(self, dep: _Deployment, write: ScaleWrite) -> None:
         if write.reason is ScaleReason.COLD_START:
-            if dep.write_out != write:
+            if dep.cold.write_out != write:
                 raise ScalingLocalError(f"{write.key}: no such cold-start write out")
-            dep.write_out = None
+            dep.cold.write_out = None
         else:
-            if dep.autoscale_out != write:
+            if dep.auto.write_out != write:
                 raise ScalingLocalError(f"{write.key}: no such autoscaler write out")
-            dep.autoscale_out = None
+            dep.auto.write_out = None
 
     def write_failed(self, write: ScaleWrite, message: str, now: float) -> list[Effect]:
         """``write`` could not be made (API error other than a 409 the performer retried)."""
@@ -674,12 +447,35 @@ class Scaler:
         self._take_out(dep, write)
         if write.reason is not ScaleReason.COLD_START:
             return [PostEvent(dep.key, "ScaleFailed", f"{write.reason.value} failed: {message}", "Warning")]
-        dep.set_phase(ColdStartPhase.IDLE)
-        if dep.holds:
-            dep.retry_write_at = now + self.config.write_retry_delay
+        dep.cold.set_phase(ColdStartPhase.IDLE)
+        if dep.cold.holds:
+            dep.cold.retry_write_at = now + self.config.write_retry_delay
         return [PostEvent(dep.key, "ScaleFailed", f"scaling from zero failed: {message}", "Warning")]
 
     # -- time ----------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """Begin the autoscaler's schedule: a tick every ``tick_interval`` from now, while leading."""
+        self._next_tick = now + self.config.tick_interval
+        return []
+
+    def stop(self) -> list[Effect]:
+        """End the schedule (holds keep their own deadlines)."""
+        self._next_tick = None
+        return []
+
+    def lead(self, leading: bool, now: float) -> list[Effect]:
+        """This gateway won or lost the autoscaler's lease; ticks run only while it leads."""
+        self._leading = leading
+        if self._next_tick is not None:
+            while self._next_tick <= now:  # the schedule kept its beat while not leading
+                self._next_tick += self.config.tick_interval
+        return []
+
+    @property
+    def leading(self) -> bool:
+        """Whether the autoscaler runs here (see :meth:`lead`)."""
+        return self._leading
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must run next (hold deadlines, startup timeouts, retries)."""
@@ -687,14 +483,16 @@ class Scaler:
             heapq.heappop(self._deadlines)
         best = self._deadlines[0][0] if self._deadlines else math.inf
         for dep in self._deployments.values():
-            if dep.retry_write_at is not None:
-                best = min(best, dep.retry_write_at)
-            if dep.cold_started_at is not None and dep.holds:
-                best = min(best, dep.cold_started_at + dep.snapshot.settings.startup_timeout)
+            best = min(best, dep.cold.deadline(dep.snapshot.settings.startup_timeout))
+        if self._leading and self._next_tick is not None:
+            best = min(best, self._next_tick)
         return None if best == math.inf else best
 
     def handle_timeout(self, now: float) -> list[Effect]:
-        """Expire holds past their deadline or startup timeout; retry failed cold-start writes."""
+        """Expire holds past their deadline or startup timeout; retry failed cold-start writes; tick.
+
+        A tick that fell due runs once however late (missed ones are skipped).
+        """
         effects: list[Effect] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request_id = heapq.heappop(self._deadlines)
@@ -702,96 +500,68 @@ class Scaler:
             if hold is None or hold.deadline > now:
                 continue
             dep = self._deployments[hold.key]
-            error = ScaleError(503, f"model {hold.model or hold.key} is still starting and the "
+            error = ScaleError(503, f"model {hold.model} is still starting and the "
                                "request's deadline passed", self.config.retry_after)
-            effects.append(self._resolve(dep, hold, now, False, error))
+            effects.append(self._resolve(dep, hold, False, error, now))
         for dep in list(self._deployments.values()):
-            started = dep.cold_started_at
-            if started is not None and dep.holds and now >= started + dep.snapshot.settings.startup_timeout:
+            if dep.cold.timed_out(dep.snapshot.settings.startup_timeout, now):
                 message = (f"deployment {dep.key} did not become ready within "
                            f"{dep.snapshot.settings.startup_timeout:g}s")
                 error = ScaleError(503, message, self.config.retry_after)
                 effects.extend(self._fail_all(dep, error, now))
                 effects.extend(FailHeld(model, error) for model in dep.snapshot.models)
                 effects.append(PostEvent(dep.key, "StartupTimeout", message, "Warning"))
-                dep.cold_started_at = None
-                if dep.phase is ColdStartPhase.WAITING:
-                    dep.set_phase(ColdStartPhase.IDLE)
-            if dep.retry_write_at is not None and now >= dep.retry_write_at:
-                dep.retry_write_at = None
-                if dep.holds and dep.phase is ColdStartPhase.IDLE and not self._blocked(dep, now):
-                    effects.extend(self._begin_write(dep, now))
+                dep.cold.abandon()
+            if dep.cold.retry_write_at is not None and now >= dep.cold.retry_write_at:
+                dep.cold.retry_write_at = None
+                if dep.cold.holds and dep.cold.phase is ColdStartPhase.IDLE and not dep.crash.blocked(now):
+                    effects.append(self._begin_write(dep, now))
+        if self._next_tick is not None and now >= self._next_tick:
+            while self._next_tick <= now:
+                self._next_tick += self.config.tick_interval
+            if self._leading:
+                effects.extend(self.tick(now))
         return effects
 
     # -- autoscaler ----------------------------------------------------------
 
     def tick(self, now: float) -> list[Effect]:
-        """One autoscaler pass over every deployment; call only while leader."""
+        """One autoscaler pass over every deployment (:meth:`handle_timeout` runs it on schedule)."""
         effects: list[Effect] = []
         cfg = self.config
         for dep in self._deployments.values():
             settings = dep.snapshot.settings
-            if not settings.scalable or dep.write_out is not None or dep.autoscale_out is not None:
+            if not settings.scalable or dep.cold.write_out is not None or dep.auto.write_out is not None:
                 continue
             current = dep.snapshot.replicas
             stable, panic = self._measure(dep, now)
             if current == 0:
-                dep.desired = 0
+                dep.auto.desired = 0
                 continue
-            if dep.phase is not ColdStartPhase.IDLE:
+            if dep.cold.phase is not ColdStartPhase.IDLE:
                 continue
             if settings.min_replicas == 0 and self._idle_long_enough(dep, now):
-                dep.desired = 0
-                dep.autoscale_out = ScaleWrite(dep.key, current, 0, ScaleReason.SCALE_TO_ZERO)
-                effects.append(dep.autoscale_out)
+                dep.auto.desired = 0
+                dep.auto.write_out = ScaleWrite(dep.key, current, 0, ScaleReason.SCALE_TO_ZERO)
+                effects.append(dep.auto.write_out)
                 continue
-            floor = max(1, settings.min_replicas)
-            want_stable = math.ceil(stable / settings.target_load)
-            want_panic = math.ceil(panic / settings.target_load)
-            if want_panic >= cfg.panic_threshold * current:
-                dep.panic_until = now + cfg.panic_window
-            if now < dep.panic_until:
-                want = max(want_panic, want_stable, current)
-            else:
-                want = want_stable
-            want = min(max(want, floor), settings.max_replicas)
-            recs = dep.recommendations
-            while recs and recs[-1][1] <= want:
-                recs.pop()
-            recs.append((now, want))
-            while recs[0][0] <= now - cfg.scale_down_window:
-                recs.popleft()
-            if want < current:
-                if dep.down_since is None:
-                    dep.down_since = now
-                if now - dep.down_since < cfg.scale_down_window:
-                    dep.desired = current
-                    continue
-                want = max(recs[0][1], math.ceil(current * (1 - cfg.max_scale_down_ratio)),
-                           current - settings.step, floor)
-            else:
-                dep.down_since = None
-                want = min(want, current + settings.step)
-            if want > current and self._blocked(dep, now):
-                want = current
-            dep.desired = want
+            want = dep.auto.decide(current, stable, panic, settings, cfg, dep.crash.blocked(now), now)
             if want != current:
                 reason = ScaleReason.SCALE_UP if want > current else ScaleReason.SCALE_DOWN
-                dep.autoscale_out = ScaleWrite(dep.key, current, want, reason)
-                effects.append(dep.autoscale_out)
+                dep.auto.write_out = ScaleWrite(dep.key, current, want, reason)
+                effects.append(dep.auto.write_out)
         return effects
 
     # -- internals -----------------------------------------------------------
 
-    def _load(self, model: str) -> _Load:
+    def _load(self, model: str) -> Load:
         load = self._loads.get(model)
         if load is None:
-            load = self._loads[model] = _Load()
+            load = self._loads[model] = Load()
         return load
 
     def _measure(self, dep: _Deployment, now: float) -> tuple[float, float]:
         """(stable, panic) load of ``dep`` in its scale type's unit."""
-        cfg = self.config
         settings = dep.snapshot.settings
         if settings.scale_type is ScaleType.RPS:
             stable = panic = 0.0
@@ -800,25 +570,15 @@ class Scaler:
                 stable += s
                 panic += p
             return stable, panic
-        value = float(len(dep.holds))
+        value = float(len(dep.cold.holds))
         for model in dep.snapshot.models:
             load = self._loads.get(model)
             if load is not None:
                 value += max(load.in_flight, load.reported)
-        dep.samples.append((now, value))
-        dep.sample_total += value
-        while dep.samples and dep.samples[0][0] <= now - cfg.stable_window:
-            dep.sample_total -= dep.samples.popleft()[1]
-        recent = count = 0.0
-        for at, sample in reversed(dep.samples):
-            if at <= now - cfg.panic_window:
-                break
-            recent += sample
-            count += 1
-        return dep.sample_total / len(dep.samples), recent / count
+        return dep.auto.capacity(value, self.config, now)
 
     def _idle_long_enough(self, dep: _Deployment, now: float) -> bool:
-        if dep.holds:
+        if dep.cold.holds:
             return False
         last = dep.first_seen
         for model in dep.snapshot.models:
@@ -830,38 +590,23 @@ class Scaler:
             last = max(last, load.last_activity)
         return now >= last + dep.snapshot.settings.zero_duration
 
-    def _blocked(self, dep: _Deployment, now: float) -> bool:
-        return dep.crash_reason() is not None or now < dep.blocked_until
-
     def _check_crash(self, dep: _Deployment, now: float) -> list[Effect]:
         """Start a block episode when crash evidence appears outside a running backoff."""
-        reason = dep.crash_reason()
-        was_crashing, dep.crashing = dep.crashing, reason is not None
-        if reason is None or was_crashing:
+        backoff = dep.crash.check(self.config.crash_backoff, self.config.crash_backoff_max, now)
+        if backoff is None:
             return []
-        if now < dep.blocked_until:
-            # Evidence flickering (a pod between restarts) inside one episode.
-            dep.block_reason = reason
-            return []
-        dep.block_count += 1
-        backoff = min(self.config.crash_backoff * 2 ** (dep.block_count - 1), self.config.crash_backoff_max)
-        dep.blocked_until = now + backoff
-        dep.block_reason = reason
-        dep.block_announced = False
-        message = f"deployment {dep.key} cannot start: {reason}"
+        message = f"deployment {dep.key} cannot start: {dep.crash.reason()}"
         effects: list[Effect] = [PostEvent(dep.key, "CrashLoop", f"{message}; scale-ups blocked for "
                                            f"{backoff:g}s", "Warning")]
         error = ScaleError(503, message, backoff, "engine_crash_loop")
         effects.extend(self._fail_all(dep, error, now))
         for model in dep.snapshot.models:
             effects.append(FailHeld(model, error))
-        dep.cold_started_at = None
-        if dep.phase is ColdStartPhase.WAITING:
-            dep.set_phase(ColdStartPhase.IDLE)
+        dep.cold.abandon()
         return effects
 
-    def _hold(self, request_id: Hashable, dep: _Deployment, model: str | None, now: float,
-              deadline: float | None) -> list[Effect]:
+    def _hold(self, request_id: Hashable, dep: _Deployment, model: str, deadline: float | None,
+              now: float) -> list[Effect]:
         if request_id in self._holds:
             raise ScalingLocalError(f"request {request_id!r} is already held")
         settings = dep.snapshot.settings
@@ -869,64 +614,46 @@ class Scaler:
             error = ScaleError(503, f"deployment {dep.key} is not scalable (max replicas is 0)", None,
                                "model_not_scalable")
             return [HoldResolved(request_id, dep.key, False, True, error, 0.0)]
-        if self._blocked(dep, now):
-            reason = dep.crash_reason() or dep.block_reason or "crash loop"
+        if dep.crash.blocked(now):
+            reason, left = dep.crash.refusal(now)
             error = ScaleError(503, f"deployment {dep.key} cannot start: {reason}",
-                               max(0.0, dep.blocked_until - now) or self.config.retry_after,
-                               "engine_crash_loop")
+                               left or self.config.retry_after, "engine_crash_loop")
             effects: list[Effect] = [HoldResolved(request_id, dep.key, False, True, error, 0.0)]
-            if not dep.block_announced:
-                dep.block_announced = True
+            if dep.crash.announce():
                 effects.append(PostEvent(dep.key, "ScaleUpBlocked",
                                          f"request held for {dep.key} refused: {reason}", "Warning"))
             return effects
-        if len(dep.holds) >= self.config.held_cap:
+        if len(dep.cold.holds) >= self.config.held_cap:
             error = ScaleError(503, f"too many requests waiting for deployment {dep.key}",
                                self.config.retry_after, "too_many_waiting")
             return [HoldResolved(request_id, dep.key, False, True, error, 0.0)]
-        hold = _Hold(request_id, dep.key, model, now, math.inf if deadline is None else deadline)
+        hold = Hold(request_id, dep.key, model, now, math.inf if deadline is None else deadline)
         self._holds[request_id] = hold
-        dep.holds[request_id] = hold
+        dep.cold.holds[request_id] = hold
         if deadline is not None:
             self._seq += 1
             heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
-        if model is not None:
-            self._load(model).last_activity = now
-        if dep.phase is ColdStartPhase.IDLE and dep.retry_write_at is None:
-            dep.cold_started_at = now if dep.cold_started_at is None else dep.cold_started_at
+        self._load(model).last_activity = now
+        if dep.cold.phase is ColdStartPhase.IDLE and dep.cold.retry_write_at is None:
+            dep.cold.started_at = now if dep.cold.started_at is None else dep.cold.started_at
             if dep.snapshot.replicas >= 1:
-                dep.set_phase(ColdStartPhase.WAITING)
+                dep.cold.set_phase(ColdStartPhase.WAITING)
                 return []
-            return self._begin_write(dep, now)
+            return [self._begin_write(dep, now)]
         return []
 
-    def _begin_write(self, dep: _Deployment, now: float) -> list[Effect]:
-        if dep.cold_started_at is None:
-            dep.cold_started_at = now
-        target = cold_start_target(len(dep.holds), dep.snapshot.settings)
-        write = ScaleWrite(dep.key, dep.snapshot.replicas, target, ScaleReason.COLD_START)
-        dep.set_phase(ColdStartPhase.WRITING)
-        dep.write_out = write
-        return [write]
+    def _begin_write(self, dep: _Deployment, now: float) -> ScaleWrite:
+        return dep.cold.begin_write(dep.snapshot.replicas, dep.snapshot.settings, now)
 
-    def _resolve(self, dep: _Deployment, hold: _Hold, now: float, available: bool,
-                 error: ScaleError | None) -> HoldResolved:
+    def _resolve(self, dep: _Deployment, hold: Hold, available: bool, error: ScaleError | None,
+                 now: float) -> HoldResolved:
         self._holds.pop(hold.request_id, None)
-        dep.holds.pop(hold.request_id, None)
-        self._after_hold_left(dep)
+        dep.cold.holds.pop(hold.request_id, None)
+        dep.cold.hold_left()
         return HoldResolved(hold.request_id, dep.key, available, True, error, now - hold.since)
 
-    def _after_hold_left(self, dep: _Deployment) -> None:
-        """With nobody waiting, a cold start has nothing left to time out (a write still lands)."""
-        if dep.holds:
-            return
-        dep.retry_write_at = None
-        if dep.phase is not ColdStartPhase.WRITING:
-            dep.set_phase(ColdStartPhase.IDLE)
-            dep.cold_started_at = None
-
     def _fail_all(self, dep: _Deployment, error: ScaleError, now: float) -> Iterable[Effect]:
-        return [self._resolve(dep, hold, now, False, error) for hold in list(dep.holds.values())]
+        return [self._resolve(dep, hold, False, error, now) for hold in list(dep.cold.holds.values())]
 
 
 def _event_for(write: ScaleWrite, written: int) -> PostEvent:

@@ -55,8 +55,8 @@ class LeaseDecision:
     create: bool = False
 
 
-def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, now: float,
-                 duration: float) -> LeaseDecision:
+def decide_lease(lease: Mapping[str, Any] | None, identity: str, name: str, duration: float,
+                 now: float) -> LeaseDecision:
     """Acquire, renew or respect the Lease ``lease`` (None when it does not exist)."""
     if lease is None:
         return LeaseDecision(True, {
@@ -101,3 +101,53 @@ def release_lease(lease: Mapping[str, Any] | None, identity: str, now: float) ->
     spec["leaseDurationSeconds"] = 1
     spec["acquireTime"] = spec["renewTime"] = micro_time(now)
     return body
+
+
+@dataclass(frozen=True)
+class RoundDue:
+    """Begin one acquire-or-renew round now; report its end with :meth:`RenewSchedule.round_done`."""
+
+
+class RenewSchedule:
+    """When the elector's next round is due: at :meth:`start`, then every ``interval`` seconds.
+
+    Rounds never overlap: one that falls due while another is out waits for
+    it, and intervals missed meanwhile are skipped, not caught up on (as a
+    ``LoopingCall`` would).
+    """
+
+    def __init__(self, interval: float) -> None:
+        if interval <= 0:
+            raise ValueError("the renew interval must be positive")
+        self.interval = interval
+        self._due: float | None = None
+        self._out = False
+
+    def start(self, now: float) -> list[RoundDue]:
+        """Begin: the first round is due at once."""
+        self._due = now
+        return self.handle_timeout(now)
+
+    def stop(self) -> None:
+        """No more rounds (one still out ends on its own)."""
+        self._due = None
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`handle_timeout` must run (None while stopped or while a round is out)."""
+        return None if self._out else self._due
+
+    def handle_timeout(self, now: float) -> list[RoundDue]:
+        """A round, if one is due and none is out."""
+        if self._due is None or self._out or now < self._due:
+            return []
+        self._out = True
+        while self._due <= now:
+            self._due += self.interval
+        return [RoundDue()]
+
+    def round_done(self, now: float) -> None:
+        """The round that was out ended; the next is due at the schedule's next time after ``now``."""
+        self._out = False
+        if self._due is not None:
+            while self._due <= now:
+                self._due += self.interval

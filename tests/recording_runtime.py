@@ -134,6 +134,10 @@ def _serve(port_file: str) -> None:
             if uri == "/health":
                 # The engine agent's readiness check: answered, never recorded or scripted.
                 return b""
+            if uri in ("/metrics", "/slots"):
+                # The agent's load probes: this runtime reports no load, like most.
+                request.setResponseCode(404)
+                return b""
             recorded.append({
                 "method": request.method.decode("latin-1"), "path": uri,
                 "headers": [[n.decode("latin-1"), v.decode("latin-1")]

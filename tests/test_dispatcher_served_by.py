@@ -60,7 +60,7 @@ def test_a_request_a_peers_engine_served_after_a_retry_names_that_peer():
     d.engine_status(peer, "default", engine_status("e2", "m"), Locality.REMOTE)
     sink = Sink()
     handle = submit(d, sink)
-    d.route_closed(local, "engine stream ended")  # e1 is lost: the task is retried on e2
+    d.result_received(local, http(local.sent[0].id, 503))  # e1 is busy: the task goes to e2
     d.result_received(peer, http(peer.sent[0].id))
     served = handle.served_by
     assert (served.engine_id, served.gateway, served.retries, served.queued_seconds) == ("e2", "gw-b", 1, 0.0)
@@ -75,3 +75,11 @@ def test_a_request_that_never_reached_an_engine_names_none():
     assert sink.failure is not None and sink.failure[0] == 503
     served = handle.served_by
     assert (served.engine_id, served.gateway, served.queued_seconds) == ("", "", None)
+
+
+def test_two_gateways_never_hand_out_the_same_task_id():
+    """Forwarded tasks keep their id at the peer, beside the peer's own: two dispatchers'
+    ids must not collide (they once both counted t1, t2, ... and a peer's task clashed)."""
+    (_, first), (_, second) = dispatcher(), dispatcher()
+    ids = {submit(d, Sink()).task_id for d in (first, second) for _ in range(100)}
+    assert len(ids) == 200

@@ -14,8 +14,9 @@ from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
 from infx.exchanger import Exchanger, ExchangerConfig
+from infx.scaler import InferenceScaler
 from protocol.gateway_core import DialState
-from infx.scaler import InferenceScaler, InMemoryServiceQuery
+from tests.scaler_fakes import InMemoryServiceQuery
 from infx.service import GatewayService
 from protocol.peers import Backoff, PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.processor_types import Locality

@@ -22,17 +22,16 @@ from twisted.internet import defer, reactor, task
 from twisted.logger import globalLogPublisher
 
 from infx.kube import PodWatcher, PodWatcherConfig
-from protocol.peers import (
+from protocol.informer import (
     Backoff,
     BookmarkReceived,
     MalformedWatchObject,
-    PeerSet,
-    PodDeleted,
-    PodUpdated,
+    ObjectDeleted,
+    ObjectUpdated,
     WatchErrorReceived,
-    desired_peer,
     parse_watch_event,
 )
+from protocol.peers import PeerSet, desired_peer, pod_state
 from tests.kubeapi import FakeKubeAPI
 
 FEW = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -70,16 +69,17 @@ def paths(value: Any, prefix: tuple = ()) -> list[tuple]:
 
 def decoded_or_malformed(raw: Any) -> Any:
     try:
-        event = parse_watch_event(raw)
+        event = parse_watch_event(raw, pod_state)
     except MalformedWatchObject:
         return None
-    assert isinstance(event, (PodUpdated, PodDeleted, BookmarkReceived, WatchErrorReceived))
-    if isinstance(event, (PodUpdated, PodDeleted)):
+    assert isinstance(event, (ObjectUpdated, ObjectDeleted, BookmarkReceived, WatchErrorReceived))
+    if isinstance(event, (ObjectUpdated, ObjectDeleted)):
         # A peer is only ever dialled at an address that parses.
-        peer = desired_peer(event.pod, 8083)
+        peer = desired_peer(event.obj, 8083)
         assert peer is None or isinstance(peer.host, str) and ":" in str(peer)
         peers = PeerSet("me", 8083)
-        changes = peers.pod_updated(event.pod) if isinstance(event, PodUpdated) else peers.pod_deleted(event.pod.name)
+        changes = (peers.pod_updated(event.obj) if isinstance(event, ObjectUpdated)
+                   else peers.pod_deleted(event.obj.name))
         assert len(changes) <= 1
     return event
 
@@ -171,4 +171,4 @@ def test_a_watch_line_that_is_not_an_object_is_malformed_not_an_attribute_error(
     """Regression: parse_watch_event assumed a mapping; a JSON list or scalar
     raised AttributeError instead of the documented MalformedWatchObject."""
     with pytest.raises(MalformedWatchObject):
-        parse_watch_event(value)
+        parse_watch_event(value, pod_state)

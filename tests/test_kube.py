@@ -15,15 +15,14 @@ from kubernetes import client
 from twisted.internet import defer, reactor, task
 
 from infx.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
+from protocol.informer import Backoff, InformerState
 from protocol.peers import (
-    Backoff,
     InvalidPeerAddress,
     PeerAdded,
     PeerAddress,
     PeerAddressChanged,
     PeerChange,
     PeerRemoved,
-    WatchState,
 )
 from tests.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
 
@@ -259,7 +258,7 @@ def test_stop_ends_callbacks_and_the_open_watch_promptly(
     yield stopped.addTimeout(10, reactor)
     yield eventually(lambda: api.open_watches == 0, "the server to see the watch closed")
     assert recorder.changes == []
-    assert watcher.state is WatchState.STOPPED
+    assert watcher.state is InformerState.STOPPED
 
 
 class HandClock(task.Clock):
@@ -280,7 +279,7 @@ def test_retries_wait_for_the_backoff_deadline_on_the_injected_clock_and_stop_ca
                          config, Recorder(), random.Random(1))
     watchers.append(watcher)
     watcher.start()
-    yield eventually(lambda: watcher.state is WatchState.BACKING_OFF, "the first backoff")
+    yield eventually(lambda: watcher.state is InformerState.BACKING_OFF, "the first backoff")
     (retry,) = clock.getDelayedCalls()
     assert 0 < retry.getTime() <= FAST.initial
     assert len(api.list_requests()) == 1
@@ -370,13 +369,13 @@ def test_a_pod_watcher_runs_as_a_service_and_stopping_the_service_stops_it(api: 
     recorder = Recorder()
     config = PodWatcherConfig("default", "app=infx", "me", PORT, backoff=FAST)
     watcher = PodWatcher(reactor, client.CoreV1Api(client.ApiClient(api.client_configuration())),
-                         config, recorder)
+                         config, recorder, random.Random(1))
     service = PeerSourceService(watcher)
     service.startService()
     yield converged(api, watcher, recorder)
     yield api.when_watching()
     yield service.stopService()
-    assert watcher.state is WatchState.STOPPED
+    assert watcher.state is InformerState.STOPPED
     yield eventually(lambda: api.open_watches == 0, "the watch to close")
 
 

@@ -8,13 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, task
 
-from infx.scaler import (
-    FunctionScaleResult,
-    InferenceScaler,
-    InMemoryServiceQuery,
-    LeaseElector,
-    ScaleConflict,
-)
+from infx.scaler import InferenceScaler
+from infx.scaler_kube import ScaleConflict
+from infx.scaler_lease import LeaseElector
 from protocol.scaling import (
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,
@@ -25,8 +21,10 @@ from protocol.scaling import (
     ZERO_DURATION_LABEL,
     DeploymentKey,
     ScalerConfig,
+    HoldResolved,
     ScalingLocalError,
 )
+from tests.scaler_fakes import InMemoryServiceQuery
 
 KEY = DeploymentKey("ml", "llama")
 
@@ -46,14 +44,14 @@ def setup(replicas: int = 0, config: ScalerConfig | None = None, leader: bool = 
     query = InMemoryServiceQuery()
     scaler = InferenceScaler(clock, query, events=query, config=config, registry=registry,
                              fail_held=lambda model, error: failed.append((model, error)),
-                             is_leader=lambda: leader)
+                             leader=leader)
     query.on_change = scaler.observe_deployment
     scaler.observe_deployment(query.add(deployment(replicas, **labels)))
     return clock, query, scaler, registry, failed
 
 
-def results(ds: list[defer.Deferred[FunctionScaleResult]]) -> list[FunctionScaleResult | None]:
-    out: list[FunctionScaleResult | None] = []
+def results(ds: list[defer.Deferred[HoldResolved]]) -> list[HoldResolved | None]:
+    out: list[HoldResolved | None] = []
     for d in ds:
         d.addBoth(out.append)
     return out
@@ -74,7 +72,7 @@ def test_thousand_concurrent_holds_make_one_write_and_one_event_and_all_are_serv
     clock.advance(12.5)
     scaler.model_ready("llama-3")
     assert len(out) == 1000
-    assert all(isinstance(r, FunctionScaleResult) and r.available and r.found and r.error is None
+    assert all(isinstance(r, HoldResolved) and r.available and r.found and r.error is None
                for r in out)
     assert metric(registry, "infx_scaler_scale_writes_total", deployment="ml/llama", reason="cold_start") == 1
     assert metric(registry, "infx_scaler_cold_start_seconds_count", deployment="ml/llama") == 1
@@ -82,14 +80,14 @@ def test_thousand_concurrent_holds_make_one_write_and_one_event_and_all_are_serv
     assert metric(registry, "infx_scaler_held_requests", deployment="ml/llama") == 0
 
 
-def test_openmodelz_scale_waits_for_the_deployment_and_reports_duration():
+def test_a_held_request_ends_when_its_model_is_ready_and_reports_how_long_it_waited():
     clock, query, scaler, _, _ = setup()
-    out = results([scaler.scale("ml", "llama")])
+    out = results([scaler.hold("llama-3")])
     clock.advance(3)
     scaler.model_ready("llama-3")
     [r] = out
-    assert (r.available, r.found, r.error, r.duration) == (True, True, None, 3)
-    [missing] = results([scaler.scale("ml", "other")])
+    assert (r.available, r.found, r.error, r.waited, r.key) == (True, True, None, 3, KEY)
+    [missing] = results([scaler.hold("other")])
     assert (missing.available, missing.found, missing.error.http_status) == (False, False, 404)
 
 
@@ -188,19 +186,20 @@ def test_pod_crash_seen_before_its_deployment_still_blocks():
     clock = task.Clock()
     query = InMemoryServiceQuery()
     scaler = InferenceScaler(clock, query, events=query)
-    scaler.reset_pods([{"metadata": {"name": "p", "namespace": "ml", "labels": {"app": "llama"}},
+    scaler.observe_pod({"metadata": {"name": "p", "namespace": "ml", "labels": {"app": "llama"}},
                         "status": {"containerStatuses": [
-                            {"name": "e", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}}])
-    scaler.reset_deployments([query.add(deployment())])
+                            {"name": "e", "state": {"waiting": {"reason": "ImagePullBackOff"}}}]}})
+    scaler.observe_deployment(query.add(deployment()))
     [r] = results([scaler.hold("llama-3")])
     assert r.error.http_status == 503 and "ImagePullBackOff" in r.error.message
 
 
-def test_reset_forgets_deployments_that_are_gone():
+def test_a_deleted_deployment_fails_its_held_requests_with_404():
     _, _, scaler, _, _ = setup()
     out = results([scaler.hold("llama-3")])
-    scaler.reset_deployments([])
+    scaler.forget_deployment("ml", "llama")
     assert out[0].error.http_status == 404
+    assert scaler.machine.deployments() == []
 
 
 def test_one_to_zero_happens_zero_duration_after_the_last_request_and_not_before():
@@ -271,7 +270,8 @@ def test_only_one_elector_leads_and_another_takes_over_after_expiry():
     assert (a.is_leader(), b.is_leader()) == (True, False)
     clock.pump([5] * 6)
     assert (a.is_leader(), b.is_leader()) == (True, False)
-    a._loop.stop()  # gw-a dies without releasing
+    a._schedule.stop()  # gw-a dies without releasing
+    a._timer.cancel()
     clock.pump([5] * 4)
     assert b.is_leader()
     assert store.lease["spec"]["holderIdentity"] == "gw-b"
@@ -333,3 +333,22 @@ def test_holding_a_request_id_twice_is_refused_and_keeps_the_first_waiter():
     out = results([first])
     scaler.model_ready("llama-3")
     assert out[0].available
+
+
+def test_the_autoscaler_ticks_on_the_machines_one_timer_from_when_the_lease_is_won():
+    clock, query, scaler, registry, _ = setup(replicas=1, leader=False, **{TARGET_LOAD_LABEL: "1",
+                                                                          MAX_SCALE_LABEL: "5"})
+    scaler.start()
+    assert clock.getDelayedCalls() == []  # nothing to wake for while not leading
+    for _ in range(3):
+        scaler.request_started("llama-3")
+    scaler.leader_changed(True)
+    assert metric(registry, "infx_scaler_leader") == 1
+    (timer,) = clock.getDelayedCalls()
+    assert timer.getTime() == clock.seconds() + 1
+    clock.advance(1)
+    assert query.writes == [(KEY, 2)]
+    scaler.leader_changed(False)
+    assert metric(registry, "infx_scaler_leader") == 0
+    assert clock.getDelayedCalls() == []
+    scaler.stop()

@@ -6,6 +6,7 @@ racing still make one write; Events and the Lease land in the API server.
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable
 
 import pytest
@@ -14,21 +15,16 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
-from infx.scaler import (
-    FunctionScaleResult,
-    InferenceScaler,
-    KubernetesEvents,
-    KubernetesLease,
-    KubernetesServiceQuery,
-    LeaseElector,
-    kubernetes_scaler,
-)
+from infx.scaler import InferenceScaler, kubernetes_scaler
+from infx.scaler_kube import KubernetesEvents, KubernetesLease, KubernetesServiceQuery, ScaleConflict
+from infx.scaler_lease import LeaseElector
 from protocol.scaling import (
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,
     SCALABLE_LABEL,
     ZERO_DURATION_LABEL,
     DeploymentKey,
+    HoldResolved,
 )
 from tests.kubeapi import DEPLOYMENTS, EVENTS, PODS, FakeKubeAPI
 
@@ -80,7 +76,7 @@ def test_thousand_held_requests_make_exactly_one_scale_write_and_one_event(api: 
     registry = CollectorRegistry()
     scaler = gateway(api, "gw-1", registry=registry)
     scaler.observe_deployment(api.deployment("llama"))
-    results: list[FunctionScaleResult] = []
+    results: list[HoldResolved] = []
     for _ in range(1000):
         scaler.hold("llama-3", timeout=600).addCallback(results.append)
     yield settled(scaler)
@@ -104,7 +100,7 @@ def test_thousand_held_requests_make_exactly_one_scale_write_and_one_event(api: 
 def test_three_gateways_racing_make_one_write(api: FakeKubeAPI) -> Any:
     api.add_deployment("llama", replicas=0, labels=LABELS, annotations={MODELS_ANNOTATION: "llama-3"})
     gateways = [gateway(api, f"gw-{i}") for i in range(3)]
-    results: list[FunctionScaleResult] = []
+    results: list[HoldResolved] = []
     for g in gateways:
         g.observe_deployment(api.deployment("llama"))
     for i in range(999):
@@ -125,11 +121,12 @@ def test_scale_subresource_omitting_zero_replicas_reads_as_zero(api: FakeKubeAPI
     query = KubernetesServiceQuery(reactor, api_client(api))
     record = yield query.read_scale("llama", "default")
     assert record.replicas == 0
-    response = yield query.get_replicas("llama", "default")
-    assert (response.replicas, response.min_replicas, response.models) == (0, 0, ("llama-3",))
-    yield query.set_replicas("llama", "default", 2)
-    record = yield query.read_scale("llama", "default")
-    assert record.replicas == 2
+    yield query.replace_scale("llama", "default", 2, record.resource_version)
+    scaled = yield query.read_scale("llama", "default")
+    assert scaled.replicas == 2
+    with pytest.raises(ScaleConflict):  # compare-and-set: a stale read writes nothing
+        yield query.replace_scale("llama", "default", 3, record.resource_version)
+    assert api.deployment("llama")["spec"]["replicas"] == 2
 
 
 @pytest_twisted.inlineCallbacks
@@ -159,12 +156,13 @@ def test_one_to_zero_after_zero_duration_and_not_before(api: FakeKubeAPI) -> Any
 @pytest_twisted.inlineCallbacks
 def test_watched_crash_loop_fails_held_requests_within_five_seconds(api: FakeKubeAPI) -> Any:
     api.add_deployment("llama", replicas=0, labels=LABELS, annotations={MODELS_ANNOTATION: "llama-3"})
-    svc = kubernetes_scaler(reactor, api_client(api), "default", "gw-1", watch_timeout=5)
+    svc = kubernetes_scaler(reactor, api_client(api), "default", "gw-1", rng=random.Random(1),
+                            watch_timeout=5)
     svc.startService()
     try:
         scaler = svc.scaler
         yield until(lambda: scaler.machine.deployments() == [KEY])
-        results: list[FunctionScaleResult] = []
+        results: list[HoldResolved] = []
         for _ in range(20):
             scaler.hold("llama-3", timeout=600).addCallback(results.append)
         yield until(lambda: api.deployment("llama")["spec"]["replicas"] == 2)
@@ -183,7 +181,7 @@ def test_watched_crash_loop_fails_held_requests_within_five_seconds(api: FakeKub
         assert svc.elector is not None and svc.elector.is_leader()
         assert api.lease("infx-scaler")["spec"]["holderIdentity"] == "gw-1"
     finally:
-        svc.stopService()
+        yield svc.stopService()
 
 
 @pytest_twisted.inlineCallbacks
@@ -219,7 +217,8 @@ def test_a_stopping_leader_hands_the_lease_over_at_once(api: FakeKubeAPI) -> Any
 
 @pytest_twisted.inlineCallbacks
 def test_watch_follows_changes_relists_after_a_dropped_watch_and_forgets_deleted(api: FakeKubeAPI) -> Any:
-    svc = kubernetes_scaler(reactor, api_client(api), "default", "gw-1", watch_timeout=5)
+    svc = kubernetes_scaler(reactor, api_client(api), "default", "gw-1", rng=random.Random(1),
+                            watch_timeout=5)
     svc.startService()
     try:
         scaler = svc.scaler
@@ -231,7 +230,7 @@ def test_watch_follows_changes_relists_after_a_dropped_watch_and_forgets_deleted
         api.drop_watches()
         api.add_deployment("other", labels={**LABELS, "app": "other"}, annotations={MODELS_ANNOTATION: "m2"})
         yield until(lambda: DeploymentKey("default", "other") in scaler.machine.deployments())
-        results: list[FunctionScaleResult] = []
+        results: list[HoldResolved] = []
         scaler.hold("llama-3", timeout=600).addCallback(results.append)
         yield settled(scaler)
         api.delete(DEPLOYMENTS, "llama")
@@ -239,4 +238,4 @@ def test_watch_follows_changes_relists_after_a_dropped_watch_and_forgets_deleted
         assert results[0].error is not None and results[0].error.http_status == 404
         assert sorted(k.name for k in scaler.machine.deployments()) == ["other"]
     finally:
-        svc.stopService()
+        yield svc.stopService()

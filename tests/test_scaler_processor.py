@@ -18,19 +18,15 @@ from twisted.internet import defer, reactor, task
 from infx.dispatcher import Dispatcher, SendOutcome
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
-from infx.scaler import (
-    InferenceScaler,
-    InMemoryServiceQuery,
-    KubernetesEvents,
-    KubernetesServiceQuery,
-    ProcessorLink,
-)
+from infx.scaler import InferenceScaler, ProcessorLink
+from infx.scaler_kube import KubernetesEvents, KubernetesServiceQuery
 from infx.tasks import Submission
 from protocol.processor import Processor
 from protocol.processor_types import Locality, ProcessorConfig
 from protocol.scaling import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
 from tests.kubeapi import EVENTS, FakeKubeAPI
 from tests.processor_helpers import chat, engine_status, http
+from tests.scaler_fakes import InMemoryServiceQuery
 
 KEY = DeploymentKey("default", "llama")
 LABELS = {"app": "llama", SCALABLE_LABEL: "true", MIN_SCALE_LABEL: "0"}

@@ -80,7 +80,7 @@ def test_a_thousand_held_requests_make_one_cold_start_and_one_write():
     scaler = scaler_with(**{MIN_SCALE_LABEL: "0", TARGET_LOAD_LABEL: "100", MAX_SCALE_LABEL: "20"})
     effects = []
     for i in range(1000):
-        effects += scaler.hold_model(i, "llama-3", now=i / 1000)
+        effects += scaler.hold_model(i, "llama-3", None, i / 1000)
     writes = of(effects, ScaleWrite)
     assert writes == [ScaleWrite(KEY, 0, 1, ScaleReason.COLD_START)]
     assert of(effects, HoldResolved) == []
@@ -93,8 +93,8 @@ def test_a_thousand_held_requests_make_one_cold_start_and_one_write():
 def test_held_requests_are_served_when_an_engine_reports_the_model_ready():
     scaler = scaler_with(**{MIN_SCALE_LABEL: "0"})
     cluster = {KEY: 0}
-    [write] = scaler.hold_model("a", "llama-3", 0.0)
-    scaler.hold_model("b", "llama-3", 0.5)
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
+    scaler.hold_model("b", "llama-3", None, 0.5)
     effects = perform(scaler, write, cluster, 1.0)
     assert cluster[KEY] == 1
     assert of(effects, PostEvent)[0].reason == "ScaledFromZero"
@@ -106,15 +106,15 @@ def test_held_requests_are_served_when_an_engine_reports_the_model_ready():
         ("a", True, True, None), ("b", True, True, None)}
     assert [r.waited for r in resolved] == [42.0, 41.5]
     assert scaler.phase(KEY) is ColdStartPhase.IDLE
-    assert scaler.hold_model("c", "llama-3", 43.0) == [HoldResolved("c", None, True, True, None, 0.0)]
+    assert scaler.hold_model("c", "llama-3", None, 43.0) == [HoldResolved("c", None, True, True, None, 0.0)]
 
 
 def test_losing_gateway_writes_nothing_and_waits_for_the_engine():
     """Two gateways, one cluster: both decide a cold start, the CAS resolve lets only one write."""
     g1, g2 = scaler_with(), scaler_with()
     cluster = {KEY: 0}
-    [w1] = g1.hold_model("r1", "llama-3", 0.0)
-    [w2] = g2.hold_model("r2", "llama-3", 0.0)
+    [w1] = g1.hold_model("r1", "llama-3", None, 0.0)
+    [w2] = g2.hold_model("r2", "llama-3", None, 0.0)
     events = perform(g1, w1, cluster, 0.1) + perform(g2, w2, cluster, 0.1)
     assert cluster[KEY] == 1
     assert len(of(events, PostEvent)) == 1
@@ -124,58 +124,58 @@ def test_losing_gateway_writes_nothing_and_waits_for_the_engine():
 
 def test_deployment_already_scaled_up_needs_no_write():
     scaler = scaler_with(replicas=2)
-    assert scaler.hold_model("a", "llama-3", 0.0) == []
+    assert scaler.hold_model("a", "llama-3", None, 0.0) == []
     assert scaler.phase(KEY) is ColdStartPhase.WAITING
 
 
 def test_unknown_model_is_not_found():
     scaler = scaler_with()
-    [r] = scaler.hold_model("a", "other", 0.0)
+    [r] = scaler.hold_model("a", "other", None, 0.0)
     assert (r.available, r.found, r.error.http_status) == (False, False, 404)
     assert r.error.openai_body()["error"]["type"] == "invalid_request_error"
     assert r.error.openai_body()["error"]["code"] == "model_not_found"
     assert r.error.headers() == {}
-    [r] = scaler.hold_deployment("b", DeploymentKey("ml", "nope"), 0.0)
-    assert (r.found, r.error.http_status) == (False, 404)
 
 
 def test_not_scalable_deployment_answers_503_at_once():
     scaler = scaler_with(**{MAX_SCALE_LABEL: "0"})
-    [r] = scaler.hold_model("a", "llama-3", 0.0)
+    [r] = scaler.hold_model("a", "llama-3", None, 0.0)
     assert (r.available, r.found, r.error.http_status) == (False, True, 503)
     assert "not scalable" in r.error.message
 
 
 def test_holding_the_same_request_twice_is_local_misuse():
     scaler = scaler_with()
-    scaler.hold_model("a", "llama-3", 0.0)
+    scaler.hold_model("a", "llama-3", None, 0.0)
     with pytest.raises(ScalingLocalError):
-        scaler.hold_model("a", "llama-3", 0.0)
+        scaler.hold_model("a", "llama-3", None, 0.0)
 
 
-def test_hold_deployment_is_openmodelz_scale_and_ends_on_any_model_ready():
+def test_one_cold_start_for_a_deployment_of_two_models_and_each_model_ready_ends_its_own_holds():
     scaler = scaler_with(models="m1,m2")
-    [write] = scaler.hold_deployment("x", KEY, 0.0)
+    [write] = scaler.hold_model("x", "m1", None, 0.0)
     assert write.reason is ScaleReason.COLD_START
+    assert scaler.hold_model("y", "m2", None, 0.0) == []
     perform(scaler, write, {KEY: 0}, 0.0)
     [r] = of(scaler.model_ready("m2", 3.0), HoldResolved)
-    assert (r.request_id, r.available, r.key) == ("x", True, KEY)
+    assert (r.request_id, r.available, r.key) == ("y", True, KEY)
+    assert scaler.held_count(KEY) == 1
 
 
 def test_hold_cap_answers_503_with_retry_after_beyond_it():
     scaler = scaler_with(config=ScalerConfig(held_cap=3, retry_after=7))
     for i in range(3):
-        scaler.hold_model(i, "llama-3", 0.0)
-    [r] = scaler.hold_model(3, "llama-3", 0.0)
+        scaler.hold_model(i, "llama-3", None, 0.0)
+    [r] = scaler.hold_model(3, "llama-3", None, 0.0)
     assert (r.found, r.error.http_status, r.error.headers()) == (True, 503, {"Retry-After": "7"})
     scaler.release(0, 1.0)
-    assert scaler.hold_model(4, "llama-3", 1.0) == []
+    assert scaler.hold_model(4, "llama-3", None, 1.0) == []
 
 
 def test_hold_expires_at_its_own_deadline_with_503_and_retry_after():
     scaler = scaler_with(config=ScalerConfig(retry_after=5))
-    scaler.hold_model("a", "llama-3", 0.0, deadline=30.0)
-    scaler.hold_model("b", "llama-3", 0.0, deadline=60.0)
+    scaler.hold_model("a", "llama-3", 30.0, 0.0)
+    scaler.hold_model("b", "llama-3", 60.0, 0.0)
     assert scaler.next_deadline() == 30.0
     assert scaler.handle_timeout(29.9) == []
     [r] = scaler.handle_timeout(30.0)
@@ -187,7 +187,7 @@ def test_hold_expires_at_its_own_deadline_with_503_and_retry_after():
 
 def test_released_hold_is_forgotten_and_its_deadline_dropped():
     scaler = scaler_with()
-    [write] = scaler.hold_model("a", "llama-3", 0.0, deadline=30.0)
+    [write] = scaler.hold_model("a", "llama-3", 30.0, 0.0)
     perform(scaler, write, {KEY: 0}, 0.0)
     scaler.release("a", 1.0)
     assert scaler.held_count(KEY) == 0
@@ -199,8 +199,8 @@ def test_released_hold_is_forgotten_and_its_deadline_dropped():
 
 def test_startup_timeout_fails_every_held_request_and_posts_an_event():
     scaler = scaler_with(**{STARTUP_TIMEOUT_LABEL: "2m"})
-    [write] = scaler.hold_model("a", "llama-3", 0.0)
-    scaler.hold_model("b", "llama-3", 10.0, deadline=1000.0)
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
+    scaler.hold_model("b", "llama-3", 1000.0, 10.0)
     perform(scaler, write, {KEY: 0}, 0.5)
     assert scaler.next_deadline() == 120.0
     assert scaler.handle_timeout(119.0) == []
@@ -214,10 +214,10 @@ def test_startup_timeout_fails_every_held_request_and_posts_an_event():
 
 def test_failed_cold_start_write_is_retried_while_requests_wait():
     scaler = scaler_with(config=ScalerConfig(write_retry_delay=2.0))
-    [write] = scaler.hold_model("a", "llama-3", 0.0)
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
     effects = scaler.write_failed(write, "500 Internal Server Error", 0.1)
     assert of(effects, PostEvent)[0].type == "Warning"
-    assert scaler.hold_model("b", "llama-3", 0.5) == []  # joins; no second write yet
+    assert scaler.hold_model("b", "llama-3", None, 0.5) == []  # joins; no second write yet
     assert scaler.next_deadline() == pytest.approx(2.1)
     [again] = scaler.handle_timeout(2.1)
     assert again.reason is ScaleReason.COLD_START
@@ -229,7 +229,7 @@ def test_failed_cold_start_write_is_retried_while_requests_wait():
 def test_cold_start_is_asked_again_if_the_deployment_is_seen_back_at_zero():
     scaler = scaler_with()
     cluster = {KEY: 0}
-    [write] = scaler.hold_model("a", "llama-3", 0.0)
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
     perform(scaler, write, cluster, 0.0)
     cluster[KEY] = 0  # another gateway's leader took it to zero meanwhile
     [again] = scaler.observe_deployment(snap(replicas=0, generation=3), 1.0)
@@ -239,7 +239,7 @@ def test_cold_start_is_asked_again_if_the_deployment_is_seen_back_at_zero():
 
 def test_deleted_deployment_fails_its_held_requests_with_404():
     scaler = scaler_with()
-    scaler.hold_model("a", "llama-3", 0.0)
+    scaler.hold_model("a", "llama-3", None, 0.0)
     [r] = scaler.forget_deployment(KEY, 1.0)
     assert (r.request_id, r.error.http_status) == ("a", 404)
     assert scaler.deployments() == []
@@ -265,7 +265,7 @@ def test_invalid_labels_post_one_warning_event_until_they_change():
 
 def test_crash_loop_fails_held_requests_at_once_with_the_reason():
     scaler = scaler_with(config=ScalerConfig(crash_backoff=10))
-    [write] = scaler.hold_model("a", "llama-3", 0.0)
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
     perform(scaler, write, {KEY: 0}, 0.0)
     effects = scaler.observe_pods(KEY, "container engine in CrashLoopBackOff", 20.0)
     [r] = of(effects, HoldResolved)
@@ -279,8 +279,8 @@ def test_crash_loop_fails_held_requests_at_once_with_the_reason():
 def test_requests_for_a_crash_looping_deployment_fail_fast_and_blocked_is_posted_once():
     scaler = scaler_with()
     scaler.observe_pods(KEY, "container engine in ImagePullBackOff", 0.0)
-    first = scaler.hold_model("a", "llama-3", 1.0)
-    second = scaler.hold_model("b", "llama-3", 2.0)
+    first = scaler.hold_model("a", "llama-3", None, 1.0)
+    second = scaler.hold_model("b", "llama-3", None, 2.0)
     assert of(first, HoldResolved)[0].error.http_status == 503
     assert [e.reason for e in of(first, PostEvent)] == ["ScaleUpBlocked"]
     assert of(second, PostEvent) == [] and of(second, ScaleWrite) == []
@@ -294,13 +294,13 @@ def test_crash_block_backs_off_exponentially_and_min_is_never_rewritten():
     for _ in range(4):
         scaler.observe_pods(KEY, "container engine in CrashLoopBackOff", now)
         scaler.observe_pods(KEY, None, now + 1)  # pods gone (e.g. scaled away)
-        [r] = of(scaler.hold_model(("probe", now), "llama-3", now + 1), HoldResolved)
+        [r] = of(scaler.hold_model(("probe", now), "llama-3", None, now + 1), HoldResolved)
         blocks.append(r.error.retry_after)
         now += 100
     assert blocks == [9, 19, 24, 24]
     assert scaler.snapshot(KEY).settings.min_replicas == 2
     # Once the backoff is over, a request may cold start again.
-    assert of(scaler.hold_model("late", "llama-3", now), ScaleWrite)
+    assert of(scaler.hold_model("late", "llama-3", None, now), ScaleWrite)
 
 
 def test_crash_evidence_flickering_inside_a_backoff_is_one_episode():
@@ -309,13 +309,13 @@ def test_crash_evidence_flickering_inside_a_backoff_is_one_episode():
     scaler.observe_pods(KEY, None, 1.0)
     assert scaler.observe_pods(KEY, "container e in CrashLoopBackOff", 2.0) == []
     scaler.observe_pods(KEY, None, 3.0)
-    [r] = of(scaler.hold_model("a", "llama-3", 4.0), HoldResolved)
+    [r] = of(scaler.hold_model("a", "llama-3", None, 4.0), HoldResolved)
     assert r.error.retry_after == 6.0
 
 
 def test_progress_deadline_exceeded_blocks_like_a_crash_loop():
     scaler = scaler_with()
-    scaler.hold_model("a", "llama-3", 0.0)
+    scaler.hold_model("a", "llama-3", None, 0.0)
     effects = scaler.observe_deployment(snap(replicas=1, progress_failure=True), 5.0)
     [r] = of(effects, HoldResolved)
     assert "timed out progressing" in r.error.message
@@ -324,16 +324,16 @@ def test_progress_deadline_exceeded_blocks_like_a_crash_loop():
 def test_new_generation_of_the_pod_template_lifts_the_block():
     scaler = scaler_with(generation=1)
     scaler.observe_pods(KEY, "container e in ErrImagePull", 0.0)
-    assert of(scaler.hold_model("a", "llama-3", 1.0), HoldResolved)
+    assert of(scaler.hold_model("a", "llama-3", None, 1.0), HoldResolved)
     scaler.observe_deployment(snap(generation=2, image="engine:2"), 2.0)
-    assert of(scaler.hold_model("b", "llama-3", 3.0), ScaleWrite)
+    assert of(scaler.hold_model("b", "llama-3", None, 3.0), ScaleWrite)
 
 
 def test_a_generation_that_only_changed_replicas_does_not_lift_the_block():
     scaler = scaler_with(generation=1)
     scaler.observe_pods(KEY, "container e in ErrImagePull", 0.0)
     scaler.observe_deployment(snap(generation=2, replicas=0), 2.0)  # e.g. scaled to zero
-    [r] = of(scaler.hold_model("b", "llama-3", 3.0), HoldResolved)
+    [r] = of(scaler.hold_model("b", "llama-3", None, 3.0), HoldResolved)
     assert r.error.http_status == 503
 
 
@@ -341,14 +341,14 @@ def test_a_stale_event_with_an_older_generation_does_not_lift_the_block():
     scaler = scaler_with(generation=5)
     scaler.observe_pods(KEY, "container e in ErrImagePull", 0.0)
     scaler.observe_deployment(snap(generation=4, image="engine:0"), 1.0)
-    assert of(scaler.hold_model("b", "llama-3", 3.0), HoldResolved)
+    assert of(scaler.hold_model("b", "llama-3", None, 3.0), HoldResolved)
 
 
 def test_hold_prefers_a_deployment_that_is_not_blocked():
     scaler = scaler_with()
     scaler.observe_deployment(snap(name="llama-b"), 0.0)
     scaler.observe_pods(KEY, "container e in ErrImagePull", 0.0)
-    [write] = scaler.hold_model("a", "llama-3", 1.0)
+    [write] = scaler.hold_model("a", "llama-3", None, 1.0)
     assert write.key == DeploymentKey("ml", "llama-b")
 
 
@@ -559,7 +559,7 @@ def test_going_to_zero_forgets_ready_models_so_the_next_request_cold_starts():
     scaler.model_ready("llama-3", 0.0)
     run_ticks(scaler, 0.0, 11.0, cluster)
     assert cluster[KEY] == 0
-    assert of(scaler.hold_model("a", "llama-3", 20.0), ScaleWrite)
+    assert of(scaler.hold_model("a", "llama-3", None, 20.0), ScaleWrite)
 
 
 # -- properties ---------------------------------------------------------------------------
@@ -595,7 +595,7 @@ def test_single_flight_and_every_hold_ends_once(sequence):
         if op == "hold":
             next_id += 1
             held.add(next_id)
-            absorb(scaler.hold_model(next_id, "llama-3", now, deadline=now + arg))
+            absorb(scaler.hold_model(next_id, "llama-3", now + arg, now))
         elif op == "release" and held:
             absorb(scaler.release(sorted(held)[arg % len(held)], now))
         elif op == "time":
@@ -641,7 +641,7 @@ def test_request_racing_a_landing_scale_to_zero_still_gets_its_cold_start():
     [to_zero] = of(scaler.tick(10.0), ScaleWrite)
     assert scaler.resolve_write(to_zero, 1, 10.0) == 0  # the replace is on the wire...
     # ...when a request arrives: with 1 replica up it only waits for the engine.
-    assert scaler.hold_model("a", "llama-3", 10.1) == []
+    assert scaler.hold_model("a", "llama-3", None, 10.1) == []
     cluster[KEY] = 0
     effects = scaler.write_done(to_zero, 0, 10.3)        # then the scale to zero lands
     [again] = of(effects, ScaleWrite)
@@ -650,19 +650,18 @@ def test_request_racing_a_landing_scale_to_zero_still_gets_its_cold_start():
     assert cluster[KEY] == 1
 
 
-def test_hold_deployment_also_ends_when_the_deployment_reports_available_replicas():
+def test_available_replicas_do_not_end_a_model_hold_only_an_engine_ready_does():
     scaler = scaler_with()
-    [write] = scaler.hold_deployment("x", KEY, 0.0)
-    scaler.hold_model("m", "llama-3", 0.0)
+    [write] = scaler.hold_model("m", "llama-3", None, 0.0)
     perform(scaler, write, {KEY: 0}, 0.0)
     available = deployment_snapshot({
         "metadata": {"name": "llama", "namespace": "ml", "generation": 2,
                      "labels": {SCALABLE_LABEL: "true"}, "annotations": {MODELS_ANNOTATION: "llama-3"}},
         "spec": {"replicas": 1}, "status": {"availableReplicas": 1}})
-    [r] = of(scaler.observe_deployment(available, 5.0), HoldResolved)
-    assert (r.request_id, r.available) == ("x", True)
-    assert scaler.held_count(KEY) == 1  # the model request still waits for its engine
-    assert scaler.hold_deployment("y", KEY, 6.0) == [HoldResolved("y", KEY, True, True, None, 0.0)]
+    assert of(scaler.observe_deployment(available, 5.0), HoldResolved) == []
+    assert scaler.held_count(KEY) == 1  # the request waits for its engine, not for the pod
+    [r] = of(scaler.model_ready("llama-3", 6.0), HoldResolved)
+    assert (r.request_id, r.available) == ("m", True)
 
 
 @settings(max_examples=80, deadline=None)
@@ -701,7 +700,7 @@ def test_hold_prefers_a_scalable_deployment_over_one_with_max_zero():
     scaler = Scaler()
     scaler.observe_deployment(snap(name="a-pinned", **{MAX_SCALE_LABEL: "0"}), 0.0)
     scaler.observe_deployment(snap(name="b-scalable"), 0.0)
-    [write] = scaler.hold_model("r", "llama-3", 1.0)
+    [write] = scaler.hold_model("r", "llama-3", None, 1.0)
     assert write.key == DeploymentKey("ml", "b-scalable")
     assert scaler.serves("llama-3") and not scaler.serves("other")
 
@@ -822,3 +821,54 @@ def test_requests_started_at_peers_keep_a_deployment_from_going_to_zero():
         assert run_ticks(scaler, float(t), t + 5.0, cluster) == []
     [(t, write)] = run_ticks(scaler, 60.0, 100.0, cluster)
     assert (t, write.reason) == (65.0, ScaleReason.SCALE_TO_ZERO)  # 10 s after the last increase
+
+
+def test_ticks_are_deadlines_of_the_machine_and_run_only_while_it_leads():
+    scaler = scaler_with(replicas=1, **{TARGET_LOAD_LABEL: "1", MAX_SCALE_LABEL: "5"})
+    assert scaler.start(100.0) == []
+    assert scaler.next_deadline() is None  # not leading: nothing to wake for
+    for _ in range(3):
+        scaler.request_started("llama-3", 100.0)
+    scaler.lead(True, 100.5)
+    assert scaler.next_deadline() == 101.0
+    assert scaler.handle_timeout(100.9) == []
+    [write] = of(scaler.handle_timeout(101.0), ScaleWrite)
+    assert (write.reason, write.replicas) == (ScaleReason.SCALE_UP, 2)
+    assert scaler.next_deadline() == 102.0
+    scaler.write_failed(write, "down", 101.0)
+    scaler.handle_timeout(105.5)  # late: one tick, and the missed ones are skipped
+    assert scaler.next_deadline() == 106.0
+    scaler.lead(False, 105.6)
+    assert scaler.next_deadline() is None
+    scaler.lead(True, 108.2)  # the schedule kept its beat
+    assert scaler.next_deadline() == 109.0
+    scaler.stop()
+    assert scaler.next_deadline() is None
+
+
+def selected_snap(replicas=0):
+    return deployment_snapshot({
+        "metadata": {"name": "llama", "namespace": "ml", "generation": 1,
+                     "labels": {SCALABLE_LABEL: "true"}, "annotations": {MODELS_ANNOTATION: "llama-3"}},
+        "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": "llama"}}}})
+
+
+def test_a_crashing_pod_blocks_the_deployments_selecting_it_in_its_namespace_only():
+    scaler = Scaler(ScalerConfig(crash_backoff=10))
+    scaler.observe_deployment(selected_snap(), 0.0)
+    assert scaler.observe_pod("other", "p", {"app": "llama"}, "ImagePullBackOff", False, 0.0) == []
+    assert scaler.observe_pod("ml", "q", {"app": "else"}, "ImagePullBackOff", False, 0.0) == []
+    [event] = of(scaler.observe_pod("ml", "p", {"app": "llama"}, "ImagePullBackOff", False, 1.0), PostEvent)
+    assert event.reason == "CrashLoop" and "ImagePullBackOff" in event.message
+    [r] = of(scaler.hold_model("a", "llama-3", None, 2.0), HoldResolved)
+    assert r.error.http_status == 503
+
+
+def test_pods_seen_before_their_deployment_count_once_it_is_rechecked():
+    scaler = Scaler(ScalerConfig())
+    scaler.observe_pod("ml", "p", {"app": "llama"}, "CrashLoopBackOff", False, 0.0)
+    scaler.observe_deployment(selected_snap(), 0.0)
+    assert of(scaler.recheck_pods(KEY, 0.0), PostEvent)[0].reason == "CrashLoop"
+    scaler.observe_pod("ml", "p", {"app": "llama"}, None, True, 1.0)  # the pod is deleted
+    assert scaler.recheck_pods(KEY, 100.0) == []
+    assert of(scaler.hold_model("a", "llama-3", None, 100.0), ScaleWrite)  # the block ran out

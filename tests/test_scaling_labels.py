@@ -23,7 +23,6 @@ from protocol.scaling import (
     DeploymentKey,
     ScaleType,
     ScalingRemoteError,
-    as_service_query_response,
     deployment_snapshot,
     parse_duration,
     parse_models,
@@ -172,14 +171,15 @@ def test_models_annotation_is_split_trimmed_and_deduplicated():
     assert parse_models(None) == ()
 
 
-def test_service_query_response_is_built_from_a_deployment():
-    resp = as_service_query_response(deployment(
+def test_deployment_snapshot_reads_labels_annotations_replicas_and_models():
+    snap = deployment_snapshot(deployment(
         {MIN_SCALE_LABEL: "0", MAX_SCALE_LABEL: "3", FRAMEWORK_LABEL: "vllm"},
         {MODELS_ANNOTATION: "a,b", "note": "x"}, replicas=2, status={"availableReplicas": 1}))
-    assert (resp.framework, resp.replicas, resp.available_replicas, resp.min_replicas,
-            resp.max_replicas, resp.models) == ("vllm", 2, 1, 0, 3, ("a", "b"))
-    assert resp.annotations["note"] == "x"
-    assert resp.zero_duration == 180.0 and resp.scaling_factor == 10
+    s = snap.settings
+    assert (s.framework, snap.replicas, snap.available_replicas, s.min_replicas,
+            s.max_replicas, snap.models) == ("vllm", 2, 1, 0, 3, ("a", "b"))
+    assert snap.annotations["note"] == "x"
+    assert s.zero_duration == 180.0 and s.scaling_factor == 10
 
 
 def test_deployment_without_replicas_means_the_api_default_of_one():

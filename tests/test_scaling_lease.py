@@ -3,7 +3,14 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling_lease import decide_lease, micro_time, parse_micro_time, release_lease
+from protocol.scaling_lease import (
+    RenewSchedule,
+    RoundDue,
+    decide_lease,
+    micro_time,
+    parse_micro_time,
+    release_lease,
+)
 
 NOW = 1_700_000_000.0
 
@@ -16,19 +23,19 @@ def lease(holder, renewed, duration=15, transitions=2, version="7"):
 
 
 def test_missing_lease_is_created_by_us():
-    d = decide_lease(None, "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(None, "gw-a", "infx-scaler", 15, NOW)
     assert (d.leader, d.create) == (True, True)
     assert d.body["spec"]["holderIdentity"] == "gw-a"
     assert d.body["metadata"]["name"] == "infx-scaler"
 
 
 def test_someone_elses_fresh_lease_is_respected():
-    d = decide_lease(lease("gw-b", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-b", NOW - 5), "gw-a", "infx-scaler", 15, NOW)
     assert (d.leader, d.body) == (False, None)
 
 
 def test_an_expired_lease_is_taken_over_with_its_resource_version():
-    d = decide_lease(lease("gw-b", NOW - 15), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-b", NOW - 15), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader and not d.create
     spec = d.body["spec"]
     assert (spec["holderIdentity"], spec["leaseTransitions"]) == ("gw-a", 3)
@@ -37,7 +44,7 @@ def test_an_expired_lease_is_taken_over_with_its_resource_version():
 
 
 def test_our_own_lease_is_renewed_without_a_transition():
-    d = decide_lease(lease("gw-a", NOW - 5), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("gw-a", NOW - 5), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader
     assert d.body["spec"]["leaseTransitions"] == 2
     assert parse_micro_time(d.body["spec"]["renewTime"]) == NOW
@@ -45,7 +52,7 @@ def test_our_own_lease_is_renewed_without_a_transition():
 
 
 def test_a_released_lease_is_taken_without_counting_a_transition():
-    d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", NOW, 15)
+    d = decide_lease(lease("", NOW - 1), "gw-a", "infx-scaler", 15, NOW)
     assert d.leader and d.body["spec"]["leaseTransitions"] == 2
 
 
@@ -55,7 +62,7 @@ def test_our_lease_is_released_at_its_resource_version_and_taken_at_once():
     assert (spec["holderIdentity"], spec["leaseDurationSeconds"], spec["leaseTransitions"]) == ("", 1, 2)
     assert parse_micro_time(spec["renewTime"]) == NOW
     assert body["metadata"]["resourceVersion"] == "7"
-    taken = decide_lease(body, "gw-b", "infx-scaler", NOW + 0.1, 15)
+    taken = decide_lease(body, "gw-b", "infx-scaler", 15, NOW + 0.1)
     assert taken.leader and taken.body["spec"]["holderIdentity"] == "gw-b"
 
 
@@ -68,7 +75,7 @@ def test_only_our_own_lease_is_released():
 def test_unreadable_times_count_as_expired():
     broken = lease("gw-b", NOW)
     broken["spec"]["renewTime"] = broken["spec"]["acquireTime"] = "yesterday"
-    assert decide_lease(broken, "gw-a", "infx-scaler", NOW, 15).leader
+    assert decide_lease(broken, "gw-a", "infx-scaler", 15, NOW).leader
 
 
 @settings(max_examples=50, deadline=None)
@@ -88,3 +95,25 @@ def test_rfc3339_seconds_are_read_too():
 def test_lease_times_parse_in_every_spelling_of_utc(text):
     """A renewTime the server echoes as +00:00 must not read as 'expired' (every gateway would lead)."""
     assert parse_micro_time(text) == pytest.approx(1796041031.009835, abs=1.0)
+
+
+def test_renew_rounds_are_due_at_start_then_every_interval_and_never_overlap():
+    schedule = RenewSchedule(5.0)
+    assert schedule.next_deadline() is None
+    assert schedule.start(100.0) == [RoundDue()]
+    assert schedule.next_deadline() is None  # a round is out
+    assert schedule.handle_timeout(105.0) == []
+    schedule.round_done(100.2)
+    assert schedule.next_deadline() == 105.0
+    assert schedule.handle_timeout(104.9) == []
+    assert schedule.handle_timeout(105.0) == [RoundDue()]
+    schedule.round_done(117.0)  # a slow round: the missed beats are skipped
+    assert schedule.next_deadline() == 120.0
+    schedule.stop()
+    assert schedule.next_deadline() is None
+    assert schedule.handle_timeout(200.0) == []
+
+
+def test_a_renew_interval_must_be_positive():
+    with pytest.raises(ValueError):
+        RenewSchedule(0)
