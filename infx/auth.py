@@ -9,6 +9,8 @@ Kubernetes Secret (one Secret key holding the whole file)::
         name: team-a-ci                    # optional, names the key in logs and rate limits
         rate_limit: {rate: 5, burst: 10}   # optional, requests per second
         admin: true                        # optional, may read /admin/status
+        criticality: standard              # optional: critical, standard (default) or sheddable
+        weight: 1                          # optional: share of held requests' turns (> 0)
     engine_keys:               # engines dialling the worker gRPC port
       - key: ek-team-a
         tenant: team-a
@@ -18,6 +20,12 @@ member (``tenat:``), an ``admin`` that is not a YAML boolean (``"false"`` is a
 string), a malformed ``rate_limit``, a key listed twice or a YAML mapping with
 a member given twice are errors, at start and when the file is read again
 (:mod:`infx.key_reload`). :func:`parse_key_file` is pure: text in, tables out.
+
+``criticality`` is the most a key's requests may claim (and their default;
+the ``x-infx-criticality`` header may lower it, see
+:func:`protocol.fair_queue.requested_criticality`); ``weight`` is the key's
+share when requests wait for an engine: keys with the same ``name`` share
+one turn, as one caller.
 
 Without a key file, authentication is off and every caller and engine is in
 the default tenant. With one, it is on even if the file lists no key (then
@@ -35,6 +43,7 @@ from typing import Any, Callable
 
 import yaml
 
+from protocol.fair_queue import Criticality, parse_criticality
 from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"
@@ -52,6 +61,8 @@ class Principal:
     key_id: str
     admin: bool = False
     rate_limit: RateLimit | None = None
+    criticality: Criticality = Criticality.STANDARD
+    weight: float = 1.0
 
 
 ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", admin=True)
@@ -66,7 +77,7 @@ class KeyTables:
 
 
 _SECTIONS = ("keys", "engine_keys")
-_MEMBERS = {"keys": frozenset({"key", "tenant", "name", "admin", "rate_limit"}),
+_MEMBERS = {"keys": frozenset({"key", "tenant", "name", "admin", "rate_limit", "criticality", "weight"}),
             "engine_keys": frozenset({"key", "tenant", "name"})}
 _RATE_MEMBERS = frozenset({"rate", "burst"})
 
@@ -228,8 +239,10 @@ def _entries(items: Any, source: str, section: str) -> dict[str, Principal]:
         admin = item.get("admin", False)
         if not isinstance(admin, bool):
             raise KeyFileError(f"{where}: 'admin' must be true or false (unquoted), got {admin!r}")
+        criticality, weight = _share(item, where)
         table[key] = Principal(tenant=tenant, key_id=name, admin=admin,
-                               rate_limit=_rate_limit(item.get("rate_limit"), where))
+                               rate_limit=_rate_limit(item.get("rate_limit"), where),
+                               criticality=criticality, weight=weight)
     return table
 
 
@@ -250,3 +263,19 @@ def _rate_limit(spec: Any, where: str) -> RateLimit | None:
     if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
         raise KeyFileError(f"{where}: {usage}; burst {burst!r} is not a whole number >= 1")
     return RateLimit(rate=float(rate), burst=burst)
+
+
+def _share(item: dict[str, Any], where: str) -> tuple[Criticality, float]:
+    """A key's ``criticality`` and ``weight`` members (see the module docstring)."""
+    criticality = Criticality.STANDARD
+    if item.get("criticality") is not None:
+        if not isinstance(item["criticality"], str):
+            raise KeyFileError(f"{where}: criticality must be critical, standard or sheddable")
+        try:
+            criticality = parse_criticality(item["criticality"])
+        except ValueError as e:
+            raise KeyFileError(f"{where}: {e}") from None
+    weight = item.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise KeyFileError(f"{where}: weight must be a number > 0, got {weight!r}")
+    return criticality, float(weight)

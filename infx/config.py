@@ -72,6 +72,9 @@ class GatewayConfig:
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None
+    #: A sheddable request that would wait while every engine of its model is at
+    #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
+    shed_waiting_threshold: int = 0
     #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
     #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
     route_stuck_timeout: float | None = 30.0
@@ -288,6 +291,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         cap = getattr(config, name)
         if cap is not None and cap < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
+    if config.shed_waiting_threshold < 0:
+        raise ConfigError(f"--shed-waiting-threshold: must be at least 0, got {config.shed_waiting_threshold}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 from typing import Any, Callable, Iterator, Protocol
 
 from twisted.internet.interfaces import IReactorTime
@@ -124,7 +125,10 @@ class Dispatcher:
         self.processor = processor
         self.metrics = metrics
         counter = itertools.count(1)
-        self._new_id = task_ids or (lambda: f"t{next(counter)}")
+        # A task forwarded to a peer keeps its id there, beside the peer's own tasks: a random
+        # prefix per gateway keeps two gateways' counters from handing out the same id.
+        prefix = secrets.token_hex(4)
+        self._new_id = task_ids or (lambda: f"t{prefix}-{next(counter)}")
         self._timer = DeadlineTimer(clock, self._fire)
         #: Called with each TaskQueued (the scaler's scale-from-zero hook).
         self.on_task_queued: list[Callable[[TaskQueued], None]] = []
@@ -288,7 +292,8 @@ class Dispatcher:
         deadline = None if submission.timeout is None else now + submission.timeout
         self.perform(self.processor.submit(
             now, task_id=task_id, tenant_id=submission.tenant, request=submission.request, origin=origin,
-            header=submission.headers, deadline=deadline,
+            header=submission.headers, deadline=deadline, criticality=submission.criticality,
+            flow=submission.flow, weight=submission.weight,
         ))
         return origin
 

@@ -49,6 +49,7 @@ from protocol.engine_agent import (
 from protocol.openai_errors import UpstreamError
 from protocol.pb import worker_pb2
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
+from protocol.runtime_load import RuntimeLoad
 
 __all__ = ["PROCESS_TASKS", "EngineAgent"]
 
@@ -155,6 +156,10 @@ class EngineAgent(Service):
     def runtime_changed(self, ready: bool, models: tuple[str, ...]) -> None:
         """The runtime's health check changed its verdict (:mod:`infx.runtime_watch`)."""
         self._run(self.core.runtime_changed(self.clock.seconds(), ready, models))
+
+    def runtime_load_changed(self, load: RuntimeLoad | None) -> None:
+        """The runtime's own load changed enough to report (:mod:`infx.runtime_load_watch`)."""
+        self._run(self.core.runtime_load_changed(self.clock.seconds(), None if load is None else load.to_pb()))
 
     # -- effects ------------------------------------------------------------------
 

@@ -10,6 +10,9 @@ With ``--runtime openai`` the agent checks its runtime's health
 answers; without ``--models`` it serves the models the runtime lists. The
 runtime's API key comes from ``--upstream-api-key-file`` (reread as it
 changes, see :mod:`infx.upstream_key`) or ``$INFX_UPSTREAM_API_KEY``.
+With ``--runtime openai`` the agent also reads the runtime's own load
+(:mod:`infx.runtime_load_watch`) every ``--runtime-load-interval`` seconds
+and reports it with its status.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from twisted.python import usage
 from infx.cli import VersionOption, one_line_errors
 from protocol.echo import EchoConfig
 from protocol.engine_agent import AgentConfig, AgentUsageError
+from protocol.runtime_load import LoadConfig, LoadUsageError
 
 MiB = 1024 * 1024
 
@@ -82,6 +86,11 @@ class Options(VersionOption, usage.Options):
         ["token-delay", None, "0", "echo runtime: seconds between streamed tokens."],
         ["cluster-id", None, "", "Cluster id reported in EngineStatus."],
         ["grace", None, "30", "Seconds in-flight tasks get to finish on shutdown."],
+        ["runtime-load-interval", None, "1",
+         "openai runtime: seconds between reads of the runtime's own load (vLLM, SGLang, llama.cpp "
+         "/metrics and /slots), reported to the gateway for routing; 0 turns it off."],
+        ["runtime-load-report-interval", None, "2",
+         "openai runtime: least seconds between two status reports sent only because the load changed."],
     ]
 
     def postOptions(self) -> None:
@@ -115,6 +124,8 @@ class Options(VersionOption, usage.Options):
         self["token-delay"] = self._number("token-delay", float, minimum=0.0)
         self["grace"] = self._number("grace", float, minimum=0.0)
         self["runtime-check-interval"] = self._number("runtime-check-interval", float, minimum=0.0, strict=True)
+        self["runtime-load-interval"] = self._number("runtime-load-interval", float, minimum=0.0)
+        self["runtime-load-report-interval"] = self._number("runtime-load-report-interval", float, minimum=0.0)
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -133,7 +144,11 @@ class Options(VersionOption, usage.Options):
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
-        except (AgentUsageError, ValueError) as exc:
+            self["load-config"] = None
+            if self["runtime"] == "openai" and self["runtime-load-interval"] > 0:
+                self["load-config"] = LoadConfig(interval=self["runtime-load-interval"],
+                                                 report_min_interval=self["runtime-load-report-interval"])
+        except (AgentUsageError, LoadUsageError, ValueError) as exc:
             raise usage.UsageError(str(exc)) from exc
 
     def _upstream_key(self) -> None:
@@ -193,12 +208,14 @@ def makeService(options: Options) -> IService:
     from infx.engine import EngineAgent
     from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.runtime_watch import RuntimeWatch, check_pool
+    from infx.runtime_load_watch import RuntimeLoadWatch, scrape_pool
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.transport import GrpcChannel, client_endpoint
     from infx.upstream_key import UpstreamKey
     from protocol.engine_agent import EngineAgentCore
     from protocol.grpc import GrpcConfig
     from protocol.runtime_health import HealthConfig, RuntimeHealth
+    from protocol.runtime_load import RuntimeLoadMonitor
 
     top = MultiService()
     runtime: Runtime
@@ -240,4 +257,12 @@ def makeService(options: Options) -> IService:
     if watch is not None:
         watch.changed = agent.runtime_changed
         watch.setServiceParent(top)
+    if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
+        scrapes = scrape_pool(reactor)
+        _PoolCloser(scrapes).setServiceParent(top)
+        RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
+                         Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
+                         agent.runtime_load_changed, authorize=runtime.authorize,
+                         refused=runtime.credentials.refused if runtime.credentials else None,
+                         ).setServiceParent(top)
     return top

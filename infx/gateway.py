@@ -38,6 +38,8 @@ from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests, openai_verbatim
+from protocol import openai_completions, openai_requests
+from protocol.fair_queue import CriticalityRefused, requested_criticality
 from protocol.openai_errors import InvalidRequestError, OpenAIError
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
@@ -63,6 +65,8 @@ DONE_EVENT = b"data: [DONE]\n\n"
 DONE_ENDPOINTS = frozenset({"chat/completions", "completions"})
 #: Seconds a client is told to wait when a model's engines have all gone away.
 GONE_RETRY_AFTER = 5
+#: A request's own criticality (critical, standard, sheddable): it may lower its key's.
+CRITICALITY_HEADER = "x-infx-criticality"
 
 
 def error_body(status: int, message: str, error_type: str | None = None, code: str | None = None,
@@ -259,6 +263,11 @@ class ApiCall:
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         try:
+            criticality = requested_criticality(principal.criticality, principal.admin,
+                                                _header(request, CRITICALITY_HEADER))
+        except CriticalityRefused as e:
+            return self._refuse(400, f"{CRITICALITY_HEADER}: {e}", code="invalid_criticality")
+        try:
             parsed = parse(request.content.read() if request.content else b"")
         except OpenAIError as e:
             return self._finish_error(e.status, e.to_json())
@@ -289,6 +298,9 @@ class ApiCall:
             headers=_forwarded_headers(request, request_id),
             timeout=_client_timeout(request),
             request_id=request_id,
+            criticality=criticality,
+            flow=principal.key_id,
+            weight=principal.weight,
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)

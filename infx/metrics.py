@@ -49,6 +49,8 @@ PROCESSOR_COUNTERS = {
     "tenant_cap_refusals": ("infx_tenant_cap_refusals", "Tasks refused because their tenant was at its cap."),
     "drain_refusals": ("infx_drain_refusals",
                        "Tasks failed at once (503) while draining because no engine left here serves their model."),
+    "shed": ("infx_sheddable_refusals",
+             "Sheddable tasks refused (429) because the engines of their model were saturated."),
 }
 
 GaugeSource = Callable[[], Iterable[tuple[str, tuple[str, ...], int]]]

@@ -153,6 +153,7 @@ class GatewayService(service.MultiService):
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
+            shed_waiting_threshold=config.shed_waiting_threshold,
             route_stuck_timeout=config.route_stuck_timeout,
         ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)

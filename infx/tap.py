@@ -71,6 +71,9 @@ class Options(VersionOption, usage.Options):
          "Tasks kept on one engine at once; more go to other engines or wait [default: no cap]."],
         ["max-tasks-per-tenant", None, None,
          "Live tasks one tenant may have on this gateway; past it, 429 with Retry-After [default: no cap]."],
+        ["shed-waiting-threshold", None, None,
+         "Sheddable requests get 429 with Retry-After when every engine of their model is at "
+         "--max-in-flight-per-engine and this many requests wait already [default: 0]."],
         ["route-stuck-timeout", None, None,
          "Seconds an engine or peer may leave its stream unread before it is closed and its tasks "
          f"fail over [default: {_DEFAULTS.route_stuck_timeout:g}]."],

@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from protocol.fair_queue import Criticality
 from protocol.pb import worker_pb2
 
 
@@ -31,6 +32,11 @@ class Submission:
     timeout: float | None = None
     #: Correlates logs and the engine's work with the client's request.
     request_id: str = ""
+    #: Its place should it wait for an engine (see :mod:`protocol.fair_queue`): how much it
+    #: matters, which caller it is one of, and that caller's share.
+    criticality: Criticality = Criticality.STANDARD
+    flow: str = ""
+    weight: float = 1.0
 
 
 @dataclass

@@ -40,6 +40,10 @@ reported not ready until the runtime first answers, and again whenever it
 stops answering, so that the gateway holds their requests in its queue
 instead of sending them here. With no ``models`` configured, the models are
 those the runtime lists. Readiness changes are reported at once.
+The runtime's own load (``runtime_load_changed``, from the monitor of
+:mod:`protocol.runtime_load`, which already coalesces it) goes out with every
+model's status as ``runtime_load``; with none, the field is absent and the
+gateway routes by in-progress counts alone.
 
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
@@ -292,6 +296,7 @@ class EngineAgentCore:
         self._drain_deadline: float | None = None
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
+        self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
 
     # -- inspection ---------------------------------------------------------------
 
@@ -340,7 +345,7 @@ class EngineAgentCore:
         for task in self._tasks.values():
             if task.model in counts:
                 counts[task.model] += 1
-        return status_pb2.EngineStatus(
+        status = status_pb2.EngineStatus(
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
             cluster_id=self.config.cluster_id,
@@ -350,6 +355,11 @@ class EngineAgentCore:
                 for m, n in counts.items()
             ],
         )
+        if self._runtime_load is not None:
+            # One runtime serves all of this engine's models: its load is each one's.
+            for model in status.models:
+                model.runtime_load.CopyFrom(self._runtime_load)
+        return status
 
     def next_deadline(self) -> float | None:
         """When ``handle_timer`` must run next, or None."""
@@ -384,6 +394,13 @@ class EngineAgentCore:
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
         self._runtime_ready = ready
         self._runtime_models = models
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def runtime_load_changed(self, now: float, load: status_pb2.EngineStatus.RuntimeLoad | None) -> list[Effect]:
+        """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
+        self._runtime_load = load
         effects: list[Effect] = []
         self._report(now, effects)
         return effects

@@ -58,8 +58,17 @@ a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
 for its model full waits in the queue, and a slot freed when a task leaves an
-engine goes to a waiting task it can serve (oldest first in each model's
-queue) before the input that freed it returns. A tenant with
+engine goes to a waiting task it can serve before the input that freed it
+returns. Each model's queue is a :class:`protocol.fair_queue.HeldQueue`:
+critical tasks first, then standard, then sheddable, and within each, fair
+across the callers (``flow``, weighted) that share the tenant's engines.
+
+Shedding: a ``sheddable`` task that would wait while every engine serving its
+model is at its cap and the model's queue holds ``shed_waiting_threshold``
+tasks or more, or while the whole queue is at ``max_waiting_tasks``, fails at
+once with 429 and ``busy_retry_after``. A critical or standard task that
+finds the whole queue full takes the place of the newest sheddable task
+waiting (which fails so), and is refused with 503 only when none waits. A tenant with
 ``max_tasks_per_tenant`` live tasks has its next one failed at once (429, or
 503 for a targeted task so that the forwarding peer retries elsewhere).
 
@@ -93,6 +102,7 @@ from enum import Enum
 from typing import Any
 
 from protocol import task_forms
+from protocol.fair_queue import Criticality, HeldQueue
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     BUSY_STATUSES,
@@ -218,6 +228,10 @@ class _Task:
         """Times the task went back for another dispatch, whatever the cause (a lost
         engine, a failed send, a busy runtime): what logs and metrics call its retries."""
         return self.retries + self.busy_returns
+    # Its place in a held queue (see ``protocol.fair_queue``).
+    criticality: Criticality = Criticality.STANDARD
+    flow: str = ""
+    weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -263,6 +277,7 @@ class ProcessorCounters:
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
     busy_replies: int = 0
+    shed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
 
@@ -275,9 +290,11 @@ class Processor:
         self._tasks: dict[str, _Task] = {}
         self._engines: dict[EngineKey, _Engine] = {}
         self._by_tenant: dict[str, dict[str, _Engine]] = {}
-        # (tenant, model) -> task ids in arrival order (a dict keeps order and removes in O(1)).
-        self._waiting: dict[tuple[str, str], dict[str, None]] = {}
+        # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
+        self._waiting: dict[tuple[str, str], HeldQueue] = {}
         self._waiting_total = 0
+        # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
+        self._sheddable: dict[str, None] = {}
         self._timers: list[tuple[float, int, str]] = []
         self._timer_seq = 0
         self._control: dict[str, _Control] = {}
@@ -310,6 +327,9 @@ class Processor:
         header: Mapping[str, Sequence[str]] | None = None,
         deadline: float | None = None,
         target_engine_id: str = "",
+        criticality: Criticality = Criticality.STANDARD,
+        flow: str = "",
+        weight: float = 1.0,
     ) -> list[Effect]:
         """Accept a task; it ends exactly once (result, failure, or ``cancel``).
 
@@ -318,6 +338,8 @@ class Processor:
         to one engine of the tenant (a task forwarded by a peer, a heartbeat):
         it is never retried, and fails with 503 at once if that engine is not
         there or not ready, so that a forwarding peer can retry elsewhere.
+        ``criticality``, ``flow`` and ``weight`` place it in its model's queue
+        should it wait (see the module docstring).
         """
         if task_id in self._tasks or task_id in self._control:
             raise ProcessorUsageError(f"task {task_id!r} is already in progress")
@@ -325,6 +347,8 @@ class Processor:
             raise ProcessorUsageError(f"task id {task_id!r} is empty or uses the control prefix")
         if request.WhichOneof("request") is None:
             raise ProcessorUsageError(f"task {task_id!r} has an empty request")
+        if not 0 < weight < float("inf"):
+            raise ProcessorUsageError(f"task {task_id!r}: weight must be a finite number > 0")
         model = model_of(request)
         if not model and not target_engine_id:
             raise ProcessorUsageError(f"task {task_id!r} names neither a model nor a target engine")
@@ -338,6 +362,9 @@ class Processor:
             streaming=is_streaming(request),
             deadline=now + self.config.max_task_duration if deadline is None else deadline,
             target=target_engine_id,
+            criticality=criticality,
+            flow=flow,
+            weight=weight,
         )
         tenant_cap = self.config.max_tasks_per_tenant
         over_tenant_cap = tenant_cap is not None and self._tenant_tasks[tenant_id] >= tenant_cap
@@ -754,19 +781,27 @@ class Processor:
         if self._no_engine_takes_it(task):
             self._fail(task, 400, self._typed_form_missing(task), effects)
             return
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            if task.busy_reply is not None:
-                self._deliver(task, task.busy_reply, True, effects)
-            else:
-                self._fail(task, 503, "too many tasks waiting for an engine", effects, self.config.busy_retry_after)
+        if self._should_shed(task):
+            self._shed(task, effects)
             return
+        if self._waiting_total >= self.config.max_waiting_tasks:
+            if not self._sheddable:
+                if task.busy_reply is not None:
+                    self._deliver(task, task.busy_reply, True, effects)
+                else:
+                    self._fail(task, 503, "too many tasks waiting for an engine", effects,
+                               self.config.busy_retry_after)
+                return
+            self._shed(self._tasks[next(reversed(self._sheddable))], effects)
         if self.draining and self._pick(task, ignore_cap=True) is None:
             self._refuse_draining(task, effects)
             return
         self._move(task, TaskState.WAITING)
         key = (task.tenant_id, task.model)
-        queue = self._waiting.setdefault(key, {})
-        queue[task.id] = None
+        queue = self._waiting.setdefault(key, HeldQueue())
+        queue.add(task.id, task.flow, task.weight, task.criticality)
+        if task.criticality is Criticality.SHEDDABLE:
+            self._sheddable[task.id] = None
         self._waiting_total += 1
         queued_since = now if task.busy_since is None else task.busy_since
         self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
@@ -786,6 +821,20 @@ class Processor:
     def _typed_form_missing(task: _Task) -> str:
         return (f"no engine serving model {task.model!r} can take this request "
                 f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
+    def _should_shed(self, task: _Task) -> bool:
+        """Whether a task that is about to wait is sheddable and the engines are saturated."""
+        if task.criticality is not Criticality.SHEDDABLE:
+            return False
+        if self._waiting_total >= self.config.max_waiting_tasks:
+            return True
+        queue = self._waiting.get((task.tenant_id, task.model))
+        held = len(queue) if queue is not None else 0
+        return held >= self.config.shed_waiting_threshold and self._served_but_full(task)
+
+    def _shed(self, task: _Task, effects: list[Effect]) -> None:
+        self.counters.shed += 1
+        message = f"engines for model {task.model!r} are saturated and this request is sheddable; retry later"
+        self._fail(task, 429, message, effects, self.config.busy_retry_after)
 
     def _full(self, engine: _Engine) -> bool:
         """At its in-flight cap, or on a route that is not draining."""
@@ -873,7 +922,8 @@ class Processor:
             # same inputs dispatch the same way in every process (the simulation replays seeds).
             keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
         for key in keys:
-            for task_id in list(self._waiting.get(key, ())):
+            queue = self._waiting.get(key)
+            while queue is not None and (task_id := queue.peek()) is not None:
                 task = self._tasks[task_id]
                 target = self._pick(task)
                 if target is None and task.request.typed_request_incomplete:
@@ -882,8 +932,9 @@ class Processor:
                     continue  # a later task of the queue may take another form
                 if target is None:
                     break
-                self._unwait(task)
+                self._unwait(task, served=True)
                 self._dispatch(now, task, target, effects)
+                queue = self._waiting.get(key)
 
     def _refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap
@@ -895,10 +946,14 @@ class Processor:
             if engine is not None and engine.routable:
                 self._dispatch_waiting(now, engine, effects)
 
-    def _unwait(self, task: _Task) -> None:
+    def _unwait(self, task: _Task, served: bool = False) -> None:
         key = (task.tenant_id, task.model)
         queue = self._waiting[key]
-        del queue[task.id]
+        if served:
+            queue.take(task.id)
+        else:
+            queue.remove(task.id)
+        self._sheddable.pop(task.id, None)
         self._waiting_total -= 1
         if not queue:
             del self._waiting[key]

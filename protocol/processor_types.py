@@ -113,6 +113,11 @@ class ProcessorConfig:
         got the answer goes to another engine with room at once, or waits in
         the queue (for ``queue_timeout`` from its first busy answer, never past
         its deadline) and, if time runs out, gets the runtime's own answer.
+    shed_waiting_threshold: a sheddable task that would wait while every
+        engine serving its model is at ``max_in_flight_per_engine`` fails at
+        once with 429 and ``busy_retry_after`` when its model's queue already
+        holds this many tasks (0: sheddable tasks never wait behind full
+        engines). They are also the first refused when the whole queue is full.
     route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
         stay blocked (its adapter reported it not draining, and no drain since)
         before the processor closes it with ``CloseRoute``; its tasks fail over
@@ -135,6 +140,7 @@ class ProcessorConfig:
     max_tasks_per_tenant: int | None = None
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
+    shed_waiting_threshold: int = 0
     route_stuck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
@@ -163,6 +169,8 @@ class ProcessorConfig:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
         if not 0 < self.busy_backoff <= self.max_busy_backoff:
             problems.append("busy_backoff must be > 0 and <= max_busy_backoff")
+        if self.shed_waiting_threshold < 0:
+            problems.append("shed_waiting_threshold must be >= 0")
         if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
             problems.append("route_stuck_timeout must be > 0 or None")
         if not self.control_task_prefix:

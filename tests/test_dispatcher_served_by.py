@@ -76,3 +76,11 @@ def test_a_request_that_never_reached_an_engine_names_none():
     assert sink.failure is not None and sink.failure[0] == 503
     served = handle.served_by
     assert (served.engine_id, served.gateway, served.queued_seconds) == ("", "", None)
+
+
+def test_two_gateways_never_hand_out_the_same_task_id():
+    """Forwarded tasks keep their id at the peer, beside the peer's own: two dispatchers'
+    ids must not collide (they once both counted t1, t2, ... and a peer's task clashed)."""
+    (_, first), (_, second) = dispatcher(), dispatcher()
+    ids = {submit(d, Sink()).task_id for d in (first, second) for _ in range(100)}
+    assert len(ids) == 200
