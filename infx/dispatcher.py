@@ -158,6 +158,8 @@ class Dispatcher:
         prefix = secrets.token_hex(4)
         self._new_id = task_ids or (lambda: f"t{prefix}-{next(counter)}")
         self._timer = DeadlineTimer(clock, self._fire)
+        # The wire id of the last SendTask its route refused (its request's wait goes on).
+        self._refused_wire_id = ""
         #: Performs effects on peer dials and peer streams (the exchanger sets it).
         self.peer_effects: Callable[[CoreEffect], None] | None = None
         #: Performs the scaler's signals (the scaler link sets it).
@@ -199,12 +201,15 @@ class Dispatcher:
             if outcome is SendOutcome.GONE:
                 self._perform_later(self.core.task_not_sent(route, wire_id, now))
             elif outcome is SendOutcome.REFUSED:
+                self._refused_wire_id = wire_id
                 self._perform_later(self.core.task_refused(route, wire_id, now))
             elif outcome is SendOutcome.BLOCKED:
                 self._blocked(route)
         elif isinstance(effect, RequestDispatched):
-            origin: TaskOrigin = effect.origin  # type: ignore[assignment]
-            origin.dispatched(self.clock.seconds())
+            # A refused task goes back to the queue: its wait has not ended.
+            if effect.wire_id != self._refused_wire_id:
+                origin: TaskOrigin = effect.origin  # type: ignore[assignment]
+                origin.dispatched(self.clock.seconds())
         elif isinstance(effect, DeliverResult):
             origin = effect.origin  # type: ignore[assignment]
             origin.result_delivered(effect)

@@ -154,8 +154,8 @@ class GatewayService(service.MultiService):
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
-            route_stuck_timeout=config.route_stuck_timeout,
             shed_waiting_threshold=config.shed_waiting_threshold,
+            route_stuck_timeout=config.route_stuck_timeout,
         ))
         self.pod_name = pod_name or self._default_pod_name()
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,

@@ -41,17 +41,17 @@ class EngineStream:
     ``on_drained`` is called when it drains again.
     """
 
-    def __init__(self, call: ServerCall, peer: str, on_drained: Callable[[EngineStream], None] | None = None,
-                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES, authorization: str | None = None,
-                 principal: Any = None) -> None:
+    def __init__(self, call: ServerCall, peer: str, authorization: str | None = None,
+                 principal: Any = None, on_drained: Callable[[EngineStream], None] | None = None,
+                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         self.peer = peer
         self.closed = False
-        self._on_drained = on_drained
-        self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
         #: What the engine presented and who that made it, to end the stream if its key is revoked.
         self.authorization = authorization
         self.principal = principal
+        self._on_drained = on_drained
+        self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
 
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
@@ -119,8 +119,8 @@ class WorkerService:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
         call.authenticated()
-        stream = EngineStream(call, address, self.dispatcher.route_writable, self.max_queued_bytes,
-                              authorization, principal)
+        stream = EngineStream(call, address, authorization, principal, self.dispatcher.route_writable,
+                              self.max_queued_bytes)
         self.streams.add(stream)
         reason = "engine stream ended"
         engine_id = ""

@@ -258,8 +258,12 @@ class GatewayCore:
         return self._after(now, out)
 
     def task_refused(self, route: Route, wire_id: str, now: float) -> list[CoreEffect]:
-        """A route at its cap of queued bytes did not take a ``SendTask``: routed again at once."""
+        """A route at its cap of queued bytes did not take a ``SendTask``: routed again at once
+        (an HTTP request's wait in the queue goes on)."""
         out: list[CoreEffect] = []
+        request = self._http.get(self.processor.attempt_owner(wire_id) or "")
+        if request is not None:
+            request.dispatched = False
         self._absorb(self.processor.dispatch_refused(wire_id, route, now), now, out)
         return self._after(now, out)
 
@@ -572,11 +576,11 @@ class GatewayCore:
         fed to them here, in place, so the order is the order they happened in."""
         for effect in effects:
             if isinstance(effect, SendTask):
+                out.append(effect)
                 request = self._http.get(self.processor.attempt_owner(effect.task.id) or "")
                 if request is not None and not request.dispatched:
                     request.dispatched = True
-                    out.append(RequestDispatched(request.origin))
-                out.append(effect)
+                    out.append(RequestDispatched(request.origin, effect.task.id))
             elif isinstance(effect, (DeliverResult, FailRequest)):
                 origin = effect.origin
                 if isinstance(origin, Dial):

@@ -191,9 +191,11 @@ class RequestFinished:
 
 @dataclass(frozen=True, slots=True)
 class RequestDispatched:
-    """The first attempt of the HTTP request ``origin`` is being sent (its wait in the queue ends)."""
+    """The HTTP request ``origin`` was sent to an engine for the first time as attempt ``wire_id``
+    (its wait in the queue ends, unless the route refused that send)."""
 
     origin: object
+    wire_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,7 +174,7 @@ class _Call:
         "accept_encodings", "buf", "parts", "have", "need", "msg_flag", "in_body",
         "discarding",
         "pending", "pending_bytes", "pending_end", "unacked", "remote_closed",
-        "local_closed",
+        "local_closed", "window_announced",
     )
 
     def __init__(self, stream_id: int, deadline: float | None) -> None:
@@ -202,6 +202,9 @@ class _Call:
         self.unacked = 0
         self.remote_closed = False
         self.local_closed = False
+        # grpc-core opens each stream's window by the 5 bytes of the first
+        # message prefix it will read: one tiny WINDOW_UPDATE that is no flood.
+        self.window_announced = False
 
 
 def _header_map(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
@@ -1353,11 +1356,18 @@ class GrpcConnection:
         stream_id = event.stream_id or 0
         if (event.delta or 0) < _TINY_WINDOW_UPDATE:
             # h2, grpc-core and grpc-go return at least 1 KiB at a time (or
-            # a good part of the window): smaller increments are a flood.
-            violation = self._scanner.idle_frame(now)
-            if violation is not None:
-                self._exceeded(violation)
-                return
+            # a good part of the window): smaller increments are a flood,
+            # but for the one grpc-core sends as each call starts (the 5
+            # bytes of the prefix it reads first; a new stream per frame is
+            # bounded by the stream and reset budgets).
+            call = self._calls.get(stream_id) if stream_id else None
+            if call is not None and not call.window_announced:
+                call.window_announced = True
+            else:
+                violation = self._scanner.idle_frame(now)
+                if violation is not None:
+                    self._exceeded(violation)
+                    return
         if stream_id == 0:
             self._flush_all()
         else:

@@ -60,7 +60,9 @@ def test_a_request_a_peers_engine_served_after_a_retry_names_that_peer():
     d.engine_status(peer, "default", engine_status("e2", "m"), Locality.REMOTE)
     sink = Sink()
     handle = submit(d, sink)
-    d.result_received(local, http(local.sent[0].id, 503))  # e1 is busy: the task goes to e2
+    # e1's stream is lost: the task is retried on e2. (A runtime's 503 is a busy answer,
+    # not a retry: the task moves on without one.)
+    d.route_closed(local, "engine stream ended")
     d.result_received(peer, http(peer.sent[0].id))
     served = handle.served_by
     assert (served.engine_id, served.gateway, served.retries, served.queued_seconds) == ("e2", "gw-b", 1, 0.0)
