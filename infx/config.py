@@ -151,8 +151,9 @@ def _check_server_endpoint(value: str, option: str) -> None:
                               f"did you mean {kind}:{port}:interface={interface}?") from None
         raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e}); "
                           "expected a port number or e.g. tcp:8080:interface=127.0.0.1") from None
-    except (TypeError, RuntimeError, IndexError, KeyError) as e:
-        # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash).
+    except (TypeError, RuntimeError, IndexError, KeyError, AttributeError) as e:
+        # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash,
+        # an empty ssl: method name as in ``ssl::::``).
         raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e or type(e).__name__})") from None
     except OSError as e:  # ssl: a certificate or key file that cannot be read
         raise ConfigError(f"{option}: cannot read {e.filename}: {e.strerror}") from None
