@@ -111,8 +111,13 @@ class Link:
             chat = chat_pb2.CreateChatCompletionRequest(model="m")
             chat.messages.add(role="user").content.add(type="text", text="x" * TASK_BYTES)
             request = worker_pb2.TaskRequest(chat_completion=chat)
-            self.dispatcher.perform(self.processor.submit(self.clock.seconds(), task_id=task_id, tenant_id="default",
-                                                          request=request, origin=self.origin))
+            self.dispatcher.perform(self.processor.submit(
+                task_id=task_id,
+                tenant_id="default",
+                request=request,
+                origin=self.origin,
+                now=self.clock.seconds(),
+            ))
             ids.append(task_id)
         self.pump()
         return ids

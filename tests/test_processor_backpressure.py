@@ -38,11 +38,11 @@ def make(**config: object) -> Processor:
 
 def join(p: Processor, engine_id: str, *models: str, route: str | None = None, locality: Locality = LOCAL,
          now: float = T0) -> list[object]:
-    return list(p.update_engine(now, route or f"route-{engine_id}", "t", engine_status(engine_id, *models), locality))
+    return list(p.update_engine(route or f"route-{engine_id}", "t", engine_status(engine_id, *models), locality, now))
 
 
 def submit(p: Processor, task_id: str, now: float = T0, **kw: object) -> list[object]:
-    return list(p.submit(now, task_id=task_id, tenant_id="t", request=chat("m"), origin="client", **kw))
+    return list(p.submit(task_id=task_id, tenant_id="t", request=chat("m"), origin="client", **kw, now=now))
 
 
 def sent(effects: list[object]) -> list[tuple[str, str]]:
@@ -59,28 +59,28 @@ def test_a_blocked_route_gets_no_tasks_and_they_go_to_a_draining_engine():
     p = make()
     join(p, "e1", "m")
     join(p, "e2", "m")
-    p.route_blocked(T0, "route-e1")
+    p.route_blocked("route-e1", T0)
     assert sent(submit(p, "a") + submit(p, "b")) == [("a", "e2"), ("b", "e2")]
 
 
 def test_with_every_route_blocked_tasks_wait_and_a_drain_dispatches_them_oldest_first():
     p = make()
     join(p, "e1", "m")
-    p.route_blocked(T0, "route-e1")
+    p.route_blocked("route-e1", T0)
     waiting = submit(p, "a") + submit(p, "b")
     assert not only(waiting, SendTask)
     # A served model that waits for a drain is not a missing model: the scaler hears nothing.
     assert not only(waiting, TaskQueued)
     assert p.waiting_task_ids("t", "m") == ["a", "b"]
-    assert sent(p.route_writable(T0 + 1, "route-e1")) == [("a", "e1"), ("b", "e1")]
+    assert sent(p.route_writable("route-e1", T0 + 1)) == [("a", "e1"), ("b", "e1")]
     assert p.waiting_task_ids("t", "m") == []
 
 
 def test_writable_for_a_route_that_was_not_blocked_dispatches_nothing():
     p = make()
     join(p, "e1", "m")
-    assert p.route_writable(T0, "route-e1") == []
-    assert p.route_writable(T0, "never-seen") == []
+    assert p.route_writable("route-e1", T0) == []
+    assert p.route_writable("never-seen", T0) == []
 
 
 def test_a_refused_task_is_routed_again_without_counting_a_retry_or_avoiding_the_engine():
@@ -89,14 +89,14 @@ def test_a_refused_task_is_routed_again_without_counting_a_retry_or_avoiding_the
     join(p, "e2", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
     # e1's route is at its queue cap: the task moves on to e2 at once, even with no retries left.
-    moved = p.dispatch_refused(T0, "a", "route-e1")
+    moved = p.dispatch_refused("a", "route-e1", T0)
     assert sent(moved) == [("a#2", "e2")]
     assert not only(moved, FailRequest)
     assert p.counters.retries == 0
     assert p.engine("t", "e1").in_flight == 0
     # The refusal blocks e1's route until it drains.
     assert sent(submit(p, "b")) == [("b", "e2")]
-    p.route_writable(T0 + 1, "route-e1")
+    p.route_writable("route-e1", T0 + 1)
     assert sent(submit(p, "c", now=T0 + 1)) == [("c", "e1")]
 
 
@@ -104,9 +104,9 @@ def test_a_refused_task_with_nowhere_to_go_waits_and_is_sent_once_the_route_drai
     p = make()
     join(p, "e1", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
-    assert sent(p.dispatch_refused(T0, "a", "route-e1")) == []
+    assert sent(p.dispatch_refused("a", "route-e1", T0)) == []
     assert p.task_state("a") is TaskState.WAITING
-    assert sent(p.route_writable(T0 + 1, "route-e1")) == [("a#2", "e1")]
+    assert sent(p.route_writable("route-e1", T0 + 1)) == [("a#2", "e1")]
 
 
 def test_a_stale_refusal_only_blocks_the_route():
@@ -114,15 +114,15 @@ def test_a_stale_refusal_only_blocks_the_route():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", http("a"))
-    assert p.dispatch_refused(T0, "a", "route-e1") == []
+    p.receive_result("route-e1", http("a"), T0)
+    assert p.dispatch_refused("a", "route-e1", T0) == []
     assert sent(submit(p, "b")) == [("b", "e2")]
 
 
 def test_a_targeted_task_for_an_engine_on_a_blocked_route_fails_at_once_for_the_peer_to_retry():
     p = make()
     join(p, "e1", "m")
-    p.route_blocked(T0, "route-e1")
+    p.route_blocked("route-e1", T0)
     failed = one(submit(p, "a", target_engine_id="e1"), FailRequest)
     assert failed.status == 503 and "not draining" in failed.message and failed.retry_after is not None
 
@@ -132,7 +132,7 @@ def test_a_route_blocked_past_the_timeout_is_closed_and_its_tasks_fail_over():
     join(p, "e1", "m")
     join(p, "e2", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
-    p.route_blocked(T0 + 1, "route-e1")
+    p.route_blocked("route-e1", T0 + 1)
     assert p.next_deadline() == T0 + 11
     assert p.handle_timeout(T0 + 10.9) == []
     effects = p.handle_timeout(T0 + 11)
@@ -141,16 +141,16 @@ def test_a_route_blocked_past_the_timeout_is_closed_and_its_tasks_fail_over():
     assert sent(effects) == [("a#2", "e2")]
     assert p.engine("t", "e1") is None
     # The stream's own end, reported later by the adapter, is harmless.
-    assert sent(p.close_route(T0 + 12, "route-e1", "engine stream ended")) == []
+    assert sent(p.close_route("route-e1", "engine stream ended", T0 + 12)) == []
 
 
 def test_a_drain_restarts_the_stuck_clock_so_a_slow_reader_is_not_closed():
     p = make(route_stuck_timeout=10.0)
     join(p, "e1", "m")
     for second in range(0, 60, 5):
-        p.route_blocked(T0 + second, "route-e1")
+        p.route_blocked("route-e1", T0 + second)
         assert not only(p.handle_timeout(T0 + second + 4), CloseRoute)
-        p.route_writable(T0 + second + 4, "route-e1")
+        p.route_writable("route-e1", T0 + second + 4)
     assert p.engine("t", "e1") is not None
     assert p.next_deadline() is None
 
@@ -158,8 +158,8 @@ def test_a_drain_restarts_the_stuck_clock_so_a_slow_reader_is_not_closed():
 def test_a_repeated_block_report_keeps_the_first_time():
     p = make(route_stuck_timeout=10.0)
     join(p, "e1", "m")
-    p.route_blocked(T0, "route-e1")
-    p.route_blocked(T0 + 9, "route-e1")
+    p.route_blocked("route-e1", T0)
+    p.route_blocked("route-e1", T0 + 9)
     assert only(p.handle_timeout(T0 + 10), CloseRoute)
 
 
@@ -168,8 +168,8 @@ def test_routes_stuck_together_are_all_closed_and_no_task_fails_over_onto_one_of
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a")
-    p.route_blocked(T0, "route-e1")
-    p.route_blocked(T0, "route-e2")
+    p.route_blocked("route-e1", T0)
+    p.route_blocked("route-e2", T0)
     effects = p.handle_timeout(T0 + 3)
     assert [e.route for e in only(effects, CloseRoute)] == ["route-e1", "route-e2"]
     assert sent(effects) == []
@@ -181,9 +181,9 @@ def test_a_stuck_peer_route_takes_all_its_remote_engines_with_it():
     join(p, "r1", "m", route="peer", locality=REMOTE)
     join(p, "r2", "m", route="peer", locality=REMOTE)
     join(p, "e1", "m")
-    p.route_blocked(T0, "route-e1")
+    p.route_blocked("route-e1", T0)
     assert sent(submit(p, "a")) == [("a", "r1")]
-    p.route_blocked(T0, "peer")
+    p.route_blocked("peer", T0)
     effects = p.handle_timeout(T0 + 5)
     assert [e.route for e in only(effects, CloseRoute)] == ["route-e1", "peer"]
     assert p.engine("t", "r1") is None and p.engine("t", "r2") is None and p.engine("t", "e1") is None
@@ -194,8 +194,8 @@ def test_a_stuck_peer_route_takes_all_its_remote_engines_with_it():
 def test_a_closed_route_is_forgotten_and_its_reconnected_engine_is_not_blocked():
     p = make(route_stuck_timeout=5.0)
     join(p, "e1", "m", route="old")
-    p.route_blocked(T0, "old")
-    p.close_route(T0, "old", "engine stream ended")
+    p.route_blocked("old", T0)
+    p.close_route("old", "engine stream ended", T0)
     assert p.next_deadline() is None
     join(p, "e1", "m", route="new")
     assert sent(submit(p, "a")) == [("a", "e1")]
@@ -253,16 +253,16 @@ def test_no_task_is_ever_sent_on_a_blocked_route_and_every_task_ends_or_is_live(
             perform(submit(p, f"t{n}", now=now))
         elif op == "block":
             blocked.add(route)
-            perform(p.route_blocked(now, route))
+            perform(p.route_blocked(route, now))
         elif op == "writable":
             blocked.discard(route)
-            perform(p.route_writable(now, route))
+            perform(p.route_writable(route, now))
         elif op == "refuse" and accepted:
             wire_id = next((w for w in (f"{t}#{k}" if k > 1 else t for t in accepted for k in range(1, 4))
                             if p.attempt_owner(w) is not None), None)
             if wire_id is not None:
                 blocked.add(route)
-                perform(p.dispatch_refused(now, wire_id, route))
+                perform(p.dispatch_refused(wire_id, route, now))
         elif op == "result" and accepted:
             for task_id in accepted:
                 if p.has_task(task_id) and p.task_state(task_id) is TaskState.DISPATCHED:
@@ -270,7 +270,7 @@ def test_no_task_is_ever_sent_on_a_blocked_route_and_every_task_ends_or_is_live(
                     engine = next(e for e, view in engines.items() if task_id in view["tasks"])
                     wire = next(w for w in [task_id] + [f"{task_id}#{k}" for k in range(2, 9)]
                                 if p.attempt_owner(w) == task_id)
-                    perform(p.receive_result(now, f"route-{engine}", http(wire)))
+                    perform(p.receive_result(f"route-{engine}", http(wire), now))
                     break
         elif op == "tick":
             now += 2.0

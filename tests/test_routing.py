@@ -31,7 +31,7 @@ def gateway(policy=RoutingPolicy.AFFINITY, local=(), **routing):
     processor = Processor(ProcessorConfig(routing=RoutingConfig(policy=policy, **routing)))
     for engine_id in ENGINES:
         locality = Locality.LOCAL if engine_id in local else Locality.REMOTE
-        processor.update_engine(0.0, ("route", engine_id), "t", engine_status(engine_id, "m"), locality)
+        processor.update_engine(("route", engine_id), "t", engine_status(engine_id, "m"), locality, 0.0)
     return processor
 
 
@@ -45,12 +45,12 @@ class Driver:
     def send(self, hints):
         self.seq += 1
         task_id = f"task-{self.seq}"
-        sent = one(self.processor.submit(0.0, task_id=task_id, tenant_id="t", request=chat(), origin="o", hints=hints),
+        sent = one(self.processor.submit(now=0.0, task_id=task_id, tenant_id="t", request=chat(), origin="o", hints=hints),
                    SendTask)
         return task_id, sent.engine.engine_id, sent.route
 
     def finish(self, task_id, route):
-        self.processor.receive_result(0.0, route, http(task_id))
+        self.processor.receive_result(route, http(task_id), 0.0)
 
 
 def test_two_gateways_with_the_same_engines_send_a_conversation_to_the_same_engine():
@@ -121,7 +121,7 @@ def test_runtime_waiting_requests_steer_away_from_a_busy_engine():
     home = d.send(hints)[1]
     status = engine_status(home, "m")
     status.models[0].runtime_load.CopyFrom(status_pb2.EngineStatus.RuntimeLoad(running_requests=30, waiting_requests=20))
-    processor.update_engine(0.0, ("route", home), "t", status, Locality.REMOTE)
+    processor.update_engine(("route", home), "t", status, Locality.REMOTE, 0.0)
     assert d.send(hints)[1] != home
 
 
@@ -132,7 +132,7 @@ def test_in_progress_counts_are_the_fallback_load():
     home = d.send(hints)[1]
     status = engine_status(home, "m")
     status.models[0].in_progress_task_count = 50
-    processor.update_engine(0.0, ("route", home), "t", status, Locality.REMOTE)
+    processor.update_engine(("route", home), "t", status, Locality.REMOTE, 0.0)
     assert d.send(hints)[1] != home
 
 
@@ -148,8 +148,7 @@ def test_sessions_stick_to_their_engine_and_adapters_prefer_engines_that_hold_th
     status.models[0].runtime_load.CopyFrom(status_pb2.EngineStatus.RuntimeLoad(loaded_adapters=["m"]))
     fresh = Processor(ProcessorConfig(routing=RoutingConfig(home_weight=0.2)))
     for engine_id in ENGINES:
-        fresh.update_engine(0.0, ("route", engine_id), "t", status if engine_id == holder else engine_status(engine_id, "m"),
-                            Locality.REMOTE)
+        fresh.update_engine(("route", engine_id), "t", status if engine_id == holder else engine_status(engine_id, "m"), Locality.REMOTE, 0.0)
     assert Driver(fresh).send(conversation(99))[1] == holder
 
 
@@ -166,9 +165,9 @@ def test_least_in_progress_keeps_local_engines_first():
 def test_an_engine_that_failed_the_task_is_avoided_on_retry():
     processor = Processor(ProcessorConfig(retry_delay=0, routing=RoutingConfig()))
     for engine_id in ENGINES:
-        processor.update_engine(0.0, ("route", engine_id), "t", engine_status(engine_id, "m"), Locality.REMOTE)
-    sent = one(processor.submit(0.0, task_id="x", tenant_id="t", request=chat(), origin="o", hints=conversation(5)), SendTask)
-    retried = one(processor.receive_result(0.0, sent.route, http("x", code=503)), SendTask)
+        processor.update_engine(("route", engine_id), "t", engine_status(engine_id, "m"), Locality.REMOTE, 0.0)
+    sent = one(processor.submit(now=0.0, task_id="x", tenant_id="t", request=chat(), origin="o", hints=conversation(5)), SendTask)
+    retried = one(processor.receive_result(sent.route, http("x", code=503), 0.0), SendTask)
     assert retried.engine != sent.engine
 
 
@@ -177,7 +176,7 @@ def test_a_removed_engine_leaves_routing_and_the_index():
     d = Driver(processor)
     hints = conversation(21)
     home = d.send(hints)[1]
-    processor.remove_engine(0.0, "t", home, "gone")
+    processor.remove_engine("t", home, "gone", 0.0)
     assert d.send(hints)[1] != home
     assert all(key.engine_id != home for key in processor._router.index.depths(hints.blocks))
 
@@ -227,13 +226,13 @@ def test_a_block_sent_to_several_engines_is_held_by_each_until_it_forgets():
 def test_the_in_flight_cap_holds_under_affinity_and_a_freed_slot_takes_a_waiting_task():
     processor = Processor(ProcessorConfig(max_in_flight_per_engine=2, routing=RoutingConfig()))
     for engine_id in ("a", "b"):
-        processor.update_engine(0.0, ("route", engine_id), "t", engine_status(engine_id, "m"), Locality.REMOTE)
+        processor.update_engine(("route", engine_id), "t", engine_status(engine_id, "m"), Locality.REMOTE, 0.0)
     shared = conversation(1)
     sent = []
     for n in range(5):
-        effects = processor.submit(0.0, task_id=f"x{n}", tenant_id="t", request=chat(), origin="o", hints=shared)
+        effects = processor.submit(now=0.0, task_id=f"x{n}", tenant_id="t", request=chat(), origin="o", hints=shared)
         sent += [e for e in effects if isinstance(e, SendTask)]
     assert sorted(e.engine.engine_id for e in sent) == ["a", "a", "b", "b"]
     assert processor.waiting_task_ids("t", "m") == ["x4"]
-    freed = one(processor.receive_result(0.0, sent[0].route, http(sent[0].task.id)), SendTask)
+    freed = one(processor.receive_result(sent[0].route, http(sent[0].task.id), 0.0), SendTask)
     assert freed.task.id == "x4" and freed.engine == sent[0].engine

@@ -57,16 +57,16 @@ def main() -> None:
     for i in range(args.engines):
         status = status_pb2.EngineStatus(engine_id=f"engine-{i}", ready=True)
         status.models.add(id="m", is_ready=True)
-        processor.update_engine(0.0, ("route", i), "t", status, Locality.REMOTE)
+        processor.update_engine(("route", i), "t", status, Locality.REMOTE, 0.0)
     seq = 0
 
     def turn(hints: RoutingHints) -> None:
         nonlocal seq
         seq += 1
         task_id = f"t{seq}"
-        (send,) = [e for e in processor.submit(0.0, task_id=task_id, tenant_id="t", request=request, origin=None,
+        (send,) = [e for e in processor.submit(now=0.0, task_id=task_id, tenant_id="t", request=request, origin=None,
                                                hints=hints) if isinstance(e, SendTask)]
-        processor.receive_result(0.0, send.route, worker_pb2.TaskResult(task_id=task_id, http_response=answer))
+        processor.receive_result(send.route, worker_pb2.TaskResult(task_id=task_id, http_response=answer), 0.0)
 
     base, _ = tracemalloc.get_traced_memory()  # the engines, before any routing state (ring included)
     for hints in first:

@@ -132,7 +132,7 @@ class Simulation:
             home = int(name[1:]) % len(self.gateways)
             for g, processor in enumerate(self.gateways):
                 locality = Locality.LOCAL if g == home else Locality.REMOTE
-                self.perform(now, g, processor.update_engine(now, ("route", name), "t", status, locality))
+                self.perform(now, g, processor.update_engine(("route", name), "t", status, locality, now))
         self.at(now + self.report_interval, "report")
 
     # --- clients ------------------------------------------------------------
@@ -150,11 +150,11 @@ class Simulation:
         processor = self.gateways[g]
         if self.policy == "oracle":
             target = self.oracle(request)
-            effects = processor.submit(now, task_id=task_id, tenant_id="t", request=task, origin=(g, now),
+            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now),
                                        target_engine_id=target)
         else:
             hints = hints_from_json("chat/completions", request.body, {})
-            effects = processor.submit(now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints)
+            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints)
         self.perform(now, g, effects)
 
     def oracle(self, request: Request) -> str:
@@ -225,7 +225,7 @@ class Simulation:
     def reply(self, now: float, job: Job, result: worker_pb2.TaskResult) -> None:
         g = job.key[0]
         route = self.jobs[job.key][1]
-        self.perform(now, g, self.gateways[g].receive_result(now, route, result))
+        self.perform(now, g, self.gateways[g].receive_result(route, result, now))
 
 
 def simulate(workload: str, policy: str, gateways: int, seed: int, **options: Any) -> Result:
