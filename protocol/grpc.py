@@ -571,11 +571,11 @@ class GrpcConnection:
         method: str,
         metadata: Metadata = (),
         timeout: float | None = None,
-        now: float = 0.0,
         *,
         authority: str = "localhost",
         scheme: str = "http",
         encoding: str | None = None,
+        now: float,
     ) -> int:
         """Client: open a call (request headers) and return its stream id.
 
