@@ -1,4 +1,4 @@
-"""The Twisted side of the connection budgets (infx/transport.py).
+"""The Twisted side of the connection budgets (infx/transport/connection.py).
 
 Fairness: one connection's burst of frames is fed to the machine a frame
 budget per reactor turn, with the transport's reading paused in between, so
