@@ -119,9 +119,10 @@ ChannelEffect = Connect | CancelConnect | CloseConnection | AttachWaiting | Fail
 class _Retry:
     """What decides whether one call may still be retried."""
 
-    __slots__ = ("attempts", "buffered", "committed", "deadline", "wait_for_ready")
+    __slots__ = ("attempts", "buffered", "committed", "deadline", "wait_for_ready", "waiting")
 
     def __init__(self, deadline: float | None, wait_for_ready: bool) -> None:
+        self.waiting = False
         self.attempts = 1
         self.buffered = 0
         self.committed = False
@@ -179,11 +180,10 @@ class ChannelMachine(Generic[K]):
 
     def call_attached(self, call: K, now: float) -> list[ChannelEffect[K]]:
         """``call``'s stream is open on the connection: it waits no more."""
-        self._retry_of(call)
-        try:
-            self._waiting.remove(call)
-        except ValueError:
-            raise ChannelUsageError(f"call {call!r} is not waiting") from None
+        retry = self._retry_of(call)
+        if not retry.waiting:
+            raise ChannelUsageError(f"call {call!r} is not waiting")
+        self._unqueue(call, retry)
         return []
 
     def message_queued(self, call: K, size: int, now: float) -> list[ChannelEffect[K]]:
@@ -217,10 +217,11 @@ class ChannelMachine(Generic[K]):
     def call_finished(self, call: K, now: float) -> list[ChannelEffect[K]]:
         """``call`` ended (for any reason): forget it; a freed stream may let a
         waiting call start."""
-        if self._calls.pop(call, None) is None:
+        retry = self._calls.pop(call, None)
+        if retry is None:
             return []
-        if call in self._waiting:
-            self._waiting.remove(call)
+        if retry.waiting:
+            self._unqueue(call, retry)
             return []
         if self._waiting and self.state is ChannelState.READY:
             return [AttachWaiting()]
@@ -245,7 +246,7 @@ class ChannelMachine(Generic[K]):
         self.state = ChannelState.TRANSIENT_FAILURE
         effects: list[ChannelEffect[K]] = []
         for call in [c for c in self._waiting if not self._calls[c].wait_for_ready]:
-            self._waiting.remove(call)
+            self._unqueue(call, self._calls[call])
             effects.append(FailCall(call, StatusCode.UNAVAILABLE, f"connect failed: {reason}"))
         self._failures += 1
         self._redial_at = now + self._backoff.delay(self._failures, self._rng.random())
@@ -268,8 +269,9 @@ class ChannelMachine(Generic[K]):
         if previous is ChannelState.CONNECTING:
             effects.append(CancelConnect())
         while self._waiting:
-            effects.append(FailCall(self._waiting.popleft(), StatusCode.UNAVAILABLE,
-                                    "channel closed"))
+            call = self._waiting[0]
+            self._unqueue(call, self._calls[call])
+            effects.append(FailCall(call, StatusCode.UNAVAILABLE, "channel closed"))
         self._deadlines = []
         if previous is ChannelState.READY:
             effects.append(CloseConnection())
@@ -281,8 +283,9 @@ class ChannelMachine(Generic[K]):
         self._drop_stale_deadlines()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, call = heapq.heappop(self._deadlines)
-            if call in self._waiting:
-                self._waiting.remove(call)
+            retry = self._calls.get(call)
+            if retry is not None and retry.waiting:
+                self._unqueue(call, retry)
                 effects.append(FailCall(call, StatusCode.DEADLINE_EXCEEDED,
                                         "deadline exceeded while waiting for a connection"))
             self._drop_stale_deadlines()
@@ -308,7 +311,15 @@ class ChannelMachine(Generic[K]):
         retry.committed = True
         return [ReleaseRetryBuffer(call)]
 
+    def _unqueue(self, call: K, retry: _Retry) -> None:
+        retry.waiting = False
+        if self._waiting[0] == call:
+            self._waiting.popleft()
+        else:
+            self._waiting.remove(call)
+
     def _enqueue(self, call: K, now: float, *, first: bool) -> list[ChannelEffect[K]]:
+        self._calls[call].waiting = True
         if first:
             self._waiting.appendleft(call)
         else:
@@ -328,6 +339,9 @@ class ChannelMachine(Generic[K]):
         return [Connect()]
 
     def _drop_stale_deadlines(self) -> None:
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][2] not in self._waiting:
+        deadlines, calls = self._deadlines, self._calls
+        while deadlines:
+            retry = calls.get(deadlines[0][2])
+            if retry is not None and retry.waiting:
+                return
             heapq.heappop(deadlines)
