@@ -159,10 +159,11 @@ class ChannelMachine(Generic[K]):
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must run: the redial, or a waiting call's deadline."""
         self._drop_stale_deadlines()
-        candidates = [t for t in (self._redial_at,
-                                  self._deadlines[0][0] if self._deadlines else None)
-                      if t is not None]
-        return min(candidates) if candidates else None
+        redial = self._redial_at
+        if not self._deadlines:
+            return redial
+        first = self._deadlines[0][0]
+        return first if redial is None or first < redial else redial
 
     # -- calls -------------------------------------------------------------------
 

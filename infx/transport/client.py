@@ -406,6 +406,7 @@ class GrpcChannel:
         self._protocol: ClientProtocol | None = None
         self._connecting: Deferred[Any] | None = None
         self._timer = DeadlineTimer(clock, self._on_timer)
+        self._timer_at: float | None = None
         self._factory = _ChannelFactory(self)
 
     @property
@@ -476,18 +477,24 @@ class GrpcChannel:
             done.callback(None)
         self._perform(self.machine.close(self.clock.seconds()), protocol)
         self._protocol = None
-        self._timer.cancel()
         return done
 
     # -- what the calls and connections tell the channel ----------------------------
 
+    # Inputs that cannot bring a deadline forward perform their effects
+    # without re-arming the timer (these run for every call).
+
     def message_queued(self, call: ClientCall, size: int) -> None:
         """``call`` sent ``size`` bytes (kept for a retry while they fit)."""
-        self._perform(self.machine.message_queued(call, size, self.clock.seconds()))
+        effects = self.machine.message_queued(call, size, self.clock.seconds())
+        if effects:
+            self._perform(effects)
 
     def response_started(self, call: ClientCall) -> None:
         """The server saw ``call``: it is no longer retried."""
-        self._perform(self.machine.response_started(call, self.clock.seconds()))
+        effects = self.machine.response_started(call, self.clock.seconds())
+        if effects:
+            self._perform(effects)
 
     def call_refused(self, call: ClientCall) -> bool:
         """The server refused ``call`` unseen; True if it is being retried."""
@@ -497,7 +504,9 @@ class GrpcChannel:
 
     def call_finished(self, call: ClientCall) -> None:
         """``call`` ended."""
-        self._perform(self.machine.call_finished(call, self.clock.seconds()))
+        effects = self.machine.call_finished(call, self.clock.seconds())
+        if effects:
+            self._perform(effects)
 
     def connected(self, protocol: ClientProtocol) -> None:
         """A dialled connection is up."""
@@ -539,7 +548,21 @@ class GrpcChannel:
             elif isinstance(effect, CloseConnection):
                 if protocol is not None:
                     protocol.close()
-        self._timer.arm(self.machine.next_deadline())
+        self._arm()
+
+    def _arm(self) -> None:
+        """Wake at the machine's next deadline, or earlier: a timer that fires
+        before anything is due just re-arms, which costs less than moving it
+        for every call (each call's deadline is later than the one before)."""
+        deadline = self.machine.next_deadline()
+        if deadline is None:
+            if self.machine.state is ChannelState.SHUTDOWN:
+                self._timer.cancel()
+                self._timer_at = None
+            return
+        if self._timer_at is None or deadline < self._timer_at:
+            self._timer_at = deadline
+            self._timer.arm(deadline)
 
     def _attach_waiting(self) -> None:
         for call in self.machine.waiting:
@@ -551,7 +574,7 @@ class GrpcChannel:
             if not call.attach(protocol):
                 return
             if call.final is None:
-                self._perform(self.machine.call_attached(call, self.clock.seconds()))
+                self.machine.call_attached(call, self.clock.seconds())  # no effects
 
     def _connect(self) -> None:
         d = self.endpoint.connect(self._factory)
@@ -571,6 +594,7 @@ class GrpcChannel:
         self._perform(self.machine.connect_failed(reason.getErrorMessage(), self.clock.seconds()))
 
     def _on_timer(self) -> None:
+        self._timer_at = None
         self._perform(self.machine.handle_timeout(self.clock.seconds()))
 
 
