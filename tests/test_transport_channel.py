@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import h2.errors
 from twisted.internet import defer, task
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.interfaces import IStreamClientEndpoint
@@ -13,6 +14,7 @@ from zope.interface import implementer
 
 from infx.transport import ChannelState, GrpcChannel, GrpcError, StatusCode
 from protocol.backoff import Backoff
+from protocol.grpc import CallStarted, GrpcConfig, GrpcConnection, MessageReceived
 
 
 @implementer(IStreamClientEndpoint)
@@ -68,3 +70,51 @@ def test_a_call_waiting_for_ready_fails_at_its_deadline_on_the_clock():
     clock.advance(0.1)
     assert [f.code for f in failures] == [StatusCode.DEADLINE_EXCEEDED]
     assert channel.close().called
+
+
+@implementer(IStreamClientEndpoint)
+class StringEndpoint:
+    """Connects at once to a StringTransport, kept in ``transports``."""
+
+    def __init__(self) -> None:
+        self.transports: list[StringTransport] = []
+
+    def connect(self, factory):
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        self.transports.append(transport)
+        protocol.makeConnection(transport)
+        return defer.succeed(protocol)
+
+
+def test_a_call_refused_unseen_is_replayed_with_its_request_and_then_answered():
+    """REFUSED_STREAM before any response: the channel starts the call again on
+    a new stream with the same request bytes (gRPC's transparent retry)."""
+    clock = task.Clock()
+    endpoint = StringEndpoint()
+    channel = GrpcChannel(clock, endpoint)
+    result = channel.unary("/t.S/Echo", b"hello", timeout=5)
+    protocol, transport = channel.protocol, endpoint.transports[0]
+    server = GrpcConnection(GrpcConfig(client_side=False))
+    server.initiate(0.0)
+
+    def exchange() -> list:
+        events = server.receive_data(transport.value(), clock.seconds())
+        transport.clear()
+        protocol.dataReceived(server.data_to_send())
+        return events
+
+    first = [e.stream_id for e in exchange() if isinstance(e, CallStarted)]
+    assert first == [1]
+    # The peer's h2 refuses the stream as a server past its limit or behind a GOAWAY does.
+    server._h2.reset_stream(1, h2.errors.ErrorCodes.REFUSED_STREAM)
+    protocol.dataReceived(server.data_to_send())
+    assert not result.called
+    replayed = exchange()
+    assert [(e.stream_id, e.data) for e in replayed if isinstance(e, MessageReceived)] == [
+        (3, b"hello")]
+    server.send_message(3, b"olleh")
+    server.send_status(3, StatusCode.OK)
+    protocol.dataReceived(server.data_to_send())
+    assert result.result == b"olleh"
+    channel.close()
