@@ -161,7 +161,12 @@ def _check_server_endpoint(value: str, option: str) -> None:
         raise ConfigError(f"{option}: the certificate and private key of {value!r} are not PEM that loads "
                           "(privateKey= and certKey= name the files)") from None
     if value.split(":", 1)[0] in _TCP_TYPES:
-        port = endpoint_port(value)
+        try:
+            port = endpoint_port(value)
+        except ConfigError:
+            # Twisted reads escapes (``tcp:\\0`` is port 0); the peer port and the README need digits.
+            raise ConfigError(f"{option}: cannot tell the port of {value!r}; "
+                              "write it as plain digits, e.g. tcp:8080") from None
         if not 0 <= port <= 65535:
             raise ConfigError(f"{option}: port {port} is out of range")
 

@@ -105,6 +105,7 @@ from infx.config import listen_endpoint  # noqa: E402
     ("foo:bar", r"--http: 'foo:bar' is not a server endpoint \(Unknown endpoint type: 'foo'\)"),
     ("tcp:8080:interfce=127.0.0.1", "unexpected keyword argument 'interfce'"),
     ("ssl::::", r"--http: 'ssl::::' is not a server endpoint"),
+    ("tcp:\\0", r"--http: cannot tell the port of 'tcp:\\\\0'"),
     ("127.0.0.1:28080", r"'127.0.0.1:28080' is HOST:PORT.*did you mean tcp:28080:interface=127.0.0.1\?"),
     ("localhost:8080", r"did you mean tcp:8080:interface=localhost\?"),
     ("[::1]:8080", r"did you mean tcp6:8080:interface=\\:\\:1\?"),
