@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from protocol.routing import RoutingPolicy
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, malformed or out of range."""
@@ -75,6 +77,13 @@ class GatewayConfig:
     #: A sheddable request that would wait while every engine of its model is at
     #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
     shed_waiting_threshold: int = 0
+    #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
+    #: affinity with bounded loads, the same on every replica), ``least_in_progress``
+    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
+    routing_policy: str = "affinity"
+    #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
+    #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
+    route_stuck_timeout: float | None = 30.0
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
@@ -142,8 +151,9 @@ def _check_server_endpoint(value: str, option: str) -> None:
                               f"did you mean {kind}:{port}:interface={interface}?") from None
         raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e}); "
                           "expected a port number or e.g. tcp:8080:interface=127.0.0.1") from None
-    except (TypeError, RuntimeError, IndexError, KeyError) as e:
-        # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash).
+    except (TypeError, RuntimeError, IndexError, KeyError, AttributeError) as e:
+        # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash,
+        # an empty ssl: method name as in ``ssl::::``).
         raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e or type(e).__name__})") from None
     except OSError as e:  # ssl: a certificate or key file that cannot be read
         raise ConfigError(f"{option}: cannot read {e.filename}: {e.strerror}") from None
@@ -151,7 +161,12 @@ def _check_server_endpoint(value: str, option: str) -> None:
         raise ConfigError(f"{option}: the certificate and private key of {value!r} are not PEM that loads "
                           "(privateKey= and certKey= name the files)") from None
     if value.split(":", 1)[0] in _TCP_TYPES:
-        port = endpoint_port(value)
+        try:
+            port = endpoint_port(value)
+        except ConfigError:
+            # Twisted reads escapes (``tcp:\\0`` is port 0); the peer port and the README need digits.
+            raise ConfigError(f"{option}: cannot tell the port of {value!r}; "
+                              "write it as plain digits, e.g. tcp:8080") from None
         if not 0 <= port <= 65535:
             raise ConfigError(f"{option}: port {port} is out of range")
 
@@ -290,6 +305,11 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1, got {cap}")
     if config.shed_waiting_threshold < 0:
         raise ConfigError(f"--shed-waiting-threshold: must be at least 0, got {config.shed_waiting_threshold}")
+    policies = [policy.value for policy in RoutingPolicy]
+    if config.routing_policy not in policies:
+        raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
+    if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
+        raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable

@@ -1,76 +1,87 @@
 """The task exchanger: gateway replicas lend each other their engines over ``ProcessTasksInternal``.
 
-Rules this file keeps: no routing decisions (the pure :mod:`protocol.receiver`,
-:mod:`protocol.sender` and :mod:`protocol.processor` make them, through the
-:class:`~infx.dispatcher.Dispatcher`, the one caller of the processor); the
-clock, the dispatcher, the pod source and the channel factory are passed in;
-one ``callLater`` per open receiver stream, armed from ``next_deadline()``.
+Rules this file keeps: no decisions. The pure gateway core
+(:mod:`protocol.gateway_core`, through the :class:`~infx.dispatcher.Dispatcher`,
+its one caller) decides which peers to dial, when to redial, which stream
+replaces which, what to report and what to refuse; this file maps gRPC calls
+to the core's inputs and performs its peer effects (open, write, half-close,
+cancel a dial; end an accepted stream; log; tell the scaler of peer reports).
+The clock, the dispatcher, the pod source and the channel factory are passed
+in.
 
 Every gateway runs both halves. It *serves* ``ProcessTasksInternal`` on its
-internal port: each peer that dials in gets a :class:`PeerStream`, and the
-first ``ServerStatus`` on it creates the pure ``Sender`` that registers the
-peer's engines as remote engines whose route is that stream. And it *dials*
-every live peer pod: one :class:`PeerReceiver` per pod keeps a stream open
-(reconnecting with jittered exponential backoff), reports this gateway's
-local engines on it and runs the tasks the peer forwards.
+internal port: each peer that dials in gets a :class:`PeerStream`, which the
+core gives a pure ``Sender`` on its first ``ServerStatus`` (the peer's
+engines become remote engines whose route is that stream). And it *dials*
+every live peer pod: for each :class:`~protocol.gateway_effects.Dial` the
+core asks for, a :class:`DialStream` opens the call, feeds the core what the
+peer forwards, and reports when the stream ends.
 
 The four data flows, from this gateway's point of view:
 
 - Engine registration: a local engine's ``EngineStatus`` -> local processor
-  (``LocalEnginesChanged``) -> every ``PeerReceiver`` re-reports the local
+  (``LocalEnginesChanged``) -> every receiver in the core re-reports the local
   engines -> peer's internal server -> peer's ``Sender`` -> peer's processor,
   where the engine is registered as remote. Remote engines are never
   re-reported, so reports cannot loop between gateways.
 - New task scheduling: HTTP handler -> local processor, which picks a local
   engine (preferred) or a remote one; for a remote engine the task goes to
   the ``PeerStream`` of the peer that reported it, with its tenant id -> the
-  peer's ``PeerReceiver`` -> the peer's processor, pinned to that engine.
+  peer's receiver -> the peer's processor, pinned to that engine.
 - Task result processing: engine -> the peer's processor -> its
-  ``PeerReceiver`` -> our ``PeerStream`` -> our ``Sender`` -> our processor,
+  receiver -> our ``PeerStream`` -> our ``Sender`` -> our processor,
   which orders the results and hands them to the HTTP request.
-- Load for the autoscaler: HTTP handler -> the dispatcher counts the request
-  per model -> every ``PeerReceiver``'s next report carries the cumulative
+- Load for the autoscaler: HTTP handler -> the core counts the request
+  per model -> every receiver's next report carries the cumulative
   counts -> the peer's ``Sender`` -> the peer's ``on_peer_requests`` hooks
   (its scaler), which count the increases as started requests; only one
   gateway runs the autoscaler, and it must see every gateway's requests.
 
 Peers come from a :class:`~infx.kube.PeerSource` (``--peers`` or the pod
-watcher of ``--kube``); :meth:`Exchanger.reconcile` keeps exactly one
-receiver per live peer at its current address.
+watcher of ``--kube``); every change hands the core the live peers, and the
+core keeps exactly one stream per live peer at its current address.
 """
 
 from __future__ import annotations
 
 import hmac
-import random
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Union
+from dataclasses import dataclass
+from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from infx.deadline import DeadlineTimer
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
+from protocol.gateway_core import DialledPeer
+from protocol.gateway_effects import (
+    CancelDial,
+    CoreEffect,
+    Dial,
+    EndPeerStream,
+    HalfCloseDial,
+    OpenDial,
+    PeerDialledIn,
+    PeerDisconnected,
+    PeerDraining,
+    PeerGone,
+    PeerRequests,
+    SendOnDial,
+)
 from protocol.grpc import StatusCode
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.peers import Backoff, PeerAddress, PeerChange
-from protocol.processor_types import DeliverResult, EnginesRemoved, FailRequest, RemoteProtocolError
-from protocol.receiver import Receiver, ReceiverConfig, ReceiverState
+from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
-from protocol.sender import Sender
 
 __all__ = [
     "PROCESS_TASKS_INTERNAL",
+    "DialStream",
     "Exchanger",
     "ExchangerConfig",
-    "PeerReceiver",
     "PeerStream",
-    "ReceiverLoopState",
 ]
 
 log = Logger()
@@ -80,19 +91,16 @@ PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalServic
 
 @dataclass(frozen=True)
 class ExchangerConfig:
-    """How this gateway exchanges tasks with its peers.
+    """How this gateway's peer streams are authenticated and named in logs.
 
-    ``pod_name`` names this gateway in its status reports (peers tell
-    gateways apart by it); ``status_interval`` is how often an unchanged
-    report is re-checked; ``secret``, when set, is required of peers as
-    ``authorization: Bearer <secret>`` and presented to them; ``backoff``
-    spaces reconnects to a peer that cannot be reached.
+    ``pod_name`` names this gateway; ``secret``, when set, is required of
+    peers as ``authorization: Bearer <secret>`` and presented to them. What
+    the core needs (status interval, redial backoff) is in its
+    :class:`~protocol.gateway_effects.CoreConfig`.
     """
 
     pod_name: str
-    status_interval: float = 10.0
     secret: str | None = None
-    backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.2, factor=2.0, cap=10.0, jitter=0.5))
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -105,35 +113,46 @@ Connect = Callable[[PeerAddress], GrpcChannel]
 class PeerStream:
     """One accepted ``ProcessTasksInternal`` stream: the route of the engines its peer reports.
 
-    The pure :class:`~protocol.sender.Sender` is created on the first status
-    report (:meth:`Exchanger.add_or_update_server_status`).
+    A peer that stops reading blocks the route (see
+    :class:`~infx.dispatcher.StreamSendGate`); ``on_drained`` is called when
+    it drains again.
     """
 
-    def __init__(self, call: ServerCall) -> None:
+    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None) -> None:
         self.call = call
-        self.sender: Sender | None = None
+        #: The peer's pod name, from its first report.
+        self.pod_name = ""
         self.closed = False
         self._pending: Deferred[Any] | None = None
+        self._on_drained = on_drained
+        self._gate = StreamSendGate(call, self._drained)
 
-    @property
-    def pod_name(self) -> str:
-        return self.sender.pod_name if self.sender is not None else ""
-
-    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
-            return False
-        message = internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id)
-        self.call.send(message).addErrback(lambda _: None)
-        return True
+            return SendOutcome.GONE
+        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id))
+
+    def _drained(self) -> None:
+        if not self.closed and self._on_drained is not None:
+            self._on_drained(self)
 
     def close(self, reason: str) -> None:
-        """End the stream with UNAVAILABLE; the handler then closes the sender."""
-        if not self.closed:
-            self.closed = True
-            self.call.abort(StatusCode.UNAVAILABLE, reason)
-            # An aborted call delivers nothing more: wake the handler's pending read.
-            if self._pending is not None and not self._pending.called:
-                self._pending.cancel()
+        """End the stream with UNAVAILABLE (or a reset, if messages the peer has not read
+        are queued: a status behind them would never go out)."""
+        self.end(StatusCode.UNAVAILABLE, reason)
+
+    def end(self, code: StatusCode, message: str) -> None:
+        """End the stream with ``code``; the handler's pending read wakes."""
+        if self.closed:
+            return
+        self.closed = True
+        if code is StatusCode.UNAVAILABLE and self.call.buffered_amount:
+            self.call.reset(message)
+        else:
+            self.call.abort(code, message)
+        # An aborted call delivers nothing more: wake the handler's pending read.
+        if self._pending is not None and not self._pending.called:
+            self._pending.cancel()
 
     async def recv(self) -> internal_pb2.ProcessTasksInternalRequest | None:
         """The next message, or None once the peer half-closed or the stream was closed here."""
@@ -155,245 +174,64 @@ class PeerStream:
 # --- the dialling side: we dial a peer --------------------------------------------------
 
 
-class ReceiverLoopState(Enum):
-    """Where a :class:`PeerReceiver` is: its stream not yet accepted, accepted, waiting to
-    redial, draining, or stopped for good."""
+class DialStream:
+    """The gRPC call of one :class:`~protocol.gateway_effects.Dial`: what the peer forwards goes
+    to the core, and the core hears when the peer accepted the stream and when it ended."""
 
-    CONNECTING = "connecting"
-    OPEN = "open"
-    BACKING_OFF = "backing off"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class _ReceiverStream:
-    """One stream of a :class:`PeerReceiver`: the origin of the tasks forwarded on it."""
-
-    def __init__(self, owner: PeerReceiver, channel: GrpcChannel, call: ClientCall, receiver: Receiver) -> None:
-        self.owner = owner
+    def __init__(self, exchanger: Exchanger, dial: Dial, channel: GrpcChannel) -> None:
+        self.exchanger = exchanger
+        self.dial = dial
         self.channel = channel
-        self.call = call
-        self.receiver = receiver
-        self._timer = DeadlineTimer(owner.clock, self._fire)
-        self._ended = False
-
-    # TaskOrigin: the dispatcher hands us the results of tasks we submitted.
-
-    def result_delivered(self, effect: DeliverResult) -> None:
-        self._deliver(effect)
-
-    def request_failed(self, effect: FailRequest) -> None:
-        self._deliver(effect)
-
-    def _deliver(self, effect: Union[DeliverResult, FailRequest]) -> None:
-        if self.receiver.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
-            self.receiver.deliver(effect)
-            self.flush()
-
-    def flush(self) -> None:
-        """Write what the receiver queued, re-arm its timer, and half-close once drained."""
-        for message in self.receiver.pop_messages():
-            self.call.send(message).addErrback(lambda _: None)
-        if self.receiver.drained and not self._ended:
-            self._ended = True
-            self.call.end()
-        self._arm()
-
-    def _arm(self) -> None:
-        self._timer.arm(self.receiver.next_deadline() if self.receiver.state is not ReceiverState.CLOSED else None)
-
-    def _fire(self) -> None:
-        if self.receiver.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
-            self.receiver.handle_timeout(self.owner.clock.seconds())
-            self.flush()
-
-    def disarm(self) -> None:
-        self._timer.cancel()
-
-
-class PeerReceiver:
-    """Keeps one ``ProcessTasksInternal`` stream open to one peer pod.
-
-    Each stream gets a fresh channel and a fresh pure
-    :class:`~protocol.receiver.Receiver`; when a stream ends the receiver
-    redials after a jittered exponential backoff (reset once a stream was
-    accepted), until :meth:`stop` or :meth:`drain`. ``on_stopped`` is called
-    with this receiver once its loop has ended for good.
-    """
-
-    def __init__(
-        self,
-        clock: IReactorTime,
-        dispatcher: Dispatcher,
-        config: ExchangerConfig,
-        name: str,
-        address: PeerAddress,
-        connect: Connect,
-        on_stopped: Callable[[PeerReceiver], None],
-        rng: random.Random,
-    ) -> None:
-        self.clock = clock
-        self.dispatcher = dispatcher
-        self.config = config
-        self.name = name
-        self.address = address
-        self._connect = connect
-        self._on_stopped = on_stopped
-        self._rng = rng
-        self.state = ReceiverLoopState.CONNECTING
-        self.stream: _ReceiverStream | None = None
-        self.failures = 0
-        #: Streams opened and accepted by the peer (tests and logs read it).
-        self.streams_opened = 0
-        self._sleep: Deferred[None] | None = None
-        self._sleep_timer: IDelayedCall | None = None
-        self._stopping = False
-        self._done: Deferred[None] | None = None
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {config.secret}"),) if config.secret else ())
-        #: A peer that refuses us or is not there fails every redial alike: logged once, then counted.
-        self._failures = RepeatSuppressor()
-
-    def start(self) -> None:
-        log.info("dialling peer {name} at {address}", name=self.name, address=str(self.address))
-        self._done = Deferred.fromCoroutine(self._loop())
-        self._done.addErrback(lambda f: log.failure("receiver for peer {name} failed", f, name=self.name))
-        self._done.addBoth(lambda _: self._on_stopped(self))
-
-    def stop(self) -> Deferred[None]:
-        """Stop now: the open stream is cancelled (its forwarded tasks are cancelled here)."""
-        self._stopping = True
-        self._wake()
-        if self.stream is not None:
-            self.stream.call.cancel()
-        return self._when_done()
-
-    def drain(self) -> Deferred[None]:
-        """Graceful stop: report every engine not ready, finish forwarded tasks, then half-close."""
-        self._stopping = True
-        self._wake()
-        stream = self.stream
-        if stream is not None and stream.receiver.state is ReceiverState.OPEN:
-            self.state = ReceiverLoopState.DRAINING
-            stream.receiver.shutdown(self.clock.seconds())
-            stream.flush()
-        return self._when_done()
-
-    def local_engines_changed(self) -> None:
-        stream = self.stream
-        if stream is not None and stream.receiver.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
-            stream.receiver.local_engines_changed(self.clock.seconds())
-            stream.flush()
-
-    def _when_done(self) -> Deferred[None]:
-        if self._done is None or self._done.called:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-
-        def fired(result: Any) -> Any:
-            d.callback(None)
-            return result
-
-        self._done.addBoth(fired)
-        return d
-
-    def _wake(self) -> None:
-        if self._sleep_timer is not None and self._sleep_timer.active():
-            self._sleep_timer.cancel()
-        self._sleep_timer = None
-        sleep, self._sleep = self._sleep, None
-        if sleep is not None:
-            sleep.callback(None)
-
-    async def _loop(self) -> None:
-        while not self._stopping:
-            self.state = ReceiverLoopState.CONNECTING
-            accepted = await self._run_stream()
-            self.failures = 0 if accepted else self.failures + 1
-            if self._stopping:
-                break
-            delay = self.config.backoff.delay(max(1, self.failures), self._rng)
-            self.state = ReceiverLoopState.BACKING_OFF
-            self._sleep = Deferred()
-            self._sleep_timer = self.clock.callLater(delay, self._wake)
-            await self._sleep
-        self.state = ReceiverLoopState.STOPPED
-
-    async def _run_stream(self) -> bool:
-        """One stream from dial to end; True if the peer accepted it."""
-        channel = self._connect(self.address)
-        call = channel.stream(
+        self.call: ClientCall = channel.stream(
             PROCESS_TASKS_INTERNAL,
             internal_pb2.ProcessTasksInternalRequest.SerializeToString,
             internal_pb2.ProcessTasksInternalResponse.FromString,
-            metadata=self._metadata,
+            metadata=exchanger.metadata,
         )
-        receiver = Receiver(self.dispatcher.processor,
-                            ReceiverConfig(self.config.pod_name, self.config.status_interval),
-                            requests_started=lambda: self.dispatcher.requests_started)
-        stream = _ReceiverStream(self, channel, call, receiver)
-        receiver.origin = stream
-        self.stream = stream
-        accepted = False
+        self.cancelled = False
+        self.accepted = False
+        # Known before it runs: a call that fails at once ends inside this constructor.
+        exchanger.dials[dial] = self
+        self.done: Deferred[None] = Deferred.fromCoroutine(self._run())
+        self.done.addErrback(lambda f: log.failure("stream to peer {name} failed", f, name=dial.name))
 
-        def headers_received(_: object) -> None:
-            # Response headers without a status: the peer accepted the stream (and our secret).
-            nonlocal accepted
-            if call.final is None:
-                accepted = True
-                self.streams_opened += 1
-                if self.state is ReceiverLoopState.CONNECTING:
-                    self.state = ReceiverLoopState.OPEN
-                self._log(self._failures.cleared("stream", self.clock.seconds()))
-                log.info("peer {name}: connected at {address}", name=self.name, address=str(self.address),
-                         event="peer_connected")
+    def send(self, message: internal_pb2.ProcessTasksInternalRequest) -> None:
+        self.call.send(message).addErrback(lambda _: None)
 
-        call.initial_metadata().addCallback(headers_received)
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.call.cancel()
+
+    def _headers_received(self, _: object) -> None:
+        # Response headers without a status: the peer accepted the stream (and our secret).
+        if self.call.final is None and not self.accepted:
+            self.accepted = True
+            self.exchanger.dial_accepted(self)
+
+    async def _run(self) -> None:
+        exchanger, dial = self.exchanger, self.dial
+        dispatcher = exchanger.dispatcher
+        self.call.initial_metadata().addCallbacks(self._headers_received, lambda _: None)
         try:
-            # Report at once, not after the headers: a server may send none before its first task.
-            receiver.connected(self.clock.seconds())
-            stream.flush()
             while True:
-                message = await call.recv()
+                message = await self.call.recv()
                 if message is None:
                     break
-                self.dispatcher.task_forwarded(receiver, message)
-                stream.flush()
+                if message.new_task.request.WhichOneof("request") != "cancel_task":
+                    dispatcher.metrics.exchanged.labels("in").inc()
+                dispatcher.run(lambda now: dispatcher.core.dial_message(dial, message, now))
         except GrpcError as e:
-            if not self._stopping:
-                if e.code is StatusCode.UNAUTHENTICATED:
-                    why = f"refused our internal secret ({e.message})"
-                elif accepted:
-                    why = f"lost: {e.code.name} {e.message}"
-                else:
-                    why = f"cannot be reached: {e.code.name} {e.message}"
-                self._log(self._failures.occurred("stream", f"peer {self.name} {why}", self.clock.seconds()),
-                          warn=e.code is StatusCode.UNAUTHENTICATED)
-        except RemoteProtocolError as e:
-            log.warn("peer {name} broke the protocol: {error}", name=self.name, error=str(e))
-            call.cancel()
+            if not self.cancelled and not dispatcher.core.shutting_down:
+                exchanger.dial_failed(self, e)
         finally:
-            self.stream = None
-            stream.disarm()
-            if receiver.state is not ReceiverState.CLOSED:
-                self.dispatcher.receiver_closed(receiver)
-            await channel.close()
-        return accepted
-
-    def _log(self, reports: list[RepeatReport], warn: bool = False) -> None:
-        for report in reports:
-            emit = log.warn if warn and report.kind is not RepeatKind.STOPPED else log.info
-            emit("{text}", text=report.text(), name=self.name, event="peer_failure", count=report.count)
-
-    def __repr__(self) -> str:
-        return f"<PeerReceiver {self.name} {self.address} {self.state.value}>"
+            await exchanger.dial_ended(self)
 
 
 # --- the exchanger ------------------------------------------------------------------------
 
 
 class Exchanger:
-    """Receivers for the live peers, senders for the peers that dialled us; see the module docstring.
+    """The gRPC side of the peer exchange; see the module docstring.
 
     ``make_source(on_change)`` builds the pod source (static peers or the
     Kubernetes pod watcher) that tells this exchanger of every peer change;
@@ -407,27 +245,32 @@ class Exchanger:
         config: ExchangerConfig,
         make_source: Callable[[Callable[[PeerChange], None]], PeerSource],
         connect: Connect,
-        rng: random.Random | None = None,
     ) -> None:
         self.clock = clock
         self.dispatcher = dispatcher
         self.config = config
         self.source = make_source(self.peer_changed)
         self._connect = connect
-        self._rng = rng or random.Random()
-        #: The receiver of each live peer pod, by pod name.
-        self.receivers: dict[str, PeerReceiver] = {}
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {config.secret}"),) if config.secret else ())
         #: Accepted streams of peers that dialled us.
         self.streams: set[PeerStream] = set()
-        self._by_pod: dict[str, PeerStream] = {}
+        #: The open call of each dial the core asked for.
+        self.dials: dict[Dial, DialStream] = {}
         #: Called with a peer's stream and the request counts of each report on it, then with
         #: the stream once it ended (the scaler counts the other gateways' requests).
         self.on_peer_requests: list[Callable[[PeerStream, Mapping[str, int]], None]] = []
         self.on_peer_gone: list[Callable[[PeerStream], None]] = []
-        self._shutting_down = False
-        self._recreating: dict[str, IDelayedCall] = {}
+        self._drained: list[Deferred[None]] = []
+        #: A peer that refuses us or is not there fails every redial alike: logged once, then counted.
+        self._failures: dict[str, RepeatSuppressor] = {}
         #: A peer with the wrong secret redials forever: its refusal is logged once per host, then counted.
         self._refusals = RepeatSuppressor()
+
+    @property
+    def receivers(self) -> Mapping[str, DialledPeer]:
+        """The peers dialled now, by pod name (the core's records, read only)."""
+        return self.dispatcher.core.peers
 
     # --- life cycle -------------------------------------------------------------
 
@@ -441,9 +284,8 @@ class Exchanger:
         )
 
     def start(self) -> None:
-        """Start reporting local engine changes and learning peers."""
-        self.dispatcher.on_local_engines_changed.append(self.local_engines_changed)
-        self.dispatcher.on_engines_removed.append(self.engines_removed)
+        """Perform the core's peer effects and start learning peers."""
+        self.dispatcher.peer_effects = self.perform
         self.source.start()
 
     def drain(self) -> Deferred[Any]:
@@ -452,81 +294,116 @@ class Exchanger:
         Streams peers opened to us stay up, so that our own in-flight
         requests served by their engines can finish; :meth:`stop` ends them.
         """
-        self._shutting_down = True
-        self._cancel_recreations()
         stopping = self.source.stop()
-        drains = [receiver.drain() for receiver in list(self.receivers.values())]
-        return DeferredList([stopping, *drains], consumeErrors=True)
+        self.dispatcher.run(self.dispatcher.core.drain_peers)
+        drained: Deferred[None] = Deferred()
+        self._drained.append(drained)
+        self._check_drained()
+        return DeferredList([stopping, drained], consumeErrors=True)
 
     def stop(self) -> Deferred[Any]:
-        """Second half: cancel what is left of our receivers and end every stream peers opened to us."""
-        self._shutting_down = True
-        self._cancel_recreations()
-        if self.local_engines_changed in self.dispatcher.on_local_engines_changed:
-            self.dispatcher.on_local_engines_changed.remove(self.local_engines_changed)
-        if self.engines_removed in self.dispatcher.on_engines_removed:
-            self.dispatcher.on_engines_removed.remove(self.engines_removed)
-        stops = [receiver.stop() for receiver in list(self.receivers.values())]
-        for stream in list(self.streams):
-            self._close_stream(stream, f"gateway {self.config.pod_name!r} is shutting down")
-        return DeferredList([self.source.stop(), *stops], consumeErrors=True)
+        """Second half: cancel what is left of our dials and end every stream peers opened to us."""
+        stopping = self.source.stop()
+        self.dispatcher.run(self.dispatcher.core.stop)
+        return DeferredList([stopping, *[stream.done for stream in list(self.dials.values())]], consumeErrors=True)
 
-    def _cancel_recreations(self) -> None:
-        for delayed in self._recreating.values():
-            if delayed.active():
-                delayed.cancel()
-        self._recreating.clear()
+    def _check_drained(self) -> None:
+        if self.dispatcher.core.dialling == 0 and not self.dials:
+            waiters, self._drained = self._drained, []
+            for waiter in waiters:
+                waiter.callback(None)
 
     # --- peers we dial ------------------------------------------------------------
 
     def peer_changed(self, change: PeerChange) -> None:
-        """The pod source's callback: bring that pod's receiver in line with the source."""
-        self.reconcile(change.name)
+        """The pod source's callback: the core brings its dials in line with the source."""
+        self.dispatcher.run(lambda now: self.dispatcher.core.peers_changed(dict(self.source.peers), now))
 
-    def reconcile(self, pod: str) -> None:
-        """Create, replace or delete ``pod``'s receiver from its current state in the pod source."""
-        desired = None if self._shutting_down else self.source.peers.get(pod)
-        current = self.receivers.get(pod)
-        if pod in self._recreating:
-            return  # a failed receiver's replacement is already scheduled
-        if current is not None and (desired != current.address or current.state is ReceiverLoopState.STOPPED):
-            del self.receivers[pod]
-            log.info("peer {name}: stopping its receiver", name=pod)
-            current.stop()
-            current = None
-        if current is None and desired is not None:
-            receiver = PeerReceiver(self.clock, self.dispatcher, self.config, pod, desired, self._connect,
-                                    self._receiver_stopped, self._rng)
-            self.receivers[pod] = receiver
-            receiver.start()
+    def dial_accepted(self, stream: DialStream) -> None:
+        name = stream.dial.name
+        self._log(name, self._suppressor(name).cleared("stream", self.clock.seconds()))
+        log.info("peer {name}: connected at {address}", name=name, address=str(stream.dial.address),
+                 event="peer_connected")
+        self.dispatcher.run(lambda now: self.dispatcher.core.dial_accepted(stream.dial, now))
 
-    def _receiver_stopped(self, receiver: PeerReceiver) -> None:
-        """A receiver that stopped on its own (not replaced, not shut down) failed: it is
-        re-created, if still wanted, after a backoff delay (a synchronous failure would
-        otherwise loop)."""
-        if self.receivers.get(receiver.name) is not receiver or self._shutting_down:
-            return
-        del self.receivers[receiver.name]
-        delay = self.config.backoff.delay(1, self._rng)
-        self._recreating[receiver.name] = self.clock.callLater(delay, self._recreate, receiver.name)
+    def dial_failed(self, stream: DialStream, error: GrpcError) -> None:
+        name = stream.dial.name
+        if error.code is StatusCode.UNAUTHENTICATED:
+            why = f"refused our internal secret ({error.message})"
+        elif stream.accepted:
+            why = f"lost: {error.code.name} {error.message}"
+        else:
+            why = f"cannot be reached: {error.code.name} {error.message}"
+        self._log(name, self._suppressor(name).occurred("stream", f"peer {name} {why}", self.clock.seconds()),
+                  warn=error.code is StatusCode.UNAUTHENTICATED)
 
-    def _recreate(self, pod: str) -> None:
-        del self._recreating[pod]
-        self.reconcile(pod)
+    async def dial_ended(self, stream: DialStream) -> None:
+        if self.dials.get(stream.dial) is stream:
+            del self.dials[stream.dial]
+        self.dispatcher.run(lambda now: self.dispatcher.core.dial_closed(stream.dial, now))
+        await stream.channel.close()
+        self._check_drained()
 
-    def local_engines_changed(self) -> None:
-        """Local engines changed: every receiver re-reports them (if the report differs)."""
-        for receiver in list(self.receivers.values()):
-            receiver.local_engines_changed()
+    def _suppressor(self, name: str) -> RepeatSuppressor:
+        return self._failures.setdefault(name, RepeatSuppressor())
+
+    def _log(self, name: str, reports: list[RepeatReport], warn: bool = False) -> None:
+        for report in reports:
+            emit = log.warn if warn and report.kind is not RepeatKind.STOPPED else log.info
+            emit("{text}", text=report.text(), name=name, event="peer_failure", count=report.count)
+
+    # --- the core's peer effects ---------------------------------------------------
+
+    def perform(self, effect: CoreEffect) -> None:
+        """Perform one of the core's effects on a dial or an accepted peer stream."""
+        if isinstance(effect, OpenDial):
+            self._open(effect.dial)
+        elif isinstance(effect, SendOnDial):
+            dialled = self.dials.get(effect.dial)
+            if dialled is not None:
+                dialled.send(effect.message)
+        elif isinstance(effect, HalfCloseDial):
+            dialled = self.dials.get(effect.dial)
+            if dialled is not None:
+                dialled.call.end()
+        elif isinstance(effect, CancelDial):
+            dialled = self.dials.get(effect.dial)
+            log.info("peer {name}: stream given up: {reason}", name=effect.dial.name, reason=effect.reason)
+            if dialled is not None:
+                dialled.cancel()
+        elif isinstance(effect, EndPeerStream):
+            stream: PeerStream = effect.stream  # type: ignore[assignment]
+            self.streams.discard(stream)
+            stream.end(effect.code, effect.message)
+        elif isinstance(effect, PeerDialledIn):
+            stream = effect.stream  # type: ignore[assignment]
+            stream.pod_name = effect.pod_name
+            log.info("peer {pod} dialled in from {address} with {engines} engines", pod=effect.pod_name or "?",
+                     address=str(stream.call.peer), engines=effect.engines, event="peer_dialled_in")
+        elif isinstance(effect, PeerDraining):
+            log.info("peer {pod} is draining: its engines take no new tasks from here", pod=effect.pod_name or "?",
+                     event="peer_draining")
+        elif isinstance(effect, PeerDisconnected):
+            log.info("peer {pod} disconnected: its {engines} engines are gone here", pod=effect.pod_name or "?",
+                     engines=effect.engines, event="peer_gone")
+        elif isinstance(effect, PeerRequests):
+            for listener in self.on_peer_requests:
+                listener(effect.stream, effect.counts)  # type: ignore[arg-type]
+        elif isinstance(effect, PeerGone):
+            self.streams.discard(effect.stream)  # type: ignore[arg-type]
+            for gone in self.on_peer_gone:
+                gone(effect.stream)  # type: ignore[arg-type]
+
+    def _open(self, dial: Dial) -> None:
+        if dial.attempt == 1:
+            log.info("dialling peer {name} at {address}", name=dial.name, address=str(dial.address))
+        try:
+            DialStream(self, dial, self._connect(dial.address))  # type: ignore[arg-type]
+        except Exception:
+            log.failure("cannot dial peer {name}", name=dial.name)
+            self.dispatcher.run_later(lambda now: self.dispatcher.core.dial_closed(dial, now))
 
     # --- peers that dial us ---------------------------------------------------------
-
-    def engines_removed(self, effect: EnginesRemoved) -> None:
-        """Engines left the processor: every peer's sender registers those its peer
-        reported while they were registered elsewhere (peers re-report only on change)."""
-        for stream in list(self.streams):
-            if stream.sender is not None and not stream.closed:
-                self.dispatcher.peer_engines_removed(stream.sender, effect.engines)
 
     async def process_tasks_internal(self, call: ServerCall) -> None:
         """Serve one peer's stream: its reports register its engines, its results reach our requests."""
@@ -538,76 +415,22 @@ class Exchanger:
                 log.warn("{text}", text=report.text(), address=address, event="peer_refused", count=report.count)
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         call.authenticated()
-        if self._shutting_down:
-            raise GrpcError(StatusCode.UNAVAILABLE, f"gateway {self.config.pod_name!r} is shutting down")
-        stream = PeerStream(call)
+        core = self.dispatcher.core
+        stream = PeerStream(call, self.dispatcher.route_writable)
         self.streams.add(stream)
-        # Headers now tell the peer's receiver the stream is accepted before any task flows.
-        call.send_initial_metadata()
+        self.dispatcher.run(lambda now: core.peer_stream_opened(stream, now))
+        if not stream.closed:
+            # Headers now tell the peer's receiver the stream is accepted before any task flows.
+            call.send_initial_metadata()
         try:
-            while True:
+            while not stream.closed:
                 message = await stream.recv()
                 if message is None:
                     break
-                kind = message.WhichOneof("message")
-                if kind == "server_status":
-                    self.add_or_update_server_status(stream, message)
-                elif stream.sender is None:
-                    raise GrpcError(StatusCode.FAILED_PRECONDITION, "a task result arrived before any ServerStatus")
-                else:
-                    self.dispatcher.peer_reported(stream.sender, message)
-        except RemoteProtocolError as e:
-            raise GrpcError(StatusCode.INVALID_ARGUMENT, str(e)) from None
+                self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
         finally:
-            self._forget_stream(stream)
-
-    def add_or_update_server_status(self, stream: PeerStream,
-                                    message: internal_pb2.ProcessTasksInternalRequest) -> None:
-        """A peer reported its engines on ``stream``; the stream's sender is created on its first report.
-
-        A newer stream from the same pod replaces the older one (the peer
-        reconnected; the old connection is stale).
-        """
-        pod = message.server_status.pod_name
-        if stream.sender is None:
-            stream.sender = Sender(self.dispatcher.processor, route=stream)
-            log.info("peer {pod} dialled in from {address} with {engines} engines", pod=pod or "?",
-                     address=str(stream.call.peer), engines=len(message.server_status.engine_statuses),
-                     event="peer_dialled_in")
-        if message.server_status.draining and not stream.sender.peer_draining:
-            log.info("peer {pod} is draining: its engines take no new tasks from here", pod=pod or "?",
-                     event="peer_draining")
-        older = self._by_pod.get(pod)
-        if older is not None and older is not stream:
-            self.remove_server(pod)
-        self.dispatcher.peer_reported(stream.sender, message)
-        if pod:
-            self._by_pod[pod] = stream
-        for listener in self.on_peer_requests:
-            listener(stream, stream.sender.requests_started)
-
-    def remove_server(self, pod_name: str) -> None:
-        """Drop the stream ``pod_name`` opened to us: its engines go, their tasks fail over."""
-        stream = self._by_pod.pop(pod_name, None)
-        if stream is not None:
-            self._close_stream(stream, f"peer {pod_name!r} reconnected or is gone")
-
-    def _close_stream(self, stream: PeerStream, reason: str) -> None:
-        self._forget_stream(stream)
-        stream.close(reason)
-
-    def _forget_stream(self, stream: PeerStream) -> None:
-        if stream not in self.streams:
-            return
-        self.streams.discard(stream)
-        if self._by_pod.get(stream.pod_name) is stream:
-            del self._by_pod[stream.pod_name]
-        if stream.sender is not None:
-            log.info("peer {pod} disconnected: its {engines} engines are gone here", pod=stream.pod_name or "?",
-                     engines=len(stream.sender.engines), event="peer_gone")
-            self.dispatcher.peer_stream_closed(stream.sender)
-            for gone in self.on_peer_gone:
-                gone(stream)
+            self.streams.discard(stream)
+            self.dispatcher.run(lambda now: core.peer_stream_closed(stream, now))
 
 
 def _bearer_matches(call: ServerCall, secret: str) -> bool:

@@ -37,7 +37,7 @@ from infx.auth import KeyStore, Principal
 from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
-from protocol import openai_completions, openai_requests, openai_verbatim
+from protocol import openai_completions, openai_requests, openai_verbatim, routing_hints
 from protocol.fair_queue import CriticalityRefused, requested_criticality
 from protocol.openai_errors import InvalidRequestError, OpenAIError, error_event, error_json, reason_phrase
 from protocol.pb import worker_pb2
@@ -67,34 +67,85 @@ GONE_RETRY_AFTER = 5
 CRITICALITY_HEADER = "x-infx-criticality"
 
 
-class GatewayRequest(server.Request):
-    """A request that stops buffering its body past the site's size limit.
+#: What :class:`GatewayRequest` still reads (and drops) of a body it refused, after its 413 is
+#: written, so that a client busy sending sees the answer rather than a reset; then, or after
+#: ``REFUSED_BODY_DRAIN_SECONDS``, the connection is closed.
+REFUSED_BODY_DRAIN_BYTES = 256 * 1024
+REFUSED_BODY_DRAIN_SECONDS = 2.0
+#: The body limit of a request served by a site other than :class:`GatewaySite`.
+DEFAULT_MAX_BODY_SIZE = 32 * 1024 * 1024
 
-    The rest of an oversized body is read and dropped, so the connection stays
-    usable and memory stays bounded; the handler answers 413.
+
+class GatewayRequest(server.Request):
+    """A request that answers 413 as soon as its body is known to be over the site's limit.
+
+    A ``Content-Length`` over the limit is refused once the headers are in, a
+    chunked body once it grows past it: the 413 (an OpenAI-style error) goes
+    out at once and the connection closes after a small drain allowance, so an
+    endless body costs neither memory nor a connection held open.
     """
 
     body_too_large = False
     _received = 0
+    _drained = 0
+    _drain_timer: Any = None
+    _closing = False
 
     def _limit(self) -> int:
-        return int(getattr(self.channel.site, "max_body_size", 32 * 1024 * 1024))
+        return int(getattr(self.channel.site, "max_body_size", DEFAULT_MAX_BODY_SIZE))
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
-            self.body_too_large = True
-            length = 0
+            super().gotLength(0)
+            self._refuse_body(f"The request body ({length} bytes) is larger than this gateway accepts "
+                              f"({self._limit()} bytes).")
+            return
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_too_large:
+            self._drained += len(data)
+            if self._drained > REFUSED_BODY_DRAIN_BYTES:
+                self._close()
             return
         self._received += len(data)
         if self._received > self._limit():
-            self.body_too_large = True
             self.content = BytesIO()
+            self._refuse_body(f"The request body is larger than this gateway accepts ({self._limit()} bytes).")
             return
         super().handleContentChunk(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if self.body_too_large:
+            # The refused body ended within the drain allowance: it was answered already.
+            self._close()
+            return
+        super().requestReceived(command, path, version)
+
+    def _refuse_body(self, message: str) -> None:
+        self.body_too_large = True
+        # No "100 Continue" for a body that is refused.
+        self.requestHeaders.removeHeader(b"expect")
+        body = error_json(413, message, code="request_too_large")
+        head = (b"HTTP/1.1 413 %s\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % (reason_phrase(413).encode(), len(body)))
+        self.channel.transport.write(head + body)
+        self.channel.persistent = False
+        self._drain_timer = self.channel.callLater(REFUSED_BODY_DRAIN_SECONDS, self._close)
+
+    def _close(self) -> None:
+        if self._drain_timer is not None and self._drain_timer.active():
+            self._drain_timer.cancel()
+        self._drain_timer = None
+        if not self._closing and self.channel is not None and self.channel.transport is not None:
+            self._closing = True
+            self.channel.loseConnection()
+
+    def connectionLost(self, reason: Any) -> None:
+        if self._drain_timer is not None and self._drain_timer.active():
+            self._drain_timer.cancel()
+        self._drain_timer = None
+        super().connectionLost(reason)
 
 
 class GatewaySite(server.Site):
@@ -115,6 +166,7 @@ class Gateway:
         metrics: GatewayMetrics,
         keys: KeyStore | None = None,
         max_buffered_bytes: int = 4 * 1024 * 1024,
+        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
     ) -> None:
         self.runner = runner
         self.clock = clock
@@ -122,6 +174,8 @@ class Gateway:
         self.keys = keys or KeyStore.disabled()
         self.limiter = RateLimiter()
         self.max_buffered_bytes = max_buffered_bytes
+        #: Checked again when a request is handled, for a site that is not a GatewaySite.
+        self.max_body_size = max_body_size
         self.listening = False
         self.shutting_down = False
         self.active_calls: set[ApiCall] = set()
@@ -146,7 +200,7 @@ class ApiCall:
     falls more than ``max_buffered_bytes`` behind is cut off alone.
     """
 
-    def __init__(self, gateway: Gateway, request: GatewayRequest, endpoint: str,
+    def __init__(self, gateway: Gateway, request: server.Request, endpoint: str,
                  transform: CompletionTransform | None = None) -> None:
         self.gateway = gateway
         self.request = request
@@ -177,7 +231,9 @@ class ApiCall:
         request_id = _header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
         self.trace.request_id = request_id
-        if request.body_too_large:
+        # A GatewaySite refuses an oversized body before it gets here; another site
+        # (the resource mounted in a plain twisted.web Site) has buffered it whole.
+        if _body_size(request) > self.gateway.max_body_size:
             return self._refuse(413, "The request body is larger than this gateway accepts.", code="request_too_large")
         principal = self._authenticate()
         if principal is None:
@@ -185,13 +241,14 @@ class ApiCall:
         self.trace.tenant = principal.tenant
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
+        body = request.content.read() if request.content else b""
         try:
             criticality = requested_criticality(principal.criticality, principal.admin,
                                                 _header(request, CRITICALITY_HEADER))
         except CriticalityRefused as e:
             return self._refuse(400, f"{CRITICALITY_HEADER}: {e}", code="invalid_criticality")
         try:
-            parsed = parse(request.content.read() if request.content else b"")
+            parsed = parse(body)
         except OpenAIError as e:
             return self._finish_error(e.status, e.to_json())
         self.model = parsed.model
@@ -213,17 +270,19 @@ class ApiCall:
                 503, f"No engine serves the model '{parsed.model}' right now; retry later.",
                 code="model_unavailable", param="model",
             )
+        submission_headers = _forwarded_headers(request, request_id)
         submission = Submission(
             tenant=principal.tenant,
             model=parsed.model,
             request=parsed.request,
             streaming=parsed.stream,
-            headers=_forwarded_headers(request, request_id),
+            headers=submission_headers,
             timeout=_client_timeout(request),
             request_id=request_id,
             criticality=criticality,
             flow=principal.key_id,
             weight=principal.weight,
+            routing_hints=routing_hints.hints_from_json(self.endpoint, body, submission_headers),
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)
@@ -467,6 +526,16 @@ class CompletionTransform:
 # --- helpers ------------------------------------------------------------------
 
 
+def _body_size(request: server.Request) -> int:
+    content = request.content
+    if content is None:
+        return 0
+    position = content.tell()
+    size = content.seek(0, 2)
+    content.seek(position)
+    return int(size)
+
+
 def _header(request: server.Request, name: str) -> str | None:
     # Asked by bytes name, Twisted returns the raw bytes; by str name it decodes
     # them as UTF-8 and a client's non-UTF-8 header would raise (a 500).
@@ -545,7 +614,7 @@ class _Endpoint(resource.Resource):
         self.transform = transform
         self.runtime_path = runtime_path or f"/v1/{name}"
 
-    def render_POST(self, request: GatewayRequest) -> int | bytes:
+    def render_POST(self, request: server.Request) -> int | bytes:
         call = ApiCall(self.gateway, request, self.name, self.transform() if self.transform else None)
         path = _runtime_uri(request, self.runtime_path)
         return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
@@ -557,7 +626,7 @@ def _runtime_uri(request: server.Request, path: str) -> str:
     return path + (mark + query).decode("latin-1")
 
 
-def _parse_multipart_transcription(request: GatewayRequest) -> Parser:
+def _parse_multipart_transcription(request: server.Request) -> Parser:
     """Audio transcriptions arrive as multipart/form-data: fields plus the file and its name."""
 
     def parse(body: bytes) -> openai_requests.ParsedRequest:
@@ -596,7 +665,7 @@ class _Transcriptions(resource.Resource):
         super().__init__()
         self.gateway = gateway
 
-    def render_POST(self, request: GatewayRequest) -> int | bytes:
+    def render_POST(self, request: server.Request) -> int | bytes:
         return ApiCall(self.gateway, request, "audio/transcriptions").start(_parse_multipart_transcription(request))
 
 

@@ -17,15 +17,14 @@ from collections.abc import Callable
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
-from twisted.web.http import PotentialDataLoss
+from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from infx.deadline import DeadlineTimer
+from infx.side_http import CappedBody, quiet_pool
 from protocol.runtime_load import (
     LoadChanged,
     LoadEffect,
@@ -41,43 +40,9 @@ __all__ = ["RuntimeLoadWatch", "scrape_pool"]
 log = Logger()
 
 
-class _QuietFactory(_HTTP11ClientFactory):
-    noisy = False
-
-
 def scrape_pool(clock: IReactorTime) -> HTTPConnectionPool:
     """Connections for the scrapes alone: two kept open (``/metrics`` and ``/slots``), quiet."""
-    pool = HTTPConnectionPool(clock, persistent=True)
-    pool.maxPersistentPerHost = 2
-    pool._factory = _QuietFactory
-    return pool
-
-
-class _CappedBody(Protocol):
-    """Collects a body up to :data:`~protocol.runtime_metrics.MAX_BODY`; a larger one fails the GET."""
-
-    def __init__(self, done: Deferred[bytes]) -> None:
-        self._done = done
-        self._chunks: list[bytes] = []
-        self._size = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > MAX_BODY:
-            if self.transport is not None:
-                self.transport.stopProducing()
-            return
-        self._chunks.append(data)
-
-    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if self._done.called:
-            return
-        if self._size > MAX_BODY:
-            self._done.errback(ValueError(f"body over {MAX_BODY} bytes"))
-        elif reason.check(ResponseDone, PotentialDataLoss):
-            self._done.callback(b"".join(self._chunks))
-        else:
-            self._done.errback(reason)
+    return quiet_pool(clock, 2)
 
 
 class RuntimeLoadWatch(Service):
@@ -169,7 +134,7 @@ class RuntimeLoadWatch(Service):
             if response.code == 401 and self.refused is not None:
                 self.refused()  # the key may have been rotated: let the credentials reread it
             body: Deferred[bytes] = Deferred()
-            response.deliverBody(_CappedBody(body))
+            response.deliverBody(CappedBody(body, MAX_BODY, truncate=False))
             return body.addCallbacks(
                 lambda data: answered.callback(ScrapeAnswer(response.code, data)),
                 lambda failure: answered.callback(ScrapeAnswer(None)),

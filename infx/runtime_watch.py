@@ -15,15 +15,14 @@ from collections.abc import Callable
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
-from twisted.web.http import PotentialDataLoss
+from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from infx.deadline import DeadlineTimer
+from infx.side_http import CappedBody, quiet_pool
 from infx.runtimes import OpenAIRuntime
 from protocol.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
 
@@ -35,45 +34,10 @@ log = Logger()
 MAX_CHECK_BODY = 1024 * 1024
 
 
-class _QuietFactory(_HTTP11ClientFactory):
-    """Twisted logs every connection factory's start and stop; a check every few seconds
-    (on a connection the runtime may close between checks) would fill the log with them."""
-
-    noisy = False
-
-
 def check_pool(clock: IReactorTime) -> HTTPConnectionPool:
     """Connections for the health checks alone, so that a check never waits behind busy task
     connections; one kept open per runtime, quiet in the log."""
-    pool = HTTPConnectionPool(clock, persistent=True)
-    pool.maxPersistentPerHost = 1
-    pool._factory = _QuietFactory
-    return pool
-
-
-class _CappedBody(Protocol):
-    """Collects a check's body up to :data:`MAX_CHECK_BODY`, then fires ``done``."""
-
-    def __init__(self, done: Deferred[bytes]) -> None:
-        self._done = done
-        self._chunks: list[bytes] = []
-        self._size = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > MAX_CHECK_BODY:
-            if self.transport is not None:
-                self.transport.stopProducing()
-            return
-        self._chunks.append(data)
-
-    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if self._done.called:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss) or self._size > MAX_CHECK_BODY:
-            self._done.callback(b"".join(self._chunks))
-        else:
-            self._done.errback(reason)
+    return quiet_pool(clock, 1)
 
 
 class RuntimeWatch(Service):
@@ -128,7 +92,7 @@ class RuntimeWatch(Service):
             if response.code == 401 and self.runtime.credentials is not None:
                 self.runtime.credentials.refused()
             body: Deferred[bytes] = Deferred()
-            response.deliverBody(_CappedBody(body))
+            response.deliverBody(CappedBody(body, MAX_CHECK_BODY, truncate=True))
             return body.addCallback(lambda data: self._outcome(
                 pending, lambda now: self.machine.check_answered(check.check_id, response.code, data, now)))
 

@@ -27,7 +27,6 @@ from prometheus_client.core import GaugeMetricFamily
 from twisted.application import service
 from twisted.internet import defer
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
@@ -343,93 +342,59 @@ class InferenceScaler:
 
 
 class ProcessorLink:
-    """Joins an :class:`InferenceScaler` to the gateway's :class:`infx.dispatcher.Dispatcher`.
+    """Joins an :class:`InferenceScaler` to the gateway core's scaler signals (through the
+    :class:`infx.dispatcher.Dispatcher`, which hands this link those effects).
 
-    - A ``TaskQueued`` (a task waits because no ready engine serves its
-      model) holds the task in the scaler, which begins or joins the model's
-      cold start; the processor keeps the task and dispatches it itself the
-      moment an engine reports the model ready.
+    - ``TaskQueued`` (a task waits because no ready engine serves its model; the
+      core passes each task once): the model is gone whatever the scaler last
+      heard (an engine may have crashed), and the task is held in the scaler,
+      which begins or joins the model's cold start; the processor keeps the
+      task and dispatches it itself the moment an engine reports the model ready.
+    - ``ModelServed``: a held task left the queue for an engine, so the model is
+      ready (the scaler resolves its held tasks); ``TaskReleased``: a held task
+      ended otherwise and is forgotten.
+    - ``ReportLoad``: in-flight tasks per model, so the leader never takes a busy
+      deployment to zero.
     - When the scaler gives up on a model (crash loop, startup timeout), the
       processor's waiting tasks for it fail with the scaler's status and reason.
-    - :meth:`sync` (on every local engine change, and every ``interval``
-      seconds for engines of peers) releases tasks that left the queue; one
-      that left it for an engine means the model is ready. It also reports
-      in-flight tasks per model as load, so the leader never takes a busy
-      deployment to zero.
-    - ``can_start`` tells the gateway a model no engine serves yet is not a 404.
+    - The core asks the scaler whether it could start a model no engine serves
+      yet (not a 404).
 
     A task the scaler refuses on its own (no deployment, hold cap) stays in the
     processor's queue and ends with the processor's queue timeout.
     """
 
-    def __init__(self, scaler: InferenceScaler, dispatcher: Any, clock: IReactorTime,
-                 interval: float = 1.0) -> None:
+    def __init__(self, scaler: InferenceScaler, dispatcher: Any) -> None:
         self.scaler = scaler
         self.dispatcher = dispatcher
-        self._held: dict[str, tuple[str, str]] = {}
-        self._reported: set[str] = set()
-        dispatcher.on_task_queued.append(self.task_queued)
-        dispatcher.on_local_engines_changed.append(self.sync)
-        dispatcher.can_start = lambda tenant, model: scaler.machine.serves(model)
+        dispatcher.scaler_effects = self.perform
         scaler.fail_held = self.fail_held
-        self._loop = LoopingCall(self.sync)
-        self._loop.clock = clock
-        self._interval = interval
-
-    def start(self) -> None:
-        """Begin the periodic sync."""
-        if not self._loop.running:
-            self._loop.start(self._interval, now=False)
+        dispatcher.run(lambda now: dispatcher.core.scaler_attached(
+            lambda tenant, model: scaler.machine.serves(model), now))
 
     def stop(self) -> None:
-        """End the periodic sync."""
-        if self._loop.running:
-            self._loop.stop()
+        """No more load reports (the gateway is stopping)."""
+        self.dispatcher.run(self.dispatcher.core.scaler_detached)
 
-    def task_queued(self, queued: Any) -> None:
-        """The processor's ``TaskQueued`` effect."""
-        if queued.task_id in self._held:
-            return
-        # Queued means no ready engine serves the model right now, whatever
-        # the scaler last heard (an engine may have crashed).
-        self.scaler.model_gone(queued.model_id)
-        self._held[queued.task_id] = (queued.tenant_id, queued.model_id)
-        d = self.scaler.hold(queued.model_id, request_id=queued.task_id)
-        d.addCallback(lambda _: self._held.pop(queued.task_id, None))
+    def perform(self, effect: Any) -> None:
+        """One of the core's scaler signals."""
+        from protocol.gateway_effects import ModelServed, ReportLoad, TaskReleased
+        from protocol.processor_types import TaskQueued
+
+        if isinstance(effect, TaskQueued):
+            self.scaler.model_gone(effect.model_id)
+            self.scaler.hold(effect.model_id, request_id=effect.task_id)
+        elif isinstance(effect, ModelServed):
+            self.scaler.model_ready(effect.model)
+        elif isinstance(effect, TaskReleased):
+            self.scaler.release(effect.task_id)
+        elif isinstance(effect, ReportLoad):
+            self.scaler.observe_in_progress(effect.model, effect.count)
 
     def fail_held(self, model: str, error: ScaleError) -> None:
         """Fail every tenant's waiting tasks for ``model``."""
-        processor = self.dispatcher.processor
-        for tenant, waiting_model in list(processor.waiting_counts()):
-            if waiting_model == model:
-                self.dispatcher.run(lambda now, tenant=tenant: processor.fail_waiting(
-                    now, tenant, model, error.http_status, error.message))
-
-    def sync(self) -> None:
-        """Release tasks that left the queue; report ready models and in-flight load."""
-        from protocol.processor import TaskState
-
-        processor = self.dispatcher.processor
-        ready: set[str] = set()
-        gone: list[str] = []
-        for task_id, (_, model) in self._held.items():
-            if not processor.has_task(task_id):
-                gone.append(task_id)
-            elif processor.task_state(task_id) is not TaskState.WAITING:
-                ready.add(model)
-        for model in sorted(ready):
-            self.scaler.model_ready(model)  # resolves (and so forgets) its held tasks
-        for task_id in gone:
-            if self._held.pop(task_id, None) is not None:
-                self.scaler.release(task_id)
-        in_flight: dict[str, int] = {}
-        for (_, model), count in processor.in_flight_counts().items():
-            in_flight[model] = in_flight.get(model, 0) + count
-        for model in self._reported - in_flight.keys():
-            self.scaler.observe_in_progress(model, 0)
-        for model, count in in_flight.items():
-            self.scaler.observe_in_progress(model, count)
-        self._reported = set(in_flight)
+        self.dispatcher.run(lambda now: self.dispatcher.core.scaler_gave_up(
+            model, error.http_status, error.message, now))
 
 
 class ScalerService(service.Service):

@@ -32,10 +32,12 @@ from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
+from protocol.gateway_effects import CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
+from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
@@ -154,10 +156,14 @@ class GatewayService(service.MultiService):
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             shed_waiting_threshold=config.shed_waiting_threshold,
+            routing=RoutingConfig(policy=RoutingPolicy(config.routing_policy)),
+            route_stuck_timeout=config.route_stuck_timeout,
         ))
-        self.dispatcher = Dispatcher(reactor, self.processor, self.metrics)
+        self.pod_name = pod_name or self._default_pod_name()
+        self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
+                                     config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys)
+        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
         self.http = ListeningService(reactor, "--http", config.http, site)
@@ -175,8 +181,6 @@ class GatewayService(service.MultiService):
         self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server)
         self.worker_grpc.setServiceParent(self)
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
-        self.pod_name = pod_name or self._default_pod_name()
-        self.dispatcher.pod_name = self.pod_name
         self._build_exchange(self.pod_name)
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
@@ -197,7 +201,7 @@ class GatewayService(service.MultiService):
                                            config=ScalerConfig(peer_report_interval=self.config.status_interval),
                                            registry=self.registry)
         scaler_service.setServiceParent(self)
-        self.scaler_link = ProcessorLink(scaler_service.scaler, self.dispatcher, self.reactor)
+        self.scaler_link = ProcessorLink(scaler_service.scaler, self.dispatcher)
         self.dispatcher.on_request_started.append(scaler_service.scaler.request_started)
         self.dispatcher.on_request_finished.append(scaler_service.scaler.request_finished)
         # Requests other gateways accepted: the leader's rps would otherwise be its own share only.
@@ -291,8 +295,6 @@ class GatewayService(service.MultiService):
         self.exchanger.start()
         if self.builtin_engine is not None:
             self.builtin_engine.startService()
-        if self.scaler is not None:
-            self.scaler_link.start()
         self.gateway.listening = True
 
     @defer.inlineCallbacks
@@ -334,7 +336,7 @@ class GatewayService(service.MultiService):
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
-            ExchangerConfig(pod_name=pod_name, status_interval=config.status_interval, secret=config.internal_secret),
+            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret),
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)

@@ -74,6 +74,11 @@ class Options(VersionOption, usage.Options):
         ["shed-waiting-threshold", None, None,
          "Sheddable requests get 429 with Retry-After when every engine of their model is at "
          "--max-in-flight-per-engine and this many requests wait already [default: 0]."],
+        ["routing-policy", None, None,
+         f"affinity, least_in_progress (LLMariner's) or round_robin [default: {_DEFAULTS.routing_policy}]."],
+        ["route-stuck-timeout", None, None,
+         "Seconds an engine or peer may leave its stream unread before it is closed and its tasks "
+         f"fail over [default: {_DEFAULTS.route_stuck_timeout:g}]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

@@ -10,12 +10,15 @@ runner against a scripted sink.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from protocol.gateway_core import Availability
 from protocol.fair_queue import Criticality
 from protocol.pb import worker_pb2
+from protocol.routing_hints import RoutingHints
+
+__all__ = ["Availability", "ResultSink", "ServedBy", "Submission", "TaskHandle", "TaskRunner"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,8 @@ class Submission:
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
     weight: float = 1.0
+    #: Prefix blocks, session and adapter for the routing policy (None: route by load).
+    routing_hints: RoutingHints | None = None
 
 
 @dataclass
@@ -80,19 +85,6 @@ class TaskHandle(Protocol):
 
     def consumed(self, count: int) -> None:
         """``count`` more results have been written out to the client (flow control)."""
-
-
-class Availability(enum.Enum):
-    """What the gateway may promise a client about a model before accepting its task."""
-
-    #: An engine of the tenant lists the model (ready or still loading): the task is routed or waits.
-    SERVED = "served"
-    #: No engine lists it, but one can be started (the scaler): the task waits for it.
-    STARTABLE = "startable"
-    #: Engines served it recently and none does now: 503, try again later.
-    GONE = "gone"
-    #: Never served here and nothing can start it: 404.
-    UNKNOWN = "unknown"
 
 
 class TaskRunner(Protocol):

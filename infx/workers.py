@@ -8,12 +8,12 @@ processor removes its engines and fails their tasks over.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from twisted.logger import Logger
 
 from infx.auth import KeyStore
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES, Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
@@ -36,28 +36,41 @@ class EngineStream:
     """One engine's ProcessTasks stream, as the processor's route to it.
 
     Sends go through the call one at a time in order (the transport queues
-    them), so the stream has a single writer by construction.
+    them), so the stream has a single writer by construction. An engine that
+    stops reading blocks the route (see :class:`~infx.dispatcher.StreamSendGate`);
+    ``on_drained`` is called when it drains again.
     """
 
     def __init__(self, call: ServerCall, peer: str, authorization: str | None = None,
-                 principal: Any = None) -> None:
+                 principal: Any = None, on_drained: Callable[[EngineStream], None] | None = None,
+                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         self.peer = peer
         self.closed = False
         #: What the engine presented and who that made it, to end the stream if its key is revoked.
         self.authorization = authorization
         self.principal = principal
+        self._on_drained = on_drained
+        self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
 
-    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
-            return False
-        self.call.send(worker_pb2.ProcessTasksResponse(new_task=task)).addErrback(lambda f: None)
-        return True
+            return SendOutcome.GONE
+        return self._gate.send(worker_pb2.ProcessTasksResponse(new_task=task))
+
+    def _drained(self) -> None:
+        if not self.closed and self._on_drained is not None:
+            self._on_drained(self)
 
     def close(self, reason: str) -> None:
+        """End the stream: with a status, or with a reset if messages the engine has not
+        read are queued (a status behind them would never go out)."""
         if not self.closed:
             self.closed = True
-            self.call.abort(StatusCode.UNAVAILABLE, reason)
+            if self.call.buffered_amount:
+                self.call.reset(reason)
+            else:
+                self.call.abort(StatusCode.UNAVAILABLE, reason)
 
     def __repr__(self) -> str:
         return f"<EngineStream {self.peer}>"
@@ -66,9 +79,10 @@ class EngineStream:
 class WorkerService:
     """Serves ProcessTasks for engines, authenticated by bearer key when keys are configured."""
 
-    def __init__(self, dispatcher: Dispatcher, keys: KeyStore) -> None:
+    def __init__(self, dispatcher: Dispatcher, keys: KeyStore, max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.dispatcher = dispatcher
         self.keys = keys
+        self.max_queued_bytes = max_queued_bytes
         self.streams: set[EngineStream] = set()
         keys.on_replaced.append(self.keys_replaced)
         #: False once the gateway shuts down: engines told to go away must not come back here.
@@ -105,7 +119,8 @@ class WorkerService:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
         call.authenticated()
-        stream = EngineStream(call, address, authorization, principal)
+        stream = EngineStream(call, address, authorization, principal, self.dispatcher.route_writable,
+                              self.max_queued_bytes)
         self.streams.add(stream)
         reason = "engine stream ended"
         engine_id = ""

@@ -63,6 +63,7 @@ from enum import Enum
 
 from protocol.errors import LocalUsageError, RemoteProtocolError
 from protocol.openai_errors import error_json, status_line
+from protocol.backoff import Backoff
 from protocol.pb import status_pb2, worker_pb2
 
 __all__ = [
@@ -149,6 +150,16 @@ class AgentConfig:
                 raise AgentUsageError(f"{name} must be a finite number >= 0")
         if not 0 <= self.reconnect_jitter < 1:
             raise AgentUsageError("reconnect_jitter must be in [0, 1)")
+        try:
+            self.reconnect_backoff  # built once here, so that bad settings fail now
+        except ValueError as exc:
+            raise AgentUsageError(f"reconnect backoff: {exc}") from None
+
+    @property
+    def reconnect_backoff(self) -> Backoff:
+        """The ``reconnect_*`` settings as the one redial rule (:mod:`protocol.backoff`)."""
+        return Backoff(initial=self.reconnect_initial, factor=self.reconnect_multiplier,
+                       cap=self.reconnect_max, jitter=self.reconnect_jitter)
 
     @property
     def queue_limit(self) -> int:
@@ -585,10 +596,8 @@ class EngineAgentCore:
                 self._open(now, True, effects)
 
     def _schedule_reconnect(self, now: float, jitter: float) -> None:
-        c = self.config
-        delay = min(c.reconnect_max, c.reconnect_initial * c.reconnect_multiplier**self._failures)
-        delay *= 1 + c.reconnect_jitter * (2 * min(max(jitter, 0.0), 1.0) - 1)
         self._failures += 1
+        delay = self.config.reconnect_backoff.delay(self._failures, min(max(jitter, 0.0), 1.0))
         self._reconnect_at = now + delay
 
     def _start_waiting(self, effects: list[Effect]) -> None:

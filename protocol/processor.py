@@ -17,6 +17,9 @@ Inputs
     ``close_route``            a stream ended: its engines go, its tasks fail over
     ``receive_result``         a ``TaskResult`` arrived on a route
     ``dispatch_failed``        a ``SendTask`` could not be sent
+    ``dispatch_refused``       a route at its queue cap did not take a ``SendTask``
+    ``route_blocked``          a route's stream stopped draining (backpressure)
+    ``route_writable``         a blocked route drains again
     ``go_away``                ask local engines to reconnect elsewhere
     ``drain``                  shutdown: ``go_away``, and tasks no engine left can take fail at once
     ``fail_waiting``           the scaler gives up on a model: fail its waiting tasks
@@ -28,6 +31,7 @@ Outputs (effects, performed by the caller in the order given)
     ``DeliverResult``          hand the next result to its origin; ``last`` ends the request
     ``FailRequest``            end the request with an HTTP status and a reason
     ``CloseEngine``            close a local engine's stream (missed heartbeats)
+    ``CloseRoute``             close a route that stayed blocked past ``route_stuck_timeout``
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
     ``LocalEnginesChanged``    re-report local engines to peers (receivers)
     ``EnginesRemoved``         engines left: senders may register what their peers reported
@@ -42,9 +46,19 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
 
 Routing: engines of the task's tenant only, and only those that can take the
 task's request (:func:`protocol.task_forms.eligible`; each gets the form it
-understands, :func:`protocol.task_forms.for_engine`); among ready engines with the
-model ready: engines that already failed this task last, local before remote,
-then fewest in-flight tasks, then engine id (so the choice is deterministic).
+understands, :func:`protocol.task_forms.for_engine`), ready with the model
+ready; engines that already failed this task last. Then the policy of
+``config.routing`` (:mod:`protocol.routing`): ``affinity`` (infx's, for a task
+submitted with ``RoutingHints``: bounded-load consistent hashing refined by
+prefix, session and adapter affinity), ``round_robin``, or
+``least_in_progress`` (LLMariner's, and the rule for tasks without hints):
+local before remote, then fewest in-flight tasks, then engine id (so the
+choice is deterministic).
+
+Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
+(not draining) counts as full, so its tasks go elsewhere or wait; a task the
+route refused at its queue cap is routed again at once, with no retry counted;
+a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
 Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
 of this processor on it is skipped by routing; a task that finds every engine
@@ -86,11 +100,7 @@ abandoned while its stream may still be open is cancelled on that stream.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
 
 from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
@@ -99,6 +109,7 @@ from protocol.processor_types import (
     BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
+    CloseRoute,
     DeliverResult,
     Effect,
     EngineKey,
@@ -116,10 +127,24 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
+from protocol.routing import Router, RoutingPolicy
+from protocol.routing_hints import RoutingHints
+from protocol.processor_tables import (
+    _ON_ENGINE,
+    EngineView,
+    ProcessorCounters,
+    ProcessorTables,
+    TaskOutcome,
+    TaskState,
+    _ControlKind,
+    _Engine,
+    _Task,
+)
 
 __all__ = [
     "CancelTaskOnEngine",
     "CloseEngine",
+    "CloseRoute",
     "DeliverResult",
     "Effect",
     "EngineKey",
@@ -139,172 +164,13 @@ __all__ = [
 ]
 
 
-class TaskState(Enum):
-    """Where a live task is; a finished task has no state (it is gone)."""
-
-    WAITING = "waiting"
-    RETRY_PENDING = "retry_pending"
-    DISPATCHED = "dispatched"
-    STREAMING = "streaming"
-
-
-_TRANSITIONS: dict[TaskState | None, frozenset[TaskState]] = {
-    None: frozenset({TaskState.WAITING, TaskState.DISPATCHED}),
-    TaskState.WAITING: frozenset({TaskState.DISPATCHED}),
-    TaskState.RETRY_PENDING: frozenset({TaskState.DISPATCHED, TaskState.WAITING}),
-    TaskState.DISPATCHED: frozenset({TaskState.STREAMING, TaskState.RETRY_PENDING}),
-    TaskState.STREAMING: frozenset(),
-}
-
-_ON_ENGINE = (TaskState.DISPATCHED, TaskState.STREAMING)
-
-
-class TaskOutcome(Enum):
-    """How a task ended, for metrics."""
-
-    COMPLETED = "completed"  # the engine's last result was delivered (whatever its status)
-    FAILED = "failed"  # FailRequest: deadline, queue timeout, retries exhausted, protocol error...
-    CANCELLED = "cancelled"  # the client went away
-
-
-class _ControlKind(Enum):
-    HEARTBEAT = "heartbeat"
-    GO_AWAY = "go_away"
-    CANCEL = "cancel"
-
-
-@dataclass(slots=True)
-class _Control:
-    """A task the processor sent on its own; its reply is consumed here."""
-
-    kind: _ControlKind
-    engine: EngineKey
-    route: Route
-
-
-@dataclass(slots=True)
-class _Task:
-    id: str
-    tenant_id: str
-    model: str
-    request: worker_pb2.TaskRequest
-    header: dict[str, list[str]]
-    origin: Origin
-    streaming: bool
-    deadline: float
-    target: str
-    state: TaskState | None = None
-    engine: EngineKey | None = None
-    route: Route = None
-    retries: int = 0
-    avoid: set[str] = field(default_factory=set)
-    next_index: int = 0
-    unconsumed: int = 0
-    timer_seq: int = 0
-    # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
-    attempt: int = 0
-    wire_id: str = ""
-    # The latest busy answer of a runtime (see "Busy runtimes"), and when the first came.
-    busy_reply: worker_pb2.TaskResult | None = None
-    busy_since: float | None = None
-
-    # Times a busy runtime sent it back (these do not use up ``max_retries``).
-    busy_returns: int = 0
-
-    @property
-    def redispatches(self) -> int:
-        """Times the task went back for another dispatch, whatever the cause (a lost
-        engine, a failed send, a busy runtime): what logs and metrics call its retries."""
-        return self.retries + self.busy_returns
-    # Its place in a held queue (see ``protocol.fair_queue``).
-    criticality: Criticality = Criticality.STANDARD
-    flow: str = ""
-    weight: float = 1.0
-
-
-@dataclass(slots=True)
-class _Engine:
-    key: EngineKey
-    route: Route
-    locality: Locality
-    status: status_pb2.EngineStatus
-    ready_models: frozenset[str] = frozenset()
-    draining: bool = False
-    in_flight: set[str] = field(default_factory=set)
-    pending_heartbeat: str | None = None
-    missed_heartbeats: int = 0
-    # Set while the engine's runtime said it is busy: routing skips it until then.
-    busy_until: float | None = None
-
-    @property
-    def routable(self) -> bool:
-        return self.status.ready and not self.draining
-
-
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    """A read-only snapshot of one engine: ``routable`` is ready and not told to go away."""
-
-    key: EngineKey
-    route: Route
-    locality: Locality
-    routable: bool
-    in_flight: int
-
-
-@dataclass
-class ProcessorCounters:
-    """Monotonic counters the Twisted layer exports as metrics."""
-
-    accepted: int = 0
-    retries: int = 0
-    results_ignored: int = 0
-    protocol_errors: int = 0
-    slow_consumers: int = 0
-    heartbeats_missed: int = 0
-    tenant_cap_refusals: int = 0
-    drain_refusals: int = 0
-    busy_replies: int = 0
-    shed: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-
-
-class Processor:
+class Processor(ProcessorTables):
     """Routes tasks to engines and results back to requests; see the module docstring."""
-
-    def __init__(self, config: ProcessorConfig | None = None) -> None:
-        self.config = config or ProcessorConfig()
-        self.counters = ProcessorCounters()
-        self._tasks: dict[str, _Task] = {}
-        self._engines: dict[EngineKey, _Engine] = {}
-        self._by_tenant: dict[str, dict[str, _Engine]] = {}
-        # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
-        self._waiting: dict[tuple[str, str], HeldQueue] = {}
-        self._waiting_total = 0
-        # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
-        self._sheddable: dict[str, None] = {}
-        self._timers: list[tuple[float, int, str]] = []
-        self._timer_seq = 0
-        self._control: dict[str, _Control] = {}
-        self._control_seq = 0
-        # The task each attempt on an engine belongs to, by the id it carries on the wire.
-        self._attempts: dict[str, _Task] = {}
-        self._next_heartbeat: float | None = None
-        # Live tasks per tenant (every state), for ``max_tasks_per_tenant``.
-        self._tenant_tasks: Counter[str] = Counter()
-        # Engines a task left since the current input began: with an in-flight cap,
-        # their freed slots go to waiting tasks before the input returns (``_refill``).
-        self._freed: dict[EngineKey, None] = {}
-        # Set by ``drain``: a task that would wait fails at once instead.
-        self.draining = False
-        # (busy_until, seq, engine): when an engine's busy back-off ends.
-        self._backoffs: list[tuple[float, int, EngineKey]] = []
 
     # --- requests ---------------------------------------------------------
 
     def submit(
         self,
-        now: float,
         *,
         task_id: str,
         tenant_id: str,
@@ -316,6 +182,8 @@ class Processor:
         criticality: Criticality = Criticality.STANDARD,
         flow: str = "",
         weight: float = 1.0,
+        hints: RoutingHints | None = None,
+        now: float,
     ) -> list[Effect]:
         """Accept a task; it ends exactly once (result, failure, or ``cancel``).
 
@@ -326,6 +194,8 @@ class Processor:
         there or not ready, so that a forwarding peer can retry elsewhere.
         ``criticality``, ``flow`` and ``weight`` place it in its model's queue
         should it wait (see the module docstring).
+        ``hints`` (:func:`protocol.routing_hints.hints_from_json`) let the
+        affinity policy route by prefix, session and adapter.
         """
         if task_id in self._tasks or task_id in self._control:
             raise ProcessorUsageError(f"task {task_id!r} is already in progress")
@@ -351,6 +221,7 @@ class Processor:
             criticality=criticality,
             flow=flow,
             weight=weight,
+            hints=hints,
         )
         tenant_cap = self.config.max_tasks_per_tenant
         over_tenant_cap = tenant_cap is not None and self._tenant_tasks[tenant_id] >= tenant_cap
@@ -372,6 +243,9 @@ class Processor:
                 self._fail(task, 503, f"engine {task.target!r} cannot take this request's form", effects)
             elif not engine.routable:
                 self._fail(task, 503, f"engine {task.target!r} is not ready", effects)
+            elif engine.route in self._flow:
+                message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+                self._fail(task, 503, message, effects, self.config.busy_retry_after)
             elif self._full(engine):
                 message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
                 self._fail(task, 503, message, effects, self.config.busy_retry_after)
@@ -381,7 +255,7 @@ class Processor:
             self._route(now, task, effects)
         return effects
 
-    def cancel(self, now: float, task_id: str) -> list[Effect]:
+    def cancel(self, task_id: str, now: float) -> list[Effect]:
         """The client went away: the request ends with no answer, and its engine is told to stop."""
         task = self._require(task_id)
         effects: list[Effect] = []
@@ -405,7 +279,7 @@ class Processor:
             )
         task.unconsumed -= count
 
-    def fail_waiting(self, now: float, tenant_id: str, model_id: str, status: int, message: str) -> list[Effect]:
+    def fail_waiting(self, tenant_id: str, model_id: str, status: int, message: str, now: float) -> list[Effect]:
         """Fail every task waiting for (tenant, model) now, e.g. when the scaler cannot provide it."""
         effects: list[Effect] = []
         for task_id in list(self._waiting.get((tenant_id, model_id), ())):
@@ -415,7 +289,7 @@ class Processor:
     # --- engines ----------------------------------------------------------
 
     def update_engine(
-        self, now: float, route: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality
+        self, route: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality, now: float
     ) -> list[Effect]:
         """Add an engine or take its new status; waiting tasks it can serve go to it now.
 
@@ -446,6 +320,7 @@ class Processor:
             engine.locality = locality
             engine.status = snapshot
         engine.ready_models = frozenset(m.id for m in snapshot.models if m.is_ready)
+        self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot)
         if changed and (was_local or locality is Locality.LOCAL):
             effects.append(LocalEnginesChanged())
         if locality is Locality.LOCAL and self.config.heartbeat_interval is not None and self._next_heartbeat is None:
@@ -454,7 +329,7 @@ class Processor:
             self._dispatch_waiting(now, engine, effects)
         return effects
 
-    def remove_engine(self, now: float, tenant_id: str, engine_id: str, reason: str) -> list[Effect]:
+    def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
         """An engine is gone: it leaves routing and its in-flight tasks fail over."""
         engine = self._engines.get(EngineKey(tenant_id, engine_id))
         if engine is None:
@@ -464,18 +339,66 @@ class Processor:
         self._refill(now, effects)
         return effects
 
-    def close_route(self, now: float, route: Route, reason: str) -> list[Effect]:
+    def close_route(self, route: Route, reason: str, now: float) -> list[Effect]:
         """A stream ended: engines registered on it go, tasks sent on it fail over.
 
         Closing a route that never registered an engine is harmless.
         """
         effects: list[Effect] = []
+        self._close_route(now, route, reason, effects)
+        self._refill(now, effects)
+        return effects
+
+    def _close_route(self, now: float, route: Route, reason: str, effects: list[Effect]) -> None:
+        self._flow.unblock(route)
         self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects, closing=route)
         for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
             engine_id = task.engine.engine_id if task.engine else ""
             self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
         for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
             del self._control[control_id]
+
+    # --- backpressure -----------------------------------------------------
+
+    def route_blocked(self, route: Route, now: float) -> list[Effect]:
+        """``route``'s stream stopped draining: its engines get no new tasks until
+        ``route_writable``, and it is closed if that does not come within
+        ``route_stuck_timeout``. Reporting it again keeps the first time."""
+        self._flow.block(route, now)
+        return []
+
+    def route_writable(self, route: Route, now: float) -> list[Effect]:
+        """``route`` drains again: its engines take waiting tasks now.
+
+        A route that was not blocked (or has closed) is left as it is.
+        """
+        effects: list[Effect] = []
+        if self._flow.unblock(route):
+            for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
+                self._dispatch_waiting(now, engine, effects)
+        return effects
+
+    def dispatch_refused(self, task_id: str, route: Route, now: float) -> list[Effect]:
+        """``route`` did not take the ``SendTask`` whose task carried ``task_id``: its
+        queue is at its cap. The route counts as blocked (``route_blocked``), and the
+        task is routed again at once, to another engine or the queue; this is not a
+        failure of the engine, so no retry is counted and the engine is not avoided.
+
+        A stale report (the task ended or moved on) only blocks the route.
+        """
+        self._flow.block(route, now)
+        effects: list[Effect] = []
+        control = self._control.get(task_id)
+        if control is not None:
+            if control.route == route:
+                del self._control[task_id]
+            return effects
+        task = self._attempts.get(task_id)
+        if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
+            return effects
+        self._unassign(task)
+        self._move(task, TaskState.RETRY_PENDING)
+        self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
@@ -485,6 +408,7 @@ class Processor:
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
+                self._router.engine_updated(engine.key, frozenset(), engine.status)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
@@ -504,7 +428,7 @@ class Processor:
 
     # --- results ----------------------------------------------------------
 
-    def receive_result(self, now: float, route: Route, result: worker_pb2.TaskResult) -> list[Effect]:
+    def receive_result(self, route: Route, result: worker_pb2.TaskResult, now: float) -> list[Effect]:
         """A result arrived on ``route``; deliver it in order, retry, or end the task.
 
         ``result.task_id`` names an attempt (the id its ``SendTask`` carried).
@@ -544,7 +468,7 @@ class Processor:
         self._deliver(task, result, last, effects)
         return effects
 
-    def dispatch_failed(self, now: float, task_id: str, reason: str, route: Route | None = None) -> list[Effect]:
+    def dispatch_failed(self, task_id: str, reason: str, route: Route | None, now: float) -> list[Effect]:
         """A ``SendTask`` whose task carried ``task_id`` (on ``route``, if given) could
         not be sent; the task fails over like one whose engine was lost.
 
@@ -571,7 +495,7 @@ class Processor:
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
         firsts = (self._timers[0][0] if self._timers else None, self._next_heartbeat,
-                  self._backoffs[0][0] if self._backoffs else None)
+                  self._backoffs[0][0] if self._backoffs else None, self._flow.next_deadline())
         candidates = [t for t in firsts if t is not None]
         return min(candidates) if candidates else None
 
@@ -591,116 +515,12 @@ class Processor:
                 engine.busy_until = None
                 if engine.routable:
                     self._dispatch_waiting(now, engine, effects)
+        for route in self._flow.stuck(now):
+            reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
+            effects.append(CloseRoute(route, reason))
+            self._close_route(now, route, reason, effects)
         self._refill(now, effects)
         return effects
-
-    # --- queries ----------------------------------------------------------
-
-    def has_task(self, task_id: str) -> bool:
-        """Whether ``task_id`` is accepted and has not ended."""
-        return task_id in self._tasks
-
-    def attempt_owner(self, wire_id: str) -> str | None:
-        """The task whose current attempt carries ``wire_id`` on the wire, if any."""
-        task = self._attempts.get(wire_id)
-        return None if task is None else task.id
-
-    def task_state(self, task_id: str) -> TaskState:
-        """The state of a live task."""
-        state = self._require(task_id).state
-        assert state is not None
-        return state
-
-    def waiting_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks waiting for an engine, per (tenant, model): the scaler's demand signal."""
-        return {key: len(ids) for key, ids in self._waiting.items() if ids}
-
-    def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
-        """Tasks waiting for (tenant, model), oldest first."""
-        return list(self._waiting.get((tenant_id, model_id), ()))
-
-    def in_flight_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks on an engine (dispatched or streaming), per (tenant, model)."""
-        counts: Counter[tuple[str, str]] = Counter()
-        for task in self._tasks.values():
-            if task.state in _ON_ENGINE:
-                counts[(task.tenant_id, task.model)] += 1
-        return dict(counts)
-
-    def engine_counts(self) -> dict[tuple[str, Locality], int]:
-        """Engines per (tenant, locality)."""
-        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values()))
-
-    def routable_engine_counts(self) -> dict[tuple[str, Locality], int]:
-        """Engines that take tasks now (ready, not told to go away), per (tenant, locality)."""
-        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values() if e.routable))
-
-    def tenants(self) -> list[str]:
-        """Tenants with at least one engine registered, sorted."""
-        return sorted(self._by_tenant)
-
-    def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
-        """What the processor knows of one engine, or None if it is not registered."""
-        engine = self._engines.get(EngineKey(tenant_id, engine_id))
-        if engine is None:
-            return None
-        return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
-
-    def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
-        """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
-        return any(
-            task_forms.takes_http_request(e.status) and any(m.id == model_id for m in e.status.models)
-            for e in self._by_tenant.get(tenant_id, {}).values()
-        )
-
-    def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
-        """Models the tenant's engines list (loading ones too); with ``ready_only``,
-        only those a task could be routed to now."""
-        models: set[str] = set()
-        for engine in self._by_tenant.get(tenant_id, {}).values():
-            if not ready_only:
-                models.update(m.id for m in engine.status.models)
-            elif engine.routable:
-                models.update(engine.ready_models)
-        return models
-
-    def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
-        """(tenant, status copy) of every local engine, with its real readiness."""
-        out = []
-        for engine in self._engines.values():
-            if engine.locality is Locality.LOCAL:
-                copy = status_pb2.EngineStatus()
-                copy.CopyFrom(engine.status)
-                out.append((engine.key.tenant_id, copy))
-        return out
-
-    def status(self) -> dict[str, Any]:
-        """A JSON-able dump of tenants, engines, their tasks and the queue."""
-        tenants: dict[str, Any] = {}
-        for tenant_id, engines in sorted(self._by_tenant.items()):
-            tenants[tenant_id] = {
-                "engines": {
-                    engine_id: {
-                        "locality": e.locality.value,
-                        "ready": e.status.ready,
-                        "draining": e.draining,
-                        "busy_until": e.busy_until,
-                        "cluster_id": e.status.cluster_id,
-                        "models": [
-                            {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count}
-                            for m in sorted(e.status.models, key=lambda m: m.id)
-                        ],
-                        "tasks": sorted(e.in_flight),
-                    }
-                    for engine_id, e in sorted(engines.items())
-                }
-            }
-        queue: dict[str, Any] = {}
-        for (tenant_id, model), ids in sorted(self._waiting.items()):
-            if ids:
-                queue.setdefault(tenant_id, {})[model] = list(ids)
-        retrying = sorted(t.id for t in self._tasks.values() if t.state is TaskState.RETRY_PENDING)
-        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": len(self._tasks)}
 
     # --- internals: routing ----------------------------------------------
 
@@ -768,19 +588,33 @@ class Processor:
         self._fail(task, 429, message, effects, self.config.busy_retry_after)
 
     def _full(self, engine: _Engine) -> bool:
+        """At its in-flight cap, or on a route that is not draining."""
         cap = self.config.max_in_flight_per_engine
-        return cap is not None and len(engine.in_flight) >= cap
+        return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
 
     def _served_but_full(self, task: _Task) -> bool:
         """Whether the task waits only for room: an engine would take it but for its in-flight
-        cap or its runtime's busy back-off."""
+        cap, its runtime's busy back-off or its blocked route."""
         return self._pick(task, ignore_cap=True) is not None
 
     def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
-        """Whether routing must skip a routable engine for now (full, or its runtime busy)."""
+        """Whether routing must skip a routable engine for now (full, its route not
+        draining, or its runtime busy)."""
         return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
 
+    def _held_back(self, task: _Task, engine: _Engine) -> bool:
+        """What the routing policy must not choose for ``task``: an engine that is full, busy
+        or blocked, or that cannot take the task's request in any form."""
+        return self._blocked(engine, False) or not task_forms.eligible(task.request, engine.status)
+
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
+        policy = self.config.routing.policy
+        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
+                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
+            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
+                                      lambda key: self._held_back(task, self._engines[key]))
+            if key is not None or not self.config.dynamic_model_loading:
+                return None if key is None else self._engines[key]
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
         engines = self._by_tenant.get(task.tenant_id)
@@ -819,6 +653,7 @@ class Processor:
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
+        self._router.task_sent(engine.key, task.model, task.hints)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
@@ -829,18 +664,6 @@ class Processor:
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
         effects.append(SendTask(engine.route, engine.key, wire))
-
-    def _attempt_id(self, task: _Task) -> str:
-        """The id attempt ``task.attempt`` carries on the wire: the task id for the first,
-        ``"{id}#{attempt}"`` for a retry, so that a late answer to an earlier attempt (a 503,
-        a peer's refusal) is never taken for the current one, even over the same route.
-        Engines and peers treat it as an opaque task id; results are mapped back here."""
-        base = task.id if task.attempt == 1 else f"{task.id}#{task.attempt}"
-        candidate, clash = base, 1
-        while candidate in self._attempts:  # another task's id happens to look like an attempt id
-            clash += 1
-            candidate = f"{base}#{clash}"
-        return candidate
 
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id
@@ -858,7 +681,19 @@ class Processor:
                 if target is None and task.request.typed_request_incomplete:
                     if self._no_engine_takes_it(task):
                         self._fail(task, 400, self._typed_form_missing(task), effects)
-                    continue  # a later task of the queue may take another form
+                    else:
+                        # The head waits for an engine that takes its verbatim form; a task
+                        # behind it (in arrival order) may take this one's typed form now.
+                        task = next((t for t in map(self._tasks.__getitem__, queue)
+                                     if not t.request.typed_request_incomplete and self._pick(t) is not None),
+                                    task)
+                        target = None if task.id == task_id else self._pick(task)
+                        if target is None:
+                            break
+                        self._unwait(task, served=True)
+                        self._dispatch(now, task, target, effects)
+                    queue = self._waiting.get(key)
+                    continue
                 if target is None:
                     break
                 self._unwait(task, served=True)
@@ -888,14 +723,6 @@ class Processor:
             del self._waiting[key]
 
     # --- internals: failure and retries -----------------------------------
-
-    def _can_retry(self, now: float, task: _Task) -> bool:
-        return (
-            not task.target
-            and task.state is TaskState.DISPATCHED
-            and task.retries < self.config.max_retries
-            and now < task.deadline
-        )
 
     def _engine_lost(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
         if task.state is TaskState.STREAMING:
@@ -998,19 +825,6 @@ class Processor:
             del self._tenant_tasks[task.tenant_id]
         self.counters.outcomes[outcome.value] += 1
 
-    def _unassign(self, task: _Task) -> None:
-        if task.engine is not None:
-            engine = self._engines.get(task.engine)
-            if engine is not None:
-                engine.in_flight.discard(task.id)
-                if self.config.max_in_flight_per_engine is not None:
-                    self._freed[engine.key] = None
-        if task.wire_id:
-            del self._attempts[task.wire_id]
-            task.wire_id = ""
-        task.engine = None
-        task.route = None
-
     def _remove(
         self, now: float, engines: list[_Engine], reason: str, effects: list[Effect], closing: Route = None
     ) -> None:
@@ -1027,6 +841,7 @@ class Processor:
         lost: list[tuple[_Engine, _Task]] = []
         for engine in engines:
             del self._engines[engine.key]
+            self._router.engine_removed(engine.key)
             tenant = self._by_tenant[engine.key.tenant_id]
             del tenant[engine.key.engine_id]
             if not tenant:
@@ -1044,17 +859,6 @@ class Processor:
             effects.append(EnginesRemoved(tuple(engine.key for engine in engines)))
 
     # --- internals: results -----------------------------------------------
-
-    def _check_result(self, task: _Task, result: worker_pb2.TaskResult, kind: str | None) -> str:
-        engine_id = task.engine.engine_id if task.engine else ""
-        if result.result_index != task.next_index:
-            return f"engine {engine_id!r} sent result {result.result_index}, expected {task.next_index}"
-        if task.next_index == 0 and kind != "http_response":
-            return f"engine {engine_id!r} sent {kind} before the HTTP response"
-        if task.next_index > 0 and (kind != "server_sent_event" or not task.streaming):
-            flavour = "streaming" if task.streaming else "non-streaming"
-            return f"engine {engine_id!r} sent {kind} as result {task.next_index} of a {flavour} task"
-        return ""
 
     def _deliver(self, task: _Task, result: worker_pb2.TaskResult, last: bool, effects: list[Effect]) -> None:
         if task.unconsumed >= self.config.max_unconsumed_results:
@@ -1079,23 +883,6 @@ class Processor:
 
     # --- internals: control tasks and heartbeats --------------------------
 
-    def _control_task(
-        self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest
-    ) -> SendTask:
-        self._control_seq += 1
-        control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
-        self._control[control_id] = _Control(kind, engine, route)
-        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.engine_id)
-        return SendTask(route, engine, wire)
-
-    def _control_replied(self, control_id: str, control: _Control) -> None:
-        del self._control[control_id]
-        if control.kind is _ControlKind.HEARTBEAT:
-            engine = self._engines.get(control.engine)
-            if engine is not None and engine.pending_heartbeat == control_id:
-                engine.pending_heartbeat = None
-                engine.missed_heartbeats = 0
-
     def _heartbeat_round(self, now: float, effects: list[Effect]) -> None:
         interval = self.config.heartbeat_interval
         assert interval is not None
@@ -1116,31 +903,3 @@ class Processor:
             effects.append(send)
         has_local = any(e.locality is Locality.LOCAL for e in self._engines.values())
         self._next_heartbeat = now + interval if has_local else None
-
-    # --- internals: bookkeeping -------------------------------------------
-
-    def _move(self, task: _Task, state: TaskState) -> None:
-        if state not in _TRANSITIONS[task.state]:
-            raise AssertionError(f"task {task.id!r}: no transition {task.state} -> {state}")
-        task.state = state
-
-    def _set_timer(self, task: _Task, when: float) -> None:
-        # Superseded entries stay in the heap until they surface; compact it
-        # when they outnumber the live tasks, so memory follows the live load.
-        if len(self._timers) > 2 * len(self._tasks) + 64:
-            self._timers = [entry for entry in self._timers if self._timer_live(entry)]
-            heapq.heapify(self._timers)
-        self._timer_seq += 1
-        task.timer_seq = self._timer_seq
-        heapq.heappush(self._timers, (when, self._timer_seq, task.id))
-
-    def _timer_live(self, entry: tuple[float, int, str]) -> bool:
-        task = self._tasks.get(entry[2])
-        return task is not None and task.timer_seq == entry[1]
-
-    def _require(self, task_id: str) -> _Task:
-        task = self._tasks.get(task_id)
-        if task is None:
-            raise ProcessorUsageError(f"no task {task_id!r} in progress")
-        return task
-

@@ -8,13 +8,14 @@ a pure function of its arguments. The machine that produces these values is
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Union
 
 from protocol import errors
 from protocol.openai_errors import error_event, error_json
 from protocol.pb import worker_pb2
+from protocol.routing import RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The
@@ -119,6 +120,12 @@ class ProcessorConfig:
         once with 429 and ``busy_retry_after`` when its model's queue already
         holds this many tasks (0: sheddable tasks never wait behind full
         engines). They are also the first refused when the whole queue is full.
+    routing: the routing policy and its weights (:mod:`protocol.routing`).
+    route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
+        stay blocked (its adapter reported it not draining, and no drain since)
+        before the processor closes it with ``CloseRoute``; its tasks fail over
+        like any lost engine's. A blocked route gets no new tasks meanwhile.
+        None: blocked routes are never closed for it.
     """
 
     queue_timeout: float = 30.0
@@ -137,6 +144,8 @@ class ProcessorConfig:
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
     shed_waiting_threshold: int = 0
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    route_stuck_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -166,6 +175,8 @@ class ProcessorConfig:
             problems.append("busy_backoff must be > 0 and <= max_busy_backoff")
         if self.shed_waiting_threshold < 0:
             problems.append("shed_waiting_threshold must be >= 0")
+        if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
+            problems.append("route_stuck_timeout must be > 0 or None")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
@@ -182,7 +193,8 @@ class SendTask:
 
     ``task.id`` names this attempt on the wire: the task id for a first
     dispatch, ``"{id}#{n}"`` for a retry (results are mapped back to the task).
-    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``.
+    If the send fails, report it with ``Processor.dispatch_failed(now, task.id, ...)``;
+    if the route refused it at its queue cap, with ``Processor.dispatch_refused``.
     """
 
     route: Route
@@ -267,6 +279,18 @@ class CloseEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class CloseRoute:
+    """Close ``route`` (an engine's or a peer's stream): it stopped draining and stayed
+    blocked for ``route_stuck_timeout``. Whatever is still queued on it is dropped.
+
+    The processor has already removed its engines and failed over their tasks.
+    """
+
+    route: Route
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class TaskQueued:
     """A task started waiting because no ready engine of its tenant serves its model.
 
@@ -308,6 +332,7 @@ Effect = Union[
     DeliverResult,
     FailRequest,
     CloseEngine,
+    CloseRoute,
     TaskQueued,
     LocalEnginesChanged,
     EnginesRemoved,

@@ -18,19 +18,20 @@ check.
 Shape, for the Twisted adapter (one ``Receiver`` per stream; a reconnect makes
 a new one):
 
-- ``connected(now)`` once the stream is open, then ``pop_messages()`` and write
-  each ``ProcessTasksInternalRequest``; do the same after every call below.
-- ``task_received(now, response)`` for each ``ProcessTasksInternalResponse``;
-  it returns processor effects to perform like any others. Effects whose
-  ``origin`` is this receiver's ``origin`` (``DeliverResult``, ``FailRequest``)
-  go to ``deliver(effect)``.
+Every input returns its outputs: :class:`SendToPeer` (a message to write on
+the stream, in order) and processor effects to perform like any others.
+
+- ``connected(now)`` once the stream is open.
+- ``task_received(response, now)`` for each ``ProcessTasksInternalResponse``.
+  Effects whose ``origin`` is this receiver's ``origin`` (``DeliverResult``,
+  ``FailRequest``) go to ``deliver(effect)``.
 - ``local_engines_changed(now)`` whenever the processor emits
   ``LocalEnginesChanged``; ``handle_timeout(now)`` at ``next_deadline()``.
 - ``shutdown(now)`` to drain: every engine is reported not ready and the
   report says ``draining`` (an infx extension, field 101), in-flight tasks go
   on, new ones are refused; close the stream once ``drained``.
 - ``closed(now)`` when the stream ends: its tasks are cancelled (the peer's
-  clients are gone); returns processor effects.
+  clients are gone).
 """
 
 from __future__ import annotations
@@ -54,7 +55,17 @@ from protocol.processor_types import (
     sse_error_event,
 )
 
-__all__ = ["Receiver", "ReceiverConfig", "ReceiverState", "error_result"]
+__all__ = ["Receiver", "ReceiverConfig", "ReceiverOutput", "ReceiverState", "SendToPeer", "error_result"]
+
+
+@dataclass(frozen=True, slots=True)
+class SendToPeer:
+    """Write ``message`` on the receiver's stream (after those returned before it)."""
+
+    message: internal_pb2.ProcessTasksInternalRequest
+
+
+ReceiverOutput = Union[Effect, SendToPeer]
 
 
 class ReceiverState(Enum):
@@ -103,6 +114,10 @@ def error_result(task_id: str, status: int, message: str, delivered: int = 0) ->
     return worker_pb2.TaskResult(task_id=task_id, result_index=delivered, server_sent_event=event)
 
 
+def _send_result(result: worker_pb2.TaskResult) -> SendToPeer:
+    return SendToPeer(internal_pb2.ProcessTasksInternalRequest(task_result=result))
+
+
 class Receiver:
     """Runs one peer's forwarded tasks on local engines; see the module docstring."""
 
@@ -117,25 +132,24 @@ class Receiver:
         self.config = config
         self.state = ReceiverState.IDLE
         self._requests_started = requests_started
-        self._outbox: list[internal_pb2.ProcessTasksInternalRequest] = []
         self._tasks: set[str] = set()
         self._reported: tuple[dict[tuple[str, str], bytes], dict[str, int], bool] | None = None
         self._next_report: float | None = None
 
     # --- commands -----------------------------------------------------------
 
-    def connected(self, now: float) -> None:
+    def connected(self, now: float) -> list[ReceiverOutput]:
         """The stream is open: report the local engines, even if there are none."""
         self._enter("connected")
         self.state = ReceiverState.OPEN
-        self._report(now, force=True)
+        return self._report(now, force=True)
 
-    def local_engines_changed(self, now: float) -> None:
+    def local_engines_changed(self, now: float) -> list[ReceiverOutput]:
         """Re-report the local engines if what the peer last heard differs."""
         self._enter("local_engines_changed")
-        self._report(now, force=False)
+        return self._report(now, force=False)
 
-    def task_received(self, now: float, response: internal_pb2.ProcessTasksInternalResponse) -> list[Effect]:
+    def task_received(self, response: internal_pb2.ProcessTasksInternalResponse, now: float) -> list[ReceiverOutput]:
         """Run a forwarded task on the local engine it names, or refuse it at once.
 
         Raises :class:`RemoteProtocolError` for a message without a task id.
@@ -145,14 +159,13 @@ class Receiver:
         if not response.HasField("new_task") or not task.id:
             raise RemoteProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
         if task.request.WhichOneof("request") == "cancel_task":
-            return self._cancel_received(now, task)
+            return self._cancel_received(task, now)
         refusal = self._refusal(task, tenant_id)
         if refusal:
-            self._send_result(error_result(task.id, 503, refusal))
-            return []
+            return [_send_result(error_result(task.id, 503, refusal))]
         self._tasks.add(task.id)
-        return self.processor.submit(
-            now,
+        outputs: list[ReceiverOutput] = []
+        outputs += self.processor.submit(
             task_id=task.id,
             tenant_id=tenant_id,
             request=task.request,
@@ -160,44 +173,40 @@ class Receiver:
             header={name: list(value.values) for name, value in task.header.items()},
             deadline=now + task.timeout_seconds if task.timeout_seconds > 0 else None,
             target_engine_id=task.engine_id,
+            now=now,
         )
+        return outputs
 
-    def deliver(self, effect: Union[DeliverResult, FailRequest]) -> None:
+    def deliver(self, effect: Union[DeliverResult, FailRequest]) -> list[ReceiverOutput]:
         """Relay a processor effect whose origin is this receiver to the peer."""
         self._enter("deliver")
         if effect.origin is not self.origin or effect.task_id not in self._tasks:
             raise ProcessorUsageError(f"task {effect.task_id!r} was not received on this stream")
         if isinstance(effect, DeliverResult):
-            self._send_result(effect.result)
             # The peer's stream is this result's consumer; its flow control is the transport's.
             self.processor.results_consumed(effect.task_id)
             if effect.last:
                 self._tasks.discard(effect.task_id)
-        else:
-            self._send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered))
-            self._tasks.discard(effect.task_id)
+            return [_send_result(effect.result)]
+        self._tasks.discard(effect.task_id)
+        return [_send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered))]
 
-    def shutdown(self, now: float) -> None:
+    def shutdown(self, now: float) -> list[ReceiverOutput]:
         """Report every local engine not ready; keep serving in-flight tasks, refuse new ones."""
         self._enter("shutdown")
         self.state = ReceiverState.DRAINING
-        self._report(now, force=False)
+        return self._report(now, force=False)
 
-    def closed(self, now: float) -> list[Effect]:
+    def closed(self, now: float) -> list[ReceiverOutput]:
         """The stream ended: the peer can no longer take results, so its tasks are cancelled."""
         self._enter("closed")
         self.state = ReceiverState.CLOSED
         self._next_report = None
-        effects: list[Effect] = []
+        effects: list[ReceiverOutput] = []
         for task_id in sorted(self._tasks):
-            effects += self.processor.cancel(now, task_id)
+            effects += self.processor.cancel(task_id, now)
         self._tasks.clear()
         return effects
-
-    def pop_messages(self) -> list[internal_pb2.ProcessTasksInternalRequest]:
-        """The messages to write on the stream, in order; each is returned once."""
-        messages, self._outbox = self._outbox, []
-        return messages
 
     # --- time and queries -------------------------------------------------------
 
@@ -205,16 +214,22 @@ class Receiver:
         """When the next periodic status check is due."""
         return self._next_report
 
-    def handle_timeout(self, now: float) -> None:
+    def handle_timeout(self, now: float) -> list[ReceiverOutput]:
         """Periodic status check: report only if something changed."""
         self._enter("handle_timeout")
         if self._next_report is not None and now >= self._next_report:
-            self._report(now, force=False)
+            return self._report(now, force=False)
+        return []
 
     @property
     def drained(self) -> bool:
         """Shutting down and no forwarded task left in flight: the stream may close."""
         return self.state is ReceiverState.DRAINING and not self._tasks
+
+    @property
+    def task_ids(self) -> frozenset[str]:
+        """The forwarded tasks not finished yet."""
+        return frozenset(self._tasks)
 
     @property
     def tasks_in_flight(self) -> int:
@@ -237,21 +252,18 @@ class Receiver:
             return f"engine {task.engine_id!r} is not attached to gateway {self.config.pod_name!r}"
         return ""
 
-    def _cancel_received(self, now: float, task: worker_pb2.Task) -> list[Effect]:
+    def _cancel_received(self, task: worker_pb2.Task, now: float) -> list[ReceiverOutput]:
         target = task.request.cancel_task.task_id
         if target not in self._tasks:
-            self._send_result(error_result(task.id, 404, f"no task {target!r} on this stream"))
-            return []
+            return [_send_result(error_result(task.id, 404, f"no task {target!r} on this stream"))]
         self._tasks.discard(target)
-        effects = self.processor.cancel(now, target)
+        outputs: list[ReceiverOutput] = []
+        outputs += self.processor.cancel(target, now)
         ok = worker_pb2.HttpResponse(status_code=200, status=status_line(200))
-        self._send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok))
-        return effects
+        outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
+        return outputs
 
-    def _send_result(self, result: worker_pb2.TaskResult) -> None:
-        self._outbox.append(internal_pb2.ProcessTasksInternalRequest(task_result=result))
-
-    def _report(self, now: float, force: bool) -> None:
+    def _report(self, now: float, force: bool) -> list[ReceiverOutput]:
         statuses = self._local_statuses()
         engines = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
         draining = self.state is ReceiverState.DRAINING
@@ -261,9 +273,11 @@ class Receiver:
                                                model_requests_started=snapshot[1], draining=draining)
             for tenant, status in statuses:
                 report.engine_statuses.add(engine_status=status, tenant_id=tenant)
-            self._outbox.append(internal_pb2.ProcessTasksInternalRequest(server_status=report))
             self._reported = snapshot
+            self._next_report = now + self.config.status_interval
+            return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]
         self._next_report = now + self.config.status_interval
+        return []
 
     def _local_statuses(self) -> list[tuple[str, status_pb2.EngineStatus]]:
         statuses = sorted(self.processor.local_engines(), key=lambda item: (item[0], item[1].engine_id))

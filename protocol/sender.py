@@ -19,30 +19,26 @@ autoscaler (a LLMariner peer sends none).
 
 Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
 
-- ``message_received(now, request)`` for each ``ProcessTasksInternalRequest``;
+- ``message_received(request, now)`` for each ``ProcessTasksInternalRequest``;
   returns processor effects to perform.
 - A ``SendTask`` or ``CancelTaskOnEngine`` effect whose ``route`` is this
-  sender's ``route`` becomes ``task_message(effect)``, written on the stream.
-- ``engines_removed(now, keys)`` for every ``EnginesRemoved`` effect the
+  sender's ``route`` is written on the stream with the engine's tenant id.
+- ``engines_removed(keys, now)`` for every ``EnginesRemoved`` effect the
   processor emits (whatever input produced it); returns processor effects.
 - ``closed(now)`` when the stream ends; returns processor effects.
 """
 
 from __future__ import annotations
 
-from typing import Union
-
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor import Processor
 from protocol.processor_types import (
-    CancelTaskOnEngine,
     Effect,
     EngineKey,
     Locality,
     ProcessorUsageError,
     RemoteProtocolError,
     Route,
-    SendTask,
 )
 
 __all__ = ["Sender"]
@@ -66,7 +62,7 @@ class Sender:
         self._reported: dict[EngineKey, status_pb2.EngineStatus] = {}
         self._closed = False
 
-    def message_received(self, now: float, request: internal_pb2.ProcessTasksInternalRequest) -> list[Effect]:
+    def message_received(self, request: internal_pb2.ProcessTasksInternalRequest, now: float) -> list[Effect]:
         """A status report or a task result from the peer.
 
         Raises :class:`RemoteProtocolError` for a message with neither.
@@ -75,16 +71,10 @@ class Sender:
             raise ProcessorUsageError("message received on a closed sender")
         kind = request.WhichOneof("message")
         if kind == "server_status":
-            return self._status_received(now, request.server_status)
+            return self._status_received(request.server_status, now)
         if kind == "task_result":
-            return self.processor.receive_result(now, self.route, request.task_result)
+            return self.processor.receive_result(self.route, request.task_result, now)
         raise RemoteProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
-
-    def task_message(self, effect: Union[SendTask, CancelTaskOnEngine]) -> internal_pb2.ProcessTasksInternalResponse:
-        """The message that carries a task (or a cancel request) to the peer, with its tenant."""
-        if effect.route is not self.route:
-            raise ProcessorUsageError(f"task {effect.task.id!r} is not routed through this sender")
-        return internal_pb2.ProcessTasksInternalResponse(new_task=effect.task, tenant_id=effect.engine.tenant_id)
 
     def closed(self, now: float) -> list[Effect]:
         """The stream ended: every engine it reported goes, and tasks sent on it fail over."""
@@ -93,9 +83,9 @@ class Sender:
         self._closed = True
         self._engines.clear()
         self._reported.clear()
-        return self.processor.close_route(now, self.route, f"peer {self.pod_name!r} disconnected")
+        return self.processor.close_route(self.route, f"peer {self.pod_name!r} disconnected", now)
 
-    def engines_removed(self, now: float, keys: tuple[EngineKey, ...]) -> list[Effect]:
+    def engines_removed(self, keys: tuple[EngineKey, ...], now: float) -> list[Effect]:
         """Engines left the processor: register those the peer last reported, if nothing
         else has registered them meanwhile. A closed sender registers nothing."""
         effects: list[Effect] = []
@@ -106,7 +96,7 @@ class Sender:
             if status is None or self.processor.engine(key.tenant_id, key.engine_id) is not None:
                 continue
             self._engines.add(key)
-            effects += self.processor.update_engine(now, self.route, key.tenant_id, status, Locality.REMOTE)
+            effects += self.processor.update_engine(self.route, key.tenant_id, status, Locality.REMOTE, now)
         return effects
 
     @property
@@ -114,7 +104,7 @@ class Sender:
         """The engines this peer reported and this sender registered."""
         return frozenset(self._engines)
 
-    def _status_received(self, now: float, status: internal_pb2.ServerStatus) -> list[Effect]:
+    def _status_received(self, status: internal_pb2.ServerStatus, now: float) -> list[Effect]:
         self.pod_name = status.pod_name
         self.peer_draining = status.draining
         self.requests_started = dict(status.model_requests_started)
@@ -134,11 +124,11 @@ class Sender:
                 # until it goes (engines_removed).
                 continue
             reported.add(key)
-            effects += self.processor.update_engine(now, self.route, key.tenant_id, remembered, Locality.REMOTE)
+            effects += self.processor.update_engine(self.route, key.tenant_id, remembered, Locality.REMOTE, now)
         for key in sorted(self._engines - reported, key=lambda k: (k.tenant_id, k.engine_id)):
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is self.route:
                 reason = f"no longer reported by peer {self.pod_name!r}"
-                effects += self.processor.remove_engine(now, key.tenant_id, key.engine_id, reason)
+                effects += self.processor.remove_engine(key.tenant_id, key.engine_id, reason, now)
         self._engines = reported
         return effects

@@ -104,6 +104,8 @@ from infx.config import listen_endpoint  # noqa: E402
     ("tcp:notaport", r"--http: 'tcp:notaport' is not a server endpoint \(invalid literal"),
     ("foo:bar", r"--http: 'foo:bar' is not a server endpoint \(Unknown endpoint type: 'foo'\)"),
     ("tcp:8080:interfce=127.0.0.1", "unexpected keyword argument 'interfce'"),
+    ("ssl::::", r"--http: 'ssl::::' is not a server endpoint"),
+    ("tcp:\\0", r"--http: cannot tell the port of 'tcp:\\\\0'"),
     ("127.0.0.1:28080", r"'127.0.0.1:28080' is HOST:PORT.*did you mean tcp:28080:interface=127.0.0.1\?"),
     ("localhost:8080", r"did you mean tcp:8080:interface=localhost\?"),
     ("[::1]:8080", r"did you mean tcp6:8080:interface=\\:\\:1\?"),
@@ -143,3 +145,18 @@ def test_any_listen_value_is_accepted_as_an_endpoint_or_refused_with_a_config_er
         assert str(e).startswith("--http") and "\n" not in str(e)
         return
     serverFromString(None, endpoint)  # what the service will do, later, with the reactor
+def test_routing_policy_is_one_of_the_three():
+    from infx.config import ConfigError, GatewayConfig, validate
+
+    assert validate(GatewayConfig()).routing_policy == "affinity"
+    assert validate(GatewayConfig(routing_policy="round_robin")).routing_policy == "round_robin"
+    with pytest.raises(ConfigError, match="--routing-policy: expected one of affinity, least_in_progress, round_robin"):
+        validate(GatewayConfig(routing_policy="random"))
+
+
+def test_routing_policy_flag_reaches_the_config():
+    from infx.tap import Options
+
+    options = Options()
+    options.parseOptions(["--routing-policy", "least_in_progress"])
+    assert options.config_value.routing_policy == "least_in_progress"

@@ -12,6 +12,7 @@ from twisted.internet import task
 from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
 from infx.tasks import Submission
+from protocol.gateway_effects import CoreConfig
 from protocol.processor import Processor
 from protocol.processor_types import Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status, http
@@ -27,8 +28,8 @@ class PeerRoute(Route):
 def dispatcher(**config: Any) -> tuple[task.Clock, Dispatcher]:
     clock = task.Clock()
     clock.advance(100)
-    d = Dispatcher(clock, Processor(ProcessorConfig(**config)), GatewayMetrics(CollectorRegistry()))
-    d.pod_name = "gw-a"
+    d = Dispatcher(clock, Processor(ProcessorConfig(**config)), GatewayMetrics(CollectorRegistry()),
+                   config=CoreConfig(pod_name="gw-a"))
     return clock, d
 
 

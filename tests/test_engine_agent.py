@@ -418,7 +418,7 @@ def test_shutdown_before_start_stops_at_once() -> None:
     "overrides",
     [dict(engine_id=""), dict(models=()), dict(models=("a", "a")), dict(max_concurrency=0),
      dict(status_interval=0.0), dict(reconnect_jitter=1.0), dict(go_away_linger=float("nan")),
-     dict(max_queued=-1)],
+     dict(max_queued=-1), dict(reconnect_multiplier=0.5), dict(reconnect_initial=10.0, reconnect_max=1.0)],
 )
 def test_config_rejects_unusable_settings(overrides: dict[str, object]) -> None:
     with pytest.raises(AgentUsageError):

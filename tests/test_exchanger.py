@@ -13,8 +13,9 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
-from infx.exchanger import Exchanger, ExchangerConfig, PeerReceiver, ReceiverLoopState
+from infx.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
+from protocol.gateway_core import DialState
 from tests.scaler_fakes import InMemoryServiceQuery
 from infx.service import GatewayService
 from protocol.peers import Backoff, PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
@@ -85,8 +86,9 @@ def test_engine_of_a_peer_serves_requests_arriving_here_and_is_never_re_advertis
 
     assert (yield threads.deferToThread(streamed)) == "hello infx world"
     # a dials c, but reports only its local engines (none): b's engine does not travel on.
+    # (That no later report carries it either, status interval after status interval, is
+    # pinned on a hand-stepped clock in tests/test_gateway_core.py.)
     yield until(lambda: [s.pod_name for s in c.exchanger.streams] == ["a"])
-    yield task.deferLater(reactor, 0.6, lambda: None)  # more than one status interval
     assert engines(c) == {}
     assert engines(b) == {("default", Locality.LOCAL): 1}
     assert a.processor.status()["tasks"] == 0 and b.processor.status()["tasks"] == 0
@@ -212,83 +214,6 @@ class FakePods:
         self.on_change(change)
 
 
-@pytest_twisted.inlineCallbacks
-def test_receivers_follow_the_pod_source_one_per_live_pod_at_its_current_address(gateways):
-    a = yield gateways("a")
-    channels: list[PeerAddress] = []
-
-    def connect(address: PeerAddress):
-        channels.append(address)
-        return a._peer_channel(address)
-
-    pods: list[FakePods] = []
-    config = ExchangerConfig("x", backoff=Backoff(initial=0.05, cap=0.1))
-    exchanger = Exchanger(reactor, a.dispatcher, config, lambda cb: pods.append(FakePods(cb)) or pods[0], connect,
-                          random.Random(1))
-    exchanger.start()
-    source = pods[0]
-    b_addr, b_moved = PeerAddress("127.0.0.1", 1), PeerAddress("127.0.0.1", 2)
-    source.change(PeerAdded("b", b_addr))
-    source.change(PeerAdded("c", PeerAddress("127.0.0.1", 3)))
-    first = exchanger.receivers["b"]
-    assert {name: r.address for name, r in exchanger.receivers.items()} == {"b": b_addr, "c": PeerAddress("127.0.0.1", 3)}
-    source.change(PeerAddressChanged("b", b_addr, b_moved))
-    assert exchanger.receivers["b"].address == b_moved and exchanger.receivers["b"] is not first
-    yield until(lambda: first.state is ReceiverLoopState.STOPPED)
-    source.change(PeerRemoved("c", PeerAddress("127.0.0.1", 3)))
-    assert list(exchanger.receivers) == ["b"]
-    # Nothing listens at b's address: the receiver redials with backoff, never giving up.
-    yield until(lambda: exchanger.receivers["b"].failures >= 3)
-    exchanger.reconcile("b")  # the same state: the same receiver
-    assert exchanger.receivers["b"].failures >= 3
-    yield exchanger.drain()
-    yield exchanger.stop()
-    assert source.stopped
-    assert all(r.state is ReceiverLoopState.STOPPED for r in exchanger.receivers.values())
-    exchanger.reconcile("b")  # shutting down: no receiver is created again
-    assert channels.count(b_moved) >= 3
-
-
-@pytest_twisted.inlineCallbacks
-def test_a_receiver_that_fails_on_its_own_is_recreated_after_a_backoff_delay(gateways):
-    a = yield gateways("a")
-    sources: list[FakePods] = []
-    calls: list[PeerAddress] = []
-
-    def connect(address: PeerAddress):
-        calls.append(address)
-        if len(calls) == 1:
-            raise RuntimeError("a broken channel factory")
-        return a._peer_channel(address)
-
-    exchanger = Exchanger(reactor, a.dispatcher, ExchangerConfig("x", backoff=Backoff(initial=0.05, cap=0.1)),
-                          lambda cb: sources.append(FakePods(cb)) or sources[0], connect)
-    exchanger.start()
-    sources[0].change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))
-    assert "b" not in exchanger.receivers  # failed at once; its replacement waits
-    exchanger.reconcile("b")
-    assert "b" not in exchanger.receivers and len(calls) == 1
-    yield until(lambda: "b" in exchanger.receivers)
-    assert exchanger.receivers["b"].state is not ReceiverLoopState.STOPPED
-    yield exchanger.stop()
-    assert len(calls) >= 2
-
-
-@pytest_twisted.inlineCallbacks
-def test_draining_receiver_reports_not_ready_then_half_closes_once_forwarded_tasks_ended(gateways):
-    a = yield gateways("a")
-    b = yield gateways("b", echo_models="m", peers=internal_address(a))
-    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
-    receiver = b.exchanger.receivers[internal_address(a)]
-    yield b.exchanger.drain()
-    assert receiver.state is ReceiverLoopState.STOPPED
-    # a saw the stream end cleanly: b's engine is gone there, and no stream is left.
-    yield until(lambda: engines(a) == {} and a.exchanger.streams == set())
-
-
-# --- the receiver's redial schedule, on a hand-stepped clock ---------------------------------
-
-
 class RefusingEndpoint:
     """A client endpoint whose every connection attempt is refused at once."""
 
@@ -300,34 +225,129 @@ class RefusingEndpoint:
         return defer.fail(ConnectionRefusedError())
 
 
-def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_to_the_cap():
+def clocked_exchanger(connect: Callable[[PeerAddress], Any], backoff: Backoff, seed: int = 1):
+    """An exchanger over its own dispatcher and core on a ``task.Clock``, with a FakePods source."""
     from prometheus_client import CollectorRegistry
 
     from infx.dispatcher import Dispatcher
     from infx.metrics import GatewayMetrics
-    from infx.transport import GrpcChannel
+    from protocol.gateway_effects import CoreConfig
     from protocol.processor import Processor
 
     clock = task.Clock()
-    dispatcher = Dispatcher(clock, Processor(), GatewayMetrics(CollectorRegistry()))
+    dispatcher = Dispatcher(clock, Processor(), GatewayMetrics(CollectorRegistry()),
+                            config=CoreConfig("x", redial_backoff=backoff), rng=random.Random(seed))
+    pods: list[FakePods] = []
+    exchanger = Exchanger(clock, dispatcher, ExchangerConfig("x"), lambda cb: pods.append(FakePods(cb)) or pods[0],
+                          connect)
+    exchanger.start()
+    return clock, exchanger, pods[0]
+
+
+def test_receivers_follow_the_pod_source_one_per_live_pod_at_its_current_address():
+    from infx.transport import GrpcChannel
+
+    channels: list[PeerAddress] = []
+    endpoint = RefusingEndpoint()
+
+    def connect(address: PeerAddress):
+        channels.append(address)
+        return GrpcChannel(clock, endpoint)
+
+    clock, exchanger, source = clocked_exchanger(connect, Backoff(initial=0.05, cap=0.1))
+    b_addr, b_moved = PeerAddress("127.0.0.1", 1), PeerAddress("127.0.0.1", 2)
+    source.change(PeerAdded("b", b_addr))
+    source.change(PeerAdded("c", PeerAddress("127.0.0.1", 3)))
+    first = exchanger.receivers["b"]
+    assert {name: r.address for name, r in exchanger.receivers.items()} == {"b": b_addr, "c": PeerAddress("127.0.0.1", 3)}
+    source.change(PeerAddressChanged("b", b_addr, b_moved))
+    assert exchanger.receivers["b"].address == b_moved and exchanger.receivers["b"] is not first
+    assert first.state is DialState.STOPPED
+    source.change(PeerRemoved("c", PeerAddress("127.0.0.1", 3)))
+    assert list(exchanger.receivers) == ["b"]
+    # Nothing listens at b's address: the receiver redials with backoff, never giving up.
+    for _ in range(40):
+        clock.advance(0.05)
+    assert exchanger.receivers["b"].failures >= 3
+    same = exchanger.receivers["b"]
+    source.change(PeerAdded("b", b_moved))  # the same state: the same receiver
+    assert exchanger.receivers["b"] is same
+    drained = exchanger.drain()
+    for _ in range(10):
+        clock.advance(0.1)  # the stream being dialled fails; no redial follows
+    assert drained.called
+    stopped = exchanger.stop()
+    clock.advance(0)
+    assert stopped.called and source.stopped
+    assert same.state is DialState.STOPPED and dict(exchanger.receivers) == {}
+    source.change(PeerAdded("b", b_moved))  # shutting down: no receiver is created again
+    assert dict(exchanger.receivers) == {}
+    assert channels.count(b_moved) >= 3
+
+
+def test_a_receiver_whose_channel_factory_fails_is_redialled_after_a_backoff_delay():
+    from infx.transport import GrpcChannel
+
+    calls: list[PeerAddress] = []
+    endpoint = RefusingEndpoint()
+
+    def connect(address: PeerAddress):
+        calls.append(address)
+        if len(calls) == 1:
+            raise RuntimeError("a broken channel factory")
+        return GrpcChannel(clock, endpoint)
+
+    clock, exchanger, source = clocked_exchanger(connect, Backoff(initial=0.05, cap=0.1))
+    source.change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))
+    assert len(calls) == 1 and exchanger.receivers["b"].state is DialState.CONNECTING
+    clock.advance(0)  # the failure is reported once the effects at hand are done
+    assert exchanger.receivers["b"].state is DialState.BACKING_OFF
+    source.change(PeerAdded("b", PeerAddress("127.0.0.1", 1)))  # no change: no dial before the delay
+    assert len(calls) == 1
+    clock.advance(0.05)
+    assert len(calls) == 2 and exchanger.receivers["b"].state is not DialState.STOPPED
+    exchanger.stop()
+    clock.advance(1)
+    assert len(calls) == 2
+
+
+@pytest_twisted.inlineCallbacks
+def test_draining_receiver_reports_not_ready_then_half_closes_once_forwarded_tasks_ended(gateways):
+    a = yield gateways("a")
+    b = yield gateways("b", echo_models="m", peers=internal_address(a))
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
+    receiver = b.exchanger.receivers[internal_address(a)]
+    yield b.exchanger.drain()
+    assert receiver.state is DialState.STOPPED
+    # a saw the stream end cleanly: b's engine is gone there, and no stream is left.
+    yield until(lambda: engines(a) == {} and a.exchanger.streams == set())
+
+
+# --- the receiver's redial schedule, on a hand-stepped clock ---------------------------------
+
+
+def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_to_the_cap():
+    from infx.transport import GrpcChannel
+
     endpoint = RefusingEndpoint()
     backoff = Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.5)
-    stopped: list[PeerReceiver] = []
-    receiver = PeerReceiver(clock, dispatcher, ExchangerConfig("me", backoff=backoff), "b", PeerAddress("10.0.0.2", 8083),
-                            lambda address: GrpcChannel(clock, endpoint), stopped.append, random.Random(7))
-    receiver.start()
+    clock, exchanger, source = clocked_exchanger(lambda address: GrpcChannel(clock, endpoint), backoff, seed=7)
+    source.change(PeerAdded("b", PeerAddress("10.0.0.2", 8083)))
+    clock.advance(0)
+    receiver = exchanger.receivers["b"]
     expected_rng = random.Random(7)
     for failures in range(1, 7):
-        assert endpoint.attempts == failures and receiver.state is ReceiverLoopState.BACKING_OFF
+        assert endpoint.attempts == failures and receiver.state is DialState.BACKING_OFF
         delay = backoff.delay(failures, expected_rng)
         assert 0.5 * min(5.0, 2.0 ** (failures - 1)) <= delay <= min(5.0, 2.0 ** (failures - 1))
         clock.advance(delay * 0.999)
         assert endpoint.attempts == failures  # not before its time
         clock.advance(delay * 0.001 + 1e-9)
+        clock.advance(0)
     assert receiver.failures == endpoint.attempts == 7
-    d = receiver.stop()
+    d = exchanger.stop()
     clock.advance(60)
-    assert d.called and stopped == [receiver] and receiver.state is ReceiverLoopState.STOPPED
+    assert d.called and receiver.state is DialState.STOPPED
     assert endpoint.attempts == 7  # none after stop
 
 

@@ -1,7 +1,7 @@
 """The large-message path of infx's gRPC stack: DATA frames queued by
 reference (``TunedH2Connection.send_data_parts``), received with one copy
 (``TunedFrameBuffer``), reassembled without intermediate copies, and written
-with one gathering ``sendmsg`` (``infx.transport._send_gathered``).
+with one gathering ``sendmsg`` (``infx.transport.writes.send_gathered``).
 
 These lean on h2 internals, so each is held to h2's own behaviour: the
 same wire bytes, windows, stream states and errors as ``send_data`` and
@@ -31,7 +31,7 @@ import pytest
 from hyperframe.frame import DataFrame, Frame, HeadersFrame, PingFrame, WindowUpdateFrame
 from hypothesis import example, given, settings, strategies as st
 
-from infx.transport import _send_gathered
+from infx.transport.writes import send_gathered
 from protocol.grpc import (
     CallEnded,
     GrpcConfig,
@@ -297,7 +297,7 @@ def test_messages_of_any_size_cross_two_machines_intact(
                                        max_inbound_frame_size=frame_size))
     client.initiate(0.0)
     server.initiate(0.0)
-    stream_id = client.start_call("/t.S/Sink")
+    stream_id = client.start_call("/t.S/Sink", now=0.0)
     for index, size in enumerate(sizes):
         client.send_message(stream_id, payload(size, index))
     client.end_stream(stream_id)
@@ -325,7 +325,7 @@ def test_messages_of_any_size_cross_two_machines_intact(
 def test_a_large_message_is_handed_to_the_wire_uncopied() -> None:
     client = GrpcConnection(GrpcConfig(client_side=True))
     client.initiate(0.0)
-    stream_id = client.start_call("/t.S/Sink")
+    stream_id = client.start_call("/t.S/Sink", now=0.0)
     data = payload(MiB)
     client.send_message(stream_id, data)
     assert client.buffered_amount(stream_id) == MiB + 5
@@ -351,7 +351,7 @@ def test_a_large_payload_travels_as_a_data_frame_of_its_own() -> None:
     server.initiate(0.0)
     server.receive_data(b"".join(client.buffers_to_send()), 0.0)
     client.receive_data(server.data_to_send(), 0.0)
-    stream_id = client.start_call("/t.S/Sink")
+    stream_id = client.start_call("/t.S/Sink", now=0.0)
     big = payload(3 * BIG)
     for message in (b"a", big, b"b", big):
         client.send_message(stream_id, message)
@@ -384,7 +384,7 @@ def test_send_gathered_returns_in_order_what_the_socket_did_not_take(
             memoryview(payload(size, i)) if views else payload(size, i)
             for i, size in enumerate(sizes)]
         expected = b"".join(buffers)
-        rest = _send_gathered(a, list(buffers))
+        rest = send_gathered(a, list(buffers))
         received = bytearray()
         while True:
             try:
@@ -402,7 +402,7 @@ def test_send_gathered_leaves_everything_to_twisted_on_an_error() -> None:
     with a:
         a.setblocking(False)
         buffers: list[bytes | memoryview] = [b"abc", payload(BIG)]
-        assert _send_gathered(a, list(buffers)) == buffers
+        assert send_gathered(a, list(buffers)) == buffers
 
 
 # ---------------------------------------------------------------------------
@@ -422,7 +422,7 @@ def pump(sock: socket.socket, conn: GrpcConnection, handle: Callable[[object], N
         readable, writable, _ = select.select([sock], [sock] if pending else [], [], 20.0)
         assert readable or writable, "peer stalled"
         if writable:
-            pending = _send_gathered(sock, pending)
+            pending = send_gathered(sock, pending)
         if readable:
             data = sock.recv(MiB)
             if not data:
@@ -456,7 +456,7 @@ def test_grpcio_server_receives_infx_large_frames_intact(grpcio_sink: int, sizes
     messages = [payload(size, i) for i, size in enumerate(sizes)]
     conn = GrpcConnection(GrpcConfig(client_side=True))
     conn.initiate(0.0)
-    stream_id = conn.start_call("/t.S/Sink")
+    stream_id = conn.start_call("/t.S/Sink", now=0.0)
     for message in messages:
         conn.send_message(stream_id, message)
     conn.end_stream(stream_id)

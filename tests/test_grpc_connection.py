@@ -846,7 +846,7 @@ def test_peer_protocol_error_terminates_without_raising():
 def test_local_misuse_raises_local_protocol_error():
     link = Link()
     with pytest.raises(LocalProtocolError):
-        link.server.start_call("/s/M")
+        link.server.start_call("/s/M", now=link.now)
     sid = link.client.start_call("/s/M", now=link.now)
     with pytest.raises(LocalProtocolError):
         link.client.send_status(sid, StatusCode.OK)
@@ -854,9 +854,9 @@ def test_local_misuse_raises_local_protocol_error():
     with pytest.raises(LocalProtocolError):
         link.client.send_message(sid, b"after half-close")
     with pytest.raises(LocalProtocolError):
-        link.client.start_call("/s/M", (("grpc-status", "0"),))
+        link.client.start_call("/s/M", (("grpc-status", "0"),), now=link.now)
     with pytest.raises(LocalProtocolError):
-        link.client.start_call("/s/M", encoding="br")
+        link.client.start_call("/s/M", encoding="br", now=link.now)
 
 
 # -- performance-motivated behaviour ---------------------------------------------------

@@ -28,7 +28,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from infx.auth import KeyStore
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import Dispatcher, SendOutcome
 from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
 from protocol.echo import EchoConfig, echo_task
@@ -58,19 +58,19 @@ class EchoEngine:
     closed: bool = False
     hold: bool = False
 
-    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
-            return False
+            return SendOutcome.GONE
         self.tasks.append(task_)
         if task_.request.WhichOneof("request") in ("cancel_task", "heartbeat", "go_away") or self.hold:
-            return True
+            return SendOutcome.SENT
         if self.answer is not None:
             scheduled = [(0.0, result) for result in self.answer(task_)]
         else:
             scheduled = [(r.due, r.result) for r in echo_task(task_, ECHO, 0.0)]
         for due, result in scheduled:
             self.stack.clock.callLater(due, self.stack.dispatcher.result_received, self, result)
-        return True
+        return SendOutcome.SENT
 
     def close(self, reason: str) -> None:
         self.closed = True

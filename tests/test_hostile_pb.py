@@ -40,7 +40,8 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
-from protocol.receiver import Receiver, ReceiverConfig
+from tests.receiver_helpers import BufferedReceiver
+from protocol.receiver import ReceiverConfig
 from protocol.sender import Sender
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,9 +98,9 @@ def test_any_process_tasks_request_from_an_engine_leaves_other_engines_serving(d
     consistent, and a task for a well-behaved engine completes."""
     processor = Processor(ProcessorConfig(retry_delay=0))
     good, bad = object(), object()
-    processor.update_engine(0, good, "t", status("good", "g"), Locality.LOCAL)
-    processor.update_engine(0, bad, "t", status("bad", "m"), Locality.LOCAL)
-    sent = processor.submit(1, task_id="t-bad", tenant_id="t", request=chat_request("m", True), origin="o")
+    processor.update_engine(good, "t", status("good", "g"), Locality.LOCAL, 0)
+    processor.update_engine(bad, "t", status("bad", "m"), Locality.LOCAL, 0)
+    sent = processor.submit(task_id="t-bad", tenant_id="t", request=chat_request("m", True), origin="o", now=1)
     assert [e.route for e in sent if isinstance(e, SendTask)] == [bad]
     honest = [
         worker_pb2.ProcessTasksRequest(engine_status=status("bad", "m", "g")),
@@ -122,16 +123,16 @@ def test_any_process_tasks_request_from_an_engine_leaves_other_engines_serving(d
         if kind == "engine_status":
             if not message.engine_status.engine_id:
                 continue  # the worker service answers INVALID_ARGUMENT (tested below)
-            effects = processor.update_engine(2, bad, "t", message.engine_status, Locality.LOCAL)
+            effects = processor.update_engine(bad, "t", message.engine_status, Locality.LOCAL, 2)
         elif kind == "task_result":
-            effects = processor.receive_result(2, bad, message.task_result)
+            effects = processor.receive_result(bad, message.task_result, 2)
         else:
             continue
         ended += [e for e in effects if isinstance(e, FailRequest) or (isinstance(e, DeliverResult) and e.last)]
     assert len(ended) <= 1  # the hostile engine's task ends at most once
-    effects = processor.submit(3, task_id="t-good", tenant_id="t", request=chat_request("g"), origin="o2")
+    effects = processor.submit(task_id="t-good", tenant_id="t", request=chat_request("g"), origin="o2", now=3)
     (send,) = [e for e in effects if isinstance(e, SendTask)]
-    effects = processor.receive_result(4, send.route, ok_result(send.task.id))
+    effects = processor.receive_result(send.route, ok_result(send.task.id), 4)
     assert [(type(e), e.last) for e in effects if isinstance(e, DeliverResult)] == [(DeliverResult, True)]
     # Past every deadline nothing is left behind, whatever the hostile engine did.
     processor.handle_timeout(10_000)
@@ -149,7 +150,7 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
     engine is never taken over by the peer's report."""
     processor = Processor()
     local = object()
-    processor.update_engine(0, local, "t", status("local", "m"), Locality.LOCAL)
+    processor.update_engine(local, "t", status("local", "m"), Locality.LOCAL, 0)
     sender = Sender(processor)
     report = internal_pb2.ServerStatus(pod_name="peer")
     report.engine_statuses.add(engine_status=status("remote", "m"), tenant_id="t")
@@ -165,7 +166,7 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
         if message is None:
             continue
         try:
-            sender.message_received(1, message)
+            sender.message_received(message, 1)
         except RemoteProtocolError as error:
             assert error.grpc_status == StatusCode.INVALID_ARGUMENT
     view = processor.engine("t", "local")
@@ -188,8 +189,8 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
     engine_status = status("e1", "m")
     if data.draw(st.booleans()):  # an infx engine, which takes verbatim requests too
         engine_status.infx_capabilities.append("http-request")
-    processor.update_engine(0, engine, "t", engine_status, Locality.LOCAL)
-    receiver = Receiver(processor, ReceiverConfig(pod_name="me"))
+    processor.update_engine(engine, "t", engine_status, Locality.LOCAL, 0)
+    receiver = BufferedReceiver(processor, ReceiverConfig(pod_name="me"))
     receiver.connected(0)
     receiver.pop_messages()
     honest = internal_pb2.ProcessTasksInternalResponse(tenant_id="t", new_task=worker_pb2.Task(
@@ -200,7 +201,7 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
         if message is None:
             continue
         try:
-            effects = receiver.task_received(1, message)
+            effects = receiver.task_received(message, 1)
         except RemoteProtocolError:
             continue
         for effect in effects:
@@ -295,7 +296,12 @@ def test_a_bad_message_ends_that_engines_stream_its_task_fails_over_and_other_en
             submitted.append(effect)
 
     worker.dispatcher.perform(worker.processor.submit(
-        worker.clock.seconds(), task_id="t1", tenant_id="default", request=chat_request("m"), origin=Origin()))
+        task_id="t1",
+        tenant_id="default",
+        request=chat_request("m"),
+        origin=Origin(),
+        now=worker.clock.seconds(),
+    ))
     hostile.pump()
     assert [t.id for t in hostile.tasks()] == ["t1"]  # "bad" sorts first among idle engines
     hostile.send(payload)

@@ -2,8 +2,10 @@
 
 Limits covered, and the error each gives:
 
-- HTTP request body size (``max_body_size``): 413 with an OpenAI error body;
-  the rest of the body is read and dropped, so the connection keeps serving;
+- HTTP request body size (``max_body_size``): 413 with an OpenAI error body as
+  soon as the body is known to be too large (``Content-Length`` at once, a
+  chunked body when it grows past it), then the connection closes after a
+  small drain allowance;
 - HTTP header size (Twisted's ``totalHeadersSize``) and count: 400, connection closed;
 - gRPC header list size (``max_header_list_size``): RESOURCE_EXHAUSTED for that
   call; past HPACK's own bound, the connection ends with GOAWAY;
@@ -36,6 +38,8 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import StringTransport
 
 from infx.auth import KeyStore
+from infx.dispatcher import SendOutcome
+from infx.gateway import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.engine_agent import AgentConfig, EngineAgentCore, SendResult, StartTask
 from protocol.grpc import (
@@ -58,28 +62,67 @@ from tests.test_hostile_grpc import RawClient, prefixed
 # -- HTTP request body and headers ------------------------------------------------------
 
 
-def test_a_body_over_the_limit_is_413_and_the_same_connection_keeps_serving():
+def test_a_content_length_over_the_limit_is_413_at_once_and_the_connection_closes():
+    """A declared 100 GiB body is refused as soon as the headers are in: not a byte of
+    it needs to arrive, and the connection does not stay open for the rest."""
     stack = Stack(max_body_size=1_000)
     stack.engine()
     client = stack.connect()
-    response = client.exchange("/v1/chat/completions", b"x" * 5_000, JSON)
+    client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n"
+                b"Expect: 100-continue\r\n\r\n" % (100 << 30))
+    (response,) = client.responses()
     assert response.status == 413 and response.error()["code"] == "request_too_large"
+    assert b"107374182400 bytes" in response.body
+    assert response.headers[b"connection"] == b"close"
+    # Within the drain allowance the rest is read and dropped; past it, the connection closes.
+    client.send(b"x" * 1_000)
     assert client.open
-    assert_well_behaved_request_works(stack, client)
+    client.send(b"x" * REFUSED_BODY_DRAIN_BYTES)
+    assert not client.open
+    assert client.responses() == []
+    assert_well_behaved_request_works(stack, stack.connect())
 
 
-def test_a_chunked_body_that_grows_over_the_limit_is_413_and_the_same_connection_keeps_serving():
-    """No Content-Length to refuse up front: the body is counted as it arrives,
-    dropped once over the limit, and the request still gets its 413."""
+def test_a_refused_body_that_never_ends_is_cut_off_after_the_drain_time():
+    stack = Stack(max_body_size=1_000)
+    client = stack.connect()
+    client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)
+    assert client.responses()[0].status == 413
+    stack.settle(REFUSED_BODY_DRAIN_SECONDS - 0.1)
+    assert client.open
+    stack.settle(0.2)
+    assert not client.open
+
+
+def test_a_body_just_over_the_limit_is_answered_once_and_the_connection_closes():
+    """The whole refused body arrives within the drain allowance: one 413, no second
+    answer from the handler, and the connection closes."""
     stack = Stack(max_body_size=1_000)
     stack.engine()
     client = stack.connect()
-    chunks = b"".join(b"%x\r\n%s\r\n" % (400, b"y" * 400) for _ in range(5)) + b"0\r\n\r\n"
-    client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks)
+    client.request("/v1/chat/completions", b"x" * 5_000, JSON)
     stack.settle(1)
     (response,) = client.responses()
+    assert response.status == 413 and response.error()["code"] == "request_too_large"
+    assert not client.open
+
+
+def test_an_endless_chunked_body_is_413_once_it_grows_over_the_limit_and_the_connection_closes():
+    """No Content-Length to refuse up front: the body is counted as it arrives, and
+    the 413 goes out the moment it passes the limit, long before any end."""
+    stack = Stack(max_body_size=1_000)
+    stack.engine()
+    client = stack.connect()
+    client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (400, b"y" * 400)
+    for _ in range(3):
+        client.send(chunk)
+    (response,) = client.responses()
     assert response.status == 413 and response.error()["message"]
-    assert_well_behaved_request_works(stack, client)
+    while client.open:
+        client.send(chunk * 64)
+    assert stack.processor.counters.accepted == 0
+    assert_well_behaved_request_works(stack, stack.connect())
 
 
 @pytest.mark.parametrize("headers,answered", [
@@ -391,10 +434,10 @@ class _AgentRoute:
         self.refused = 0
         self.most_held = 0
 
-    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> bool:
+    def send_task(self, task_: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         self._perform(self.core.task_received(1, task_, self.stack.clock.seconds()))
         self.most_held = max(self.most_held, self.core.in_progress)
-        return True
+        return SendOutcome.SENT
 
     def close(self, reason: str) -> None:
         raise AssertionError(f"the gateway closed the agent's stream: {reason}")

@@ -36,7 +36,9 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     logs = tmp_path_factory.mktemp("llmariner")
     keys = logs / "keys.yaml"
     keys.write_text(KEYS)
-    gateway = Gateway(logs, api_keys=keys, admin_key="sk-team-a")
+    # LLMariner's own routing (least in progress), as the server this module stands in for: under
+    # infx's affinity policy two unrelated small requests may share one engine while another idles.
+    gateway = Gateway(logs, api_keys=keys, admin_key="sk-team-a", extra=["--routing-policy", "least_in_progress"])
     yield gateway
     gateway.stop()
 

@@ -35,7 +35,7 @@ def test_wheel_installs_packages_and_plugins(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = (
-        "import protocol.pb.worker_pb2, protocol.pb.internal_pb2, infx, protocol, os;"
+        "import protocol.pb.worker_pb2, protocol.pb.internal_pb2, infx, infx.transport, protocol, os;"
         "print(os.path.dirname(protocol.__file__))"
     )
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)

@@ -33,12 +33,17 @@ def make(**config: object) -> Processor:
 
 def join(p: Processor, engine_id: str, *models: str, tenant: str = "t", locality: Locality = LOCAL,
          route: object = None, now: float = T0, ready: bool = True, loading: tuple[str, ...] = ()) -> list[object]:
-    return list(p.update_engine(now, route or f"route-{engine_id}", tenant,
-                                engine_status(engine_id, *models, ready=ready, loading=loading), locality))
+    return list(p.update_engine(
+        route or f"route-{engine_id}",
+        tenant,
+        engine_status(engine_id, *models, ready=ready, loading=loading),
+        locality,
+        now,
+    ))
 
 
 def submit(p: Processor, task_id: str, request=None, now: float = T0, tenant: str = "t", **kw: object) -> list[object]:
-    return list(p.submit(now, task_id=task_id, tenant_id=tenant, request=request or chat(), origin="client", **kw))
+    return list(p.submit(task_id=task_id, tenant_id=tenant, request=request or chat(), origin="client", **kw, now=now))
 
 
 def sent_to(effects: list[object]) -> list[str]:
@@ -52,10 +57,10 @@ def test_not_ready_engine_leaves_routing_but_keeps_its_in_flight_tasks():
     p = make()
     join(p, "e1", "m")
     assert sent_to(submit(p, "a")) == ["e1"]
-    p.update_engine(T0, "route-e1", "t", engine_status("e1", "m", ready=False), LOCAL)
+    p.update_engine("route-e1", "t", engine_status("e1", "m", ready=False), LOCAL, T0)
     assert only(submit(p, "b"), TaskQueued)
     assert p.task_state("a") is TaskState.DISPATCHED
-    done = p.receive_result(T0, "route-e1", http("a"))
+    done = p.receive_result("route-e1", http("a"), T0)
     assert one(done, DeliverResult).last and not p.has_task("a")
 
 
@@ -64,7 +69,7 @@ def test_removing_an_engine_fails_its_in_flight_tasks_over_to_another_engine():
     join(p, "e1", "m")
     submit(p, "a")
     join(p, "e2", "m")
-    effects = p.remove_engine(T0, "t", "e1", "peer dropped it")
+    effects = p.remove_engine("t", "e1", "peer dropped it", T0)
     assert sent_to(effects) == ["e2"]
     assert p.task_state("a") is TaskState.DISPATCHED
 
@@ -75,7 +80,7 @@ def test_closing_a_route_removes_its_engines_and_fails_over_their_tasks():
     join(p, "e2", "m", route="peer")
     join(p, "e3", "m", route="other", locality=REMOTE)
     submit(p, "a")
-    effects = p.close_route(T0, "peer", "stream ended")
+    effects = p.close_route("peer", "stream ended", T0)
     assert sent_to(effects) == ["e3"]
     assert p.engine_counts() == {("t", REMOTE): 1}
 
@@ -86,7 +91,7 @@ def test_an_engine_reconnecting_on_a_new_route_takes_new_tasks_and_the_old_route
     submit(p, "a")
     join(p, "e1", "m", route="new")
     assert [e.route for e in only(submit(p, "b"), SendTask)] == ["new"]
-    effects = p.close_route(T0, "old", "go-away done")
+    effects = p.close_route("old", "go-away done", T0)
     assert [e.route for e in only(effects, SendTask)] == ["new"]  # task a failed over to the new stream
     assert p.engine_counts() == {("t", LOCAL): 1}
     assert p.task_state("b") is TaskState.DISPATCHED
@@ -119,8 +124,8 @@ def test_prefers_local_engines_then_the_fewest_in_flight_tasks():
     join(p, "l2", "m")
     order = [sent_to(submit(p, f"t{i}"))[0] for i in range(4)]
     assert order == ["l1", "l2", "l1", "l2"]
-    p.update_engine(T0, "route-l1", "t", engine_status("l1", "m", ready=False), LOCAL)
-    p.update_engine(T0, "route-l2", "t", engine_status("l2", "m", ready=False), LOCAL)
+    p.update_engine("route-l1", "t", engine_status("l1", "m", ready=False), LOCAL, T0)
+    p.update_engine("route-l2", "t", engine_status("l2", "m", ready=False), LOCAL, T0)
     assert sent_to(submit(p, "t5")) == ["r1"]
 
 
@@ -194,7 +199,7 @@ def test_the_scaler_can_fail_the_waiting_tasks_of_a_model_early_with_a_reason():
     p = make()
     submit(p, "a", request=chat("m"))
     submit(p, "b", request=chat("other"))
-    effects = p.fail_waiting(T0 + 1, "t", "m", 503, "model m cannot be scaled up")
+    effects = p.fail_waiting("t", "m", 503, "model m cannot be scaled up", T0 + 1)
     assert [(f.task_id, f.status, f.message) for f in only(effects, FailRequest)] == [
         ("a", 503, "model m cannot be scaled up")
     ]
@@ -209,7 +214,7 @@ def test_a_failed_send_requeues_the_task_after_the_retry_delay_avoiding_that_eng
     join(p, "e1", "m")
     join(p, "e2", "m")
     assert sent_to(submit(p, "a")) == ["e1"]
-    assert p.dispatch_failed(T0 + 1, "a", "stream closed") == []
+    assert p.dispatch_failed("a", "stream closed", route=None, now=T0 + 1) == []
     assert p.task_state("a") is TaskState.RETRY_PENDING
     assert p.next_deadline() == T0 + 3
     effects = p.handle_timeout(T0 + 3)
@@ -221,14 +226,14 @@ def test_a_retried_task_goes_back_to_the_engine_that_failed_it_when_it_is_the_on
     p = make(retry_delay=0)
     join(p, "e1", "m")
     submit(p, "a")
-    assert sent_to(p.dispatch_failed(T0, "a", "stream closed")) == ["e1"]
+    assert sent_to(p.dispatch_failed("a", "stream closed", route=None, now=T0)) == ["e1"]
 
 
 def test_a_retried_task_with_no_engine_left_waits_for_one():
     p = make(retry_delay=0)
     join(p, "e1", "m")
     submit(p, "a")
-    assert only(p.remove_engine(T0, "t", "e1", "gone"), TaskQueued)
+    assert only(p.remove_engine("t", "e1", "gone", T0), TaskQueued)
     assert p.task_state("a") is TaskState.WAITING
 
 
@@ -237,8 +242,8 @@ def test_retries_stop_after_max_retries_and_the_request_fails_with_503():
     join(p, "e1", "m")
     submit(p, "a")
     for attempt in ("a", "a#2", "a#3"):
-        assert sent_to(p.dispatch_failed(T0, attempt, "stream closed")) == ["e1"]
-    failed = one(p.dispatch_failed(T0, "a#4", "stream closed"), FailRequest)
+        assert sent_to(p.dispatch_failed(attempt, "stream closed", route=None, now=T0)) == ["e1"]
+    failed = one(p.dispatch_failed("a#4", "stream closed", route=None, now=T0), FailRequest)
     assert failed.status == 503 and "stream closed" in failed.message
     assert not p.has_task("a")
 
@@ -248,8 +253,8 @@ def test_losing_engines_more_than_max_retries_times_fails_the_request_with_503_a
     join(p, "e1", "m")
     submit(p, "a")
     join(p, "e2", "m")
-    p.remove_engine(T0, "t", "e1", "gone")
-    failed = one(p.remove_engine(T0, "t", "e2", "gone too"), FailRequest)
+    p.remove_engine("t", "e1", "gone", T0)
+    failed = one(p.remove_engine("t", "e2", "gone too", T0), FailRequest)
     assert failed.status == 503 and "e2" in failed.message
 
 
@@ -258,10 +263,10 @@ def test_no_retry_once_a_result_was_delivered_engine_loss_mid_stream_fails_with_
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a", request=chat(stream=True))
-    p.receive_result(T0, "route-e1", http("a"))
-    failed = one(p.remove_engine(T0, "t", "e1", "gone"), FailRequest)
+    p.receive_result("route-e1", http("a"), T0)
+    failed = one(p.remove_engine("t", "e1", "gone", T0), FailRequest)
     assert failed.status == 502 and failed.delivered == 1
-    assert not only(p.remove_engine(T0, "t", "e2", "x"), SendTask)
+    assert not only(p.remove_engine("t", "e2", "x", T0), SendTask)
 
 
 def test_a_targeted_task_is_never_retried():
@@ -269,9 +274,9 @@ def test_a_targeted_task_is_never_retried():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a", target_engine_id="e1")
-    assert one(p.receive_result(T0, "route-e1", http("a", 503)), DeliverResult).last
+    assert one(p.receive_result("route-e1", http("a", 503), T0), DeliverResult).last
     submit(p, "b", target_engine_id="e1")
-    failed = one(p.remove_engine(T0, "t", "e1", "gone"), FailRequest)
+    failed = one(p.remove_engine("t", "e1", "gone", T0), FailRequest)
     assert failed.task_id == "b" and failed.status == 503
 
 
@@ -282,7 +287,7 @@ def test_engine_replies_of_500_and_4xx_are_final_and_passed_to_the_client_as_the
     join(p, "e2", "m")
     submit(p, "a", request=chat(stream=True))
     result = http("a", code, body=b'{"error": "x"}')
-    delivered = one(p.receive_result(T0, "route-e1", result), DeliverResult)
+    delivered = one(p.receive_result("route-e1", result, T0), DeliverResult)
     assert delivered.last and delivered.result == result
     assert p.counters.retries == 0
 
@@ -292,7 +297,7 @@ def test_a_task_whose_send_failed_is_retried_elsewhere():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a")
-    assert sent_to(p.dispatch_failed(T0, "a", "stream closed", route="route-e1")) == ["e2"]
+    assert sent_to(p.dispatch_failed("a", "stream closed", route="route-e1", now=T0)) == ["e2"]
 
 
 def test_a_stale_report_of_a_failed_send_does_nothing():
@@ -300,11 +305,11 @@ def test_a_stale_report_of_a_failed_send_does_nothing():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a")
-    p.close_route(T0, "route-e1", "closed")  # a moved on to e2 before the failed send was reported
-    assert p.dispatch_failed(T0, "a", "stream closed", route="route-e1") == []
+    p.close_route("route-e1", "closed", T0)  # a moved on to e2 before the failed send was reported
+    assert p.dispatch_failed("a", "stream closed", route="route-e1", now=T0) == []
     assert p.task_state("a") is TaskState.DISPATCHED
-    p.receive_result(T0, "route-e2", http("a"))
-    assert p.dispatch_failed(T0, "a", "stream closed") == []
+    p.receive_result("route-e2", http("a"), T0)
+    assert p.dispatch_failed("a", "stream closed", route=None, now=T0) == []
 
 
 # --- results -----------------------------------------------------------------
@@ -317,7 +322,7 @@ def test_a_streaming_task_delivers_its_results_in_order_and_completes_on_the_las
     submit(p, "a", request=request_)
     out = []
     for result in [http("a"), sse("a", 1), sse("a", 2), sse("a", 3, last=True)]:
-        out += p.receive_result(T0, "route-e1", result)
+        out += p.receive_result("route-e1", result, T0)
     assert [(d.result.result_index, d.last) for d in only(out, DeliverResult)] == [
         (0, False), (1, False), (2, False), (3, True)]
     assert not p.has_task("a")
@@ -329,14 +334,14 @@ def test_a_non_streaming_task_completes_on_its_http_response(request_):
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=request_)
-    assert one(p.receive_result(T0, "route-e1", http("a")), DeliverResult).last
+    assert one(p.receive_result("route-e1", http("a"), T0), DeliverResult).last
 
 
 def test_a_streaming_task_completes_on_an_error_status():
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=chat(stream=True))
-    assert one(p.receive_result(T0, "route-e1", http("a", 400)), DeliverResult).last
+    assert one(p.receive_result("route-e1", http("a", 400), T0), DeliverResult).last
 
 
 @pytest.mark.parametrize(
@@ -355,7 +360,7 @@ def test_an_out_of_order_or_duplicate_result_fails_the_task_cleanly_and_stops_th
     submit(p, "a", request=chat(stream=True))
     out = []
     for result in results:
-        out += p.receive_result(T0, "route-e1", result)
+        out += p.receive_result("route-e1", result, T0)
     failed = one(out, FailRequest)
     assert failed.status == 502
     assert one(out, CancelTaskOnEngine).cancelled_task_id == "a"
@@ -367,12 +372,12 @@ def test_a_server_sent_event_for_a_non_streaming_task_is_a_protocol_error():
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=chat(), target_engine_id="e1")
-    p.receive_result(T0, "route-e1", http("a", 200))
+    p.receive_result("route-e1", http("a", 200), T0)
     submit(p, "b", request=embedding())
-    p.receive_result(T0, "route-e1", http("b", index=0))
+    p.receive_result("route-e1", http("b", index=0), T0)
     assert p.counters.protocol_errors == 0
     submit(p, "c", request=chat())
-    assert one(p.receive_result(T0, "route-e1", sse("c", 0)), FailRequest).status == 502
+    assert one(p.receive_result("route-e1", sse("c", 0), T0), FailRequest).status == 502
 
 
 # --- nothing dropped -----------------------------------------------------------
@@ -382,9 +387,9 @@ def test_a_result_for_a_finished_task_is_counted_and_ignored():
     p = make()
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", http("a"))
-    assert p.receive_result(T0, "route-e1", http("a", index=1)) == []
-    assert p.receive_result(T0, "route-e1", http("never-existed")) == []
+    p.receive_result("route-e1", http("a"), T0)
+    assert p.receive_result("route-e1", http("a", index=1), T0) == []
+    assert p.receive_result("route-e1", http("never-existed"), T0) == []
     assert p.counters.results_ignored == 2
 
 
@@ -393,10 +398,10 @@ def test_a_late_result_from_an_engine_the_task_was_taken_from_is_ignored():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", http("a", 503))
-    assert p.receive_result(T0, "route-e1", http("a")) == []
-    assert p.receive_result(T0, "route-e2", http("a")) == []  # the first attempt's id, on the new route
-    assert one(p.receive_result(T0, "route-e2", http("a#2")), DeliverResult).last
+    p.receive_result("route-e1", http("a", 503), T0)
+    assert p.receive_result("route-e1", http("a"), T0) == []
+    assert p.receive_result("route-e2", http("a"), T0) == []  # the first attempt's id, on the new route
+    assert one(p.receive_result("route-e2", http("a#2"), T0), DeliverResult).last
 
 
 def test_a_consumer_that_cannot_keep_up_gets_an_error_and_other_tasks_go_on():
@@ -405,12 +410,12 @@ def test_a_consumer_that_cannot_keep_up_gets_an_error_and_other_tasks_go_on():
     submit(p, "slow", request=chat(stream=True))
     submit(p, "fast", request=chat(stream=True))
     for task_id in ("slow", "fast"):
-        p.receive_result(T0, "route-e1", http(task_id))
+        p.receive_result("route-e1", http(task_id), T0)
     p.results_consumed("fast")
     out = []
     for i in range(1, 5):
-        out += p.receive_result(T0, "route-e1", sse("slow", i))
-        fast = p.receive_result(T0, "route-e1", sse("fast", i))
+        out += p.receive_result("route-e1", sse("slow", i), T0)
+        fast = p.receive_result("route-e1", sse("fast", i), T0)
         assert one(fast, DeliverResult).result.result_index == i
         p.results_consumed("fast")
     assert [d.result.result_index for d in only(out, DeliverResult)] == [1, 2]
@@ -424,10 +429,10 @@ def test_acknowledging_more_results_than_delivered_is_misuse_but_acks_after_the_
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=chat(stream=True))
-    p.receive_result(T0, "route-e1", http("a"))
+    p.receive_result("route-e1", http("a"), T0)
     with pytest.raises(ProcessorUsageError):
         p.results_consumed("a", 2)
-    p.receive_result(T0, "route-e1", sse("a", 1, last=True))
+    p.receive_result("route-e1", sse("a", 1, last=True), T0)
     p.results_consumed("a", 2)
 
 
@@ -438,13 +443,13 @@ def test_a_client_that_goes_away_drops_its_request_and_the_engine_is_told_to_sto
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=chat(stream=True))
-    effects = p.cancel(T0 + 1, "a")
+    effects = p.cancel("a", T0 + 1)
     cancel = one(effects, CancelTaskOnEngine)
     assert not only(effects, FailRequest) and not only(effects, DeliverResult)
     assert cancel.route == "route-e1" and cancel.task.request.cancel_task.task_id == "a"
     assert cancel.task.id != "a" and cancel.task.engine_id == "e1"
     # A LLMariner engine answers the cancel request with 501: harmless and not a stray result.
-    assert p.receive_result(T0 + 1, "route-e1", http(cancel.task.id, 501)) == []
+    assert p.receive_result("route-e1", http(cancel.task.id, 501), T0 + 1) == []
     assert p.counters.results_ignored == 0
     assert p.counters.outcomes["cancelled"] == 1
 
@@ -452,7 +457,7 @@ def test_a_client_that_goes_away_drops_its_request_and_the_engine_is_told_to_sto
 def test_cancelling_a_waiting_task_needs_no_engine():
     p = make()
     submit(p, "a")
-    assert p.cancel(T0, "a") == []
+    assert p.cancel("a", T0) == []
     assert p.waiting_counts() == {} and p.next_deadline() is None
 
 
@@ -460,7 +465,7 @@ def test_a_passed_deadline_stops_the_engine_and_ends_the_request_with_504():
     p = make()
     join(p, "e1", "m")
     submit(p, "a", request=chat(stream=True), deadline=T0 + 10)
-    p.receive_result(T0 + 1, "route-e1", http("a"))
+    p.receive_result("route-e1", http("a"), T0 + 1)
     assert p.next_deadline() == T0 + 10
     effects = p.handle_timeout(T0 + 10)
     assert one(effects, CancelTaskOnEngine).cancelled_task_id == "a"
@@ -500,10 +505,10 @@ def test_heartbeats_go_to_local_engines_only_and_an_answer_keeps_the_engine():
     assert p.next_deadline() == T0 + 10
     beats = only(p.handle_timeout(T0 + 10), SendTask)
     assert [(b.engine.engine_id, b.task.request.WhichOneof("request")) for b in beats] == [("l1", "heartbeat")]
-    assert p.receive_result(T0 + 11, "route-l1", http(beats[0].task.id)) == []
+    assert p.receive_result("route-l1", http(beats[0].task.id), T0 + 11) == []
     for round_ in range(2, 6):
         beat = one(p.handle_timeout(T0 + 10 * round_), SendTask)
-        p.receive_result(T0 + 10 * round_, "route-l1", http(beat.task.id))
+        p.receive_result("route-l1", http(beat.task.id), T0 + 10 * round_)
     assert p.engine_counts()[("t", LOCAL)] == 1
 
 
@@ -529,7 +534,7 @@ def test_go_away_goes_to_local_engines_which_then_get_no_new_tasks():
     assert [(s.engine.engine_id, s.task.request.WhichOneof("request")) for s in only(effects, SendTask)] == [
         ("l1", "go_away")]
     go_away_id = one(effects, SendTask).task.id
-    assert p.receive_result(T0, "route-l1", http(go_away_id, 202)) == []
+    assert p.receive_result("route-l1", http(go_away_id, 202), T0) == []
     assert sent_to(submit(p, "a")) == ["r1"]
     assert one(submit(p, "b", target_engine_id="l1"), FailRequest).status == 503
 
@@ -579,7 +584,7 @@ def test_local_engine_changes_are_signalled_and_reported_with_real_readiness():
     assert only(join(p, "l1", "m", ready=False), LocalEnginesChanged)
     assert not only(join(p, "r1", "m", locality=REMOTE), LocalEnginesChanged)
     assert [(tenant, s.engine_id, s.ready) for tenant, s in p.local_engines()] == [("t", "l1", False)]
-    assert only(p.remove_engine(T0, "t", "l1", "gone"), LocalEnginesChanged)
+    assert only(p.remove_engine("t", "l1", "gone", T0), LocalEnginesChanged)
 
 
 def test_timers_of_ended_tasks_do_not_pile_up():
@@ -587,7 +592,7 @@ def test_timers_of_ended_tasks_do_not_pile_up():
     join(p, "e1", "m")
     for i in range(1000):
         submit(p, f"t{i}")
-        p.receive_result(T0, "route-e1", http(f"t{i}"))
+        p.receive_result("route-e1", http(f"t{i}"), T0)
     assert len(p._timers) <= 64 + 1
     assert p.next_deadline() is None
 
@@ -599,13 +604,13 @@ def test_misuse_raises_a_local_error():
     with pytest.raises(ProcessorUsageError):
         submit(p, "a")
     with pytest.raises(ProcessorUsageError):
-        p.cancel(T0, "unknown")
+        p.cancel("unknown", T0)
     with pytest.raises(ProcessorUsageError):
         submit(p, "infx-ctl-x")
     with pytest.raises(ProcessorUsageError):
-        p.submit(T0, task_id="h", tenant_id="t", request=chat(""), origin="c")
+        p.submit(task_id="h", tenant_id="t", request=chat(""), origin="c", now=T0)
     with pytest.raises(ProcessorUsageError):
-        p.remove_engine(T0, "t", "nope", "x")
+        p.remove_engine("t", "nope", "x", T0)
     with pytest.raises(ProcessorUsageError):
         ProcessorConfig(max_retries=-1, queue_timeout=-1)
 
@@ -621,14 +626,14 @@ def test_a_retry_over_the_same_peer_route_has_its_own_wire_id_and_late_answers_t
     join(p, "e1", "m", locality=REMOTE, route="peer")
     join(p, "e2", "m", locality=REMOTE, route="peer")
     assert [e.task.id for e in only(submit(p, "a"), SendTask)] == ["a"]  # the first attempt keeps the id
-    retry = one(p.remove_engine(T0, "t", "e1", "gone"), SendTask)
+    retry = one(p.remove_engine("t", "e1", "gone", T0), SendTask)
     assert (retry.route, retry.engine.engine_id, retry.task.id) == ("peer", "e2", "a#2")
     assert p.attempt_owner("a#2") == "a" and p.attempt_owner("a") is None
-    assert p.receive_result(T0, "peer", http("a", 503)) == []
-    assert p.receive_result(T0, "peer", http("a", 503, body=b"task 'a' is already running")) == []
-    assert p.dispatch_failed(T0, "a", "stream closed", route="peer") == []
+    assert p.receive_result("peer", http("a", 503), T0) == []
+    assert p.receive_result("peer", http("a", 503, body=b"task 'a' is already running"), T0) == []
+    assert p.dispatch_failed("a", "stream closed", route="peer", now=T0) == []
     assert p.task_state("a") is TaskState.DISPATCHED and p.counters.retries == 1
-    delivered = one(p.receive_result(T0, "peer", http("a#2", body=b"ok")), DeliverResult)
+    delivered = one(p.receive_result("peer", http("a#2", body=b"ok"), T0), DeliverResult)
     assert (delivered.task_id, delivered.result.task_id, delivered.result.http_response.body) == ("a", "a", b"ok")
     assert delivered.last and not p.has_task("a")
 
@@ -640,11 +645,11 @@ def test_an_attempt_id_never_clashes_with_another_task_that_uses_it_as_its_own_i
     join(p, "e2", "m")
     assert sent_to(submit(p, "a#2")) == ["e1"]
     assert sent_to(submit(p, "a")) == ["e2"]
-    retry = one(p.receive_result(T0, "route-e2", http("a", 503)), SendTask)
+    retry = one(p.receive_result("route-e2", http("a", 503), T0), SendTask)
     assert retry.task.id not in ("a", "a#2") and p.attempt_owner(retry.task.id) == "a"
     assert p.attempt_owner("a#2") == "a#2"
-    assert one(p.receive_result(T0, "route-e1", http("a#2")), DeliverResult).task_id == "a#2"
-    assert one(p.receive_result(T0, "route-e1", http(retry.task.id)), DeliverResult).task_id == "a"
+    assert one(p.receive_result("route-e1", http("a#2"), T0), DeliverResult).task_id == "a#2"
+    assert one(p.receive_result("route-e1", http(retry.task.id), T0), DeliverResult).task_id == "a"
 
 
 def test_a_task_failed_over_from_a_removed_engine_is_cancelled_on_its_older_still_open_stream():
@@ -655,14 +660,14 @@ def test_a_task_failed_over_from_a_removed_engine_is_cancelled_on_its_older_stil
     join(p, "e1", "m", locality=REMOTE, route="peer")
     assert sent_to(submit(p, "a")) == ["e0"]
     join(p, "e0", "m", route="stream-B")
-    effects = p.close_route(T0, "stream-B", "engine stream ended")
+    effects = p.close_route("stream-B", "engine stream ended", T0)
     cancel = one(effects, CancelTaskOnEngine)
     assert (cancel.route, cancel.engine, cancel.cancelled_task_id) == ("stream-A", EngineKey("t", "e0"), "a")
     assert cancel.task.request.cancel_task.task_id == "a"
     retry = one(effects, SendTask)
     assert effects.index(cancel) < effects.index(retry) and retry.engine.engine_id == "e1"
     # The engine's answer to the cancel on A is consumed, not taken for a task.
-    assert p.receive_result(T0, "stream-A", http(cancel.task.id, 501)) == []
+    assert p.receive_result("stream-A", http(cancel.task.id, 501), T0) == []
     assert p.counters.results_ignored == 0
 
 
@@ -673,8 +678,8 @@ def test_a_remote_engine_reported_gone_has_its_tasks_cancelled_on_the_peer_strea
     join(p, "e1", "m", locality=REMOTE, route="peer")
     submit(p, "a")
     submit(p, "b", request=chat(stream=True))
-    p.receive_result(T0, "peer", http("b"))
-    effects = p.remove_engine(T0, "t", "e1", "no longer reported")
+    p.receive_result("peer", http("b"), T0)
+    effects = p.remove_engine("t", "e1", "no longer reported", T0)
     assert sorted((c.route, c.cancelled_task_id) for c in only(effects, CancelTaskOnEngine)) == [
         ("peer", "a"), ("peer", "b")]
     assert one(effects, FailRequest).status == 502
@@ -686,7 +691,7 @@ def test_no_cancel_is_sent_on_the_stream_that_is_closing():
     join(p, "e0", "m")
     join(p, "e1", "m")
     submit(p, "a")
-    assert not only(p.close_route(T0, "route-e0", "ended"), CancelTaskOnEngine)
+    assert not only(p.close_route("route-e0", "ended", T0), CancelTaskOnEngine)
     p.handle_timeout(T0 + 1)
     effects = p.handle_timeout(T0 + 2)
     assert one(effects, CloseEngine).route == "route-e1"
@@ -699,6 +704,6 @@ def test_engines_leaving_are_announced_for_the_senders():
     join(p, "e0", "m", route="s")
     join(p, "e1", "m", route="s")
     join(p, "e2", "m", locality=REMOTE, route="peer")
-    assert one(p.close_route(T0, "s", "ended"), EnginesRemoved).engines == (EngineKey("t", "e0"), EngineKey("t", "e1"))
-    assert one(p.remove_engine(T0, "t", "e2", "gone"), EnginesRemoved).engines == (EngineKey("t", "e2"),)
-    assert not only(p.close_route(T0, "nothing-here", "ended"), EnginesRemoved)
+    assert one(p.close_route("s", "ended", T0), EnginesRemoved).engines == (EngineKey("t", "e0"), EngineKey("t", "e1"))
+    assert one(p.remove_engine("t", "e2", "gone", T0), EnginesRemoved).engines == (EngineKey("t", "e2"),)
+    assert not only(p.close_route("nothing-here", "ended", T0), EnginesRemoved)

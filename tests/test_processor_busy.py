@@ -33,12 +33,18 @@ def make(**config: object) -> Processor:
 
 
 def join(p: Processor, engine_id: str, *models: str, now: float = T0) -> list[object]:
-    return list(p.update_engine(now, f"route-{engine_id}", "t", engine_status(engine_id, *models), Locality.LOCAL))
+    return list(p.update_engine(f"route-{engine_id}", "t", engine_status(engine_id, *models), Locality.LOCAL, now))
 
 
 def submit(p: Processor, task_id: str, now: float = T0, **kw: object) -> list[object]:
-    return list(p.submit(now, task_id=task_id, tenant_id="t", request=kw.pop("request", None) or chat(),
-                         origin="client", **kw))
+    return list(p.submit(
+        task_id=task_id,
+        tenant_id="t",
+        request=kw.pop("request", None) or chat(),
+        origin="client",
+        **kw,
+        now=now,
+    ))
 
 
 def busy(task_id: str, code: int = 503, retry_after: str | None = None, body: bytes = b'{"error":"busy"}'
@@ -60,7 +66,7 @@ def test_a_busy_answer_sends_the_task_to_another_engine_with_room_at_once(code):
     join(p, "e1", "m")
     join(p, "e2", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
-    assert sent(p.receive_result(T0 + 0.5, "route-e1", busy("a", code))) == [("a#2", "e2")]
+    assert sent(p.receive_result("route-e1", busy("a", code), T0 + 0.5)) == [("a#2", "e2")]
     assert p.counters.busy_replies == 1 and p.counters.retries == 0
 
 
@@ -68,7 +74,7 @@ def test_with_no_other_engine_the_task_waits_and_is_not_resent_before_retry_afte
     p = make(queue_timeout=30)
     join(p, "e1", "m")
     submit(p, "a")
-    effects = p.receive_result(T0 + 1, "route-e1", busy("a", retry_after="4"))
+    effects = p.receive_result("route-e1", busy("a", retry_after="4"), T0 + 1)
     assert effects == []  # no resend, no failure, and no scale-from-zero signal: the model is served
     assert p.task_state("a") is TaskState.WAITING
     assert p.next_deadline() == T0 + 5
@@ -80,7 +86,7 @@ def test_without_retry_after_the_default_back_off_applies():
     p = make(busy_backoff=2.5)
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a"))
+    p.receive_result("route-e1", busy("a"), T0)
     assert p.next_deadline() == T0 + 2.5
     assert sent(p.handle_timeout(T0 + 2.5)) == [("a#2", "e1")]
 
@@ -91,7 +97,7 @@ def test_retry_after_is_floored_at_the_default_and_capped(header, expected):
     p = make(busy_backoff=1.0, max_busy_backoff=60.0, queue_timeout=120)
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a", retry_after=header))
+    p.receive_result("route-e1", busy("a", retry_after=header), T0)
     assert p.next_deadline() == T0 + expected
 
 
@@ -99,7 +105,7 @@ def test_new_tasks_wait_for_a_busy_engine_too_and_all_go_when_its_back_off_ends(
     p = make()
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a", retry_after="3"))
+    p.receive_result("route-e1", busy("a", retry_after="3"), T0)
     assert sent(submit(p, "b", now=T0 + 1)) == []
     assert p.waiting_task_ids("t", "m") == ["a", "b"]
     assert sent(p.handle_timeout(T0 + 3)) == [("a#2", "e1"), ("b", "e1")]
@@ -109,12 +115,12 @@ def test_when_the_queue_timeout_passes_the_client_gets_the_runtimes_own_answer()
     p = make(queue_timeout=10)
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a", retry_after="2"))
+    p.receive_result("route-e1", busy("a", retry_after="2"), T0)
     p.handle_timeout(T0 + 2)
     # Busy again on the second attempt: the wait is counted from the first busy answer.
-    p.receive_result(T0 + 2, "route-e1", busy("a#2", retry_after="3", body=b'{"error":"still busy"}'))
+    p.receive_result("route-e1", busy("a#2", retry_after="3", body=b'{"error":"still busy"}'), T0 + 2)
     # Then the runtime restarts: its model is not ready when the back-off ends.
-    p.update_engine(T0 + 3, "route-e1", "t", engine_status("e1", loading=["m"]), Locality.LOCAL)
+    p.update_engine("route-e1", "t", engine_status("e1", loading=["m"]), Locality.LOCAL, T0 + 3)
     assert p.handle_timeout(T0 + 5) == []
     assert p.next_deadline() == T0 + 10
     delivered = one(p.handle_timeout(T0 + 10), DeliverResult)
@@ -129,21 +135,21 @@ def test_a_retry_after_past_the_wait_gives_the_runtimes_answer_at_once_unless_an
     p = make(queue_timeout=30)
     join(p, "e1", "m")
     submit(p, "a")
-    delivered = one(p.receive_result(T0, "route-e1", busy("a", code=429, retry_after="45")), DeliverResult)
+    delivered = one(p.receive_result("route-e1", busy("a", code=429, retry_after="45"), T0), DeliverResult)
     assert delivered.last and delivered.result.http_response.status_code == 429 and not p.has_task("a")
     join(p, "e2", "m")
     p.handle_timeout(T0 + 45)  # e1's back-off ends
     submit(p, "b", now=T0 + 50)
-    assert sent(p.receive_result(T0 + 50, "route-e1", busy("b", retry_after="45"))) == [("b#2", "e2")]
+    assert sent(p.receive_result("route-e1", busy("b", retry_after="45"), T0 + 50)) == [("b#2", "e2")]
 
 
 def test_the_tasks_deadline_also_ends_the_wait_with_the_runtimes_answer():
     p = make(queue_timeout=30)
     join(p, "e1", "m")
     submit(p, "a", deadline=T0 + 5)
-    p.receive_result(T0, "route-e1", busy("a", code=429, retry_after="2"))
+    p.receive_result("route-e1", busy("a", code=429, retry_after="2"), T0)
     p.handle_timeout(T0 + 2)
-    p.receive_result(T0 + 2, "route-e1", busy("a#2", code=429, retry_after="2"))
+    p.receive_result("route-e1", busy("a#2", code=429, retry_after="2"), T0 + 2)
     delivered = one(p.handle_timeout(T0 + 5), DeliverResult)
     assert delivered.last and delivered.result.http_response.status_code == 429
 
@@ -152,9 +158,9 @@ def test_an_engine_that_comes_back_after_its_back_off_serves_the_task():
     p = make(queue_timeout=30)
     join(p, "e1", "m")
     submit(p, "a")
-    p.receive_result(T0, "route-e1", busy("a", retry_after="2"))
+    p.receive_result("route-e1", busy("a", retry_after="2"), T0)
     retry = one(p.handle_timeout(T0 + 2), SendTask)
-    delivered = one(p.receive_result(T0 + 2, "route-e1", http(retry.task.id, body=b"ok")), DeliverResult)
+    delivered = one(p.receive_result("route-e1", http(retry.task.id, body=b"ok"), T0 + 2), DeliverResult)
     assert delivered.last and delivered.result.http_response.body == b"ok"
 
 
@@ -164,7 +170,7 @@ def test_busy_answers_are_not_bounded_by_max_retries_only_by_time():
     submit(p, "a")
     wire = "a"
     for second in range(1, 6):
-        p.receive_result(T0 + second - 1, "route-e1", busy(wire))
+        p.receive_result("route-e1", busy(wire), T0 + second - 1)
         wire = one(p.handle_timeout(T0 + second), SendTask).task.id
     assert p.task_state("a") is TaskState.DISPATCHED and p.counters.busy_replies == 5
 
@@ -174,7 +180,7 @@ def test_a_targeted_task_gets_the_busy_answer_at_once_so_the_forwarding_peer_dec
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "fwd", target_engine_id="e1")
-    delivered = one(p.receive_result(T0, "route-e1", busy("fwd")), DeliverResult)
+    delivered = one(p.receive_result("route-e1", busy("fwd"), T0), DeliverResult)
     assert delivered.last and delivered.result.http_response.status_code == 503
 
 
@@ -183,21 +189,21 @@ def test_a_streaming_tasks_busy_answer_is_handled_the_same_way():
     join(p, "e1", "m")
     join(p, "e2", "m")
     submit(p, "a", request=chat(stream=True))
-    assert sent(p.receive_result(T0, "route-e1", busy("a"))) == [("a#2", "e2")]
+    assert sent(p.receive_result("route-e1", busy("a"), T0)) == [("a#2", "e2")]
 
 
 def test_losing_the_engines_stream_is_still_engine_gone_not_busy():
     p = make(retry_delay=0, max_retries=0)
     join(p, "e1", "m")
     submit(p, "a")
-    failed = one(p.close_route(T0, "route-e1", "stream reset"), FailRequest)
+    failed = one(p.close_route("route-e1", "stream reset", T0), FailRequest)
     assert failed.status == 503 and p.counters.busy_replies == 0
 
 
 def test_a_task_waiting_on_a_not_ready_model_is_held_and_signalled_for_the_scaler():
     """Engine present, model not ready (its runtime is loading or restarting): the task waits."""
     p = make(queue_timeout=30)
-    p.update_engine(T0, "route-e1", "t", engine_status("e1", loading=["m"]), Locality.LOCAL)
+    p.update_engine("route-e1", "t", engine_status("e1", loading=["m"]), Locality.LOCAL, T0)
     assert one(submit(p, "a"), TaskQueued).model_id == "m"
     assert p.task_state("a") is TaskState.WAITING
     assert sent(join(p, "e1", "m", now=T0 + 3)) == [("a", "e1")]

@@ -42,7 +42,7 @@ def test_tasks_waiting_when_the_drain_starts_fail_at_once_unless_an_engine_serve
     assert [e.task_id for e in only(effects, FailRequest)] == ["nobody-serves"]
     assert p.has_task("waits-for-slot")
     # The slot it waited for frees up: it is served, drain or not.
-    assert sent_to(p.receive_result(T0 + 2, "peer-b", http("first"))) == ["remote"]
+    assert sent_to(p.receive_result("peer-b", http("first"), T0 + 2)) == ["remote"]
 
 
 def test_a_retry_during_a_drain_that_finds_no_engine_fails_at_once():
@@ -50,7 +50,7 @@ def test_a_retry_during_a_drain_that_finds_no_engine_fails_at_once():
     join(p, "remote", "m", locality=REMOTE, route="peer-b")
     submit(p, "a")
     p.drain(T0)
-    p.close_route(T0, "peer-b", "peer went away")
+    p.close_route("peer-b", "peer went away", T0)
     failure = one(p.handle_timeout(T0 + 1), FailRequest)
     assert (failure.task_id, failure.status) == ("a", 503) and failure.retry_after is not None
     assert failure.retries == 1

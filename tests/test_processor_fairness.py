@@ -17,12 +17,12 @@ CRITICAL, STANDARD, SHEDDABLE = Criticality.CRITICAL, Criticality.STANDARD, Crit
 
 def make(**config: object) -> Processor:
     p = Processor(ProcessorConfig(**config))  # type: ignore[arg-type]
-    p.update_engine(T0, "route-e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    p.update_engine("route-e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     return p
 
 
 def submit(p: Processor, task_id: str, flow: str = "", now: float = T0, **kw: object) -> list[object]:
-    return list(p.submit(now, task_id=task_id, tenant_id="t", request=chat("m"), origin="client", flow=flow, **kw))
+    return list(p.submit(task_id=task_id, tenant_id="t", request=chat("m"), origin="client", flow=flow, **kw, now=now))
 
 
 def sent(effects: list[object]) -> list[str]:
@@ -31,7 +31,7 @@ def sent(effects: list[object]) -> list[str]:
 
 def finish(p: Processor, task_id: str, now: float) -> list[str]:
     """The task's engine answers it; return what the freed slot dispatched."""
-    return sent(p.receive_result(now, "route-e1", http(task_id)))
+    return sent(p.receive_result("route-e1", http(task_id), now))
 
 
 def test_a_burst_from_one_caller_cannot_starve_another_callers_requests():
@@ -99,8 +99,8 @@ def test_sheddable_waits_up_to_the_threshold():
 def test_sheddable_still_waits_for_a_model_no_engine_serves_yet():
     """Nothing is saturated while the scaler starts the first engine: shedding would only lose work."""
     p = make(max_in_flight_per_engine=1)
-    effects = list(p.submit(T0, task_id="s", tenant_id="t", request=chat("other"), origin="client",
-                            criticality=SHEDDABLE))
+    effects = list(p.submit(task_id="s", tenant_id="t", request=chat("other"), origin="client",
+                            criticality=SHEDDABLE, now=T0))
     assert not only(effects, FailRequest) and p.waiting_task_ids("t", "other") == ["s"]
 
 
@@ -124,7 +124,7 @@ def test_a_shed_or_cancelled_task_leaves_no_trace_in_the_queue():
     running = sent(submit(p, "a"))
     submit(p, "s", "A", criticality=SHEDDABLE)
     submit(p, "n", "B")
-    p.cancel(T0, "s")
+    p.cancel("s", T0)
     assert finish(p, running[0], T0 + 1) == ["n"]
     assert p.waiting_counts() == {}
 
@@ -179,7 +179,7 @@ def test_every_task_ends_once_and_a_freed_slot_never_skips_a_more_critical_waiti
         elif op[0] == "finish" and running:
             task_id = running.pop(0)
             ended.append(task_id)
-            apply(p.receive_result(now, "route-e1", http(task_id)))
+            apply(p.receive_result("route-e1", http(task_id), now))
         elif op[0] == "cancel":
             live = [t for t in criticality if t not in ended]
             if live:
@@ -187,7 +187,7 @@ def test_every_task_ends_once_and_a_freed_slot_never_skips_a_more_critical_waiti
                 ended.append(task_id)
                 if task_id in running:
                     running.remove(task_id)
-                apply(p.cancel(now, task_id))
+                apply(p.cancel(task_id, now))
         elif op[0] == "wait":
             now += op[1]
             apply(p.handle_timeout(now))

@@ -27,12 +27,12 @@ def make(**config: object) -> Processor:
 
 
 def join(p: Processor, engine_id: str, *models: str, tenant: str = "t", now: float = T0) -> list[object]:
-    return list(p.update_engine(now, f"route-{engine_id}", tenant, engine_status(engine_id, *models), LOCAL))
+    return list(p.update_engine(f"route-{engine_id}", tenant, engine_status(engine_id, *models), LOCAL, now))
 
 
 def submit(p: Processor, task_id: str, now: float = T0, tenant: str = "t", model: str = "m", stream: bool = False,
            **kw: object) -> list[object]:
-    return list(p.submit(now, task_id=task_id, tenant_id=tenant, request=chat(model, stream), origin="client", **kw))
+    return list(p.submit(task_id=task_id, tenant_id=tenant, request=chat(model, stream), origin="client", **kw, now=now))
 
 
 def sent(effects: list[object]) -> list[tuple[str, str]]:
@@ -65,7 +65,7 @@ def test_task_waits_when_every_engine_is_full_and_a_freed_slot_dispatches_it():
     waiting = submit(p, "c") + submit(p, "d")
     assert not only(waiting, SendTask)
     assert p.waiting_task_ids("t", "m") == ["c", "d"]
-    done = p.receive_result(T0 + 1, "route-e1", http("a"))
+    done = p.receive_result("route-e1", http("a"), T0 + 1)
     assert one(done, DeliverResult).last
     # The slot "a" freed goes to the oldest waiting task, within the same input.
     assert sent(done) == [("c", "e1")]
@@ -91,14 +91,14 @@ def test_every_way_a_task_leaves_an_engine_frees_its_slot(ending):
     submit(p, "b")
     assert p.task_state("b") is TaskState.WAITING
     if ending == "cancel":
-        effects = p.cancel(T0 + 1, "a")
+        effects = p.cancel("a", T0 + 1)
     elif ending == "deadline":
         effects = p.handle_timeout(T0 + 10)
     elif ending == "stream_error":
-        p.receive_result(T0 + 1, "route-e1", http("a"))
-        effects = p.receive_result(T0 + 1, "route-e1", http("a", index=1))  # an HttpResponse mid-stream
+        p.receive_result("route-e1", http("a"), T0 + 1)
+        effects = p.receive_result("route-e1", http("a", index=1), T0 + 1)  # an HttpResponse mid-stream
     else:
-        effects = p.receive_result(T0 + 1, "route-e1", http("a", code=500))
+        effects = p.receive_result("route-e1", http("a", code=500), T0 + 1)
     assert not p.has_task("a")
     assert sent(effects) == [("b", "e1")]
 
@@ -108,9 +108,9 @@ def test_cap_is_never_exceeded_while_results_stream_in():
     join(p, "e1", "m")
     submit(p, "a", stream=True)
     submit(p, "b")
-    effects = p.receive_result(T0, "route-e1", http("a")) + p.receive_result(T0, "route-e1", sse("a", 1))
+    effects = p.receive_result("route-e1", http("a"), T0) + p.receive_result("route-e1", sse("a", 1), T0)
     assert not only(effects, SendTask) and p.engine("t", "e1").in_flight == 1
-    assert sent(p.receive_result(T0, "route-e1", sse("a", 2, last=True))) == [("b", "e1")]
+    assert sent(p.receive_result("route-e1", sse("a", 2, last=True), T0)) == [("b", "e1")]
 
 
 def test_waiting_for_a_slot_times_out_with_503_that_names_the_cap():
@@ -138,7 +138,7 @@ def test_an_engine_removed_while_full_takes_no_waiting_task():
     join(p, "e1", "m")
     submit(p, "a")
     submit(p, "b")
-    effects = p.remove_engine(T0, "t", "e1", "gone")
+    effects = p.remove_engine("t", "e1", "gone", T0)
     assert not only(effects, SendTask)
     assert p.task_state("b") is TaskState.WAITING
     # "a" is back in line behind "b" and both go to the next engine as its slots allow.
@@ -166,7 +166,7 @@ def test_tenant_gets_room_again_when_one_of_its_tasks_ends():
     join(p, "e1", "m")
     submit(p, "a")
     assert one(submit(p, "b"), FailRequest).status == 429
-    p.receive_result(T0, "route-e1", http("a"))
+    p.receive_result("route-e1", http("a"), T0)
     assert sent(submit(p, "c")) == [("c", "e1")]
 
 

@@ -112,7 +112,7 @@ class World:
                 if kind == "chat_completion":
                     self.on_engine[effect.task.id] = (str(effect.route), effect.engine.engine_id, 0)
                 elif kind == "heartbeat" and effect.engine.engine_id != DEAF:
-                    self.apply(self.p.receive_result(self.now, effect.route, http(effect.task.id)))
+                    self.apply(self.p.receive_result(effect.route, http(effect.task.id), self.now))
             elif isinstance(effect, DeliverResult):
                 assert effect.task_id not in self.ended, f"result after the end of {effect.task_id}"
                 indexes = self.delivered[effect.task_id]
@@ -127,7 +127,7 @@ class World:
                 # The attempt it names is over (its task ended or moved on to another attempt).
                 assert self.p.attempt_owner(effect.cancelled_task_id) is None, "an engine told to stop a live attempt"
             elif isinstance(effect, CloseEngine):
-                self.p.close_route(self.now, effect.route, "closed")
+                self.p.close_route(effect.route, "closed", self.now)
 
     def end(self, task_id: str, how: str) -> None:
         assert task_id in self.accepted, f"unknown task {task_id} ended"
@@ -151,14 +151,14 @@ class World:
             if capable:
                 status.infx_capabilities.append(task_forms.HTTP_REQUEST_CAPABILITY)
             self.capable[engine_id] = capable
-            self.apply(p.update_engine(self.now, self.route(engine_id), "t", status, locality))
+            self.apply(p.update_engine(self.route(engine_id), "t", status, locality, self.now))
         elif kind == "leave":
             _, engine_id, whole_stream = op
             if whole_stream:
-                self.apply(p.close_route(self.now, self.route(engine_id), "stream ended"))
+                self.apply(p.close_route(self.route(engine_id), "stream ended", self.now))
                 self.route_gen[engine_id] += 1
             elif p.engine_counts() and engine_id in p.status()["tenants"].get("t", {}).get("engines", {}):
-                self.apply(p.remove_engine(self.now, "t", engine_id, "left"))
+                self.apply(p.remove_engine("t", engine_id, "left", self.now))
         elif kind == "submit":
             _, model, stream, target, timeout, tenant, form = op
             self.n += 1
@@ -169,8 +169,15 @@ class World:
             self.form_of[task_id] = form
             deadline = None if timeout is None else self.now + timeout
             request = request_in(form, model, stream)
-            effects = p.submit(self.now, task_id=task_id, tenant_id=tenant, request=request, origin="c",
-                               deadline=deadline, target_engine_id=target or "")
+            effects = p.submit(
+                task_id=task_id,
+                tenant_id=tenant,
+                request=request,
+                origin="c",
+                deadline=deadline,
+                target_engine_id=target or "",
+                now=self.now,
+            )
             refused = any(isinstance(e, FailRequest) and e.status == 429 for e in effects)
             cap = p.config.max_tasks_per_tenant
             assert refused == (cap is not None and not target and live_before >= cap), "tenant cap misapplied"
@@ -190,11 +197,11 @@ class World:
             else:
                 result = sse(task_id, {"skip": nxt + 1, "dup": nxt - 1}.get(how, nxt), last=how == "last")
             self.on_engine[task_id] = (route, self.on_engine[task_id][1], nxt + 1)
-            self.apply(p.receive_result(self.now, route, result))
+            self.apply(p.receive_result(route, result, self.now))
         elif kind == "cancel":
             task_id = self.live(op[1])
             if task_id is not None:
-                self.apply(p.cancel(self.now, task_id))
+                self.apply(p.cancel(task_id, self.now))
                 self.end(task_id, "cancelled")
         elif kind == "consume":
             task_id = self.live(op[1])
@@ -205,7 +212,7 @@ class World:
             task_id = self.live(op[1])
             if task_id is not None:  # possibly stale: the task may have moved on or got results
                 route = self.on_engine[task_id][0] if task_id in self.on_engine else None
-                self.apply(p.dispatch_failed(self.now, task_id, "write failed", route=route))
+                self.apply(p.dispatch_failed(task_id, "write failed", route=route, now=self.now))
         elif kind == "tick":
             self.now += op[1]
             self.apply(p.handle_timeout(self.now))

@@ -19,7 +19,8 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
-from protocol.receiver import Receiver, ReceiverConfig, ReceiverState
+from tests.receiver_helpers import BufferedReceiver
+from protocol.receiver import ReceiverConfig, ReceiverState
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 
 T0 = 50.0
@@ -33,7 +34,7 @@ class Harness:
     def __init__(self) -> None:
         self.p = Processor(ProcessorConfig(retry_delay=0))
         self.counts: dict[str, int] = {}
-        self.r = Receiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
+        self.r = BufferedReceiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
         self.engine_tasks: list[SendTask | CancelTaskOnEngine] = []
 
     def run(self, effects: list[object]) -> None:
@@ -49,7 +50,7 @@ class Harness:
         status = engine_status(engine_id, *models, ready=ready)
         for model in status.models:
             model.in_progress_task_count = in_progress
-        effects = self.p.update_engine(now, f"engine:{engine_id}", tenant, status, locality)
+        effects = self.p.update_engine(f"engine:{engine_id}", tenant, status, locality, now)
         self.run(effects)
         if self.r.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
             self.r.local_engines_changed(now)
@@ -58,10 +59,10 @@ class Harness:
                 tenant: str = "t", timeout: int = 0, now: float = T0) -> None:
         task = worker_pb2.Task(id=task_id, engine_id=engine_id, request=request or chat(), timeout_seconds=timeout)
         task.header["X-Request-ID"].values.append("req-1")
-        self.run(self.r.task_received(now, internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant)))
+        self.run(self.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant), now))
 
     def engine_says(self, engine_id: str, result: worker_pb2.TaskResult, now: float = T0) -> None:
-        self.run(self.p.receive_result(now, f"engine:{engine_id}", result))
+        self.run(self.p.receive_result(f"engine:{engine_id}", result, now))
 
     def reports(self) -> list[internal_pb2.ServerStatus]:
         return [m.server_status for m in self.r.pop_messages() if m.WhichOneof("message") == "server_status"]
@@ -114,7 +115,7 @@ def test_it_reports_again_on_every_change_and_sends_nothing_when_nothing_changed
     assert engines_in(one(h.reports(), internal_pb2.ServerStatus)) == [("t", "e1", False)]
     h.join("e2", "m")
     assert len(one(h.reports(), internal_pb2.ServerStatus).engine_statuses) == 2
-    h.run(h.p.remove_engine(T0, "t", "e2", "gone"))
+    h.run(h.p.remove_engine("t", "e2", "gone", T0))
     h.r.local_engines_changed(T0)
     assert len(one(h.reports(), internal_pb2.ServerStatus).engine_statuses) == 1
     h.join("r1", "m", locality=Locality.REMOTE)
@@ -123,10 +124,10 @@ def test_it_reports_again_on_every_change_and_sends_nothing_when_nothing_changed
 
 def test_model_order_alone_is_not_a_change(h):
     h.reports()
-    h.run(h.p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m", "a"), Locality.LOCAL))
+    h.run(h.p.update_engine("engine:e1", "t", engine_status("e1", "m", "a"), Locality.LOCAL, T0))
     h.r.local_engines_changed(T0)
     assert [m.id for m in one(h.reports(), internal_pb2.ServerStatus).engine_statuses[0].engine_status.models] == ["a", "m"]
-    h.run(h.p.update_engine(T0, "engine:e1", "t", engine_status("e1", "a", "m"), Locality.LOCAL))
+    h.run(h.p.update_engine("engine:e1", "t", engine_status("e1", "a", "m"), Locality.LOCAL, T0))
     h.r.local_engines_changed(T0)
     assert h.reports() == []
 
@@ -137,7 +138,7 @@ def test_the_periodic_check_reports_only_if_something_changed(h):
     h.r.handle_timeout(T0 + 10)
     assert h.reports() == [] and h.r.next_deadline() == T0 + 20
     # A change the receiver was not told about is caught by the periodic check.
-    h.p.update_engine(T0 + 11, "engine:e1", "t", engine_status("e1", "m", "n"), Locality.LOCAL)
+    h.p.update_engine("engine:e1", "t", engine_status("e1", "m", "n"), Locality.LOCAL, T0 + 11)
     h.r.handle_timeout(T0 + 15)
     assert h.reports() == []
     h.r.handle_timeout(T0 + 20)
@@ -209,7 +210,7 @@ def test_a_failure_after_results_were_relayed_ends_the_stream_with_an_error_even
     h.reports()
     h.forward("task-1", request=chat(stream=True))
     h.engine_says("e1", http("task-1"))
-    h.run(h.p.remove_engine(T0, "t", "e1", "crashed"))
+    h.run(h.p.remove_engine("t", "e1", "crashed", T0))
     results = h.results()
     assert [r.result_index for r in results] == [0, 1]
     assert results[1].server_sent_event.is_last_event
@@ -223,11 +224,11 @@ def test_a_cancel_request_from_the_peer_stops_the_local_engine_and_is_answered(h
     h.forward("task-1")
     cancel = worker_pb2.Task(id="cancel-9", engine_id="e1", request=worker_pb2.TaskRequest(
         cancel_task=worker_pb2.CancelTaskRequest(task_id="task-1")))
-    h.run(h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t")))
+    h.run(h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t"), T0))
     assert one(h.engine_tasks, CancelTaskOnEngine).cancelled_task_id == "task-1"
     assert not h.p.has_task("task-1")
     assert [(r.task_id, r.http_response.status_code) for r in h.results()] == [("cancel-9", 200)]
-    h.run(h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t")))
+    h.run(h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=cancel, tenant_id="t"), T0))
     assert [(r.task_id, r.http_response.status_code) for r in h.results()] == [("cancel-9", 404)]
 
 
@@ -258,14 +259,14 @@ def test_when_the_stream_ends_its_tasks_are_cancelled_on_the_engines(h):
 
 def test_misuse_and_remote_violations_raise_distinct_errors(h):
     with pytest.raises(RemoteProtocolError):
-        h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(tenant_id="t"))
+        h.r.task_received(internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     with pytest.raises(ProcessorUsageError):
         h.r.connected(T0)
     with pytest.raises(ProcessorUsageError):
         h.r.deliver(FailRequest(h.r, "never-received", 503, "x"))
-    fresh = Receiver(h.p, ReceiverConfig("pod-c"))
+    fresh = BufferedReceiver(h.p, ReceiverConfig("pod-c"))
     with pytest.raises(ProcessorUsageError):
-        fresh.task_received(T0, internal_pb2.ProcessTasksInternalResponse())
+        fresh.task_received(internal_pb2.ProcessTasksInternalResponse(), T0)
     with pytest.raises(ProcessorUsageError):
         ReceiverConfig("pod", status_interval=0)
 
@@ -274,12 +275,12 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
     h = Harness()
     h.join("e1", "m")
     stream = object()
-    h.r = Receiver(h.p, ReceiverConfig("pod-b"), origin=stream)
+    h.r = BufferedReceiver(h.p, ReceiverConfig("pod-b"), origin=stream)
     h.r.connected(T0)
     h.r.pop_messages()
     task = worker_pb2.Task(id="task-1", engine_id="e1", request=chat())
-    h.r.task_received(T0, internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"))
-    delivered = one(h.p.receive_result(T0, "engine:e1", http("task-1")), DeliverResult)
+    h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"), T0)
+    delivered = one(h.p.receive_result("engine:e1", http("task-1"), T0), DeliverResult)
     assert delivered.origin is stream
     h.r.deliver(delivered)
     assert [r.task_id for r in h.results()] == ["task-1"]
@@ -287,7 +288,7 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
 
 def test_a_draining_report_says_so_even_with_no_engine_to_mark_not_ready():
     p = Processor()
-    r = Receiver(p, ReceiverConfig("pod-b", status_interval=10))
+    r = BufferedReceiver(p, ReceiverConfig("pod-b", status_interval=10))
     r.connected(T0)
     [first] = [m.server_status for m in r.pop_messages()]
     assert not first.draining

@@ -83,7 +83,7 @@ def test_a_refused_engine_key_is_logged_once_however_often_the_agent_retries() -
             yield port.stopListening()
     assert gateway.refused >= 8
     assert len(logs.matching("missing or unknown engine key")) == 1
-    assert not logs.matching("Starting factory <infx.transport._ChannelFactory")
+    assert not logs.matching("Starting factory <infx.transport.client._ChannelFactory")
     assert logs.matching("missing or unknown engine key")[0].startswith("engine e1: stream closed: ")
 
 
@@ -130,4 +130,4 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
     assert "happened" in summary
     assert logs.matching("engine e1: stream 2 accepted by the gateway") or logs.matching("accepted by the gateway")
     # Nor does each dial announce its factory.
-    assert not logs.matching("Starting factory <infx.transport._ChannelFactory")
+    assert not logs.matching("Starting factory <infx.transport.client._ChannelFactory")

@@ -15,7 +15,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
-from infx.dispatcher import Dispatcher
+from infx.dispatcher import Dispatcher, SendOutcome
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from infx.scaler import InferenceScaler, ProcessorLink
@@ -56,9 +56,9 @@ class Route:
     def __init__(self) -> None:
         self.sent: list[Any] = []
 
-    def send_task(self, task: Any, tenant_id: str) -> bool:
+    def send_task(self, task: Any, tenant_id: str) -> SendOutcome:
         self.sent.append(task)
-        return True
+        return SendOutcome.SENT
 
     def close(self, reason: str) -> None:
         pass
@@ -78,7 +78,7 @@ def gateway(clock: Any, query: Any, events: Any) -> tuple[Dispatcher, InferenceS
     processor = Processor(ProcessorConfig(queue_timeout=600))
     dispatcher = Dispatcher(clock, processor, GatewayMetrics(CollectorRegistry()))
     scaler = InferenceScaler(clock, query, events=events)
-    link = ProcessorLink(scaler, dispatcher, clock)
+    link = ProcessorLink(scaler, dispatcher)
     return dispatcher, scaler, link
 
 
@@ -139,16 +139,15 @@ def test_crash_loop_fails_the_waiting_tasks_with_the_reason() -> None:
     assert dispatcher.processor.waiting_counts() == {}
 
 
-def test_cancelled_tasks_are_released_from_the_scaler_on_sync() -> None:
+def test_a_cancelled_task_is_released_from_the_scaler_as_it_leaves_the_queue() -> None:
     clock = task.Clock()
     query = InMemoryServiceQuery()
     dispatcher, scaler, link = gateway(clock, query, query)
     scaler.observe_deployment(query.add(deployment()))
-    link.start()
     requests = submit(dispatcher, 3)
+    assert scaler.machine.held_count(KEY) == 3
     requests[0][1].cancel()
-    clock.advance(1)
-    assert scaler.machine.held_count(KEY) == 2
+    assert scaler.machine.held_count(KEY) == 2  # at once: the core says so, nothing polls
     link.stop()
 
 
@@ -177,10 +176,10 @@ def test_in_flight_tasks_are_reported_as_load() -> None:
     route = Route()
     dispatcher.engine_status(route, "t1", engine_status("e1", "llama-3"), Locality.LOCAL)
     submit(dispatcher, 4)
-    link.sync()
+    clock.advance(1)  # the core's load report interval
     assert scaler.machine.in_progress("llama-3") == 4
     for sent in route.sent:
         dispatcher.result_received(route, http(sent.id))
-    link.sync()
+    clock.advance(1)
     assert scaler.machine.in_progress("llama-3") == 0
 

@@ -25,6 +25,7 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
+from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import Receiver, ReceiverConfig
 from protocol.sender import Sender
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
@@ -44,8 +45,13 @@ def result_msg(result: worker_pb2.TaskResult) -> internal_pb2.ProcessTasksIntern
     return internal_pb2.ProcessTasksInternalRequest(task_result=result)
 
 
+def task_message(effect: SendTask | CancelTaskOnEngine) -> internal_pb2.ProcessTasksInternalResponse:
+    """The message a peer stream carries for a task (or a cancel), with the engine's tenant."""
+    return internal_pb2.ProcessTasksInternalResponse(new_task=effect.task, tenant_id=effect.engine.tenant_id)
+
+
 def submit(p: Processor, task_id: str, **kw: object) -> list[object]:
-    return list(p.submit(T0, task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw))
+    return list(p.submit(task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw, now=T0))
 
 
 # --- the sender alone ---------------------------------------------------------------
@@ -54,7 +60,7 @@ def submit(p: Processor, task_id: str, **kw: object) -> list[object]:
 def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_report():
     p = Processor()
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True), ("u", "e2", True)))
+    s.message_received(report("pod-b", ("t", "e1", True), ("u", "e2", True)), T0)
     assert s.pod_name == "pod-b"
     assert s.engines == {EngineKey("t", "e1"), EngineKey("u", "e2")}
     assert p.engine_counts() == {("t", Locality.REMOTE): 1, ("u", Locality.REMOTE): 1}
@@ -64,17 +70,17 @@ def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_repo
 def test_tasks_for_the_peer_engines_are_forwarded_with_their_tenant_id():
     p = Processor()
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True)))
-    message = s.task_message(one(submit(p, "a"), SendTask))
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
+    message = task_message(one(submit(p, "a"), SendTask))
     assert message.tenant_id == "t" and message.new_task.id == "a" and message.new_task.engine_id == "e1"
 
 
 def test_results_from_the_peer_go_to_the_original_task():
     p = Processor()
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
     submit(p, "a", request=chat(stream=True))
-    effects = s.message_received(T0, result_msg(http("a"))) + s.message_received(T0, result_msg(sse("a", 1, last=True)))
+    effects = s.message_received(result_msg(http("a")), T0) + s.message_received(result_msg(sse("a", 1, last=True)), T0)
     assert [(d.task_id, d.result.result_index, d.last) for d in only(effects, DeliverResult)] == [
         ("a", 0, False), ("a", 1, True)]
 
@@ -82,9 +88,9 @@ def test_results_from_the_peer_go_to_the_original_task():
 def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
     p = Processor(ProcessorConfig(retry_delay=0))
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True), ("t", "e2", True)))
+    s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")  # goes to e1 (fewest in flight, then id)
-    effects = s.message_received(T0, report("pod-b", ("t", "e2", True)))
+    effects = s.message_received(report("pod-b", ("t", "e2", True)), T0)
     assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("e2", "a#2")]
     assert s.engines == {EngineKey("t", "e2")}
 
@@ -92,20 +98,20 @@ def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
 def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks():
     p = Processor()
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
     submit(p, "a")
-    s.message_received(T0, report("pod-b", ("t", "e1", False)))
+    s.message_received(report("pod-b", ("t", "e1", False)), T0)
     assert p.engine("t", "e1").in_flight == 1
     assert not only(submit(p, "b"), SendTask)
 
 
 def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_over():
     p = Processor(ProcessorConfig(retry_delay=0))
-    p.update_engine(T0, "engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL)
+    p.update_engine("engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL, T0)
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True), ("t", "e2", True)))
+    s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")
-    p.update_engine(T0, "engine:local", "t", engine_status("local", "m"), Locality.LOCAL)
+    p.update_engine("engine:local", "t", engine_status("local", "m"), Locality.LOCAL, T0)
     effects = s.closed(T0)
     assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("local", "a#2")]
     assert p.engine_counts() == {("t", Locality.LOCAL): 1}
@@ -113,25 +119,25 @@ def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_o
 
 def test_a_peer_cannot_take_over_a_local_engine_or_another_peer_s_engine():
     p = Processor()
-    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     first, second = Sender(p), Sender(p)
-    first.message_received(T0, report("pod-b", ("t", "e2", True)))
-    second.message_received(T0, report("pod-c", ("t", "e1", True), ("t", "e2", True)))
+    first.message_received(report("pod-b", ("t", "e2", True)), T0)
+    second.message_received(report("pod-c", ("t", "e1", True), ("t", "e2", True)), T0)
     assert p.engine("t", "e1").locality is Locality.LOCAL and p.engine("t", "e2").route is first
-    second.message_received(T0, report("pod-c"))  # forgetting them must not remove them either
+    second.message_received(report("pod-c"), T0)  # forgetting them must not remove them either
     assert p.engine("t", "e1") is not None and p.engine("t", "e2") is not None
 
 
 def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler():
     counts = {"m": 7, "n": 1}
-    receiver = Receiver(Processor(), ReceiverConfig("pod-b"), requests_started=lambda: counts)
+    receiver = BufferedReceiver(Processor(), ReceiverConfig("pod-b"), requests_started=lambda: counts)
     receiver.connected(T0)
     s = Sender(Processor())
     assert s.requests_started == {}
     for message in receiver.pop_messages():
-        s.message_received(T0, message)
+        s.message_received(message, T0)
     assert s.requests_started == {"m": 7, "n": 1}
-    s.message_received(T0 + 1, report("pod-b"))  # a LLMariner peer reports none
+    s.message_received(report("pod-b"), T0 + 1)  # a LLMariner peer reports none
     assert s.requests_started == {}
 
 
@@ -139,11 +145,7 @@ def test_misuse_and_remote_violations_raise_distinct_errors():
     p = Processor()
     s = Sender(p)
     with pytest.raises(RemoteProtocolError):
-        s.message_received(T0, internal_pb2.ProcessTasksInternalRequest())
-    other = Sender(p)
-    other.message_received(T0, report("pod-c", ("t", "e9", True)))
-    with pytest.raises(ProcessorUsageError):
-        s.task_message(one(submit(p, "a"), SendTask))
+        s.message_received(internal_pb2.ProcessTasksInternalRequest(), T0)
     s.closed(T0)
     with pytest.raises(ProcessorUsageError):
         s.closed(T0)
@@ -161,14 +163,14 @@ def test_an_engine_a_peer_reported_while_it_was_attached_here_is_registered_once
     old stream here lingers). When the old stream ends, pod-c's earlier report is the only
     word of where e0 is: pod-c will not report again, since nothing changed on its side."""
     p = Processor(ProcessorConfig(queue_timeout=30))
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
     s = Sender(p)
-    assert s.message_received(T0, report("pod-c", ("t", "e0", True))) == []
+    assert s.message_received(report("pod-c", ("t", "e0", True)), T0) == []
     assert p.engine("t", "e0").locality is Locality.LOCAL and s.engines == frozenset()
-    gone = removed(p.close_route(T0, "engine:e0", "stream ended"))
+    gone = removed(p.close_route("engine:e0", "stream ended", T0))
     assert p.engine("t", "e0") is None
     submit(p, "a")  # waits: no engine for m yet
-    effects = s.engines_removed(T0, gone)
+    effects = s.engines_removed(gone, T0)
     assert p.engine("t", "e0").route is s and p.engine("t", "e0").locality is Locality.REMOTE
     assert s.engines == {EngineKey("t", "e0")}
     assert [(e.route, e.task.id) for e in only(effects, SendTask)] == [(s, "a")]
@@ -178,11 +180,11 @@ def test_an_engine_shadowed_by_another_peers_registration_is_registered_once_tha
     """The engine moved from pod-b to pod-c, and pod-c's report came first."""
     p = Processor()
     b, c = Sender(p), Sender(p)
-    b.message_received(T0, report("pod-b", ("t", "e0", True)))
-    c.message_received(T0, report("pod-c", ("t", "e0", True)))
+    b.message_received(report("pod-b", ("t", "e0", True)), T0)
+    c.message_received(report("pod-c", ("t", "e0", True)), T0)
     assert p.engine("t", "e0").route is b
-    gone = removed(b.message_received(T0, report("pod-b")))
-    assert c.engines_removed(T0, gone) == [] and p.engine("t", "e0").route is c
+    gone = removed(b.message_received(report("pod-b"), T0))
+    assert c.engines_removed(gone, T0) == [] and p.engine("t", "e0").route is c
 
 
 def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_report_still_counts():
@@ -190,26 +192,26 @@ def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_repo
     from pod-c), then the local stream ends: e0 is pod-c's again, from its last report."""
     p = Processor()
     c = Sender(p)
-    c.message_received(T0, report("pod-c", ("t", "e0", True)))
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
+    c.message_received(report("pod-c", ("t", "e0", True)), T0)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
     assert p.engine("t", "e0").route == "engine:e0"
-    c.engines_removed(T0, removed(p.close_route(T0, "engine:e0", "stream ended")))
+    c.engines_removed(removed(p.close_route("engine:e0", "stream ended", T0)), T0)
     assert p.engine("t", "e0").route is c
-    c.message_received(T0, report("pod-c"))  # and pod-c's own removal still works
+    c.message_received(report("pod-c"), T0)  # and pod-c's own removal still works
     assert p.engine("t", "e0") is None
 
 
 def test_a_sender_registers_only_what_its_peer_still_reports_and_nothing_once_closed():
     p = Processor()
-    p.update_engine(T0, "engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL)
-    p.update_engine(T0, "engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL)
+    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
+    p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     c, d = Sender(p), Sender(p)
-    c.message_received(T0, report("pod-c", ("t", "e0", True)))
-    c.message_received(T0, report("pod-c"))  # pod-c no longer has e0
-    d.message_received(T0, report("pod-d", ("t", "e1", True)))
+    c.message_received(report("pod-c", ("t", "e0", True)), T0)
+    c.message_received(report("pod-c"), T0)  # pod-c no longer has e0
+    d.message_received(report("pod-d", ("t", "e1", True)), T0)
     d.closed(T0)
-    assert c.engines_removed(T0, removed(p.close_route(T0, "engine:e0", "ended"))) == []
-    assert d.engines_removed(T0, removed(p.close_route(T0, "engine:e1", "ended"))) == []
+    assert c.engines_removed(removed(p.close_route("engine:e0", "ended", T0)), T0) == []
+    assert d.engines_removed(removed(p.close_route("engine:e1", "ended", T0)), T0) == []
     assert p.engine_counts() == {}
 
 
@@ -219,7 +221,7 @@ def test_an_engine_that_reconnected_to_a_peer_is_reached_through_it_once_its_old
     network, a, b = net
     a.engine_joins("eb")
     assert a.p.engine("t", "eb").locality is Locality.LOCAL
-    a.dispatch(a.p.close_route(network.now, "engine:eb", "old stream ended"))
+    a.dispatch(a.p.close_route("engine:eb", "old stream ended", network.now))
     assert a.p.engine("t", "eb").locality is Locality.REMOTE
     a.request("task-1")
     assert [t.id for t in b.engine_inbox["eb"]] == ["task-1"]
@@ -247,7 +249,7 @@ class Gateway:
         for effect in effects:
             if isinstance(effect, (SendTask, CancelTaskOnEngine)):
                 if isinstance(effect.route, Sender):
-                    self.network.carry_task(effect.route, effect.route.task_message(effect))
+                    self.network.carry_task(effect.route, task_message(effect))
                 else:
                     self.engine_inbox[effect.engine.engine_id].append(effect.task)
             elif isinstance(effect, (DeliverResult, FailRequest)):
@@ -268,19 +270,25 @@ class Gateway:
                     receiver.local_engines_changed(self.network.now)
             elif isinstance(effect, EnginesRemoved):
                 for sender in [s for _, _, s, sending in self.network.links if sending is self]:
-                    self.dispatch(sender.engines_removed(self.network.now, effect.engines))
+                    self.dispatch(sender.engines_removed(effect.engines, self.network.now))
         self.network.pump()
 
     def engine_joins(self, engine_id: str, ready: bool = True) -> None:
         status = engine_status(engine_id, "m", ready=ready)
-        self.dispatch(self.p.update_engine(self.network.now, f"engine:{engine_id}", "t", status, Locality.LOCAL))
+        self.dispatch(self.p.update_engine(f"engine:{engine_id}", "t", status, Locality.LOCAL, self.network.now))
 
     def engine_says(self, engine_id: str, result: worker_pb2.TaskResult) -> None:
-        self.dispatch(self.p.receive_result(self.network.now, f"engine:{engine_id}", result))
+        self.dispatch(self.p.receive_result(f"engine:{engine_id}", result, self.network.now))
 
     def request(self, task_id: str, **kw: object) -> None:
-        self.dispatch(self.p.submit(self.network.now, task_id=task_id, tenant_id="t", origin="client",
-                                    request=kw.pop("request", chat()), **kw))
+        self.dispatch(self.p.submit(
+            task_id=task_id,
+            tenant_id="t",
+            origin="client",
+            request=kw.pop("request", chat()),
+            **kw,
+            now=self.network.now,
+        ))
 
 
 class Network:
@@ -295,7 +303,7 @@ class Network:
 
     def connect(self, receiving: Gateway, sending: Gateway) -> tuple[Receiver, Sender]:
         """``receiving`` dials ``sending``: its receiver reports to ``sending``'s new sender."""
-        receiver = Receiver(receiving.p, ReceiverConfig(receiving.name))
+        receiver = BufferedReceiver(receiving.p, ReceiverConfig(receiving.name))
         sender = Sender(sending.p)
         receiving.receivers.append(receiver)
         self.links.append((receiver, receiving, sender, sending))
@@ -334,12 +342,12 @@ class Network:
                 for receiver, receiving, sender, sending in self.links:
                     for message in receiver.pop_messages():
                         moved = True
-                        sending.dispatch(sender.message_received(self.now, message))
+                        sending.dispatch(sender.message_received(message, self.now))
                 while self.to_receiver:
                     moved = True
                     sender, message = self.to_receiver.popleft()
                     receiver, receiving = next((r, g) for r, g, s, _ in self.links if s is sender)
-                    receiving.dispatch(receiver.task_received(self.now, message))
+                    receiving.dispatch(receiver.task_received(message, self.now))
         finally:
             self.pumping = False
 
@@ -369,7 +377,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     network, a, b = net
     a.engine_joins("ea", ready=False)
     # B's engine leaves, and A has not heard of it yet when it forwards a task there.
-    b.p.remove_engine(network.now, "t", "eb", "crashed")
+    b.p.remove_engine("t", "eb", "crashed", network.now)
     a.request("task-1")
     # The refusal is a busy answer (a peer's 503): the task waits, with no engine left for it.
     assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.busy_replies == 1
@@ -382,7 +390,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
 
 def test_a_task_refused_by_a_peer_whose_engine_is_not_ready_waits_for_another_engine(net):
     network, a, b = net
-    b.p.update_engine(network.now, "engine:eb", "t", engine_status("eb", "m", ready=False), Locality.LOCAL)
+    b.p.update_engine("engine:eb", "t", engine_status("eb", "m", ready=False), Locality.LOCAL, network.now)
     a.request("task-1")  # A still believes eb is ready: B refuses it at once with 503
     network.links[0][0].local_engines_changed(network.now)
     network.pump()
@@ -397,7 +405,7 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
     a.engine_joins("ea", ready=False)
     a.request("task-1")
     a.engine_joins("ea")
-    b.dispatch(b.p.remove_engine(network.now, "t", "eb", "crashed"))
+    b.dispatch(b.p.remove_engine("t", "eb", "crashed", network.now))
     assert a.p.engine("t", "eb") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
     network.tick(RETRY_DELAY)
     assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
@@ -408,7 +416,7 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
 def test_a_client_that_goes_away_stops_the_engine_on_the_peer(net):
     network, a, b = net
     a.request("task-1", request=chat(stream=True))
-    a.dispatch(a.p.cancel(network.now, "task-1"))
+    a.dispatch(a.p.cancel("task-1", network.now))
     cancel = b.engine_inbox["eb"][-1]
     assert cancel.request.cancel_task.task_id == "task-1"
     assert not b.p.has_task("task-1")
@@ -447,11 +455,11 @@ def test_an_adapter_can_name_its_own_object_as_the_route_of_the_peer_engines():
     p = Processor()
     stream = object()
     s = Sender(p, route=stream)
-    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
     assert p.engine("t", "e1").route is stream
     send = one(submit(p, "a"), SendTask)
-    assert send.route is stream and s.task_message(send).new_task.id == "a"
-    assert one(s.message_received(T0, result_msg(http("a"))), DeliverResult).last
+    assert send.route is stream and send.task.id == "a"
+    assert one(s.message_received(result_msg(http("a")), T0), DeliverResult).last
     s.closed(T0)
     assert p.engine("t", "e1") is None
 
@@ -518,13 +526,13 @@ class Exchange:
             self.gateway(op[1]).engine_joins(f"e{op[1]}", ready=op[2])
         elif kind == "engine_gone":
             gateway = self.gateway(op[1])
-            gateway.dispatch(gateway.p.close_route(self.net.now, f"engine:e{op[1]}", "engine stream ended"))
+            gateway.dispatch(gateway.p.close_route(f"engine:e{op[1]}", "engine stream ended", self.net.now))
         elif kind == "cancel":
             live = [t for t in self.requested if t not in self.a.ended and t not in self.cancelled]
             if live:
                 task_id = live[op[1] % len(live)]
                 self.cancelled.add(task_id)
-                self.a.dispatch(self.a.p.cancel(self.net.now, task_id))
+                self.a.dispatch(self.a.p.cancel(task_id, self.net.now))
         elif kind == "tick":
             self.net.tick(op[1])
         elif kind == "shutdown_b":
@@ -558,12 +566,12 @@ def test_through_two_gateways_every_request_ends_exactly_once_whatever_the_inter
 def test_a_draining_peers_engines_get_no_new_tasks_whatever_readiness_they_report():
     p = Processor(ProcessorConfig(queue_timeout=5))
     s = Sender(p)
-    s.message_received(T0, report("pod-b", ("t", "e1", True)))
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
     assert not s.peer_draining and p.engine("t", "e1").routable
     draining = report("pod-b", ("t", "e1", True))
     draining.server_status.draining = True
-    s.message_received(T0, draining)
+    s.message_received(draining, T0)
     assert s.peer_draining and not p.engine("t", "e1").routable
     assert not only(submit(p, "a"), SendTask)
     # The peer came back (a new process under the same name, not draining): routable again.
-    assert only(s.message_received(T0, report("pod-b", ("t", "e1", True))), SendTask)
+    assert only(s.message_received(report("pod-b", ("t", "e1", True)), T0), SendTask)

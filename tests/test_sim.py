@@ -1,6 +1,7 @@
 """The whole cluster in memory (tests/sim): seeded runs hold every invariant, a seed
-replays exactly, and a bug planted in the processor is reported with the
-invariant it breaks and a command that replays it."""
+replays exactly, and a bug planted in the processor or in the production gateway
+core (the glue the sim drives) is reported with the invariant it breaks and a
+command that replays it."""
 
 from __future__ import annotations
 
@@ -10,11 +11,22 @@ from pathlib import Path
 
 import pytest
 
+from protocol.gateway_core import GatewayCore
+from protocol.gateway_effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor import Processor, TaskState
+from protocol.processor_types import EnginesRemoved
 from tests.sim import SimConfig, run_seed
 from tests.sim.__main__ import main
-from tests.sim.invariants import DEADLINE, NO_LOOP, ORDER, TENANT, ClientRequest
+from tests.sim.invariants import (
+    CONVERGENCE,
+    DEADLINE,
+    LIVENESS,
+    NO_LOOP,
+    ORDER,
+    TENANT,
+    ClientRequest,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_STEPS = 500
@@ -121,6 +133,44 @@ def test_a_deadline_that_never_fires_is_reported(monkeypatch):
     result = _first_failure()
     assert result.violation.invariant == DEADLINE
     assert "still in flight" in result.violation.detail
+
+
+# --- bugs planted in the production glue (protocol/gateway_core.py), which the sim drives ---------
+
+
+def test_a_forwarded_result_relayed_twice_by_the_core_is_caught(monkeypatch):
+    """Plant a bug in the gateway core: every result of a task a peer forwarded here goes
+    back to that peer twice. The peer's processor must not hand a client anything twice."""
+    original = GatewayCore._relay
+    relayed: list[str] = []
+
+    def relay_twice(self, dial, effect, now, out):
+        original(self, dial, effect, now, out)
+        again = [e for e in out[-1:] if isinstance(e, SendOnDial) and e.message.HasField("task_result")]
+        if again:
+            relayed.append(effect.task_id)
+            out.extend(again)
+
+    monkeypatch.setattr(GatewayCore, "_relay", relay_twice)
+    result = _first_failure()
+    assert relayed, "the planted bug never ran"
+    # The peer's processor sees the duplicate as a result out of order and fails the request
+    # with a 502: a probe after the faults stopped fails.
+    assert result.violation.invariant == LIVENESS and "expected 1" in result.violation.detail, result.describe()
+
+
+def test_engines_removed_not_routed_to_the_senders_is_caught(monkeypatch):
+    """Plant a bug in the gateway core: ``EnginesRemoved`` is dropped instead of letting every
+    peer's sender register what its peer reported meanwhile (finding F1): some gateway never
+    learns an engine that is up."""
+    original = GatewayCore._absorb
+
+    def absorb(self, effects, now, out):
+        original(self, [e for e in effects if not isinstance(e, EnginesRemoved)], now, out)
+
+    monkeypatch.setattr(GatewayCore, "_absorb", absorb)
+    result = _first_failure(range(40))
+    assert result.violation.invariant in (CONVERGENCE, LIVENESS), result.describe()
 
 
 def test_the_campaign_command_fails_and_prints_the_replay_of_each_failing_seed(monkeypatch, capsys):

@@ -72,20 +72,20 @@ def _processor() -> Processor:
 
 def test_the_processor_routes_a_request_without_a_typed_form_past_llmariner_engines():
     p = _processor()
-    p.update_engine(0, "r-old", "t", engine_status("a-llmariner", "m"), Locality.LOCAL)
-    p.update_engine(0, "r-infx", "t", capable("z-infx", "m"), Locality.LOCAL)
-    send = one(p.submit(0, task_id="1", tenant_id="t", request=verbatim_only(), origin="o"), SendTask)
+    p.update_engine("r-old", "t", engine_status("a-llmariner", "m"), Locality.LOCAL, 0)
+    p.update_engine("r-infx", "t", capable("z-infx", "m"), Locality.LOCAL, 0)
+    send = one(p.submit(task_id="1", tenant_id="t", request=verbatim_only(), origin="o", now=0), SendTask)
     assert send.engine.engine_id == "z-infx"
     assert send.task.request.http_request.body == verbatim_only().http_request.body
 
 
 def test_each_engine_gets_its_own_form_and_a_retry_may_change_the_form():
     p = _processor()
-    p.update_engine(0, "r1", "t", capable("a", "m"), Locality.LOCAL)
-    p.update_engine(0, "r2", "t", engine_status("b", "m"), Locality.LOCAL)
-    first = one(p.submit(0, task_id="1", tenant_id="t", request=both_forms(), origin="o"), SendTask)
+    p.update_engine("r1", "t", capable("a", "m"), Locality.LOCAL, 0)
+    p.update_engine("r2", "t", engine_status("b", "m"), Locality.LOCAL, 0)
+    first = one(p.submit(task_id="1", tenant_id="t", request=both_forms(), origin="o", now=0), SendTask)
     assert first.engine.engine_id == "a" and first.task.request.HasField("http_request")
-    retry = one(p.close_route(1, "r1", "gone"), SendTask)
+    retry = one(p.close_route("r1", "gone", 1), SendTask)
     assert retry.engine.engine_id == "b"
     assert not retry.task.request.HasField("http_request")
     assert len(retry.task.request.chat_completion.messages) == 1
@@ -93,25 +93,25 @@ def test_each_engine_gets_its_own_form_and_a_retry_may_change_the_form():
 
 def test_with_only_llmariner_engines_a_request_without_a_typed_form_fails_at_once_with_400():
     p = _processor()
-    p.update_engine(0, "r", "t", engine_status("e", "m"), Locality.LOCAL)
-    fail = one(p.submit(0, task_id="1", tenant_id="t", request=verbatim_only(), origin="o"), FailRequest)
+    p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 0)
+    fail = one(p.submit(task_id="1", tenant_id="t", request=verbatim_only(), origin="o", now=0), FailRequest)
     assert fail.status == 400 and "video_url" in fail.message
     assert p.takes_http_request("t", "m") is False
 
 
 def test_a_waiting_request_without_a_typed_form_waits_for_a_capable_engine():
     p = _processor()
-    assert not only(p.submit(0, task_id="1", tenant_id="t", request=verbatim_only(), origin="o"), SendTask)
+    assert not only(p.submit(task_id="1", tenant_id="t", request=verbatim_only(), origin="o", now=0), SendTask)
     assert p.task_state("1") is TaskState.WAITING
-    p.update_engine(1, "r-c", "t", capable("c", "m"), Locality.LOCAL)
+    p.update_engine("r-c", "t", capable("c", "m"), Locality.LOCAL, 1)
     assert not p.has_task("1") or p.task_state("1") is TaskState.DISPATCHED
 
 
 def test_an_arriving_llmariner_engine_fails_a_waiting_request_it_cannot_take_and_serves_the_next():
     p = _processor()
-    p.submit(0, task_id="1", tenant_id="t", request=verbatim_only(), origin="o")
-    p.submit(0, task_id="2", tenant_id="t", request=both_forms(), origin="o")
-    effects = p.update_engine(1, "r", "t", engine_status("e", "m"), Locality.LOCAL)
+    p.submit(task_id="1", tenant_id="t", request=verbatim_only(), origin="o", now=0)
+    p.submit(task_id="2", tenant_id="t", request=both_forms(), origin="o", now=0)
+    effects = p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 1)
     assert one(effects, FailRequest).task_id == "1"
     send = one(effects, SendTask)
     assert send.task.id == "2" and not send.task.request.HasField("http_request")
@@ -119,37 +119,39 @@ def test_an_arriving_llmariner_engine_fails_a_waiting_request_it_cannot_take_and
 
 def test_a_targeted_task_in_a_form_its_engine_cannot_take_is_refused_with_503():
     p = _processor()
-    p.update_engine(0, "r", "t", engine_status("e", "m"), Locality.LOCAL)
-    effects = p.submit(0, task_id="1", tenant_id="t", request=verbatim_only(), origin="o", target_engine_id="e")
+    p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 0)
+    effects = p.submit(task_id="1", tenant_id="t", request=verbatim_only(), origin="o", target_engine_id="e", now=0)
     assert one(effects, FailRequest).status == 503
 
 
 def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_answer_comes_back_marked():
     """Gateway A (sender) and gateway C (receiver, engine attached) back to back, as values."""
     from protocol.processor import DeliverResult
-    from protocol.receiver import Receiver, ReceiverConfig
+    from protocol.pb import internal_pb2
+    from protocol.receiver import ReceiverConfig
     from protocol.sender import Sender
+    from tests.receiver_helpers import BufferedReceiver
 
     a, c = _processor(), _processor()
-    c.update_engine(0, "engine-stream", "t", capable("engine-on-c", "m"), Locality.LOCAL)
-    receiver = Receiver(c, ReceiverConfig("pod-c", status_interval=10))
+    c.update_engine("engine-stream", "t", capable("engine-on-c", "m"), Locality.LOCAL, 0)
+    receiver = BufferedReceiver(c, ReceiverConfig("pod-c", status_interval=10))
     sender = Sender(a)
     receiver.connected(0)
     for message in receiver.pop_messages():
-        sender.message_received(0, message)
+        sender.message_received(message, 0)
     assert a.takes_http_request("t", "m")
 
     request = both_forms()
-    to_peer = one(a.submit(0, task_id="1", tenant_id="t", request=request, origin="client"), SendTask)
+    to_peer = one(a.submit(task_id="1", tenant_id="t", request=request, origin="client", now=0), SendTask)
     assert to_peer.route is sender.route and to_peer.task.request.http_request.body == BODY
     assert not to_peer.task.request.chat_completion.messages, "the big body travels once"
-    to_engine = one(receiver.task_received(0, sender.task_message(to_peer)), SendTask)
+    to_engine = one(receiver.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=to_peer.task, tenant_id=to_peer.engine.tenant_id), 0), SendTask)
     assert to_engine.task.request.http_request == request.http_request
     answer = worker_pb2.TaskResult(task_id=to_engine.task.id, http_response=worker_pb2.HttpResponse(status_code=200),
                                    verbatim_answer=True)
-    for effect in c.receive_result(1, "engine-stream", answer):
+    for effect in c.receive_result("engine-stream", answer, 1):
         receiver.deliver(effect)
-    back = [one(sender.message_received(1, m), DeliverResult) for m in receiver.pop_messages()]
+    back = [one(sender.message_received(m, 1), DeliverResult) for m in receiver.pop_messages()]
     assert back[0].origin == "client" and back[0].result.verbatim_answer and back[0].last
 
 
@@ -160,6 +162,6 @@ def test_a_control_request_with_a_stray_verbatim_form_goes_alone_to_any_engine()
         out = task_forms.for_engine(request, status)
         assert out.WhichOneof("request") == "heartbeat" and not out.HasField("http_request")
     p = _processor()
-    p.update_engine(0, "r", "t", capable("e", "m"), Locality.LOCAL)
-    send = one(p.submit(0, task_id="1", tenant_id="t", request=request, origin="o", target_engine_id="e"), SendTask)
+    p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
+    send = one(p.submit(task_id="1", tenant_id="t", request=request, origin="o", target_engine_id="e", now=0), SendTask)
     assert not send.task.request.HasField("http_request")

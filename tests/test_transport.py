@@ -4,6 +4,7 @@ against grpcio in both directions; plus the adapter on a hand-stepped Clock."""
 from __future__ import annotations
 
 import datetime
+import random
 import threading
 from concurrent import futures
 
@@ -26,6 +27,7 @@ from infx.transport import (
     client_endpoint,
     listen_grpc,
 )
+from protocol.backoff import Backoff
 from protocol.grpc import (
     CallEnded,
     EndCause,
@@ -34,6 +36,10 @@ from protocol.grpc import (
     ResponseHeadersReceived,
     StatusCode,
 )
+
+
+#: Redials fast enough for a loopback test.
+FAST_REDIAL = Backoff(initial=0.05)
 
 
 def sleep(seconds: float) -> defer.Deferred:
@@ -233,7 +239,7 @@ async def test_graceful_stop_lets_calls_finish_and_the_channel_reconnects(record
     port = await listen_grpc(reactor, "tcp:0:interface=127.0.0.1", server)
     number = port.getHost().port
     channel = GrpcChannel(reactor, TCP4ClientEndpoint(reactor, "127.0.0.1", number),
-                          initial_backoff=0.05)
+                          backoff=FAST_REDIAL)
     try:
         bidi = channel.stream("/t.S/Upper")
         await bidi.send(b"a")
@@ -258,7 +264,7 @@ async def test_calls_wait_for_a_connection_and_backoff_retries_until_it_exists(r
     number = probe.getHost().port
     await probe.stopListening()
     channel = GrpcChannel(reactor, TCP4ClientEndpoint(reactor, "127.0.0.1", number),
-                          initial_backoff=0.05, rng=lambda: 0.5)
+                          backoff=FAST_REDIAL, rng=random.Random(5))
     port = None
     try:
         waiting = channel.unary("/t.S/Echo", b"ab", timeout=5, wait_for_ready=True)
@@ -541,7 +547,7 @@ async def test_a_call_waiting_for_a_connection_ends_at_its_deadline(recorder):
     number = probe.getHost().port
     await probe.stopListening()
     channel = GrpcChannel(reactor, TCP4ClientEndpoint(reactor, "127.0.0.1", number),
-                          initial_backoff=0.05)
+                          backoff=FAST_REDIAL)
     try:
         with pytest.raises(GrpcError) as info:
             await channel.unary("/t.S/Echo", b"", timeout=0.3, wait_for_ready=True)
@@ -583,7 +589,7 @@ def test_a_call_start_is_written_ahead_of_its_messages_once_per_batch():
     HEADERS, DATA = 0x1, 0x0
     assert [_frame_kinds(w) for w in writes] == [[(HEADERS, 3)], [(DATA, 3)]]
     writes.clear()
-    protocol = channel._protocol
+    protocol = channel.protocol
     with protocol.batch():
         for _ in range(3):
             channel.unary("/t.S/Echo", b"abc")

@@ -1,4 +1,4 @@
-"""The Twisted side of the connection budgets (infx/transport.py).
+"""The Twisted side of the connection budgets (infx/transport/connection.py).
 
 Fairness: one connection's burst of frames is fed to the machine a frame
 budget per reactor turn, with the transport's reading paused in between, so
@@ -94,7 +94,7 @@ async def test_a_flood_of_tiny_frames_does_not_hold_up_another_connection():
     server = GrpcServer(reactor)
 
     def probe(request: bytes, call: ServerCall) -> bytes:
-        seen.append(any(p.conn.has_pending_input for p in server._connections))
+        seen.append(any(p.conn.has_pending_input for p in server.connections))
         return request
 
     server.add_method("/t.S/Probe", probe)
@@ -111,10 +111,10 @@ async def test_a_flood_of_tiny_frames_does_not_hold_up_another_connection():
                 sent += flooder.send(flood[sent:])
             except BlockingIOError:
                 pass
-            if any(p.conn.has_pending_input for p in server._connections):
+            if any(p.conn.has_pending_input for p in server.connections):
                 break
             await turn()
-        assert any(p.conn.has_pending_input for p in server._connections)
+        assert any(p.conn.has_pending_input for p in server.connections)
         assert await channel.unary("/t.S/Probe", b"during", timeout=10) == b"during"
         assert seen == [False, True]
     finally:
@@ -151,8 +151,8 @@ async def test_closed_connections_are_freed_without_the_garbage_collector():
             assert await call.recv() == b"A"
             call.end()
             assert await call.recv() is None
-            refs.append(weakref.ref(channel._protocol))
-            refs += [weakref.ref(p) for p in server._connections]
+            refs.append(weakref.ref(channel.protocol))
+            refs += [weakref.ref(p) for p in server.connections]
             await channel.close()
             del channel, call
             for _ in range(5):
@@ -187,11 +187,11 @@ async def test_a_service_lifts_the_unauthenticated_limits_of_its_connection():
     channel = GrpcChannel(reactor, TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port))
     try:
         assert await channel.unary("/t.S/Login", b"guess", timeout=10) == b"5"
-        assert channel._protocol.conn.max_concurrent_calls == 4
+        assert channel.protocol.conn.max_concurrent_calls == 4
         assert await channel.unary("/t.S/Login", b"secret", timeout=10) == b"6"
         for _ in range(5):
             await turn()
-        assert channel._protocol.conn.max_concurrent_calls == 1000
+        assert channel.protocol.conn.max_concurrent_calls == 1000
         big = bytes(5 << 20)
         assert await channel.unary("/t.S/Login", big, timeout=10) == b"%d" % len(big)
     finally:

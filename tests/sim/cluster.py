@@ -25,7 +25,7 @@ from protocol.pb import chat_pb2, worker_pb2
 from protocol.processor_types import ProcessorConfig
 from tests.sim.engine import EngineNode
 from tests.sim.faults import Faults
-from tests.sim.gateway import Gateway, PeerDial
+from tests.sim.gateway import Gateway
 from tests.sim.invariants import (
     CONVERGENCE,
     DEADLINE,
@@ -139,12 +139,7 @@ class Cluster:
     def start_gateway(self, name: str) -> Gateway:
         gateway = Gateway(self, name, self.processor_config)
         self.gateways[name] = gateway
-        for peer in self.gateways_names():
-            if peer != name:
-                gateway.dials[peer] = PeerDial(gateway, peer)
-        for dial in list(gateway.dials.values()):
-            dial.dial()
-        gateway.flush()
+        gateway.start([peer for peer in self.gateways_names() if peer != name])
         return gateway
 
     def gateways_names(self) -> list[str]:
@@ -154,15 +149,6 @@ class Cluster:
         if self.gateways.get(name) is old and not old.alive:
             self.stats["gateway_restarts"] += 1
             self.start_gateway(name)
-
-    def redial_later(self, gateway: Gateway, peer: str, delay: float) -> None:
-        def redial() -> None:
-            dial = gateway.dials[peer]
-            if gateway.alive and self.gateways[gateway.name] is gateway and not dial.open:
-                dial.dial()
-                gateway.flush()
-
-        self.scheduler.after(delay, redial, "redial")
 
     def build(self) -> None:
         for name in self.gateways_names():

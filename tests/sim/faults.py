@@ -154,7 +154,7 @@ class Faults:
         if not alive:
             return None
         gateway = self.cluster.rng.choice(alive)
-        gateway.run(gateway.processor.go_away)
+        gateway.run(gateway.core.go_away)
         gateway.flush()
         return "gateway_go_away"
 

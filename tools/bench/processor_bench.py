@@ -31,7 +31,7 @@ def _engines(processor: Processor, count: int) -> None:
     for i in range(count):
         status = status_pb2.EngineStatus(engine_id=f"e{i}", ready=True)
         status.models.add(id="m", is_ready=True)
-        processor.update_engine(0.0, f"route-e{i}", "tenant", status, Locality.LOCAL)
+        processor.update_engine(f"route-e{i}", "tenant", status, Locality.LOCAL, 0.0)
 
 
 def _results(task_id: str, streaming: bool) -> Iterator[worker_pb2.TaskResult]:
@@ -47,7 +47,7 @@ def _answer(processor: Processor, sends: list[SendTask], streaming: bool, now: f
     completed = 0
     for send in sends:
         for result in _results(send.task.id, streaming):
-            for effect in processor.receive_result(now, send.route, result):
+            for effect in processor.receive_result(send.route, result, now):
                 assert isinstance(effect, DeliverResult), effect
                 processor.results_consumed(send.task.id)
                 completed += effect.last
@@ -62,7 +62,7 @@ def run_route(engines: int, tasks: int, streaming: bool) -> dict[str, object]:
     start = time.perf_counter()
     for i in range(tasks):
         now = i * 1e-3
-        effects = processor.submit(now, task_id=f"task-{i}", tenant_id="tenant", request=request, origin=None)
+        effects = processor.submit(task_id=f"task-{i}", tenant_id="tenant", request=request, origin=None, now=now)
         completed += _answer(processor, [e for e in effects if isinstance(e, SendTask)], streaming, now)
     elapsed = time.perf_counter() - start
     assert completed == tasks, (completed, tasks)
@@ -74,11 +74,11 @@ def run_backlog(tasks: int) -> dict[str, object]:
     request = worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(model="m"))
     start = time.perf_counter()
     for i in range(tasks):
-        processor.submit(0.0, task_id=f"task-{i}", tenant_id="tenant", request=request, origin=None)
+        processor.submit(task_id=f"task-{i}", tenant_id="tenant", request=request, origin=None, now=0.0)
     status = status_pb2.EngineStatus(engine_id="e0", ready=True)
     status.models.add(id="m", is_ready=True)
     burst = time.perf_counter()
-    effects = processor.update_engine(1.0, "route-e0", "tenant", status, Locality.LOCAL)
+    effects = processor.update_engine("route-e0", "tenant", status, Locality.LOCAL, 1.0)
     burst = time.perf_counter() - burst
     sends = [e for e in effects if isinstance(e, SendTask)]
     completed = _answer(processor, sends, False, 1.0)

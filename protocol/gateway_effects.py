@@ -1,0 +1,241 @@
+"""What the gateway core (:mod:`protocol.gateway_core`) asks its adapters to do, and its configuration.
+
+No I/O: every class here is a frozen value. The core returns these, together
+with the processor's own I/O effects that it passes through unchanged
+(``SendTask``, ``CancelTaskOnEngine``, ``CloseEngine``, ``CloseRoute`` on
+engine and peer routes; ``DeliverResult``, ``FailRequest`` for HTTP requests;
+``TaskQueued`` for the scaler), in the order the adapter must perform them.
+Handles (engine streams, accepted peer streams, HTTP requests) are the
+adapter's own objects, compared by identity; a :class:`Dial` is the core's
+handle for one stream it asks the adapter to open to a peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Union
+
+from protocol.grpc import StatusCode
+from protocol.pb import internal_pb2
+from protocol.peers import Backoff
+from protocol.processor_types import Effect, ProcessorUsageError
+
+__all__ = [
+    "CancelDial",
+    "CoreConfig",
+    "CoreEffect",
+    "Dial",
+    "EndPeerStream",
+    "HalfCloseDial",
+    "ModelServed",
+    "OpenDial",
+    "PeerDisconnected",
+    "PeerDialledIn",
+    "PeerDraining",
+    "PeerGone",
+    "PeerRequests",
+    "ReportLoad",
+    "RequestDispatched",
+    "RequestFinished",
+    "RequestStarted",
+    "SendOnDial",
+    "TaskReleased",
+]
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """How the core joins the processor to peers and the scaler.
+
+    ``pod_name`` names this gateway in its reports to peers;
+    ``status_interval``: seconds between checks that re-report local engines
+    (and request counts) to peers if anything changed; ``redial_backoff``
+    spaces redials of a peer whose stream ended; ``forget_models_after``: a
+    model no engine has listed for this long is unknown (404) again rather
+    than gone (503); ``load_interval``: seconds between in-flight load reports
+    to an attached scaler.
+    """
+
+    pod_name: str
+    status_interval: float = 10.0
+    redial_backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.2, factor=2.0, cap=10.0, jitter=0.5))
+    forget_models_after: float = 3600.0
+    load_interval: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.status_interval <= 0 or self.load_interval <= 0 or self.forget_models_after < 0:
+            raise ProcessorUsageError("status_interval and load_interval must be > 0, forget_models_after >= 0")
+
+
+class Dial:
+    """One stream this gateway opens to a peer: the core's handle, compared by identity.
+
+    A redial is a new ``Dial``; inputs naming a dial that is no longer the
+    peer's current one are ignored (a late event of a stream already given up).
+    """
+
+    __slots__ = ("name", "address", "attempt")
+
+    def __init__(self, name: str, address: object, attempt: int) -> None:
+        self.name = name
+        self.address = address
+        self.attempt = attempt
+
+    def __repr__(self) -> str:
+        return f"<Dial {self.name} {self.address} #{self.attempt}>"
+
+
+# --- peers we dial ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenDial:
+    """Open ``dial``'s ``ProcessTasksInternal`` stream to ``dial.address`` (the core's reports follow)."""
+
+    dial: Dial
+
+
+@dataclass(frozen=True, slots=True)
+class SendOnDial:
+    """Write ``message`` on ``dial``'s stream, after those asked for before it."""
+
+    dial: Dial
+    message: internal_pb2.ProcessTasksInternalRequest
+
+
+@dataclass(frozen=True, slots=True)
+class HalfCloseDial:
+    """``dial`` drained (every forwarded task ended): end our side of its stream."""
+
+    dial: Dial
+
+
+@dataclass(frozen=True, slots=True)
+class CancelDial:
+    """Give ``dial``'s stream up now (the peer left, moved, broke the protocol, or we stop)."""
+
+    dial: Dial
+    reason: str
+
+
+# --- peers that dialled us ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EndPeerStream:
+    """End an accepted peer stream with ``code`` (the core has already forgotten it)."""
+
+    stream: object
+    code: StatusCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDialledIn:
+    """A peer's first report on ``stream`` (for the log)."""
+
+    stream: object
+    pod_name: str
+    engines: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDraining:
+    """The peer on ``stream`` reported it is draining (for the log)."""
+
+    stream: object
+    pod_name: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDisconnected:
+    """The peer's ``stream`` is gone here, with the engines it had registered (for the log)."""
+
+    stream: object
+    pod_name: str
+    engines: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRequests:
+    """The peer on ``stream`` reported the requests per model it accepted since it started (scaler)."""
+
+    stream: object
+    counts: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGone:
+    """``stream``'s reports ended (the scaler starts a new baseline for it)."""
+
+    stream: object
+
+
+# --- HTTP requests and the scaler ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    """A client's request for ``model`` was accepted (scaler load)."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """The request counted by :class:`RequestStarted` ended (answered, failed or cancelled)."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDispatched:
+    """The HTTP request ``origin`` was sent to an engine for the first time as attempt ``wire_id``
+    (its wait in the queue ends, unless the route refused that send)."""
+
+    origin: object
+    wire_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelServed:
+    """A task the scaler held for ``model`` left the queue for an engine: the model is ready."""
+
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskReleased:
+    """A task the scaler held ended without an engine (failed or cancelled): forget it."""
+
+    task_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReportLoad:
+    """``count`` tasks of ``model`` are in flight on engines (scaler load; 0 once none are)."""
+
+    model: str
+    count: int
+
+
+CoreEffect = Union[
+    Effect,
+    OpenDial,
+    SendOnDial,
+    HalfCloseDial,
+    CancelDial,
+    EndPeerStream,
+    PeerDialledIn,
+    PeerDraining,
+    PeerDisconnected,
+    PeerRequests,
+    PeerGone,
+    RequestStarted,
+    RequestFinished,
+    RequestDispatched,
+    ModelServed,
+    TaskReleased,
+    ReportLoad,
+]

@@ -1,0 +1,383 @@
+"""The gateway core as pure code, on a hand-stepped clock: two cores back to back with a
+hand-carried link, peers dialled and redialled on their deadlines, streams replaced by pod,
+protocol violations ended with their status, request accounting, gone-versus-unknown models,
+and the scaler's signals as effects."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from protocol.gateway_core import Availability, DialState, GatewayCore
+from protocol.gateway_effects import (
+    CancelDial,
+    CoreConfig,
+    Dial,
+    EndPeerStream,
+    HalfCloseDial,
+    ModelServed,
+    OpenDial,
+    PeerGone,
+    PeerRequests,
+    ReportLoad,
+    RequestDispatched,
+    RequestFinished,
+    RequestStarted,
+    SendOnDial,
+    TaskReleased,
+)
+from protocol.grpc import StatusCode
+from protocol.pb import internal_pb2
+from protocol.peers import Backoff
+from protocol.processor import Processor
+from protocol.processor_types import (
+    CancelTaskOnEngine,
+    DeliverResult,
+    FailRequest,
+    Locality,
+    ProcessorConfig,
+    SendTask,
+    TaskQueued,
+)
+from tests.processor_helpers import chat, engine_status, http, one, only, sse
+
+T0 = 100.0
+
+
+def core(name: str, **config: Any) -> GatewayCore:
+    processor_config = config.pop("processor", ProcessorConfig())
+    return GatewayCore(Processor(processor_config), CoreConfig(pod_name=name, **config), random.Random(1))
+
+
+class Client:
+    """An HTTP request's handle: what reached it, in order."""
+
+    def __init__(self, task_id: str) -> None:
+        self.task_id = task_id
+
+    def __repr__(self) -> str:
+        return f"<Client {self.task_id}>"
+
+
+class Net:
+    """Gateway cores joined by hand-carried ``ProcessTasksInternal`` streams, no I/O.
+
+    The harness plays the adapters: an ``OpenDial`` of one core opens an accepted stream
+    on the core it names, its ``SendOnDial`` messages reach that stream, and a ``SendTask``
+    on the accepted stream comes back to the dial as a forwarded task. Engine routes are
+    ``"engine:<id>"``; what a core asks of its engines and clients is kept per core.
+    """
+
+    def __init__(self, *names: str) -> None:
+        self.now = T0
+        self.cores = {name: core(name) for name in names}
+        self.effects: dict[str, list[Any]] = {name: [] for name in names}
+        self.streams: dict[Dial, tuple[str, object]] = {}  # dial -> (accepting core, its stream)
+        self.dial_of: dict[object, tuple[str, Dial]] = {}  # accepted stream -> (dialling core, dial)
+        self._queue: deque[Callable[[], None]] = deque()
+        self._carrying = False
+
+    def run(self, name: str, step: Callable[[float], list[Any]]) -> list[Any]:
+        out = step(self.now)
+        self.effects[name] += out
+        for effect in out:
+            self._carry(name, effect)
+        self.pump()
+        return out
+
+    def later(self, name: str, step: Callable[[float], list[Any]]) -> None:
+        self._queue.append(lambda: self.run(name, step) and None)
+
+    def pump(self) -> None:
+        if self._carrying:
+            return
+        self._carrying = True
+        try:
+            while self._queue:
+                self._queue.popleft()()
+        finally:
+            self._carrying = False
+
+    def _carry(self, name: str, effect: Any) -> None:
+        if isinstance(effect, OpenDial):
+            stream = ("stream", name, effect.dial.attempt)
+            self.streams[effect.dial] = (effect.dial.address, stream)
+            self.dial_of[stream] = (name, effect.dial)
+            target = str(effect.dial.address)
+            self.later(target, lambda now: self.cores[target].peer_stream_opened(stream, now))
+            self.later(name, lambda now: self.cores[name].dial_accepted(effect.dial, now))
+        elif isinstance(effect, SendOnDial):
+            target, stream = self.streams[effect.dial]
+            self.later(target, lambda now: self.cores[target].peer_stream_message(stream, effect.message, now))
+        elif isinstance(effect, (HalfCloseDial, CancelDial)):
+            target, stream = self.streams[effect.dial]
+            self.later(target, lambda now: self.cores[target].peer_stream_closed(stream, now))
+            if isinstance(effect, HalfCloseDial):
+                self.later(name, lambda now: self.cores[name].dial_closed(effect.dial, now))
+        elif isinstance(effect, EndPeerStream) and effect.stream in self.dial_of:
+            dialler, dial = self.dial_of[effect.stream]
+            self.later(dialler, lambda now: self.cores[dialler].dial_closed(dial, now))
+        elif isinstance(effect, (SendTask, CancelTaskOnEngine)) and effect.route in self.dial_of:
+            dialler, dial = self.dial_of[effect.route]
+            message = internal_pb2.ProcessTasksInternalResponse(new_task=effect.task, tenant_id=effect.engine.tenant_id)
+            self.later(dialler, lambda now: self.cores[dialler].dial_message(dial, message, now))
+
+    def engine_joins(self, name: str, engine_id: str, *models: str, ready: bool = True) -> None:
+        route = f"engine:{engine_id}"
+        self.run(name, lambda now: self.cores[name].engine_status(
+            route, "t", engine_status(engine_id, *models, ready=ready), Locality.LOCAL, now))
+
+    def submit(self, name: str, task_id: str, model: str = "m", stream: bool = False) -> Client:
+        client = Client(task_id)
+        self.run(name, lambda now: self.cores[name].submit(client, task_id, "t", model, chat(model, stream), {}, None,
+                                                          now))
+        return client
+
+    def sent_to_engine(self, name: str, engine_id: str) -> list[str]:
+        return [e.task.id for e in only(self.effects[name], SendTask) if e.route == f"engine:{engine_id}"]
+
+    def of(self, name: str, kind: type) -> list[Any]:
+        return only(self.effects[name], kind)
+
+
+def status_reports(effects: list[Any]) -> list[internal_pb2.ServerStatus]:
+    return [e.message.server_status for e in only(effects, SendOnDial) if e.message.HasField("server_status")]
+
+
+def task_results(effects: list[Any]) -> list[Any]:
+    return [e.message.task_result for e in only(effects, SendOnDial) if e.message.HasField("task_result")]
+
+
+def report(pod: str, *engines: str, draining: bool = False) -> internal_pb2.ProcessTasksInternalRequest:
+    status = internal_pb2.ServerStatus(pod_name=pod, draining=draining)
+    for engine_id in engines:
+        status.engine_statuses.add(engine_status=engine_status(engine_id, "m"), tenant_id="t")
+    return internal_pb2.ProcessTasksInternalRequest(server_status=status)
+
+
+# --- two cores back to back -----------------------------------------------------------------------
+
+
+def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_once():
+    net = Net("a", "b")
+    net.engine_joins("b", "e1", "m")
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
+    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    client = net.submit("a", "r1", stream=True)
+    assert net.sent_to_engine("b", "e1") == ["r1"]
+    net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
+    net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", sse("r1", 1, last=True), now))
+    # Core -> adapter once: each result leaves b's core as one message to a, never as a delivery.
+    assert [(r.task_id, r.result_index) for r in task_results(net.effects["b"])] == [("r1", 0), ("r1", 1)]
+    assert net.of("b", DeliverResult) == []
+    delivered = net.of("a", DeliverResult)
+    assert [(d.origin, d.result.result_index, d.last) for d in delivered] == [(client, 0, False), (client, 1, True)]
+    assert [type(e) for e in net.effects["a"] if isinstance(e, (RequestStarted, RequestFinished))] == [
+        RequestStarted, RequestFinished]
+    assert one(net.effects["a"], RequestDispatched).origin is client
+    assert net.cores["b"].peers["a"].receiver.tasks_in_flight == 0
+
+
+def test_reports_carry_only_local_engines_so_they_never_loop():
+    net = Net("a", "b")
+    net.engine_joins("b", "e1", "m")
+    net.run("a", lambda now: net.cores["a"].peers_changed({"b": "b"}, now))
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
+    for _ in range(3):
+        net.now += 10
+        for name in ("a", "b"):
+            net.run(name, net.cores[name].handle_timeout)
+    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    assert all(not s.engine_statuses for s in status_reports(net.effects["a"]))
+    assert net.cores["b"].processor.engine("t", "e1").locality is Locality.LOCAL
+
+
+def test_a_peer_report_carries_the_requests_accepted_here_per_model():
+    net = Net("a", "b")
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
+    net.submit("b", "r1")
+    net.submit("b", "r2")
+    net.now += 10
+    net.run("b", net.cores["b"].handle_timeout)
+    assert dict(status_reports(net.effects["b"])[-1].model_requests_started) == {"m": 2}
+    assert net.of("a", PeerRequests)[-1].counts == {"m": 2}
+
+
+def test_engines_removed_lets_another_peers_sender_register_what_it_reported():
+    """An engine reported by two peers is registered through the first; when that one goes,
+    the second's last report registers it at once (its peer re-reports only on change)."""
+    a = core("a")
+    first, second = object(), object()
+    for stream in (first, second):
+        a.peer_stream_opened(stream, T0)
+    a.peer_stream_message(first, report("b", "e1"), T0)
+    a.peer_stream_message(second, report("c", "e1"), T0)
+    assert a.processor.engine("t", "e1").route is first
+    effects = a.peer_stream_closed(first, T0)
+    assert a.processor.engine("t", "e1").route is second
+    assert one(effects, PeerGone).stream is first
+
+
+# --- peers that dial us -------------------------------------------------------------------------
+
+
+def test_a_newer_stream_from_the_same_pod_replaces_the_older_one():
+    a = core("a")
+    old, new = object(), object()
+    a.peer_stream_opened(old, T0)
+    a.peer_stream_message(old, report("b", "e1"), T0)
+    a.peer_stream_opened(new, T0)
+    effects = a.peer_stream_message(new, report("b", "e1"), T0 + 1)
+    ended = one(effects, EndPeerStream)
+    assert (ended.stream, ended.code) == (old, StatusCode.UNAVAILABLE) and "reconnected" in ended.message
+    assert a.processor.engine("t", "e1").route is new
+    assert a.peer_stream_message(old, report("b"), T0 + 2) == []  # the old stream is forgotten
+
+
+def test_a_result_before_any_status_and_an_empty_message_end_the_stream_with_their_status():
+    a = core("a")
+    early, empty = object(), object()
+    a.peer_stream_opened(early, T0)
+    result = internal_pb2.ProcessTasksInternalRequest(task_result=http("x"))
+    ended = one(a.peer_stream_message(early, result, T0), EndPeerStream)
+    assert ended.code is StatusCode.FAILED_PRECONDITION
+    a.peer_stream_opened(empty, T0)
+    a.peer_stream_message(empty, report("b", "e1"), T0)
+    effects = a.peer_stream_message(empty, internal_pb2.ProcessTasksInternalRequest(), T0)
+    assert one(effects, EndPeerStream).code is StatusCode.INVALID_ARGUMENT
+    assert a.processor.engine("t", "e1") is None  # its engines went with it
+
+
+def test_a_shutting_down_gateway_refuses_new_peer_streams():
+    a = core("a")
+    a.drain_peers(T0)
+    ended = one(a.peer_stream_opened(object(), T0), EndPeerStream)
+    assert ended.code is StatusCode.UNAVAILABLE and "shutting down" in ended.message
+
+
+# --- peers we dial ----------------------------------------------------------------------------
+
+
+def test_a_peer_is_redialled_on_its_deadline_with_backoff_that_resets_once_accepted():
+    a = core("a", redial_backoff=Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0))
+    first = one(a.peers_changed({"b": "10.0.0.2:8083"}, T0), OpenDial).dial
+    assert a.peers["b"].state is DialState.CONNECTING
+    a.dial_closed(first, T0)
+    assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 1
+    assert only(a.handle_timeout(T0 + 0.999), OpenDial) == []  # not before its time
+    second = one(a.handle_timeout(T0 + 1), OpenDial).dial
+    assert second is not first and second.attempt == 2
+    a.dial_closed(second, T0 + 1)
+    assert a.next_deadline() == T0 + 3  # two failures in a row: 2 s
+    third = one(a.handle_timeout(T0 + 3), OpenDial).dial
+    a.dial_accepted(third, T0 + 3)
+    assert a.peers["b"].state is DialState.OPEN and a.peers["b"].streams_opened == 1
+    a.dial_closed(third, T0 + 4)
+    assert a.next_deadline() == T0 + 5  # accepted: back to the first delay
+    assert a.dial_closed(first, T0 + 4) == []  # a late end of an old stream changes nothing
+
+
+def test_peers_follow_the_wanted_set_one_stream_each_at_its_current_address():
+    a = core("a")
+    effects = a.peers_changed({"b": "b1", "c": "c1"}, T0)
+    assert sorted((d.dial.name, d.dial.address) for d in only(effects, OpenDial)) == [("b", "b1"), ("c", "c1")]
+    first_b = a.peers["b"]
+    effects = a.peers_changed({"b": "b2", "c": "c1"}, T0)
+    assert one(effects, CancelDial).dial.address == "b1" and one(effects, OpenDial).dial.address == "b2"
+    assert first_b.state is DialState.STOPPED and a.peers["b"] is not first_b
+    assert a.peers_changed({"b": "b2", "c": "c1"}, T0) == []  # nothing changed: nothing done
+    effects = a.peers_changed({"b": "b2"}, T0)
+    assert one(effects, CancelDial).dial.name == "c" and list(a.peers) == ["b"]
+    a.stop(T0)
+    assert a.peers_changed({"b": "b2"}, T0) == [] and dict(a.peers) == {}
+
+
+def test_a_malformed_forwarded_task_gives_the_stream_up_and_the_peer_is_redialled():
+    a = core("a", redial_backoff=Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0))
+    dial = one(a.peers_changed({"b": "b"}, T0), OpenDial).dial
+    a.dial_accepted(dial, T0)
+    effects = a.dial_message(dial, internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
+    assert "broke the protocol" in one(effects, CancelDial).reason
+    assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 1
+
+
+def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded_tasks_end():
+    net = Net("a", "b")
+    net.engine_joins("b", "e1", "m")
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
+    net.submit("a", "r1")
+    net.run("b", net.cores["b"].drain_peers)
+    assert status_reports(net.effects["b"])[-1].draining
+    assert not net.cores["a"].processor.engine("t", "e1").routable
+    assert net.of("b", HalfCloseDial) == []  # r1 still runs
+    net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
+    assert len(net.of("b", HalfCloseDial)) == 1 and net.cores["b"].dialling == 0
+    assert one(net.effects["a"], DeliverResult).last
+
+
+# --- HTTP requests, models and the scaler ---------------------------------------------------------
+
+
+def test_a_model_no_engine_lists_any_more_is_gone_until_forgotten_then_unknown():
+    a = core("a", forget_models_after=60)
+    assert a.availability("t", "m", T0) is Availability.UNKNOWN
+    a.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
+    assert a.availability("t", "m", T0) is Availability.SERVED
+    a.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0 + 10)  # listed, later
+    a.engine_closed("engine:e1", "gone", T0 + 11)
+    assert a.availability("t", "m", T0 + 69.5) is Availability.GONE
+    assert a.availability("t", "m", T0 + 70) is Availability.UNKNOWN  # 60 s after it was last listed
+    a.scaler_attached(lambda tenant, model: model == "m", T0)
+    assert a.availability("t", "m", T0 + 70) is Availability.STARTABLE
+
+
+def test_the_scaler_holds_a_queued_task_once_and_hears_when_it_leaves_the_queue():
+    a = core("a", load_interval=1.0, processor=ProcessorConfig(queue_timeout=600))
+    a.scaler_attached(lambda tenant, model: True, T0)
+    served, cancelled = Client("r1"), Client("r2")
+    held = only(a.submit(served, "r1", "t", "m", chat(), {}, None, T0), TaskQueued)
+    held += only(a.submit(cancelled, "r2", "t", "m", chat(), {}, None, T0), TaskQueued)
+    assert [q.task_id for q in held] == ["r1", "r2"]
+    assert one(a.cancel("r2", T0), TaskReleased).task_id == "r2"
+    effects = a.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0 + 1)
+    assert one(effects, ModelServed).model == "m"
+    assert [r for r in only(a.handle_timeout(T0 + 1), ReportLoad)] == [ReportLoad("m", 1)]
+    a.engine_result("engine:e1", http("r1"), T0 + 1.5)
+    assert only(a.handle_timeout(T0 + 2), ReportLoad) == [ReportLoad("m", 0)]
+    a.scaler_detached(T0 + 2)
+    assert a.next_deadline() is None
+
+
+def test_the_scaler_giving_up_fails_every_tenants_waiting_tasks_for_the_model():
+    a = core("a", processor=ProcessorConfig(queue_timeout=600))
+    a.scaler_attached(lambda tenant, model: True, T0)
+    client = Client("r1")
+    a.submit(client, "r1", "t", "m", chat(), {}, None, T0)
+    effects = a.scaler_gave_up("m", 503, "CrashLoopBackOff", T0 + 1)
+    failed = one(effects, FailRequest)
+    assert failed.origin is client and failed.status == 503 and "CrashLoopBackOff" in failed.message
+    assert one(effects, RequestFinished).model == "m"
+
+
+def test_a_request_counted_started_is_counted_finished_once_however_it_ends():
+    a = core("a", processor=ProcessorConfig(queue_timeout=5))
+    a.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
+    effects = a.submit(Client("ok"), "ok", "t", "m", chat(), {}, None, T0)
+    effects += a.engine_result("engine:e1", http("ok"), T0)
+    effects += a.submit(Client("gone"), "gone", "t", "m", chat(), {}, None, T0)
+    effects += a.cancel("gone", T0)
+    effects += a.cancel("gone", T0)  # a second cancel of the same request counts nothing
+    effects += a.submit(Client("late"), "late", "t", "other", chat("other"), {}, None, T0)
+    effects += a.handle_timeout(T0 + 5)
+    assert [e.model for e in only(effects, RequestStarted)] == ["m", "m", "other"]
+    assert [e.model for e in only(effects, RequestFinished)] == ["m", "m", "other"]
+    assert a.requests_started == {"m": 2, "other": 1}
+
+
+def test_core_config_is_validated():
+    with pytest.raises(Exception, match="status_interval"):
+        CoreConfig(pod_name="a", status_interval=0)

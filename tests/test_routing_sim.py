@@ -1,0 +1,64 @@
+"""Small seeds of the routing simulation (tests/sim/routing): the direction of the issue's
+targets, robustly, and determinism. The full table is ``tools/routing_sim --check``."""
+
+import pytest
+
+from tests.sim.routing.run import simulate
+
+SMALL = dict(duration=15.0, warmup=3.0, scale=0.25, engines=4)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {
+        (workload, policy, gateways): simulate(workload, policy, gateways, 2, **SMALL)
+        for workload in ("shared-prefix", "multi-turn")
+        for policy in ("least_in_progress", "affinity")
+        for gateways in (1, 3)
+    }
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
+@pytest.mark.parametrize("gateways", [1, 3])
+def test_affinity_hits_the_cache_and_serves_more_than_least_in_progress(results, workload, gateways):
+    infx, lip = results[(workload, "affinity", gateways)], results[(workload, "least_in_progress", gateways)]
+    assert infx.hit_rate > lip.hit_rate + 0.25
+    assert infx.tokens_per_second > 1.1 * lip.tokens_per_second
+    assert infx.ttft_mean() < lip.ttft_mean()
+    assert infx.failed == lip.failed == 0
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
+def test_three_gateways_route_about_as_well_as_one(results, workload):
+    one, three = results[(workload, "affinity", 1)], results[(workload, "affinity", 3)]
+    assert three.hit_rate > 0.9 * one.hit_rate
+    assert three.tokens_per_second > 0.9 * one.tokens_per_second
+
+
+@pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
+def test_affinity_keeps_the_engines_evenly_loaded(results, workload):
+    for gateways in (1, 3):
+        assert results[(workload, "affinity", gateways)].load_imbalance <= 1.35
+
+
+def test_a_seed_replays_exactly():
+    a = simulate("multi-turn", "affinity", 3, 5, duration=8.0, warmup=2.0, scale=0.1, engines=3)
+    b = simulate("multi-turn", "affinity", 3, 5, duration=8.0, warmup=2.0, scale=0.1, engines=3)
+    assert (a.requests, a.cached_tokens, a.output_tokens, a.ttft) == (b.requests, b.cached_tokens, b.output_tokens, b.ttft)
+    assert a.requests > 0
+
+
+def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed():
+    import os
+    import subprocess
+    import sys
+
+    code = ("from tests.sim.routing.run import simulate; "
+            "r = simulate('shared-prefix', 'affinity', 3, 4, duration=6.0, warmup=1.0, scale=0.05, engines=3); "
+            "print(r.requests, r.cached_tokens, r.output_tokens, sorted(r.load_samples.items()))")
+    outputs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outputs) == 1 and outputs.pop().split()[0] != "0"
