@@ -33,8 +33,9 @@ from twisted.python.threadpool import ThreadPool
 
 from infx.config import ConfigError
 from infx.deadline import DeadlineTimer
+from protocol.backoff import Backoff
 from protocol.informer import (
-    Backoff,
+    WATCH_BACKOFF,
     CacheEvent,
     Effect,
     Informer,
@@ -123,7 +124,7 @@ class InformerConfig:
     label_selector: str | None = None
     watch_timeout: int = 60
     request_timeout: float = 10.0
-    backoff: Backoff = field(default_factory=Backoff)
+    backoff: Backoff = WATCH_BACKOFF
 
     def __post_init__(self) -> None:
         if self.watch_timeout < 1:
@@ -148,7 +149,7 @@ class PodWatcherConfig:
     peer_port: int
     watch_timeout: int = 60
     request_timeout: float = 10.0
-    backoff: Backoff = field(default_factory=Backoff)
+    backoff: Backoff = WATCH_BACKOFF
 
     def __post_init__(self) -> None:
         if self.watch_timeout < 1:

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 from twisted.internet import defer
 
 from infx.kube import InformerConfig, KubeInformer, ThreadingClock
-from protocol.informer import Added, Backoff, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
+from protocol.backoff import Backoff
+from protocol.informer import WATCH_BACKOFF, Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 from protocol.scaling import SCALABLE_LABEL
 
 __all__ = ["ScalerWatches", "kube_object", "object_key", "object_version"]
@@ -65,7 +66,7 @@ class ScalerWatches:
         from kubernetes import client
 
         self.scaler = scaler
-        backoff = backoff or Backoff()
+        backoff = backoff or WATCH_BACKOFF
         self.deployments: KubeInformer[Mapping[str, Any]] = KubeInformer(
             reactor, client.AppsV1Api(api_client).list_namespaced_deployment, kube_object, object_key,
             object_version, self._deployments_changed,

@@ -455,7 +455,7 @@ class GatewayCore:
         if self._shutting_down:
             self._forget_peer(peer)
             return
-        peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng)
+        peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
 
     def _absorb_receiver(self, peer: DialledPeer, outputs: Iterable[ReceiverOutput], now: float,
                          out: list[CoreEffect]) -> None:

@@ -18,7 +18,7 @@ from typing import Union
 
 from protocol.grpc import StatusCode
 from protocol.pb import internal_pb2
-from protocol.peers import Backoff
+from protocol.backoff import Backoff
 from protocol.processor_types import Effect, ProcessorUsageError
 
 __all__ = [

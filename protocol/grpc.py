@@ -479,16 +479,14 @@ class GrpcConnection(ReceivingConnection):
         self._h2.ping(payload)
         return payload
 
-    def go_away(self, error_code: int = 0, debug_data: bytes = b"",
-                now: float | None = None) -> list[Event]:
+    def go_away(self, error_code: int = 0, debug_data: bytes = b"", *, now: float) -> list[Event]:
         """Stop accepting calls.  With error_code 0 this is a graceful drain:
         calls already started finish, then ConnectionTerminated(0) follows;
         otherwise every call ends now (UNAVAILABLE).
 
         A server drains in two phases (RFC 9113 6.8, as grpc-core does):
         a GOAWAY that refuses nothing with a PING behind it, then, on the
-        PING's ack (or ``GOAWAY_ACK_TIMEOUT`` after ``now``, default the
-        last input's time), the GOAWAY naming the last stream it serves.
+        PING's ack (or ``GOAWAY_ACK_TIMEOUT`` after ``now``), the GOAWAY naming the last stream it serves.
         Calls the client started before it saw the first GOAWAY arrive
         before the ack and are served rather than refused."""
         if self._terminated:
@@ -509,8 +507,7 @@ class GrpcConnection(ReceivingConnection):
                 self._ping_counter += 1
                 self._goaway_ping = struct.pack(">Q", self._ping_counter)
                 self._h2.ping(self._goaway_ping)
-                start = self._last_received if now is None else now
-                self._goaway_ping_deadline = start + GOAWAY_ACK_TIMEOUT
+                self._goaway_ping_deadline = now + GOAWAY_ACK_TIMEOUT
             self._maybe_drained()
         return self.take_events()
 

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, TypeVar, Union
 
+from protocol.backoff import Backoff
 from protocol.errors import LocalUsageError, RemoteProtocolError
 
 __all__ = [
     "Added",
-    "Backoff",
     "BookmarkReceived",
     "CacheEvent",
     "Deleted",
@@ -45,6 +45,7 @@ __all__ = [
     "ObjectDeleted",
     "ObjectUpdated",
     "Synced",
+    "WATCH_BACKOFF",
     "WatchErrorReceived",
     "WatchEvent",
     "WatchMisuse",
@@ -72,33 +73,10 @@ class WatchMisuse(RuntimeError, LocalUsageError):
     """The caller drove the :class:`Informer` out of order (a local error)."""
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Reconnect delays after failed lists or watches.
-
-    The n-th consecutive failure waits ``min(cap, initial * factor**(n-1))``
-    scaled by a uniform factor in ``[1 - jitter, 1]``, so replicas restarted
-    together do not hammer the API server in step.
-    """
-
-    initial: float = 0.5
-    factor: float = 2.0
-    cap: float = 30.0
-    jitter: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.initial <= 0 or self.cap < self.initial or self.factor < 1:
-            raise ValueError("backoff needs 0 < initial <= cap and factor >= 1")
-        if not 0 <= self.jitter <= 1:
-            raise ValueError("backoff jitter is a fraction in [0, 1]")
-
-    def delay(self, failures: int, rng: random.Random) -> float:
-        """Delay before the next attempt after ``failures`` consecutive failures (>= 1)."""
-        try:
-            base = min(self.cap, self.initial * self.factor ** (failures - 1))
-        except OverflowError:
-            base = self.cap
-        return base * (1 - self.jitter * rng.random())
+#: Redial delays after failed lists or watches (client-go's reflector backs off
+#: from 0.8 s to 30 s; ours starts a little sooner and jitters widely, so
+#: replicas restarted together do not hammer the API server in step).
+WATCH_BACKOFF = Backoff(initial=0.5, factor=2.0, cap=30.0, jitter=0.5)
 
 
 # --- watch lines, decoded -------------------------------------------------------------
@@ -372,7 +350,7 @@ class Informer(Generic[T]):
                 self._state = InformerState.LISTING
                 return [ListRequested()]
         self._failures += 1
-        self._deadline = now + self._backoff.delay(self._failures, self._rng)
+        self._deadline = now + self._backoff.delay(self._failures, self._rng.random())
         self._state = InformerState.BACKING_OFF
         return []
 

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from protocol.errors import LocalUsageError
-from protocol.informer import Added, Backoff, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
+from protocol.informer import Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 
 __all__ = [
-    "Backoff",  # the informer's, re-exported: the exchanger redials peers with it too
     "InvalidPeerAddress",
     "PeerAdded",
     "PeerAddress",

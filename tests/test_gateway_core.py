@@ -32,7 +32,7 @@ from protocol.gateway_effects import (
 )
 from protocol.grpc import StatusCode
 from protocol.pb import internal_pb2
-from protocol.peers import Backoff
+from protocol.backoff import Backoff
 from protocol.processor import Processor
 from protocol.processor_types import (
     CancelTaskOnEngine,

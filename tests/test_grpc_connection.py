@@ -773,7 +773,7 @@ def test_goaway_with_error_fails_every_call_unavailable():
     link = Link()
     sid = link.client.start_call("/s/M", now=link.now)
     link.pump()
-    link.server.go_away(error_code=2, debug_data=b"bye")
+    link.server.go_away(error_code=2, debug_data=b"bye", now=link.now)
     link.pump()
     end = ended(link)
     assert (end.stream_id, end.status, end.cause) == (sid, StatusCode.UNAVAILABLE,

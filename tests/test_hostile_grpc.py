@@ -347,7 +347,7 @@ def test_a_drain_that_ends_on_a_deadline_does_not_ping_a_finished_connection():
     server.initiate(0)
     sid = client.start_call("/s/M", timeout=5.0, now=0)
     server.receive_data(client.data_to_send(), 0)
-    server.go_away()
+    server.go_away(now=0)
     events = client.receive_data(server.data_to_send(), 0)
     assert not any(isinstance(e, ConnectionTerminated) for e in events)
     assert client.next_deadline() == 5.0

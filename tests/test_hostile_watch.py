@@ -22,8 +22,8 @@ from twisted.internet import defer, reactor, task
 from twisted.logger import globalLogPublisher
 
 from infx.kube import PodWatcher, PodWatcherConfig
+from protocol.backoff import Backoff
 from protocol.informer import (
-    Backoff,
     BookmarkReceived,
     MalformedWatchObject,
     ObjectDeleted,

@@ -15,7 +15,8 @@ from kubernetes import client
 from twisted.internet import defer, reactor, task
 
 from infx.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
-from protocol.informer import Backoff, InformerState
+from protocol.backoff import Backoff
+from protocol.informer import InformerState
 from protocol.peers import (
     InvalidPeerAddress,
     PeerAdded,

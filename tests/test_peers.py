@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.backoff import Backoff
 from protocol.informer import (
-    Backoff,
     Effect,
     Informer,
     InformerState,
@@ -110,7 +110,7 @@ class Discovery:
 
     def __init__(self, own: str | None = "me", backoff: Backoff | None = None, seed: int = 0) -> None:
         self.informer: Informer[PodState] = Informer(
-            pod_key, pod_version, backoff or Backoff(initial=1.0, jitter=0.0), random.Random(seed))
+            pod_key, pod_version, backoff or Backoff(initial=1.0, factor=2.0, cap=30.0, jitter=0.0), random.Random(seed))
         self.peers = PeerSet(own, PORT)
         self.now = 0.0
         self.requests: list[Effect[PodState]] = []

@@ -174,7 +174,7 @@ class EngineNode:
         self.restart_pending = False
         for end in self.ends:
             if not end.closed:
-                end.conn.go_away()
+                end.conn.go_away(now=self.cluster.scheduler.now)
         self.flush()
         self.core = self._new_core()
         self.runtime = ScriptedRuntime(self)
@@ -226,7 +226,7 @@ class EngineNode:
                 self.cluster.stats["engine_drains"] += 1
                 for end in self.ends:
                     if not end.closed and end.conn.active_calls == 0:
-                        end.conn.go_away()
+                        end.conn.go_away(now=self.cluster.scheduler.now)
                 if self.restart_pending:
                     self.cluster.scheduler.after(self.cluster.rng.uniform(0.2, 2.0), self.restart, "engine-restart")
 
@@ -257,7 +257,7 @@ class EngineNode:
             cluster.accept(gateway, link)
             self.current = end
             if previous is not None and not previous.closed and not self._streams_on(previous):
-                previous.conn.go_away()
+                previous.conn.go_away(now=cluster.scheduler.now)
         end = self.current
         try:
             grpc_stream = end.conn.start_call(PROCESS_TASKS, (("authorization", engine_key(self.tenant)),),
@@ -297,7 +297,7 @@ class EngineNode:
                 else:
                     del self.streams[stream_id]
                     if end is not self.current and not self._streams_on(end) and not end.closed:
-                        end.conn.go_away()
+                        end.conn.go_away(now=self.cluster.scheduler.now)
                     self.perform(self.core.stream_closed(stream_id, self.cluster.rng.random(), now))
 
     def _task_received(self, now: float, stream_id: int, task: worker_pb2.Task) -> None:

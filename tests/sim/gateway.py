@@ -303,7 +303,7 @@ class PeerDial:
             self._forget()
             gateway.run(lambda now: core.dial_closed(dial, now))
             if not end.closed:
-                end.conn.go_away()
+                end.conn.go_away(now=self.gateway.cluster.scheduler.now)
 
     def _track_deadline(self, response: internal_pb2.ProcessTasksInternalResponse) -> None:
         task = response.new_task

@@ -596,7 +596,7 @@ class GrpcClientDriver(_Driver):
         elif action == 3 and not self.terminated:
             self.conn.ping(self.now)
         elif action == 4:
-            self.handle(self.conn.go_away())
+            self.handle(self.conn.go_away(now=self.now))
         self.drain()
 
     def peer_bytes(self) -> bytes:
