@@ -227,7 +227,7 @@ class GatewayCore:
 
     def availability(self, tenant_id: str, model: str, now: float) -> Availability:
         """Whether the tenant's engines serve ``model``, could (the scaler), did recently, or never did."""
-        if model in self.processor.known_models(tenant_id):
+        if self.processor.serves(tenant_id, model):
             self._recent_models[(tenant_id, model)] = now
             return Availability.SERVED
         if self.can_start(tenant_id, model):
