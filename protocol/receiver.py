@@ -173,8 +173,9 @@ class Receiver:
         """Re-report the local engines if what the peer last heard differs: at once, unless
         only load counts changed (then within a quarter of the status interval)."""
         self._enter("local_engines_changed")
-        if self._writer.urgent(self._local_statuses(), self.state is ReceiverState.DRAINING):
-            return self._report(now, force=False)
+        statuses = self._local_statuses()
+        if self._writer.urgent(statuses, self.state is ReceiverState.DRAINING):
+            return self._report(now, force=False, statuses=statuses)
         if self._load_due is None:
             self._load_due = now + self.config.status_interval / 4
         return []
@@ -295,11 +296,12 @@ class Receiver:
         outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
         return outputs
 
-    def _report(self, now: float, force: bool) -> list[ReceiverOutput]:
+    def _report(self, now: float, force: bool,
+                statuses: list[tuple[str, status_pb2.EngineStatus]] | None = None) -> list[ReceiverOutput]:
         self._next_report = now + self.config.status_interval
         self._load_due = None
-        report = self._writer.report(self._local_statuses(), self._requests_started(),
-                                     self.state is ReceiverState.DRAINING, force)
+        report = self._writer.report(self._local_statuses() if statuses is None else statuses,
+                                     self._requests_started(), self.state is ReceiverState.DRAINING, force)
         if report is None:
             return []
         return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]
