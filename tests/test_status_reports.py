@@ -246,3 +246,25 @@ def test_a_load_change_that_reverts_before_it_is_due_sends_nothing(local):
     local.engine("e1", T0 + 1.5, in_progress=0)
     local.r.handle_timeout(T0 + 3)
     assert local.reports() == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(engine_sets, st.lists(st.booleans(), min_size=12, max_size=12))
+def test_a_sender_fed_deltas_registers_what_a_sender_fed_snapshots_does(steps, draining):
+    """Two gateways hear the same changes of a peer's engines, one as deltas, one as full
+    snapshots: after every report their processors hold the same remote engines, alike."""
+    sides = []
+    for deltas in (True, False):
+        writer = ReportWriter("gw")
+        writer.deltas = deltas
+        sides.append((writer, Processor(ProcessorConfig())))
+    senders = [Sender(processor) for _, processor in sides]
+    for index, engines in enumerate(steps):
+        current = statuses(*[(engine_id, ready, load) for engine_id, (ready, load) in sorted(engines.items())])
+        for (writer, _), sender in zip(sides, senders):
+            report = writer.report(current, {}, draining[index], force=index == 0)
+            if report is not None:
+                sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
+        views = [processor.status()["tenants"] for _, processor in sides]
+        assert views[0] == views[1]
+        assert sorted(views[0].get("t", {}).get("engines", {})) == sorted(engines)
