@@ -222,7 +222,8 @@ def test_a_load_count_change_rides_the_next_report_within_a_quarter_interval(loc
     assert local.r.handle_timeout(T0 + 2.29) == [] and local.reports() == []
     local.r.handle_timeout(T0 + 2.3)
     [report] = local.reports()
-    assert report.delta and ids(report) == ["e1"] and report.engine_statuses[0].engine_status.models[0].in_progress_task_count == 5
+    assert report.delta and ids(report) == ["e1"]
+    assert report.engine_statuses[0].engine_status.models[0].in_progress_task_count == 5
     assert local.r.next_deadline() == T0 + 2.3 + 8  # back to the periodic check
 
 
