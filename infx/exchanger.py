@@ -23,7 +23,11 @@ The four data flows, from this gateway's point of view:
   (``LocalEnginesChanged``) -> every receiver in the core re-reports the local
   engines -> peer's internal server -> peer's ``Sender`` -> peer's processor,
   where the engine is registered as remote. Remote engines are never
-  re-reported, so reports cannot loop between gateways.
+  re-reported, so reports cannot loop between gateways. Accepted streams
+  answer with ``x-infx-status-delta: 1`` in their headers, so an infx peer
+  reports only what changed; a LLMariner peer ignores the header and a
+  LLMariner server sends none (full snapshots, see
+  :mod:`protocol.status_reports`).
 - New task scheduling: HTTP handler -> local processor, which picks a local
   engine (preferred) or a remote one; for a remote engine the task goes to
   the ``PeerStream`` of the peer that reported it, with its tenant id -> the
@@ -56,7 +60,7 @@ from twisted.logger import Logger
 from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
-from protocol.gateway_core import DialledPeer
+from protocol.gateway_core import PEER_ACCEPT_METADATA, DialledPeer
 from protocol.gateway_effects import (
     CancelDial,
     CoreEffect,
@@ -72,6 +76,7 @@ from protocol.gateway_effects import (
     SendOnDial,
 )
 from protocol.grpc import StatusCode
+from protocol.grpc_metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
@@ -202,11 +207,12 @@ class DialStream:
         self.cancelled = True
         self.call.cancel()
 
-    def _headers_received(self, _: object) -> None:
-        # Response headers without a status: the peer accepted the stream (and our secret).
+    def _headers_received(self, metadata: Metadata) -> None:
+        # Response headers without a status: the peer accepted the stream (and our secret);
+        # an infx peer's say it reads status deltas.
         if self.call.final is None and not self.accepted:
             self.accepted = True
-            self.exchanger.dial_accepted(self)
+            self.exchanger.dial_accepted(self, metadata)
 
     async def _run(self) -> None:
         exchanger, dial = self.exchanger, self.dial
@@ -319,12 +325,12 @@ class Exchanger:
         """The pod source's callback: the core brings its dials in line with the source."""
         self.dispatcher.run(lambda now: self.dispatcher.core.peers_changed(dict(self.source.peers), now))
 
-    def dial_accepted(self, stream: DialStream) -> None:
+    def dial_accepted(self, stream: DialStream, metadata: Metadata) -> None:
         name = stream.dial.name
         self._log(name, self._suppressor(name).cleared("stream", self.clock.seconds()))
         log.info("peer {name}: connected at {address}", name=name, address=str(stream.dial.address),
                  event="peer_connected")
-        self.dispatcher.run(lambda now: self.dispatcher.core.dial_accepted(stream.dial, now))
+        self.dispatcher.run(lambda now: self.dispatcher.core.dial_accepted(stream.dial, metadata, now))
 
     def dial_failed(self, stream: DialStream, error: GrpcError) -> None:
         name = stream.dial.name
@@ -420,8 +426,9 @@ class Exchanger:
         self.streams.add(stream)
         self.dispatcher.run(lambda now: core.peer_stream_opened(stream, now))
         if not stream.closed:
-            # Headers now tell the peer's receiver the stream is accepted before any task flows.
-            call.send_initial_metadata()
+            # Headers now tell the peer's receiver the stream is accepted before any task flows,
+            # and that this side reads status deltas (a LLMariner receiver ignores that).
+            call.send_initial_metadata(PEER_ACCEPT_METADATA)
         try:
             while not stream.closed:
                 message = await stream.recv()

@@ -24,6 +24,11 @@ What it decides:
 - *Peers we dial* (a :class:`~protocol.receiver.Receiver` per stream): one
   stream per wanted peer at its current address, redialled after a jittered
   backoff that grows while the peer does not accept; drained on shutdown.
+- *Status deltas*: a stream accepted here answers with
+  :data:`PEER_ACCEPT_METADATA` in its headers (infx reads status deltas);
+  a dial whose peer answered so gets deltas after its first full report,
+  any other (a LLMariner peer) full snapshots only
+  (:mod:`protocol.status_reports`).
 - *Accounting*: requests accepted from clients per model (reported to peers,
   and to the scaler as started/finished), and which models are gone (listed
   recently, 503) rather than unknown (404) on the clock.
@@ -79,8 +84,13 @@ from protocol.processor_types import (
 )
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.sender import Sender
+from protocol.status_reports import STATUS_DELTA_METADATA, offers_deltas
+from protocol.grpc_metadata import Metadata
 
-__all__ = ["Availability", "DialState", "DialledPeer", "GatewayCore"]
+__all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
+
+#: The response headers of a ProcessTasksInternal stream this gateway accepts: it reads status deltas.
+PEER_ACCEPT_METADATA: Metadata = STATUS_DELTA_METADATA
 
 #: Receiver states in which a dial's stream takes messages.
 _LIVE = (ReceiverState.OPEN, ReceiverState.DRAINING)
@@ -217,7 +227,7 @@ class GatewayCore:
 
     def availability(self, tenant_id: str, model: str, now: float) -> Availability:
         """Whether the tenant's engines serve ``model``, could (the scaler), did recently, or never did."""
-        if model in self.processor.known_models(tenant_id):
+        if self.processor.serves(tenant_id, model):
             self._recent_models[(tenant_id, model)] = now
             return Availability.SERVED
         if self.can_start(tenant_id, model):
@@ -366,13 +376,18 @@ class GatewayCore:
                 self._open(peer, now, out)
         return self._after(now, out)
 
-    def dial_accepted(self, dial: Dial, now: float) -> list[CoreEffect]:
-        """The peer answered ``dial``'s stream with headers: it accepted it (and our secret)."""
+    def dial_accepted(self, dial: Dial, metadata: Metadata, now: float) -> list[CoreEffect]:
+        """The peer answered ``dial``'s stream with headers (``metadata``): it accepted it (and
+        our secret); if they offer status deltas, its receiver sends them from now on."""
+        out: list[CoreEffect] = []
         peer = self._by_dial.get(dial)
         if peer is not None and not peer.accepted:
             peer.accepted = True
             peer.streams_opened += 1
-        return []
+            receiver = peer.receiver
+            if receiver is not None and receiver.state in _LIVE and offers_deltas(metadata):
+                self._absorb_receiver(peer, receiver.deltas_offered(now), now, out)
+        return out
 
     def dial_message(self, dial: Dial, message: internal_pb2.ProcessTasksInternalResponse,
                      now: float) -> list[CoreEffect]:

@@ -319,7 +319,8 @@ class Processor(ProcessorTables):
                 engine.missed_heartbeats = 0
             engine.locality = locality
             engine.status = snapshot
-        engine.ready_models = frozenset(m.id for m in snapshot.models if m.is_ready)
+        self._index(engine, frozenset(m.id for m in snapshot.models),
+                    frozenset(m.id for m in snapshot.models if m.is_ready))
         self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot)
         if changed and (was_local or locality is Locality.LOCAL):
             effects.append(LocalEnginesChanged())
@@ -564,7 +565,7 @@ class Processor(ProcessorTables):
         exists and they are LLMariner engines): waiting would not help."""
         return (
             bool(task.request.typed_request_incomplete)
-            and task.model in self.known_models(task.tenant_id)
+            and self.serves(task.tenant_id, task.model)
             and not self.takes_http_request(task.tenant_id, task.model)
         )
 
@@ -617,11 +618,8 @@ class Processor(ProcessorTables):
                 return None if key is None else self._engines[key]
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
-        engines = self._by_tenant.get(task.tenant_id)
-        if not engines:
-            return None
-        for engine in engines.values():
-            if not engine.routable or task.model not in engine.ready_models or self._blocked(engine, ignore_cap):
+        for engine in self._ready_engines(task.tenant_id, task.model):
+            if not engine.routable or self._blocked(engine, ignore_cap):
                 continue
             if not task_forms.eligible(task.request, engine.status):
                 continue
@@ -634,7 +632,8 @@ class Processor(ProcessorTables):
             if best_rank is None or rank < best_rank:
                 best, best_rank = engine, rank
         if best is None and self.config.dynamic_model_loading:
-            for engine in engines.values():
+            # Any engine may load the model: this one scan is over every engine of the tenant.
+            for engine in self._by_tenant.get(task.tenant_id, {}).values():
                 if not engine.routable or self._blocked(engine, ignore_cap):
                     continue
                 if not task_forms.eligible(task.request, engine.status):
@@ -841,6 +840,7 @@ class Processor(ProcessorTables):
         lost: list[tuple[_Engine, _Task]] = []
         for engine in engines:
             del self._engines[engine.key]
+            self._index(engine, frozenset(), frozenset())
             self._router.engine_removed(engine.key)
             tenant = self._by_tenant[engine.key.tenant_id]
             del tenant[engine.key.engine_id]

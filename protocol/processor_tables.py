@@ -6,6 +6,11 @@ what the processor knows (tasks by id, engines by key and by tenant, the
 waiting queues, the timer heap, counters) and answers questions about it
 without changing it; the state table ``_TRANSITIONS`` is enforced by
 ``_move``, the one place a task changes state.
+
+Engines are also indexed by (tenant, model): those that list the model and
+those that have it ready, kept by ``_index`` (the one place an engine's model
+sets change), so that routing a task and asking whether a model is served
+cost the engines of that model, not every engine.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from collections.abc import Iterable
 from typing import Any
 
 from protocol import task_forms
@@ -118,6 +124,8 @@ class _Engine:
     locality: Locality
     status: status_pb2.EngineStatus
     ready_models: frozenset[str] = frozenset()
+    # Every model its status lists, ready or loading (kept with ``ready_models`` by ``_index``).
+    listed_models: frozenset[str] = frozenset()
     draining: bool = False
     in_flight: set[str] = field(default_factory=set)
     pending_heartbeat: str | None = None
@@ -157,6 +165,10 @@ class ProcessorCounters:
     shed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
+_NO_ENGINES: dict[EngineKey, _Engine] = {}
+_NO_MODELS: dict[str, dict[EngineKey, _Engine]] = {}
+
+
 class ProcessorTables:
     """What the processor knows, and the read-only queries over it (the base of
     :class:`~protocol.processor.Processor`)."""
@@ -167,6 +179,9 @@ class ProcessorTables:
         self._tasks: dict[str, _Task] = {}
         self._engines: dict[EngineKey, _Engine] = {}
         self._by_tenant: dict[str, dict[str, _Engine]] = {}
+        # tenant -> model -> the tenant's engines that list it / that have it ready (see ``_index``).
+        self._listing: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
+        self._ready_for: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
         # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
         self._waiting: dict[tuple[str, str], HeldQueue] = {}
         self._waiting_total = 0
@@ -245,21 +260,24 @@ class ProcessorTables:
 
     def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
-        return any(
-            task_forms.takes_http_request(e.status) and any(m.id == model_id for m in e.status.models)
-            for e in self._by_tenant.get(tenant_id, {}).values()
-        )
+        listing = self._listing.get(tenant_id, {}).get(model_id, {})
+        return any(task_forms.takes_http_request(e.status) for e in listing.values())
+
+    def serves(self, tenant_id: str, model_id: str) -> bool:
+        """Whether an engine of the tenant lists the model (ready or loading)."""
+        return model_id in self._listing.get(tenant_id, {})
 
     def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
         """Models the tenant's engines list (loading ones too); with ``ready_only``,
         only those a task could be routed to now."""
-        models: set[str] = set()
-        for engine in self._by_tenant.get(tenant_id, {}).values():
-            if not ready_only:
-                models.update(m.id for m in engine.status.models)
-            elif engine.routable:
-                models.update(engine.ready_models)
-        return models
+        if not ready_only:
+            return set(self._listing.get(tenant_id, {}))
+        return {model for model, engines in self._ready_for.get(tenant_id, {}).items()
+                if any(engine.routable for engine in engines.values())}
+
+    def _ready_engines(self, tenant_id: str, model_id: str) -> Iterable[_Engine]:
+        """The tenant's engines with the model ready (the engine itself may not be routable)."""
+        return self._ready_for.get(tenant_id, _NO_MODELS).get(model_id, _NO_ENGINES).values()
 
     def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
         """(tenant, status copy) of every local engine, with its real readiness."""
@@ -299,6 +317,24 @@ class ProcessorTables:
         retrying = sorted(t.id for t in self._tasks.values() if t.state is TaskState.RETRY_PENDING)
         return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": len(self._tasks)}
     # --- internals: bookkeeping -------------------------------------------
+
+    def _index(self, engine: _Engine, listed: frozenset[str], ready: frozenset[str]) -> None:
+        """Set the models an engine lists and has ready, and the (tenant, model) index with them
+        (both empty: it leaves the index)."""
+        tenant, key = engine.key.tenant_id, engine.key
+        for table, old, new in ((self._listing, engine.listed_models, listed),
+                                (self._ready_for, engine.ready_models, ready)):
+            models = table.setdefault(tenant, {})
+            for model in old - new:
+                holders = models[model]
+                del holders[key]
+                if not holders:
+                    del models[model]
+            for model in new - old:
+                models.setdefault(model, {})[key] = engine
+            if not models:
+                del table[tenant]
+        engine.listed_models, engine.ready_models = listed, ready
 
     def _move(self, task: _Task, state: TaskState) -> None:
         if state not in _TRANSITIONS[task.state]:

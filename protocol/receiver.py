@@ -15,13 +15,22 @@ in): only one gateway runs the autoscaler, and it must see the requests that
 arrive here too. A change of those counts alone goes out at the next periodic
 check.
 
+Reports (:mod:`protocol.status_reports`): a full snapshot when the stream
+opens; after ``deltas_offered`` (the peer's headers said it reads deltas),
+only what changed. A change of load counts alone (in-progress tasks, the
+runtime's load figures) is coalesced: it goes out with the next report, at
+the latest ``status_interval / 4`` after it happened, so that a busy engine
+does not cost a report per task; an engine that comes, goes, or changes its
+readiness or models is reported at once.
+
 Shape, for the Twisted adapter (one ``Receiver`` per stream; a reconnect makes
 a new one):
 
 Every input returns its outputs: :class:`SendToPeer` (a message to write on
 the stream, in order) and processor effects to perform like any others.
 
-- ``connected(now)`` once the stream is open.
+- ``connected(now)`` once the stream is open; ``deltas_offered(now)`` if the
+  peer's response headers offer status deltas.
 - ``task_received(response, now)`` for each ``ProcessTasksInternalResponse``.
   Effects whose ``origin`` is this receiver's ``origin`` (``DeliverResult``,
   ``FailRequest``) go to ``deliver(effect)``.
@@ -44,6 +53,7 @@ from typing import Union
 from protocol.openai_errors import status_line
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor import Processor
+from protocol.status_reports import ReportWriter
 from protocol.processor_types import (
     DeliverResult,
     Effect,
@@ -80,6 +90,7 @@ class ReceiverState(Enum):
 # Which commands each state accepts; anything else is caller misuse.
 _ACCEPTS: dict[str, frozenset[ReceiverState]] = {
     "connected": frozenset({ReceiverState.IDLE}),
+    "deltas_offered": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
     "task_received": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
     "deliver": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
     "local_engines_changed": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
@@ -92,7 +103,8 @@ _ACCEPTS: dict[str, frozenset[ReceiverState]] = {
 @dataclass(frozen=True)
 class ReceiverConfig:
     """pod_name: this gateway's name in its reports; status_interval: seconds
-    between checks that re-report the local engines and request counts if anything changed."""
+    between checks that re-report the local engines and request counts if anything changed
+    (a change of load counts alone waits at most a quarter of it)."""
 
     pod_name: str
     status_interval: float = 10.0
@@ -133,8 +145,10 @@ class Receiver:
         self.state = ReceiverState.IDLE
         self._requests_started = requests_started
         self._tasks: set[str] = set()
-        self._reported: tuple[dict[tuple[str, str], bytes], dict[str, int], bool] | None = None
+        self._writer = ReportWriter(config.pod_name)
         self._next_report: float | None = None
+        # When a coalesced change of load counts must go out at the latest.
+        self._load_due: float | None = None
 
     # --- commands -----------------------------------------------------------
 
@@ -144,10 +158,27 @@ class Receiver:
         self.state = ReceiverState.OPEN
         return self._report(now, force=True)
 
+    def deltas_offered(self, now: float) -> list[ReceiverOutput]:
+        """The peer reads status deltas: from now on, reports carry only what changed."""
+        self._enter("deltas_offered")
+        self._writer.deltas = True
+        return []
+
+    @property
+    def sends_deltas(self) -> bool:
+        """Whether the peer offered status deltas (else every report is a full snapshot)."""
+        return self._writer.deltas
+
     def local_engines_changed(self, now: float) -> list[ReceiverOutput]:
-        """Re-report the local engines if what the peer last heard differs."""
+        """Re-report the local engines if what the peer last heard differs: at once, unless
+        only load counts changed (then within a quarter of the status interval)."""
         self._enter("local_engines_changed")
-        return self._report(now, force=False)
+        statuses = self._local_statuses()
+        if self._writer.urgent(statuses, self.state is ReceiverState.DRAINING):
+            return self._report(now, force=False, statuses=statuses)
+        if self._load_due is None:
+            self._load_due = now + self.config.status_interval / 4
+        return []
 
     def task_received(self, response: internal_pb2.ProcessTasksInternalResponse, now: float) -> list[ReceiverOutput]:
         """Run a forwarded task on the local engine it names, or refuse it at once.
@@ -201,7 +232,7 @@ class Receiver:
         """The stream ended: the peer can no longer take results, so its tasks are cancelled."""
         self._enter("closed")
         self.state = ReceiverState.CLOSED
-        self._next_report = None
+        self._next_report = self._load_due = None
         effects: list[ReceiverOutput] = []
         for task_id in sorted(self._tasks):
             effects += self.processor.cancel(task_id, now)
@@ -211,13 +242,15 @@ class Receiver:
     # --- time and queries -------------------------------------------------------
 
     def next_deadline(self) -> float | None:
-        """When the next periodic status check is due."""
-        return self._next_report
+        """When the next periodic status check, or a coalesced load report, is due."""
+        due = [t for t in (self._next_report, self._load_due) if t is not None]
+        return min(due) if due else None
 
     def handle_timeout(self, now: float) -> list[ReceiverOutput]:
-        """Periodic status check: report only if something changed."""
+        """Periodic status check, or coalesced load counts due: report only if something changed."""
         self._enter("handle_timeout")
-        if self._next_report is not None and now >= self._next_report:
+        deadline = self.next_deadline()
+        if deadline is not None and now >= deadline:
             return self._report(now, force=False)
         return []
 
@@ -263,21 +296,15 @@ class Receiver:
         outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
         return outputs
 
-    def _report(self, now: float, force: bool) -> list[ReceiverOutput]:
-        statuses = self._local_statuses()
-        engines = {(tenant, s.engine_id): s.SerializeToString(deterministic=True) for tenant, s in statuses}
-        draining = self.state is ReceiverState.DRAINING
-        snapshot = (engines, dict(self._requests_started()), draining)
-        if force or snapshot != self._reported:
-            report = internal_pb2.ServerStatus(pod_name=self.config.pod_name,
-                                               model_requests_started=snapshot[1], draining=draining)
-            for tenant, status in statuses:
-                report.engine_statuses.add(engine_status=status, tenant_id=tenant)
-            self._reported = snapshot
-            self._next_report = now + self.config.status_interval
-            return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]
+    def _report(self, now: float, force: bool,
+                statuses: list[tuple[str, status_pb2.EngineStatus]] | None = None) -> list[ReceiverOutput]:
         self._next_report = now + self.config.status_interval
-        return []
+        self._load_due = None
+        report = self._writer.report(self._local_statuses() if statuses is None else statuses,
+                                     self._requests_started(), self.state is ReceiverState.DRAINING, force)
+        if report is None:
+            return []
+        return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]
 
     def _local_statuses(self) -> list[tuple[str, status_pb2.EngineStatus]]:
         statuses = sorted(self.processor.local_engines(), key=lambda item: (item[0], item[1].engine_id))

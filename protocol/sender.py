@@ -17,6 +17,12 @@ get no new tasks from here whatever readiness they report. The per-model request
 the peer's last report are kept in :attr:`Sender.requests_started` for the
 autoscaler (a LLMariner peer sends none).
 
+Reports are read by a :class:`~protocol.status_reports.ReportReader`: a full
+snapshot replaces what the peer reported before; a delta (from an infx peer
+this side's headers offered them to) adds or replaces the engines it carries
+and removes those it lists. A report out of sequence is a protocol error,
+which ends the stream: the peer's redial starts with a full snapshot.
+
 Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
 
 - ``message_received(request, now)`` for each ``ProcessTasksInternalRequest``;
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor import Processor
+from protocol.status_reports import ReportReader
 from protocol.processor_types import (
     Effect,
     EngineKey,
@@ -53,14 +60,20 @@ class Sender:
         self.processor = processor
         self.route: Route = self if route is None else route
         self.pod_name = ""
-        #: The peer said it is draining (shutting down): its engines get no new tasks from here.
-        self.peer_draining = False
-        #: Requests per model the peer accepted from its clients since it started, as last reported.
-        self.requests_started: dict[str, int] = {}
         self._engines: set[EngineKey] = set()
-        # The peer's last report, every entry of it, registered here or not.
-        self._reported: dict[EngineKey, status_pb2.EngineStatus] = {}
+        # What the peer reports now, every engine of it, registered here or not.
+        self._reports = ReportReader()
         self._closed = False
+
+    @property
+    def peer_draining(self) -> bool:
+        """The peer said it is draining (shutting down): its engines get no new tasks from here."""
+        return self._reports.draining
+
+    @property
+    def requests_started(self) -> dict[str, int]:
+        """Requests per model the peer accepted from its clients since it started, as last reported."""
+        return self._reports.requests_started
 
     def message_received(self, request: internal_pb2.ProcessTasksInternalRequest, now: float) -> list[Effect]:
         """A status report or a task result from the peer.
@@ -82,7 +95,7 @@ class Sender:
             raise ProcessorUsageError("sender closed twice")
         self._closed = True
         self._engines.clear()
-        self._reported.clear()
+        self._reports = ReportReader()
         return self.processor.close_route(self.route, f"peer {self.pod_name!r} disconnected", now)
 
     def engines_removed(self, keys: tuple[EngineKey, ...], now: float) -> list[Effect]:
@@ -92,11 +105,11 @@ class Sender:
         if self._closed:
             return effects
         for key in keys:
-            status = self._reported.get(key)
-            if status is None or self.processor.engine(key.tenant_id, key.engine_id) is not None:
+            if key not in self._reports.engines or self.processor.engine(key.tenant_id, key.engine_id) is not None:
                 continue
             self._engines.add(key)
-            effects += self.processor.update_engine(self.route, key.tenant_id, status, Locality.REMOTE, now)
+            effects += self.processor.update_engine(self.route, key.tenant_id, self._effective(key),
+                                                    Locality.REMOTE, now)
         return effects
 
     @property
@@ -104,31 +117,41 @@ class Sender:
         """The engines this peer reported and this sender registered."""
         return frozenset(self._engines)
 
+    def _effective(self, key: EngineKey) -> status_pb2.EngineStatus:
+        """The peer's status of an engine as registered here: not ready while the peer drains."""
+        reported = self._reports.engines[key]
+        if not self._reports.draining:
+            return reported
+        status = status_pb2.EngineStatus()
+        status.CopyFrom(reported)
+        status.ready = False
+        return status
+
     def _status_received(self, status: internal_pb2.ServerStatus, now: float) -> list[Effect]:
         self.pod_name = status.pod_name
-        self.peer_draining = status.draining
-        self.requests_started = dict(status.model_requests_started)
+        read = self._reports.read(status)
         effects: list[Effect] = []
-        reported: set[EngineKey] = set()
-        self._reported = {}
-        for entry in status.engine_statuses:
-            key = EngineKey(entry.tenant_id, entry.engine_status.engine_id)
-            remembered = status_pb2.EngineStatus()
-            remembered.CopyFrom(entry.engine_status)
-            if status.draining:
-                remembered.ready = False
-            self._reported[key] = remembered
+        if read is None:
+            return effects  # a repeat of a report already read
+        # A change of the peer's draining re-registers every engine it reports, carried or not.
+        updated = sorted(self._reports.engines, key=lambda k: (k.tenant_id, k.engine_id)) if read.draining_changed \
+            else read.upserted
+        for key in updated:
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is not self.route:
                 # Attached here, or reported by another peer first: that registration stays
                 # until it goes (engines_removed).
+                self._engines.discard(key)
                 continue
-            reported.add(key)
-            effects += self.processor.update_engine(self.route, key.tenant_id, remembered, Locality.REMOTE, now)
-        for key in sorted(self._engines - reported, key=lambda k: (k.tenant_id, k.engine_id)):
+            self._engines.add(key)
+            effects += self.processor.update_engine(self.route, key.tenant_id, self._effective(key),
+                                                    Locality.REMOTE, now)
+        for key in sorted(read.removed, key=lambda k: (k.tenant_id, k.engine_id)):
+            if key not in self._engines:
+                continue
+            self._engines.discard(key)
             known = self.processor.engine(key.tenant_id, key.engine_id)
             if known is not None and known.route is self.route:
                 reason = f"no longer reported by peer {self.pod_name!r}"
                 effects += self.processor.remove_engine(key.tenant_id, key.engine_id, reason, now)
-        self._engines = reported
         return effects

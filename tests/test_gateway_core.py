@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from protocol.gateway_core import Availability, DialState, GatewayCore
+from protocol.gateway_core import PEER_ACCEPT_METADATA, Availability, DialState, GatewayCore
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -72,8 +72,10 @@ class Net:
     ``"engine:<id>"``; what a core asks of its engines and clients is kept per core.
     """
 
-    def __init__(self, *names: str) -> None:
+    def __init__(self, *names: str, llmariner: tuple[str, ...] = ()) -> None:
         self.now = T0
+        #: Cores that accept streams the way a LLMariner gateway does: no status-delta header.
+        self.llmariner = llmariner
         self.cores = {name: core(name) for name in names}
         self.effects: dict[str, list[Any]] = {name: [] for name in names}
         self.streams: dict[Dial, tuple[str, object]] = {}  # dial -> (accepting core, its stream)
@@ -109,7 +111,8 @@ class Net:
             self.dial_of[stream] = (name, effect.dial)
             target = str(effect.dial.address)
             self.later(target, lambda now: self.cores[target].peer_stream_opened(stream, now))
-            self.later(name, lambda now: self.cores[name].dial_accepted(effect.dial, now))
+            headers = () if target in self.llmariner else PEER_ACCEPT_METADATA
+            self.later(name, lambda now: self.cores[name].dial_accepted(effect.dial, headers, now))
         elif isinstance(effect, SendOnDial):
             target, stream = self.streams[effect.dial]
             self.later(target, lambda now: self.cores[target].peer_stream_message(stream, effect.message, now))
@@ -180,6 +183,54 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
         RequestStarted, RequestFinished]
     assert one(net.effects["a"], RequestDispatched).origin is client
     assert net.cores["b"].peers["a"].receiver.tasks_in_flight == 0
+
+
+def reports_on(effects: list[Any], peer: str) -> list[internal_pb2.ServerStatus]:
+    return [e.message.server_status for e in only(effects, SendOnDial)
+            if e.dial.name == peer and e.message.HasField("server_status")]
+
+
+def test_deltas_flow_only_to_a_peer_whose_headers_offered_them():
+    """b reports to a (infx: deltas) and to c (accepting like LLMariner: full snapshots);
+    both end up with the same engines."""
+    net = Net("a", "b", "c", llmariner=("c",))
+    for engine_id in ("e1", "e2", "e3"):
+        net.engine_joins("b", engine_id, "m")
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a", "c": "c"}, now))
+    assert net.cores["b"].peers["a"].receiver.sends_deltas and not net.cores["b"].peers["c"].receiver.sends_deltas
+    net.effects["b"].clear()
+    net.engine_joins("b", "e2", "m", ready=False)
+    net.run("b", lambda now: net.cores["b"].engine_closed("engine:e3", "gone", now))
+    to_a, to_c = reports_on(net.effects["b"], "a"), reports_on(net.effects["b"], "c")
+    assert [(r.delta, [e.engine_status.engine_id for e in r.engine_statuses], [g.engine_id for g in r.removed_engines])
+            for r in to_a] == [(True, ["e2"], []), (True, [], ["e3"])]
+    assert [(r.delta, [e.engine_status.engine_id for e in r.engine_statuses], len(r.removed_engines))
+            for r in to_c] == [(False, ["e1", "e2", "e3"], 0), (False, ["e1", "e2"], 0)]
+    for name in ("a", "c"):
+        processor = net.cores[name].processor
+        assert processor.engine_counts() == {("t", Locality.REMOTE): 2}
+        assert processor.engine("t", "e1").routable and not processor.engine("t", "e2").routable
+
+
+def test_a_lost_delta_ends_the_stream_and_the_redial_starts_with_a_full_snapshot():
+    net = Net("a", "b")
+    net.engine_joins("b", "e1", "m")
+    net.engine_joins("b", "e2", "m")
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
+    dial = net.cores["b"].peers["a"].dial
+    _, stream = net.streams[dial]
+    skipped = internal_pb2.ServerStatus(pod_name="b", delta=True, sequence=5)  # 2..4 never arrived
+    out = net.run("a", lambda now: net.cores["a"].peer_stream_message(
+        stream, internal_pb2.ProcessTasksInternalRequest(server_status=skipped), now))
+    ended = one(out, EndPeerStream)
+    assert ended.code is StatusCode.INVALID_ARGUMENT and "report 5 follows 1: a report was lost" in ended.message
+    assert net.cores["a"].processor.engine_counts() == {}
+    net.effects["b"].clear()
+    net.now = net.cores["b"].next_deadline()
+    net.run("b", net.cores["b"].handle_timeout)
+    [first] = reports_on(net.effects["b"], "a")
+    assert not first.delta and first.sequence == 1 and len(first.engine_statuses) == 2
+    assert net.cores["a"].processor.engine_counts() == {("t", Locality.REMOTE): 2}
 
 
 def test_reports_carry_only_local_engines_so_they_never_loop():
@@ -274,7 +325,7 @@ def test_a_peer_is_redialled_on_its_deadline_with_backoff_that_resets_once_accep
     a.dial_closed(second, T0 + 1)
     assert a.next_deadline() == T0 + 3  # two failures in a row: 2 s
     third = one(a.handle_timeout(T0 + 3), OpenDial).dial
-    a.dial_accepted(third, T0 + 3)
+    a.dial_accepted(third, PEER_ACCEPT_METADATA, T0 + 3)
     assert a.peers["b"].state is DialState.OPEN and a.peers["b"].streams_opened == 1
     a.dial_closed(third, T0 + 4)
     assert a.next_deadline() == T0 + 5  # accepted: back to the first delay
@@ -299,7 +350,7 @@ def test_peers_follow_the_wanted_set_one_stream_each_at_its_current_address():
 def test_a_malformed_forwarded_task_gives_the_stream_up_and_the_peer_is_redialled():
     a = core("a", redial_backoff=Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0))
     dial = one(a.peers_changed({"b": "b"}, T0), OpenDial).dial
-    a.dial_accepted(dial, T0)
+    a.dial_accepted(dial, PEER_ACCEPT_METADATA, T0)
     effects = a.dial_message(dial, internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     assert "broke the protocol" in one(effects, CancelDial).reason
     assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 1

@@ -16,5 +16,6 @@ def test_the_processor_bench_runs_every_scenario_and_prints_json_lines():
     ).stdout
     records = [json.loads(line) for line in out.splitlines()]
     assert [(r["scenario"], r["engines"]) for r in records] == [
-        ("route", 1), ("route", 10), ("route", 100), ("stream", 1), ("stream", 100), ("backlog", 1)]
+        ("route", 1), ("route", 10), ("route", 100), ("stream", 1), ("stream", 100), ("spread", 1000),
+        ("backlog", 1)]
     assert records[-1]["tasks"] == 300 and all(r["tasks_per_s"] > 0 for r in records)

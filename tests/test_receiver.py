@@ -109,7 +109,9 @@ def test_it_reports_again_on_every_change_and_sends_nothing_when_nothing_changed
     h.reports()
     h.join("e1", "m")  # the same status again
     assert h.reports() == []
-    h.join("e1", "m", in_progress=2)  # a model field changed
+    h.join("e1", "m", in_progress=2)  # a load count changed: it rides a report at most 10/4 s later
+    assert h.reports() == [] and h.r.next_deadline() == T0 + 2.5
+    h.r.handle_timeout(T0 + 2.5)
     assert one(h.reports(), internal_pb2.ServerStatus).engine_statuses[0].engine_status.models[0].in_progress_task_count == 2
     h.join("e1", "m", in_progress=2, ready=False)
     assert engines_in(one(h.reports(), internal_pb2.ServerStatus)) == [("t", "e1", False)]
@@ -243,6 +245,7 @@ def test_shutdown_reports_every_engine_not_ready_and_drains_in_flight_tasks(h):
     assert engines_in(one(h.reports(), internal_pb2.ServerStatus)) == [("t", "e1", False), ("t", "e2", False)]
     assert not h.r.drained
     h.join("e1", "m", in_progress=1)  # later reports stay not ready
+    h.r.handle_timeout(T0 + 2.5)
     assert engines_in(one(h.reports(), internal_pb2.ServerStatus)) == [("t", "e1", False), ("t", "e2", False)]
     h.engine_says("e1", http("task-1"))
     assert [r.task_id for r in h.results()] == ["task-1"]

@@ -63,7 +63,7 @@ def _drop_one_result(monkeypatch):
 def _route_across_tenants(monkeypatch):
     """Plant a bug: routing looks at every tenant's engines, not only the task's tenant."""
 
-    def pick(self, task):
+    def pick(self, task, ignore_cap=False):
         for engines in self._by_tenant.values():
             for engine in engines.values():
                 if engine.routable and task.model in engine.ready_models:

@@ -234,6 +234,25 @@ def test_server_status_draining_is_an_infx_extension_at_field_101():
     assert not internal_pb2.ServerStatus.FromString(ld(1, "gw-0")).draining
 
 
+def test_server_status_delta_removed_engines_and_sequence_are_infx_extensions_at_102_to_104():
+    status = internal_pb2.ServerStatus(
+        pod_name="gw-0",
+        engine_statuses=[internal_pb2.ServerStatus.EngineStatusWithTenantID(
+            engine_status=status_pb2.EngineStatus(engine_id="e2", ready=True), tenant_id="t")],
+        delta=True,
+        removed_engines=[internal_pb2.ServerStatus.RemovedEngine(engine_id="e3", tenant_id="t")],
+        sequence=300,
+    )
+    # tags: 102 varint = b0 06, 103 length-delimited = ba 06, 104 varint = c0 06
+    assert boolean(102)[:2] == b"\xb0\x06" and ld(103, b"")[:2] == b"\xba\x06" and uint(104, 0)[:2] == b"\xc0\x06"
+    expected = (ld(1, "gw-0") + ld(4, ld(2, ld(1, "e2") + boolean(4)) + ld(3, "t"))
+                + boolean(102) + ld(103, ld(1, "e3") + ld(2, "t")) + uint(104, 300))
+    assert encode(status) == expected
+    # A full report of LLMariner's shape parses as an unnumbered full snapshot.
+    old = internal_pb2.ServerStatus.FromString(ld(1, "gw-0"))
+    assert not old.delta and not old.removed_engines and old.sequence == 0
+
+
 def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     """A ServerStatus without field 100 (LLMariner's) parses infx's report, skipping the counts."""
     from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -246,7 +265,7 @@ def test_a_llmariner_peer_reads_a_server_status_with_counts_and_skips_them():
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
     llmariner_status = message_factory.GetMessageClass(pool.FindMessageTypeByName("llmariner_compat.ServerStatus"))
-    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3}, draining=True)
+    sent = internal_pb2.ServerStatus(pod_name="gw-0", model_requests_started={"a": 3}, draining=True, sequence=7)
     parsed = llmariner_status.FromString(encode(sent))
     assert parsed.pod_name == "gw-0"
     # Old reports (no field 100) parse here with no counts.

@@ -26,7 +26,7 @@ from protocol.pb import status_pb2 as protocol_dot_pb_dot_status__pb2
 from protocol.pb import worker_pb2 as protocol_dot_pb_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotocol/pb/internal.proto\x12\x1dllmariner.inference.server.v1\x1a\x18protocol/pb/status.proto\x1a\x18protocol/pb/worker.proto\"\xa8\x03\n\x0cServerStatus\x12\x10\n\x08pod_name\x18\x01 \x01(\t\x12]\n\x0f\x65ngine_statuses\x18\x04 \x03(\x0b\x32\x44.llmariner.inference.server.v1.ServerStatus.EngineStatusWithTenantID\x12\x65\n\x16model_requests_started\x18\x64 \x03(\x0b\x32\x45.llmariner.inference.server.v1.ServerStatus.ModelRequestsStartedEntry\x12\x10\n\x08\x64raining\x18\x65 \x01(\x08\x1aq\n\x18\x45ngineStatusWithTenantID\x12\x42\n\rengine_status\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatus\x12\x11\n\ttenant_id\x18\x03 \x01(\t\x1a;\n\x19ModelRequestsStartedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xb0\x01\n\x1bProcessTasksInternalRequest\x12\x44\n\rserver_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.ServerStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"h\n\x1cProcessTasksInternalResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task\x12\x11\n\ttenant_id\x18\x02 \x01(\t2\xb2\x01\n\x18InferenceInternalService\x12\x95\x01\n\x14ProcessTasksInternal\x12:.llmariner.inference.server.v1.ProcessTasksInternalRequest\x1a;.llmariner.inference.server.v1.ProcessTasksInternalResponse\"\x00(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aprotocol/pb/internal.proto\x12\x1dllmariner.inference.server.v1\x1a\x18protocol/pb/status.proto\x1a\x18protocol/pb/worker.proto\"\xd4\x04\n\x0cServerStatus\x12\x10\n\x08pod_name\x18\x01 \x01(\t\x12]\n\x0f\x65ngine_statuses\x18\x04 \x03(\x0b\x32\x44.llmariner.inference.server.v1.ServerStatus.EngineStatusWithTenantID\x12\x65\n\x16model_requests_started\x18\x64 \x03(\x0b\x32\x45.llmariner.inference.server.v1.ServerStatus.ModelRequestsStartedEntry\x12\x10\n\x08\x64raining\x18\x65 \x01(\x08\x12\r\n\x05\x64\x65lta\x18\x66 \x01(\x08\x12R\n\x0fremoved_engines\x18g \x03(\x0b\x32\x39.llmariner.inference.server.v1.ServerStatus.RemovedEngine\x12\x10\n\x08sequence\x18h \x01(\x04\x1aq\n\x18\x45ngineStatusWithTenantID\x12\x42\n\rengine_status\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatus\x12\x11\n\ttenant_id\x18\x03 \x01(\t\x1a;\n\x19ModelRequestsStartedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x35\n\rRemovedEngine\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\"\xb0\x01\n\x1bProcessTasksInternalRequest\x12\x44\n\rserver_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.ServerStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"h\n\x1cProcessTasksInternalResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task\x12\x11\n\ttenant_id\x18\x02 \x01(\t2\xb2\x01\n\x18InferenceInternalService\x12\x95\x01\n\x14ProcessTasksInternal\x12:.llmariner.inference.server.v1.ProcessTasksInternalRequest\x1a;.llmariner.inference.server.v1.ProcessTasksInternalResponse\"\x00(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,15 +36,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._loaded_options = None
   _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._serialized_options = b'8\001'
   _globals['_SERVERSTATUS']._serialized_start=114
-  _globals['_SERVERSTATUS']._serialized_end=538
-  _globals['_SERVERSTATUS_ENGINESTATUSWITHTENANTID']._serialized_start=364
-  _globals['_SERVERSTATUS_ENGINESTATUSWITHTENANTID']._serialized_end=477
-  _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._serialized_start=479
-  _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._serialized_end=538
-  _globals['_PROCESSTASKSINTERNALREQUEST']._serialized_start=541
-  _globals['_PROCESSTASKSINTERNALREQUEST']._serialized_end=717
-  _globals['_PROCESSTASKSINTERNALRESPONSE']._serialized_start=719
-  _globals['_PROCESSTASKSINTERNALRESPONSE']._serialized_end=823
-  _globals['_INFERENCEINTERNALSERVICE']._serialized_start=826
-  _globals['_INFERENCEINTERNALSERVICE']._serialized_end=1004
+  _globals['_SERVERSTATUS']._serialized_end=710
+  _globals['_SERVERSTATUS_ENGINESTATUSWITHTENANTID']._serialized_start=481
+  _globals['_SERVERSTATUS_ENGINESTATUSWITHTENANTID']._serialized_end=594
+  _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._serialized_start=596
+  _globals['_SERVERSTATUS_MODELREQUESTSSTARTEDENTRY']._serialized_end=655
+  _globals['_SERVERSTATUS_REMOVEDENGINE']._serialized_start=657
+  _globals['_SERVERSTATUS_REMOVEDENGINE']._serialized_end=710
+  _globals['_PROCESSTASKSINTERNALREQUEST']._serialized_start=713
+  _globals['_PROCESSTASKSINTERNALREQUEST']._serialized_end=889
+  _globals['_PROCESSTASKSINTERNALRESPONSE']._serialized_start=891
+  _globals['_PROCESSTASKSINTERNALRESPONSE']._serialized_end=995
+  _globals['_INFERENCEINTERNALSERVICE']._serialized_start=998
+  _globals['_INFERENCEINTERNALSERVICE']._serialized_end=1176
 # @@protoc_insertion_point(module_scope)

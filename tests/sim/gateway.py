@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
-from protocol.gateway_core import GatewayCore
+from protocol.gateway_core import PEER_ACCEPT_METADATA, GatewayCore
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -184,6 +184,7 @@ class PeerSenderStream:
         request = internal_pb2.ProcessTasksInternalRequest.FromString(data)
         if request.WhichOneof("message") == "server_status":
             self.gateway.cluster.stats["status_reports"] += 1
+            self.gateway.cluster.stats["status_bytes"] += len(data)
         self.gateway.run(lambda now: self.gateway.core.peer_stream_message(self, request, now))
 
     def input_ended(self) -> None:
@@ -293,7 +294,7 @@ class PeerDial:
         gateway = self.gateway
         core = gateway.core
         if isinstance(event, ResponseHeadersReceived):
-            gateway.run(lambda now: core.dial_accepted(dial, now))
+            gateway.run(lambda now: core.dial_accepted(dial, event.metadata, now))
         elif isinstance(event, MessageReceived):
             end.conn.acknowledge(event.stream_id, event.flow_controlled_length)
             response = internal_pb2.ProcessTasksInternalResponse.FromString(event.data)
@@ -492,7 +493,7 @@ class Gateway:
             self.run(lambda now: self.core.peer_stream_opened(stream, now))
             if not stream.closed:
                 # Headers at once: they tell the peer's receiver the stream is accepted.
-                end.conn.send_initial_metadata(event.stream_id)
+                end.conn.send_initial_metadata(event.stream_id, PEER_ACCEPT_METADATA)
         else:
             end.conn.send_status(event.stream_id, StatusCode.UNIMPLEMENTED, f"Method not found: {event.method}")
 

@@ -7,6 +7,9 @@ acknowledges every delivered result. Scenarios:
 - ``route``: one task at a time through 1, 10 or 100 engines (routing cost
   grows with the engines that serve the model);
 - ``stream``: the same with 8 events per task (per-result cost);
+- ``spread``: 1,000 engines of one tenant, 10 per model over 100 models,
+  tasks for every model in turn (routing must cost the model's 10 engines,
+  not all 1,000);
 - ``backlog``: 10k tasks queued while no engine serves the model, then one
   engine joins and they are dispatched in one burst and completed.
 
@@ -27,10 +30,14 @@ from protocol.processor import DeliverResult, Locality, Processor, ProcessorConf
 EVENTS_PER_STREAM = 8
 
 
-def _engines(processor: Processor, count: int) -> None:
+def _model(index: int, models: int) -> str:
+    return "m" if models == 1 else f"m{index % models}"
+
+
+def _engines(processor: Processor, count: int, models: int = 1) -> None:
     for i in range(count):
         status = status_pb2.EngineStatus(engine_id=f"e{i}", ready=True)
-        status.models.add(id="m", is_ready=True)
+        status.models.add(id=_model(i, models), is_ready=True)
         processor.update_engine(f"route-e{i}", "tenant", status, Locality.LOCAL, 0.0)
 
 
@@ -54,19 +61,21 @@ def _answer(processor: Processor, sends: list[SendTask], streaming: bool, now: f
     return completed
 
 
-def run_route(engines: int, tasks: int, streaming: bool) -> dict[str, object]:
+def run_route(engines: int, tasks: int, streaming: bool, models: int = 1) -> dict[str, object]:
     processor = Processor()
-    _engines(processor, engines)
-    request = worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(model="m", stream=streaming))
+    _engines(processor, engines, models)
+    requests = [worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(
+        model=_model(m, models), stream=streaming)) for m in range(models)]
     completed = 0
     start = time.perf_counter()
     for i in range(tasks):
         now = i * 1e-3
+        request = requests[i % models]
         effects = processor.submit(task_id=f"task-{i}", tenant_id="tenant", request=request, origin=None, now=now)
         completed += _answer(processor, [e for e in effects if isinstance(e, SendTask)], streaming, now)
     elapsed = time.perf_counter() - start
     assert completed == tasks, (completed, tasks)
-    return _record("stream" if streaming else "route", engines, tasks, elapsed)
+    return _record("spread" if models > 1 else "stream" if streaming else "route", engines, tasks, elapsed)
 
 
 def run_backlog(tasks: int) -> dict[str, object]:
@@ -107,6 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     records = [run_route(engines, args.tasks, streaming=False) for engines in (1, 10, 100)]
     records += [run_route(engines, args.tasks // 4, streaming=True) for engines in (1, 100)]
+    records.append(run_route(1000, args.tasks, streaming=False, models=100))
     records.append(run_backlog(args.backlog))
     if args.json:
         for record in records:
