@@ -67,8 +67,6 @@ from open_streams_clients import BUCKET, GRID, grid_index  # noqa: E402
 
 MODEL = "bench"
 PR_SET_PDEATHSIG = 1
-#: Seconds between the last stream's opening and the measured window (streams settle).
-SETTLE = 1.0
 #: Seconds the clients get after the engines stop sending, for the ends to arrive.
 DRAIN = 10.0
 #: Targets of issue #16.
@@ -134,6 +132,14 @@ def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of a process, from ``/proc/PID/stat``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_wait_seconds(pid: int) -> float | None:
+    """Seconds a process was runnable but waited for a CPU (``/proc/PID/schedstat``); None if unknown."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def raise_file_limit(wanted: int) -> int:
@@ -287,7 +293,7 @@ def measure(options: argparse.Namespace, logs: Path) -> dict[str, Any]:
             idle.append(vm_rss(gateway_pid))
         idle_rss = min(idle)
         start_at = time.monotonic() + 1.0
-        window = (start_at + options.ramp + SETTLE, start_at + options.ramp + SETTLE + options.hold)
+        window = (start_at + options.ramp + options.settle, start_at + options.ramp + options.settle + options.hold)
         until = window[1] + 0.5
         deadline = min(until + DRAIN, hard_end - 5)
         samples: dict[int, int] = {}
@@ -295,6 +301,7 @@ def measure(options: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
         def sample_cpu(label: str) -> None:
             cpu[label] = [cpu_seconds(gateway_pid), *(cpu_seconds(p) for p in engine_pids)]
+            cpu[label + "_wait"] = [cpu_wait_seconds(gateway_pid) or 0.0]
 
         def sampler() -> None:
             k = grid_index(start_at) + 1
@@ -360,7 +367,8 @@ def summarise(options: argparse.Namespace, reports: list[dict[str, Any]], sample
     if "start" in cpu and "end" in cpu:
         seconds = cpu["end_at"][0] - cpu["start_at"][0]
         shares = [(b - a) / seconds for a, b in zip(cpu["start"], cpu["end"])]
-        out.update(gateway_cpu=shares[0], engines_cpu=sum(shares[1:]))
+        out.update(gateway_cpu=shares[0], events_per_gateway_cpu_s=events / (shares[0] * seconds) if shares[0] else None, engines_cpu=sum(shares[1:]),
+                   gateway_cpu_wait=(cpu["end_wait"][0] - cpu["start_wait"][0]) / seconds)
     return out
 
 
@@ -383,8 +391,9 @@ def report_text(out: dict[str, Any]) -> None:
           f"max {f('latency_max_ms', '.2f')} ms over {f('latency_samples', ',.0f')} probe events; "
           f"target p99 <= {MAX_P99_MS:g} ms")
     print(f"events relayed per second:   {f('events_per_s', ',.0f')} (offered {f('offered_events_per_s', ',.0f')}) "
-          f"over {out['window_s']:g} s")
-    print(f"CPU share in the window:     gateway {f('gateway_cpu', '.0%')}, engines {f('engines_cpu', '.0%')}")
+          f"over {out['window_s']:g} s; {f('events_per_gateway_cpu_s', ',.0f')} per gateway CPU second")
+    print(f"CPU share in the window:     gateway {f('gateway_cpu', '.0%')} (runnable but waiting for a CPU "
+          f"{f('gateway_cpu_wait', '.0%')}), engines {f('engines_cpu', '.0%')}")
     failed = sum(out["failures"].values())
     print(f"loss check:                  {out['completed']:,} of {out['streams']:,} streams complete and in order, "
           f"{out['tokens']:,} tokens; {failed} failed {out['failures'] or ''}")
@@ -400,6 +409,8 @@ def options_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engines", type=int, default=2, help="engine processes (default 2)")
     parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
     parser.add_argument("--ramp", type=float, help="seconds over which the streams open (default streams / 1,000)")
+    parser.add_argument("--settle", type=float, help="seconds between the ramp's end and the measured window, for "
+                        "streams that open late on a busy machine (default: the ramp's length, at least 1)")
     parser.add_argument("--hold", type=float, default=10.0, help="measured seconds with every stream open")
     parser.add_argument("--seconds", type=float, default=120.0, help="hard bound on the whole run (default 120)")
     parser.add_argument("--probe-every", type=int, default=20, help="every N-th stream reads at once (latency)")
@@ -407,6 +418,7 @@ def options_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rcvbuf", type=int, default=4096, help="clients' SO_RCVBUF in bytes")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="one JSON object")
+    parser.add_argument("--logs", type=Path, help="keep every process's log in this directory")
     return parser
 
 
@@ -415,12 +427,16 @@ def main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     if options.ramp is None:
         options.ramp = max(1.0, options.streams / 1000)
-    needed = 10 + options.ramp + SETTLE + options.hold + 0.5 + DRAIN
+    if options.settle is None:
+        options.settle = max(1.0, options.ramp)
+    needed = 10 + options.ramp + options.settle + options.hold + 0.5 + DRAIN
     if options.seconds < needed:
         parser.error(f"--seconds {options.seconds:g} is too short for this ramp and hold (needs {needed:g})")
     with tempfile.TemporaryDirectory(prefix="open_streams-") as tmp:
+        logs = Path(tmp) if options.logs is None else options.logs.resolve()
+        logs.mkdir(parents=True, exist_ok=True)
         try:
-            out = measure(options, Path(tmp))
+            out = measure(options, logs)
         except BenchError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
