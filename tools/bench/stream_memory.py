@@ -92,9 +92,9 @@ def main(argv: list[str]) -> int:
             time.sleep(0.5)
             before, rss_before = snapshot()
             ramp = max(1.0, options.streams / 500)
-            hold_until = time.monotonic() + ramp + 30
+            hold_until = time.monotonic() + ramp + 150
             load = clients(http, logs, options.streams, ramp, hold_until, "main")
-            deadline = time.monotonic() + ramp + 25
+            deadline = time.monotonic() + ramp + 120
             while in_reactor(lambda: sum(1 for c in gateway.active_calls if c.sse_started)) < options.streams:
                 if time.monotonic() > deadline or load.process.poll() is not None:
                     outcome["error"] = f"only {in_reactor(lambda: len(gateway.active_calls))} streams opened"
