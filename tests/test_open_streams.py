@@ -38,7 +38,9 @@ def test_a_small_run_through_a_real_gateway_relays_every_token_in_order() -> Non
 
 
 def _event(data: dict[str, object] | str) -> bytes:
-    return b"data: " + (data.encode() if isinstance(data, str) else json.dumps(data, separators=(",", ":")).encode()) + b"\n\n"
+    # Compact JSON, as the engine writes it (the client looks for its exact bytes).
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return b"data: " + text.encode() + b"\n\n"
 
 
 def _token(i: int) -> bytes:
@@ -48,7 +50,8 @@ def _token(i: int) -> bytes:
 def _answer(tokens: list[int], reported: int, done: bool = True) -> bytes:
     events = [_event({"choices": [{"delta": {"role": "assistant", "content": ""}}]})]
     events += [_token(i) for i in tokens]
-    events.append(_event({"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": reported}}))
+    finish = {"choices": [{"delta": {}, "finish_reason": "stop"}], "usage": {"completion_tokens": reported}}
+    events.append(_event(finish))
     if done:
         events.append(_event("[DONE]"))
     body = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"

@@ -14,8 +14,9 @@ stopped at the end, and nothing outlives ``--seconds``.
 
 It prints:
 
-- streams open at peak (at the gateway's clients: response headers in, end
-  not yet seen), on a grid of instants ``GRID`` seconds apart;
+- streams open at peak (request sent, end not yet seen: what the gateway
+  holds, answered yet or not), on a grid of instants ``GRID`` seconds apart,
+  and how many of them had their response headers by the end;
 - memory per open stream in the gateway: its RSS (``/proc/PID/status``
   VmRSS) at the peak instant minus its RSS idle (after a warm-up round of
   streams, before the ramp), less the bytes in flight at that instant,
@@ -344,7 +345,8 @@ def summarise(options: argparse.Namespace, reports: list[dict[str, Any]], sample
     out: dict[str, Any] = {
         "streams": options.streams, "token_interval_ms": [x * 1000 for x in options.token_interval],
         "engines": options.engines, "clients": options.clients, "fd_limit": fd_limit,
-        "completed": sum(r["completed"] for r in reports), "failures": failures,
+        "completed": sum(r["completed"] for r in reports), "answered": sum(r["opened"] for r in reports),
+        "failures": failures,
         "failure_samples": [s for r in reports for s in r["failure_samples"]][:5],
         "tokens": sum(r["tokens"] for r in reports), "idle_rss_mib": idle_rss / 2**20,
         "load_average": list(load), "window_s": window[1] - window[0],
@@ -367,7 +369,8 @@ def summarise(options: argparse.Namespace, reports: list[dict[str, Any]], sample
     if "start" in cpu and "end" in cpu:
         seconds = cpu["end_at"][0] - cpu["start_at"][0]
         shares = [(b - a) / seconds for a, b in zip(cpu["start"], cpu["end"])]
-        out.update(gateway_cpu=shares[0], events_per_gateway_cpu_s=events / (shares[0] * seconds) if shares[0] else None, engines_cpu=sum(shares[1:]),
+        out.update(gateway_cpu=shares[0], engines_cpu=sum(shares[1:]),
+                   events_per_gateway_cpu_s=events / (shares[0] * seconds) if shares[0] else None,
                    gateway_cpu_wait=(cpu["end_wait"][0] - cpu["start_wait"][0]) / seconds)
     return out
 
@@ -381,7 +384,8 @@ def report_text(out: dict[str, Any]) -> None:
     print(f"{out['streams']:,} streams, a token every {lo:g}-{hi:g} ms per stream, {out['engines']} engine "
           f"process(es), {out['clients']} client process(es), {os.cpu_count()} cores, load average "
           f"{out['load_average'][0]:.1f} before / {out['load_average'][1]:.1f} after")
-    print(f"streams open at peak:        {f('peak_open_streams', ',.0f')}")
+    print(f"streams open at peak:        {f('peak_open_streams', ',.0f')} ({out['answered']:,} of "
+          f"{out['streams']:,} got their response headers)")
     print(f"gateway RSS idle / at peak:  {f('idle_rss_mib')} / {f('peak_rss_mib')} MiB "
           f"(max in the run {f('max_rss_mib')} MiB)")
     print(f"bytes in flight at peak:     {f('inflight_bytes_at_peak', ',.0f')} (upper bound, measured at the clients)")
@@ -393,7 +397,8 @@ def report_text(out: dict[str, Any]) -> None:
     print(f"events relayed per second:   {f('events_per_s', ',.0f')} (offered {f('offered_events_per_s', ',.0f')}) "
           f"over {out['window_s']:g} s; {f('events_per_gateway_cpu_s', ',.0f')} per gateway CPU second")
     print(f"CPU share in the window:     gateway {f('gateway_cpu', '.0%')} (runnable but waiting for a CPU "
-          f"{f('gateway_cpu_wait', '.0%')}), engines {f('engines_cpu', '.0%')}")
+          f"{f('gateway_cpu_wait', '.0%')}), engines {f('engines_cpu', '.0%')}; clients {f('client_cpu_s', '.1f')} "
+          "CPU s in the whole run")
     failed = sum(out["failures"].values())
     print(f"loss check:                  {out['completed']:,} of {out['streams']:,} streams complete and in order, "
           f"{out['tokens']:,} tokens; {failed} failed {out['failures'] or ''}")

@@ -67,7 +67,7 @@ class Results:
     tokens: int = 0
     latency: Counter[int] = field(default_factory=Counter)
     inflight: Counter[int] = field(default_factory=Counter)
-    #: Per stream (opened, ended) monotonic times, for open streams per grid instant.
+    #: Per stream (request sent, ended) monotonic times, for open streams per grid instant.
     spans: list[tuple[float, float]] = field(default_factory=list)
 
     def fail(self, stream_id: int, kind: str, detail: str = "") -> None:
@@ -142,7 +142,6 @@ class StreamClient(asyncio.Protocol):
                 raise ValueError("not a chunked stream")
             self.in_head = False
             self.chunk_left = -1
-            self.opened_at = now
             self.results.opened += 1
         ended = self._dechunk()
         self._events(now)
@@ -280,6 +279,8 @@ async def run_stream(port: int, stream_id: int, probe: bool, options: argparse.N
         client._end("connect", str(e))
         return
     transport.write(request_bytes(port, stream_id, options.until))
+    # From here until its end the gateway holds the stream, answered yet or not.
+    client.opened_at = time.monotonic()
     await done
 
 

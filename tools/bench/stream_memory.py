@@ -139,7 +139,8 @@ def report(before: tracemalloc.Snapshot, after: tracemalloc.Snapshot, rss: tuple
     by_file = after.compare_to(before, "filename")
     print("\nby file, bytes per stream:")
     for stat in by_file[:top]:
-        print(f"  {stat.size_diff / streams:8,.0f} B {stat.count_diff / streams:6.2f}  {_short(stat.traceback[0].filename)}")
+        name = _short(stat.traceback[0].filename)
+        print(f"  {stat.size_diff / streams:8,.0f} B {stat.count_diff / streams:6.2f}  {name}")
     print("\ntop 8 tracebacks:")
     for stat in after.compare_to(before, "traceback")[:8]:
         print(f"  {stat.size_diff / streams:,.0f} B per stream, {stat.count_diff / streams:.2f} blocks")
