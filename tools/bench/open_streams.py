@@ -14,13 +14,15 @@ stopped at the end, and nothing outlives ``--seconds``.
 
 It prints:
 
-- streams open at peak (request sent, end not yet seen: what the gateway
-  holds, answered yet or not), on a grid of instants ``GRID`` seconds apart,
-  and how many of them had their response headers by the end;
+- streams open at peak (response headers in, end not yet seen), on a grid
+  of instants ``GRID`` seconds apart, and the requests sent and not ended
+  then (more, when the gateway cannot keep up: those wait in its accept
+  queue or for their answer);
 - memory per open stream in the gateway: its RSS (``/proc/PID/status``
   VmRSS) at the peak instant minus its RSS idle (after a warm-up round of
   streams, before the ramp), less the bytes in flight at that instant,
-  divided by the streams open then. Bytes in flight are measured at the
+  divided by the streams open then (an upper bound when requests wait
+  unanswered besides, since they cost memory too). Bytes in flight are measured at the
   clients, after the fact: every token whose stamp is before the instant and
   whose arrival is after it was somewhere on the way, so their sizes summed
   are an upper bound on what the gateway held then (they include the
@@ -335,6 +337,7 @@ def summarise(options: argparse.Namespace, reports: list[dict[str, Any]], sample
               cpu: dict[str, list[float]], window: tuple[float, float], fd_limit: int,
               load: tuple[float, float]) -> dict[str, Any]:
     open_at = merged(reports, "open_streams")
+    sent_at = merged(reports, "sent_streams")
     inflight = merged(reports, "inflight_bytes")
     latency = merged(reports, "latency_buckets")
     failures: dict[str, int] = {}
@@ -355,7 +358,8 @@ def summarise(options: argparse.Namespace, reports: list[dict[str, Any]], sample
         peak = max(measured, key=lambda k: (open_at[k], samples[k]))
         streams = open_at[peak]
         rss = samples[peak]
-        out.update(peak_open_streams=streams, peak_rss_mib=rss / 2**20, inflight_bytes_at_peak=inflight.get(peak, 0),
+        out.update(peak_open_streams=streams, requests_held_at_peak=sent_at.get(peak, 0), peak_rss_mib=rss / 2**20,
+                   inflight_bytes_at_peak=inflight.get(peak, 0),
                    raw_kib_per_stream=(rss - idle_rss) / streams / 1024,
                    kib_per_stream=(rss - idle_rss - inflight.get(peak, 0)) / streams / 1024,
                    max_rss_mib=max(samples.values()) / 2**20)
@@ -384,8 +388,8 @@ def report_text(out: dict[str, Any]) -> None:
     print(f"{out['streams']:,} streams, a token every {lo:g}-{hi:g} ms per stream, {out['engines']} engine "
           f"process(es), {out['clients']} client process(es), {os.cpu_count()} cores, load average "
           f"{out['load_average'][0]:.1f} before / {out['load_average'][1]:.1f} after")
-    print(f"streams open at peak:        {f('peak_open_streams', ',.0f')} ({out['answered']:,} of "
-          f"{out['streams']:,} got their response headers)")
+    print(f"streams open at peak:        {f('peak_open_streams', ',.0f')} (requests sent and not ended then: "
+          f"{f('requests_held_at_peak', ',.0f')}; {out['answered']:,} of {out['streams']:,} were ever answered)")
     print(f"gateway RSS idle / at peak:  {f('idle_rss_mib')} / {f('peak_rss_mib')} MiB "
           f"(max in the run {f('max_rss_mib')} MiB)")
     print(f"bytes in flight at peak:     {f('inflight_bytes_at_peak', ',.0f')} (upper bound, measured at the clients)")

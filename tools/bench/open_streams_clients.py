@@ -67,8 +67,9 @@ class Results:
     tokens: int = 0
     latency: Counter[int] = field(default_factory=Counter)
     inflight: Counter[int] = field(default_factory=Counter)
-    #: Per stream (request sent, ended) monotonic times, for open streams per grid instant.
-    spans: list[tuple[float, float]] = field(default_factory=list)
+    #: Per stream (request sent, response headers in or None, ended) monotonic times, for the
+    #: streams held and answered at each grid instant.
+    spans: list[tuple[float, float | None, float]] = field(default_factory=list)
 
     def fail(self, stream_id: int, kind: str, detail: str = "") -> None:
         self.failures[kind] += 1
@@ -77,15 +78,20 @@ class Results:
 
     def report(self, cpu_s: float) -> dict[str, Any]:
         open_at: Counter[int] = Counter()
-        for opened, ended in self.spans:
-            for k in range(math.ceil(opened / GRID), math.floor(ended / GRID) + 1):
-                open_at[k] += 1
+        sent_at: Counter[int] = Counter()
+        for sent, answered, ended in self.spans:
+            for k in range(math.ceil(sent / GRID), math.floor(ended / GRID) + 1):
+                sent_at[k] += 1
+            if answered is not None:
+                for k in range(math.ceil(answered / GRID), math.floor(ended / GRID) + 1):
+                    open_at[k] += 1
         return {"streams": self.streams, "opened": self.opened, "completed": self.completed,
                 "failures": dict(self.failures), "failure_samples": self.failure_samples,
                 "events": self.events, "events_in_window": self.events_in_window, "tokens": self.tokens,
                 "latency_buckets": {str(k): v for k, v in self.latency.items()},
                 "inflight_bytes": {str(k): v for k, v in self.inflight.items()},
-                "open_streams": {str(k): v for k, v in open_at.items()}, "cpu_s": cpu_s}
+                "open_streams": {str(k): v for k, v in open_at.items()},
+                "sent_streams": {str(k): v for k, v in sent_at.items()}, "cpu_s": cpu_s}
 
 
 class StreamClient(asyncio.Protocol):
@@ -107,6 +113,7 @@ class StreamClient(asyncio.Protocol):
         self.reported: int | None = None
         self.got_done = False
         self.opened_at: float | None = None
+        self.answered_at: float | None = None
         self.ended = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -143,6 +150,7 @@ class StreamClient(asyncio.Protocol):
             self.in_head = False
             self.chunk_left = -1
             self.results.opened += 1
+            self.answered_at = now
         ended = self._dechunk()
         self._events(now)
         if ended:
@@ -240,7 +248,7 @@ class StreamClient(asyncio.Protocol):
         if failure is not None:
             self.results.fail(self.stream_id, failure, detail)
         if self.opened_at is not None:
-            self.results.spans.append((self.opened_at, time.monotonic()))
+            self.results.spans.append((self.opened_at, self.answered_at, time.monotonic()))
         if self.transport is not None:
             self.transport.close()
         if not self.done.done():
