@@ -2,8 +2,9 @@
 """Many concurrent streaming chat requests through one real gateway, over loopback.
 
 One ``twistd infx`` gateway; ``--engines`` engine processes
-(``open_streams_engine.py``: infx's engine agent, dialling the gateway's
-worker port, with a runtime that sends one token every
+(``open_streams_engine.py``: a lean ``ProcessTasks`` client, or infx's
+engine agent with ``--agent``, dialling the gateway's worker port, with a
+runtime that sends one token every
 ``--token-interval`` milliseconds per stream, uniform in the range and
 seeded, each token stamped with its send time); ``--clients`` client
 processes (``open_streams_clients.py``: asyncio, one connection per stream,
@@ -205,7 +206,7 @@ class Processes:
                     sys.executable, str(HERE / "open_streams_engine.py"), "--port", str(worker),
                     "--engine-id", f"bench-engine-{n}", "--max-concurrency", str(per_engine),
                     "--seed", str(options.seed), "--min-interval", str(options.token_interval[0]),
-                    "--max-interval", str(options.token_interval[1])], logs)
+                    "--max-interval", str(options.token_interval[1]), *(["--agent"] if options.agent else [])], logs)
                 self.engines.append(engine)
                 self.children.append(engine)
             wait_for_model(self.http_port, self.children)
@@ -416,6 +417,8 @@ def options_parser() -> argparse.ArgumentParser:
     parser.add_argument("--token-interval", type=parse_interval, default=(0.05, 0.2),
                         help="milliseconds between a stream's tokens, MIN-MAX uniform or one value (default 50-200)")
     parser.add_argument("--engines", type=int, default=2, help="engine processes (default 2)")
+    parser.add_argument("--agent", action="store_true",
+                        help="engines run infx's engine agent (the lean ProcessTasks client by default)")
     parser.add_argument("--clients", type=int, default=4, help="client processes (default 4)")
     parser.add_argument("--ramp", type=float, help="seconds over which the streams open (default streams / 1,000)")
     parser.add_argument("--settle", type=float, help="seconds between the ramp's end and the measured window, for "

@@ -1,12 +1,18 @@
 #!/usr/bin/env python
-"""The open-streams benchmark's engine: infx's engine agent with a paced, stamping runtime.
+"""The open-streams benchmark's engine: a paced, stamping runtime behind a lean ``ProcessTasks`` client.
 
-It is the engine agent of ``twistd infx-engine`` (:class:`infx.engine.EngineAgent`
-over infx's gRPC client, announcing the ``http-request`` capability as the
-``openai`` runtime does, so the gateway sends the client's request verbatim
-and relays the answer verbatim: the vLLM deployment shape), with the
-runtime hop replaced by :class:`PacedRuntime`, which answers a streaming chat
-request itself:
+It dials the gateway's worker port with infx's gRPC client and announces
+the ``http-request`` capability as infx's agent in front of an OpenAI
+runtime does, so the gateway sends the client's request verbatim and
+relays the answer verbatim (the vLLM deployment shape). By default the
+engine side is :class:`LeanEngine`: status once a second, control tasks
+answered, every task handed to :class:`PacedRuntime`, results sent as they
+come, and nothing else, so that the engine costs little next to the
+gateway it loads. ``--agent`` runs infx's own engine agent
+(:class:`infx.engine.EngineAgent`) instead, for what it costs itself: its
+pure core scans every task in flight to compute its next deadline after
+each result, which does not scale to thousands of streams per engine.
+:class:`PacedRuntime` answers a streaming chat request itself:
 
 - one token event per interval, each interval uniform in
   ``[--min-interval, --max-interval]`` seconds and drawn from a generator
@@ -175,6 +181,136 @@ class _Refused:
         pass
 
 
+class LeanEngine:
+    """One ``ProcessTasks`` stream: reports one ready model, answers control tasks, runs the rest."""
+
+    STATUS_INTERVAL = 1.0
+
+    def __init__(self, reactor: Any, port: int, engine_id: str, runtime: PacedRuntime) -> None:
+        from infx.engine import PROCESS_TASKS
+        from infx.transport import GrpcChannel, client_endpoint
+        from protocol.grpc import GrpcConfig
+
+        self.reactor = reactor
+        self.engine_id = engine_id
+        self.runtime = runtime
+        self.running: dict[str, Any] = {}
+        self.ready = True
+        self.stopping = False
+
+        def connect() -> tuple[Any, Any]:
+            channel = GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port),
+                                  GrpcConfig(client_side=True), authority=f"127.0.0.1:{port}", scheme="http")
+            return channel, channel.stream(PROCESS_TASKS, worker_pb2.ProcessTasksRequest.SerializeToString,
+                                           worker_pb2.ProcessTasksResponse.FromString)
+
+        self._connect = connect
+        self.channel: Any = None
+        self.call: Any = None
+        self._status_call: Any = None
+
+    def start(self) -> None:
+        """Open the stream (again, half a second after it failed: the gateway may not listen yet)."""
+        self.channel, self.call = self._connect()
+        if self._status_call is None:
+            self._status()
+        else:
+            self._send_status()
+        self._read(self.call)
+
+    def _lost(self, call: Any) -> None:
+        if call is self.call and not self.stopping:
+            for handle in self.running.values():
+                handle.abort()
+            self.running.clear()
+            self.channel.close()
+            self.reactor.callLater(0.5, self.start)
+
+    def stop(self) -> Any:
+        """Report not ready, then close once the gateway had a moment to see it."""
+        self.ready = False
+        self.stopping = True
+        self._send_status()
+        from twisted.internet.task import deferLater
+
+        return deferLater(self.reactor, 0.2, self._close)
+
+    def _close(self) -> Any:
+        if self._status_call is not None and self._status_call.active():
+            self._status_call.cancel()
+        self.call.end()
+        return self.channel.close()
+
+    def _status(self) -> None:
+        self._send_status()
+        self._status_call = self.reactor.callLater(self.STATUS_INTERVAL, self._status)
+
+    def _send_status(self) -> None:
+        from protocol.pb import status_pb2
+        from protocol.task_forms import HTTP_REQUEST_CAPABILITY
+
+        model = status_pb2.EngineStatus.Model(id=MODEL, is_ready=self.ready, in_progress_task_count=len(self.running))
+        status = status_pb2.EngineStatus(engine_id=self.engine_id, ready=self.ready, models=[model],
+                                         infx_capabilities=[HTTP_REQUEST_CAPABILITY])
+        self._write(worker_pb2.ProcessTasksRequest(engine_status=status))
+
+    def _write(self, message: worker_pb2.ProcessTasksRequest) -> None:
+        self.call.send(message).addErrback(lambda _: None)
+
+    def _read(self, call: Any) -> None:
+        call.recv().addCallbacks(lambda message: self._received(call, message), lambda failure: self._lost(call))
+
+    def _received(self, call: Any, message: worker_pb2.ProcessTasksResponse | None) -> None:
+        if message is None:
+            self._lost(call)
+            return
+        if message.HasField("new_task"):
+            self._task(message.new_task)
+        self._read(call)
+
+    def _task(self, task: worker_pb2.Task) -> None:
+        from protocol.engine_agent import control_response
+
+        kind = task.request.WhichOneof("request")
+        if kind in ("heartbeat", "go_away"):
+            self._write(worker_pb2.ProcessTasksRequest(task_result=control_response(task.id, 202 if kind == "go_away"
+                                                                                    else 200)))
+        elif kind == "cancel_task":
+            handle = self.running.pop(task.request.cancel_task.task_id, None)
+            if handle is not None:
+                handle.abort()
+            self._write(worker_pb2.ProcessTasksRequest(
+                task_result=control_response(task.id, 200 if handle is not None else 404)))
+        else:
+            sink = _LeanSink(self, task.id)
+            self.running[task.id] = self.runtime.start(task, sink)
+            if sink.finished:
+                self.running.pop(task.id, None)
+
+
+class _LeanSink:
+    """Numbers one task's results and sends them on the engine's stream."""
+
+    def __init__(self, engine: LeanEngine, task_id: str) -> None:
+        self.engine = engine
+        self.task_id = task_id
+        self.index = 0
+        self.finished = False
+
+    def send(self, result: worker_pb2.TaskResult) -> None:
+        result.task_id = self.task_id
+        result.result_index = self.index
+        self.index += 1
+        self.engine._write(worker_pb2.ProcessTasksRequest(task_result=result))
+
+    def finish(self) -> None:
+        self.finished = True
+        self.engine.running.pop(self.task_id, None)
+
+    def when_writable(self) -> None:
+        return None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True, help="the gateway's worker gRPC port on 127.0.0.1")
@@ -183,6 +319,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--min-interval", type=float, default=0.05, help="seconds (default 0.05)")
     parser.add_argument("--max-interval", type=float, default=0.2, help="seconds (default 0.2)")
+    parser.add_argument("--agent", action="store_true", help="infx's engine agent instead of the lean engine")
     options = parser.parse_args(argv)
 
     from twisted.internet import reactor
@@ -202,9 +339,14 @@ def main(argv: list[str]) -> int:
                            authority=f"127.0.0.1:{options.port}", scheme="http")
 
     runtime = PacedRuntime(reactor, options.seed, (options.min_interval, options.max_interval))
-    agent = EngineAgent(reactor, EngineAgentCore(config), runtime, connect, grace=2.0)
-    reactor.callWhenRunning(agent.startService)
-    reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)
+    if options.agent:
+        agent = EngineAgent(reactor, EngineAgentCore(config), runtime, connect, grace=2.0)
+        reactor.callWhenRunning(agent.startService)
+        reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)
+    else:
+        lean = LeanEngine(reactor, options.port, options.engine_id, runtime)
+        reactor.callWhenRunning(lean.start)
+        reactor.addSystemEventTrigger("before", "shutdown", lean.stop)
 
     def stdin_closed() -> None:
         sys.stdin.read()
