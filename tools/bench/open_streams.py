@@ -71,8 +71,10 @@ from open_streams_clients import BUCKET, GRID, grid_index  # noqa: E402
 
 MODEL = "bench"
 PR_SET_PDEATHSIG = 1
-#: Seconds the clients get after the engines stop sending, for the ends to arrive.
-DRAIN = 10.0
+#: Seconds the clients get after the engines stop sending, for the ends to arrive: every
+#: stream ends at once, and a gateway short of CPU takes a while to close thousands.
+DRAIN_MIN = 10.0
+DRAIN_PER_STREAM = 0.002
 #: Targets of issue #16.
 MAX_STREAM_KIB = 16.0
 MAX_P99_MS = 5.0
@@ -174,6 +176,10 @@ def wait_for_model(port: int, children: list[Child], timeout: float = 60.0) -> N
             pass
         time.sleep(0.1)
     raise BenchError(f"no engine serving {MODEL!r} on port {port} after {timeout:g} s")
+
+
+def drain_seconds(streams: int) -> float:
+    return max(DRAIN_MIN, streams * DRAIN_PER_STREAM)
 
 
 def parse_interval(text: str) -> tuple[float, float]:
@@ -299,7 +305,7 @@ def measure(options: argparse.Namespace, logs: Path) -> dict[str, Any]:
         start_at = time.monotonic() + 1.0
         window = (start_at + options.ramp + options.settle, start_at + options.ramp + options.settle + options.hold)
         until = window[1] + 0.5
-        deadline = min(until + DRAIN, hard_end - 5)
+        deadline = min(until + drain_seconds(options.streams), hard_end - 5)
         samples: dict[int, int] = {}
         cpu: dict[str, list[float]] = {}
 
@@ -424,7 +430,7 @@ def options_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settle", type=float, help="seconds between the ramp's end and the measured window, for "
                         "streams that open late on a busy machine (default: the ramp's length, at least 1)")
     parser.add_argument("--hold", type=float, default=10.0, help="measured seconds with every stream open")
-    parser.add_argument("--seconds", type=float, default=120.0, help="hard bound on the whole run (default 120)")
+    parser.add_argument("--seconds", type=float, default=150.0, help="hard bound on the whole run (default 150)")
     parser.add_argument("--probe-every", type=int, default=20, help="every N-th stream reads at once (latency)")
     parser.add_argument("--read-pause", type=float, default=0.1, help="slow readers' pause after each read (s)")
     parser.add_argument("--rcvbuf", type=int, default=4096, help="clients' SO_RCVBUF in bytes")
@@ -441,7 +447,7 @@ def main(argv: list[str]) -> int:
         options.ramp = max(1.0, options.streams / 1000)
     if options.settle is None:
         options.settle = max(1.0, options.ramp)
-    needed = 10 + options.ramp + options.settle + options.hold + 0.5 + DRAIN
+    needed = 10 + options.ramp + options.settle + options.hold + 0.5 + drain_seconds(options.streams)
     if options.seconds < needed:
         parser.error(f"--seconds {options.seconds:g} is too short for this ramp and hold (needs {needed:g})")
     with tempfile.TemporaryDirectory(prefix="open_streams-") as tmp:
