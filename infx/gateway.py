@@ -215,7 +215,8 @@ class ApiCall:
         self.done_sent = False
         self.finished = False
         self.paused = False
-        self.pending: deque[bytes] = deque()
+        #: Made when first needed: most streams never wait for their client (an empty deque is 600 B).
+        self.pending: deque[bytes] | None = None
         self.pending_bytes = 0
         #: The status to end with once a paused client has taken what is buffered.
         self._end_pending: int | None = None
@@ -242,6 +243,11 @@ class ApiCall:
         if not self._admit(principal):
             return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         body = request.content.read() if request.content else b""
+        if request.content is not None:
+            # The body lives on in the task (and, once the answer streams, not even there):
+            # the request's own copy is not held for the stream's lifetime.
+            request.content.close()
+            request.content = None
         try:
             criticality = requested_criticality(principal.criticality, principal.admin,
                                                 _header(request, CRITICALITY_HEADER))
@@ -428,7 +434,7 @@ class ApiCall:
             self._end(status)
 
     def stopProducing(self) -> None:
-        self.pending.clear()
+        self.pending = None
         self.pending_bytes = 0
 
     def _write_event(self, data: bytes) -> None:
@@ -436,6 +442,8 @@ class ApiCall:
             self.request.write(data)
             self._consumed(1)
             return
+        if self.pending is None:
+            self.pending = deque()
         self.pending.append(data)
         self.pending_bytes += len(data)
         if self.pending_bytes > self.gateway.max_buffered_bytes:
@@ -444,7 +452,7 @@ class ApiCall:
     def _cut_off_slow_client(self) -> None:
         log.warn("client of {endpoint} read too slowly; its stream is cut off", endpoint=self.endpoint)
         self.gateway.metrics.slow_clients.inc()
-        self.pending.clear()
+        self.pending = None
         self.pending_bytes = 0
         self.finished = True
         if self.handle is not None:

@@ -880,6 +880,7 @@ class Processor(ProcessorTables):
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:
             self._move(task, TaskState.STREAMING)
+            task.release_request()
 
     # --- internals: control tasks and heartbeats --------------------------
 

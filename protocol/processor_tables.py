@@ -76,6 +76,10 @@ class _Control:
     route: Route
 
 
+#: What a streaming task holds in place of its request (see ``_Task.release_request``); never mutated.
+_RELEASED_REQUEST = worker_pb2.TaskRequest()
+
+
 @dataclass(slots=True)
 class _Task:
     id: str
@@ -104,6 +108,12 @@ class _Task:
 
     # Times a busy runtime sent it back (these do not use up ``max_retries``).
     busy_returns: int = 0
+
+    def release_request(self) -> None:
+        """The response has started: the task can never be dispatched again, so the request
+        (in both its forms, verbatim and typed) and its headers need not be held while it streams."""
+        self.request = _RELEASED_REQUEST
+        self.header = {}
 
     @property
     def redispatches(self) -> int:

@@ -319,6 +319,27 @@ def test_request_id_is_kept_and_credentials_are_not_forwarded(gateway_factory):
 
 
 @pytest_twisted.inlineCallbacks
+def test_an_open_stream_does_not_keep_the_http_requests_body_buffer(gateway_factory):
+    """The body travels on in the task; the HTTP request's own copy is let go once read, so
+    an open stream does not hold it for its lifetime (issue #16, memory per open stream)."""
+    runner, _, base = yield gateway_factory()
+    seen = []
+
+    def held(submission, sink):
+        seen.append((sink.request.content, submission.request.chat_completion.messages[0].content[0].text))
+        runner.script_m(submission, sink)
+
+    def stream():
+        chunks = client(base).chat.completions.create(
+            model="held", messages=[{"role": "user", "content": "x" * 10000}], stream=True)
+        return [c.choices[0].delta.content for c in chunks]
+
+    runner.script_held = held
+    chunks = yield threads.deferToThread(stream)
+    assert seen == [(None, "x" * 10000)] and chunks == ["hello", " there", ""]
+
+
+@pytest_twisted.inlineCallbacks
 def test_error_after_streaming_started_is_a_final_sse_event(gateway_factory):
     _, _, base = yield gateway_factory()
     status, _, body = yield threads.deferToThread(

@@ -21,6 +21,7 @@ from protocol.processor_types import (
     SendTask,
     TaskQueued,
 )
+from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 from tests.processor_helpers import audio, chat, embedding, engine_status, http, one, only, response, sse
 
 LOCAL, REMOTE = Locality.LOCAL, Locality.REMOTE
@@ -267,6 +268,26 @@ def test_no_retry_once_a_result_was_delivered_engine_loss_mid_stream_fails_with_
     failed = one(p.remove_engine("t", "e1", "gone", T0), FailRequest)
     assert failed.status == 502 and failed.delivered == 1
     assert not only(p.remove_engine("t", "e2", "x", T0), SendTask)
+
+
+def test_a_streaming_task_lets_go_of_its_request_once_the_answer_started():
+    """Once results flow the task can never be dispatched again, so the processor holds
+    neither the request (its verbatim and typed forms) nor its headers while it streams:
+    that is most of what an open stream would otherwise cost (issue #16, "Open streams")."""
+    p = make(retry_delay=0)
+    status = engine_status("e1", "m")
+    status.infx_capabilities.append(HTTP_REQUEST_CAPABILITY)
+    p.update_engine("route-e1", "t", status, LOCAL, T0)
+    request = chat(stream=True)
+    request.http_request.body = b"x" * 4096
+    sent = one(submit(p, "a", request=request, header={"x-request-id": ["r1"]}), SendTask)
+    assert sent.task.request.http_request.body == b"x" * 4096 and sent.task.header["x-request-id"].values == ["r1"]
+    p.receive_result("route-e1", http("a"), T0)
+    task = p._tasks["a"]  # the record itself: what it holds is the point
+    assert task.request.ByteSize() == 0 and not task.header
+    assert one(p.receive_result("route-e1", sse("a", 1), T0), DeliverResult).result.server_sent_event.data
+    assert one(p.receive_result("route-e1", sse("a", 2, last=True), T0), DeliverResult).last
+    assert "a" not in p._tasks
 
 
 def test_a_targeted_task_is_never_retried():
