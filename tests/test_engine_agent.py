@@ -441,9 +441,11 @@ ops = st.lists(
 @given(ops)
 def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]]) -> None:
     """Never more than max_concurrency run nor max_queued wait; each started task ends once
-    (finished or aborted); results only go to streams that are not closed; Stopped comes once, last."""
+    (finished or aborted); results only go to streams that are not closed; Stopped comes once, last;
+    the status (built once and kept while nothing changes) always counts the tasks held."""
     agent = running_agent(max_concurrency=3, max_queued=2)
     now = 0.0
+    model_of: dict[str, str] = {}
     live: set[str] = set()
     ended: set[str] = set()
     open_streams = {1}
@@ -477,8 +479,10 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         stream = agent.current_stream
         if op in ("chat", "embed", "heartbeat", "go_away", "cancel") and stream is not None:
             if op == "chat":
+                model_of[f"t{seq}"] = "m1"
                 apply(agent.task_received(stream, chat(f"t{seq}"), now))
             elif op == "embed":
+                model_of[f"t{seq}"] = "m2"
                 apply(agent.task_received(stream, embed(f"t{seq}"), now))
             elif op == "heartbeat":
                 apply(agent.task_received(stream, heartbeat(f"h{seq}"), now))
@@ -505,6 +509,10 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
             apply(agent.handle_timeout(now))
         # The machine keeps exactly the streams that are not closed: closed ones are forgotten.
         assert set(agent.held_streams) == open_streams
+        held = [model for task_id, model in model_of.items() if agent.task_stream(task_id) is not None]
+        status = agent.engine_status()
+        assert {m.id: m.in_progress_task_count for m in status.models} == {m: held.count(m) for m in ("m1", "m2")}
+        assert status.ready == (agent.state is AgentState.RUNNING)
     if agent.state is AgentState.RUNNING:
         apply(agent.shutdown(grace=1.0, now=now))
     while agent.state is not AgentState.STOPPED:
