@@ -82,10 +82,17 @@ class RequestTrace:
     def _log(self, status: int, seconds: float, served: ServedBy) -> None:
         ttft = "-" if self.first_token_seconds is None else f"{self.first_token_seconds:.3f}s"
         usage = self.usage
+        tokens_in = None if usage is None else usage.input_tokens
+        tokens_out = None if usage is None else usage.output_tokens
+        # The text is rendered here, in one f-string: an observer then formats one field,
+        # not fourteen through string.Formatter (the biggest cost of the line).
+        text = (f"request {self.request_id} {self.endpoint} model={self.model!r} tenant={self.tenant!r} "
+                f"status={status} latency={seconds:.3f}s ttft={ttft} tokens_in={tokens_in} "
+                f"tokens_out={tokens_out} engine={served.engine_id!r} gateway={served.gateway!r} "
+                f"retries={served.retries}")
         log.info(
-            "request {request_id} {endpoint} model={model!r} tenant={tenant!r} status={status} "
-            "latency={latency_seconds:.3f}s ttft={ttft} tokens_in={tokens_in} tokens_out={tokens_out} "
-            "engine={engine_id!r} gateway={gateway!r} retries={retries}",
+            "{text}",
+            text=text,
             event="request",
             request_id=self.request_id,
             endpoint=self.endpoint,
@@ -96,8 +103,8 @@ class RequestTrace:
             ttft=ttft,
             time_to_first_token_seconds=self.first_token_seconds,
             queued_seconds=served.queued_seconds,
-            tokens_in=None if usage is None else usage.input_tokens,
-            tokens_out=None if usage is None else usage.output_tokens,
+            tokens_in=tokens_in,
+            tokens_out=tokens_out,
             engine_id=served.engine_id,
             gateway=served.gateway,
             retries=served.retries,
