@@ -314,6 +314,9 @@ class EngineAgentCore:
         #: The last status built and what it was built from: asked for on every input, it
         #: changes only when a count, the state or the runtime does.
         self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
+        #: The first deadline of the tasks held (None: none has one), found again only once they change.
+        self._earliest_task_deadline: float | None = None
+        self._earliest_task_deadline_stale = False
 
     # -- inspection ---------------------------------------------------------------
 
@@ -397,7 +400,12 @@ class EngineAgentCore:
         for stream in self._streams.values():
             if stream.state is StreamState.RETIRING and not stream.tasks:
                 candidates.append(stream.linger_until)
-        candidates.extend(t.deadline for t in self._tasks.values() if t.deadline is not None)
+        if self._earliest_task_deadline_stale:
+            self._earliest_task_deadline = min(
+                (t.deadline for t in self._tasks.values() if t.deadline is not None), default=None)
+            self._earliest_task_deadline_stale = False
+        if self._earliest_task_deadline is not None:
+            candidates.append(self._earliest_task_deadline)
         return min(candidates) if candidates else None
 
     # -- commands -----------------------------------------------------------------
@@ -475,6 +483,7 @@ class EngineAgentCore:
                 model = task_model(task)
                 self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
                 self._model_counts[model] = self._model_counts.get(model, 0) + 1
+                self._earliest_task_deadline_stale = True
                 stream.tasks.add(task.id)
                 self._queue.append(task.id)
                 self._start_waiting(effects)
@@ -632,6 +641,7 @@ class EngineAgentCore:
         task = self._tasks.pop(task_id)
         if task.running:
             self._running -= 1
+        self._earliest_task_deadline_stale = True
         left = self._model_counts[task.model] - 1
         if left:
             self._model_counts[task.model] = left
@@ -649,9 +659,12 @@ class EngineAgentCore:
 
     def _status_due(self, stream: _Stream) -> float:
         status = self.engine_status()
+        if status is stream.last_status:
+            # Nothing changed since it was sent (the status is rebuilt only on a change).
+            return stream.last_status_at + self.config.status_interval
         if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
             return stream.last_status_at if stream.last_status is not None else -math.inf
-        if status is not stream.last_status and status != stream.last_status:
+        if status != stream.last_status:
             return stream.last_status_at + self.config.status_min_interval
         return stream.last_status_at + self.config.status_interval
 

@@ -446,6 +446,7 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
     agent = running_agent(max_concurrency=3, max_queued=2)
     now = 0.0
     model_of: dict[str, str] = {}
+    deadlines: dict[str, float | None] = {}
     live: set[str] = set()
     ended: set[str] = set()
     open_streams = {1}
@@ -480,7 +481,10 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         if op in ("chat", "embed", "heartbeat", "go_away", "cancel") and stream is not None:
             if op == "chat":
                 model_of[f"t{seq}"] = "m1"
-                apply(agent.task_received(stream, chat(f"t{seq}"), now))
+                timed = chat(f"t{seq}")
+                timed.timeout_seconds = n % 4  # 0: none; else a deadline that next_deadline must keep
+                deadlines[f"t{seq}"] = now + timed.timeout_seconds if timed.timeout_seconds else None
+                apply(agent.task_received(stream, timed, now))
             elif op == "embed":
                 model_of[f"t{seq}"] = "m2"
                 apply(agent.task_received(stream, embed(f"t{seq}"), now))
@@ -513,6 +517,9 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         status = agent.engine_status()
         assert {m.id: m.in_progress_task_count for m in status.models} == {m: held.count(m) for m in ("m1", "m2")}
         assert status.ready == (agent.state is AgentState.RUNNING)
+        held_deadlines = [d for t, d in deadlines.items() if d is not None and agent.task_stream(t) is not None]
+        deadline = agent.next_deadline()
+        assert not held_deadlines or (deadline is not None and deadline <= min(held_deadlines))
     if agent.state is AgentState.RUNNING:
         apply(agent.shutdown(grace=1.0, now=now))
     while agent.state is not AgentState.STOPPED:
