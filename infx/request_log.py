@@ -53,8 +53,8 @@ class RequestTrace:
         """One relayed stream event: the first that carries output times the first token."""
         if self._stream.feed(data) and self.first_token_seconds is None:
             self.first_token_seconds = now - self.started_at
-            self.metrics.first_token_seconds.labels(self.endpoint, self._tenant_label, self.model_label).observe(
-                self.first_token_seconds)
+            self.metrics.child(self.metrics.first_token_seconds, self.endpoint, self._tenant_label,
+                               self.model_label).observe(self.first_token_seconds)
         if self._stream.usage is not None:
             self.usage = self._stream.usage
 
@@ -65,14 +65,15 @@ class RequestTrace:
         self.finished = True
         seconds = now - self.started_at
         labels = (self.endpoint, self._tenant_label, self.model_label, str(status))
-        self.metrics.requests.labels(*labels).inc()
-        self.metrics.request_seconds.labels(*labels).observe(seconds)
+        metrics = self.metrics
+        metrics.child(metrics.requests, *labels).inc()
+        metrics.child(metrics.request_seconds, *labels).observe(seconds)
         by_model = (self._tenant_label, self.model_label)
         if self.usage is not None:
-            self.metrics.input_tokens.labels(*by_model).inc(self.usage.input_tokens)
-            self.metrics.output_tokens.labels(*by_model).inc(self.usage.output_tokens)
+            metrics.child(metrics.input_tokens, *by_model).inc(self.usage.input_tokens)
+            metrics.child(metrics.output_tokens, *by_model).inc(self.usage.output_tokens)
         if served is not None and served.retries:
-            self.metrics.request_retries.labels(*by_model).inc(served.retries)
+            metrics.child(metrics.request_retries, *by_model).inc(served.retries)
         self._log(status, seconds, served or ServedBy())
 
     @property
