@@ -366,7 +366,8 @@ class HttpOrigin:
         if served is not None and served.queued_seconds is None:
             served.queued_seconds = now - self.submitted_at
             label = self.dispatcher.model_label(self.tenant, self.model)
-            self.dispatcher.metrics.queue_seconds.labels(self.tenant, label).observe(served.queued_seconds)
+            metrics = self.dispatcher.metrics
+            metrics.child(metrics.queue_seconds, self.tenant, label).observe(served.queued_seconds)
 
     def _served(self, effect: DeliverResult | FailRequest) -> None:
         served = self.served_by

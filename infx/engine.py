@@ -233,15 +233,13 @@ class EngineAgent(Service):
         self._read(stream_id, call)
 
     def _read(self, stream_id: int, call: ClientCall) -> None:
-        call.recv().addCallbacks(
-            lambda message: self._received(stream_id, call, message),
+        # Each task as it arrives, without a Deferred per message; then the stream's end.
+        call.read_each(lambda message: self._received(stream_id, message)).addCallbacks(
+            lambda _: self._ended(stream_id, None),
             lambda failure: self._ended(stream_id, failure),
         )
 
-    def _received(self, stream_id: int, call: ClientCall, message: worker_pb2.ProcessTasksResponse | None) -> None:
-        if message is None:
-            self._ended(stream_id, None)
-            return
+    def _received(self, stream_id: int, message: worker_pb2.ProcessTasksResponse) -> None:
         if message.HasField("new_task"):
             try:
                 effects = self.core.task_received(stream_id, message.new_task, self.clock.seconds())
@@ -249,7 +247,6 @@ class EngineAgent(Service):
                 log.warn("engine {engine_id}: {error}", engine_id=self.core.config.engine_id, error=str(exc))
             else:
                 self._run(effects)
-        self._read(stream_id, call)
 
     def _ended(self, stream_id: int, failure: Failure | None) -> None:
         stream = self._streams.pop(stream_id)

@@ -209,7 +209,7 @@ def makeService(options: Options) -> IService:
     from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.runtime_watch import RuntimeWatch, check_pool
     from infx.runtime_load_watch import RuntimeLoadWatch, scrape_pool
-    from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
+    from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime, runtime_agent
     from infx.transport import GrpcChannel, client_endpoint
     from infx.upstream_key import UpstreamKey
     from protocol.engine_agent import EngineAgentCore
@@ -226,7 +226,7 @@ def makeService(options: Options) -> IService:
         pool = HTTPConnectionPool(reactor, persistent=True)
         pool.maxPersistentPerHost = options["max-concurrency"]
         _PoolCloser(pool).setServiceParent(top)
-        http = Agent(reactor, pool=pool, connectTimeout=10)
+        http = runtime_agent(reactor, pool, connect_timeout=10)
         credentials = None
         if options["upstream-api-key-file"]:
             credentials = UpstreamKey(reactor, path=options["upstream-api-key-file"])

@@ -152,8 +152,14 @@ class GatewaySite(server.Site):
     """A Site that uses :class:`GatewayRequest` and knows the body size limit."""
 
     def __init__(self, root: resource.Resource, max_body_size: int, **kwargs: Any) -> None:
+        # No request.args from the body: no handler reads them, and deciding whether a body is a
+        # form took an email.message parse of every request's Content-Type.
+        kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(root, requestFactory=GatewayRequest, **kwargs)
         self.max_body_size = max_body_size
+
+    def log(self, request: server.Request) -> None:
+        """No access log line of twisted.web's: each request's line is :mod:`infx.request_log`'s."""
 
 
 class Gateway:
@@ -288,7 +294,8 @@ class ApiCall:
             criticality=criticality,
             flow=principal.key_id,
             weight=principal.weight,
-            routing_hints=routing_hints.hints_from_json(self.endpoint, body, submission_headers),
+            routing_hints=routing_hints.hints_from_json(
+                self.endpoint, body if parsed.body_json is None else parsed.body_json, submission_headers),
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)

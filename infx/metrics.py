@@ -100,8 +100,18 @@ class GatewayMetrics:
         """Export the processor's queued/in-flight/engine counts and its counters, read at each scrape."""
         self.registry.register(_ProcessorMetrics(gauges, counters))
 
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, looked up once per label set (``labels()`` validates and locks
+        on every call; the sets are bounded, see the module docstring)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         by_request = ["endpoint", "tenant", "model", "status"]
         self.requests = Counter(
             "infx_http_requests", "HTTP API requests by endpoint, tenant, model and status.",

@@ -37,10 +37,13 @@ from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IStreamClientEndpoint
+from twisted.web.client import URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, ResponseDone
+from twisted.web.error import SchemeNotSupported
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IBodyProducer, IResponse
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
 from infx.upstream_key import UpstreamKey
@@ -53,8 +56,8 @@ from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
 __all__ = [
-    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeUnavailable", "RunningTask",
-    "TaskSink", "upstream_root",
+    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RuntimeUnavailable", "RunningTask",
+    "TaskSink", "runtime_agent", "upstream_root",
 ]
 
 log = Logger()
@@ -429,6 +432,42 @@ class _OpenAITask:
             self._pending.cancel()
         elif self._body_transport is not None:
             self._body_transport.stopProducing()
+
+
+@implementer(IAgentEndpointFactory)
+class RuntimeEndpoints:
+    """The endpoints an :class:`~twisted.web.client.Agent` dials the runtime with, each built once.
+
+    Twisted's own factory builds a ``HostnameEndpoint`` (an IDNA check of the
+    host) and, for HTTPS, a TLS connection creator for every request; the
+    runtime is one server, so its endpoint is kept (one per scheme, host and
+    port: the upstream URL fixes them) and each request only dials it
+    when the pool has no idle connection.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float | None = None) -> None:
+        self._reactor = reactor
+        self._connect_timeout = connect_timeout
+        self._tls = BrowserLikePolicyForHTTPS()
+        self._endpoints: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._endpoints.get(key)
+        if endpoint is None:
+            if uri.scheme not in (b"http", b"https"):
+                raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
+            endpoint = HostnameEndpoint(self._reactor, uri.host.decode("ascii"), uri.port,
+                                        timeout=self._connect_timeout)
+            if uri.scheme == b"https":
+                endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
+            self._endpoints[key] = endpoint
+        return endpoint
+
+
+def runtime_agent(reactor: Any, pool: HTTPConnectionPool, connect_timeout: float | None = None) -> IAgent:
+    """An Agent for the runtime: ``pool``'s persistent connections, :class:`RuntimeEndpoints`' endpoints."""
+    return Agent.usingEndpointFactory(reactor, RuntimeEndpoints(reactor, connect_timeout), pool=pool)
 
 
 class OpenAIRuntime:

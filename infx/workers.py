@@ -125,30 +125,32 @@ class WorkerService:
         reason = "engine stream ended"
         engine_id = ""
         models: tuple[tuple[str, bool], ...] | None = None
+
+        def on_message(message: Any) -> None:
+            nonlocal engine_id, models
+            kind = message.WhichOneof("message")
+            if kind == "task_result":
+                self.dispatcher.result_received(stream, message.task_result)
+            elif kind == "engine_status":
+                status = message.engine_status
+                if not status.engine_id:
+                    self._refused(address, "engine status without engine_id")
+                    raise GrpcError(StatusCode.INVALID_ARGUMENT, "engine status without engine_id")
+                reported = tuple(sorted((m.id, m.is_ready and status.ready) for m in status.models))
+                if not engine_id:
+                    engine_id = status.engine_id
+                    log.info("engine {engine_id} connected from {address}: tenant {tenant!r}, models {models}",
+                             engine_id=engine_id, address=address, tenant=principal.tenant,
+                             models=_models_text(reported), event="engine_connected")
+                elif reported != models:
+                    log.info("engine {engine_id}: models now {models}", engine_id=engine_id,
+                             models=_models_text(reported), event="engine_models_changed")
+                models = reported
+                self.dispatcher.engine_status(stream, principal.tenant, status, Locality.LOCAL)
+
         try:
-            while True:
-                message: Any = await call.recv()
-                if message is None:
-                    break
-                kind = message.WhichOneof("message")
-                if kind == "engine_status":
-                    status = message.engine_status
-                    if not status.engine_id:
-                        self._refused(address, "engine status without engine_id")
-                        raise GrpcError(StatusCode.INVALID_ARGUMENT, "engine status without engine_id")
-                    reported = tuple(sorted((m.id, m.is_ready and status.ready) for m in status.models))
-                    if not engine_id:
-                        engine_id = status.engine_id
-                        log.info("engine {engine_id} connected from {address}: tenant {tenant!r}, models {models}",
-                                 engine_id=engine_id, address=address, tenant=principal.tenant,
-                                 models=_models_text(reported), event="engine_connected")
-                    elif reported != models:
-                        log.info("engine {engine_id}: models now {models}", engine_id=engine_id,
-                                 models=_models_text(reported), event="engine_models_changed")
-                    models = reported
-                    self.dispatcher.engine_status(stream, principal.tenant, status, Locality.LOCAL)
-                elif kind == "task_result":
-                    self.dispatcher.result_received(stream, message.task_result)
+            # One call per message as it arrives (a result per relayed event), no Deferred each.
+            await call.read_each(on_message)
         except GrpcError as e:
             reason = f"engine stream ended: {e.code.name} {e.message}"
             raise

@@ -309,6 +309,14 @@ class EngineAgentCore:
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
         self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
+        #: Tasks held per model, kept as tasks come and go (a status is asked for on every input).
+        self._model_counts: dict[str, int] = {}
+        #: The last status built and what it was built from: asked for on every input, it
+        #: changes only when a count, the state or the runtime does.
+        self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
+        #: The first deadline of the tasks held (None: none has one), found again only once they change.
+        self._earliest_task_deadline: float | None = None
+        self._earliest_task_deadline_stale = False
 
     # -- inspection ---------------------------------------------------------------
 
@@ -353,11 +361,15 @@ class EngineAgentCore:
         return self.config.models or self._runtime_models
 
     def engine_status(self) -> status_pb2.EngineStatus:
-        """What the gateway should know about this engine now."""
-        counts = dict.fromkeys(self.models, 0)
-        for task in self._tasks.values():
-            if task.model in counts:
-                counts[task.model] += 1
+        """What the gateway should know about this engine now (the same message while nothing changed:
+        callers never change it)."""
+        models = self.models
+        key = (self.state is AgentState.RUNNING, self._runtime_ready, models,
+               tuple(self._model_counts.get(m, 0) for m in models))
+        cached = self._status_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        counts = dict(zip(models, key[3]))
         status = status_pb2.EngineStatus(
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
@@ -372,6 +384,7 @@ class EngineAgentCore:
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
                 model.runtime_load.CopyFrom(self._runtime_load)
+        self._status_cache = (key, status)
         return status
 
     def next_deadline(self) -> float | None:
@@ -387,7 +400,12 @@ class EngineAgentCore:
         for stream in self._streams.values():
             if stream.state is StreamState.RETIRING and not stream.tasks:
                 candidates.append(stream.linger_until)
-        candidates.extend(t.deadline for t in self._tasks.values() if t.deadline is not None)
+        if self._earliest_task_deadline_stale:
+            self._earliest_task_deadline = min(
+                (t.deadline for t in self._tasks.values() if t.deadline is not None), default=None)
+            self._earliest_task_deadline_stale = False
+        if self._earliest_task_deadline is not None:
+            candidates.append(self._earliest_task_deadline)
         return min(candidates) if candidates else None
 
     # -- commands -----------------------------------------------------------------
@@ -408,6 +426,7 @@ class EngineAgentCore:
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
         self._runtime_ready = ready
         self._runtime_models = models
+        self._status_cache = None
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
@@ -415,6 +434,7 @@ class EngineAgentCore:
     def runtime_load_changed(self, load: status_pb2.EngineStatus.RuntimeLoad | None, now: float) -> list[Effect]:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
         self._runtime_load = load
+        self._status_cache = None
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
@@ -460,8 +480,10 @@ class EngineAgentCore:
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
             else:
                 deadline = now + task.timeout_seconds if task.timeout_seconds > 0 else None
-                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=task_model(task),
-                                             deadline=deadline)
+                model = task_model(task)
+                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
+                self._model_counts[model] = self._model_counts.get(model, 0) + 1
+                self._earliest_task_deadline_stale = True
                 stream.tasks.add(task.id)
                 self._queue.append(task.id)
                 self._start_waiting(effects)
@@ -619,6 +641,12 @@ class EngineAgentCore:
         task = self._tasks.pop(task_id)
         if task.running:
             self._running -= 1
+        self._earliest_task_deadline_stale = True
+        left = self._model_counts[task.model] - 1
+        if left:
+            self._model_counts[task.model] = left
+        else:
+            del self._model_counts[task.model]
         stream = self._streams.get(task.stream_id)
         if stream is not None:
             stream.tasks.discard(task_id)
@@ -631,6 +659,9 @@ class EngineAgentCore:
 
     def _status_due(self, stream: _Stream) -> float:
         status = self.engine_status()
+        if status is stream.last_status:
+            # Nothing changed since it was sent (the status is rebuilt only on a change).
+            return stream.last_status_at + self.config.status_interval
         if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
             return stream.last_status_at if stream.last_status is not None else -math.inf
         if status != stream.last_status:

@@ -219,6 +219,7 @@ class GrpcConnection(ReceivingConnection):
         cause events (:meth:`take_events`): SendBufferDrained for calls whose
         queue emptied, and ends of calls whose status was waiting.
         """
+        self._flush_acks()
         self._hand_over()
         return self._h2.data_to_send()
 
@@ -227,6 +228,7 @@ class GrpcConnection(ReceivingConnection):
         in order (empties the buffer): large message payloads come out as
         the very objects given to :meth:`send_message`, uncopied, for a
         gathering write (``writeSequence``, ``sendmsg``)."""
+        self._flush_acks()
         self._hand_over()
         return self._h2.buffers_to_send()
 
@@ -458,8 +460,9 @@ class GrpcConnection(ReceivingConnection):
 
     def acknowledge(self, stream_id: int, n: int) -> None:
         """The caller consumed ``n`` flow-controlled bytes of this call (see
-        :attr:`MessageReceived.flow_controlled_length`); reopens windows.
-        Acknowledging on an ended call is a no-op: its bytes were returned
+        :attr:`MessageReceived.flow_controlled_length`); reopens windows (in
+        the bytes of the next :meth:`data_to_send`, once per stream however
+        many messages were acknowledged). Acknowledging on an ended call is a no-op: its bytes were returned
         to the connection when it ended."""
         call = self._calls.get(stream_id)
         if call is None or n <= 0:
@@ -467,7 +470,7 @@ class GrpcConnection(ReceivingConnection):
         n = min(n, call.unacked)
         if n:
             call.unacked -= n
-            self._h2.acknowledge_received_data(n, stream_id)
+            self._acks[stream_id] = self._acks.get(stream_id, 0) + n
 
     def ping(self, now: float) -> bytes:
         """Send a PING; returns its 8-byte payload (see PingAcknowledged)."""

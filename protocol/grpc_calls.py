@@ -81,6 +81,9 @@ class ConnectionCore:
         # The connection receive window opened so far (RFC 9113's initial).
         self._connection_window = 65_535
         self._calls: dict[int, CallState] = {}
+        # Bytes the caller consumed (``acknowledge``), handed to h2 when bytes are next taken to
+        # write: one acknowledgement per stream per batch of messages rather than one each.
+        self._acks: dict[int, int] = {}
         self._deadlines: list[tuple[float, int]] = []
         self._events: list[Event] = []
         self._initiated = False
@@ -238,10 +241,18 @@ class ConnectionCore:
         self._drop_partial(call)
         call.pending.clear()
         call.pending_bytes = 0
-        if call.unacked:
-            self._h2.acknowledge_received_data(call.unacked, call.stream_id)
+        returned = call.unacked + self._acks.pop(call.stream_id, 0)
+        if returned:
+            self._h2.acknowledge_received_data(returned, call.stream_id)
             call.unacked = 0
         self._maybe_drained()
+
+    def _flush_acks(self) -> None:
+        """Hand h2 the bytes acknowledged since the last write (its WINDOW_UPDATEs follow)."""
+        if self._acks:
+            acks, self._acks = self._acks, {}
+            for stream_id, n in acks.items():
+                self._h2.acknowledge_received_data(n, stream_id)
 
     def _drop_partial(self, call: CallState) -> None:
         """Free what the call holds of an incomplete message."""

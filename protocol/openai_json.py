@@ -33,6 +33,19 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: One decoder for every read: ``json.loads`` with an argument builds a new one per call.
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def _loads(data: bytes | str) -> Any:
+    """``json.loads(data, parse_constant=_reject_constant)``, the same in every outcome."""
+    if isinstance(data, str):
+        if data.startswith("\ufeff"):
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", data, 0)
+        return _DECODER.decode(data)
+    return _DECODER.decode(data.decode(json.detect_encoding(data), "surrogatepass"))
+
+
 def loads_object(body: bytes | str) -> JSONObject:
     """Parse a request body that must be a JSON object.
 
@@ -41,7 +54,7 @@ def loads_object(body: bytes | str) -> JSONObject:
     UTF-8 and lone surrogates (which the protobuf runtime would refuse later).
     """
     try:
-        value = json.loads(body, parse_constant=_reject_constant)
+        value = _loads(body)
     except RecursionError:
         raise InvalidRequestError("The request body is nested too deeply.") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
@@ -86,7 +99,7 @@ def decode_json_field(encoded: str, param: str) -> Any:
         except (binascii.Error, UnicodeEncodeError):
             raise InvalidRequestError(f"{param} is not valid base64.", param=param) from None
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return _loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"{param} is nested too deeply.", param=param) from None
     except ValueError:

@@ -19,6 +19,8 @@ from protocol.sse import DONE_DATA, EventReceived, SSEParser
 
 __all__ = ["StreamWatcher", "Usage", "carries_output", "usage_of", "usage_of_body"]
 
+#: How bytes that end on an event boundary end (a blank line after LF or CRLF).
+_EVENT_ENDS = (b"\n\n", b"\n\r\n")
 #: Delta members that are output (tool calls and the legacy function call count: they are what was generated).
 _OUTPUT_DELTAS = ("content", "tool_calls", "function_call", "refusal", "reasoning_content", "reasoning", "audio")
 
@@ -90,8 +92,9 @@ class StreamWatcher:
     """Reads a relayed event stream for its first output and its usage, without altering it.
 
     Event JSON is decoded only until the first output is seen; after that
-    only events that mention ``usage`` are, so a long stream costs its SSE
-    framing and a substring search per event.
+    only events that mention ``usage`` are, and whole events that do not
+    mention it (the relay's usual case) are not even parsed: a long stream
+    costs a substring search per event.
     """
 
     def __init__(self) -> None:
@@ -101,6 +104,9 @@ class StreamWatcher:
 
     def feed(self, data: bytes) -> bool:
         """Take the bytes of one relayed event; True if they hold the stream's first output."""
+        if (self.first_output_seen and b'"usage"' not in data and data.endswith(_EVENT_ENDS)
+                and self._parser.between_events):
+            return False  # whole events without usage: nothing in them is read
         first = False
         for event in self._parser.receive_data(data):
             if not isinstance(event, EventReceived) or event.data == DONE_DATA:

@@ -78,7 +78,9 @@ class ParsedRequest:
     usage anyway (for metrics) and drop the usage chunk when this is false.
     ``typed_error`` says why ``request`` holds no typed form (only the
     client's verbatim request, see :mod:`protocol.openai_verbatim`): the
-    400 to answer when no engine can take the verbatim form.
+    400 to answer when no engine can take the verbatim form. ``body_json``
+    is a JSON endpoint's body as decoded once, for whatever else reads it
+    (routing hints), never changed.
     """
 
     request: worker_pb2.TaskRequest
@@ -86,6 +88,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool = False
     typed_error: InvalidRequestError | None = None
+    body_json: JSONObject | None = None
 
 
 # -- chat completions ---------------------------------------------------------

@@ -51,7 +51,7 @@ def parse_json(kind: str, path: str, body: bytes, typed: TypedParser) -> ParsedR
     if stream:
         options = optional(obj, "stream_options", "", as_object)
         include_usage = bool(optional(options or {}, "include_usage", "stream_options", as_bool))
-    return _with_verbatim(kind, model, stream, include_usage, path, body, lambda: typed(obj))
+    return _with_verbatim(kind, model, stream, include_usage, path, body, lambda: typed(obj), obj)
 
 
 def parse_form(path: str, body: bytes, fields: Mapping[str, str], file: bytes | None, filename: str) -> ParsedRequest:
@@ -68,7 +68,7 @@ def parse_form(path: str, body: bytes, fields: Mapping[str, str], file: bytes | 
 
 
 def _with_verbatim(kind: str, model: str, stream: bool, include_usage: bool, path: str, body: bytes,
-                   typed: Callable[[], ParsedRequest]) -> ParsedRequest:
+                   typed: Callable[[], ParsedRequest], body_json: JSONObject | None = None) -> ParsedRequest:
     typed_error: InvalidRequestError | None = None
     try:
         request = typed().request
@@ -79,4 +79,4 @@ def _with_verbatim(kind: str, model: str, stream: bool, include_usage: bool, pat
     verbatim = request.http_request
     verbatim.method, verbatim.path, verbatim.body = "POST", path, body
     return ParsedRequest(request=request, model=model, stream=stream, include_usage=include_usage,
-                         typed_error=typed_error)
+                         typed_error=typed_error, body_json=body_json)

@@ -120,6 +120,11 @@ class SSEParser:
         self._check_size(len(buf))
         return events
 
+    @property
+    def between_events(self) -> bool:
+        """Nothing of an unfinished event is held (nor a BOM still possible): the next bytes start a new one."""
+        return not self._buffer and not self._event_size and not self._skip_lf and not self._at_start
+
     def _check_size(self, pending: int) -> None:
         if self.max_event_size is not None and self._event_size + pending > self.max_event_size:
             self._failed = True

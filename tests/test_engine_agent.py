@@ -441,9 +441,12 @@ ops = st.lists(
 @given(ops)
 def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]]) -> None:
     """Never more than max_concurrency run nor max_queued wait; each started task ends once
-    (finished or aborted); results only go to streams that are not closed; Stopped comes once, last."""
+    (finished or aborted); results only go to streams that are not closed; Stopped comes once, last;
+    the status (built once and kept while nothing changes) always counts the tasks held."""
     agent = running_agent(max_concurrency=3, max_queued=2)
     now = 0.0
+    model_of: dict[str, str] = {}
+    deadlines: dict[str, float | None] = {}
     live: set[str] = set()
     ended: set[str] = set()
     open_streams = {1}
@@ -477,8 +480,13 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
         stream = agent.current_stream
         if op in ("chat", "embed", "heartbeat", "go_away", "cancel") and stream is not None:
             if op == "chat":
-                apply(agent.task_received(stream, chat(f"t{seq}"), now))
+                model_of[f"t{seq}"] = "m1"
+                timed = chat(f"t{seq}")
+                timed.timeout_seconds = n % 4  # 0: none; else a deadline that next_deadline must keep
+                deadlines[f"t{seq}"] = now + timed.timeout_seconds if timed.timeout_seconds else None
+                apply(agent.task_received(stream, timed, now))
             elif op == "embed":
+                model_of[f"t{seq}"] = "m2"
                 apply(agent.task_received(stream, embed(f"t{seq}"), now))
             elif op == "heartbeat":
                 apply(agent.task_received(stream, heartbeat(f"h{seq}"), now))
@@ -505,6 +513,13 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
             apply(agent.handle_timeout(now))
         # The machine keeps exactly the streams that are not closed: closed ones are forgotten.
         assert set(agent.held_streams) == open_streams
+        held = [model for task_id, model in model_of.items() if agent.task_stream(task_id) is not None]
+        status = agent.engine_status()
+        assert {m.id: m.in_progress_task_count for m in status.models} == {m: held.count(m) for m in ("m1", "m2")}
+        assert status.ready == (agent.state is AgentState.RUNNING)
+        held_deadlines = [d for t, d in deadlines.items() if d is not None and agent.task_stream(t) is not None]
+        deadline = agent.next_deadline()
+        assert not held_deadlines or (deadline is not None and deadline <= min(held_deadlines))
     if agent.state is AgentState.RUNNING:
         apply(agent.shutdown(grace=1.0, now=now))
     while agent.state is not AgentState.STOPPED:

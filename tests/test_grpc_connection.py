@@ -961,3 +961,23 @@ def test_any_message_sizes_flow_through_small_windows_with_lagging_acks(sizes, a
             break
     assert got == messages
     assert link.client.buffered_amount(sid) == 0
+
+
+def test_acknowledging_a_batch_of_messages_reopens_the_windows_with_one_update_per_stream():
+    """Acknowledgements reach h2 when bytes are next taken to write: one WINDOW_UPDATE for the
+    stream (and one for the connection) per batch, however many messages were acknowledged."""
+    server = GrpcConnection(GrpcConfig(client_side=False, **SMALL))
+    raw = RawClient(server)
+    sid = raw.request()
+    raw.h2.send_data(sid, b"".join(frame(bytes(1_000)) for _ in range(50)))
+    raw.exchange()
+    received = [e for e in raw.server_events if isinstance(e, MessageReceived)]
+    assert len(received) == 50
+    assert raw.h2.local_flow_control_window(sid) == 65_535 - 50 * 1_005
+    raw.events.clear()
+    for e in received:
+        server.acknowledge(sid, e.flow_controlled_length)
+    raw.exchange()
+    updates = [e for e in raw.events if isinstance(e, h2.events.WindowUpdated)]
+    assert sorted(e.stream_id for e in updates) == [0, sid]
+    assert raw.h2.local_flow_control_window(sid) == 65_535

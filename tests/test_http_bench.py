@@ -21,7 +21,7 @@ from protocol.pb import worker_pb2
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench"
 NON_STREAM_CASES = {f"{target}_c{c}" for target in ("direct", "agent", "builtin") for c in (1, 32)}
-STREAM_CASES = {"agent_stream", "builtin_stream"}
+STREAM_CASES = {"direct_stream", "agent_stream", "builtin_stream"}
 
 
 def _load(name: str) -> ModuleType:

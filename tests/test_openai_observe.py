@@ -92,3 +92,48 @@ def test_any_json_an_engine_sends_is_read_without_raising(value):
 def test_any_bytes_in_a_stream_are_read_without_raising(data):
     StreamWatcher().feed(data)
     usage_of_body(data)
+
+
+def reference_watch(chunks: list[bytes]) -> tuple[list[bool], Usage | None]:
+    """What the watcher must find: every event parsed and decoded, none skipped."""
+    from protocol.sse import DONE_DATA, EventReceived, SSEParser
+
+    parser, seen, usage, firsts = SSEParser(), False, None, []
+    for chunk in chunks:
+        first = False
+        for ev in parser.receive_data(chunk):
+            if not isinstance(ev, EventReceived) or ev.data == DONE_DATA:
+                continue
+            try:
+                decoded = json.loads(ev.data)
+            except ValueError:
+                continue
+            if not seen and carries_output(decoded):
+                seen = first = True
+            usage = usage_of(decoded) or usage
+        firsts.append(first)
+    return firsts, usage
+
+
+stream_events = st.lists(
+    st.one_of(
+        st.builds(lambda c: event(chat_chunk(content=c)), st.text(max_size=3)),
+        st.builds(lambda n: event({"choices": [], "usage": {"prompt_tokens": n, "completion_tokens": n + 1}}),
+                  st.integers(0, 9)),
+        st.just(b"data: [DONE]\n\n"), st.just(b": keep-alive\n\n"), st.just(b"event: x\r\ndata: {}\r\n\r\n"),
+        st.just(b"data: {\"usage\"\n"), st.just(b"\r"), st.just(b"\n"),
+    ),
+    max_size=12,
+)
+
+
+@given(stream_events, st.lists(st.integers(0, 400), max_size=6), st.booleans())
+def test_the_watcher_skipping_whole_events_finds_what_parsing_every_event_finds(events, cuts, one_per_result):
+    """Events without usage after the first output are not parsed: the same first output and usage
+    are found as by parsing everything, however the stream is cut into results."""
+    stream = b"".join(events)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    chunks = events if one_per_result else [stream[a:b] for a, b in zip(bounds, bounds[1:])] or [stream]
+    watcher = StreamWatcher()
+    firsts = [watcher.feed(chunk) for chunk in chunks]
+    assert (firsts, watcher.usage) == reference_watch(chunks)

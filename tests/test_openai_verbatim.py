@@ -87,3 +87,15 @@ def test_hostile_bodies_travel_verbatim_or_end_in_a_400_for_every_endpoint(data)
     from tools.fuzz.drivers import HypothesisSource, check_openai_body, json_body
 
     check_openai_body(json_body(HypothesisSource(data)))
+
+
+def test_a_json_body_is_decoded_once_and_kept_for_the_routing_hints():
+    from protocol import routing_hints
+
+    body = json.dumps({"model": "m", "messages": [{"role": "system", "content": "s" * 300},
+                                                   {"role": "user", "content": "hi"}], "user": "u1"}).encode()
+    parsed = parse_json("chat_completion", "/v1/chat/completions", body, parse_chat_completion)
+    assert parsed.body_json == json.loads(body)
+    headers = {"x-session-id": ["s1"]}
+    from_object = routing_hints.hints_from_json("chat/completions", parsed.body_json, headers)
+    assert from_object is not None and from_object == routing_hints.hints_from_json("chat/completions", body, headers)

@@ -169,3 +169,22 @@ def test_refusals_are_logged_too_with_what_is_known(slow_gateway, tmp_path):
     assert (second["status"], second["tenant"], second["model"]) == (404, "acme", "nope")
     assert gateway.metrics.registry.get_sample_value("infx_http_requests_total", {
         "endpoint": "chat/completions", "tenant": "acme", "model": OTHER_MODEL, "status": "404"}) == 1
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_request_logs_one_line_with_no_twisted_web_access_line_beside_it(slow_gateway):
+    from twisted.logger import formatEvent, globalLogPublisher
+
+    _, base = yield slow_gateway()
+    lines: list[str] = []
+    observer = lambda event: lines.append(formatEvent(event))  # noqa: E731
+    globalLogPublisher.addObserver(observer)
+    try:
+        status, headers, _ = yield threads.deferToThread(
+            post, base, {"model": "slow", "messages": [{"role": "user", "content": "x"}]}, {"X-Request-ID": "r-1"})
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert status == 200
+    assert [line for line in lines if "r-1" in line or "/v1/chat/completions" in line] == [
+        "request r-1 chat/completions model='slow' tenant='default' status=200 latency=1.500s ttft=- "
+        "tokens_in=11 tokens_out=3 engine='e7' gateway='gw-b' retries=1"]

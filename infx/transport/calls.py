@@ -86,7 +86,7 @@ class CallKind(enum.Enum):
 
 class CallBase:
     """What server and client calls share: ``recv()`` from the messages
-    received so far (each handed over by ``_deliver``), ``async for message
+    received so far (each handed over by ``_take``), ``async for message
     in call`` (reading until ``recv()`` gives None), and the backpressure of
     ``send()``, which returns an already-fired Deferred while the stream can
     take more, else one Deferred that fires when the stream's buffer drains
@@ -98,10 +98,19 @@ class CallBase:
     _recv_waiter: Deferred[Any] | None
     #: Received and not yet read: messages, and on a server None for the half-close.
     _inbox: deque[MessageReceived | None]
+    #: While :meth:`read_each` reads the call: where each message goes.
+    _on_message: Callable[[Any], None] | None = None
+
+    def _take(self, item: Any) -> Any:
+        """A received item as the reader gets it (acknowledging its bytes); raises GrpcError
+        if it cannot be read (the call is then ended)."""
+        raise NotImplementedError
 
     def _deliver(self, item: Any) -> Deferred[Any]:
-        """Hand a received item to the reader (acknowledging its bytes)."""
-        raise NotImplementedError
+        try:
+            return succeed(self._take(item))
+        except GrpcError as exc:
+            return fail(exc)
 
     def _input_over(self) -> Deferred[Any] | None:
         """What ``recv()`` gives once the inbox is empty and no more will come, else None."""
@@ -113,6 +122,7 @@ class CallBase:
         GrpcError if the call ended otherwise."""
         if self._recv_waiter is not None:
             return fail(LocalProtocolError("recv() already pending"))
+        self._on_message = None
         if self._inbox:
             return self._deliver(self._inbox.popleft())
         over = self._input_over()
@@ -121,12 +131,71 @@ class CallBase:
         self._recv_waiter = Deferred()
         return self._recv_waiter
 
+    def read_each(self, on_message: Callable[[Any], None]) -> Deferred[None]:
+        """Read the call to its end, handing each message to ``on_message`` as it arrives.
+
+        Exactly what a loop of ``await recv()`` that handles each message at
+        once does (same order, same turns, the call's end seen only between
+        messages), without a Deferred and a resumed coroutine per message.
+        Fires None at the end of the input; fails as ``recv()`` would, or
+        with what ``on_message`` raised (after which it gets nothing more).
+        """
+        if self._recv_waiter is not None:
+            return fail(LocalProtocolError("recv() already pending"))
+        done: Deferred[None] = Deferred()
+        self._on_message = on_message
+        if self._inbox:
+            self._push(done, self._inbox.popleft())
+        else:
+            self._wait_next(done)
+        return done
+
+    def _wait_next(self, done: Deferred[None]) -> None:
+        """What the loop's next ``recv()`` would do once the inbox is empty."""
+        over = self._input_over()
+        if over is None:
+            # As recv()'s waiter, ``done`` hears of the call's end from the adapter.
+            self._recv_waiter = done
+        else:
+            self._on_message = None
+            over.chainDeferred(done)
+
+    def _push(self, done: Deferred[None], item: MessageReceived | None) -> None:
+        on_message = self._on_message
+        assert on_message is not None
+        while True:
+            try:
+                value = self._take(item)
+                if value is None:
+                    self._on_message = None
+                    done.callback(None)
+                    return
+                on_message(value)
+            except Exception as exc:
+                self._on_message = None
+                done.errback(exc)
+                return
+            if not self._inbox:
+                self._wait_next(done)
+                return
+            item = self._inbox.popleft()
+
     def received(self, item: MessageReceived | None) -> None:
         """The adapter: a message arrived (on a server, None: the client half-closed)."""
         waiter = self._recv_waiter
-        if waiter is not None:
+        if waiter is not None and self._on_message is not None:
+            # Handling it, the reader is busy: the call's end waits for the next wait.
             self._recv_waiter = None
-            self._deliver(item).chainDeferred(waiter)
+            self._push(waiter, item)
+        elif waiter is not None:
+            # Straight to the waiting reader: no Deferred of its own per message.
+            self._recv_waiter = None
+            try:
+                value = self._take(item)
+            except GrpcError as exc:
+                waiter.errback(exc)
+            else:
+                waiter.callback(value)
         else:
             self._inbox.append(item)
 

@@ -216,16 +216,16 @@ class ClientCall(CallBase):
             return succeed(None)
         return fail(self.final.error())
 
-    def _deliver(self, event: MessageReceived) -> Deferred[Any]:
+    def _take(self, event: MessageReceived) -> Any:
         if self._protocol is not None:
             self._protocol.conn.acknowledge(event.stream_id, event.flow_controlled_length)
             self._protocol.schedule_flush()
         self.last_message_compressed = event.compressed
         try:
-            return succeed(self._deserializer(event.data))
+            return self._deserializer(event.data)
         except Exception as exc:
             self.cancel()
-            return fail(GrpcError(StatusCode.INTERNAL, f"response could not be deserialized: {exc}"))
+            raise GrpcError(StatusCode.INTERNAL, f"response could not be deserialized: {exc}") from None
 
     def unary_result(self, status: Status) -> Any:
         """The one response of a unary call that ended with ``status``."""

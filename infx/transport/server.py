@@ -120,17 +120,17 @@ class ServerCall(CallBase):
             return succeed(None)
         return None
 
-    def _deliver(self, item: MessageReceived | None) -> Deferred[Any]:
+    def _take(self, item: MessageReceived | None) -> Any:
         if item is None:
-            return succeed(None)
+            return None
         self._conn.acknowledge(self.stream_id, item.flow_controlled_length)
         self._protocol.schedule_flush()
         self.last_message_compressed = item.compressed
         try:
-            return succeed(self._deserializer(item.data))
+            return self._deserializer(item.data)
         except Exception as exc:
             self.abort(StatusCode.INTERNAL, f"Exception deserializing request: {exc}")
-            return fail(GrpcError(StatusCode.INTERNAL, "request could not be deserialized"))
+            raise GrpcError(StatusCode.INTERNAL, "request could not be deserialized") from None
 
     # -- sending ----------------------------------------------------------------
 

@@ -8,7 +8,11 @@ Three targets serve the same non-streaming chat requests:
 - ``agent`` (b): ``twistd infx`` plus ``twistd infx-engine --runtime openai``
   pointed at that echo server (the real deployment shape);
 - ``builtin`` (c): ``twistd infx --echo-models`` (the built-in echo engine,
-  which runs inside the gateway's process).
+  which runs inside the gateway's process);
+- ``litellm`` (d), with ``--litellm``: the LiteLLM proxy (one worker) in front
+  of the same echo server, the alternative issue #16 compares with. It is
+  installed once, pinned, into its own venv (``tools/bench/.venv-litellm``,
+  not in git) and started with its cost map read locally and telemetry off.
 
 Each is measured at concurrency 1 (latency) and 32 (requests/s and
 latency). Streamed answers (server-sent events/s) are relayed by (c), as
@@ -33,6 +37,7 @@ each repetition so that machine noise hits all alike; medians of
     .venv/bin/python tools/bench/http_bench.py --quick       # smoke run
     .venv/bin/python tools/bench/http_bench.py --profile DIR # + cProfile of both gateways
     .venv/bin/python tools/bench/http_bench.py --cases agent_c32,builtin_c32  # a subset
+    .venv/bin/python tools/bench/http_bench.py --litellm     # + (d), installed on first use
 
 The non-streaming request carries an empty user message: the built-in echo
 engine waits ``token_delay`` (10 ms, not settable through ``twistd infx``)
@@ -68,12 +73,21 @@ STREAM_WORDS = 100
 MAX_OVERHEAD_P50_MS = 2.0
 MIN_RPS = 1000.0
 MIN_EVENTS_PER_S = 10000.0
+# Targets of issue #16 ("Up"), for (b): CPU of gateway and agent together per request, relayed
+# events/s, and latency added at c=1.
+MAX_CPU_MS_PER_REQUEST = 0.5
+MIN_RELAYED_EVENTS_PER_S = 40000.0
+MAX_OVERHEAD_C1_MS = 0.6
 
 TARGETS = {
     "direct": "(a) echo server alone",
     "agent": "(b) gateway + infx-engine (openai runtime) + echo server",
     "builtin": "(c) gateway + built-in echo engine",
+    "litellm": "(d) LiteLLM proxy (1 worker) + echo server",
 }
+#: The LiteLLM release (d) runs: pinned, so that figures compare across runs.
+LITELLM_VERSION = "1.81.13"
+LITELLM_VENV = HERE / ".venv-litellm"
 
 
 @dataclass(frozen=True)
@@ -86,9 +100,9 @@ class Case:
     stream: bool
 
 
-def cases(stream_concurrency: int) -> list[Case]:
-    out = [Case(f"{target}_c{c}", target, c, False) for c in (1, 32) for target in TARGETS]
-    out += [Case(f"{target}_stream", target, stream_concurrency, True) for target in ("agent", "builtin")]
+def cases(stream_concurrency: int, targets: tuple[str, ...] = ("direct", "agent", "builtin")) -> list[Case]:
+    out = [Case(f"{target}_c{c}", target, c, False) for c in (1, 32) for target in targets]
+    out += [Case(f"{target}_stream", target, stream_concurrency, True) for target in targets]
     return out
 
 
@@ -128,7 +142,9 @@ class Child:
         self.name = name
         self.log_path = logs / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        # The repository on the path for infx's processes; a process given its own env gets only that.
+        env = popen.pop("env", None) or {
+            **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         popen.setdefault("stdout", self._log)
         self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=self._log, preexec_fn=_die_with_parent,
                                         **popen)
@@ -196,10 +212,48 @@ def wait_for_model(port: int, children: list[Child], timeout: float = 60.0) -> N
     raise BenchError(f"no engine serving {MODEL!r} on port {port} after {timeout:g} s")
 
 
-class Targets:
-    """Starts the three targets' processes; ``ports`` maps each target to its HTTP port."""
+def litellm_venv() -> Path:
+    """The ``litellm`` command of the pinned LiteLLM proxy, installed into its venv on first use."""
+    command = LITELLM_VENV / "bin" / "litellm"
+    python = LITELLM_VENV / "bin" / "python"
+    version = [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"]
+    if command.exists() and subprocess.run(version, capture_output=True, text=True).stdout.strip() == LITELLM_VERSION:
+        return command
+    print(f"installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV} (once)", file=sys.stderr)
+    steps = [[sys.executable, "-m", "venv", str(LITELLM_VENV)],
+             [str(python), "-m", "pip", "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"]]
+    for step in steps:
+        done = subprocess.run(step, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise BenchError(f"could not install LiteLLM ({' '.join(step[-2:])}): {done.stderr.strip()[-1500:]}")
+    return command
 
-    def __init__(self, logs: Path, profile: Path | None) -> None:
+
+def litellm_proxy(echo_port: int, logs: Path) -> tuple[Child, int]:
+    """The LiteLLM proxy, one worker, serving MODEL from the echo server; (child, port)."""
+    command = litellm_venv()
+    config = logs / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{MODEL}\n"
+        f"      api_base: http://127.0.0.1:{echo_port}/v1\n"
+        "      api_key: none\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n")
+    port = free_port()
+    # The cost map is read from the package, not fetched: the bench stays on loopback.
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
+    child = Child("litellm", [str(command), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                              "--num_workers", "1"], logs, env=env)
+    return child, port
+
+
+class Targets:
+    """Starts the targets' processes; ``ports`` maps each target to its HTTP port."""
+
+    def __init__(self, logs: Path, profile: Path | None, litellm: bool = False) -> None:
         self.children: list[Child] = []
         try:
             echo = EchoServer(logs)
@@ -221,17 +275,23 @@ class Targets:
             engine = twistd("engine-agent", [
                 "infx-engine", "--server", f"127.0.0.1:{agent_grpc}", "--runtime", "openai",
                 "--upstream", f"http://127.0.0.1:{echo.port}", "--models", MODEL,
-                "--max-concurrency", "64", "--grace", "1"], logs, None)
+                "--max-concurrency", "64", "--grace", "1"], logs, profile)
             self.children.append(engine)
             wait_for_model(agent_http, [agent_gateway, engine])
             wait_for_model(builtin_http, [builtin_gateway])
+            self.ports = {"direct": echo.port, "agent": agent_http, "builtin": builtin_http}
+            #: Processes whose CPU time each measurement reports: the server first, then the engine agent.
+            self.pids = {"direct": (echo.process.pid,), "agent": (agent_gateway.process.pid, engine.process.pid),
+                         "builtin": (builtin_gateway.process.pid,)}
+            if litellm:
+                proxy, proxy_port = litellm_proxy(echo.port, logs)
+                self.children.append(proxy)
+                wait_for_model(proxy_port, [proxy], timeout=180)
+                self.ports["litellm"] = proxy_port
+                self.pids["litellm"] = (proxy.process.pid,)
         except BaseException:
             self.stop()
             raise
-        self.ports = {"direct": echo.port, "agent": agent_http, "builtin": builtin_http}
-        #: Processes whose CPU time each measurement reports: the server first, then the engine agent.
-        self.pids = {"direct": (echo.process.pid,), "agent": (agent_gateway.process.pid, engine.process.pid),
-                     "builtin": (builtin_gateway.process.pid,)}
 
     def stop(self) -> None:
         # Gateways first: the engine agent then sees a clean go-away.
@@ -261,7 +321,7 @@ def measure(all_cases: list[Case], targets: Targets, bodies: dict[bool, Path], r
     """Runs per case; a failed run is reported on stderr and left out."""
     runs: dict[str, list[dict[str, Any]]] = {}
     ports = targets.ports
-    names = list(TARGETS)
+    names = [name for name in TARGETS if name in ports]
     for target in names:  # warm every target up once before anything is measured
         try:
             run_load(ports[target], bodies[False], 32, warmup, 0.0, need_progress=False)
@@ -303,6 +363,15 @@ def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> l
             return run[done] / cpu if cpu else None
         return rate
 
+    def all_cpu_ms(done: str) -> Callable[[dict[str, Any]], float | None]:
+        """CPU milliseconds of every watched process (server and engine agent) per request or event."""
+        def cost(run: dict[str, Any]) -> float | None:
+            seconds = run["watched_cpu_s"]
+            if not seconds or None in seconds or not run[done]:
+                return None
+            return 1000.0 * sum(seconds) / run[done]
+        return cost
+
     rows = []
     for case in all_cases:
         name = case.name
@@ -318,6 +387,7 @@ def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> l
         if case.target == "agent":
             row["engine_cpu"] = median(name, watched(1))
         row["per_server_cpu_s"] = median(name, per_cpu_s(done))
+        row["cpu_ms_per_" + ("event" if case.stream else "request")] = median(name, all_cpu_ms(done))
         if not case.stream and case.target != "direct":
             base = f"direct_c{case.concurrency}"
             base_rps, base_p50 = median(base, lambda r: r["rps"]), median(base, lambda r: r["p50_ms"])
@@ -353,6 +423,15 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             value = by_case.get(case, {}).get(key)
             out.append(check(f"{case} {what}, target >= {MIN_EVENTS_PER_S:,.0f}", value,
                              value is not None and value >= MIN_EVENTS_PER_S, "events/s"))
+    cpu = by_case.get("agent_c32", {}).get("cpu_ms_per_request")
+    out.append(check(f"#16: agent_c32 CPU per request, gateway + agent, target <= {MAX_CPU_MS_PER_REQUEST:g} ms",
+                     cpu, cpu is not None and cpu <= MAX_CPU_MS_PER_REQUEST, "ms"))
+    events = by_case.get("agent_stream", {}).get("events_per_s")
+    out.append(check(f"#16: agent_stream relayed events/s, target >= {MIN_RELAYED_EVENTS_PER_S:,.0f}", events,
+                     events is not None and events >= MIN_RELAYED_EVENTS_PER_S, "events/s"))
+    overhead = by_case.get("agent_c1", {}).get("p50_overhead_ms")
+    out.append(check(f"#16: agent_c1 p50 added to direct, target <= {MAX_OVERHEAD_C1_MS:g} ms", overhead,
+                     overhead is not None and overhead <= MAX_OVERHEAD_C1_MS, "ms"))
     return out
 
 
@@ -361,7 +440,8 @@ def report_table(rows: list[dict[str, Any]], repeats: int, duration: float) -> N
         return "-" if value is None else format(value, spec)
 
     header = ["case", "conc", "req/s | events/s", "p50 ms", "p99 ms", "x direct req/s", "x direct p50",
-              "p50 overhead ms", "per server cpu-s", "cpu: server", "engine", "client", "server waited"]
+              "p50 overhead ms", "per server cpu-s", "cpu ms per req|ev", "cpu: server", "engine", "client",
+              "server waited"]
     table = [header]
     for row in rows:
         rate = row.get("rps", row.get("events_per_s"))
@@ -370,13 +450,16 @@ def report_table(rows: list[dict[str, Any]], repeats: int, duration: float) -> N
             row["case"], str(row["concurrency"]), fmt(rate, ",.0f") + unit, fmt(row["p50_ms"], ".3f"),
             fmt(row["p99_ms"], ".3f"), fmt(row.get("rps_ratio"), ".3f"), fmt(row.get("p50_ratio"), ".2f"),
             fmt(row.get("p50_overhead_ms"), ".3f"), fmt(row["per_server_cpu_s"], ",.0f"),
+            fmt(row.get("cpu_ms_per_request", row.get("cpu_ms_per_event")), ".3f"),
             fmt(row["server_cpu"], ".0%"), fmt(row.get("engine_cpu"), ".0%"), fmt(row["client_cpu"], ".0%"),
             fmt(row["server_cpu_wait"], ".0%"),
         ])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    print(f"medians of {repeats} x {duration:g} s, loopback, every process separate, {os.cpu_count()} cores")
+    print(f"medians of {repeats} x {duration:g} s, loopback, every process separate, {os.cpu_count()} cores, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
     for target, meaning in TARGETS.items():
-        print(f"  {target}: {meaning}")
+        if any(row["target"] == target for row in rows):
+            print(f"  {target}: {meaning}")
     for r in table:
         print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
     for line in verdicts(rows):
@@ -402,13 +485,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream-concurrency", type=int, default=32,
                         help="concurrent streams in the stream cases (default 32, the engines' task limit)")
     parser.add_argument("--cases", help="comma-separated subset of the case names (default: all)")
-    parser.add_argument("--profile", type=Path, help="directory for cProfile stats of both gateways; "
-                        "their top functions are printed on stderr at the end")
+    parser.add_argument("--profile", type=Path, help="directory for cProfile stats of both gateways and the "
+                        "engine agent; their top functions are printed on stderr at the end")
+    parser.add_argument("--litellm", action="store_true",
+                        help=f"also run (d), the LiteLLM proxy {LITELLM_VERSION} (installed once into "
+                        f"{LITELLM_VENV.relative_to(ROOT)})")
     options = parser.parse_args(argv)
     duration = options.duration if options.duration is not None else (0.3 if options.quick else 3.0)
     warmup = options.warmup if options.warmup is not None else (0.1 if options.quick else 1.0)
     repeats = options.repeats if options.repeats is not None else (1 if options.quick else 3)
-    all_cases = cases(options.stream_concurrency)
+    all_cases = cases(options.stream_concurrency,
+                      ("direct", "agent", "builtin", "litellm") if options.litellm else ("direct", "agent", "builtin"))
     if options.cases:
         wanted = options.cases.split(",")
         unknown = sorted(set(wanted) - {case.name for case in all_cases})
@@ -426,7 +513,7 @@ def main(argv: list[str]) -> int:
             bodies[stream] = logs / f"body-{'stream' if stream else 'whole'}.json"
             bodies[stream].write_bytes(request_body(stream))
         try:
-            targets = Targets(logs, options.profile)
+            targets = Targets(logs, options.profile, options.litellm)
         except BenchError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
