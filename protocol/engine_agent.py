@@ -56,8 +56,8 @@ while draining get 503 so that the gateway retries them on another engine.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -248,7 +248,7 @@ class StreamState(Enum):
 class _Stream:
     id: int
     state: StreamState
-    tasks: set[str] = field(default_factory=set)
+    tasks: dict[str, None] = field(default_factory=dict)  # ordered: aborted in arrival order
     last_status: status_pb2.EngineStatus | None = None
     last_status_at: float = -math.inf
     linger_until: float = -math.inf
@@ -301,7 +301,10 @@ class EngineAgentCore:
         self._current: int | None = None
         self._next_stream_id = 1
         self._tasks: dict[str, _Task] = {}
-        self._queue: deque[str] = deque()
+        # Kept as tasks come and go, so that a result costs the same with 10 or 10,000 in flight:
+        self._queue: dict[str, None] = {}  # waiting for a slot, in arrival order
+        self._model_counts: dict[str, int] = {}  # tasks held, by model
+        self._deadlines: list[tuple[float, str]] = []  # a heap; entries of forgotten tasks linger
         self._running = 0
         self._reconnect_at: float | None = None
         self._failures = 0
@@ -309,14 +312,9 @@ class EngineAgentCore:
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
         self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
-        #: Tasks held per model, kept as tasks come and go (a status is asked for on every input).
-        self._model_counts: dict[str, int] = {}
         #: The last status built and what it was built from: asked for on every input, it
         #: changes only when a count, the state or the runtime does.
         self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
-        #: The first deadline of the tasks held (None: none has one), found again only once they change.
-        self._earliest_task_deadline: float | None = None
-        self._earliest_task_deadline_stale = False
 
     # -- inspection ---------------------------------------------------------------
 
@@ -400,12 +398,9 @@ class EngineAgentCore:
         for stream in self._streams.values():
             if stream.state is StreamState.RETIRING and not stream.tasks:
                 candidates.append(stream.linger_until)
-        if self._earliest_task_deadline_stale:
-            self._earliest_task_deadline = min(
-                (t.deadline for t in self._tasks.values() if t.deadline is not None), default=None)
-            self._earliest_task_deadline_stale = False
-        if self._earliest_task_deadline is not None:
-            candidates.append(self._earliest_task_deadline)
+        task_deadline = self._earliest_task_deadline()
+        if task_deadline is not None:
+            candidates.append(task_deadline)
         return min(candidates) if candidates else None
 
     # -- commands -----------------------------------------------------------------
@@ -483,9 +478,10 @@ class EngineAgentCore:
                 model = task_model(task)
                 self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
                 self._model_counts[model] = self._model_counts.get(model, 0) + 1
-                self._earliest_task_deadline_stale = True
-                stream.tasks.add(task.id)
-                self._queue.append(task.id)
+                stream.tasks[task.id] = None
+                self._queue[task.id] = None
+                if deadline is not None:
+                    heapq.heappush(self._deadlines, (deadline, task.id))
                 self._start_waiting(effects)
         else:
             effects.append(SendResult(stream_id, _error_response(task.id, 501, f"Unknown task request {kind!r}.")))
@@ -535,7 +531,7 @@ class EngineAgentCore:
         effects: list[Effect] = []
         if stream is None:
             return effects
-        for task_id in [t for t in self._tasks if t in stream.tasks]:
+        for task_id in list(stream.tasks):
             self._drop(task_id, effects)
         self._close(stream)
         self._start_waiting(effects)
@@ -570,8 +566,11 @@ class EngineAgentCore:
                 self._drop(task_id, effects)
             self._check_drained(effects)
             return effects
-        expired = [t for t in self._tasks.values() if t.deadline is not None and now >= t.deadline]
-        for task in expired:
+        expired: dict[str, _Task] = {}  # an id back in flight with its old deadline has two entries
+        while (due := self._earliest_task_deadline()) is not None and now >= due:
+            task_id = heapq.heappop(self._deadlines)[1]
+            expired[task_id] = self._tasks[task_id]
+        for task in expired.values():
             if task.next_index == 0:
                 effects.append(SendResult(task.stream_id, _error_response(
                     task.task.id, 504, "The task's deadline passed before the engine answered.")))
@@ -624,7 +623,9 @@ class EngineAgentCore:
 
     def _start_waiting(self, effects: list[Effect]) -> None:
         while self._queue and self._running < self.config.max_concurrency:
-            task = self._tasks[self._queue.popleft()]
+            task_id = next(iter(self._queue))
+            del self._queue[task_id]
+            task = self._tasks[task_id]
             task.running = True
             self._running += 1
             effects.append(StartTask(task.task))
@@ -634,14 +635,13 @@ class EngineAgentCore:
         if task.running:
             effects.append(AbortTask(task_id))
         else:
-            self._queue.remove(task_id)
+            del self._queue[task_id]
         self._forget(task_id)
 
     def _forget(self, task_id: str) -> None:
         task = self._tasks.pop(task_id)
         if task.running:
             self._running -= 1
-        self._earliest_task_deadline_stale = True
         left = self._model_counts[task.model] - 1
         if left:
             self._model_counts[task.model] = left
@@ -649,7 +649,18 @@ class EngineAgentCore:
             del self._model_counts[task.model]
         stream = self._streams.get(task.stream_id)
         if stream is not None:
-            stream.tasks.discard(task_id)
+            stream.tasks.pop(task_id, None)
+
+    def _earliest_task_deadline(self) -> float | None:
+        """The soonest deadline of a task in flight; heap entries of tasks already gone are dropped
+        here (an id is never reused while in flight, but may come back later with another deadline)."""
+        while self._deadlines:
+            deadline, task_id = self._deadlines[0]
+            task = self._tasks.get(task_id)
+            if task is not None and task.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
 
     def _retire_idle(self, now: float, effects: list[Effect]) -> None:
         for stream in list(self._streams.values()):

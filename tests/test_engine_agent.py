@@ -546,3 +546,61 @@ def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None
     for bad in ("-1", "many"):
         with pytest.raises(usage.UsageError, match="--max-queued"):
             parse("--max-queued", bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["chat", "embed", "finish", "cancel", "tick", "lose"]),
+                          st.integers(0, 5), st.sampled_from([0.0, 0.5, 1.0, 3.0])), max_size=60))
+def test_load_counts_and_task_deadlines_kept_as_tasks_come_and_go_match_a_scan(run) -> None:
+    """The per-model counts and the deadline heap are kept incrementally (a result must not cost a
+    scan of every task in flight); after every step they agree with a scan of the tasks held,
+    with ids reused (a task id may come back once its first task ended, with a new deadline)."""
+    agent = EngineAgentCore(config(max_concurrency=2, max_queued=3))
+    now = 0.0
+    agent.start(now)
+    stream = agent.current_stream
+    for op, n, dt in run:
+        now += dt
+        task_id = f"t{n}"  # few ids: reuse is the point
+        if stream is None or agent.stream_state(stream) is StreamState.CLOSED:
+            deadline = agent.next_deadline()
+            if deadline is not None:
+                now = max(now, deadline)
+                agent.handle_timeout(now)
+            stream = agent.current_stream
+        elif op in ("chat", "embed") and agent.task_stream(task_id) is None:
+            task = chat(task_id) if op == "chat" else embed(task_id)
+            task.timeout_seconds = 1 + n % 3
+            agent.task_received(stream, task, now)
+        elif op == "finish" and task_id in agent._tasks and agent._tasks[task_id].running:
+            agent.finish_task(task_id, now)
+        elif op == "cancel":
+            agent.task_received(stream, cancel(f"c{n}-{now}", task_id), now)
+        elif op == "lose":
+            agent.stream_closed(stream, 0.5, now)
+        elif op == "tick":
+            agent.handle_timeout(now)
+        held = agent._tasks.values()
+        counts = {m.id: m.in_progress_task_count for m in agent.engine_status().models}
+        assert counts == {m: sum(t.model == m for t in held) for m in agent.models}
+        deadlines = [t.deadline for t in held if t.deadline is not None]
+        assert agent._earliest_task_deadline() == (min(deadlines) if deadlines else None)
+        assert all(t.deadline is None or t.deadline > now or op != "tick" for t in held)
+
+
+def test_a_task_id_back_in_flight_is_timed_by_its_new_deadline_not_the_old_ones() -> None:
+    agent = EngineAgentCore(config())
+    agent.start(0.0)
+    stream = agent.current_stream
+    first = chat("t1")
+    first.timeout_seconds = 5
+    agent.task_received(stream, first, 0.0)
+    agent.finish_task("t1", 1.0)
+    again = chat("t1")
+    again.timeout_seconds = 30
+    agent.task_received(stream, again, 2.0)
+    effects = agent.handle_timeout(6.0)  # the first task's deadline: nothing is due now
+    assert agent.task_stream("t1") == stream and not any(isinstance(e, AbortTask) for e in effects)
+    assert agent.next_deadline() == min(32.0, agent._status_due(agent._streams[stream]))
+    effects = agent.handle_timeout(32.0)
+    assert [e.task_id for e in effects if isinstance(e, AbortTask)] == ["t1"]
