@@ -133,6 +133,11 @@ def listen_endpoint(value: str, option: str) -> str:
 _TCP_TYPES = frozenset({"tcp", "tcp6", "ssl"})
 
 
+def _one_line(error: Exception) -> str:
+    """Twisted's parser quotes the bad part raw: a config error stays one line."""
+    return " ".join(str(error).splitlines())
+
+
 def _check_server_endpoint(value: str, option: str) -> None:
     """Refuse what Twisted's parser refuses, and ports outside 0-65535 (which it only refuses
     at listen time). Building an endpoint does not touch the reactor, so none is given."""
@@ -149,12 +154,12 @@ def _check_server_endpoint(value: str, option: str) -> None:
             interface = host.strip("[]").replace(":", "\\:")
             raise ConfigError(f"{option}: {value!r} is HOST:PORT, which is not a listen endpoint; "
                               f"did you mean {kind}:{port}:interface={interface}?") from None
-        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e}); "
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({_one_line(e)}); "
                           "expected a port number or e.g. tcp:8080:interface=127.0.0.1") from None
     except (TypeError, RuntimeError, IndexError, KeyError, AttributeError) as e:
         # An unknown parameter (interfce=) or a string the parser trips over (a trailing backslash,
         # an empty ssl: method name as in ``ssl::::``).
-        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({e or type(e).__name__})") from None
+        raise ConfigError(f"{option}: {value!r} is not a server endpoint ({_one_line(e) or type(e).__name__})") from None
     except OSError as e:  # ssl: a certificate or key file that cannot be read
         raise ConfigError(f"{option}: cannot read {e.filename}: {e.strerror}") from None
     except (SSL.Error, crypto.Error):
