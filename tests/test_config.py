@@ -92,7 +92,7 @@ def test_twistd_infx_cap_flags_reach_the_processor():
 
 # --- listen endpoints: refused before anything starts ------------------------------------------------
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
 from infx.config import listen_endpoint  # noqa: E402
 
@@ -136,6 +136,7 @@ def test_ports_and_endpoint_strings_that_can_listen_are_accepted(value, expected
 @given(st.one_of(st.text(max_size=40),
                  st.builds(lambda kind, rest: f"{kind}:{rest}", st.sampled_from(["tcp", "tcp6", "unix", "ssl", "x"]),
                            st.text(alphabet="0123456789:=-abcdefghinoprtx.\\", max_size=30))))
+@example("0\n:")  # Twisted quotes the unknown type raw, newline and all
 def test_any_listen_value_is_accepted_as_an_endpoint_or_refused_with_a_config_error(value):
     from twisted.internet.endpoints import serverFromString
 
