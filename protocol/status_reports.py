@@ -165,10 +165,14 @@ class ReportReader:
     def read(self, status: internal_pb2.ServerStatus) -> ReportRead | None:
         """Merge one report; None for a repeat of one already read.
 
-        Raises :class:`RemoteProtocolError` for a delta before any full report, or out of sequence.
+        Raises :class:`RemoteProtocolError` for a delta before any full report, or out of sequence, and
+        for an engine without an id.
         """
         if status.sequence and status.sequence <= self._sequence:
             return None
+        if any(not entry.engine_status.engine_id for entry in status.engine_statuses) or any(
+                not removed.engine_id for removed in status.removed_engines):
+            raise RemoteProtocolError("peer's status report names an engine without an engine_id")
         if status.delta:
             if not self._read_full:
                 raise RemoteProtocolError("peer sent a status delta before any full status report")
