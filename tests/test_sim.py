@@ -28,6 +28,7 @@ from tests.sim.invariants import (
     TENANT,
     ClientRequest,
 )
+from tests.sim.scale import report
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_STEPS = 500
@@ -247,3 +248,22 @@ def test_the_shape_and_load_options_reach_the_run_and_its_replay_command(capsys)
                                    request_interval=0.05))
     assert f"digest {result.digest}" in out
     assert result.replay == "tools/sim --seed 3 --steps 200 --gateways 4 --engines 9 --models 3 --request-interval 0.05"
+
+
+# --- the scale report (tools/sim --report) ------------------------------------------------------
+
+
+def test_the_scale_report_measures_the_exchange_and_is_deterministic():
+    """A 3-gateway row: status traffic, exchanged and cold-start latencies, convergence after a
+    restart; the same seed gives the same row (wall time aside)."""
+    lines: list[str] = []
+    first = report((3,), lines.append)[0]
+    again = report((3,), lambda line: None)[0]
+    assert dataclasses.replace(first, wall=0.0) == dataclasses.replace(again, wall=0.0)
+    assert (first.gateways, first.engines) == (3, 30)
+    assert first.status_messages > 0 and first.status_bytes > first.status_messages
+    assert first.exchanged > 0 and 0 < first.exchange_ms[0] <= first.exchange_ms[1]
+    # Cold start is counted from the engine's start: it includes its connecting and first report.
+    assert 0 < first.cold_start_ms[0] <= first.cold_start_ms[1]
+    assert first.restart_intervals is not None and first.restart_intervals > 0
+    assert lines[-1].startswith("| 3 | 30 | ")

@@ -64,6 +64,8 @@ class SimConfig:
     request_interval: float = 0.08
     fault_interval: float = 0.6
     latency: tuple[float, float] = (0.0005, 0.02)
+    #: Seconds a scripted runtime takes to its first result (uniform in the range).
+    runtime_delay: tuple[float, float] = (0.005, 0.3)
     heal_timeout: float = 60.0
     converge_timeout: float = 30.0
     probe_timeout: float = 40.0

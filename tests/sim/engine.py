@@ -69,7 +69,7 @@ class ScriptedRuntime:
         self.live[task.id] = run
         faulty = cluster.faults.active
         roll = rng.random()
-        delay = rng.uniform(0.005, 0.3)
+        delay = rng.uniform(*cluster.config.runtime_delay)
         if faulty and roll < 0.05:
             delay = rng.uniform(2.0, 15.0)  # a stall: deadlines expire, clients give up
             cluster.stats["runtime_stalls"] += 1

@@ -234,6 +234,8 @@ class PeerDial:
         if message.HasField("task_result"):
             self._untrack_ended(message.task_result.task_id)
         elif message.HasField("server_status"):
+            cluster.stats["status_sent"] += 1
+            cluster.stats["status_bytes"] += 5 + message.ByteSize()  # with gRPC's 5-byte message prefix
             self._check_advertised(message.server_status)
             fault = cluster.faults.status_fault(self)
             if fault == "late" and self._held is None:
@@ -389,6 +391,8 @@ class Gateway:
             origin = effect.origin
             assert isinstance(origin, ClientRequest), f"{effect} for {origin!r} left the core"
             if isinstance(effect, DeliverResult):
+                if origin.first_result_at is None:
+                    origin.first_result_at = cluster.scheduler.now
                 origin.result_delivered(effect)
                 # HttpOrigin: a response head or a bare last event is consumed at once; an event
                 # with data when the HTTP transport took it (here: at once as well).

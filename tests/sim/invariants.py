@@ -73,6 +73,8 @@ class ClientRequest:
     reason: str = ""
     outcome: str | None = None
     events: list[str] = field(default_factory=list)
+    #: Virtual time of the first result (the gateway sets it; for latencies).
+    first_result_at: float | None = None
 
     # -- the origin interface the gateway's dispatcher calls (as infx.dispatcher.HttpOrigin) --
 
