@@ -255,11 +255,11 @@ def test_the_shape_and_load_options_reach_the_run_and_its_replay_command(capsys)
 
 def test_the_scale_report_measures_the_exchange_and_is_deterministic():
     """A 3-gateway row: status traffic, exchanged and cold-start latencies, convergence after a
-    restart; the same seed gives the same row (wall time aside)."""
+    restart; the same seed gives the same row (CPU time aside)."""
     lines: list[str] = []
-    first = report((3,), lines.append)[0]
-    again = report((3,), lambda line: None)[0]
-    assert dataclasses.replace(first, wall=0.0) == dataclasses.replace(again, wall=0.0)
+    first = report((3,), lines.append, window_requests=40)[0]
+    again = report((3,), lambda line: None, window_requests=40)[0]
+    assert dataclasses.replace(first, cpu=0.0) == dataclasses.replace(again, cpu=0.0)
     assert (first.gateways, first.engines) == (3, 30)
     assert first.status_messages > 0 and first.status_bytes > first.status_messages
     assert first.exchanged > 0 and 0 < first.exchange_ms[0] <= first.exchange_ms[1]

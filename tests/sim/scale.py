@@ -14,7 +14,7 @@ gateway); every request changes its engine's in-progress count twice, which
 is the per-engine change rate the status traffic answers.
 
 Phases per size: *start* (until every gateway routes to every engine),
-*load* (``WINDOW`` seconds: status messages and bytes each gateway sends,
+*load* (``WINDOW_REQUESTS`` requests, at least ``MIN_WINDOW`` seconds: status messages and bytes each gateway sends,
 latency of exchanged requests), *cold start* (requests for a model no engine
 serves are held at one gateway; an engine for it starts at another gateway
 ``COLD_START`` seconds later; their latency from the engine's start), and
@@ -41,7 +41,9 @@ ENGINES_PER_GATEWAY = 10
 MODELS = 3
 #: Requests per engine per virtual second (each changes the engine's load twice).
 PER_ENGINE_RATE = 0.1
-WINDOW = 10.0
+#: The load phase lasts long enough for this many requests, and at least ``MIN_WINDOW`` seconds.
+WINDOW_REQUESTS = 300
+MIN_WINDOW = 5.0
 COLD_START = 1.0
 COLD_REQUESTS = 8
 SEED = 1
@@ -61,7 +63,7 @@ class SizeReport:
     exchanged: int
     cold_start_ms: tuple[float, float]
     restart_intervals: float | None  # None: not converged within the limit
-    wall: float
+    cpu: float  # seconds of this process's CPU the size took (the machine may be shared)
     steps: int
 
 
@@ -75,8 +77,9 @@ def _percentiles(values: list[float]) -> tuple[float, float]:
 class ScaleRun:
     """One size: the cluster, its load, and what the report measures."""
 
-    def __init__(self, gateways: int, seed: int = SEED) -> None:
+    def __init__(self, gateways: int, seed: int = SEED, window_requests: int = WINDOW_REQUESTS) -> None:
         self.cluster = Cluster(seed, dataclasses.replace(CONFIG, gateways=gateways))
+        self.window_requests = window_requests
         self.load_on = False
         self.exchange: list[ClientRequest] = []
 
@@ -92,20 +95,21 @@ class ScaleRun:
             cluster.scheduler.after(cluster.rng.uniform(0.0, 0.5), engine.start, "engine-start")
 
     def run(self) -> SizeReport:
-        started = time.perf_counter()
+        started = time.process_time()
         cluster = self.cluster
         scheduler = cluster.scheduler
         self.build()
         self._until(cluster.converged, 60.0, "start")
         self.load_on = True
         scheduler.after(0.0, self._arrive, "client")
-        self._settle(2.0)  # the load reaches its steady state
+        self._settle(1.0)  # the load reaches its steady state
         before = (cluster.stats["status_sent"], cluster.stats["status_bytes"])
         self.exchange.clear()
-        self._settle(WINDOW)
+        window = max(MIN_WINDOW, self.window_requests / self.rate)
+        self._settle(window)
         sent = cluster.stats["status_sent"] - before[0]
         sent_bytes = cluster.stats["status_bytes"] - before[1]
-        per_gateway = len(cluster.gateway_names) * WINDOW
+        per_gateway = len(cluster.gateway_names) * window
         exchanged = [r for r in self.exchange if r.first_result_at is not None]
         cold = self._cold_start()
         restart = self._restart()
@@ -113,7 +117,7 @@ class ScaleRun:
         return SizeReport(
             len(cluster.gateway_names), len(cluster.engines) - 1, sent / per_gateway, sent_bytes / per_gateway,
             _percentiles([(r.first_result_at - r.submitted_at) * 1000 for r in exchanged]), len(exchanged),
-            cold, restart, time.perf_counter() - started, cluster.steps)
+            cold, restart, time.process_time() - started, cluster.steps)
 
     # -- load -----------------------------------------------------------------------------
 
@@ -129,8 +133,12 @@ class ScaleRun:
             request = cluster.submit(gateway, "t1", model, False, None)
             if int(gateway.name[2:]) % MODELS != int(model[1:]):  # no local engine serves it
                 self.exchange.append(request)
-        rate = PER_ENGINE_RATE * ENGINES_PER_GATEWAY * len(names)
-        cluster.scheduler.after(rng.expovariate(rate), self._arrive, "client")
+        cluster.scheduler.after(rng.expovariate(self.rate), self._arrive, "client")
+
+    @property
+    def rate(self) -> float:
+        """Client requests per virtual second, over the whole cluster."""
+        return PER_ENGINE_RATE * ENGINES_PER_GATEWAY * len(self.cluster.gateway_names)
 
     # -- phases ---------------------------------------------------------------------------
 
@@ -195,23 +203,24 @@ class ScaleRun:
             raise RuntimeError(f"{len(self.cluster.gateway_names)} gateways: {phase} did not finish in {limit:g}s")
 
 
-def report(sizes: tuple[int, ...] = SIZES, out: Callable[[str], None] = print) -> list[SizeReport]:
+def report(sizes: tuple[int, ...] = SIZES, out: Callable[[str], None] = print,
+           window_requests: int = WINDOW_REQUESTS) -> list[SizeReport]:
     """Run every size and print the table (Markdown) as the rows come."""
     out(f"tools/sim --report: {ENGINES_PER_GATEWAY} engines per gateway, {PER_ENGINE_RATE:g} requests per engine "
         f"per second, status interval {STATUS_INTERVAL:g} s, seed {SEED}; virtual time")
     out("")
     out("| gateways | engines | status msgs/s per gateway | status bytes/s per gateway | exchange p50 / p99 ms "
-        "| cold start p50 / p99 ms | converged after a restart | wall s |")
+        "| cold start p50 / p99 ms | converged after a restart | CPU s |")
     out("|---|---|---|---|---|---|---|---|")
     rows = []
     for size in sizes:
-        row = ScaleRun(size).run()
+        row = ScaleRun(size, window_requests=window_requests).run()
         rows.append(row)
         restart = "not within 20 intervals" if row.restart_intervals is None else \
             f"{row.restart_intervals:.2f} intervals"
         out(f"| {row.gateways} | {row.engines} | {row.status_messages:,.1f} | {row.status_bytes:,.0f} | "
             f"{row.exchange_ms[0]:.1f} / {row.exchange_ms[1]:.1f} | {row.cold_start_ms[0]:.1f} / "
-            f"{row.cold_start_ms[1]:.1f} | {restart} | {row.wall:.1f} |")
+            f"{row.cold_start_ms[1]:.1f} | {restart} | {row.cpu:.1f} |")
     return rows
 
 
