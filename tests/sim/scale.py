@@ -110,14 +110,17 @@ class ScaleRun:
         sent = cluster.stats["status_sent"] - before[0]
         sent_bytes = cluster.stats["status_bytes"] - before[1]
         per_gateway = len(cluster.gateway_names) * window
-        exchanged = [r for r in self.exchange if r.first_result_at is not None]
-        cold = self._cold_start()
+        exchanged = list(self.exchange)
+        cold = self._cold_start()  # long enough for the window's last requests to end, too
         restart = self._restart()
         self.load_on = False
+        latencies = [(r.first_result_at - r.submitted_at) * 1000 for r in exchanged
+                     if r.succeeded and r.first_result_at is not None]
+        if len(latencies) != len(exchanged):
+            raise RuntimeError(f"{len(exchanged) - len(latencies)} of {len(exchanged)} exchanged requests failed")
         return SizeReport(
             len(cluster.gateway_names), len(cluster.engines) - 1, sent / per_gateway, sent_bytes / per_gateway,
-            _percentiles([(r.first_result_at - r.submitted_at) * 1000 for r in exchanged]), len(exchanged),
-            cold, restart, time.process_time() - started, cluster.steps)
+            _percentiles(latencies), len(exchanged), cold, restart, time.process_time() - started, cluster.steps)
 
     # -- load -----------------------------------------------------------------------------
 
@@ -152,8 +155,11 @@ class ScaleRun:
         cluster.engines.append(engine)
         up_at = cluster.scheduler.now + COLD_START
         cluster.scheduler.at(up_at, engine.start, "engine-start")
-        self._until(lambda: all(r.first_result_at is not None for r in held), COLD_START + 30.0, "cold start")
-        return _percentiles([(r.first_result_at - up_at) * 1000 for r in held if r.first_result_at is not None])
+        self._until(lambda: all(not r.live for r in held), COLD_START + 30.0, "cold start")
+        latencies = [(r.first_result_at - up_at) * 1000 for r in held if r.succeeded and r.first_result_at is not None]
+        if len(latencies) != len(held):
+            raise RuntimeError(f"{len(held) - len(latencies)} of {len(held)} requests held for a cold start failed")
+        return _percentiles(latencies)
 
     def _restart(self) -> float | None:
         """One gateway dies and restarts: status intervals until every view is the truth again."""
