@@ -7,9 +7,10 @@ core's inputs and performs the I/O effects it returns, in order, the way
 ``infx/dispatcher.py``, ``infx/workers.py`` and ``infx/exchanger.py`` do on a
 reactor. After every input the gateway flushes: gRPC events are handled,
 bytes go to the links (of the connections the input touched), and the core's
-one timer is re-armed from its ``next_deadline()``. Along the way it reports what the invariants need to see
-(tasks sent, statuses advertised, forwarded tasks' deadlines) and lets the
-status faults bend reports on their way out.
+one timer is re-armed from its ``next_deadline()``. Along the way it reports
+what the invariants need to see (tasks sent, statuses advertised, forwarded
+tasks' deadlines, status traffic) and lets the status faults bend reports on
+their way out.
 """
 
 from __future__ import annotations
