@@ -5,6 +5,7 @@ command that replays it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ from tests.sim.invariants import (
     TENANT,
     ClientRequest,
 )
+from tests.sim.scale import report
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_STEPS = 500
@@ -74,12 +76,35 @@ def _route_across_tenants(monkeypatch):
     monkeypatch.setattr(Processor, "_pick", pick)
 
 
-def _first_failure(seeds=range(10)):
+def _first_failure(seeds=range(10), full_checks=False):
     for seed in seeds:
-        result = run_seed(seed, SimConfig(steps=SUITE_STEPS))
+        result = run_seed(seed, SimConfig(steps=SUITE_STEPS, full_checks=full_checks))
         if not result.ok:
             return result
     raise AssertionError("no seed caught the planted bug")
+
+
+def _forget_dispatched_deadlines(monkeypatch):
+    """Plant a bug: the processor forgets the deadline of a task waiting for its engine's answer."""
+    original = Processor._task_timer
+
+    def task_timer(self, now, task, effects):
+        if task.state is TaskState.DISPATCHED and now >= task.deadline:
+            return
+        original(self, now, task, effects)
+
+    monkeypatch.setattr(Processor, "_task_timer", task_timer)
+
+
+def _drop_engines_removed(monkeypatch):
+    """Plant a bug in the gateway core: ``EnginesRemoved`` is dropped instead of letting every
+    peer's sender register what its peer reported meanwhile (finding F1)."""
+    original = GatewayCore._absorb
+
+    def absorb(self, effects, now, out):
+        original(self, [e for e in effects if not isinstance(e, EnginesRemoved)], now, out)
+
+    monkeypatch.setattr(GatewayCore, "_absorb", absorb)
 
 
 def test_a_dropped_result_is_reported_as_out_of_order_with_a_replay_command(monkeypatch):
@@ -122,15 +147,7 @@ def test_advertising_remote_engines_is_reported_as_a_loop(monkeypatch):
 
 
 def test_a_deadline_that_never_fires_is_reported(monkeypatch):
-    """Plant a bug: the processor forgets the deadline of a task waiting for its engine's answer."""
-    original = Processor._task_timer
-
-    def task_timer(self, now, task, effects):
-        if task.state is TaskState.DISPATCHED and now >= task.deadline:
-            return
-        original(self, now, task, effects)
-
-    monkeypatch.setattr(Processor, "_task_timer", task_timer)
+    _forget_dispatched_deadlines(monkeypatch)
     result = _first_failure()
     assert result.violation.invariant == DEADLINE
     assert "still in flight" in result.violation.detail
@@ -164,12 +181,7 @@ def test_engines_removed_not_routed_to_the_senders_is_caught(monkeypatch):
     """Plant a bug in the gateway core: ``EnginesRemoved`` is dropped instead of letting every
     peer's sender register what its peer reported meanwhile (finding F1): some gateway never
     learns an engine that is up."""
-    original = GatewayCore._absorb
-
-    def absorb(self, effects, now, out):
-        original(self, [e for e in effects if not isinstance(e, EnginesRemoved)], now, out)
-
-    monkeypatch.setattr(GatewayCore, "_absorb", absorb)
+    _drop_engines_removed(monkeypatch)
     result = _first_failure(range(40))
     assert result.violation.invariant in (CONVERGENCE, LIVENESS), result.describe()
 
@@ -194,3 +206,67 @@ def test_a_seed_replays_identically_in_other_processes_whatever_their_hash_seed(
         digests.add(out.split("digest ")[1].split("]")[0])
     local = run_seed(24, SimConfig(steps=400)).digest
     assert digests == {local}
+
+
+# --- incremental invariants (tests/sim/checks.py) against the full recomputation ----------------
+
+
+@pytest.mark.parametrize("seed, config", [
+    *((seed, SimConfig(steps=SUITE_STEPS)) for seed in range(3)),
+    (0, SimConfig(steps=1000, gateways=6, engines=(12, 12), models=("m1", "m2", "m3"), fault_interval=0.3)),
+], ids=["0", "1", "2", "0-6x12"])
+def test_incremental_and_full_checks_agree_step_for_step(seed, config):
+    """The checks only read, so both modes run the same steps (same digest) and agree on the outcome."""
+    incremental = run_seed(seed, config)
+    full = run_seed(seed, dataclasses.replace(config, full_checks=True))
+    assert (incremental.ok, incremental.digest, incremental.stats["steps"]) == (
+        full.ok, full.digest, full.stats["steps"]), (incremental.describe(), full.describe())
+    assert incremental.ok, incremental.describe()
+    # The point of the index: fewer checks for the same verdict.
+    assert incremental.stats["invariant_checks"] < full.stats["invariant_checks"]
+
+
+@pytest.mark.parametrize("plant, invariants, seeds", [
+    (_forget_dispatched_deadlines, (DEADLINE,), range(10)),
+    (_drop_engines_removed, (CONVERGENCE, LIVENESS), range(40)),
+], ids=["deadline", "engines-removed"])
+def test_a_planted_bug_is_caught_the_same_way_by_incremental_and_full_checks(monkeypatch, plant, invariants,
+                                                                             seeds):
+    plant(monkeypatch)
+    incremental = _first_failure(seeds)
+    full = _first_failure(seeds, full_checks=True)
+    assert incremental.violation.invariant in invariants, incremental.describe()
+    assert (incremental.seed, incremental.violation.invariant, incremental.violation.detail, incremental.digest) == (
+        full.seed, full.violation.invariant, full.violation.detail, full.digest)
+    assert full.replay == f"tools/sim --seed {full.seed} --steps {SUITE_STEPS} --full-checks"
+
+
+def test_the_shape_and_load_options_reach_the_run_and_its_replay_command(capsys):
+    assert main(["--seed", "3", "--steps", "200", "--gateways", "4", "--engines", "9", "--models", "3",
+                 "--request-interval", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "seed 3: ok" in out
+    assert "--gateways 4 --engines 9 --models 3 --request-interval 0.05" in out
+    result = run_seed(3, SimConfig(steps=200, gateways=4, engines=(9, 9), models=("m1", "m2", "m3"),
+                                   request_interval=0.05))
+    assert f"digest {result.digest}" in out
+    assert result.replay == "tools/sim --seed 3 --steps 200 --gateways 4 --engines 9 --models 3 --request-interval 0.05"
+
+
+# --- the scale report (tools/sim --report) ------------------------------------------------------
+
+
+def test_the_scale_report_measures_the_exchange_and_is_deterministic():
+    """A 3-gateway row: status traffic, exchanged and cold-start latencies, convergence after a
+    restart; the same seed gives the same row (CPU time aside)."""
+    lines: list[str] = []
+    first = report((3,), lines.append, window_requests=40)[0]
+    again = report((3,), lambda line: None, window_requests=40)[0]
+    assert dataclasses.replace(first, cpu=0.0) == dataclasses.replace(again, cpu=0.0)
+    assert (first.gateways, first.engines) == (3, 30)
+    assert first.status_messages > 0 and first.status_bytes > first.status_messages
+    assert first.exchanged > 0 and 0 < first.exchange_ms[0] <= first.exchange_ms[1]
+    # Cold start is counted from the engine's start: it includes its connecting and first report.
+    assert 0 < first.cold_start_ms[0] <= first.cold_start_ms[1]
+    assert first.restart_intervals is not None and first.restart_intervals > 0
+    assert lines[-1].startswith("| 3 | 30 | ")

@@ -8,7 +8,7 @@ dead gateways restart, every request in flight must end), *converge* (every
 live gateway must come to route to every up engine), *probe* (one gateway at
 a time asks for every model an engine of the tenant serves, and each request
 must succeed), *drain* (every count of live tasks must be back to zero).
-Invariants are checked after every step.
+Invariants are checked after every step, incrementally (:mod:`tests.sim.checks`).
 """
 
 from __future__ import annotations
@@ -23,17 +23,16 @@ from dataclasses import dataclass, field
 
 from protocol.pb import chat_pb2, worker_pb2
 from protocol.processor_types import ProcessorConfig
+from tests.sim.checks import StepChecks
 from tests.sim.engine import EngineNode
 from tests.sim.faults import Faults
 from tests.sim.gateway import Gateway
 from tests.sim.invariants import (
     CONVERGENCE,
-    DEADLINE,
     ENDS_ONCE,
     LIVENESS,
     MEMORY,
     NO_CRASH,
-    TICK,
     ClientRequest,
     InvariantViolated,
     Ledger,
@@ -46,13 +45,18 @@ from tests.sim.scheduler import Scheduler
 class SimConfig:
     """The shape of a simulated cluster and its load.
 
-    ``steps``: scheduler steps in the fault phase. ``gateways``: gateway
+    ``steps``: scheduler steps in the fault phase; ``duration``, if set, ends
+    the fault phase at that virtual time instead. ``gateways``: gateway
     replicas (full mesh of peer streams). ``engines``: a range; each seed
-    draws how many, their tenants and their models. ``request_interval`` /
-    ``fault_interval``: mean virtual seconds between client requests / faults.
+    draws how many, their tenants and their models; engine ``i`` first dials
+    gateway ``i mod gateways`` (spread evenly), later ones wherever the load
+    balancer sends them. ``request_interval`` / ``fault_interval``: mean
+    virtual seconds between client requests / faults. ``full_checks``:
+    recompute every invariant after every step instead of incrementally.
     """
 
     steps: int = 500
+    duration: float | None = None
     gateways: int = 3
     engines: tuple[int, int] = (2, 5)
     tenants: tuple[str, ...] = ("t1", "t2")
@@ -60,9 +64,32 @@ class SimConfig:
     request_interval: float = 0.08
     fault_interval: float = 0.6
     latency: tuple[float, float] = (0.0005, 0.02)
+    #: Seconds a scripted runtime takes to its first result (uniform in the range).
+    runtime_delay: tuple[float, float] = (0.005, 0.3)
     heal_timeout: float = 60.0
     converge_timeout: float = 30.0
     probe_timeout: float = 40.0
+    full_checks: bool = False
+
+    def options(self) -> str:
+        """The ``tools/sim`` options that give this shape and load (beyond the seed and steps)."""
+        default = SimConfig()
+        parts = []
+        if self.gateways != default.gateways:
+            parts.append(f"--gateways {self.gateways}")
+        if self.engines != default.engines:
+            low, high = self.engines
+            parts.append(f"--engines {low}" if low == high else f"--engines {low}-{high}")
+        if self.models != default.models:
+            parts.append(f"--models {len(self.models)}")
+        if self.tenants != default.tenants:
+            parts.append(f"--tenants {len(self.tenants)}")
+        for name in ("request_interval", "fault_interval", "duration"):
+            if getattr(self, name) != getattr(default, name):
+                parts.append(f"--{name.replace('_', '-')} {getattr(self, name):g}")
+        if self.full_checks:
+            parts.append("--full-checks")
+        return "".join(f" {part}" for part in parts)
 
 
 @dataclass
@@ -72,6 +99,8 @@ class SimResult:
     seed: int
     steps: int
     violation: InvariantViolated | None
+    #: The shape and load options of the run, as ``tools/sim`` spells them.
+    options: str = ""
     stats: Counter[str] = field(default_factory=Counter)
     faults: Counter[str] = field(default_factory=Counter)
     virtual_time: float = 0.0
@@ -84,7 +113,7 @@ class SimResult:
 
     @property
     def replay(self) -> str:
-        return f"tools/sim --seed {self.seed} --steps {self.steps}"
+        return f"tools/sim --seed {self.seed} --steps {self.steps}{self.options}"
 
     def describe(self) -> str:
         if self.violation is None:
@@ -102,18 +131,22 @@ class Cluster:
         self.rng = random.Random(seed)
         self.scheduler = Scheduler(self.rng)
         self.ledger = Ledger()
+        self.checks = StepChecks(self, config.full_checks)
         self.stats: Counter[str] = Counter()
         self.faults = Faults(self, config.fault_interval)
         self.processor_config = ProcessorConfig(
             queue_timeout=5.0, max_task_duration=20.0, max_retries=3,
             retry_delay=self.rng.choice((0.0, 0.2, 1.0)), heartbeat_interval=3.0, heartbeat_max_missed=2,
         )
+        self.gateway_names = [f"gw{i}" for i in range(config.gateways)]
         self.gateways: dict[str, Gateway] = {}
         self.engines: list[EngineNode] = []
         self.links: list[Link] = []
+        self._links_kept = 64
         self._arrivals = False
         self._request_seq = 0
         self.steps = 0
+        self._phase_start = (0, 0.0)
         #: A digest of every step (what ran, when): equal digests mean the same run.
         self.trace = hashlib.sha256()
 
@@ -139,11 +172,8 @@ class Cluster:
     def start_gateway(self, name: str) -> Gateway:
         gateway = Gateway(self, name, self.processor_config)
         self.gateways[name] = gateway
-        gateway.start([peer for peer in self.gateways_names() if peer != name])
+        gateway.start([peer for peer in self.gateway_names if peer != name])
         return gateway
-
-    def gateways_names(self) -> list[str]:
-        return [f"gw{i}" for i in range(self.config.gateways)]
 
     def restart_gateway(self, name: str, old: Gateway) -> None:
         if self.gateways.get(name) is old and not old.alive:
@@ -151,10 +181,10 @@ class Cluster:
             self.start_gateway(name)
 
     def build(self) -> None:
-        for name in self.gateways_names():
+        for name in self.gateway_names:
             self.gateways[name] = Gateway(self, name, self.processor_config)
             self.gateways[name].alive = False
-        for name in self.gateways_names():
+        for name in self.gateway_names:
             self.start_gateway(name)
         count = self.rng.randint(*self.config.engines)
         per_tenant: Counter[str] = Counter()
@@ -162,7 +192,8 @@ class Cluster:
             tenant = self.rng.choice(self.config.tenants)
             models = tuple(m for m in self.config.models if self.rng.random() < 0.6) or (self.rng.choice(self.config.models),)
             # Engine ids restart per tenant: two tenants reuse "e0", which must not mix them up.
-            engine = EngineNode(self, f"e{per_tenant[tenant]}", tenant, models, self.rng.randint(1, 4))
+            home = self.gateway_names[len(self.engines) % len(self.gateway_names)]
+            engine = EngineNode(self, f"e{per_tenant[tenant]}", tenant, models, self.rng.randint(1, 4), home)
             per_tenant[tenant] += 1
             self.engines.append(engine)
         for engine in self.engines:
@@ -193,6 +224,7 @@ class Cluster:
                                 now + duration, now, probe)
         chat = chat_pb2.CreateChatCompletionRequest(model=model, stream=streaming)
         self.stats["requests"] += 1
+        self.checks.request_accepted(request)
         gateway.submit(request, worker_pb2.TaskRequest(chat_completion=chat), timeout)
         return request
 
@@ -205,7 +237,10 @@ class Cluster:
         self.steps += 1
         self.trace.update(f"{label}@{self.scheduler.now!r};".encode())
         self.ledger.now = self.scheduler.now
-        self.check()
+        self.checks.check(self.scheduler.now)
+        if len(self.links) >= 2 * self._links_kept:
+            self.links = [link for link in self.links if not link.finished]
+            self._links_kept = max(64, len(self.links))
 
     def run_until(self, done: Callable[[], bool], limit: float) -> bool:
         while not done():
@@ -221,9 +256,14 @@ class Cluster:
         self._arrivals = True
         self.scheduler.after(0.5, self._arrive, "client")
         self.faults.start()
-        for _ in range(config.steps):
-            self.step()
+        self._phase("start")
+        if config.duration is None:
+            for _ in range(config.steps):
+                self.step()
+        else:
+            self.run_until(lambda: False, config.duration)
         # Heal: no more faults or new requests; what is dead comes back.
+        self._phase("faults")
         self.faults.stop()
         self._arrivals = False
         for name, gateway in list(self.gateways.items()):
@@ -235,14 +275,17 @@ class Cluster:
         if not self.run_until(lambda: not ledger.live, self.scheduler.now + config.heal_timeout):
             stuck = list(ledger.live.values())[:5]
             raise InvariantViolated(ENDS_ONCE, f"requests never ended after the faults stopped: {stuck}")
+        self._phase("heal")
         if not self.run_until(self.converged, self.scheduler.now + config.converge_timeout):
             raise InvariantViolated(CONVERGENCE, f"t={self.scheduler.now:.4f} {config.converge_timeout:g}s after the "
                                     f"faults stopped, {self.missing_routes()}; {self.describe_engines()}")
+        self._phase("converge")
         self.run_until(lambda: False, self.scheduler.now + 1.0)
         # One gateway at a time, so that no probe is rescued by traffic another one causes.
         for gateway in list(self.gateways.values()):
             probes = self.probe(gateway)
-            self.run_until(lambda: all(not p.live for p in probes), self.scheduler.now + config.probe_timeout)
+            # Nothing else is live after the heal: the probes are done when nothing is.
+            self.run_until(lambda: not ledger.live, self.scheduler.now + config.probe_timeout)
             failed = [p for p in probes if not p.succeeded]
             if failed:
                 details = "; ".join(f"{p.task_id} at {p.gateway} for {p.tenant}/{p.model}: {p.outcome} {p.status} "
@@ -250,14 +293,23 @@ class Cluster:
                 raise InvariantViolated(
                     LIVENESS, f"t={self.scheduler.now:.4f} {len(failed)} of {len(probes)} requests at {gateway.name} "
                     f"failed after the faults stopped: {details}; {self.describe_engines()}")
+        self._phase("probe")
         self.run_until(lambda: False, self.scheduler.now + 3.0)
         self.check_memory()
+        self._phase("drain")
+
+    def _phase(self, name: str) -> None:
+        """A phase ended: count its steps and virtual time (``stats``, for the campaign's summary)."""
+        steps, now = self.steps, self.scheduler.now
+        self.stats[f"steps_{name}"] = steps - self._phase_start[0]
+        self.stats[f"ms_{name}"] = round((now - self._phase_start[1]) * 1000)
+        self._phase_start = (steps, now)
 
     def converged(self) -> bool:
         """Every up engine is registered, routable, at every live gateway (locally or via a peer)."""
-        return not self.missing_routes(first_only=True)
+        return self.checks.converged()
 
-    def missing_routes(self, first_only: bool = False) -> list[str]:
+    def missing_routes(self) -> list[str]:
         """What keeps the cluster from having converged: engines a gateway does not route to,
         peer streams not open."""
         missing = []
@@ -270,8 +322,6 @@ class Cluster:
                 view = gateway.processor.engine(engine.tenant, engine.engine_id)
                 if view is None or not view.routable:
                     missing.append(f"{gateway.name} cannot route to {engine.name}")
-                    if first_only:
-                        return missing
         for gateway in self.gateways.values():
             if gateway.alive:
                 missing += [f"{gateway.name} has no stream to {d.peer}" for d in gateway.dials.values() if not d.open]
@@ -303,34 +353,6 @@ class Cluster:
 
     # -- invariants --------------------------------------------------------------------
 
-    def check(self) -> None:
-        now = self.scheduler.now
-        ledger = self.ledger
-        ledger.check_deadlines(now)
-        for gateway in self.gateways.values():
-            if not gateway.alive:
-                continue
-            ledger.checks += 1
-            live = gateway.live_tasks()
-            expected = len(gateway.clients) + gateway.forwarded_in_flight()
-            if live != expected:
-                ledger.fail(MEMORY, f"{gateway.name}: processor holds {live} tasks, its clients and peers "
-                                    f"{expected}")
-            for dial in gateway.dials.values():
-                for task_id, deadline in dial.deadlines.items():
-                    if now > deadline + TICK:
-                        ledger.fail(DEADLINE, f"forwarded task {task_id} at {gateway.name} from {dial.peer} "
-                                              f"still in flight at {now:.4f}, deadline {deadline:.4f}")
-        for engine in self.engines:
-            if engine.crashed:
-                continue
-            ledger.checks += 1
-            if engine.core.running != len(engine.runtime.live):
-                ledger.fail(MEMORY, f"engine {engine.name}: core runs {engine.core.running} tasks, "
-                                    f"runtime {len(engine.runtime.live)}")
-        if self.steps % 64 == 0:
-            self.links = [link for link in self.links if not link.finished]
-
     def check_memory(self) -> None:
         """At the end: no live task, buffer or queue anywhere."""
         ledger = self.ledger
@@ -345,10 +367,9 @@ class Cluster:
                 ledger.fail(MEMORY, f"{gateway.name} still holds tasks {held}{self._orphans(held)}: {status}")
             if gateway.processor.in_flight_counts() or gateway.forwarded_in_flight() or gateway.clients:
                 ledger.fail(MEMORY, f"{gateway.name} still has tasks in flight")
-            for end in gateway.ends:
-                for (call_end, stream_id) in gateway.calls:
-                    if call_end is end and end.conn.buffered_amount(stream_id):
-                        ledger.fail(MEMORY, f"{gateway.name}: stream {stream_id} still buffers bytes")
+            for (end, stream_id) in gateway.calls:
+                if not end.closed and end.conn.buffered_amount(stream_id):
+                    ledger.fail(MEMORY, f"{gateway.name}: stream {stream_id} still buffers bytes")
         for engine in self.engines:
             ledger.checks += 1
             if engine.core.in_progress or engine.runtime.live:
@@ -358,7 +379,6 @@ class Cluster:
             for end, stream_id in engine.streams.values():
                 if end.conn.buffered_amount(stream_id):
                     ledger.fail(MEMORY, f"engine {engine.name}: stream {stream_id} still buffers bytes")
-
 
     def _orphans(self, task_ids: list[str]) -> str:
         """Names the tasks whose client request has ended: attempts nobody waits for."""
@@ -388,5 +408,5 @@ def run_seed(seed: int, config: SimConfig = SimConfig()) -> SimResult:
     stats["requests_completed"] = sum(1 for r in cluster.ledger.requests.values() if r.outcome == "completed")
     stats["requests_failed"] = sum(1 for r in cluster.ledger.requests.values() if r.outcome == "failed")
     stats["deadlines_expired"] = sum(1 for r in cluster.ledger.requests.values() if r.status == 504)
-    return SimResult(seed, config.steps, violation, stats, Counter(cluster.faults.injected),
+    return SimResult(seed, config.steps, violation, config.options(), stats, Counter(cluster.faults.injected),
                      cluster.scheduler.now, time.perf_counter() - started, cluster.trace.hexdigest()[:16])

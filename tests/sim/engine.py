@@ -69,7 +69,7 @@ class ScriptedRuntime:
         self.live[task.id] = run
         faulty = cluster.faults.active
         roll = rng.random()
-        delay = rng.uniform(0.005, 0.3)
+        delay = rng.uniform(*cluster.config.runtime_delay)
         if faulty and roll < 0.05:
             delay = rng.uniform(2.0, 15.0)  # a stall: deadlines expire, clients give up
             cluster.stats["runtime_stalls"] += 1
@@ -121,7 +121,7 @@ class EngineNode:
     """One engine process: its agent core, runtime and connections to a gateway."""
 
     def __init__(self, cluster: Cluster, engine_id: str, tenant: str, models: tuple[str, ...],
-                 max_concurrency: int) -> None:
+                 max_concurrency: int, home: str | None = None) -> None:
         self.cluster = cluster
         self.engine_id = engine_id
         self.tenant = tenant
@@ -133,7 +133,11 @@ class EngineNode:
         self.runtime = ScriptedRuntime(self)
         # core stream id -> (connection, gRPC stream id)
         self.streams: dict[int, tuple[GrpcEnd, int]] = {}
-        self.ends: list[GrpcEnd] = []
+        #: Open connections (a dict: insertion order), and those with commands not yet flushed.
+        self.ends: dict[GrpcEnd, None] = {}
+        self.pending: dict[GrpcEnd, None] = {}
+        #: The gateway the first connection dials (then wherever the load balancer sends it).
+        self.home = home
         self.current: GrpcEnd | None = None
         self.gateway_of: dict[GrpcEnd, str] = {}
         self.restart_pending = False
@@ -158,10 +162,9 @@ class EngineNode:
     def crash(self) -> None:
         """The process dies at once: its connections drop, its tasks are lost with it."""
         self.crashed = True
-        for end in self.ends:
+        for end in list(self.ends):
             end.abandon()
             end.link.reset(f"engine {self.name} crashed")
-        self.ends = []
         self.gateway_of.clear()
         self.streams.clear()
         self.current = None
@@ -204,6 +207,7 @@ class EngineNode:
     # -- effects (infx.engine.EngineAgent._perform) ------------------------------------------
 
     def perform(self, effects: list[Effect]) -> None:
+        self.cluster.checks.engine_touched(self)
         for effect in effects:
             if isinstance(effect, SendResult):
                 self._send(effect.stream_id, worker_pb2.ProcessTasksRequest(task_result=effect.result))
@@ -249,10 +253,12 @@ class EngineNode:
         cluster = self.cluster
         if new_connection or self.current is None or self.current.closed:
             previous = self.current
-            gateway = cluster.pick_gateway()
+            home, self.home = self.home, None
+            gateway = home if home is not None and cluster.gateways[home].alive else cluster.pick_gateway()
             link = cluster.new_link(f"{self.name}->{gateway}")
-            end = GrpcEnd(cluster.scheduler, link, 0, ENGINE_GRPC, self._events, self.flush)
-            self.ends.append(end)
+            end = GrpcEnd(cluster.scheduler, link, 0, ENGINE_GRPC, self._events, self.flush, self.pending,
+                          self._end_gone)
+            self.ends[end] = None
             self.gateway_of[end] = gateway
             cluster.accept(gateway, link)
             self.current = end
@@ -268,6 +274,10 @@ class EngineNode:
                                  "stream-failed")
             return
         self.streams[stream_id] = (end, grpc_stream)
+
+    def _end_gone(self, end: GrpcEnd) -> None:
+        self.ends.pop(end, None)
+        self.gateway_of.pop(end, None)
 
     def _streams_on(self, end: GrpcEnd) -> bool:
         return any(e is end for e, _ in self.streams.values())
@@ -316,12 +326,10 @@ class EngineNode:
     def flush(self) -> None:
         if self.crashed:
             return
-        for end in list(self.ends):
-            end.flush()
-        self.ends = [end for end in self.ends if not end.closed]
-        for end in list(self.gateway_of):
-            if end.closed:
-                del self.gateway_of[end]
+        self.cluster.checks.engine_touched(self)
+        pending = self.pending
+        while pending:
+            next(iter(pending)).flush()  # takes itself out of ``pending``
         self.cluster.scheduler.arm((self, "core"), self.core.next_deadline(), self._on_timer, "engine-timer")
 
     def _on_timer(self) -> None:

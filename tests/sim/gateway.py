@@ -6,10 +6,11 @@ peer senders and receivers); this file maps gRPC events on the links to the
 core's inputs and performs the I/O effects it returns, in order, the way
 ``infx/dispatcher.py``, ``infx/workers.py`` and ``infx/exchanger.py`` do on a
 reactor. After every input the gateway flushes: gRPC events are handled,
-bytes go to the links, and the core's one timer is re-armed from its
-``next_deadline()``. Along the way it reports what the invariants need to see
-(tasks sent, statuses advertised, forwarded tasks' deadlines) and lets the
-status faults bend reports on their way out.
+bytes go to the links (of the connections the input touched), and the core's
+one timer is re-armed from its ``next_deadline()``. Along the way it reports
+what the invariants need to see (tasks sent, statuses advertised, forwarded
+tasks' deadlines, status traffic) and lets the status faults bend reports on
+their way out.
 """
 
 from __future__ import annotations
@@ -223,6 +224,7 @@ class PeerDial:
         link = cluster.new_link(f"{gateway.name}->{self.peer}")
         self.dial = dial
         self.end = gateway.add_end(link, 0, PEER_CLIENT_GRPC)
+        gateway.dial_of[self.end] = self
         self._held = None
         self.deadlines.clear()
         cluster.accept(self.peer, link)
@@ -231,7 +233,11 @@ class PeerDial:
     def send(self, message: internal_pb2.ProcessTasksInternalRequest) -> None:
         """Write one message; the status faults bend reports on their way out."""
         cluster = self.gateway.cluster
-        if message.HasField("server_status"):
+        if message.HasField("task_result"):
+            self._untrack_ended(message.task_result.task_id)
+        elif message.HasField("server_status"):
+            cluster.stats["status_sent"] += 1
+            cluster.stats["status_bytes"] += 5 + message.ByteSize()  # with gRPC's 5-byte message prefix
             self._check_advertised(message.server_status)
             fault = cluster.faults.status_fault(self)
             if fault == "late" and self._held is None:
@@ -312,7 +318,14 @@ class PeerDial:
             # The peer's cancel ends the forwarded task without a result.
             self.deadlines.pop(task.request.cancel_task.task_id, None)
         elif task.timeout_seconds > 0 and task.id not in self.deadlines and task.id in self.forwarded():
-            self.deadlines[task.id] = self.gateway.cluster.scheduler.now + task.timeout_seconds
+            deadline = self.gateway.cluster.scheduler.now + task.timeout_seconds
+            self.deadlines[task.id] = deadline
+            self.gateway.cluster.checks.forwarded_deadline(self.gateway, self, task.id, deadline)
+
+    def _untrack_ended(self, task_id: str) -> None:
+        """A result of a forwarded task goes back: if it was the last, the task is over here."""
+        if task_id in self.deadlines and task_id not in self.forwarded():
+            del self.deadlines[task_id]
 
     def forwarded(self) -> frozenset[str]:
         """The forwarded tasks the core's receiver for this stream has in flight."""
@@ -320,11 +333,6 @@ class PeerDial:
         if peer is None or peer.dial is not self.dial or peer.receiver is None:
             return frozenset()
         return peer.receiver.task_ids
-
-    def prune(self) -> None:
-        forwarded = self.forwarded()
-        for task_id in [t for t in self.deadlines if t not in forwarded]:
-            del self.deadlines[task_id]
 
     def __repr__(self) -> str:
         return f"<PeerDial {self.gateway.name}->{self.peer}>"
@@ -340,7 +348,11 @@ class Gateway:
         self.core = GatewayCore(self.processor, CoreConfig(pod_name=name, status_interval=STATUS_INTERVAL),
                                 cluster.rng)
         self.alive = True
-        self.ends: list[GrpcEnd] = []
+        #: Open connections (a dict: insertion order), and those with commands not yet flushed.
+        self.ends: dict[GrpcEnd, None] = {}
+        self.pending: dict[GrpcEnd, None] = {}
+        #: The dial each outgoing connection carries.
+        self.dial_of: dict[GrpcEnd, PeerDial] = {}
         self.calls: dict[tuple[GrpcEnd, int], Union[EngineStream, PeerSenderStream]] = {}
         #: The stream to each peer, by peer name.
         self.dials: dict[str, PeerDial] = {}
@@ -361,6 +373,7 @@ class Gateway:
         self.perform(step(self.cluster.scheduler.now))
 
     def perform(self, effects: list[Any]) -> None:
+        self.cluster.checks.gateway_touched(self)
         for effect in effects:
             self._perform_one(effect)
 
@@ -380,6 +393,8 @@ class Gateway:
             origin = effect.origin
             assert isinstance(origin, ClientRequest), f"{effect} for {origin!r} left the core"
             if isinstance(effect, DeliverResult):
+                if origin.first_result_at is None:
+                    origin.first_result_at = cluster.scheduler.now
                 origin.result_delivered(effect)
                 # HttpOrigin: a response head or a bare last event is consumed at once; an event
                 # with data when the HTTP transport took it (here: at once as well).
@@ -444,9 +459,14 @@ class Gateway:
     # -- connections ------------------------------------------------------------------
 
     def add_end(self, link: Link, side: int, config: GrpcConfig) -> GrpcEnd:
-        end = GrpcEnd(self.cluster.scheduler, link, side, config, self._events, self.flush)
-        self.ends.append(end)
+        end = GrpcEnd(self.cluster.scheduler, link, side, config, self._events, self.flush, self.pending,
+                      self._end_gone)
+        self.ends[end] = None
         return end
+
+    def _end_gone(self, end: GrpcEnd) -> None:
+        self.ends.pop(end, None)
+        self.dial_of.pop(end, None)
 
     def accept(self, link: Link) -> GrpcEnd:
         return self.add_end(link, 1, SERVER_GRPC)
@@ -456,7 +476,8 @@ class Gateway:
             if not self.alive:
                 return
             if end.side == 0:
-                for dial in list(self.dials.values()):
+                dial = self.dial_of.get(end)
+                if dial is not None:
                     dial.event(end, event)
             else:
                 self._server_event(end, event)
@@ -500,16 +521,15 @@ class Gateway:
     # -- time and flushing ------------------------------------------------------------
 
     def flush(self) -> None:
-        """After any input: let every connection write and re-arm the core's timer."""
+        """After any input: let every connection it touched write, and re-arm the core's timer."""
         if self._flushing or not self.alive:
             return
         self._flushing = True
+        self.cluster.checks.gateway_touched(self)
         try:
-            for end in list(self.ends):
-                end.flush()
-            self.ends = [end for end in self.ends if not end.closed]
-            for dial in self.dials.values():
-                dial.prune()
+            pending = self.pending
+            while pending:
+                next(iter(pending)).flush()  # takes itself out of ``pending``
             self.cluster.scheduler.arm((self, "core"), self.core.next_deadline(), self._on_timer, "core-timer")
         finally:
             self._flushing = False
@@ -522,10 +542,9 @@ class Gateway:
         """The process is gone: every connection drops, clients see their requests fail."""
         self.alive = False
         self.cluster.scheduler.arm((self, "core"), None, self._on_timer)
-        for end in self.ends:
+        for end in list(self.ends):
             end.abandon()
             end.link.reset(f"gateway {self.name} died")
-        self.ends = []
         for request in list(self.clients.values()):
             request.connection_lost()
         self.clients.clear()

@@ -73,6 +73,8 @@ class ClientRequest:
     reason: str = ""
     outcome: str | None = None
     events: list[str] = field(default_factory=list)
+    #: Virtual time of the first result (the gateway sets it; for latencies).
+    first_result_at: float | None = None
 
     # -- the origin interface the gateway's dispatcher calls (as infx.dispatcher.HttpOrigin) --
 
@@ -193,13 +195,3 @@ class Ledger:
         owner = self.tenant_of.get(self.request_id(task.id))
         if owner is not None and owner != tenant:
             self.fail(TENANT, f"task {task.id} of tenant {owner!r} sent to {where} of tenant {tenant!r}")
-
-    def check_deadlines(self, now: float) -> None:
-        for request in self.live.values():
-            self.checks += 1
-            if now > request.deadline + TICK:
-                self.fail(
-                    DEADLINE,
-                    f"{request.task_id} at {request.gateway} still in flight at {now:.4f}, "
-                    f"deadline {request.deadline:.4f}; {request.events}",
-                )

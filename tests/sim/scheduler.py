@@ -13,17 +13,10 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 
-
-@dataclass(order=True)
-class _Entry:
-    when: float
-    tiebreak: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
-    key: Hashable = field(compare=False, default=None)
-    label: str = field(compare=False, default="")
+#: A heap entry: (when, tiebreak, seq, action, key, label). A plain tuple compares in C;
+#: ``seq`` is unique, so the comparison never reaches the action.
+_Entry = tuple[float, float, int, Callable[[], None], Hashable, str]
 
 
 class Scheduler:
@@ -41,7 +34,7 @@ class Scheduler:
     def at(self, when: float, action: Callable[[], None], label: str = "") -> None:
         """Run ``action`` at virtual time ``when`` (never in the past)."""
         self._seq += 1
-        heapq.heappush(self._heap, _Entry(max(when, self.now), self.rng.random(), self._seq, action, None, label))
+        heapq.heappush(self._heap, (max(when, self.now), self.rng.random(), self._seq, action, None, label))
 
     def after(self, delay: float, action: Callable[[], None], label: str = "") -> None:
         self.at(self.now + delay, action, label)
@@ -60,30 +53,30 @@ class Scheduler:
         self._seq += 1
         self._armed[key] = self._seq
         self._live_when[key] = when
-        heapq.heappush(self._heap, _Entry(when, self.rng.random(), self._seq, action, key, label))
+        heapq.heappush(self._heap, (when, self.rng.random(), self._seq, action, key, label))
 
     def next_time(self) -> float | None:
         """When the next live action is due, or None if none is scheduled."""
         self._drop_stale()
-        return self._heap[0].when if self._heap else None
+        return self._heap[0][0] if self._heap else None
 
     def step(self) -> str | None:
         """Advance the clock to the next live action and run it; None when nothing is left."""
         self._drop_stale()
         if not self._heap:
             return None
-        entry = heapq.heappop(self._heap)
-        if entry.key is not None:
-            del self._armed[entry.key]
-            del self._live_when[entry.key]
-        self.now = entry.when
-        entry.action()
-        return entry.label
+        when, _, _, action, key, label = heapq.heappop(self._heap)
+        if key is not None:
+            del self._armed[key]
+            del self._live_when[key]
+        self.now = when
+        action()
+        return label
 
     def _drop_stale(self) -> None:
         heap = self._heap
         while heap:
-            entry = heap[0]
-            if entry.key is None or self._armed.get(entry.key) == entry.seq:
+            _, _, seq, _, key, _ = heap[0]
+            if key is None or self._armed.get(key) == seq:
                 return
             heapq.heappop(heap)

@@ -6,6 +6,12 @@ after any of these, ``flush`` hands the events to the owner, writes the bytes
 to the link in one write, and re-arms the connection's single timer. A
 ``ConnectionTerminated`` writes what is left and closes the link (FIN), as
 ``GrpcProtocol._terminated`` does.
+
+Work is proportional to what was touched: an owner's command reaches the
+machine through :attr:`GrpcEnd.conn`, which puts the end in its owner's
+``pending`` set, and the owner's flush flushes only the ends in that set (an
+end nobody touched has no events, no bytes and the same deadline). The owner
+hears ``gone(end)`` once, when the end closes.
 """
 
 from __future__ import annotations
@@ -31,70 +37,91 @@ class GrpcEnd:
         config: GrpcConfig,
         dispatch: Callable[[GrpcEnd, list[Event]], None],
         after: Callable[[], None],
+        pending: dict[GrpcEnd, None],
+        gone: Callable[[GrpcEnd], None],
     ) -> None:
         self.scheduler = scheduler
         self.link = link
         self.side = side
-        self.conn = GrpcConnection(config)
+        self._conn = GrpcConnection(config)
         self._dispatch = dispatch
         #: The owner's own flush (its other machines may have work after our events).
         self._after = after
+        #: The owner's ends to flush at its next flush (a dict: insertion order, deterministic).
+        self._pending = pending
+        self._gone = gone
         self.closed = False
         self._terminated = False
         self._flushing = False
         link.ends[side] = self
         self.conn.initiate(scheduler.now)
 
+    @property
+    def conn(self) -> GrpcConnection:
+        """The machine, for the owner's commands and queries: using it may leave events
+        or bytes behind, so the end is flushed at the owner's next flush."""
+        if not self.closed:
+            self._pending[self] = None
+        return self._conn
+
     # -- LinkEnd ------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
-        self._handle(self.conn.receive_data(data, self.scheduler.now))
+        self._handle(self._conn.receive_data(data, self.scheduler.now))
         self._after()
 
     def connection_lost(self, reason: str) -> None:
         if self.closed:
             return
-        self.closed = True
-        self.scheduler.arm(self, None, self._on_timer)
-        self._handle(self.conn.connection_lost(reason))
+        self._close()
+        self._handle(self._conn.connection_lost(reason))
+        self._gone(self)  # after the owner has seen the events of the loss
         self._after()
 
     # -- driving ------------------------------------------------------------------
 
     def flush(self) -> None:
         """Dispatch what commands caused, write the bytes, re-arm the timer."""
+        self._pending.pop(self, None)
         if self._flushing:
             return
         self._flushing = True
+        conn = self._conn
         try:
-            events = self.conn.take_events()
+            events = conn.take_events()
             while events:
                 self._dispatch_events(events)
-                events = self.conn.take_events()
+                events = conn.take_events()
         finally:
             self._flushing = False
         if self.closed:
             return
-        self.link.send(self.side, self.conn.data_to_send())
+        self.link.send(self.side, conn.data_to_send())
         if self._terminated:
-            self.closed = True
-            self.scheduler.arm(self, None, self._on_timer)
+            self._close()
+            self._gone(self)
             self.link.close(self.side, "connection terminated")
             return
-        self.scheduler.arm(self, self.conn.next_deadline(), self._on_timer, "grpc-timer")
+        self.scheduler.arm(self, conn.next_deadline(), self._on_timer, "grpc-timer")
 
     def abandon(self) -> None:
         """The owner's process died: no more bytes, timers or events from this end."""
+        if not self.closed:
+            self._close()
+            self._gone(self)
+        self.link.forget_end(self.side)
+
+    def _close(self) -> None:
         self.closed = True
         self.scheduler.arm(self, None, self._on_timer)
-        self.link.forget_end(self.side)
+        self._pending.pop(self, None)
 
     def _on_timer(self) -> None:
         if self.closed:
             return
-        self._handle(self.conn.handle_timeout(self.scheduler.now))
+        self._handle(self._conn.handle_timeout(self.scheduler.now))
         self._after()
 
     def _handle(self, events: list[Event]) -> None:
