@@ -116,6 +116,8 @@ class EightGateways:
     log_dir: Path
     token_delay: float = 0.0
     status_interval: float = 1.0
+    #: More ``twistd infx`` options for every gateway (e.g. ``--routing-policy``).
+    gateway_options: tuple[str, ...] = ()
     gateways: list[GatewayNode] = field(default_factory=list)
     engines: dict[str, TwistdChild] = field(default_factory=dict)
 
@@ -147,7 +149,7 @@ class EightGateways:
                 "--worker-grpc", f"tcp:{node.worker_port}:interface={node.host}",
                 "--internal-grpc", f"tcp:{node.internal_port}:interface={node.host}",
                 "--peers", peers, "--internal-secret", SECRET,
-                "--status-interval", str(self.status_interval), "--grace-period", "5"]
+                "--status-interval", str(self.status_interval), "--grace-period", "5", *self.gateway_options]
         suffix = "" if node.starts == 1 else f"-start{node.starts}"
         node.child = TwistdChild(node.name + suffix, args, self.log_dir)
 
@@ -261,7 +263,7 @@ class Traffic:
     """Steady requests to every gateway: ``per_gateway`` client threads each, one request at a time,
     cycling through the models and alternating streaming and not, until :meth:`stop`."""
 
-    def __init__(self, cluster: EightGateways, per_gateway: int = 2, pause: float = 0.01,
+    def __init__(self, cluster: EightGateways, per_gateway: int = 1, pause: float = 0.02,
                  timeout: float = 30.0) -> None:
         import threading
 

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.timeout(300)
 
 #: Gateway killed and restarted (g3 serves m3 and m0 locally).
 VICTIM = 3
+#: Long requests each live gateway has in flight per model of the victim's engines when it dies.
+LONG_PER_MODEL = 3
 
 
 @pytest.fixture(scope="module")
@@ -80,30 +82,48 @@ def test_every_model_answers_from_every_gateway_streaming_and_not(cluster: Eight
         assert listed == set(MODELS)
 
 
-def _long_requests(cluster: EightGateways, models: set[str]) -> tuple[ThreadPoolExecutor, list[Future[Outcome]]]:
-    """From every gateway, two long non-streaming requests and one long stream per model (two
-    seconds of tokens each), so that some are in flight on any engine when its gateway dies."""
-    cases = [(node.index, model, stream) for node in cluster.gateways for model in sorted(models)
-             for stream in (False, False, True)]
+def _long_requests(nodes: list[GatewayNode], models: set[str]) -> tuple[ThreadPoolExecutor, list[Future[Outcome]]]:
+    """From each of ``nodes``, three long non-streaming requests per model (two seconds of tokens
+    each), so that some are in flight on any engine of those models when its gateway dies."""
+    cases = [(node, model) for node in nodes for model in sorted(models) for _ in range(LONG_PER_MODEL)]
     pool = ThreadPoolExecutor(len(cases))
 
-    def one(index: int, model: str, stream: bool) -> Outcome:
-        text = prompt(f"long-g{index}-{model}-{stream}-{time.monotonic()}", words=200)
-        with openai.OpenAI(base_url=cluster.gateways[index].base_url, api_key="x", max_retries=0,
-                           timeout=60) as client:
-            return classify(index, model, stream, text, time.monotonic(), lambda: ask(client, model, text, stream))
+    def one(node: GatewayNode, model: str) -> Outcome:
+        text = prompt(f"long-g{node.index}-{model}-{time.monotonic()}", words=200)
+        with openai.OpenAI(base_url=node.base_url, api_key="x", max_retries=0, timeout=60) as client:
+            return classify(node.index, model, False, text, time.monotonic(), lambda: ask(client, model, text, False))
 
     return pool, [pool.submit(one, *case) for case in cases]
 
 
-def _retries(cluster: EightGateways, nodes: list[GatewayNode]) -> float:
-    """Re-dispatches the gateways' requests took (infx_request_retries_total, summed)."""
-    total = 0.0
+def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> int:
+    """Tasks that ``nodes`` have in flight on ``engines`` (another gateway's, so through the exchange)."""
+    total = 0
     for node in nodes:
-        for family in text_string_to_metric_families(node.metrics()):
-            if family.name == "infx_request_retries":
-                total += sum(s.value for s in family.samples if s.name.endswith("_total"))
+        known = node.status()["tenants"]["default"]["engines"]
+        total += sum(len(known[e]["tasks"]) for e in engines if e in known)
     return total
+
+
+def _counter(node: GatewayNode, family_name: str, **labels: str) -> float:
+    """The sum of a counter's samples on ``node`` whose labels include ``labels``."""
+    total = 0.0
+    for family in text_string_to_metric_families(node.metrics()):
+        if family.name == family_name:
+            total += sum(s.value for s in family.samples
+                         if s.name.endswith("_total") and labels.items() <= s.labels.items())
+    return total
+
+
+def _retries(nodes: list[GatewayNode]) -> float:
+    """Re-dispatches the gateways' requests took."""
+    return sum(_counter(node, "infx_request_retries") for node in nodes)
+
+
+def _answered(nodes: list[GatewayNode]) -> dict[int, float]:
+    """Chat requests each gateway answered with 200, by its own count."""
+    return {node.index: _counter(node, "infx_http_requests", endpoint="chat/completions", status="200")
+            for node in nodes}
 
 
 def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: EightGateways) -> None:
@@ -111,14 +131,15 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     live = [node for node in cluster.gateways if node is not victim]
     everyone = {node.index for node in cluster.gateways}
     lost = {e for e in ALL_ENGINES if e.startswith(f"e{VICTIM}")}
-    retries_before = _retries(cluster, live)
+    retries_before, answered_before = _retries(live), _answered(live)
     traffic = Traffic(cluster).start()
-    pool, long_requests = _long_requests(cluster, {engine_model(VICTIM, s) for s in range(ENGINES_PER_GATEWAY)})
+    traffic.wait_answered(everyone, 0.0)
+    pool, long_requests = _long_requests(live, {engine_model(VICTIM, s) for s in range(ENGINES_PER_GATEWAY)})
     try:
-        traffic.wait_answered(everyone, 0.0)
-        # Kill the victim while its engines work on requests other gateways forwarded.
-        wait_until(lambda: all(victim.status()["tenants"]["default"]["engines"][e]["tasks"] for e in lost),
-                   "the victim's engines to have tasks", cluster.children)
+        # Kill the victim while its engines work on long requests other gateways forwarded: more
+        # tasks than the steady traffic (one request at a time per gateway) could account for.
+        wait_until(lambda: _forwarded_to(live, lost) > len(live), "long requests on the victim's engines",
+                   cluster.children)
         killed_at = time.monotonic()
         cluster.kill(victim)
         # Its engines leave every other gateway, whose clients keep getting every model.
@@ -142,7 +163,7 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     to_victim = [o for o in outcomes if o.gateway == VICTIM]
     # Nothing lost: every request to a live gateway got its own answer, whole, whatever it was
     # doing when the victim died: requests on the victim's engines failed over to others...
-    assert _retries(cluster, live) > retries_before
+    assert _retries(live) > retries_before
     # ... except a stream already under way on a lost engine, which can only be ended with one
     # error event (its tokens cannot be taken back, nor generated again identically).
     cut = [o for o in to_live if o.kind == "stream_error" and o.stream and o.started < killed_at < o.ended
@@ -156,8 +177,12 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     # The restarted gateway serves every model from the moment it listens: none is refused as
     # unknown while its peers' first reports are on their way (see LEARNING in protocol/gateway_core.py).
     assert all(o.kind == "ok" for o in to_victim if o.started > ready_at), _summary(to_victim)
-    # Exactly one answer per request: no task is left anywhere once the clients have their answers.
+    # Exactly one answer per request: each live gateway counted one 200 per request its clients
+    # sent (none answered twice, none dropped), and no task is left anywhere.
+    sent = Counter(o.gateway for o in to_live if o.kind == "ok")
+    wait_until(lambda: {i: n - answered_before[i] for i, n in _answered(live).items()} == {
+        node.index: sent[node.index] for node in live}, "one 200 counted per answered request", timeout=10)
     for node in cluster.gateways:
         wait_until(lambda: node.status()["tasks"] == 0, f"{node.name} to have no task left", timeout=10)
     print(f"{len(outcomes)} requests, {len(cut)} streams cut mid-way on a lost engine, "
-          f"{_retries(cluster, live) - retries_before:.0f} failovers")
+          f"{_retries(live) - retries_before:.0f} failovers")
