@@ -62,7 +62,9 @@ def exchange_latency(cluster: EightGateways, rounds: int) -> dict[str, Any]:
         for node in cluster.gateways:
             local = sorted(node.local_models())
             remote = sorted(set(MODELS) - node.local_models())
-            for kind, model in (("local", local[round_ % len(local)]), ("peer", remote[round_ % len(remote)])):
+            pair = [("local", local[round_ % len(local)]), ("peer", remote[round_ % len(remote)])]
+            # Which goes first alternates: the first request after a gateway sat idle is slower.
+            for kind, model in pair if round_ % 2 == 0 else pair[::-1]:
                 body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hello infx world"}]})
                 connection = connections[node.index]
                 began = time.perf_counter()
