@@ -355,9 +355,9 @@ class GatewayCore:
     def _redial_now(self, pod: str, now: float, out: list[CoreEffect]) -> None:
         """A peer we wait to redial has just dialled us: it is up again (a restart), so the
         backoff its outage grew would only delay its learning of our engines."""
-        peer = self._peers.get(pod)
         if not self.config.redial_when_dialled_in or self._shutting_down:
             return
+        peer = self._peers.get(pod)
         if peer is not None and peer.dial is None and peer.redial_at is not None:
             self._open(peer, now, out)
 

@@ -83,26 +83,37 @@ def test_every_model_answers_from_every_gateway_streaming_and_not(cluster: Eight
 
 
 def _long_requests(nodes: list[GatewayNode], models: set[str]) -> tuple[ThreadPoolExecutor, list[Future[Outcome]]]:
-    """From each of ``nodes``, three long non-streaming requests per model (two seconds of tokens
+    """From each of ``nodes``, three long non-streaming requests per model (four seconds of tokens
     each), so that some are in flight on any engine of those models when its gateway dies."""
     cases = [(node, model) for node in nodes for model in sorted(models) for _ in range(LONG_PER_MODEL)]
     pool = ThreadPoolExecutor(len(cases))
 
     def one(node: GatewayNode, model: str) -> Outcome:
-        text = prompt(f"long-g{node.index}-{model}-{time.monotonic()}", words=200)
+        text = prompt(f"long-g{node.index}-{model}-{time.monotonic()}", words=400)
         with openai.OpenAI(base_url=node.base_url, api_key="x", max_retries=0, timeout=60) as client:
             return classify(node.index, model, False, text, time.monotonic(), lambda: ask(client, model, text, False))
 
     return pool, [pool.submit(one, *case) for case in cases]
 
 
-def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> int:
-    """Tasks that ``nodes`` have in flight on ``engines`` (another gateway's, so through the exchange)."""
-    total = 0
+def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> set[str]:
+    """Ids of the tasks ``nodes`` have in flight on ``engines`` (another gateway's: the exchange)."""
+    ids: set[str] = set()
     for node in nodes:
         known = node.status()["tenants"]["default"]["engines"]
-        total += sum(len(known[e]["tasks"]) for e in engines if e in known)
-    return total
+        for engine in engines & known.keys():
+            ids.update(known[engine]["tasks"])
+    return ids
+
+
+def _long_tasks_on(nodes: list[GatewayNode], engines: set[str]) -> bool:
+    """Whether a task of ``nodes`` stays on ``engines`` for a second: a long request (the steady
+    traffic's take a tenth of that), which must fail over when the engines' gateway dies."""
+    before = _forwarded_to(nodes, engines)
+    if not before:
+        return False
+    time.sleep(1.0)
+    return bool(before & _forwarded_to(nodes, engines))
 
 
 def _counter(node: GatewayNode, family_name: str, **labels: str) -> float:
@@ -136,10 +147,9 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     traffic.wait_answered(everyone, 0.0)
     pool, long_requests = _long_requests(live, {engine_model(VICTIM, s) for s in range(ENGINES_PER_GATEWAY)})
     try:
-        # Kill the victim while its engines work on long requests other gateways forwarded: more
-        # tasks than the steady traffic (one request at a time per gateway) could account for.
-        wait_until(lambda: _forwarded_to(live, lost) > len(live), "long requests on the victim's engines",
-                   cluster.children)
+        # Kill the victim while its engines work on long requests other gateways forwarded.
+        wait_until(lambda: _long_tasks_on(live, lost), "long requests on the victim's engines", cluster.children,
+                   timeout=60)
         killed_at = time.monotonic()
         cluster.kill(victim)
         # Its engines leave every other gateway, whose clients keep getting every model.
