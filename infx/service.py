@@ -42,6 +42,11 @@ from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
 
+#: At start-up, how long a request for a model no engine lists yet waits for the peers' first
+#: reports rather than getting 404 (a live peer reports within a round trip of our dial, as it
+#: dials back at once; this bounds the wait on a peer that is down).
+PEER_LEARNING_SECONDS = 5.0
+
 
 class ListenFailed(Exception):
     """A listen option's endpoint could not be bound; ``str()`` is the one line an operator sees."""
@@ -161,7 +166,9 @@ class GatewayService(service.MultiService):
         ))
         self.pod_name = pod_name or self._default_pod_name()
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
-                                     config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval))
+                                     config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval,
+                                                       learn_peers_within=PEER_LEARNING_SECONDS,
+                                                       redial_when_dialled_in=True))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
         self.http_resource = build_resource(self.gateway)

@@ -23,7 +23,9 @@ What it decides:
   stream with FAILED_PRECONDITION, a malformed message with INVALID_ARGUMENT.
 - *Peers we dial* (a :class:`~protocol.receiver.Receiver` per stream): one
   stream per wanted peer at its current address, redialled after a jittered
-  backoff that grows while the peer does not accept; drained on shutdown.
+  backoff that grows while the peer does not accept (with
+  ``redial_when_dialled_in``, at once when that peer dials us: it is back);
+  drained on shutdown.
 - *Status deltas*: a stream accepted here answers with
   :data:`PEER_ACCEPT_METADATA` in its headers (infx reads status deltas);
   a dial whose peer answered so gets deltas after its first full report,
@@ -31,7 +33,9 @@ What it decides:
   (:mod:`protocol.status_reports`).
 - *Accounting*: requests accepted from clients per model (reported to peers,
   and to the scaler as started/finished), and which models are gone (listed
-  recently, 503) rather than unknown (404) on the clock.
+  recently, 503) rather than unknown (404) on the clock; at start-up, until
+  every dialled peer has reported (or ``learn_peers_within``), a model nobody
+  lists yet may be a peer's: its requests wait (``LEARNING``), then get 404.
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
   queue for an engine the model is served (:class:`ModelServed`), when it ends
   otherwise it is released (:class:`TaskReleased`); in-flight tasks per model
@@ -105,6 +109,9 @@ class Availability(enum.Enum):
     STARTABLE = "startable"
     #: Engines served it recently and none does now: 503, try again later.
     GONE = "gone"
+    #: No engine lists it yet, but this gateway has only just started and not every peer has
+    #: reported its engines: the task waits for their reports (404 if none lists it by then).
+    LEARNING = "learning"
     #: Never served here and nothing can start it: 404.
     UNKNOWN = "unknown"
 
@@ -189,6 +196,11 @@ class GatewayCore:
         self._held: dict[str, str] = {}
         self._load_reported: set[str] = set()
         self._next_load: float | None = None
+        # Start-up: until every peer we dial has reported to us, or ``learn_peers_within`` after
+        # the first peers were known, a model nobody lists yet may be a peer's (see LEARNING).
+        self._learning_until: float | None = None
+        self._learned = False
+        self._learning_models: set[tuple[str, str]] = set()
 
     # --- HTTP requests -----------------------------------------------------------
 
@@ -235,6 +247,9 @@ class GatewayCore:
         last_seen = self._recent_models.get((tenant_id, model))
         if last_seen is not None and now - last_seen < self.config.forget_models_after:
             return Availability.GONE
+        if not self._learned and self._learning_until is not None and now < self._learning_until:
+            self._learning_models.add((tenant_id, model))
+            return Availability.LEARNING
         return Availability.UNKNOWN
 
     # --- local engines ---------------------------------------------------------------
@@ -334,6 +349,7 @@ class GatewayCore:
             sender = Sender(self.processor, route=stream)
             self._accepted[stream] = sender
             out.append(PeerDialledIn(stream, pod, len(status.engine_statuses)))
+            self._redial_now(pod, now, out)
         if status.draining and not sender.peer_draining:
             out.append(PeerDraining(stream, pod))
         older = self._by_pod.get(pod)
@@ -345,6 +361,15 @@ class GatewayCore:
         if pod:
             self._by_pod[pod] = stream
         out.append(PeerRequests(stream, dict(sender.requests_started)))
+
+    def _redial_now(self, pod: str, now: float, out: list[CoreEffect]) -> None:
+        """A peer we wait to redial has just dialled us: it is up again (a restart), so the
+        backoff its outage grew would only delay its learning of our engines."""
+        if not self.config.redial_when_dialled_in or self._shutting_down:
+            return
+        peer = self._peers.get(pod)
+        if peer is not None and peer.dial is None and peer.redial_at is not None:
+            self._open(peer, now, out)
 
     def _forget_accepted(self, stream: object, now: float, out: list[CoreEffect]) -> None:
         if stream not in self._accepted:
@@ -363,6 +388,8 @@ class GatewayCore:
     def peers_changed(self, peers: Mapping[str, object], now: float) -> list[CoreEffect]:
         """The peers to dial now, by pod name, with their addresses: one stream each."""
         out: list[CoreEffect] = []
+        if peers and self._learning_until is None:
+            self._learning_until = now + self.config.learn_peers_within
         for name in sorted(set(self._peers) | set(peers)):
             desired = None if self._shutting_down else peers.get(name)
             peer = self._peers.get(name)
@@ -560,6 +587,8 @@ class GatewayCore:
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
         candidates = [self.processor.next_deadline(), self._next_load]
+        if self._learning_models and not self._learned:
+            candidates.append(self._learning_until)
         for peer in self._peers.values():
             candidates.append(peer.redial_at)
             if peer.receiver is not None and peer.receiver.state in _LIVE:
@@ -644,7 +673,21 @@ class GatewayCore:
                     self._recent_models[(tenant, model)] = now
         if self._held:
             self._check_held(out)
+        if not self._learned and self._learning_until is not None:
+            self._check_learned(self._learning_until, now, out)
         return out
+
+    def _check_learned(self, until: float, now: float, out: list[CoreEffect]) -> None:
+        """Start-up learning ends once every peer we dial has reported, or its time is up; a
+        request that waited for a model no engine has listed since then gets its 404."""
+        if now < until and any(name not in self._by_pod for name in self._peers):
+            return
+        self._learned = True
+        models, self._learning_models = self._learning_models, set()
+        for tenant, model in sorted(models):
+            if model not in self.processor.known_models(tenant) and (tenant, model) not in self._recent_models:
+                message = f"The model '{model}' does not exist or no engine serves it."
+                self._absorb(self.processor.fail_waiting(tenant, model, 404, message, now), now, out)
 
     def _check_held(self, out: list[CoreEffect]) -> None:
         served: set[str] = set()

@@ -54,7 +54,13 @@ class CoreConfig:
     spaces redials of a peer whose stream ended; ``forget_models_after``: a
     model no engine has listed for this long is unknown (404) again rather
     than gone (503); ``load_interval``: seconds between in-flight load reports
-    to an attached scaler.
+    to an attached scaler; ``learn_peers_within``: seconds after start-up (the
+    first peers known) during which a request for a model no engine lists yet
+    waits for the peers' first reports instead of getting 404 at once (it ends
+    sooner, when every dialled peer has reported; 0, the default, turns it off);
+    ``redial_when_dialled_in``: a peer we back off from that dials us is up
+    again (a restart), so it is redialled at once. Both are on in ``twistd
+    infx`` and off by default, which keeps the simulation's seeds as they are.
     """
 
     pod_name: str
@@ -62,10 +68,14 @@ class CoreConfig:
     redial_backoff: Backoff = field(default_factory=lambda: Backoff(initial=0.2, factor=2.0, cap=10.0, jitter=0.5))
     forget_models_after: float = 3600.0
     load_interval: float = 1.0
+    learn_peers_within: float = 0.0
+    redial_when_dialled_in: bool = False
 
     def __post_init__(self) -> None:
-        if self.status_interval <= 0 or self.load_interval <= 0 or self.forget_models_after < 0:
-            raise ProcessorUsageError("status_interval and load_interval must be > 0, forget_models_after >= 0")
+        if self.status_interval <= 0 or self.load_interval <= 0 or self.forget_models_after < 0 \
+                or self.learn_peers_within < 0:
+            raise ProcessorUsageError("status_interval and load_interval must be > 0, "
+                                      "forget_models_after and learn_peers_within >= 0")
 
 
 class Dial:

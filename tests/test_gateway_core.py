@@ -370,6 +370,72 @@ def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded
     assert one(net.effects["a"], DeliverResult).last
 
 
+def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
+    """A restarted peer dials us first; the backoff its outage grew must not delay its learning
+    of our engines (found by tests/test_eight_gateways.py)."""
+    a = core("a", redial_backoff=Backoff(initial=8.0, factor=2.0, cap=30.0, jitter=0.0), redial_when_dialled_in=True)
+    first = one(a.peers_changed({"b": "b:1"}, T0), OpenDial).dial
+    a.dial_closed(first, T0)  # b is down
+    assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 8
+    stream = object()
+    a.peer_stream_opened(stream, T0 + 1)
+    redial = one(a.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial).dial
+    assert redial.attempt == 2 and a.peers["b"].state is DialState.CONNECTING
+    # A peer we are connected to (or not dialling at all) is left alone when it dials in again.
+    again = object()
+    a.peer_stream_opened(again, T0 + 2)
+    assert only(a.peer_stream_message(again, report("b", "e1"), T0 + 2), OpenDial) == []
+    other = object()
+    a.peer_stream_opened(other, T0 + 2)
+    assert only(a.peer_stream_message(other, report("c", "e2"), T0 + 2), OpenDial) == []
+    # Off (the default), the backoff runs its course.
+    patient = core("a", redial_backoff=Backoff(initial=8.0, factor=2.0, cap=30.0, jitter=0.0))
+    patient.dial_closed(one(patient.peers_changed({"b": "b:1"}, T0), OpenDial).dial, T0)
+    patient.peer_stream_opened(stream, T0 + 1)
+    assert only(patient.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial) == []
+
+
+def test_at_start_up_a_model_only_a_peer_serves_waits_for_its_report_instead_of_404():
+    """Found by tests/test_eight_gateways.py: a restarted gateway answered 404 for the models
+    its peers serve in the moment before their first reports arrived."""
+    net = Net("a", "b")
+    net.cores["a"] = a = core("a", learn_peers_within=5.0)
+    net.engine_joins("b", "e1", "m")
+    net.run("a", lambda now: a.peers_changed({"b": "b"}, now))  # a dials b; b has not dialled a yet
+    assert a.availability("t", "m", net.now) is Availability.LEARNING
+    client = net.submit("a", "r1")
+    assert net.of("a", FailRequest) == []
+    net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))  # b's report reaches a
+    assert a.availability("t", "m", net.now) is Availability.SERVED
+    assert net.sent_to_engine("b", "e1") == ["r1"]
+    net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
+    assert one(net.effects["a"], DeliverResult).origin is client
+    # Every dialled peer has reported: learning is over, an unknown model is 404 at once.
+    assert a.availability("t", "nothing", net.now) is Availability.UNKNOWN
+
+
+def test_start_up_learning_ends_with_404_for_a_model_no_peer_reported_in_time():
+    a = core("a", learn_peers_within=5.0)
+    a.peers_changed({"b": "b", "c": "c"}, T0)
+    b = object()
+    a.peer_stream_opened(b, T0)
+    a.peer_stream_message(b, report("b", "e1"), T0)  # c never reports (it is down)
+    assert a.availability("t", "nobody-serves-it", T0 + 1) is Availability.LEARNING
+    a.submit(Client("r1"), "r1", "t", "nobody-serves-it", chat("nobody-serves-it"), {}, None, T0 + 1)
+    assert a.next_deadline() == T0 + 5
+    failed = one(a.handle_timeout(T0 + 5), FailRequest)
+    assert (failed.task_id, failed.status) == ("r1", 404) and "does not exist" in failed.message
+    assert a.availability("t", "nobody-serves-it", T0 + 5) is Availability.UNKNOWN
+    # Learning happens once, at start-up: a peer lost later does not bring it back.
+    a.peer_stream_closed(b, T0 + 6)
+    assert a.availability("t", "other", T0 + 6) is Availability.UNKNOWN
+    # Without peers there is nothing to learn; without learn_peers_within, no learning at all.
+    assert core("alone", learn_peers_within=5.0).availability("t", "m", T0) is Availability.UNKNOWN
+    unlearning = core("a")
+    unlearning.peers_changed({"b": "b"}, T0)
+    assert unlearning.availability("t", "m", T0) is Availability.UNKNOWN
+
+
 # --- HTTP requests, models and the scaler ---------------------------------------------------------
 
 
@@ -432,3 +498,5 @@ def test_a_request_counted_started_is_counted_finished_once_however_it_ends():
 def test_core_config_is_validated():
     with pytest.raises(Exception, match="status_interval"):
         CoreConfig(pod_name="a", status_interval=0)
+    with pytest.raises(Exception, match="learn_peers_within"):
+        CoreConfig(pod_name="a", learn_peers_within=-1)
