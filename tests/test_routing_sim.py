@@ -35,6 +35,20 @@ def test_three_gateways_route_about_as_well_as_one(results, workload):
     assert three.tokens_per_second > 0.9 * one.tokens_per_second
 
 
+def test_three_gateways_share_spilled_conversations_and_route_within_five_percent_of_one():
+    """At full load (8 engines, 128 conversations) bounded load spills turns off their homes;
+    with the spilled tips shared through the exchange the next turn finds its cache from any
+    gateway, without them it is sent home by the gateways that did not move it."""
+    from protocol.routing import RoutingConfig
+
+    full = dict(duration=30.0, warmup=5.0)
+    one = simulate("multi-turn", "affinity", 1, 2, **full)
+    shared = simulate("multi-turn", "affinity", 3, 2, **full)
+    alone = simulate("multi-turn", "affinity", 3, 2, routing=RoutingConfig(spilled_tips=0), **full)
+    assert shared.hit_rate >= 0.95 * one.hit_rate and shared.tokens_per_second >= 0.95 * one.tokens_per_second
+    assert shared.hit_rate > alone.hit_rate + 0.02
+
+
 @pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])
 def test_affinity_keeps_the_engines_evenly_loaded(results, workload):
     for gateways in (1, 3):
