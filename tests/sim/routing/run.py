@@ -80,7 +80,8 @@ class Result:
 class Simulation:
     def __init__(self, workload: str, policy: str, gateways: int, seed: int, duration: float = 60.0,
                  warmup: float = 10.0, engines: int = 8, spec: RuntimeSpec = RuntimeSpec(),
-                 scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig()) -> None:
+                 scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig(),
+                 fair_queue: int = 0) -> None:
         self.result = Result(workload, policy, gateways, seed)
         self.policy, self.duration, self.warmup, self.report_interval = policy, duration, warmup, report_interval
         self.rng = random.Random(seed * 7919 + gateways)
@@ -91,7 +92,9 @@ class Simulation:
         routing = dataclasses.replace(routing, index_blocks_per_engine=index_blocks,
                                       policy=RoutingPolicy(policy if policy != "oracle" else "least_in_progress"))
         self.bound = routing
-        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing)) for _ in range(gateways)]
+        cap = fair_queue or None
+        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing, max_in_flight_per_engine=cap))
+                         for _ in range(gateways)]
         self.runtimes = {f"e{i}": SimRuntime(f"e{i}", spec) for i in range(engines)}
         self.result.load_samples = dict.fromkeys(self.runtimes, 0)
         self.events: list[tuple[float, int, str, Any]] = []
@@ -155,6 +158,7 @@ class Simulation:
             return
         client = self.workload.clients[client_index]
         request = client.next()
+        request.sent = now
         g = self.rng.randrange(len(self.gateways))
         task_id = f"r{next(self.task_ids)}"
         self.requests[(g, task_id)] = (client_index, request)
@@ -166,7 +170,8 @@ class Simulation:
                                        target_engine_id=target)
         else:
             hints = hints_from_json("chat/completions", request.body, {})
-            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints)
+            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints,
+                                       flow=request.group)
         self.perform(now, g, effects)
 
     def oracle(self, request: Request) -> str:
@@ -209,7 +214,8 @@ class Simulation:
                 if task_id is None:
                     continue  # a control task (none are configured)
                 request = self.request_of(g, task_id)
-                job = Job((g, effect.task.id), request.prompt, request.output, now, request.group)
+                # Time to first token counts from the client's send, through any wait at a gateway.
+                job = Job((g, effect.task.id), request.prompt, request.output, request.sent, request.group)
                 self.jobs[job.key] = (job, effect.route)
                 runtime = self.runtimes[effect.engine.engine_id]
                 runtime.waiting.append(job)
@@ -260,7 +266,9 @@ class Simulation:
                 task_id=job.key[1], result_index=1,
                 server_sent_event=worker_pb2.ServerSentEvent(data=b"data: {}\n\n", is_last_event=True)))
             del self.jobs[job.key]
-        if runtime.running or runtime.waiting:
+        # A reply may have dispatched a task to this runtime (a slot freed at the gateway), which
+        # started its next iteration already.
+        if (runtime.running or runtime.waiting) and runtime.busy_until is None:
             self.start(now, runtime)
 
     def reply(self, now: float, job: Job, result: worker_pb2.TaskResult) -> None:
