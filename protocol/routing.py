@@ -358,7 +358,7 @@ class Router:
             return forwarded_tip
         self.index.record(key, hints.blocks)
         carried = 0
-        if hints.blocks and self._spilled(key, model, hints):
+        if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
             if member is not None and member.local:
                 self.spills.record(key, model, hints.blocks[-1])
             else:

@@ -108,7 +108,8 @@ def test_no_tips_are_shared_when_spilled_tips_is_zero():
     a, b = gateway(local=False, spilled_tips=0), gateway(local=True, spilled_tips=0)
     a.update_engine(("route", home), "t", busy(home), Locality.REMOTE, 0.0)
     b.update_engine(("route", home), "t", busy(home), Locality.LOCAL, 0.0)
-    assert send(a, "spilled", first).task.request.infx_prefix_tip == first.blocks[-1]
+    spilled_away = send(a, "spilled", first)
+    assert spilled_away.engine.engine_id != home and spilled_away.task.request.infx_prefix_tip == 0
     sent = send(b, "spilled", first)
     assert not any(m.infx_prefix_tips for e in ENGINES for m in reported(b, e).models)
     assert sent.task.request.infx_prefix_tip == 0
