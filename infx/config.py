@@ -16,7 +16,13 @@ from typing import Any, Mapping
 
 import yaml
 
-from protocol.routing import RoutingPolicy
+from protocol.routing import RoutingConfig, RoutingPolicy
+from protocol.routing_hints import HintsConfig
+
+_ROUTING = RoutingConfig()
+_HINTS = HintsConfig()
+#: ``--routing-weights`` names and the ``RoutingConfig`` weight each sets.
+ROUTING_WEIGHTS = {name: f"{name}_weight" for name in ("prefix", "home", "session", "adapter", "queue", "kv")}
 
 
 class ConfigError(ValueError):
@@ -81,6 +87,23 @@ class GatewayConfig:
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
     #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
     routing_policy: str = "affinity"
+    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.RoutingConfig`):
+    #: the bounded-load factor (> 1: no engine above it times the mean load, plus one)...
+    routing_load_factor: float = _ROUTING.load_factor
+    #: ...the load any engine may take whatever the mean...
+    routing_min_capacity: int = _ROUTING.min_capacity
+    #: ...score weights as ``name=value,...`` over prefix, home, session, adapter, queue, kv
+    #: (those not named keep their defaults)...
+    routing_weights: str = ""
+    #: ...bytes of canonical prompt per prefix block, and blocks hashed per request...
+    routing_block_bytes: int = _HINTS.block_bytes
+    routing_max_blocks: int = _HINTS.max_blocks
+    #: ...prefix blocks remembered per engine (about its prefix cache in blocks) and in all...
+    routing_index_blocks_per_engine: int = _ROUTING.index_blocks_per_engine
+    routing_index_blocks: int = _ROUTING.index_blocks_total
+    #: ...sessions remembered, and spilled prompts per local engine reported to peers.
+    routing_sessions: int = _ROUTING.sessions
+    routing_spilled_tips: int = _ROUTING.spilled_tips
     #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
     #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
     route_stuck_timeout: float | None = 30.0
@@ -195,7 +218,8 @@ def host_port(value: str, option: str) -> tuple[str, int]:
 
 
 #: Durations for which 0 is meaningful rather than a mistake.
-_ZERO_ALLOWED = frozenset({"echo_token_delay"})
+_ZERO_ALLOWED = frozenset({"echo_token_delay", "routing_index_blocks_per_engine", "routing_index_blocks",
+                           "routing_sessions", "routing_spilled_tips"})
 
 
 def _split_list(value: Any) -> tuple[str, ...]:
@@ -225,7 +249,7 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             return number
         if kind == "int":
             number = int(value)
-            if number <= 0:
+            if not (number > 0 or (number == 0 and name in _ZERO_ALLOWED)):
                 raise ValueError(value)
             return number
         if kind == "float | None":
@@ -313,6 +337,7 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     policies = [policy.value for policy in RoutingPolicy]
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
+    routing_config(config)  # raises ConfigError for a knob out of range
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
@@ -321,6 +346,40 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
                           "give --peer-port when --internal-grpc listens on port 0")
     return config
+
+
+def routing_weights(text: str) -> dict[str, float]:
+    """``--routing-weights``: ``name=value,...`` as ``RoutingConfig`` weight fields."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in ROUTING_WEIGHTS:
+            raise ConfigError(f"--routing-weights: expected name=value with a name among "
+                              f"{', '.join(ROUTING_WEIGHTS)}, got {item!r}")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not 0 <= weight < float("inf"):
+            raise ConfigError(f"--routing-weights: {name.strip()} must be a number >= 0, got {value.strip()!r}")
+        weights[ROUTING_WEIGHTS[name.strip()]] = weight
+    return weights
+
+
+def routing_config(config: GatewayConfig) -> tuple[RoutingConfig, HintsConfig]:
+    """The routing policy and how the gateway cuts prompts into blocks, from ``config``;
+    raises :class:`ConfigError` naming the option of a knob out of range."""
+    if not config.routing_load_factor > 1:
+        raise ConfigError(f"--routing-load-factor: must be more than 1, got {config.routing_load_factor:g}")
+    if config.routing_block_bytes < 16:
+        raise ConfigError(f"--routing-block-bytes: must be at least 16, got {config.routing_block_bytes}")
+    routing = RoutingConfig(
+        policy=RoutingPolicy(config.routing_policy), load_factor=config.routing_load_factor,
+        min_capacity=config.routing_min_capacity, index_blocks_per_engine=config.routing_index_blocks_per_engine,
+        index_blocks_total=config.routing_index_blocks, sessions=config.routing_sessions,
+        spilled_tips=config.routing_spilled_tips, **routing_weights(config.routing_weights),
+    )
+    return routing, HintsConfig(block_bytes=config.routing_block_bytes, max_blocks=config.routing_max_blocks)
 
 
 def internal_tls(config: GatewayConfig) -> Any:
@@ -342,4 +401,5 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port", "internal_tls"]
+__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
+           "internal_tls", "routing_config"]

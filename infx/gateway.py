@@ -173,8 +173,10 @@ class Gateway:
         keys: KeyStore | None = None,
         max_buffered_bytes: int = 4 * 1024 * 1024,
         max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+        hints: routing_hints.HintsConfig = routing_hints.HintsConfig(),
     ) -> None:
         self.runner = runner
+        self.hints = hints  # how prompts are cut into prefix blocks for routing
         self.clock = clock
         self.metrics = metrics
         self.keys = keys or KeyStore.disabled()
@@ -295,7 +297,8 @@ class ApiCall:
             flow=principal.key_id,
             weight=principal.weight,
             routing_hints=routing_hints.hints_from_json(
-                self.endpoint, body if parsed.body_json is None else parsed.body_json, submission_headers),
+                self.endpoint, body if parsed.body_json is None else parsed.body_json, submission_headers,
+                self.gateway.hints),
         )
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)

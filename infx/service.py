@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from infx.auth import KeyStore, Principal
-from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls
+from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
 from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
 from infx.gateway import Gateway, GatewaySite, build_resource
@@ -37,7 +37,6 @@ from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
-from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
@@ -155,13 +154,14 @@ class GatewayService(service.MultiService):
         self.keys = keys
         # With the scaler, a task may wait for a cold start, not only for an engine to reconnect.
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
+        routing, hints = routing_config(config)
         self.processor = Processor(ProcessorConfig(
             queue_timeout=queue_timeout, max_task_duration=config.max_task_duration,
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             shed_waiting_threshold=config.shed_waiting_threshold,
-            routing=RoutingConfig(policy=RoutingPolicy(config.routing_policy)),
+            routing=routing,
             route_stuck_timeout=config.route_stuck_timeout,
         ))
         self.pod_name = pod_name or self._default_pod_name()
@@ -170,7 +170,8 @@ class GatewayService(service.MultiService):
                                                        learn_peers_within=PEER_LEARNING_SECONDS,
                                                        redial_when_dialled_in=True))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size)
+        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
+                               hints=hints)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
         self.http = ListeningService(reactor, "--http", config.http, site)

@@ -42,6 +42,26 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
      "PEM CA certificate(s) peers' certificates must chain to (their names and IPs are not checked)."],
 ]
 
+# The affinity policy's knobs (protocol/routing.py, protocol/routing_hints.py; README "Routing").
+_ROUTING_PARAMETERS: list[list[Any]] = [
+    ["routing-load-factor", None, None, "Bounded load: no engine takes a task by affinity above this times the "
+     f"mean load, plus one (> 1) [default: {_DEFAULTS.routing_load_factor:g}]."],
+    ["routing-min-capacity", None, None,
+     f"Tasks any engine may take by affinity whatever the mean [default: {_DEFAULTS.routing_min_capacity}]."],
+    ["routing-weights", None, None, "Score weights, name=value,... over prefix, home, session, adapter, queue, kv "
+     "[default: prefix=8,home=0.5,session=0.5,adapter=0.5,queue=0.5,kv=0.25]."],
+    ["routing-block-bytes", None, None,
+     f"Bytes of canonical prompt per prefix block (>= 16) [default: {_DEFAULTS.routing_block_bytes}]."],
+    ["routing-max-blocks", None, None, f"Prefix blocks hashed per request [default: {_DEFAULTS.routing_max_blocks}]."],
+    ["routing-index-blocks-per-engine", None, None, "Prefix blocks remembered per engine, about its prefix cache "
+     f"[default: {_DEFAULTS.routing_index_blocks_per_engine}]."],
+    ["routing-index-blocks", None, None,
+     f"Prefix blocks remembered over all engines [default: {_DEFAULTS.routing_index_blocks}]."],
+    ["routing-sessions", None, None, f"Sessions whose last engine is remembered [default: {_DEFAULTS.routing_sessions}]."],
+    ["routing-spilled-tips", None, None, "Spilled prompts per local engine reported to peers, so that every "
+     f"gateway follows them; 0: none [default: {_DEFAULTS.routing_spilled_tips}]."],
+]
+
 
 class Options(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
@@ -76,6 +96,7 @@ class Options(VersionOption, usage.Options):
          "--max-in-flight-per-engine and this many requests wait already [default: 0]."],
         ["routing-policy", None, None,
          f"affinity, least_in_progress (LLMariner's) or round_robin [default: {_DEFAULTS.routing_policy}]."],
+        *_ROUTING_PARAMETERS,
         ["route-stuck-timeout", None, None,
          "Seconds an engine or peer may leave its stream unread before it is closed and its tasks "
          f"fail over [default: {_DEFAULTS.route_stuck_timeout:g}]."],

@@ -321,7 +321,8 @@ class Processor(ProcessorTables):
             engine.status = snapshot
         self._index(engine, frozenset(m.id for m in snapshot.models),
                     frozenset(m.id for m in snapshot.models if m.is_ready))
-        self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot)
+        self._router.engine_updated(key, engine.ready_models if engine.routable else frozenset(), snapshot,
+                                    locality is Locality.LOCAL)
         if changed and (was_local or locality is Locality.LOCAL):
             effects.append(LocalEnginesChanged())
         if locality is Locality.LOCAL and self.config.heartbeat_interval is not None and self._next_heartbeat is None:
@@ -409,7 +410,7 @@ class Processor(ProcessorTables):
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
-                self._router.engine_updated(engine.key, frozenset(), engine.status)
+                self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
         return effects
@@ -652,7 +653,7 @@ class Processor(ProcessorTables):
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
-        self._router.task_sent(engine.key, task.model, task.hints)
+        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
@@ -660,6 +661,8 @@ class Processor(ProcessorTables):
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
+        # A spill's tip goes to a peer's engine's gateway (protocol/routing_spills.py), never to an engine.
+        wire.request.infx_prefix_tip = tip
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
         effects.append(SendTask(engine.route, engine.key, wire))

@@ -296,6 +296,7 @@ class ProcessorTables:
             if engine.locality is Locality.LOCAL:
                 copy = status_pb2.EngineStatus()
                 copy.CopyFrom(engine.status)
+                self._router.spills.annotate(engine.key, copy)  # what peers learn of its spilled prompts
                 out.append((engine.key.tenant_id, copy))
         return out
 

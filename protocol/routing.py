@@ -20,10 +20,13 @@ Policies (``RoutingConfig.policy``):
     the bound to matter, and affinity is worth most). Every gateway knows
     the same engines from the exchange, so a conversation arriving at any
     replica has the same home while that engine has room: no central
-    service, no state shared. The home, the next ``spare_candidates`` engines
-    with room on the ring, the engines this gateway's prefix index says hold
-    the longest prefix of the request, the engine of the request's session,
-    and engines with its LoRA adapter loaded are then scored::
+    service. Where bounded load moved a turn off its home, the engine's
+    gateway reports the spill to every peer with the engine's status
+    (:mod:`protocol.routing_spills`), so the next turn follows it from any
+    gateway. The home, the next ``spare_candidates`` engines with room on
+    the ring, the engines this gateway's prefix index or the spilled tips
+    say hold the longest prefix of the request, the engine of the request's
+    session, and engines with its LoRA adapter loaded are then scored::
 
         prefix_weight  * (matched blocks / request blocks)
       + home_weight    * (is the home)
@@ -62,6 +65,7 @@ from typing import TYPE_CHECKING
 
 from protocol.pb import status_pb2
 from protocol.routing_hints import RoutingHints
+from protocol.routing_spills import SpilledTips
 
 if TYPE_CHECKING:  # processor_types holds RoutingConfig in ProcessorConfig
     from protocol.processor_types import EngineKey
@@ -96,6 +100,9 @@ class RoutingConfig:
     index_blocks_total: prefix blocks remembered over all engines; the
         per-engine cap shrinks to ``index_blocks_total // engines``.
     sessions: sessions whose last engine is remembered (LRU).
+    spilled_tips: spilled prompts remembered per local engine and reported
+        to peers with its status (:mod:`protocol.routing_spills`; 0: none
+        shared, each gateway knows only its own spills).
     """
 
     policy: RoutingPolicy = RoutingPolicy.AFFINITY
@@ -112,6 +119,7 @@ class RoutingConfig:
     index_blocks_per_engine: int = 2048
     index_blocks_total: int = 250_000
     sessions: int = 100_000
+    spilled_tips: int = 64
 
     def __post_init__(self) -> None:
         problems = []
@@ -126,7 +134,7 @@ class RoutingConfig:
             problems.append("ring_points must be >= 1")
         if self.spare_candidates < 0:
             problems.append("spare_candidates must be >= 0")
-        for name in ("index_blocks_per_engine", "index_blocks_total", "sessions"):
+        for name in ("index_blocks_per_engine", "index_blocks_total", "sessions", "spilled_tips"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0")
         if problems:
@@ -243,6 +251,7 @@ class PrefixIndex:
 class _Member:
     key: EngineKey
     pools: frozenset[str] = frozenset()
+    local: bool = False
     own: int = 0
     reported: int = 0
     # Tasks this processor sent minus those that left since the engine's last report,
@@ -276,17 +285,26 @@ class Router:
         self._members: dict[EngineKey, _Member] = {}
         self._pools: dict[tuple[str, str], _Pool] = {}
         self.index = PrefixIndex(config.index_blocks_per_engine, config.index_blocks_total)
+        self.spills = SpilledTips(config.spilled_tips)
         self._sessions: OrderedDict[tuple[str, str, str], EngineKey] = OrderedDict()
         # Adapter name -> engines that report it loaded.
         self._adapters: dict[str, dict[EngineKey, None]] = {}
 
     # --- what the processor tells -------------------------------------------
 
-    def engine_updated(self, key: EngineKey, models: frozenset[str], status: status_pb2.EngineStatus) -> None:
-        """``key`` takes tasks for ``models`` now (empty: none) and reported ``status``."""
+    def engine_updated(
+        self, key: EngineKey, models: frozenset[str], status: status_pb2.EngineStatus, local: bool,
+    ) -> None:
+        """``key`` takes tasks for ``models`` now (empty: none) and reported ``status``; ``local``:
+        attached here (its spilled tips are recorded here), else a peer's (they come in ``status``)."""
         member = self._members.get(key)
         if member is None:
-            member = self._members[key] = _Member(key)
+            member = self._members[key] = _Member(key, local=local)
+        elif member.local is not local:
+            self.spills.forget(key)
+            member.local = local
+        if not local:
+            self.spills.reported(key, status)
         reported, member.kv, adapters = reported_load(status)
         self._set_load(member, member.own, reported, 0)
         if adapters != member.adapters:
@@ -315,25 +333,55 @@ class Router:
 
     def engine_removed(self, key: EngineKey) -> None:
         """``key`` is gone: it leaves every pool and the index."""
-        if key in self._members:
-            self.engine_updated(key, frozenset(), _NO_STATUS)
+        member = self._members.get(key)
+        if member is not None:
+            self.engine_updated(key, frozenset(), _NO_STATUS, member.local)
             del self._members[key]
         self.index.forget(key)
+        self.spills.forget(key)
 
-    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
-        """A task was dispatched to ``key``: count it, and remember its prefix and session there."""
+    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0) -> int:
+        """A task was dispatched to ``key``: count it, and remember its prefix and session there.
+
+        A prompt routed off its ring home is a spill (:mod:`protocol.routing_spills`): its tip
+        is recorded here when ``key`` is local, else returned, to be carried on the forwarded
+        task (``TaskRequest.infx_prefix_tip``) to the engine's gateway. ``forwarded_tip`` is
+        such a tip on a task a peer forwarded. Returns the tip to carry, or 0.
+        """
         member = self._members.get(key)
         if member is not None:
             self._set_load(member, member.own + 1, member.reported, member.since_report + 1)
         if hints is None or self.config.policy is not RoutingPolicy.AFFINITY:
-            return
+            if forwarded_tip and member is not None and member.local:
+                self.spills.record(key, model, forwarded_tip)
+                return 0
+            return forwarded_tip
         self.index.record(key, hints.blocks)
+        carried = 0
+        if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
+            if member is not None and member.local:
+                self.spills.record(key, model, hints.blocks[-1])
+            else:
+                carried = hints.blocks[-1]
         if hints.session and self.config.sessions:
             session = (key.tenant_id, model, hints.session)
             self._sessions[session] = key
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
+        return carried
+
+    def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
+        """Whether another gateway would not send this prompt's next turn to ``key`` by itself:
+        ``key`` is not the first engine on the ring for the home key, or the spilled tips place
+        this prompt's prefix on another engine (the conversation moves back or on)."""
+        pool = self._pools.get((key.tenant_id, model))
+        if pool is None or key not in pool.members:
+            return False
+        ring = pool.ring if pool.ring is not None else self._build_ring(pool)
+        if pool.ring_members[bisect_left(ring, hints.home) % len(ring)].key != key:
+            return True
+        return any(other != key for other in self.spills.depths(hints.blocks))
 
     def task_left(self, key: EngineKey) -> None:
         """A task this processor sent to ``key`` left it (ended, failed over)."""
@@ -427,6 +475,10 @@ class Router:
             return None
         home = next(iter(candidates))
         depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
+        if config.prefix_weight:
+            for key, depth in self.spills.depths(hints.blocks).items():
+                if depth > depths.get(key, 0):
+                    depths[key] = depth
         for key in depths:
             held = pool.members.get(key)
             if held is not None and takes(held):
@@ -471,9 +523,10 @@ class Router:
         return 0 if member is None else member.load
 
     def state_size(self) -> dict[str, int]:
-        """Entries held: prefix-index blocks, sessions, engines, ring points."""
+        """Entries held: prefix-index blocks, spilled tips, sessions, engines, ring points."""
         return {
             "index_blocks": self.index.size,
+            "spilled_tips": len(self.spills),
             "sessions": len(self._sessions),
             "engines": len(self._members),
             "ring_points": sum(len(p.ring or ()) for p in self._pools.values()),

@@ -161,3 +161,49 @@ def test_routing_policy_flag_reaches_the_config():
     options = Options()
     options.parseOptions(["--routing-policy", "least_in_progress"])
     assert options.config_value.routing_policy == "least_in_progress"
+
+
+def test_routing_knobs_default_to_the_policys_own_defaults():
+    from infx.config import routing_config
+    from protocol.routing import RoutingConfig
+    from protocol.routing_hints import HintsConfig
+
+    assert routing_config(build_config({}, {})) == (RoutingConfig(), HintsConfig())
+
+
+def test_routing_knobs_from_flags_and_file_reach_the_policy(tmp_path):
+    from infx.config import routing_config
+    from infx.tap import Options
+
+    path = tmp_path / "infx.yaml"
+    path.write_text("routing_weights: 'prefix=4, kv=0'\nrouting_sessions: 0\n")
+    options = Options()
+    options.parseOptions(["--config", str(path), "--routing-load-factor", "1.5", "--routing-min-capacity", "2",
+                          "--routing-block-bytes", "128", "--routing-max-blocks", "32",
+                          "--routing-index-blocks-per-engine", "1000", "--routing-index-blocks", "0",
+                          "--routing-spilled-tips", "16"])
+    routing, hints = routing_config(options.config_value)
+    assert (routing.load_factor, routing.min_capacity, routing.prefix_weight, routing.kv_weight,
+            routing.home_weight) == (1.5, 2, 4.0, 0.0, 0.5)
+    assert (routing.index_blocks_per_engine, routing.index_blocks_total, routing.sessions,
+            routing.spilled_tips) == (1000, 0, 0, 16)
+    assert (hints.block_bytes, hints.max_blocks) == (128, 32)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"routing_load_factor": "1"}, "--routing-load-factor: must be more than 1, got 1"),
+    ({"routing_load_factor": "x"}, "--routing-load-factor: invalid value 'x'"),
+    ({"routing_min_capacity": "0"}, "--routing-min-capacity: invalid value '0'"),
+    ({"routing_block_bytes": "8"}, "--routing-block-bytes: must be at least 16, got 8"),
+    ({"routing_max_blocks": "0"}, "--routing-max-blocks: invalid value '0'"),
+    ({"routing_index_blocks": "-1"}, "--routing-index-blocks: invalid value '-1'"),
+    ({"routing_weights": "prefix=8,speed=1"}, "--routing-weights: expected name=value with a name among prefix, "
+                                              "home, session, adapter, queue, kv, got 'speed=1'"),
+    ({"routing_weights": "queue"}, "--routing-weights: expected name=value"),
+    ({"routing_weights": "queue=-1"}, "--routing-weights: queue must be a number >= 0, got '-1'"),
+    ({"routing_weights": "kv=nan"}, "--routing-weights: kv must be a number >= 0, got 'nan'"),
+])
+def test_a_routing_knob_out_of_range_is_one_line_naming_its_option(flags, message):
+    with pytest.raises(ConfigError) as raised:
+        build_config({}, flags)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)

@@ -33,3 +33,16 @@ def test_a_session_header_names_the_session(gateway_factory):  # noqa: F811
     yield threads.deferToThread(lambda: client(base).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], extra_headers={"x-session-id": "s-9"}))
     assert runner.submissions[0].routing_hints.session == "s-9"
+
+
+@pytest_twisted.inlineCallbacks
+def test_the_gateway_cuts_prompts_as_its_hints_config_says(gateway_factory):  # noqa: F811
+    from protocol.routing_hints import HintsConfig
+
+    runner, gateway, base = yield gateway_factory()
+    messages = [SYSTEM, {"role": "user", "content": "What is a brig?"}]
+    yield threads.deferToThread(lambda: client(base).chat.completions.create(model="m", messages=messages))
+    gateway.hints = HintsConfig(block_bytes=64, max_blocks=3)  # --routing-block-bytes 64 --routing-max-blocks 3
+    yield threads.deferToThread(lambda: client(base).chat.completions.create(model="m", messages=messages))
+    default, small = (s.routing_hints for s in runner.submissions)
+    assert len(small.blocks) == 3 > len(default.blocks) and small.blocks[0] != default.blocks[0]

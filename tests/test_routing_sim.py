@@ -4,8 +4,12 @@ targets, robustly, and determinism. The full table is ``tools/routing_sim --chec
 import pytest
 
 from tests.sim.routing.run import simulate
+from tests.sim.routing.runtime import RuntimeSpec
 
-SMALL = dict(duration=15.0, warmup=3.0, scale=0.25, engines=4)
+# A quarter of the clients on half the engines, each with a third of the full run's cache, so
+# that the caches stay under pressure (with the full cache every engine soon holds every prompt
+# of so few clients, whatever the routing).
+SMALL = dict(duration=15.0, warmup=3.0, scale=0.25, engines=4, spec=RuntimeSpec(cache_blocks=2000))
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +37,20 @@ def test_three_gateways_route_about_as_well_as_one(results, workload):
     one, three = results[(workload, "affinity", 1)], results[(workload, "affinity", 3)]
     assert three.hit_rate > 0.9 * one.hit_rate
     assert three.tokens_per_second > 0.9 * one.tokens_per_second
+
+
+def test_three_gateways_share_spilled_conversations_and_route_within_five_percent_of_one():
+    """At full load (8 engines, 128 conversations) bounded load spills turns off their homes;
+    with the spilled tips shared through the exchange the next turn finds its cache from any
+    gateway, without them it is sent home by the gateways that did not move it."""
+    from protocol.routing import RoutingConfig
+
+    full = dict(duration=30.0, warmup=5.0)
+    one = simulate("multi-turn", "affinity", 1, 2, **full)
+    shared = simulate("multi-turn", "affinity", 3, 2, **full)
+    alone = simulate("multi-turn", "affinity", 3, 2, routing=RoutingConfig(spilled_tips=0), **full)
+    assert shared.hit_rate >= 0.95 * one.hit_rate and shared.tokens_per_second >= 0.95 * one.tokens_per_second
+    assert shared.hit_rate > alone.hit_rate + 0.02
 
 
 @pytest.mark.parametrize("workload", ["shared-prefix", "multi-turn"])

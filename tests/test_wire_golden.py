@@ -12,7 +12,7 @@ from protocol.pb import (
     status_pb2,
     worker_pb2,
 )
-from tests.wire_bytes import boolean, double, ld, uint
+from tests.wire_bytes import I64, boolean, double, ld, tag, uint
 
 
 def encode(message) -> bytes:
@@ -183,6 +183,20 @@ def test_engine_status_with_models():
     expected = ld(1, "e1") + boolean(4) + ld(5, model) + ld(6, "c1")
     assert encode(status) == expected
     assert encode(worker_pb2.ProcessTasksRequest(engine_status=status)) == ld(1, expected)
+
+
+def test_prefix_tip_is_an_infx_extension_at_field_105_of_task_request():
+    message = worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(model="m"),
+                                     infx_prefix_tip=0x0102030405060708)
+    # fixed64: tag 105 with wire type 1, then eight little-endian bytes.
+    assert encode(message) == ld(1, ld(2, "m")) + tag(105, I64) + bytes(range(8, 0, -1))
+    assert encode(worker_pb2.TaskRequest(infx_prefix_tip=0)) == b""  # 0 is "none": nothing on the wire
+
+
+def test_model_prefix_tips_are_an_infx_extension_at_field_106_packed():
+    model = status_pb2.EngineStatus.Model(id="m", infx_prefix_tips=[1, 2**64 - 1])
+    packed = (1).to_bytes(8, "little") + (2**64 - 1).to_bytes(8, "little")
+    assert encode(model) == ld(1, "m") + ld(106, packed)
 
 
 def test_model_runtime_load_is_an_infx_extension_at_field_105():

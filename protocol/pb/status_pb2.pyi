@@ -9,7 +9,7 @@ DESCRIPTOR: _descriptor.FileDescriptor
 class EngineStatus(_message.Message):
     __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities")
     class Model(_message.Message):
-        __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load")
+        __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips")
         class StatusDetails(_message.Message):
             __slots__ = ("num_ready_pods", "num_total_pods", "status_message")
             NUM_READY_PODS_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class EngineStatus(_message.Message):
         IS_DYNAMICALLY_LOADED_LORA_FIELD_NUMBER: _ClassVar[int]
         STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
         RUNTIME_LOAD_FIELD_NUMBER: _ClassVar[int]
+        INFX_PREFIX_TIPS_FIELD_NUMBER: _ClassVar[int]
         id: str
         is_ready: bool
         in_progress_task_count: int
@@ -33,7 +34,8 @@ class EngineStatus(_message.Message):
         is_dynamically_loaded_lora: bool
         status_details: EngineStatus.Model.StatusDetails
         runtime_load: EngineStatus.RuntimeLoad
-        def __init__(self, id: _Optional[str] = ..., is_ready: _Optional[bool] = ..., in_progress_task_count: _Optional[int] = ..., gpu_allocated: _Optional[int] = ..., is_dynamically_loaded_lora: _Optional[bool] = ..., status_details: _Optional[_Union[EngineStatus.Model.StatusDetails, _Mapping]] = ..., runtime_load: _Optional[_Union[EngineStatus.RuntimeLoad, _Mapping]] = ...) -> None: ...
+        infx_prefix_tips: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, id: _Optional[str] = ..., is_ready: _Optional[bool] = ..., in_progress_task_count: _Optional[int] = ..., gpu_allocated: _Optional[int] = ..., is_dynamically_loaded_lora: _Optional[bool] = ..., status_details: _Optional[_Union[EngineStatus.Model.StatusDetails, _Mapping]] = ..., runtime_load: _Optional[_Union[EngineStatus.RuntimeLoad, _Mapping]] = ..., infx_prefix_tips: _Optional[_Iterable[int]] = ...) -> None: ...
     class RuntimeLoad(_message.Message):
         __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "loaded_adapters", "source")
         RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]

@@ -96,7 +96,7 @@ class HttpRequest(_message.Message):
     def __init__(self, method: _Optional[str] = ..., path: _Optional[str] = ..., body: _Optional[bytes] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task", "http_request", "typed_request_incomplete")
+    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task", "http_request", "typed_request_incomplete", "infx_prefix_tip")
     CHAT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GO_AWAY_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class TaskRequest(_message.Message):
     CANCEL_TASK_FIELD_NUMBER: _ClassVar[int]
     HTTP_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TYPED_REQUEST_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
+    INFX_PREFIX_TIP_FIELD_NUMBER: _ClassVar[int]
     chat_completion: _chat_pb2.CreateChatCompletionRequest
     embedding: _embeddings_pb2.CreateEmbeddingRequest
     go_away: GoAwayRequest
@@ -117,7 +118,8 @@ class TaskRequest(_message.Message):
     cancel_task: CancelTaskRequest
     http_request: HttpRequest
     typed_request_incomplete: str
-    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ..., http_request: _Optional[_Union[HttpRequest, _Mapping]] = ..., typed_request_incomplete: _Optional[str] = ...) -> None: ...
+    infx_prefix_tip: int
+    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ..., http_request: _Optional[_Union[HttpRequest, _Mapping]] = ..., typed_request_incomplete: _Optional[str] = ..., infx_prefix_tip: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("id", "header", "request", "engine_id", "timeout_seconds")

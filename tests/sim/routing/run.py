@@ -1,11 +1,15 @@
 """One seeded run: clients -> gateways (production ``Processor``s) -> modelled runtimes.
 
-Each gateway's processor sees every engine (local to one gateway, a peer's at
-the others, as the exchange reports them); engines report their load
-(``runtime_load``: running and waiting requests, KV usage) to every gateway
-every ``report_interval``. A request goes to a random gateway (as behind a
-load balancer), with routing hints computed by the gateway's own
-:func:`~protocol.routing_hints.hints_from_json`. The ``oracle`` routes each
+Each engine is attached to one gateway (its engine's gateway) and reports
+its load (``runtime_load``: running and waiting requests, KV usage) to it
+every ``report_interval``; the other gateways get the status as that gateway
+reports it to its peers (``Processor.local_engines()``, what its receiver
+sends: with the engine's spilled prefix tips), at the same moment. A task a
+gateway routes to a peer's engine is forwarded as the exchange does it: the
+engine's gateway takes it as a targeted task (as its receiver does) and
+dispatches it, and results go back the same way. A request goes to a random
+gateway (as behind a load balancer), with routing hints computed by the
+gateway's own :func:`~protocol.routing_hints.hints_from_json`. The ``oracle`` routes each
 request to the engine whose real cache holds most of its prompt, within the
 same load bound, as a targeted task. Time is simulated; nothing sleeps.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
+from protocol.receiver import error_result
 from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.routing_hints import HintsConfig, hints_from_json
 from tests.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
@@ -75,7 +80,8 @@ class Result:
 class Simulation:
     def __init__(self, workload: str, policy: str, gateways: int, seed: int, duration: float = 60.0,
                  warmup: float = 10.0, engines: int = 8, spec: RuntimeSpec = RuntimeSpec(),
-                 scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig()) -> None:
+                 scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig(),
+                 fair_queue: int = 0) -> None:
         self.result = Result(workload, policy, gateways, seed)
         self.policy, self.duration, self.warmup, self.report_interval = policy, duration, warmup, report_interval
         self.rng = random.Random(seed * 7919 + gateways)
@@ -86,13 +92,16 @@ class Simulation:
         routing = dataclasses.replace(routing, index_blocks_per_engine=index_blocks,
                                       policy=RoutingPolicy(policy if policy != "oracle" else "least_in_progress"))
         self.bound = routing
-        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing)) for _ in range(gateways)]
+        cap = fair_queue or None
+        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing, max_in_flight_per_engine=cap))
+                         for _ in range(gateways)]
         self.runtimes = {f"e{i}": SimRuntime(f"e{i}", spec) for i in range(engines)}
         self.result.load_samples = dict.fromkeys(self.runtimes, 0)
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
         self.requests: dict[tuple[int, str], tuple[int, Request]] = {}  # (gateway, task id) -> (client, request)
         self.jobs: dict[tuple[int, str], tuple[Job, Any]] = {}  # (gateway, wire id) -> (job, route)
+        self.forwarded: dict[tuple[int, str], int] = {}  # (engine's gateway, task id) -> forwarding gateway
         self.task_ids = itertools.count()
 
     # --- the event loop -----------------------------------------------------
@@ -120,6 +129,10 @@ class Simulation:
     def on_report(self, now: float, _: Any) -> None:
         self.report(now)
 
+    def engine_gateway(self, name: str) -> int:
+        """The gateway engine ``name`` is attached to."""
+        return int(name[1:]) % len(self.gateways)
+
     def report(self, now: float) -> None:
         for name, runtime in self.runtimes.items():
             if now >= self.warmup:
@@ -129,10 +142,12 @@ class Simulation:
             model.runtime_load.CopyFrom(status_pb2.EngineStatus.RuntimeLoad(
                 running_requests=len(runtime.running), waiting_requests=len(runtime.waiting),
                 kv_cache_usage=runtime.kv_usage(), source="sim"))
-            home = int(name[1:]) % len(self.gateways)
+            home = self.engine_gateway(name)
+            self.perform(now, home, self.gateways[home].update_engine(("route", name), "t", status, Locality.LOCAL, now))
+            relayed = next(s for _, s in self.gateways[home].local_engines() if s.engine_id == name)
             for g, processor in enumerate(self.gateways):
-                locality = Locality.LOCAL if g == home else Locality.REMOTE
-                self.perform(now, g, processor.update_engine(("route", name), "t", status, locality, now))
+                if g != home:
+                    self.perform(now, g, processor.update_engine(("peer", home), "t", relayed, Locality.REMOTE, now))
         self.at(now + self.report_interval, "report")
 
     # --- clients ------------------------------------------------------------
@@ -143,6 +158,7 @@ class Simulation:
             return
         client = self.workload.clients[client_index]
         request = client.next()
+        request.sent = now
         g = self.rng.randrange(len(self.gateways))
         task_id = f"r{next(self.task_ids)}"
         self.requests[(g, task_id)] = (client_index, request)
@@ -154,7 +170,8 @@ class Simulation:
                                        target_engine_id=target)
         else:
             hints = hints_from_json("chat/completions", request.body, {})
-            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints)
+            effects = processor.submit(now=now, task_id=task_id, tenant_id="t", request=task, origin=(g, now), hints=hints,
+                                       flow=request.group)
         self.perform(now, g, effects)
 
     def oracle(self, request: Request) -> str:
@@ -173,20 +190,50 @@ class Simulation:
 
     # --- gateways' effects --------------------------------------------------
 
+    def request_of(self, g: int, task_id: str) -> Request:
+        """The client request behind task ``task_id`` of gateway ``g`` (forwarded to it or not)."""
+        if (g, task_id) in self.requests:
+            return self.requests[(g, task_id)][1]
+        origin = self.forwarded[(g, task_id)]  # a peer's task: its id here is the peer's wire id
+        owner = self.gateways[origin].attempt_owner(task_id)
+        assert owner is not None
+        return self.requests[(origin, owner)][1]
+
     def perform(self, now: float, g: int, effects: list[Any]) -> None:
         processor = self.gateways[g]
         for effect in effects:
-            if isinstance(effect, SendTask):
+            if isinstance(effect, SendTask) and effect.route[0] == "peer":
+                # A peer's engine: the engine's gateway runs the task (as its receiver does).
+                peer = effect.route[1]
+                self.forwarded[(peer, effect.task.id)] = g
+                self.perform(now, peer, self.gateways[peer].submit(
+                    task_id=effect.task.id, tenant_id="t", request=effect.task.request, origin=("peer", g),
+                    deadline=now + effect.task.timeout_seconds, target_engine_id=effect.engine.engine_id, now=now))
+            elif isinstance(effect, SendTask):
                 task_id = processor.attempt_owner(effect.task.id)
                 if task_id is None:
                     continue  # a control task (none are configured)
-                _, request = self.requests[(g, task_id)]
-                job = Job((g, effect.task.id), request.prompt, request.output, now, request.group)
+                request = self.request_of(g, task_id)
+                # Time to first token counts from the client's send, through any wait at a gateway.
+                job = Job((g, effect.task.id), request.prompt, request.output, request.sent, request.group)
                 self.jobs[job.key] = (job, effect.route)
                 runtime = self.runtimes[effect.engine.engine_id]
                 runtime.waiting.append(job)
                 if runtime.busy_until is None:
                     self.start(now, runtime)
+            elif isinstance(effect, DeliverResult | FailRequest) and effect.origin[0] == "peer":
+                # A forwarded task's result goes back to the gateway that forwarded it.
+                if isinstance(effect, DeliverResult):
+                    processor.results_consumed(effect.task_id)
+                    result = worker_pb2.TaskResult()
+                    result.CopyFrom(effect.result)
+                    result.task_id = effect.task_id
+                else:
+                    result = error_result(effect.task_id, effect.status, effect.message, effect.delivered)
+                if isinstance(effect, FailRequest) or effect.last:
+                    del self.forwarded[(g, effect.task_id)]
+                origin = effect.origin[1]
+                self.perform(now, origin, self.gateways[origin].receive_result(("peer", g), result, now))
             elif isinstance(effect, DeliverResult):
                 processor.results_consumed(effect.task_id)
                 if effect.last:
@@ -219,7 +266,9 @@ class Simulation:
                 task_id=job.key[1], result_index=1,
                 server_sent_event=worker_pb2.ServerSentEvent(data=b"data: {}\n\n", is_last_event=True)))
             del self.jobs[job.key]
-        if runtime.running or runtime.waiting:
+        # A reply may have dispatched a task to this runtime (a slot freed at the gateway), which
+        # started its next iteration already.
+        if (runtime.running or runtime.waiting) and runtime.busy_until is None:
             self.start(now, runtime)
 
     def reply(self, now: float, job: Job, result: worker_pb2.TaskResult) -> None:

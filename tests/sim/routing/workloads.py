@@ -27,6 +27,7 @@ class Request:
     prompt: list[int]
     output: list[int]
     group: str
+    sent: float = 0.0  # when the client sent it (the simulation sets it)
 
 
 @dataclass
