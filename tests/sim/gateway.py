@@ -345,7 +345,9 @@ class Gateway:
         self.cluster = cluster
         self.name = name
         self.processor = Processor(config)
-        self.core = GatewayCore(self.processor, CoreConfig(pod_name=name, status_interval=STATUS_INTERVAL),
+        self.core = GatewayCore(self.processor, CoreConfig(pod_name=name, status_interval=STATUS_INTERVAL,
+                                                           # as infx/service.py runs it
+                                                           learn_peers_within=5.0, redial_when_dialled_in=True),
                                 cluster.rng)
         self.alive = True
         #: Open connections (a dict: insertion order), and those with commands not yet flushed.
