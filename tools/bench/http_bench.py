@@ -48,26 +48,24 @@ echoes ``STREAM_WORDS`` words (``STREAM_WORDS`` + 3 events per stream).
 from __future__ import annotations
 
 import argparse
-import ctypes
-import http.client
 import json
 import os
 import pstats
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+
+from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
+
 MODEL = "echo"
-PR_SET_PDEATHSIG = 1
 STREAM_WORDS = 100
 # Targets of issue #5.
 MAX_OVERHEAD_P50_MS = 2.0
@@ -116,53 +114,6 @@ def request_body(stream: bool) -> bytes:
     return json.dumps({"model": MODEL, "stream": stream, "messages": messages}).encode()
 
 
-class BenchError(Exception):
-    """A process of the benchmark failed to start, answer or measure."""
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the benchmark dies, even by SIGKILL (Linux only)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-def free_port() -> int:
-    """A port free right now on 127.0.0.1 (the child binds it a moment later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Child:
-    """A subprocess whose output goes to a log file, stopped with SIGTERM (then SIGKILL)."""
-
-    def __init__(self, name: str, argv: list[str], logs: Path, **popen: Any) -> None:
-        self.name = name
-        self.log_path = logs / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        # The repository on the path for infx's processes; a process given its own env gets only that.
-        env = popen.pop("env", None) or {
-            **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        popen.setdefault("stdout", self._log)
-        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=self._log, preexec_fn=_die_with_parent,
-                                        **popen)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
 class EchoServer(Child):
     """``http_echo_server.py``; it reports its port on stdout and exits when stdin closes."""
 
@@ -189,27 +140,6 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) 
     if profile is not None:
         argv += [f"--profile={profile / (name + '.prof')}", "--profiler=cprofile", "--savestats"]
     return Child(name, argv + plugin_args, logs)
-
-
-def wait_for_model(port: int, children: list[Child], timeout: float = 60.0) -> None:
-    """Until ``GET /v1/models`` on ``port`` lists the model, i.e. an engine has registered."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.process.poll() is not None:
-                raise BenchError(f"{child.name} exited with {child.process.returncode}: {child.log_tail()}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/v1/models")
-            response = connection.getresponse()
-            body = response.read()
-            connection.close()
-            if response.status == 200 and any(m.get("id") == MODEL for m in json.loads(body)["data"]):
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise BenchError(f"no engine serving {MODEL!r} on port {port} after {timeout:g} s")
 
 
 def litellm_venv() -> Path:
@@ -277,8 +207,8 @@ class Targets:
                 "--upstream", f"http://127.0.0.1:{echo.port}", "--models", MODEL,
                 "--max-concurrency", "64", "--grace", "1"], logs, profile)
             self.children.append(engine)
-            wait_for_model(agent_http, [agent_gateway, engine])
-            wait_for_model(builtin_http, [builtin_gateway])
+            wait_for_model(agent_http, MODEL, [agent_gateway, engine])
+            wait_for_model(builtin_http, MODEL, [builtin_gateway])
             self.ports = {"direct": echo.port, "agent": agent_http, "builtin": builtin_http}
             #: Processes whose CPU time each measurement reports: the server first, then the engine agent.
             self.pids = {"direct": (echo.process.pid,), "agent": (agent_gateway.process.pid, engine.process.pid),
@@ -286,7 +216,7 @@ class Targets:
             if litellm:
                 proxy, proxy_port = litellm_proxy(echo.port, logs)
                 self.children.append(proxy)
-                wait_for_model(proxy_port, [proxy], timeout=180)
+                wait_for_model(proxy_port, MODEL, [proxy], timeout=180)
                 self.ports["litellm"] = proxy_port
                 self.pids["litellm"] = (proxy.process.pid,)
         except BaseException:

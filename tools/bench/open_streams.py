@@ -47,30 +47,26 @@ It prints:
 from __future__ import annotations
 
 import argparse
-import ctypes
-import http.client
 import json
 import math
 import os
 import resource
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
+from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
 from open_streams_clients import BUCKET, GRID, grid_index  # noqa: E402
 
 MODEL = "bench"
-PR_SET_PDEATHSIG = 1
 #: Seconds the clients get after the engines stop sending, for the ends to arrive: every
 #: stream ends at once, and a gateway short of CPU takes a while to close thousands.
 DRAIN_MIN = 10.0
@@ -78,52 +74,6 @@ DRAIN_PER_STREAM = 0.002
 #: Targets of issue #16.
 MAX_STREAM_KIB = 16.0
 MAX_P99_MS = 5.0
-
-
-class BenchError(Exception):
-    """A process of the benchmark failed to start or to report."""
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Child:
-    """A subprocess with its stderr (and stdout, unless piped) in a log file; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self, name: str, argv: list[str], logs: Path, piped: bool = False) -> None:
-        self.name = name
-        self.log_path = logs / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE if piped else self._log, stderr=self._log,
-                                        preexec_fn=_die_with_parent)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        stdin: IO[bytes] | None = self.process.stdin
-        if stdin is not None:
-            stdin.close()
-        self._log.close()
 
 
 def vm_rss(pid: int) -> int:
@@ -158,26 +108,6 @@ def raise_file_limit(wanted: int) -> int:
     return soft
 
 
-def wait_for_model(port: int, children: list[Child], timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for child in children:
-            if child.process.poll() is not None:
-                raise BenchError(f"{child.name} exited with {child.process.returncode}: {child.log_tail()}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/v1/models")
-            response = connection.getresponse()
-            body = response.read()
-            connection.close()
-            if response.status == 200 and any(m.get("id") == MODEL for m in json.loads(body)["data"]):
-                return
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    raise BenchError(f"no engine serving {MODEL!r} on port {port} after {timeout:g} s")
-
-
 def drain_seconds(streams: int) -> float:
     return max(DRAIN_MIN, streams * DRAIN_PER_STREAM)
 
@@ -203,7 +133,7 @@ class Processes:
                     "--http", f"tcp:{self.http_port}:interface=127.0.0.1:backlog=4096",
                     "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
                     "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
-            self.gateway = Child("gateway", argv, logs)
+            self.gateway = Child("gateway", argv, logs, stdin=subprocess.PIPE)
             self.children.append(self.gateway)
             per_engine = math.ceil(options.streams / options.engines) + 100
             self.engines = []
@@ -212,10 +142,10 @@ class Processes:
                     sys.executable, str(HERE / "open_streams_engine.py"), "--port", str(worker),
                     "--engine-id", f"bench-engine-{n}", "--max-concurrency", str(per_engine),
                     "--seed", str(options.seed), "--min-interval", str(options.token_interval[0]),
-                    "--max-interval", str(options.token_interval[1]), *(["--agent"] if options.agent else [])], logs)
+                    "--max-interval", str(options.token_interval[1]), *(["--agent"] if options.agent else [])], logs, stdin=subprocess.PIPE)
                 self.engines.append(engine)
                 self.children.append(engine)
-            wait_for_model(self.http_port, self.children)
+            wait_for_model(self.http_port, MODEL, self.children)
         except BaseException:
             self.stop()
             raise
@@ -239,7 +169,7 @@ def run_clients(options: argparse.Namespace, port: int, logs: Path, streams: int
                 "--probe-every", str(options.probe_every), "--start-at", repr(start_at), "--ramp", repr(ramp),
                 "--until", repr(until), "--window-start", repr(window[0]), "--window-end", repr(window[1]),
                 "--deadline", repr(deadline), "--read-pause", str(options.read_pause),
-                "--rcvbuf", str(options.rcvbuf)], logs, piped=True))
+                "--rcvbuf", str(options.rcvbuf)], logs, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
         return [collect(child, deadline) for child in children]
     finally:
         for child in children:
