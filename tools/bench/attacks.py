@@ -472,30 +472,24 @@ def zero_window_engine(target: Target, which: str, seconds: float, tasks: int = 
 
 def http_endless_chunked(target: Target, seconds: float) -> Outcome:
     """A chunked request body that never ends."""
-    outcome = Outcome("HTTP endless chunked body")
-    wire = Wire(target.host, target.http_port, outcome)
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
-            f"Transfer-Encoding: chunked\r\n{_auth_header(target)}\r\n").encode()
-    wire.send(head)
-    reply = _HttpReply(wire, outcome)
-    chunk = b"%x\r\n%s\r\n" % (MiB, b"x" * MiB)
-    going = _for(seconds)
-    while going() and wire.send(chunk):
-        pass
-    reply.finish(1.0)
-    wire.close()
-    return outcome
+    return _endless_body(target, seconds, "HTTP endless chunked body", "Transfer-Encoding: chunked",
+                         b"%x\r\n%s\r\n" % (MiB, b"x" * MiB))
 
 
 def http_huge_content_length(target: Target, seconds: float) -> Outcome:
     """``Content-Length: 100 GiB``, then body bytes for as long as the gateway takes them."""
-    outcome = Outcome("HTTP Content-Length: 100 GiB")
+    return _endless_body(target, seconds, "HTTP Content-Length: 100 GiB", f"Content-Length: {100 << 30}",
+                         b"x" * MiB)
+
+
+def _endless_body(target: Target, seconds: float, name: str, framing: str, chunk: bytes) -> Outcome:
+    """A chat POST whose body (framed by the ``framing`` header) is ``chunk`` sent again and again."""
+    outcome = Outcome(name)
     wire = Wire(target.host, target.http_port, outcome)
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {100 << 30}\r\n{_auth_header(target)}\r\n").encode()
+            f"{framing}\r\n{_auth_header(target)}\r\n").encode()
     wire.send(head)
     reply = _HttpReply(wire, outcome)
-    chunk = b"x" * MiB
     going = _for(seconds)
     while going() and wire.send(chunk):
         pass
