@@ -426,15 +426,7 @@ def h2_slowloris(target: Target, which: str, seconds: float, connections: int = 
     """Connections that send their preface a byte at a time."""
     outcome = Outcome("h2 slowloris")
     wires = [Wire(target.host, target.grpc_port(which), outcome) for _ in range(connections)]
-    data = PREFACE + frame(SETTINGS, 0, 0)
-    going, index = _for(seconds), 0
-    while going() and index < len(data):
-        for wire in wires:
-            wire.send(data[index:index + 1])
-        index += 1
-        time.sleep(0.1)
-    for wire in wires:
-        wire.close()
+    _trickle(wires, PREFACE + frame(SETTINGS, 0, 0), 0.1, seconds)
     return outcome
 
 
@@ -502,16 +494,22 @@ def http_slowloris(target: Target, seconds: float, connections: int = 50) -> Out
     """Connections that send their request headers a byte at a time."""
     outcome = Outcome("HTTP slowloris")
     wires = [Wire(target.host, target.http_port, outcome) for _ in range(connections)]
-    data = f"GET /healthz HTTP/1.1\r\nHost: {target.host}\r\nX-Slow: {'s' * 200}\r\n\r\n".encode()
+    _trickle(wires, f"GET /healthz HTTP/1.1\r\nHost: {target.host}\r\nX-Slow: {'s' * 200}\r\n\r\n".encode(),
+             0.05, seconds)
+    return outcome
+
+
+def _trickle(wires: list[Wire], data: bytes, pause: float, seconds: float) -> None:
+    """Send ``data`` on every wire a byte at a time, ``pause`` seconds apart, for at most ``seconds``;
+    then close them."""
     going, index = _for(seconds), 0
     while going() and index < len(data):
         for wire in wires:
             wire.send(data[index:index + 1])
         index += 1
-        time.sleep(0.05)
+        time.sleep(pause)
     for wire in wires:
         wire.close()
-    return outcome
 
 
 # --- helpers -------------------------------------------------------------------------------
