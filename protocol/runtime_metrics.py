@@ -174,19 +174,23 @@ def _sample(name: str, rest: str) -> Sample:
 
 def _sum(samples: list[Sample], *names: str) -> float | None:
     """The sum over every series of the first of ``names`` present, or None."""
-    for name in names:
-        values = [s.value for s in samples if s.name == name and math.isfinite(s.value)]
-        if values:
-            return sum(values)
-    return None
+    values = _first_present(samples, names)
+    return sum(values) if values else None
 
 
 def _max(samples: list[Sample], *names: str) -> float | None:
+    """The largest value over every series of the first of ``names`` present, or None."""
+    values = _first_present(samples, names)
+    return max(values) if values else None
+
+
+def _first_present(samples: list[Sample], names: tuple[str, ...]) -> list[float]:
+    """The finite values of the first of ``names`` that has any ([] if none has)."""
     for name in names:
         values = [s.value for s in samples if s.name == name and math.isfinite(s.value)]
         if values:
-            return max(values)
-    return None
+            return values
+    return []
 
 
 #: Counts go out as int32 (``RuntimeLoad.running_requests``); a runtime's absurd figure is capped there.
