@@ -32,7 +32,7 @@ from infx.gateway import Gateway, GatewaySite, build_resource
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
-from protocol.gateway_effects import CoreConfig
+from protocol.gateway_effects import PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
@@ -41,10 +41,6 @@ from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
 
-#: At start-up, how long a request for a model no engine lists yet waits for the peers' first
-#: reports rather than getting 404 (a live peer reports within a round trip of our dial, as it
-#: dials back at once; this bounds the wait on a peer that is down).
-PEER_LEARNING_SECONDS = 5.0
 
 
 class ListenFailed(Exception):

@@ -22,6 +22,7 @@ from protocol.backoff import Backoff
 from protocol.processor_types import Effect, ProcessorUsageError
 
 __all__ = [
+    "PEER_LEARNING_SECONDS",
     "CancelDial",
     "CoreConfig",
     "CoreEffect",
@@ -44,6 +45,12 @@ __all__ = [
 ]
 
 
+#: At start-up, how long a request for a model no engine lists yet waits for the peers' first
+#: reports rather than getting 404 (a live peer reports within a round trip of our dial, as it
+#: dials back at once; this bounds the wait on a peer that is down). ``twistd infx`` uses it.
+PEER_LEARNING_SECONDS = 5.0
+
+
 @dataclass(frozen=True)
 class CoreConfig:
     """How the core joins the processor to peers and the scaler.
@@ -60,7 +67,8 @@ class CoreConfig:
     sooner, when every dialled peer has reported; 0, the default, turns it off);
     ``redial_when_dialled_in``: a peer we back off from that dials us is up
     again (a restart), so it is redialled at once. Both are on in ``twistd
-    infx`` and off by default, which keeps the simulation's seeds as they are.
+    infx`` and in the simulation, and off by default, so that a core built
+    bare in a unit test answers at once.
     """
 
     pod_name: str

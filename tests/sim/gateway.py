@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 from protocol.gateway_core import PEER_ACCEPT_METADATA, GatewayCore
 from protocol.gateway_effects import (
+    PEER_LEARNING_SECONDS,
     CancelDial,
     CoreConfig,
     Dial,
@@ -347,7 +348,8 @@ class Gateway:
         self.processor = Processor(config)
         self.core = GatewayCore(self.processor, CoreConfig(pod_name=name, status_interval=STATUS_INTERVAL,
                                                            # as infx/service.py runs it
-                                                           learn_peers_within=5.0, redial_when_dialled_in=True),
+                                                           learn_peers_within=PEER_LEARNING_SECONDS,
+                                                           redial_when_dialled_in=True),
                                 cluster.rng)
         self.alive = True
         #: Open connections (a dict: insertion order), and those with commands not yet flushed.
