@@ -39,7 +39,9 @@ from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests, openai_verbatim, routing_hints
 from protocol.fair_queue import CriticalityRefused, requested_criticality
-from protocol.openai_errors import InvalidRequestError, OpenAIError, error_event, error_json, reason_phrase
+from protocol.openai_errors import (
+    InvalidRequestError, ModelNotFoundError, OpenAIError, error_event, error_json, reason_phrase,
+)
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
 from protocol.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
@@ -274,10 +276,8 @@ class ApiCall:
             # Only LLMariner engines serve the model, and the request has no typed form for them.
             return self._finish_error(parsed.typed_error.status, parsed.typed_error.to_json())
         if availability is Availability.UNKNOWN:
-            return self._refuse(
-                404, f"The model '{parsed.model}' does not exist or no engine serves it.",
-                code="model_not_found", param="model",
-            )
+            unknown = ModelNotFoundError(parsed.model)
+            return self._finish_error(unknown.status, unknown.to_json())
         if availability is Availability.GONE:
             self.request.setHeader("retry-after", str(GONE_RETRY_AFTER))
             return self._refuse(
@@ -418,14 +418,22 @@ class ApiCall:
     def failed(self, status: int, message: str, retry_after: float | None) -> None:
         if self.finished:
             return
+        if status == ModelNotFoundError.status:
+            # A task fails 404 only when no engine serves its model after all (start-up learning
+            # ended without a peer listing it, the scaler has no deployment for it): the same
+            # answer as an unknown model refused at once.
+            unknown = ModelNotFoundError(self.model, message)
+            body, event = unknown.to_json(), unknown.to_event()
+        else:
+            body, event = error_json(status, message), error_event(status, message)
         if self.sse_started:
             # The status line is gone: the error travels as the stream's last event.
-            self._write_event(error_event(status, message))
+            self._write_event(event)
             self._end(status)
             return
         if retry_after is not None:
             self.request.setHeader("retry-after", str(max(1, math.ceil(retry_after))))
-        self._finish_error(status, error_json(status, message))
+        self._finish_error(status, body)
 
     # -- backpressure (IPushProducer, registered on the HTTP channel)
 
@@ -722,8 +730,9 @@ class _Model(resource.Resource):
             request.setResponseCode(401)
             return error_json(401, "Missing or unknown API key.", code="invalid_api_key")
         if self.model not in self.gateway.runner.models(principal.tenant):
-            request.setResponseCode(404)
-            return error_json(404, f"The model '{self.model}' does not exist.", code="model_not_found", param="model")
+            unknown = ModelNotFoundError(self.model)
+            request.setResponseCode(unknown.status)
+            return unknown.to_json()
         return json.dumps(_model_object(self.model)).encode()
 
 

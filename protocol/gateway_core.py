@@ -71,6 +71,7 @@ from protocol.gateway_effects import (
     TaskReleased,
 )
 from protocol.grpc import StatusCode
+from protocol.openai_errors import ModelNotFoundError
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor import Processor, TaskState
 from protocol.processor_types import (
@@ -686,8 +687,8 @@ class GatewayCore:
         models, self._learning_models = self._learning_models, set()
         for tenant, model in sorted(models):
             if model not in self.processor.known_models(tenant) and (tenant, model) not in self._recent_models:
-                message = f"The model '{model}' does not exist or no engine serves it."
-                self._absorb(self.processor.fail_waiting(tenant, model, 404, message, now), now, out)
+                unknown = ModelNotFoundError(model)
+                self._absorb(self.processor.fail_waiting(tenant, model, unknown.status, unknown.message, now), now, out)
 
     def _check_held(self, out: list[CoreEffect]) -> None:
         served: set[str] = set()

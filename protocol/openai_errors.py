@@ -141,6 +141,24 @@ class InvalidRequestError(OpenAIError):
     status = 400
 
 
+class ModelNotFoundError(OpenAIError):
+    """No engine serves the model and none can be waited for: HTTP 404, OpenAI's ``model_not_found``.
+
+    The one shape of every unknown-model answer, so that a client sees the same
+    body (``e.code``, ``e.param``) whether the gateway knew at once or only once
+    start-up learning ended; ``message`` gives another reason for the same
+    answer (the scaler's).
+    """
+
+    status = 404
+
+    def __init__(self, model: str, message: str | None = None) -> None:
+        if message is None:
+            message = f"The model '{model}' does not exist or no engine serves it."
+        super().__init__(message, param="model", code="model_not_found")
+        self.model = model
+
+
 class NotImplementedRequestError(OpenAIError):
     """The request is well formed but this runtime does not serve its kind: HTTP 501."""
 

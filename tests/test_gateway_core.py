@@ -31,6 +31,7 @@ from protocol.gateway_effects import (
     TaskReleased,
 )
 from protocol.grpc import StatusCode
+from protocol.openai_errors import ModelNotFoundError
 from protocol.pb import internal_pb2
 from protocol.backoff import Backoff
 from protocol.processor import Processor
@@ -424,7 +425,7 @@ def test_start_up_learning_ends_with_404_for_a_model_no_peer_reported_in_time():
     a.submit(Client("r1"), "r1", "t", "nobody-serves-it", chat("nobody-serves-it"), {}, None, T0 + 1)
     assert a.next_deadline() == T0 + 5
     failed = one(a.handle_timeout(T0 + 5), FailRequest)
-    assert (failed.task_id, failed.status) == ("r1", 404) and "does not exist" in failed.message
+    assert (failed.task_id, failed.status, failed.message) == ("r1", 404, ModelNotFoundError("nobody-serves-it").message)
     assert a.availability("t", "nobody-serves-it", T0 + 5) is Availability.UNKNOWN
     # Learning happens once, at start-up: a peer lost later does not bring it back.
     a.peer_stream_closed(b, T0 + 6)

@@ -10,6 +10,7 @@ from hypothesis import given, strategies as st
 
 from protocol.openai_errors import (
     InvalidRequestError,
+    ModelNotFoundError,
     NotImplementedRequestError,
     OpenAIError,
     UpstreamError,
@@ -47,6 +48,17 @@ def test_the_body_has_openais_four_fields_and_a_precise_kind_wins():
     assert error_body(502, "x", error_type="upstream_error")["error"]["type"] == "upstream_error"
     # The processor keeps the status in ``code``, as it always did.
     assert error_body(503, "x", code=503)["error"]["code"] == 503
+
+
+def test_an_unknown_model_is_one_404_with_openais_code_and_param_whatever_the_reason():
+    assert ModelNotFoundError("gpt-x").body() == {
+        "error": {"message": "The model 'gpt-x' does not exist or no engine serves it.",
+                  "type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    }
+    other = ModelNotFoundError("gpt-x", "no scalable deployment serves model 'gpt-x'")
+    assert other.status == 404 and other.body()["error"] == {
+        "message": "no scalable deployment serves model 'gpt-x'", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}
 
 
 def test_error_json_is_compact_utf8_and_keeps_what_the_message_says():
