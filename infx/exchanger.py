@@ -53,7 +53,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from twisted.internet.defer import CancelledError, Deferred, DeferredList
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
+from twisted.python.failure import Failure
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -128,7 +129,9 @@ class PeerStream:
         #: The peer's pod name, from its first report.
         self.pod_name = ""
         self.closed = False
-        self._pending: Deferred[Any] | None = None
+        #: The read of :meth:`read_each`, and whether a message of it is being handled now.
+        self._reading: Deferred[None] | None = None
+        self._handling = False
         self._on_drained = on_drained
         self._gate = StreamSendGate(call, self._drained)
 
@@ -147,7 +150,7 @@ class PeerStream:
         self.end(StatusCode.UNAVAILABLE, reason)
 
     def end(self, code: StatusCode, message: str) -> None:
-        """End the stream with ``code``; the handler's pending read wakes."""
+        """End the stream with ``code``; the handler's read ends."""
         if self.closed:
             return
         self.closed = True
@@ -155,25 +158,43 @@ class PeerStream:
             self.call.reset(message)
         else:
             self.call.abort(code, message)
-        # An aborted call delivers nothing more: wake the handler's pending read.
-        if self._pending is not None and not self._pending.called:
-            self._pending.cancel()
+        # An aborted call delivers nothing more: wake a read that waits for the next message.
+        # One handling a message now sees the call's end as soon as that handler returns.
+        if self._reading is not None and not self._reading.called and not self._handling:
+            self._reading.cancel()
 
-    async def recv(self) -> internal_pb2.ProcessTasksInternalRequest | None:
-        """The next message, or None once the peer half-closed or the stream was closed here."""
+    def read_each(self, on_message: Callable[[internal_pb2.ProcessTasksInternalRequest], None]) -> Deferred[None]:
+        """Hand each message to ``on_message`` as it arrives (no Deferred per message, see
+        :meth:`~infx.transport.calls.CallBase.read_each`) until the peer half-closed or the
+        stream is closed here: then fires None, the messages behind the one whose handling
+        closed it left unread; fails as the call's read does if the call ended otherwise."""
         if self.closed:
-            return None
-        self._pending = self.call.recv()
-        try:
-            message: internal_pb2.ProcessTasksInternalRequest | None = await self._pending
-        except CancelledError:
-            return None
-        finally:
-            self._pending = None
-        return message
+            return succeed(None)
+
+        def each(message: internal_pb2.ProcessTasksInternalRequest) -> None:
+            self._handling = True
+            try:
+                on_message(message)
+            finally:
+                self._handling = False
+            if self.closed:
+                raise _ClosedHere()  # the read stops here, as the recv() loop's ``while not closed`` did
+
+        def ended_here(failure: Failure) -> None | Failure:
+            # Stopped after a message, cancelled by end() while waiting, or the call reset by it.
+            closed = isinstance(failure.value, (_ClosedHere, CancelledError, GrpcError)) and self.closed
+            return None if closed else failure
+
+        self._reading = self.call.read_each(each)
+        self._reading.addErrback(ended_here)
+        return self._reading
 
     def __repr__(self) -> str:
         return f"<PeerStream {self.pod_name or self.call.peer}>"
+
+
+class _ClosedHere(Exception):
+    """Raised out of a message's handling that closed the stream: ends its read (never seen outside)."""
 
 
 # --- the dialling side: we dial a peer --------------------------------------------------
@@ -218,14 +239,15 @@ class DialStream:
         exchanger, dial = self.exchanger, self.dial
         dispatcher = exchanger.dispatcher
         self.call.initial_metadata().addCallbacks(self._headers_received, lambda _: None)
+
+        def on_message(message: internal_pb2.ProcessTasksInternalResponse) -> None:
+            if message.new_task.request.WhichOneof("request") != "cancel_task":
+                dispatcher.metrics.exchanged.labels("in").inc()
+            dispatcher.run(lambda now: dispatcher.core.dial_message(dial, message, now))
+
         try:
-            while True:
-                message = await self.call.recv()
-                if message is None:
-                    break
-                if message.new_task.request.WhichOneof("request") != "cancel_task":
-                    dispatcher.metrics.exchanged.labels("in").inc()
-                dispatcher.run(lambda now: dispatcher.core.dial_message(dial, message, now))
+            # Each message as it arrives (a result per relayed event), no Deferred each.
+            await self.call.read_each(on_message)
         except GrpcError as e:
             if not self.cancelled and not dispatcher.core.shutting_down:
                 exchanger.dial_failed(self, e)
@@ -430,11 +452,8 @@ class Exchanger:
             # and that this side reads status deltas (a LLMariner receiver ignores that).
             call.send_initial_metadata(PEER_ACCEPT_METADATA)
         try:
-            while not stream.closed:
-                message = await stream.recv()
-                if message is None:
-                    break
-                self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
+            await stream.read_each(
+                lambda message: self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now)))
         finally:
             self.streams.discard(stream)
             self.dispatcher.run(lambda now: core.peer_stream_closed(stream, now))
