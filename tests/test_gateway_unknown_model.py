@@ -19,7 +19,8 @@ from twisted.internet import defer, reactor, task, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.dispatcher import Dispatcher
-from infx.gateway import Gateway, GatewaySite, build_resource
+from infx.gateway import Gateway, build_resource
+from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from protocol.gateway_effects import CoreConfig

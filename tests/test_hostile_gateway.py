@@ -29,7 +29,8 @@ from twisted.python.failure import Failure
 
 from infx.auth import KeyStore
 from infx.dispatcher import Dispatcher, SendOutcome
-from infx.gateway import Gateway, GatewaySite, build_resource
+from infx.gateway import Gateway, build_resource
+from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from protocol.echo import EchoConfig, echo_task
 from protocol.pb import status_pb2, worker_pb2

@@ -39,7 +39,7 @@ from twisted.internet.testing import StringTransport
 
 from infx.auth import KeyStore
 from infx.dispatcher import SendOutcome
-from infx.gateway import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
+from infx.gateway_site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.engine_agent import AgentConfig, EngineAgentCore, SendResult, StartTask
 from protocol.grpc import (
