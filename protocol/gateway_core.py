@@ -45,6 +45,8 @@ What it decides:
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -88,7 +90,7 @@ from protocol.processor_types import (
 )
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.sender import Sender
-from protocol.status_reports import STATUS_DELTA_METADATA, offers_deltas
+from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 from protocol.grpc_metadata import Metadata
 
 __all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
@@ -142,11 +144,13 @@ class DialledPeer:
     The core's own record; adapters and tests only read it.
     """
 
-    __slots__ = ("name", "address", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
+    __slots__ = ("name", "address", "order", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
                  "streams_opened", "redial_at", "stopped")
 
-    def __init__(self, name: str, address: object) -> None:
+    def __init__(self, name: str, address: object, order: int = 0) -> None:
         self.name = name
+        #: When the core made it, relative to the others: peers due at once are served in this order.
+        self.order = order
         self.address = address
         self.dial: Dial | None = None
         self.receiver: Receiver | None = None
@@ -190,6 +194,15 @@ class GatewayCore:
         self._by_pod: dict[str, object] = {}
         self._peers: dict[str, DialledPeer] = {}
         self._by_dial: dict[Dial, DialledPeer] = {}
+        self._made = itertools.count()
+        # When each peer is next due (its receiver's deadline or its redial), and a heap of those
+        # times with lazy deletion: an entry counts only while it is its peer's current time.
+        self._peer_due: dict[DialledPeer, float] = {}
+        self._due_heap: list[tuple[float, int, DialledPeer]] = []
+        # The local engines as every receiver reports them: refreshed at most once per change
+        # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
+        self._local = LocalStatuses()
+        self._local_stale = True
         self._shutting_down = False
         # The scaler, once attached: what it can start, the tasks it holds, the load it heard.
         self._can_start: Callable[[str, str], bool] | None = None
@@ -398,7 +411,7 @@ class GatewayCore:
                 self._forget_peer(peer)
                 peer = None
             if peer is None and desired is not None:
-                peer = DialledPeer(name, desired)
+                peer = DialledPeer(name, desired, next(self._made))
                 self._peers[name] = peer
                 self._open(peer, now, out)
         return self._after(now, out)
@@ -459,7 +472,8 @@ class GatewayCore:
         peer.redial_at = None
         dial = Dial(peer.name, peer.address, peer.attempts)
         receiver = Receiver(self.processor, ReceiverConfig(self.config.pod_name, self.config.status_interval),
-                            origin=dial, requests_started=lambda: self.requests_started)
+                            origin=dial, requests_started=lambda: self.requests_started,
+                            local_statuses=self._local_statuses)
         peer.dial, peer.receiver = dial, receiver
         self._by_dial[dial] = peer
         out.append(OpenDial(dial))
@@ -471,10 +485,12 @@ class GatewayCore:
         peer.redial_at = None
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
+        self._reschedule(peer)
 
     def _give_up(self, peer: DialledPeer, reason: str, now: float, out: list[CoreEffect]) -> None:
         """Cancel ``peer``'s stream now and forget the peer's redial."""
         peer.redial_at = None
+        self._reschedule(peer)
         dial, receiver = peer.dial, peer.receiver
         if dial is None or receiver is None:
             return
@@ -488,6 +504,7 @@ class GatewayCore:
             del self._by_dial[dial]
         if receiver is not None and receiver.state is not ReceiverState.CLOSED:
             self._absorb(receiver.closed(now), now, out)
+        self._reschedule(peer)
 
     def _dial_ended(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
         self._close_dial(peer, now, out)
@@ -498,6 +515,7 @@ class GatewayCore:
             self._forget_peer(peer)
             return
         peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
+        self._reschedule(peer)
 
     def _absorb_receiver(self, peer: DialledPeer, outputs: Iterable[ReceiverOutput], now: float,
                          out: list[CoreEffect]) -> None:
@@ -513,6 +531,53 @@ class GatewayCore:
             # Nothing more goes out on it; the peer ends the stream (dial_closed).
             peer.half_closed = True
             out.append(HalfCloseDial(dial))
+        self._reschedule(peer)
+
+    def _reschedule(self, peer: DialledPeer) -> None:
+        """``peer``'s receiver was called or its redial changed: keep when it is next due.
+
+        Called after every input a receiver takes and every change of ``redial_at``, so that
+        :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one."""
+        due: float | None = None
+        if self._peers.get(peer.name) is peer:
+            receiver = peer.receiver
+            report_at = receiver.next_deadline() if receiver is not None and receiver.state in _LIVE else None
+            due = report_at if peer.redial_at is None else (
+                peer.redial_at if report_at is None else min(report_at, peer.redial_at))
+        if due is None:
+            self._peer_due.pop(peer, None)
+        elif self._peer_due.get(peer) != due:
+            self._peer_due[peer] = due
+            heapq.heappush(self._due_heap, (due, peer.order, peer))
+            if len(self._due_heap) > 2 * len(self._peer_due) + 64:
+                self._due_heap = [(at, p.order, p) for p, at in self._peer_due.items()]
+                heapq.heapify(self._due_heap)
+
+    def _next_peer_due(self) -> float | None:
+        """The earliest time a peer is due (stale heap entries are dropped on the way)."""
+        heap = self._due_heap
+        while heap and self._peer_due.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _pop_due_peers(self, now: float) -> list[DialledPeer]:
+        """The peers due by ``now``, in the order they were made (the order of ``_peers``); they
+        leave the schedule until :meth:`_reschedule` puts them back."""
+        due: dict[DialledPeer, None] = {}
+        heap = self._due_heap
+        while heap and heap[0][0] <= now:
+            at, _, peer = heapq.heappop(heap)
+            if self._peer_due.get(peer) == at:
+                del self._peer_due[peer]
+                due[peer] = None
+        return sorted(due, key=lambda p: p.order)
+
+    def _local_statuses(self) -> LocalStatuses:
+        """The local engines for every receiver's report, refreshed only if they may have changed."""
+        if self._local_stale:
+            self._local.refresh(self.processor.local_engines())
+            self._local_stale = False
+        return self._local
 
     # --- shutdown ----------------------------------------------------------------------
 
@@ -586,13 +651,9 @@ class GatewayCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
-        candidates = [self.processor.next_deadline(), self._next_load]
+        candidates = [self.processor.next_deadline(), self._next_load, self._next_peer_due()]
         if self._learning_models and not self._learned:
             candidates.append(self._learning_until)
-        for peer in self._peers.values():
-            candidates.append(peer.redial_at)
-            if peer.receiver is not None and peer.receiver.state in _LIVE:
-                candidates.append(peer.receiver.next_deadline())
         due = [t for t in candidates if t is not None]
         return min(due) if due else None
 
@@ -600,7 +661,7 @@ class GatewayCore:
         """Time passed: the processor's timers, periodic reports to peers, redials, load reports."""
         out: list[CoreEffect] = []
         self._absorb(self.processor.handle_timeout(now), now, out)
-        for peer in list(self._peers.values()):
+        for peer in self._pop_due_peers(now):
             receiver = peer.receiver
             if receiver is not None and receiver.state in _LIVE:
                 report_at = receiver.next_deadline()
@@ -608,6 +669,7 @@ class GatewayCore:
                     self._absorb_receiver(peer, receiver.handle_timeout(now), now, out)
             if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
                 self._open(peer, now, out)
+            self._reschedule(peer)
         if self._next_load is not None and self._next_load <= now:
             self._next_load = now + self.config.load_interval
             self._report_load(out)
@@ -620,6 +682,7 @@ class GatewayCore:
         fed to them here, in place, so the order is the order they happened in."""
         for effect in effects:
             if isinstance(effect, SendTask):
+                self._local_stale = True  # the task may have recorded a spilled tip on a local engine
                 out.append(effect)
                 request = self._http.get(self.processor.attempt_owner(effect.task.id) or "")
                 if request is not None and not request.dispatched:
@@ -636,6 +699,7 @@ class GatewayCore:
                         out.append(RequestFinished(request.model))
                 out.append(effect)
             elif isinstance(effect, LocalEnginesChanged):
+                self._local_stale = True
                 for peer in list(self._peers.values()):
                     if peer.receiver is not None and peer.receiver.state in _LIVE:
                         self._absorb_receiver(peer, peer.receiver.local_engines_changed(now), now, out)

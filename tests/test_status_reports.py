@@ -15,6 +15,7 @@ from protocol.receiver import ReceiverConfig, ReceiverState
 from protocol.sender import Sender
 from protocol.status_reports import (
     STATUS_DELTA_METADATA,
+    LocalStatuses,
     ReportReader,
     ReportWriter,
     offers_deltas,
@@ -33,6 +34,28 @@ def statuses(*engines: tuple[str, bool, int]) -> list[tuple[str, status_pb2.Engi
         status = engine_status(engine_id, "m", ready=ready)
         status.models[0].in_progress_task_count = in_progress
         out.append(("t", status))
+    return out
+
+
+class Writer(ReportWriter):
+    """A writer over its own :class:`LocalStatuses`, refreshed with each list it reports."""
+
+    def __init__(self, pod_name: str) -> None:
+        super().__init__(pod_name)
+        self.local = LocalStatuses()
+
+    def report_of(self, current: list[tuple[str, status_pb2.EngineStatus]], counts: dict[str, int], draining: bool,
+                  force: bool) -> internal_pb2.ServerStatus | None:
+        return self.report(self.local.refresh(copies(current)), counts, draining, force)
+
+
+def copies(current: list[tuple[str, status_pb2.EngineStatus]]) -> list[tuple[str, status_pb2.EngineStatus]]:
+    """What ``Processor.local_engines`` hands over: copies the receiver side may keep."""
+    out = []
+    for tenant, status in current:
+        copy = status_pb2.EngineStatus()
+        copy.CopyFrom(status)
+        out.append((tenant, copy))
     return out
 
 
@@ -67,34 +90,34 @@ def test_the_shape_of_a_status_ignores_load_counts_but_not_readiness_or_models()
 
 
 def test_without_an_offer_every_report_is_a_full_snapshot_as_a_llmariner_peer_expects():
-    writer = ReportWriter("gw")
-    first = writer.report(statuses(("e1", True, 0), ("e2", True, 0)), {}, False, force=True)
+    writer = Writer("gw")
+    first = writer.report_of(statuses(("e1", True, 0), ("e2", True, 0)), {}, False, force=True)
     assert first is not None and not first.delta and ids(first) == ["e1", "e2"] and first.sequence == 1
-    changed = writer.report(statuses(("e1", True, 1), ("e2", True, 0)), {"m": 1}, False, force=False)
+    changed = writer.report_of(statuses(("e1", True, 1), ("e2", True, 0)), {"m": 1}, False, force=False)
     assert changed is not None and not changed.delta and ids(changed) == ["e1", "e2"]
     assert dict(changed.model_requests_started) == {"m": 1}
-    gone = writer.report(statuses(("e2", True, 0)), {"m": 1}, False, force=False)
+    gone = writer.report_of(statuses(("e2", True, 0)), {"m": 1}, False, force=False)
     assert gone is not None and not gone.delta and ids(gone) == ["e2"] and not gone.removed_engines
-    assert writer.report(statuses(("e2", True, 0)), {"m": 1}, False, force=False) is None
+    assert writer.report_of(statuses(("e2", True, 0)), {"m": 1}, False, force=False) is None
 
 
 def test_with_an_offer_reports_carry_only_what_changed_after_the_first_full_snapshot():
-    writer = ReportWriter("gw")
+    writer = Writer("gw")
     writer.deltas = True
     three = statuses(("e1", True, 0), ("e2", True, 0), ("e3", True, 0))
-    first = writer.report(three, {"m": 2, "n": 1}, False, force=True)
+    first = writer.report_of(three, {"m": 2, "n": 1}, False, force=True)
     assert first is not None and not first.delta and ids(first) == ["e1", "e2", "e3"]
     one_busy = statuses(("e1", True, 0), ("e2", True, 4), ("e3", True, 0))
-    delta = writer.report(one_busy, {"m": 3, "n": 1}, False, force=False)
+    delta = writer.report_of(one_busy, {"m": 3, "n": 1}, False, force=False)
     assert delta is not None and delta.delta and ids(delta) == ["e2"] and delta.sequence == 2
     assert dict(delta.model_requests_started) == {"m": 3}  # only the count that changed
-    removed = writer.report(one_busy[:2], {"m": 3, "n": 1}, False, force=False)
+    removed = writer.report_of(one_busy[:2], {"m": 3, "n": 1}, False, force=False)
     assert removed is not None and removed.delta and ids(removed) == []
     assert [(r.tenant_id, r.engine_id) for r in removed.removed_engines] == [("t", "e3")]
-    counts_only = writer.report(one_busy[:2], {"m": 4, "n": 1}, False, force=False)
+    counts_only = writer.report_of(one_busy[:2], {"m": 4, "n": 1}, False, force=False)
     assert counts_only is not None and counts_only.delta and ids(counts_only) == []
     # A delta no smaller than the snapshot is sent as the snapshot.
-    all_changed = writer.report(statuses(("e1", False, 0), ("e2", False, 4)), {"m": 4, "n": 1}, True, force=False)
+    all_changed = writer.report_of(statuses(("e1", False, 0), ("e2", False, 4)), {"m": 4, "n": 1}, True, force=False)
     assert all_changed is not None and not all_changed.delta and ids(all_changed) == ["e1", "e2"]
     assert all_changed.draining and dict(all_changed.model_requests_started) == {"m": 4, "n": 1}
 
@@ -103,11 +126,11 @@ def test_with_an_offer_reports_carry_only_what_changed_after_the_first_full_snap
 
 
 def test_the_reader_refuses_a_gap_and_a_delta_before_any_snapshot_and_skips_repeats():
-    writer, reader = ReportWriter("gw"), ReportReader()
+    writer, reader = Writer("gw"), ReportReader()
     writer.deltas = True
-    first = writer.report(statuses(("e1", True, 0), ("e2", True, 0)), {}, False, force=True)
-    second = writer.report(statuses(("e1", True, 1), ("e2", True, 0)), {}, False, force=False)
-    third = writer.report(statuses(("e1", True, 2), ("e2", True, 0)), {}, False, force=False)
+    first = writer.report_of(statuses(("e1", True, 0), ("e2", True, 0)), {}, False, force=True)
+    second = writer.report_of(statuses(("e1", True, 1), ("e2", True, 0)), {}, False, force=False)
+    third = writer.report_of(statuses(("e1", True, 2), ("e2", True, 0)), {}, False, force=False)
     assert first and second and third and second.delta and third.delta
     with pytest.raises(RemoteProtocolError, match="before any full"):
         ReportReader().read(second)
@@ -145,10 +168,10 @@ engine_sets = st.lists(
 def test_what_the_reader_holds_is_always_what_the_writer_reported_last(steps, deltas):
     """Whatever engines come, change and go, full snapshot or deltas, the reading side ends up
     with exactly the engines the writing side has, each with its latest status."""
-    writer, reader = ReportWriter("gw"), ReportReader()
+    writer, reader = Writer("gw"), ReportReader()
     for index, engines in enumerate(steps):
         current = statuses(*[(engine_id, ready, load) for engine_id, (ready, load) in sorted(engines.items())])
-        report = writer.report(current, {"m": index}, False, force=index == 0)
+        report = writer.report_of(current, {"m": index}, False, force=index == 0)
         if index == 0:
             writer.deltas = deltas
         if report is not None:
@@ -166,11 +189,11 @@ def test_what_the_reader_holds_is_always_what_the_writer_reported_last(steps, de
 def test_a_sender_registers_deltas_and_removes_what_a_delta_lists_as_gone():
     processor = Processor(ProcessorConfig())
     sender = Sender(processor)
-    writer = ReportWriter("gw")
+    writer = Writer("gw")
     writer.deltas = True
 
     def send(*engines: tuple[str, bool, int], force: bool = False) -> None:
-        report = writer.report(statuses(*engines), {}, False, force)
+        report = writer.report_of(statuses(*engines), {}, False, force)
         assert report is not None
         sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
 
@@ -256,14 +279,14 @@ def test_a_sender_fed_deltas_registers_what_a_sender_fed_snapshots_does(steps, d
     snapshots: after every report their processors hold the same remote engines, alike."""
     sides = []
     for deltas in (True, False):
-        writer = ReportWriter("gw")
+        writer = Writer("gw")
         writer.deltas = deltas
         sides.append((writer, Processor(ProcessorConfig())))
     senders = [Sender(processor) for _, processor in sides]
     for index, engines in enumerate(steps):
         current = statuses(*[(engine_id, ready, load) for engine_id, (ready, load) in sorted(engines.items())])
         for (writer, _), sender in zip(sides, senders):
-            report = writer.report(current, {}, draining[index], force=index == 0)
+            report = writer.report_of(current, {}, draining[index], force=index == 0)
             if report is not None:
                 sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
         views = [processor.status()["tenants"] for _, processor in sides]
