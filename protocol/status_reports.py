@@ -119,11 +119,12 @@ class LocalStatuses:
 
     ``generation`` grows by one with every refresh that changed something. The change log keeps,
     per engine (present or removed), the generation of its last change, oldest first; it is
-    trimmed to about twice the engines, and ``changed_since`` answers None for a generation older
-    than what the log still covers (the writer then compares every engine).
+    trimmed to twice the engines plus ``slack`` entries, and ``changed_since`` answers None for a
+    generation older than what the log still covers (the writer then compares every engine).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, slack: int = 16) -> None:
+        self._slack = slack
         self.generation = 0
         self._entries: dict[tuple[str, str], _Local] = {}
         self._sorted: list[tuple[str, str]] = []
@@ -163,7 +164,7 @@ class LocalStatuses:
         for key in changed:
             self._log[key] = generation
             self._log.move_to_end(key)
-        while len(self._log) > 2 * len(entries) + 16:
+        while len(self._log) > 2 * len(entries) + self._slack:
             _, self._horizon = self._log.popitem(last=False)
         return self
 
