@@ -36,6 +36,12 @@ What it decides:
   recently, 503) rather than unknown (404) on the clock; at start-up, until
   every dialled peer has reported (or ``learn_peers_within``), a model nobody
   lists yet may be a peer's: its requests wait (``LEARNING``), then get 404.
+- *Costs per input*: each peer's next due time (its receiver's next report, or
+  its redial) is re-read only after that receiver took an input or the redial
+  changed, and kept in a heap, so :meth:`next_deadline` does not ask every
+  peer; the local engines every receiver reports are one
+  :class:`~protocol.status_reports.LocalStatuses`, refreshed once per change
+  (``LocalEnginesChanged``, or a ``SendTask``: it may record a spilled tip).
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
   queue for an engine the model is served (:class:`ModelServed`), when it ends
   otherwise it is released (:class:`TaskReleased`); in-flight tasks per model
@@ -45,12 +51,12 @@ What it decides:
 from __future__ import annotations
 
 import enum
-import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from protocol.due_times import DueTimes
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -195,10 +201,8 @@ class GatewayCore:
         self._peers: dict[str, DialledPeer] = {}
         self._by_dial: dict[Dial, DialledPeer] = {}
         self._made = itertools.count()
-        # When each peer is next due (its receiver's deadline or its redial), and a heap of those
-        # times with lazy deletion: an entry counts only while it is its peer's current time.
-        self._peer_due: dict[DialledPeer, float] = {}
-        self._due_heap: list[tuple[float, int, DialledPeer]] = []
+        # When each peer is next due: its receiver's next report, or its redial.
+        self._due: DueTimes[DialledPeer] = DueTimes()
         # The local engines as every receiver reports them: refreshed at most once per change
         # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
         self._local = LocalStatuses()
@@ -544,33 +548,7 @@ class GatewayCore:
             report_at = receiver.next_deadline() if receiver is not None and receiver.state in _LIVE else None
             due = report_at if peer.redial_at is None else (
                 peer.redial_at if report_at is None else min(report_at, peer.redial_at))
-        if due is None:
-            self._peer_due.pop(peer, None)
-        elif self._peer_due.get(peer) != due:
-            self._peer_due[peer] = due
-            heapq.heappush(self._due_heap, (due, peer.order, peer))
-            if len(self._due_heap) > 2 * len(self._peer_due) + 64:
-                self._due_heap = [(at, p.order, p) for p, at in self._peer_due.items()]
-                heapq.heapify(self._due_heap)
-
-    def _next_peer_due(self) -> float | None:
-        """The earliest time a peer is due (stale heap entries are dropped on the way)."""
-        heap = self._due_heap
-        while heap and self._peer_due.get(heap[0][2]) != heap[0][0]:
-            heapq.heappop(heap)
-        return heap[0][0] if heap else None
-
-    def _pop_due_peers(self, now: float) -> list[DialledPeer]:
-        """The peers due by ``now``, in the order they were made (the order of ``_peers``); they
-        leave the schedule until :meth:`_reschedule` puts them back."""
-        due: dict[DialledPeer, None] = {}
-        heap = self._due_heap
-        while heap and heap[0][0] <= now:
-            at, _, peer = heapq.heappop(heap)
-            if self._peer_due.get(peer) == at:
-                del self._peer_due[peer]
-                due[peer] = None
-        return sorted(due, key=lambda p: p.order)
+        self._due.set(peer, due, peer.order)
 
     def _local_statuses(self) -> LocalStatuses:
         """The local engines for every receiver's report, refreshed only if they may have changed."""
@@ -651,7 +629,7 @@ class GatewayCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
-        candidates = [self.processor.next_deadline(), self._next_load, self._next_peer_due()]
+        candidates = [self.processor.next_deadline(), self._next_load, self._due.earliest()]
         if self._learning_models and not self._learned:
             candidates.append(self._learning_until)
         due = [t for t in candidates if t is not None]
@@ -661,7 +639,7 @@ class GatewayCore:
         """Time passed: the processor's timers, periodic reports to peers, redials, load reports."""
         out: list[CoreEffect] = []
         self._absorb(self.processor.handle_timeout(now), now, out)
-        for peer in self._pop_due_peers(now):
+        for peer in self._due.pop_due(now):  # in the order they were made, as in ``_peers``
             receiver = peer.receiver
             if receiver is not None and receiver.state in _LIVE:
                 report_at = receiver.next_deadline()
