@@ -174,6 +174,10 @@ class LocalStatuses:
     def get(self, key: tuple[str, str]) -> _Local | None:
         return self._entries.get(key)
 
+    def view(self, key: tuple[str, str], draining: bool) -> _Local:
+        """Local engine ``key`` (one of ``keys``) as a gateway that is (or is not) draining reports it."""
+        return self._entries[key].view(draining)
+
     @property
     def keys(self) -> list[tuple[str, str]]:
         """Every local engine's (tenant, engine id), sorted."""
@@ -228,7 +232,7 @@ class ReportWriter:
                draining: bool, force: bool) -> internal_pb2.ServerStatus | None:
         """The next report, or None if nothing changed (and not ``force``): full unless deltas
         were offered and the delta is smaller."""
-        changed: list[tuple[str, str]] = []
+        changed: dict[tuple[str, str], _Local] = {}
         removed: list[tuple[str, str]] = []
         for key in self._candidates(local, draining):
             entry, last = local.get(key), self._engines.get(key)
@@ -236,7 +240,7 @@ class ReportWriter:
                 if last is not None:
                     removed.append(key)
             elif last is None or last[0] != entry.view(draining).wire:
-                changed.append(key)
+                changed[key] = entry.view(draining)
         new_counts = {model: count for model, count in counts.items() if self._counts.get(model) != count}
         if not (force or changed or removed or new_counts or draining != self._draining):
             self._book, self._seen = local, local.generation
@@ -247,16 +251,15 @@ class ReportWriter:
         if full:
             report.model_requests_started.update(counts)
             for key in local.keys:
-                report.engine_statuses.add(engine_status=self._status(local, key, draining), tenant_id=key[0])
+                report.engine_statuses.add(engine_status=local.view(key, draining).status, tenant_id=key[0])
         else:
             report.delta = True
             report.model_requests_started.update(new_counts)
             for key in sorted(changed):
-                report.engine_statuses.add(engine_status=self._status(local, key, draining), tenant_id=key[0])
+                report.engine_statuses.add(engine_status=changed[key].status, tenant_id=key[0])
             for tenant, engine_id in sorted(removed):
                 report.removed_engines.add(engine_id=engine_id, tenant_id=tenant)
-        for key in changed:
-            view = self._view(local, key, draining)
+        for key, view in changed.items():
             self._engines[key] = (view.wire, view.shape())
         for key in removed:
             del self._engines[key]
@@ -273,15 +276,6 @@ class ReportWriter:
             if changed is not None:
                 return changed
         return dict.fromkeys([*local.keys, *self._engines])
-
-    @staticmethod
-    def _view(local: LocalStatuses, key: tuple[str, str], draining: bool) -> _Local:
-        entry = local.get(key)
-        assert entry is not None
-        return entry.view(draining)
-
-    def _status(self, local: LocalStatuses, key: tuple[str, str], draining: bool) -> status_pb2.EngineStatus:
-        return self._view(local, key, draining).status
 
 
 @dataclass(frozen=True, slots=True)
