@@ -93,6 +93,7 @@ class _Local:
         self._draining: _Local | None = None
 
     def shape(self) -> bytes:
+        """:func:`shape_of` its status, computed once."""
         if self._shape is None:
             self._shape = shape_of(self.status)
         return self._shape
@@ -172,6 +173,7 @@ class LocalStatuses:
         return len(self._entries)
 
     def get(self, key: tuple[str, str]) -> _Local | None:
+        """Local engine ``key`` as reported when not draining, or None if it is not local now."""
         return self._entries.get(key)
 
     def view(self, key: tuple[str, str], draining: bool) -> _Local:

@@ -317,7 +317,8 @@ class ScanningWriter:
         self.draining: bool | None = None
 
     @staticmethod
-    def local(current: list[tuple[str, status_pb2.EngineStatus]], draining: bool) -> list[tuple[str, status_pb2.EngineStatus]]:
+    def local(current: list[tuple[str, status_pb2.EngineStatus]],
+              draining: bool) -> list[tuple[str, status_pb2.EngineStatus]]:
         out = sorted(copies(current), key=lambda item: (item[0], item[1].engine_id))
         for _, status in out:
             models = sorted(status.models, key=lambda m: m.id)
