@@ -203,6 +203,9 @@ class GatewayCore:
         self._made = itertools.count()
         # When each peer is next due: its receiver's next report, or its redial.
         self._due: DueTimes[DialledPeer] = DueTimes()
+        # Tasks each peer forwarded on our stream to it that have not ended, and their sum.
+        self._forwarded: dict[DialledPeer, int] = {}
+        self._forwarded_in_flight = 0
         # The local engines as every receiver reports them: refreshed at most once per change
         # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
         self._local = LocalStatuses()
@@ -462,6 +465,11 @@ class GatewayCore:
         return len(self._peers)
 
     @property
+    def forwarded_in_flight(self) -> int:
+        """Tasks peers forwarded on the streams we dial that have not ended, over every peer."""
+        return self._forwarded_in_flight
+
+    @property
     def peers(self) -> Mapping[str, DialledPeer]:
         """The peers dialled now, by pod name (read only)."""
         return self._peers
@@ -489,12 +497,12 @@ class GatewayCore:
         peer.redial_at = None
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
-        self._reschedule(peer)
+        self._peer_touched(peer)
 
     def _give_up(self, peer: DialledPeer, reason: str, now: float, out: list[CoreEffect]) -> None:
         """Cancel ``peer``'s stream now and forget the peer's redial."""
         peer.redial_at = None
-        self._reschedule(peer)
+        self._peer_touched(peer)
         dial, receiver = peer.dial, peer.receiver
         if dial is None or receiver is None:
             return
@@ -508,7 +516,7 @@ class GatewayCore:
             del self._by_dial[dial]
         if receiver is not None and receiver.state is not ReceiverState.CLOSED:
             self._absorb(receiver.closed(now), now, out)
-        self._reschedule(peer)
+        self._peer_touched(peer)
 
     def _dial_ended(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
         self._close_dial(peer, now, out)
@@ -519,7 +527,7 @@ class GatewayCore:
             self._forget_peer(peer)
             return
         peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
-        self._reschedule(peer)
+        self._peer_touched(peer)
 
     def _absorb_receiver(self, peer: DialledPeer, outputs: Iterable[ReceiverOutput], now: float,
                          out: list[CoreEffect]) -> None:
@@ -535,20 +543,27 @@ class GatewayCore:
             # Nothing more goes out on it; the peer ends the stream (dial_closed).
             peer.half_closed = True
             out.append(HalfCloseDial(dial))
-        self._reschedule(peer)
+        self._peer_touched(peer)
 
-    def _reschedule(self, peer: DialledPeer) -> None:
-        """``peer``'s receiver was called or its redial changed: keep when it is next due.
+    def _peer_touched(self, peer: DialledPeer) -> None:
+        """``peer``'s receiver was called or its redial changed: keep when it is next due, and
+        how many forwarded tasks it runs.
 
         Called after every input a receiver takes and every change of ``redial_at``, so that
-        :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one."""
+        :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one,
+        and :attr:`forwarded_in_flight` is a sum kept as it changes."""
         due: float | None = None
+        running = 0
         if self._peers.get(peer.name) is peer:
             receiver = peer.receiver
             report_at = receiver.next_deadline() if receiver is not None and receiver.state in _LIVE else None
             due = report_at if peer.redial_at is None else (
                 peer.redial_at if report_at is None else min(report_at, peer.redial_at))
+            running = receiver.tasks_in_flight if receiver is not None else 0
         self._due.set(peer, due, peer.order)
+        self._forwarded_in_flight += running - self._forwarded.pop(peer, 0)
+        if running:
+            self._forwarded[peer] = running
 
     def _local_statuses(self) -> LocalStatuses:
         """The local engines for every receiver's report, refreshed only if they may have changed."""
@@ -647,7 +662,7 @@ class GatewayCore:
                     self._absorb_receiver(peer, receiver.handle_timeout(now), now, out)
             if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
                 self._open(peer, now, out)
-            self._reschedule(peer)
+            self._peer_touched(peer)
         if self._next_load is not None and self._next_load <= now:
             self._next_load = now + self.config.load_interval
             self._report_load(out)

@@ -48,6 +48,8 @@ def shared(gateway: GatewayCore) -> list[tuple[tuple[str, str], bytes]]:
 
 def check(gateway: GatewayCore) -> None:
     assert gateway.next_deadline() == scan_deadline(gateway)
+    assert gateway.forwarded_in_flight == sum(
+        p.receiver.tasks_in_flight for p in gateway.peers.values() if p.receiver is not None)
     if not gateway._local_stale:  # what the next report would read without a refresh
         assert shared(gateway) == fresh(gateway)
 
