@@ -1,7 +1,8 @@
-"""The gateway core's two per-peer costs, pure, on a hand-stepped clock: its deadline comes from
-a heap of its peers' due times, and its receivers share one view of the local engines refreshed
-once per change. Each is checked against the plain computation it replaced: asking every peer
-(``scan_deadline``) and rebuilding the local engines' statuses from the processor (``fresh``)."""
+"""The gateway core's per-peer costs, pure, on a hand-stepped clock: its deadline comes from a
+heap of its peers' due times, its receivers share one view of the local engines refreshed once
+per change, and it keeps the sum of their forwarded tasks. Each is checked against the plain
+computation it replaced: asking every peer (``scan_deadline``), rebuilding the local engines'
+statuses from the processor (``fresh``), summing every receiver's tasks."""
 
 from __future__ import annotations
 
