@@ -36,6 +36,12 @@ What it decides:
   recently, 503) rather than unknown (404) on the clock; at start-up, until
   every dialled peer has reported (or ``learn_peers_within``), a model nobody
   lists yet may be a peer's: its requests wait (``LEARNING``), then get 404.
+- *Costs per input*: each peer's next due time (its receiver's next report, or
+  its redial) is re-read only after that receiver took an input or the redial
+  changed, and kept in a heap, so :meth:`next_deadline` does not ask every
+  peer; the local engines every receiver reports are one
+  :class:`~protocol.status_reports.LocalStatuses`, refreshed once per change
+  (``LocalEnginesChanged``, or a ``SendTask``: it may record a spilled tip).
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
   queue for an engine the model is served (:class:`ModelServed`), when it ends
   otherwise it is released (:class:`TaskReleased`); in-flight tasks per model
@@ -45,10 +51,12 @@ What it decides:
 from __future__ import annotations
 
 import enum
+import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from protocol.due_times import DueTimes
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -89,7 +97,7 @@ from protocol.processor_types import (
 )
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.sender import Sender
-from protocol.status_reports import STATUS_DELTA_METADATA, offers_deltas
+from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 from protocol.grpc_metadata import Metadata
 
 __all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
@@ -143,11 +151,13 @@ class DialledPeer:
     The core's own record; adapters and tests only read it.
     """
 
-    __slots__ = ("name", "address", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
+    __slots__ = ("name", "address", "order", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
                  "streams_opened", "redial_at", "stopped")
 
-    def __init__(self, name: str, address: object) -> None:
+    def __init__(self, name: str, address: object, order: int = 0) -> None:
         self.name = name
+        #: When the core made it, relative to the others: peers due at once are served in this order.
+        self.order = order
         self.address = address
         self.dial: Dial | None = None
         self.receiver: Receiver | None = None
@@ -191,6 +201,16 @@ class GatewayCore:
         self._by_pod: dict[str, object] = {}
         self._peers: dict[str, DialledPeer] = {}
         self._by_dial: dict[Dial, DialledPeer] = {}
+        self._made = itertools.count()
+        # When each peer is next due: its receiver's next report, or its redial.
+        self._due: DueTimes[DialledPeer] = DueTimes()
+        # Tasks each peer forwarded on our stream to it that have not ended, and their sum.
+        self._forwarded: dict[DialledPeer, int] = {}
+        self._forwarded_in_flight = 0
+        # The local engines as every receiver reports them: refreshed at most once per change
+        # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
+        self._local = LocalStatuses()
+        self._local_stale = True
         self._shutting_down = False
         # The scaler, once attached: what it can start, the tasks it holds, the load it heard.
         self._can_start: Callable[[str, str], bool] | None = None
@@ -399,7 +419,7 @@ class GatewayCore:
                 self._forget_peer(peer)
                 peer = None
             if peer is None and desired is not None:
-                peer = DialledPeer(name, desired)
+                peer = DialledPeer(name, desired, next(self._made))
                 self._peers[name] = peer
                 self._open(peer, now, out)
         return self._after(now, out)
@@ -446,6 +466,11 @@ class GatewayCore:
         return len(self._peers)
 
     @property
+    def forwarded_in_flight(self) -> int:
+        """Tasks peers forwarded on the streams we dial that have not ended, over every peer."""
+        return self._forwarded_in_flight
+
+    @property
     def peers(self) -> Mapping[str, DialledPeer]:
         """The peers dialled now, by pod name (read only)."""
         return self._peers
@@ -460,7 +485,8 @@ class GatewayCore:
         peer.redial_at = None
         dial = Dial(peer.name, peer.address, peer.attempts)
         receiver = Receiver(self.processor, ReceiverConfig(self.config.pod_name, self.config.status_interval),
-                            origin=dial, requests_started=lambda: self.requests_started)
+                            origin=dial, requests_started=lambda: self.requests_started,
+                            local_statuses=self._local_statuses)
         peer.dial, peer.receiver = dial, receiver
         self._by_dial[dial] = peer
         out.append(OpenDial(dial))
@@ -472,10 +498,12 @@ class GatewayCore:
         peer.redial_at = None
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
+        self._peer_touched(peer)
 
     def _give_up(self, peer: DialledPeer, reason: str, now: float, out: list[CoreEffect]) -> None:
         """Cancel ``peer``'s stream now and forget the peer's redial."""
         peer.redial_at = None
+        self._peer_touched(peer)
         dial, receiver = peer.dial, peer.receiver
         if dial is None or receiver is None:
             return
@@ -489,6 +517,7 @@ class GatewayCore:
             del self._by_dial[dial]
         if receiver is not None and receiver.state is not ReceiverState.CLOSED:
             self._absorb(receiver.closed(now), now, out)
+        self._peer_touched(peer)
 
     def _dial_ended(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
         self._close_dial(peer, now, out)
@@ -499,6 +528,7 @@ class GatewayCore:
             self._forget_peer(peer)
             return
         peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
+        self._peer_touched(peer)
 
     def _absorb_receiver(self, peer: DialledPeer, outputs: Iterable[ReceiverOutput], now: float,
                          out: list[CoreEffect]) -> None:
@@ -514,6 +544,34 @@ class GatewayCore:
             # Nothing more goes out on it; the peer ends the stream (dial_closed).
             peer.half_closed = True
             out.append(HalfCloseDial(dial))
+        self._peer_touched(peer)
+
+    def _peer_touched(self, peer: DialledPeer) -> None:
+        """``peer``'s receiver was called or its redial changed: keep when it is next due, and
+        how many forwarded tasks it runs.
+
+        Called after every input a receiver takes and every change of ``redial_at``, so that
+        :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one,
+        and :attr:`forwarded_in_flight` is a sum kept as it changes."""
+        due: float | None = None
+        running = 0
+        if self._peers.get(peer.name) is peer:
+            receiver = peer.receiver
+            report_at = receiver.next_deadline() if receiver is not None and receiver.state in _LIVE else None
+            due = report_at if peer.redial_at is None else (
+                peer.redial_at if report_at is None else min(report_at, peer.redial_at))
+            running = receiver.tasks_in_flight if receiver is not None else 0
+        self._due.set(peer, due, peer.order)
+        self._forwarded_in_flight += running - self._forwarded.pop(peer, 0)
+        if running:
+            self._forwarded[peer] = running
+
+    def _local_statuses(self) -> LocalStatuses:
+        """The local engines for every receiver's report, refreshed only if they may have changed."""
+        if self._local_stale:
+            self._local.refresh(self.processor.local_engines())
+            self._local_stale = False
+        return self._local
 
     # --- shutdown ----------------------------------------------------------------------
 
@@ -587,13 +645,9 @@ class GatewayCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
-        candidates = [self.processor.next_deadline(), self._next_load]
+        candidates = [self.processor.next_deadline(), self._next_load, self._due.earliest()]
         if self._learning_models and not self._learned:
             candidates.append(self._learning_until)
-        for peer in self._peers.values():
-            candidates.append(peer.redial_at)
-            if peer.receiver is not None and peer.receiver.state in _LIVE:
-                candidates.append(peer.receiver.next_deadline())
         due = [t for t in candidates if t is not None]
         return min(due) if due else None
 
@@ -601,7 +655,7 @@ class GatewayCore:
         """Time passed: the processor's timers, periodic reports to peers, redials, load reports."""
         out: list[CoreEffect] = []
         self._absorb(self.processor.handle_timeout(now), now, out)
-        for peer in list(self._peers.values()):
+        for peer in self._due.pop_due(now):  # in the order they were made, as in ``_peers``
             receiver = peer.receiver
             if receiver is not None and receiver.state in _LIVE:
                 report_at = receiver.next_deadline()
@@ -609,6 +663,7 @@ class GatewayCore:
                     self._absorb_receiver(peer, receiver.handle_timeout(now), now, out)
             if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
                 self._open(peer, now, out)
+            self._peer_touched(peer)
         if self._next_load is not None and self._next_load <= now:
             self._next_load = now + self.config.load_interval
             self._report_load(out)
@@ -621,6 +676,7 @@ class GatewayCore:
         fed to them here, in place, so the order is the order they happened in."""
         for effect in effects:
             if isinstance(effect, SendTask):
+                self._local_stale = True  # the task may have recorded a spilled tip on a local engine
                 out.append(effect)
                 request = self._http.get(self.processor.attempt_owner(effect.task.id) or "")
                 if request is not None and not request.dispatched:
@@ -637,6 +693,7 @@ class GatewayCore:
                         out.append(RequestFinished(request.model))
                 out.append(effect)
             elif isinstance(effect, LocalEnginesChanged):
+                self._local_stale = True
                 for peer in list(self._peers.values()):
                     if peer.receiver is not None and peer.receiver.state in _LIVE:
                         self._absorb_receiver(peer, peer.receiver.local_engines_changed(now), now, out)

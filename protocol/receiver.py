@@ -51,9 +51,9 @@ from enum import Enum
 from typing import Union
 
 from protocol.openai_errors import status_line
-from protocol.pb import internal_pb2, status_pb2, worker_pb2
+from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor import Processor
-from protocol.status_reports import ReportWriter
+from protocol.status_reports import LocalStatuses, ReportWriter
 from protocol.processor_types import (
     DeliverResult,
     Effect,
@@ -134,12 +134,23 @@ class Receiver:
     """Runs one peer's forwarded tasks on local engines; see the module docstring."""
 
     def __init__(self, processor: Processor, config: ReceiverConfig, origin: Origin | None = None,
-                 requests_started: Callable[[], Mapping[str, int]] = dict) -> None:
+                 requests_started: Callable[[], Mapping[str, int]] = dict,
+                 local_statuses: Callable[[], LocalStatuses] | None = None) -> None:
         """``origin`` is what the processor's effects name as the origin of this
         stream's tasks: the adapter's own object, or by default this receiver.
         ``requests_started()`` is the number of requests per model this gateway
-        has accepted from clients since it started, read at every report."""
+        has accepted from clients since it started, read at every report.
+        ``local_statuses()`` is the processor's local engines as they are now: the
+        gateway core's, shared by all its receivers and refreshed once per change; by
+        default this receiver's own, refreshed from the processor at every read."""
+        if local_statuses is None:
+            own = LocalStatuses()
+
+            def local_statuses() -> LocalStatuses:
+                return own.refresh(processor.local_engines())
+
         self.processor = processor
+        self._local_statuses = local_statuses
         self.origin: Origin = self if origin is None else origin
         self.config = config
         self.state = ReceiverState.IDLE
@@ -173,9 +184,9 @@ class Receiver:
         """Re-report the local engines if what the peer last heard differs: at once, unless
         only load counts changed (then within a quarter of the status interval)."""
         self._enter("local_engines_changed")
-        statuses = self._local_statuses()
-        if self._writer.urgent(statuses, self.state is ReceiverState.DRAINING):
-            return self._report(now, force=False, statuses=statuses)
+        local = self._local_statuses()
+        if self._writer.urgent(local, self.state is ReceiverState.DRAINING):
+            return self._report(now, force=False, local=local)
         if self._load_due is None:
             self._load_due = now + self.config.status_interval / 4
         return []
@@ -296,25 +307,11 @@ class Receiver:
         outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
         return outputs
 
-    def _report(self, now: float, force: bool,
-                statuses: list[tuple[str, status_pb2.EngineStatus]] | None = None) -> list[ReceiverOutput]:
+    def _report(self, now: float, force: bool, local: LocalStatuses | None = None) -> list[ReceiverOutput]:
         self._next_report = now + self.config.status_interval
         self._load_due = None
-        report = self._writer.report(self._local_statuses() if statuses is None else statuses,
+        report = self._writer.report(self._local_statuses() if local is None else local,
                                      self._requests_started(), self.state is ReceiverState.DRAINING, force)
         if report is None:
             return []
         return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]
-
-    def _local_statuses(self) -> list[tuple[str, status_pb2.EngineStatus]]:
-        statuses = sorted(self.processor.local_engines(), key=lambda item: (item[0], item[1].engine_id))
-        for _, status in statuses:
-            models = sorted(status.models, key=lambda m: m.id)
-            ordered = [status_pb2.EngineStatus.Model() for _ in models]
-            for copy, model in zip(ordered, models):
-                copy.CopyFrom(model)
-            del status.models[:]
-            status.models.extend(ordered)
-            if self.state is ReceiverState.DRAINING:
-                status.ready = False
-        return statuses

@@ -3,7 +3,8 @@
 No I/O, no clock reads. Both ends of a ``ProcessTasksInternal`` stream keep
 here what the stream has reported so far: the receiver (which reports its
 local engines) in a :class:`ReportWriter`, the sender (which registers them)
-in a :class:`ReportReader`.
+in a :class:`ReportReader`. The local engines themselves are a
+:class:`LocalStatuses`, shared by every receiver of a gateway.
 
 LLMariner's receiver re-sends every engine on every change, to every peer:
 with ``g`` gateways of ``e`` engines each, one change costs ``g`` reports of
@@ -29,6 +30,7 @@ that changes what can be routed (sent at once).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -39,6 +41,7 @@ from protocol.processor_types import EngineKey, RemoteProtocolError
 __all__ = [
     "STATUS_DELTA_HEADER",
     "STATUS_DELTA_METADATA",
+    "LocalStatuses",
     "ReportRead",
     "ReportReader",
     "ReportWriter",
@@ -77,6 +80,124 @@ def shape_of(status: status_pb2.EngineStatus) -> bytes:
     return data
 
 
+class _Local:
+    """One local engine as the receivers report it: its status, serialized, and its shape, built once
+    per change and shared by every stream; the variant a draining gateway reports (not ready) on demand."""
+
+    __slots__ = ("status", "wire", "_shape", "_draining")
+
+    def __init__(self, status: status_pb2.EngineStatus, wire: bytes) -> None:
+        self.status = status
+        self.wire = wire
+        self._shape: bytes | None = None
+        self._draining: _Local | None = None
+
+    def shape(self) -> bytes:
+        """:func:`shape_of` its status, computed once."""
+        if self._shape is None:
+            self._shape = shape_of(self.status)
+        return self._shape
+
+    def view(self, draining: bool) -> _Local:
+        """This engine as reported by a gateway that is (or is not) draining: not ready when draining."""
+        if not draining:
+            return self
+        if self._draining is None:
+            status = status_pb2.EngineStatus()
+            status.CopyFrom(self.status)
+            status.ready = False
+            self._draining = _Local(status, status.SerializeToString(deterministic=True))
+        return self._draining
+
+
+class LocalStatuses:
+    """This gateway's local engines as every receiver reports them, and which changed when.
+
+    The gateway core refreshes it once per change of its local engines and every receiver's
+    :class:`ReportWriter` reads it, so that a change costs one copy and serialization of each
+    local engine, not one per peer, and a writer compares only the engines that changed since it
+    last reported (``changed_since``), not every engine.
+
+    ``generation`` grows by one with every refresh that changed something. The change log keeps,
+    per engine (present or removed), the generation of its last change, oldest first; it is
+    trimmed to twice the engines plus ``slack`` entries, and ``changed_since`` answers None for a
+    generation older than what the log still covers (the writer then compares every engine).
+    """
+
+    def __init__(self, slack: int = 16) -> None:
+        self._slack = slack
+        self.generation = 0
+        self._entries: dict[tuple[str, str], _Local] = {}
+        self._sorted: list[tuple[str, str]] = []
+        self._log: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # The log lists every engine that changed after this generation.
+        self._horizon = 0
+
+    def refresh(self, statuses: Iterable[tuple[str, status_pb2.EngineStatus]]) -> LocalStatuses:
+        """Take the local engines as they are now: (tenant, status) pairs this object may keep and
+        change (copies, as ``Processor.local_engines`` returns); each status's models are put in id
+        order. Returns itself."""
+        generation = self.generation + 1
+        entries: dict[tuple[str, str], _Local] = {}
+        changed: list[tuple[str, str]] = []
+        for tenant, status in statuses:
+            models = sorted(status.models, key=lambda m: m.id)
+            ordered = [status_pb2.EngineStatus.Model() for _ in models]
+            for copy, model in zip(ordered, models):
+                copy.CopyFrom(model)
+            del status.models[:]
+            status.models.extend(ordered)
+            key = (tenant, status.engine_id)
+            wire = status.SerializeToString(deterministic=True)
+            last = self._entries.get(key)
+            if last is not None and last.wire == wire:
+                entries[key] = last
+            else:
+                entries[key] = _Local(status, wire)
+                changed.append(key)
+        changed += [key for key in self._entries if key not in entries]
+        if not changed:
+            return self
+        self.generation = generation
+        if len(entries) != len(self._entries) or any(key not in self._entries for key in entries):
+            self._sorted = sorted(entries)
+        self._entries = entries
+        for key in changed:
+            self._log[key] = generation
+            self._log.move_to_end(key)
+        while len(self._log) > 2 * len(entries) + self._slack:
+            _, self._horizon = self._log.popitem(last=False)
+        return self
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[str, str]) -> _Local | None:
+        """Local engine ``key`` as reported when not draining, or None if it is not local now."""
+        return self._entries.get(key)
+
+    def view(self, key: tuple[str, str], draining: bool) -> _Local:
+        """Local engine ``key`` (one of ``keys``) as a gateway that is (or is not) draining reports it."""
+        return self._entries[key].view(draining)
+
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """Every local engine's (tenant, engine id), sorted."""
+        return self._sorted
+
+    def changed_since(self, generation: int) -> list[tuple[str, str]] | None:
+        """The engines that changed, came or went after ``generation``, newest first; None if the
+        log no longer goes back that far."""
+        if generation < self._horizon:
+            return None
+        out = []
+        for key, changed_at in reversed(self._log.items()):
+            if changed_at <= generation:
+                break
+            out.append(key)
+        return out
+
+
 class ReportWriter:
     """What one stream has reported: builds the next report, full or delta.
 
@@ -92,51 +213,71 @@ class ReportWriter:
         self._engines: dict[tuple[str, str], tuple[bytes, bytes]] = {}
         self._counts: dict[str, int] = {}
         self._draining: bool | None = None
+        # The LocalStatuses, and its generation, that ``_engines`` equals (with ``_draining``'s view).
+        self._book: LocalStatuses | None = None
+        self._seen = 0
 
-    def urgent(self, statuses: Iterable[tuple[str, status_pb2.EngineStatus]], draining: bool) -> bool:
+    def urgent(self, local: LocalStatuses, draining: bool) -> bool:
         """Whether the peer must hear now: an engine came or went, or changed beyond its load counts."""
         if draining != self._draining:
             return True
-        seen = 0
-        for tenant, status in statuses:
-            seen += 1
-            last = self._engines.get((tenant, status.engine_id))
-            if last is None or last[1] != shape_of(status):
+        for key in self._candidates(local, draining):
+            entry, last = local.get(key), self._engines.get(key)
+            if entry is None:
+                if last is not None:
+                    return True
+            elif last is None or last[1] != entry.view(draining).shape():
                 return True
-        return seen != len(self._engines)
+        return False
 
-    def report(self, statuses: Iterable[tuple[str, status_pb2.EngineStatus]], counts: Mapping[str, int],
+    def report(self, local: LocalStatuses, counts: Mapping[str, int],
                draining: bool, force: bool) -> internal_pb2.ServerStatus | None:
         """The next report, or None if nothing changed (and not ``force``): full unless deltas
         were offered and the delta is smaller."""
-        current = {(tenant, s.engine_id): s for tenant, s in statuses}
-        wire = {key: s.SerializeToString(deterministic=True) for key, s in current.items()}
-        changed = [key for key, data in wire.items() if key not in self._engines or self._engines[key][0] != data]
-        removed = [key for key in self._engines if key not in current]
+        changed: dict[tuple[str, str], _Local] = {}
+        removed: list[tuple[str, str]] = []
+        for key in self._candidates(local, draining):
+            entry, last = local.get(key), self._engines.get(key)
+            if entry is None:
+                if last is not None:
+                    removed.append(key)
+            elif last is None or last[0] != entry.view(draining).wire:
+                changed[key] = entry.view(draining)
         new_counts = {model: count for model, count in counts.items() if self._counts.get(model) != count}
         if not (force or changed or removed or new_counts or draining != self._draining):
+            self._book, self._seen = local, local.generation
             return None
         self.sequence += 1
         report = internal_pb2.ServerStatus(pod_name=self.pod_name, draining=draining, sequence=self.sequence)
-        full = force or not self.deltas or self._draining is None or len(changed) + len(removed) >= len(current)
+        full = force or not self.deltas or self._draining is None or len(changed) + len(removed) >= len(local)
         if full:
             report.model_requests_started.update(counts)
-            for key in sorted(current):
-                report.engine_statuses.add(engine_status=current[key], tenant_id=key[0])
+            for key in local.keys:
+                report.engine_statuses.add(engine_status=local.view(key, draining).status, tenant_id=key[0])
         else:
             report.delta = True
             report.model_requests_started.update(new_counts)
             for key in sorted(changed):
-                report.engine_statuses.add(engine_status=current[key], tenant_id=key[0])
+                report.engine_statuses.add(engine_status=changed[key].status, tenant_id=key[0])
             for tenant, engine_id in sorted(removed):
                 report.removed_engines.add(engine_id=engine_id, tenant_id=tenant)
-        for key in changed:
-            self._engines[key] = (wire[key], shape_of(current[key]))
+        for key, view in changed.items():
+            self._engines[key] = (view.wire, view.shape())
         for key in removed:
             del self._engines[key]
         self._counts = dict(counts)
         self._draining = draining
+        self._book, self._seen = local, local.generation
         return report
+
+    def _candidates(self, local: LocalStatuses, draining: bool) -> Iterable[tuple[str, str]]:
+        """Every engine whose report may differ from what this stream last reported: those
+        ``local`` changed since, or all of them (another book, another view, a log too short)."""
+        if local is self._book and draining == self._draining:
+            changed = local.changed_since(self._seen)
+            if changed is not None:
+                return changed
+        return dict.fromkeys([*local.keys, *self._engines])
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,9 @@ What each invariant needs:
 - a forwarded task outlives its deadline by a tick: a heap of the entries the
   gateways' dials track, valid while the dial still tracks that deadline.
 - a gateway's processor holds as many live tasks as its clients and peers
-  await (``MEMORY``): only the gateways the step gave an input to.
+  await (``MEMORY``): only the gateways the step gave an input to, against
+  the core's running count of forwarded tasks (the full check sums every
+  receiver's).
 - an engine's core and runtime agree on the tasks running (``MEMORY``): only
   the engines the step gave an input to.
 - *converged* (every live gateway routes to every up engine, every dial open):
@@ -96,7 +98,9 @@ class StepChecks:
         for gateway in gateways:
             if gateway.alive:
                 ledger.checks += 1
-                if not self._gateway_balanced(gateway):
+                # The core's running count of forwarded tasks, not a sum over every receiver
+                # (check_all sums them, so a count that drifted fails loudly there).
+                if gateway.live_tasks() != len(gateway.clients) + gateway.core.forwarded_in_flight:
                     return True
         engines, self._engines = self._engines, {}
         for engine in engines:
