@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -303,4 +304,10 @@ def test_a_daemonized_twistd_with_a_taken_port_tells_its_parent_which_exits_1(ta
     assert result.returncode == 1
     assert "ListenFailed: --worker-grpc: cannot listen on" in result.stderr
     assert f"port {taken_port} is already in use" in (tmp_path / "infx.log").read_text()
-    assert not (tmp_path / "infx.pid").exists()
+    # twistd's daemon removes its pidfile just after it wrote to the status pipe, so the parent
+    # may have exited (and subprocess.run returned) first: wait for the daemon, generously.
+    pidfile = tmp_path / "infx.pid"
+    deadline = time.monotonic() + 30
+    while pidfile.exists():
+        assert time.monotonic() < deadline, f"the daemon left its pidfile {pidfile}"
+        time.sleep(0.05)
