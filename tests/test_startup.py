@@ -224,8 +224,7 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path):
         (["--kube", "--queue-timeout", "soon"], "--queue-timeout: invalid value 'soon'"),
     ]
     for args, message in cases:
-        result = twistd("infx", "--http", loopback(), "--worker-grpc", loopback(), "--internal-grpc", loopback(), *args,
-                        timeout=10)
+        result = twistd("infx", "--http", loopback(), "--worker-grpc", loopback(), "--internal-grpc", loopback(), *args)
         assert result.returncode == EXIT_USAGE, (args, result.stdout, result.stderr)
         (line,) = result.stderr.splitlines()
         assert message in line, (args, line)

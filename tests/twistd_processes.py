@@ -178,7 +178,7 @@ class Gateway:
     def wait_until_idle(self) -> dict[str, Any]:
         """Until no task is in the processor at all; returns that status dump."""
         status: dict[str, Any] = wait_until(lambda: (s := self.status())["tasks"] == 0 and s, "no task in flight",
-                                            [self.child], timeout=5.0)
+                                            [self.child])
         return status
 
     def stop(self) -> None:
