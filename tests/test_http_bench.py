@@ -104,17 +104,19 @@ def test_a_window_with_nothing_measured_stays_open_for_the_first_measurement_the
     stats = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
     assert not stats.measures(9.9)
     assert stats.measures(10.5) and stats.end == 11.0  # inside the window: it keeps its end
-    assert stats.measures(13.0) and stats.end == 13.0 and stats.extended.is_set()  # nothing counted yet
+    assert stats.is_open(12.0)  # nothing counted yet: the clients keep sending
+    assert stats.measures(13.0) and stats.end == 13.0 and stats.extended.is_set()
     stats.events += 1
-    assert not stats.measures(13.1)
+    assert not stats.measures(13.1) and not stats.is_open(13.1)
 
 
 def test_a_window_with_something_measured_or_past_its_ceiling_does_not_grow() -> None:
     busy = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
     busy.latencies.append(0.1)
-    assert not busy.measures(12.0) and busy.end == 11.0
+    assert not busy.measures(12.0) and busy.end == 11.0 and not busy.is_open(12.0)
     empty = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
     assert not empty.measures(20.5) and empty.end == 11.0 and not empty.extended.is_set()
+    assert not empty.is_open(20.5)
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -57,16 +57,19 @@ class Stats:
     #: Set when the first measurement after ``end`` closed an empty window.
     extended: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def is_open(self, now: float) -> bool:
+        """Whether the window is open at ``now``, or may still be (nothing measured yet): clients keep sending."""
+        return now <= self.end or (now <= self.ceiling and not self.events and not self.latencies)
+
     def measures(self, now: float) -> bool:
         """Whether something that happens at ``now`` is measured: inside ``[start, end]``,
         or after ``end`` (up to ``ceiling``) while nothing was measured, which ends the window at ``now``."""
-        if self.start <= now <= self.end:
-            return True
-        if self.end < now <= self.ceiling and not self.events and not self.latencies:
+        if now < self.start or not self.is_open(now):
+            return False
+        if now > self.end:
             self.end = now
             self.extended.set()
-            return True
-        return False
+        return True
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -203,7 +206,7 @@ class LoadConnection(asyncio.Protocol):
         elif stats.start <= self.sent_at and stats.measures(now):
             stats.latencies.append(now - self.sent_at)
         self.reader.reset()
-        if now > stats.end or self.stopped.is_set():
+        if self.stopped.is_set() or not stats.is_open(now):
             self.close()
         else:
             self._send()
