@@ -18,6 +18,9 @@ Several attacks are answered by the connection budgets of the gRPC machine
 from __future__ import annotations
 
 import importlib.util
+import socket
+import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +29,7 @@ import pytest
 
 from tests.twistd_processes import Gateway
 from tools.bench import attacks
-from tools.bench.attacks import CANCEL, ENHANCE_YOUR_CALM, LegitimateClient, Outcome, Target
+from tools.bench.attacks import CANCEL, ENHANCE_YOUR_CALM, LegitimateClient, Outcome, Target, Wire
 
 CLIENT_KEY = "sk-attack-suite-client"
 ENGINE_KEY = "ek-attack-suite-engine"
@@ -112,7 +115,7 @@ def test_a_zero_window_engine_or_peer_is_closed_and_its_tasks_end(under_attack, 
     request sent its way gets an answer (503 once nothing serves the model)."""
     outcome = under_attack(lambda t, s: attacks.zero_window_engine(t, which, s + 1.0, tasks=16))
     assert outcome.resets[CANCEL] >= 1 or outcome.closed, outcome.summary()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30  # a ceiling: the answers come within the queue timeout (2 s) unloaded
     while sum(outcome.http_statuses.values()) < 16:
         assert time.monotonic() < deadline, outcome.summary()
         time.sleep(0.1)
@@ -216,3 +219,62 @@ def test_half_of_a_16_mib_headers_frame_is_refused_by_its_header(under_attack, w
 def test_a_partial_message_hoard_ends_its_calls_resource_exhausted(under_attack, which: str):
     outcome = under_attack(lambda t, s: attacks.partial_message_hoard(t, which, s))
     assert outcome.grpc_statuses.get("8", 0) >= 1 or outcome.goaway == ENHANCE_YOUR_CALM, outcome.summary()
+
+
+# --- the attacker's own wire, against a plain socket (no gateway) ----------------------------
+
+
+@pytest.fixture
+def listener() -> Iterator[socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield server
+
+
+def test_a_goaway_written_before_a_reset_is_read_even_after_a_send_saw_the_reset(listener: socket.socket):
+    """The gateway writes GOAWAY and closes with our bytes unread, so the kernel resets the
+    connection; the sending thread may see the reset before the reader ran (a loaded machine).
+    The GOAWAY is still in our receive buffer: the reader must take it, not stop at the reset."""
+    outcome = Outcome("test")
+    wire = Wire("127.0.0.1", listener.getsockname()[1], outcome)
+    server, _ = listener.accept()
+    with server:
+        assert wire.send(b"\0" * 4096)  # never read: the close below resets
+        time.sleep(0.1)
+        server.sendall(attacks.frame(attacks.GOAWAY, 0, 0, struct.pack(">II", 0, ENHANCE_YOUR_CALM)))
+    deadline = time.monotonic() + 30
+    while wire.send(b"\0"):
+        assert time.monotonic() < deadline, "the reset never reached the sender"
+        time.sleep(0.01)
+    wire.start_reading()
+    wire.drain(30)
+    wire.close()
+    assert outcome.goaway == ENHANCE_YOUR_CALM and outcome.closed == 1, outcome.summary()
+
+
+def test_a_send_that_times_out_keeps_the_rest_of_its_frame_for_the_next(listener: socket.socket):
+    """A flood's send times out while the gateway does not read; what reaches it must still be
+    whole frames (a frame cut short would turn the flood into a different error)."""
+    outcome = Outcome("test")
+    wire = Wire("127.0.0.1", listener.getsockname()[1], outcome, send_timeout=0.05)
+    server, _ = listener.accept()
+    ping = attacks.frame(attacks.PING, 0, 0, b"\0" * 8)
+    burst = ping * 30_001  # not a multiple of any buffer size
+    deadline = time.monotonic() + 60
+    while not wire._unsent:  # until a send timed out inside a frame
+        assert wire.send(burst) and time.monotonic() < deadline
+    received = bytearray()
+
+    def read() -> None:
+        while chunk := server.recv(1 << 20):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while wire._unsent:
+        assert wire.send(b"") and time.monotonic() < deadline
+    wire.close()
+    reader.join(60)
+    server.close()
+    assert len(received) == outcome.sent and len(received) % len(ping) == 0
+    assert received == ping * (len(received) // len(ping))
+

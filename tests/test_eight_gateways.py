@@ -191,8 +191,8 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     # sent (none answered twice, none dropped), and no task is left anywhere.
     sent = Counter(o.gateway for o in to_live if o.kind == "ok")
     wait_until(lambda: {i: n - answered_before[i] for i, n in _answered(live).items()} == {
-        node.index: sent[node.index] for node in live}, "one 200 counted per answered request", timeout=10)
+        node.index: sent[node.index] for node in live}, "one 200 counted per answered request", timeout=30)
     for node in cluster.gateways:
-        wait_until(lambda: node.status()["tasks"] == 0, f"{node.name} to have no task left", timeout=10)
+        wait_until(lambda: node.status()["tasks"] == 0, f"{node.name} to have no task left", timeout=30)
     print(f"{len(outcomes)} requests, {len(cut)} streams cut mid-way on a lost engine, "
           f"{_retries(live) - retries_before:.0f} failovers")

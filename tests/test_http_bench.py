@@ -44,7 +44,8 @@ def _number(value: object) -> bool:
 def test_quick_json_run_reports_every_case_with_rates_latencies_and_ratios_to_direct() -> None:
     result = subprocess.run(
         [sys.executable, str(BENCH / "http_bench.py"), "--quick", "--json", "--duration", "0.25"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        # Generous: on a loaded machine each case may wait for its first answer (http_bench.PATIENCE_S).
+        cwd=ROOT, capture_output=True, text=True, timeout=150,
     )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
@@ -97,6 +98,25 @@ def test_reader_ends_a_content_length_response_and_keeps_the_next_ones_bytes() -
     assert reader.feed(first + second[:10]) == (True, 503, 0)
     reader.reset()
     assert reader.feed(second[10:]) == (True, 200, 0)
+
+
+def test_a_window_with_nothing_measured_stays_open_for_the_first_measurement_then_ends_there() -> None:
+    stats = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
+    assert not stats.measures(9.9)
+    assert stats.measures(10.5) and stats.end == 11.0  # inside the window: it keeps its end
+    assert stats.is_open(12.0)  # nothing counted yet: the clients keep sending
+    assert stats.measures(13.0) and stats.end == 13.0 and stats.extended.is_set()
+    stats.events += 1
+    assert not stats.measures(13.1) and not stats.is_open(13.1)
+
+
+def test_a_window_with_something_measured_or_past_its_ceiling_does_not_grow() -> None:
+    busy = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
+    busy.latencies.append(0.1)
+    assert not busy.measures(12.0) and busy.end == 11.0 and not busy.is_open(12.0)
+    empty = http_load.Stats(start=10.0, end=11.0, ceiling=20.0)
+    assert not empty.measures(20.5) and empty.end == 11.0 and not empty.extended.is_set()
+    assert not empty.is_open(20.5)
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -67,7 +67,7 @@ class Engines:
             engine.close()
         ids = {e.engine_id for e in self.started}
         wait_until(lambda: not ids & set(self.gateway.engines("team-a")), "the engines to be dropped",
-                   [self.gateway.child], timeout=5)
+                   [self.gateway.child])
 
 
 @pytest.fixture

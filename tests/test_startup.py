@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -223,8 +224,7 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path):
         (["--kube", "--queue-timeout", "soon"], "--queue-timeout: invalid value 'soon'"),
     ]
     for args, message in cases:
-        result = twistd("infx", "--http", loopback(), "--worker-grpc", loopback(), "--internal-grpc", loopback(), *args,
-                        timeout=10)
+        result = twistd("infx", "--http", loopback(), "--worker-grpc", loopback(), "--internal-grpc", loopback(), *args)
         assert result.returncode == EXIT_USAGE, (args, result.stdout, result.stderr)
         (line,) = result.stderr.splitlines()
         assert message in line, (args, line)
@@ -303,4 +303,10 @@ def test_a_daemonized_twistd_with_a_taken_port_tells_its_parent_which_exits_1(ta
     assert result.returncode == 1
     assert "ListenFailed: --worker-grpc: cannot listen on" in result.stderr
     assert f"port {taken_port} is already in use" in (tmp_path / "infx.log").read_text()
-    assert not (tmp_path / "infx.pid").exists()
+    # twistd's daemon removes its pidfile just after it wrote to the status pipe, so the parent
+    # may have exited (and subprocess.run returned) first: wait for the daemon, generously.
+    pidfile = tmp_path / "infx.pid"
+    deadline = time.monotonic() + 30
+    while pidfile.exists():
+        assert time.monotonic() < deadline, f"the daemon left its pidfile {pidfile}"
+        time.sleep(0.05)

@@ -22,10 +22,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from infx.cli import EXIT_CANNOT_LISTEN
+
 ROOT = Path(__file__).resolve().parents[1]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
 #: Seconds a child gets to come up or to reach a state the test waits for.
 STARTUP_TIMEOUT = 20.0
+#: Times a gateway is started again on new ports when one was taken before it could bind it.
+PORT_RACE_RETRIES = 3
 
 
 def free_port() -> int:
@@ -116,23 +120,35 @@ class Gateway:
 
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
                  extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None) -> None:
-        """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would."""
-        ports: tuple[int, int, int]
-        if same_ports_as is not None:
-            ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
-        else:
-            ports = (free_port(), free_port(), free_port())
-        self.http_port: int = ports[0]
-        self.worker_port: int = ports[1]
-        self.internal_port: int = ports[2]
+        """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would.
+
+        Free ports are picked here and bound by the child a second or two later; another
+        process may take one meanwhile (other suites share the machine). A child that exits
+        saying so is started again on new ports, at most :data:`PORT_RACE_RETRIES` times."""
         self.admin_key = admin_key
-        args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
-                "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
-                "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1", *extra]
-        if api_keys is not None:
-            args += ["--api-keys", str(api_keys)]
-        self.child = TwistdChild(name, args, log_dir)
-        wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
+        for attempt in range(PORT_RACE_RETRIES + 1):
+            ports: tuple[int, int, int]
+            if same_ports_as is not None:
+                ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
+            else:
+                ports = (free_port(), free_port(), free_port())
+            self.http_port: int = ports[0]
+            self.worker_port: int = ports[1]
+            self.internal_port: int = ports[2]
+            args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
+                    "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
+                    "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1", *extra]
+            if api_keys is not None:
+                args += ["--api-keys", str(api_keys)]
+            self.child = TwistdChild(name, args, log_dir)
+            try:
+                wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
+                return
+            except ChildDied:
+                taken = self.child.process.returncode == EXIT_CANNOT_LISTEN and "is already in use" in self.child.output()
+                if not taken or same_ports_as is not None or attempt == PORT_RACE_RETRIES:
+                    raise
+                self.child.log_path.rename(log_dir / f"{name}.port-taken-{attempt}.log")
 
     @property
     def url(self) -> str:
@@ -178,7 +194,7 @@ class Gateway:
     def wait_until_idle(self) -> dict[str, Any]:
         """Until no task is in the processor at all; returns that status dump."""
         status: dict[str, Any] = wait_until(lambda: (s := self.status())["tasks"] == 0 and s, "no task in flight",
-                                            [self.child], timeout=5.0)
+                                            [self.child])
         return status
 
     def stop(self) -> None:

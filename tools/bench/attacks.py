@@ -38,6 +38,11 @@ PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTa
 PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalService/ProcessTasksInternal"
 #: The model the zero-window peers claim to serve; nothing else serves it.
 SINK_MODEL = "sink"
+#: Seconds a well-behaved peer's send may wait for the gateway to read (generous: a loaded machine).
+SEND_TIMEOUT = 10.0
+#: Seconds an attack waits, once it stopped, for the gateway to end a connection it ought to end
+#: (generous: a loaded machine; the wait ends as soon as the connection does).
+CLOSE_WAIT = 10.0
 
 
 @dataclass
@@ -128,7 +133,13 @@ def request_headers(target: Target, which: str, path: str | None = None, authent
 
 
 class Wire:
-    """One raw TCP connection to the gateway, and a reader that records what comes back."""
+    """One raw TCP connection to the gateway, and a reader that records what comes back.
+
+    A send that fails (the gateway closed, or reset the connection because
+    our bytes were unread) stops the sending but not the reading: what the
+    gateway wrote before it closed, its GOAWAY above all, is still in our
+    receive buffer after the reset, and the reader takes it until EOF.
+    """
 
     def __init__(self, host: str, port: int, outcome: Outcome, *, ack_settings: bool = True,
                  send_timeout: float = 1.0) -> None:
@@ -138,7 +149,11 @@ class Wire:
         self.ack_settings = ack_settings
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = 1 << 20
+        #: The gateway closed the connection (a send or a read saw it): send no more.
         self.gone = False
+        self._closed = False
+        # The part of a frame a timed-out send left unsent: it goes first, so frames stay whole.
+        self._unsent = b""
         self._lock = threading.Lock()
         outcome.connections += 1
         self._reader: threading.Thread | None = None
@@ -148,22 +163,37 @@ class Wire:
         self._reader.start()
 
     def send(self, data: bytes) -> bool:
-        """Send ``data``; False once the gateway closed the connection (or stopped reading)."""
+        """Send ``data``; False once the gateway closed the connection.
+
+        While the gateway does not read (the socket's timeout passes), the
+        rest of a frame is kept for the next call and new data is dropped:
+        a flood is best effort, but what arrives is whole frames."""
         if self.gone:
             return False
-        try:
-            with self._lock:
-                self.sock.sendall(data)
-            self.outcome.sent += len(data)
-            return True
-        except socket.timeout:
-            return True  # the gateway is not reading right now: try again later
-        except OSError:
-            self._lost()
-            return False
+        with self._lock:
+            try:
+                self._unsent = self._send_some(self._unsent)
+                if not self._unsent:
+                    self._unsent = self._send_some(data)
+            except OSError:
+                self._lost()
+                return False
+        return True
+
+    def _send_some(self, data: bytes) -> bytes:
+        """Send what the socket takes before its timeout; the rest is returned."""
+        view = memoryview(data)
+        while view:
+            try:
+                sent = self.sock.send(view)
+            except socket.timeout:
+                break
+            self.outcome.sent += sent
+            view = view[sent:]
+        return bytes(view)
 
     def drain(self, seconds: float) -> None:
-        """Read what the gateway sends for up to ``seconds`` (the reader thread, or here)."""
+        """Read what the gateway sends until it closes, for up to ``seconds`` (the reader thread, or here)."""
         if self._reader is not None:
             self._reader.join(seconds)
             return
@@ -172,20 +202,21 @@ class Wire:
         self._read(deadline)
 
     def close(self) -> None:
-        self.gone = True
+        self._closed = self.gone = True
         try:
             self.sock.close()
         except OSError:
             pass
 
     def _lost(self) -> None:
+        """The gateway closed the connection (counted once, and never our own close)."""
         if not self.gone:
             self.gone = True
             self.outcome.closed += 1
 
     def _read(self, deadline: float | None = None) -> None:
         buffer = b""
-        while not self.gone and (deadline is None or time.monotonic() < deadline):
+        while not self._closed and (deadline is None or time.monotonic() < deadline):
             try:
                 chunk = self.sock.recv(1 << 16)
             except socket.timeout:
@@ -193,7 +224,8 @@ class Wire:
                     continue
                 return
             except OSError:
-                self._lost()
+                if not self._closed:
+                    self._lost()
                 return
             if not chunk:
                 self._lost()
@@ -258,7 +290,7 @@ def rapid_reset(target: Target, which: str, seconds: float, authenticated: bool 
                 burst.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", CANCEL)))
                 stream_id += 2
             wire.send(b"".join(burst))
-        wire.drain(1.0)
+        wire.drain(CLOSE_WAIT)
         wire.close()
 
     _parallel(one, connections)
@@ -275,7 +307,7 @@ def settings_flood(target: Target, which: str, seconds: float, connections: int 
         going = _for(seconds)
         while going() and wire.send(burst):
             pass
-        wire.drain(1.0)
+        wire.drain(CLOSE_WAIT)
         wire.close()
 
     _parallel(one, connections)
@@ -293,7 +325,7 @@ def big_settings_frame(target: Target, which: str, seconds: float) -> Outcome:
     left, going = size, _for(seconds)
     while left > 0 and going() and wire.send(chunk[:left]):
         left -= min(left, len(chunk))
-    wire.drain(1.0)
+    wire.drain(CLOSE_WAIT)
     wire.close()
     return outcome
 
@@ -310,7 +342,7 @@ def continuation_flood(target: Target, which: str, seconds: float, authenticated
     going = _for(seconds)
     while going() and wire.send(continuation * 8):
         pass
-    wire.drain(1.0)
+    wire.drain(CLOSE_WAIT)
     wire.close()
     return outcome
 
@@ -353,7 +385,7 @@ def partial_message_hoard(target: Target, which: str, seconds: float, streams: i
     chunk = b"\0" * 16384
     sent = dict.fromkeys(ids, 0)
     going = _for(seconds)
-    while going() and not peer.gone and any(n < per_stream for n in sent.values()):
+    while going() and not peer.gone and not peer.send_failed and any(n < per_stream for n in sent.values()):
         progressed = False
         for stream_id in ids:
             if sent[stream_id] < per_stream and stream_id not in peer.ended and peer.window(stream_id) >= len(chunk):
@@ -404,7 +436,7 @@ def ping_flood(target: Target, which: str, seconds: float) -> Outcome:
     going = _for(seconds)
     while going() and wire.send(burst):
         pass
-    wire.drain(1.0)
+    wire.drain(CLOSE_WAIT)
     wire.close()
     return outcome
 
@@ -517,7 +549,10 @@ def _trickle(wires: list[Wire], data: bytes, pause: float, seconds: float) -> No
 
 class H2Peer:
     """A well-behaved HTTP/2 client (``h2``) that answers SETTINGS and PINGs but opens
-    windows only as ``initial_window`` says; never acknowledges received data."""
+    windows only as ``initial_window`` says; never acknowledges received data.
+
+    As with :class:`Wire`, a failed send does not end the reading: :meth:`pump`
+    still takes what the gateway wrote before it closed, until EOF."""
 
     def __init__(self, target: Target, port: int, outcome: Outcome, initial_window: int = 65_535) -> None:
         self.outcome = outcome
@@ -529,6 +564,8 @@ class H2Peer:
             h2.settings.SettingCodes.ENABLE_PUSH: 0})
         self.conn.initiate_connection()
         self.gone = False
+        #: A send failed: the gateway closed, reset, or stopped reading; send no more.
+        self.send_failed = False
         self.ended: set[int] = set()
         self._flush()
         self.pump(0.2)
@@ -540,7 +577,7 @@ class H2Peer:
         return stream_id
 
     def send_data(self, stream_id: int, data: bytes) -> None:
-        if stream_id in self.ended or self.gone:
+        if stream_id in self.ended or self.gone or self.send_failed:
             return
         try:
             self.conn.send_data(stream_id, data)
@@ -594,12 +631,15 @@ class H2Peer:
 
     def _flush(self) -> None:
         data = self.conn.data_to_send()
-        if data and not self.gone:
+        if data and not self.gone and not self.send_failed:
+            # pump() left the socket with what was left of its wait: a send gets a generous one of its own.
+            self.sock.settimeout(SEND_TIMEOUT)
             try:
                 self.sock.sendall(data)
             except OSError:
-                self.gone = True
-                self.outcome.closed += 1
+                # The gateway closed (or reset) the connection, or has not read for SEND_TIMEOUT seconds;
+                # the next pump() reads what it wrote before that, and sees the end.
+                self.send_failed = True
 
 
 class _HttpReply:

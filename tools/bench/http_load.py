@@ -10,9 +10,14 @@ ends, so the per-request cost on this side stays far below a server's.
 Latency is from the request's write to the response's last byte, taken
 for requests sent and finished inside the measured window; events count
 when they arrive inside it (a long stream contributes the events it
-relayed there even if it ends later).
+relayed there even if it ends later). A window in which nothing was
+measured yet does not close empty: it stays open until the first request
+finishes or event arrives (then ends there), for at most ``--patience``
+seconds more, so that a loaded machine gives a slower figure rather than
+none; ``seconds`` is the window's actual length.
 
     python tools/bench/http_load.py --port N --body-file F [--concurrency C] [--duration S] [--warmup S]
+                                    [--patience S]
 
 prints one JSON object: ``requests``, ``errors``, ``seconds``, ``rps``,
 ``events``, ``events_per_s``, ``p50_ms``, ``p99_ms``, ``cpu_s`` (this
@@ -37,14 +42,34 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Stats:
-    """What the connections report; the window is ``[start, end]`` in ``perf_counter`` seconds."""
+    """What the connections report; the window is ``[start, end]`` in ``perf_counter`` seconds.
+
+    An empty window may grow past ``end`` up to ``ceiling`` (see :meth:`measures`).
+    """
 
     start: float
     end: float
+    ceiling: float = math.inf
     latencies: list[float] = field(default_factory=list)
     events: int = 0
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
+    #: Set when the first measurement after ``end`` closed an empty window.
+    extended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def is_open(self, now: float) -> bool:
+        """Whether the window is open at ``now``, or may still be (nothing measured yet): clients keep sending."""
+        return now <= self.end or (now <= self.ceiling and not self.events and not self.latencies)
+
+    def measures(self, now: float) -> bool:
+        """Whether something that happens at ``now`` is measured: inside ``[start, end]``,
+        or after ``end`` (up to ``ceiling``) while nothing was measured, which ends the window at ``now``."""
+        if now < self.start or not self.is_open(now):
+            return False
+        if now > self.end:
+            self.end = now
+            self.extended.set()
+        return True
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -172,16 +197,16 @@ class LoadConnection(asyncio.Protocol):
             stats.error(f"unparseable response: {exc}")
             self.close()
             return
-        if stats.start <= now <= stats.end:
+        if events and stats.measures(now):
             stats.events += events
         if not done:
             return
         if status != 200:
             stats.error(f"HTTP {status}")
-        elif stats.start <= self.sent_at and now <= stats.end:
+        elif stats.start <= self.sent_at and stats.measures(now):
             stats.latencies.append(now - self.sent_at)
         self.reader.reset()
-        if now > stats.end or self.stopped.is_set():
+        if self.stopped.is_set() or not stats.is_open(now):
             self.close()
         else:
             self._send()
@@ -225,7 +250,7 @@ def build_request(port: int, body: bytes, path: str = "/v1/chat/completions") ->
 
 
 async def run(port: int, body: bytes, concurrency: int, duration: float, warmup: float,
-              watch: list[int]) -> dict[str, object]:
+              watch: list[int], patience: float = 0.0) -> dict[str, object]:
     loop = asyncio.get_running_loop()
     # The window opens once every connection is up (they already send meanwhile).
     stats = Stats(start=math.inf, end=math.inf)
@@ -238,10 +263,16 @@ async def run(port: int, body: bytes, concurrency: int, duration: float, warmup:
         connections.append(protocol)
     stats.start = time.perf_counter() + warmup
     stats.end = stats.start + duration
+    stats.ceiling = stats.end + patience
     await asyncio.sleep(warmup)
     cpu_start = time.process_time()
     watched_start = [process_sched(pid) for pid in watch]
     await asyncio.sleep(max(0.0, stats.end - time.perf_counter()))
+    if not stats.events and not stats.latencies and patience > 0:
+        try:
+            await asyncio.wait_for(stats.extended.wait(), max(0.0, stats.ceiling - time.perf_counter()))
+        except asyncio.TimeoutError:
+            pass
     cpu = time.process_time() - cpu_start
     watched_end = [process_sched(pid) for pid in watch]
     spans = [None if a is None or b is None else (b[0] - a[0], b[1] - a[1])
@@ -252,10 +283,11 @@ async def run(port: int, body: bytes, concurrency: int, duration: float, warmup:
     await asyncio.wait([c.lost for c in connections], timeout=5)
     latencies = sorted(stats.latencies)
     p50, p99 = percentile(latencies, 0.50), percentile(latencies, 0.99)
+    seconds = stats.end - stats.start
     return {
         "requests": len(latencies), "errors": stats.errors, "error_samples": stats.error_samples,
-        "seconds": duration, "rps": len(latencies) / duration,
-        "events": stats.events, "events_per_s": stats.events / duration,
+        "seconds": seconds, "rps": len(latencies) / seconds,
+        "events": stats.events, "events_per_s": stats.events / seconds,
         "p50_ms": None if p50 is None else p50 * 1000, "p99_ms": None if p99 is None else p99 * 1000,
         "cpu_s": cpu, "watched_cpu_s": [None if span is None else span[0] for span in spans],
         "watched_wait_s": [None if span is None else span[1] for span in spans],
@@ -269,13 +301,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=0.5, help="unmeasured seconds first, same connections")
+    parser.add_argument("--patience", type=float, default=0.0,
+                        help="seconds an empty window may stay open past --duration for its first measurement")
     parser.add_argument("--watch-pid", type=int, action="append", default=[],
                         help="report this process's CPU and CPU-wait seconds in the window (repeatable)")
     options = parser.parse_args(argv)
     with open(options.body_file, "rb") as f:
         body = f.read()
     result = asyncio.run(run(options.port, body, options.concurrency, options.duration, options.warmup,
-                             options.watch_pid))
+                             options.watch_pid, options.patience))
     print(json.dumps(result))
     return 0
 
