@@ -100,10 +100,11 @@ abandoned while its stream may still be open is cancelled on that stream.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
+from protocol.fair_share import caller_message
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     BUSY_STATUSES,
@@ -246,9 +247,8 @@ class Processor(ProcessorTables):
             elif engine.route in self._flow:
                 message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
                 self._fail(task, 503, message, effects, self.config.busy_retry_after)
-            elif self._full(engine):
-                message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
-                self._fail(task, 503, message, effects, self.config.busy_retry_after)
+            elif self._full(engine, self._may_use_reserve(task)):
+                self._wait_on_engine(now, task, engine, effects)
             else:
                 self._dispatch(now, task, engine, effects)
         else:
@@ -329,6 +329,8 @@ class Processor(ProcessorTables):
             self._next_heartbeat = now + self.config.heartbeat_interval
         if engine.routable:
             self._dispatch_waiting(now, engine, effects)
+        else:
+            self._fail_waiting_on(key, "is no longer ready", effects)
         return effects
 
     def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -410,6 +412,7 @@ class Processor(ProcessorTables):
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
+                self._fail_waiting_on(engine.key, "is going away", effects)
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
@@ -549,17 +552,37 @@ class Processor(ProcessorTables):
         if self.draining and self._pick(task, ignore_cap=True) is None:
             self._refuse_draining(task, effects)
             return
-        self._move(task, TaskState.WAITING)
-        key = (task.tenant_id, task.model)
-        queue = self._waiting.setdefault(key, HeldQueue())
-        queue.add(task.id, task.flow, task.weight, task.criticality)
+        self._hold(now, task, self._waiting.setdefault((task.tenant_id, task.model), HeldQueue()))
         if task.criticality is Criticality.SHEDDABLE:
             self._sheddable[task.id] = None
+        if not self._served_but_full(task):
+            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(self._waiting[(task.tenant_id, task.model)])))
+
+    def _hold(self, now: float, task: _Task, queue: HeldQueue) -> None:
+        """``task`` waits in ``queue`` for a slot, for at most ``queue_timeout``."""
+        self._move(task, TaskState.WAITING)
+        queue.add(task.id, task.flow, task.weight, task.criticality)
+        self._shares.started_waiting(task.tenant_id, task.model, task.flow, task.weight)
         self._waiting_total += 1
         queued_since = now if task.busy_since is None else task.busy_since
         self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
-        if not self._served_but_full(task):
-            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
+
+    def _wait_on_engine(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
+        """A peer's task for an engine at its cap waits for a slot on it, in its caller's turn
+        among every gateway's callers; a sheddable one, or one that finds the queue full, is
+        refused (503) so that the peer may try elsewhere."""
+        if task.criticality is Criticality.SHEDDABLE or self._waiting_total >= self.config.max_waiting_tasks:
+            message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
+            return
+        self._hold(now, task, self._waiting_on.setdefault(engine.key, {}).setdefault(task.model, HeldQueue()))
+
+    def _fail_waiting_on(self, key: EngineKey, reason: str, effects: list[Effect]) -> None:
+        """The engine peers' tasks wait for leaves routing: they fail (503) at once, so that
+        their gateways send them elsewhere."""
+        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue]:
+            message = f"engine {key.engine_id!r} {reason} while the task waited for a slot on it"
+            self._fail(self._tasks[task_id], 503, message, effects, self.config.busy_retry_after)
 
     def _no_engine_takes_it(self, task: _Task) -> bool:
         """Engines list the task's model, but none can take its request (only its verbatim form
@@ -589,38 +612,52 @@ class Processor(ProcessorTables):
         message = f"engines for model {task.model!r} are saturated and this request is sheddable; retry later"
         self._fail(task, 429, message, effects, self.config.busy_retry_after)
 
-    def _full(self, engine: _Engine) -> bool:
-        """At its in-flight cap, or on a route that is not draining."""
+    def _full(self, engine: _Engine, may_use_reserve: bool = True) -> bool:
+        """On a route that is not draining, or at its in-flight cap: its tasks counted as the
+        larger of this processor's on it and what it reported plus those sent since (every
+        gateway's), less the reserve for a task that may not take it (``fair_reserve``)."""
+        if engine.route in self._flow:
+            return True
         cap = self.config.max_in_flight_per_engine
-        return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
+        if cap is None:
+            return False
+        limit = cap if may_use_reserve else cap - min(self.config.fair_reserve, cap - 1)
+        return max(len(engine.in_flight), self._router.load(engine.key)) >= limit
+
+    def _may_use_reserve(self, task: _Task) -> bool:
+        """Whether ``task`` may take an engine's reserved last slots: it is critical, or its
+        flow holds no more slots per weight than any other on its model (fair_share.py)."""
+        return (self.config.max_in_flight_per_engine is None or task.criticality is Criticality.CRITICAL
+                or self._shares.least_served(task.tenant_id, task.model, task.flow, task.weight))
 
     def _served_but_full(self, task: _Task) -> bool:
         """Whether the task waits only for room: an engine would take it but for its in-flight
         cap, its runtime's busy back-off or its blocked route."""
         return self._pick(task, ignore_cap=True) is not None
 
-    def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
+    def _blocked(self, engine: _Engine, ignore_cap: bool, may_use_reserve: bool = True) -> bool:
         """Whether routing must skip a routable engine for now (full, its route not
         draining, or its runtime busy)."""
-        return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
+        return not ignore_cap and (self._full(engine, may_use_reserve) or engine.busy_until is not None)
 
-    def _held_back(self, task: _Task, engine: _Engine) -> bool:
+    def _held_back(self, task: _Task, engine: _Engine, may_use_reserve: bool) -> bool:
         """What the routing policy must not choose for ``task``: an engine that is full, busy
         or blocked, or that cannot take the task's request in any form."""
-        return self._blocked(engine, False) or not task_forms.eligible(task.request, engine.status)
+        return self._blocked(engine, False, may_use_reserve) or not task_forms.eligible(task.request, engine.status)
 
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
         policy = self.config.routing.policy
+        reserve = ignore_cap or self._may_use_reserve(task)
         if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
                 (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
             key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
-                                      lambda key: self._held_back(task, self._engines[key]))
+                                      lambda key: self._held_back(task, self._engines[key], reserve))
             if key is not None or not self.config.dynamic_model_loading:
                 return None if key is None else self._engines[key]
         best: _Engine | None = None
         best_rank: tuple[bool, bool, int, str] | None = None
         for engine in self._ready_engines(task.tenant_id, task.model):
-            if not engine.routable or self._blocked(engine, ignore_cap):
+            if not engine.routable or self._blocked(engine, ignore_cap, reserve):
                 continue
             if not task_forms.eligible(task.request, engine.status):
                 continue
@@ -635,7 +672,7 @@ class Processor(ProcessorTables):
         if best is None and self.config.dynamic_model_loading:
             # Any engine may load the model: this one scan is over every engine of the tenant.
             for engine in self._by_tenant.get(task.tenant_id, {}).values():
-                if not engine.routable or self._blocked(engine, ignore_cap):
+                if not engine.routable or self._blocked(engine, ignore_cap, reserve):
                     continue
                 if not task_forms.eligible(task.request, engine.status):
                     continue
@@ -653,6 +690,8 @@ class Processor(ProcessorTables):
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)
+        task.holds_slot = True
+        self._shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
         tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
@@ -661,14 +700,28 @@ class Processor(ProcessorTables):
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
-        # A spill's tip goes to a peer's engine's gateway (protocol/routing_spills.py), never to an engine.
+        # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing_spills.py,
+        # fair_share.py), never to an engine.
         wire.request.infx_prefix_tip = tip
+        caller = caller_message(task.flow, task.weight, task.criticality)
+        if caller is not None and engine.locality is Locality.REMOTE:
+            wire.request.infx_caller.CopyFrom(caller)
+        else:
+            wire.request.ClearField("infx_caller")
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
         effects.append(SendTask(engine.route, engine.key, wire))
 
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id
+        for model, targeted in list(self._waiting_on.get(engine.key, {}).items()):
+            served = self._served_for((tenant_id, model))
+            while targeted and (task_id := targeted.peek(served)) is not None:
+                task = self._tasks[task_id]
+                if self._full(engine, self._may_use_reserve(task)):
+                    break  # the least served flow waits; nobody else may take the slot before it
+                self._unwait(task, served=True)
+                self._dispatch(now, task, engine, effects)
         if self.config.dynamic_model_loading:
             keys = [key for key in self._waiting if key[0] == tenant_id]
         else:
@@ -677,7 +730,7 @@ class Processor(ProcessorTables):
             keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
         for key in keys:
             queue = self._waiting.get(key)
-            while queue is not None and (task_id := queue.peek()) is not None:
+            while queue is not None and (task_id := queue.peek(self._served_for(key))) is not None:
                 task = self._tasks[task_id]
                 target = self._pick(task)
                 if target is None and task.request.typed_request_incomplete:
@@ -712,17 +765,27 @@ class Processor(ProcessorTables):
             if engine is not None and engine.routable:
                 self._dispatch_waiting(now, engine, effects)
 
+    def _served_for(self, key: tuple[str, str]) -> Callable[[str], float]:
+        """Slots each flow of (tenant, model) holds per weight, for the held queue's order."""
+        tenant_id, model = key
+        return lambda flow: self._shares.served(tenant_id, model, flow)
+
     def _unwait(self, task: _Task, served: bool = False) -> None:
-        key = (task.tenant_id, task.model)
-        queue = self._waiting[key]
+        engine_key = EngineKey(task.tenant_id, task.target)
+        queue = self._waiting_on[engine_key][task.model] if task.target else self._waiting[(task.tenant_id, task.model)]
         if served:
             queue.take(task.id)
         else:
             queue.remove(task.id)
         self._sheddable.pop(task.id, None)
+        self._shares.stopped_waiting(task.tenant_id, task.model, task.flow)
         self._waiting_total -= 1
-        if not queue:
-            del self._waiting[key]
+        if not queue and task.target:
+            del self._waiting_on[engine_key][task.model]
+            if not self._waiting_on[engine_key]:
+                del self._waiting_on[engine_key]
+        elif not queue:
+            del self._waiting[(task.tenant_id, task.model)]
 
     # --- internals: failure and retries -----------------------------------
 
@@ -782,6 +845,10 @@ class Processor(ProcessorTables):
         elif now >= task.deadline:
             self._stop_on_engine(task, effects)
             self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
+        elif task.state is TaskState.WAITING and task.target:
+            message = (f"engine {task.target!r} stayed at its limit of {self.config.max_in_flight_per_engine} "
+                       f"tasks (waited {self.config.queue_timeout:g}s)")
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
         elif task.state is TaskState.WAITING:
             if self._served_but_full(task):
                 cap = self.config.max_in_flight_per_engine
@@ -853,6 +920,7 @@ class Processor(ProcessorTables):
                 del self._control[control_id]
             if engine.locality is Locality.LOCAL:
                 effects.append(LocalEnginesChanged())
+            self._fail_waiting_on(engine.key, f"was removed ({reason})", effects)
             lost += [(engine, self._tasks[task_id]) for task_id in sorted(engine.in_flight)]
         for engine, task in lost:
             if task.route != closing:

@@ -24,6 +24,7 @@ from typing import Any
 
 from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
+from protocol.fair_share import FairShares
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.route_flow import RouteFlow
@@ -125,6 +126,9 @@ class _Task:
     flow: str = ""
     weight: float = 1.0
     hints: RoutingHints | None = None
+    # Whether it counts in its flow's slots held now (``FairShares``), from dispatch until it
+    # leaves the engine (the engine may be gone from the tables by then).
+    holds_slot: bool = False
 
 
 @dataclass(slots=True)
@@ -194,6 +198,10 @@ class ProcessorTables:
         self._ready_for: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
         # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
         self._waiting: dict[tuple[str, str], HeldQueue] = {}
+        # Targeted tasks (a peer's) waiting for a slot on their engine, per engine and model.
+        self._waiting_on: dict[EngineKey, dict[str, HeldQueue]] = {}
+        # Slots held and tasks waiting per caller, for fairness by slots held.
+        self._shares = FairShares()
         self._waiting_total = 0
         # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
         self._sheddable: dict[str, None] = {}
@@ -240,6 +248,10 @@ class ProcessorTables:
     def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
         """Tasks waiting for (tenant, model), oldest first."""
         return list(self._waiting.get((tenant_id, model_id), ()))
+
+    def slots_held(self, tenant_id: str, model_id: str) -> dict[str, int]:
+        """Tasks on an engine per caller (flow) of (tenant, model): what fairness counts."""
+        return self._shares.held(tenant_id, model_id)
 
     def in_flight_counts(self) -> dict[tuple[str, str], int]:
         """Tasks on an engine (dispatched or streaming), per (tenant, model)."""
@@ -404,6 +416,9 @@ class ProcessorTables:
         return candidate
 
     def _unassign(self, task: _Task) -> None:
+        if task.holds_slot:
+            task.holds_slot = False
+            self._shares.left(task.tenant_id, task.model, task.flow)
         if task.engine is not None:
             engine = self._engines.get(task.engine)
             if engine is not None:
