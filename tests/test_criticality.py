@@ -69,6 +69,10 @@ def test_bad_criticality_or_weight_in_the_key_file_is_an_error_naming_the_entry(
 
 def test_the_gateway_option_is_validated():
     assert build_config({}, {"shed-waiting-threshold": "4"}).shed_waiting_threshold == 4
+    assert build_config({}, {"fair-reserve": "0"}).fair_reserve == 0
+    assert build_config({}, {}).fair_reserve == ProcessorConfig().fair_reserve
+    with pytest.raises(ConfigError, match="fair-reserve"):
+        build_config({}, {"fair-reserve": "-1"})
     with pytest.raises(ConfigError, match="shed-waiting-threshold"):
         build_config({}, {"shed-waiting-threshold": "-1"})
 
