@@ -242,8 +242,13 @@ class ProcessorTables:
         return state
 
     def waiting_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks waiting for an engine, per (tenant, model): the scaler's demand signal."""
-        return {key: len(ids) for key, ids in self._waiting.items() if ids}
+        """Tasks waiting for an engine, per (tenant, model), peers' tasks waiting for a slot on
+        one of ours included: the scaler's demand signal and the queued metric."""
+        counts = Counter({key: len(ids) for key, ids in self._waiting.items() if ids})
+        for engine_key, queues in self._waiting_on.items():
+            for model, queue in queues.items():
+                counts[(engine_key.tenant_id, model)] += len(queue)
+        return dict(counts)
 
     def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
         """Tasks waiting for (tenant, model), oldest first."""
