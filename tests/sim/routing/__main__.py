@@ -14,6 +14,7 @@ import sys
 
 from protocol.processor_types import ProcessorConfig
 from tests.sim.routing.run import POLICIES, Result, simulate
+from tests.sim.routing.runtime import RuntimeSpec
 from tests.sim.routing.workloads import WORKLOADS
 
 
@@ -39,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=10.0, help="seconds not measured [default: 10]")
     parser.add_argument("--scale", type=float, default=1.0, help="clients, relative to the default [default: 1]")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--cache-blocks", type=int, default=RuntimeSpec().cache_blocks, metavar="N",
+                        help=f"each runtime's KV cache in blocks of 16 tokens [default: {RuntimeSpec().cache_blocks}, "
+                             "an A100 40 GB's for an 8B model]")
     parser.add_argument("--fair-queue", type=int, default=0, metavar="N",
                         help="each gateway keeps at most N tasks on an engine (--max-in-flight-per-engine), "
                              "holding the rest in its fair queue [default: 0, no cap]")
@@ -52,9 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for workload in args.workloads.split(","):
         for gateways in (1, 3):
-            for policy in POLICIES:
+            for policy in args.policies.split(","):
                 results = [simulate(workload, policy, gateways, seed, duration=args.duration, warmup=args.warmup,
-                                    scale=args.scale, fair_queue=args.fair_queue, fair_reserve=args.fair_reserve)
+                                    scale=args.scale, fair_queue=args.fair_queue, fair_reserve=args.fair_reserve,
+                                    spec=RuntimeSpec(cache_blocks=args.cache_blocks))
                            for seed in range(1, args.seeds + 1)]
                 row = table[(workload, policy, gateways)] = _row(results)
                 print(f"| {workload} | {policy} | {gateways} | {row['hit']:.3f} | {row['ttft_mean']:.3f} | "
@@ -65,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     missed = []
     print()
     for workload in ("shared-prefix", "multi-turn"):
-        if (workload, "affinity", 1) not in table:
+        if not all((workload, policy, gateways) in table
+                   for policy in ("affinity", "least_in_progress", "oracle") for gateways in (1, 3)):
             continue
         for gateways in (1, 3):
             infx, lip = table[(workload, "affinity", gateways)], table[(workload, "least_in_progress", gateways)]
