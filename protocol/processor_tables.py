@@ -334,6 +334,8 @@ class ProcessorTables:
                             for m in sorted(e.status.models, key=lambda m: m.id)
                         ],
                         "tasks": sorted(e.in_flight),
+                        # Peers' tasks waiting here for a slot on it.
+                        "waiting": [t for queue in self._waiting_on.get(e.key, {}).values() for t in queue],
                     }
                     for engine_id, e in sorted(engines.items())
                 }

@@ -125,6 +125,8 @@ def test_a_peers_task_for_a_full_engine_waits_for_a_slot_on_that_engine():
     sent(submit(p, "a"))  # e1
     sent(submit(p, "b"))  # e2
     assert forwarded(p, "fwd") == [] and p.task_state("fwd") is TaskState.WAITING
+    assert p.status()["tenants"]["t"]["engines"]["e1"]["waiting"] == ["fwd"]
+    assert p.waiting_counts() == {("t", "m"): 1}
     assert finish(p, "b", "e2") == []  # a slot on another engine is not its engine's
     effects = p.receive_result("route-e1", http("a"), T0 + 1)
     assert [(e.task.id, e.engine.engine_id) for e in only(effects, SendTask)] == [("fwd", "e1")]
