@@ -372,6 +372,7 @@ class Processor(ProcessorSlots):
         queue is at its cap. The route counts as blocked (``route_blocked``), and the
         task is routed again at once, to another engine or the queue; this is not a
         failure of the engine, so no retry is counted and the engine is not avoided.
+        A targeted task (a peer's) fails with 503 instead, so that its peer tries elsewhere.
 
         A stale report (the task ended or moved on) only blocks the route.
         """
@@ -385,9 +386,14 @@ class Processor(ProcessorSlots):
         task = self._attempts.get(task_id)
         if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
             return effects
-        self._unassign(task)
-        self._move(task, TaskState.RETRY_PENDING)
-        self._route(now, task, effects)
+        if task.target:
+            # A peer's task is for this engine only: as on arrival at a blocked route, the peer tries elsewhere.
+            message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
+        else:
+            self._unassign(task)
+            self._move(task, TaskState.RETRY_PENDING)
+            self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
