@@ -238,6 +238,7 @@ class Processor(ProcessorSlots):
                 self._dispatch(now, task, engine, effects)
         else:
             self._route(now, task, effects)
+        self._refill(now, effects)
         return effects
 
     def cancel(self, task_id: str, now: float) -> list[Effect]:
@@ -269,6 +270,7 @@ class Processor(ProcessorSlots):
         effects: list[Effect] = []
         for task_id in list(self._waiting.get((tenant_id, model_id), ())):
             self._fail(self._tasks[task_id], status, message, effects)
+        self._refill(now, effects)
         return effects
 
     # --- engines ----------------------------------------------------------
@@ -316,6 +318,7 @@ class Processor(ProcessorSlots):
             self._dispatch_waiting(now, engine, effects)
         else:
             self._fail_waiting_on(key, "is no longer ready", effects)
+        self._refill(now, effects)
         return effects
 
     def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -365,6 +368,7 @@ class Processor(ProcessorSlots):
         if self._flow.unblock(route):
             for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
                 self._dispatch_waiting(now, engine, effects)
+        self._refill(now, effects)
         return effects
 
     def dispatch_refused(self, task_id: str, route: Route, now: float) -> list[Effect]:
@@ -407,6 +411,7 @@ class Processor(ProcessorSlots):
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+        self._refill(now, effects)
         return effects
 
     def drain(self, now: float) -> list[Effect]:
@@ -420,6 +425,7 @@ class Processor(ProcessorSlots):
                 task = self._tasks[task_id]
                 if self._pick(task, ignore_cap=True) is None:
                     self._refuse_draining(task, effects)
+        self._refill(now, effects)
         return effects
 
     # --- results ----------------------------------------------------------
@@ -621,6 +627,7 @@ class Processor(ProcessorSlots):
         engine.in_flight.add(task.id)
         task.holds_slot = True
         self._shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
+        self._shares_changed(task)
         tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
@@ -644,13 +651,7 @@ class Processor(ProcessorSlots):
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id
         for model, targeted in list(self._waiting_on.get(engine.key, {}).items()):
-            served = self._served_for((tenant_id, model))
-            while targeted and (task_id := targeted.peek(served)) is not None:
-                task = self._tasks[task_id]
-                if self._full(engine, self._may_use_reserve(task)):
-                    break  # the least served flow waits; nobody else may take the slot before it
-                self._unwait(task, served=True)
-                self._dispatch(now, task, engine, effects)
+            self._dispatch_targeted(now, engine, model, targeted, effects)
         if self.config.dynamic_model_loading:
             keys = [key for key in self._waiting if key[0] == tenant_id]
         else:
@@ -658,41 +659,69 @@ class Processor(ProcessorSlots):
             # same inputs dispatch the same way in every process (the simulation replays seeds).
             keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
         for key in keys:
-            queue = self._waiting.get(key)
-            while queue is not None and (task_id := queue.peek(self._served_for(key))) is not None:
-                task = self._tasks[task_id]
-                target = self._pick(task)
-                if target is None and task.request.typed_request_incomplete:
-                    if self._no_engine_takes_it(task):
-                        self._fail(task, 400, self._typed_form_missing(task), effects)
-                    else:
-                        # The head waits for an engine that takes its verbatim form; a task
-                        # behind it (in arrival order) may take this one's typed form now.
-                        task = next((t for t in map(self._tasks.__getitem__, queue)
-                                     if not t.request.typed_request_incomplete and self._pick(t) is not None),
-                                    task)
-                        target = None if task.id == task_id else self._pick(task)
-                        if target is None:
-                            break
-                        self._unwait(task, served=True)
-                        self._dispatch(now, task, target, effects)
-                    queue = self._waiting.get(key)
-                    continue
-                if target is None:
-                    break
-                self._unwait(task, served=True)
-                self._dispatch(now, task, target, effects)
+            self._dispatch_queue(now, key, effects)
+
+    def _dispatch_targeted(
+        self, now: float, engine: _Engine, model: str, targeted: HeldQueue, effects: list[Effect]
+    ) -> None:
+        """Peers' tasks for ``model`` waiting for ``engine`` take its free slots, in their turn."""
+        served = self._served_for((engine.key.tenant_id, model))
+        while targeted and (task_id := targeted.peek(served)) is not None:
+            task = self._tasks[task_id]
+            if self._full(engine, self._may_use_reserve(task)):
+                break  # the least served flow waits; nobody else may take the slot before it
+            self._unwait(task, served=True)
+            self._dispatch(now, task, engine, effects)
+
+    def _dispatch_queue(self, now: float, key: tuple[str, str], effects: list[Effect]) -> None:
+        """Tasks waiting in the queue of (tenant, model) go to any engine with room, in their turn."""
+        queue = self._waiting.get(key)
+        while queue is not None and (task_id := queue.peek(self._served_for(key))) is not None:
+            task = self._tasks[task_id]
+            target = self._pick(task)
+            if target is None and task.request.typed_request_incomplete:
+                if self._no_engine_takes_it(task):
+                    self._fail(task, 400, self._typed_form_missing(task), effects)
+                else:
+                    # The head waits for an engine that takes its verbatim form; a task
+                    # behind it (in arrival order) may take this one's typed form now.
+                    task = next((t for t in map(self._tasks.__getitem__, queue)
+                                 if not t.request.typed_request_incomplete and self._pick(t) is not None),
+                                task)
+                    target = None if task.id == task_id else self._pick(task)
+                    if target is None:
+                        break
+                    self._unwait(task, served=True)
+                    self._dispatch(now, task, target, effects)
                 queue = self._waiting.get(key)
+                continue
+            if target is None:
+                break
+            self._unwait(task, served=True)
+            self._dispatch(now, task, target, effects)
+            queue = self._waiting.get(key)
 
     def _refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap
-        can keep a task waiting while an engine serves its model, so only then is there work)."""
-        while self._freed:
-            key = next(iter(self._freed))
-            del self._freed[key]
-            engine = self._engines.get(key)
-            if engine is not None and engine.routable:
-                self._dispatch_waiting(now, engine, effects)
+        can keep a task waiting while an engine serves its model, so only then is there work),
+        and retry those of a model whose slots held changed: that changes who may take an
+        engine's reserved slots (``_reshuffled``)."""
+        while self._freed or self._reshuffled:
+            if self._freed:
+                key = next(iter(self._freed))
+                del self._freed[key]
+                engine = self._engines.get(key)
+                if engine is not None and engine.routable:
+                    self._dispatch_waiting(now, engine, effects)
+                continue
+            tenant_id, model = next(iter(self._reshuffled))
+            del self._reshuffled[(tenant_id, model)]
+            for engine_key, queues in list(self._waiting_on.items()):
+                held = queues.get(model) if engine_key.tenant_id == tenant_id else None
+                engine = self._engines.get(engine_key)
+                if held is not None and engine is not None and engine.routable:
+                    self._dispatch_targeted(now, engine, model, held, effects)
+            self._dispatch_queue(now, (tenant_id, model), effects)
 
     # --- internals: failure and retries -----------------------------------
 

@@ -114,6 +114,7 @@ class ProcessorSlots(ProcessorTables):
             queue.take(task.id)
         else:
             queue.remove(task.id)
+            self._shares_changed(task)
         self._sheddable.pop(task.id, None)
         self._shares.stopped_waiting(task.tenant_id, task.model, task.flow)
         self._waiting_total -= 1

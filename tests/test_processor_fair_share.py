@@ -175,6 +175,45 @@ def test_peers_tasks_waiting_for_an_engine_that_leaves_fail_at_once(leave):
     assert p.waiting_counts() == {} and not p.has_task("fwd")
 
 
+# --- a reserve that opens is taken at once ---------------------------------------
+
+
+def test_a_peers_task_takes_its_engines_reserve_once_its_caller_becomes_the_least_served():
+    """A slot freed on another engine can make a caller the least served: its peer's task
+    waiting on an engine with a reserved slot free takes it then, not when that engine frees one."""
+    p = make(engines=("e1", "e2", "e3"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+    assert sent(forwarded(p, "a0", "A", engine_id="e1") + forwarded(p, "a1", "A", engine_id="e3")) == ["a0", "a1"]
+    assert sent(forwarded(p, "b0", "B", engine_id="e2")) == ["b0"]
+    assert forwarded(p, "a2", "A", engine_id="e1") == []  # A holds 2, B 1: e1's last slot is B's
+    assert finish(p, "b0", "e2") == ["a2"]  # A alone now: e1's last slot is A's
+    assert p.slots_held("t", "m") == {"A": 3}
+
+
+@pytest.mark.parametrize("leave", ["cancel", "timeout"])
+def test_a_task_takes_the_reserve_once_the_caller_it_was_kept_for_stops_waiting(leave):
+    p = make(engines=("e1", "e2"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+    assert sent(forwarded(p, "b0", "B", engine_id="e2") + forwarded(p, "b1", "B", engine_id="e2")) == ["b0", "b1"]
+    assert forwarded(p, "c0", "C", engine_id="e2", now=T0 - 10) == []  # waits for e2, holding none
+    assert sent(submit(p, "a0", "A")) == ["a0"]  # on e1
+    assert sent(submit(p, "a1", "A")) == []  # A holds 1, C none: e1's last slot is C's
+    effects = p.cancel("c0", T0) if leave == "cancel" else p.handle_timeout(T0 + 20)
+    assert sent(effects) == ["a1"]  # A holds fewer than B now, and nobody else waits
+
+
+def test_a_dispatch_that_makes_another_caller_the_least_served_lets_it_take_the_reserve():
+    p = make(engines=("e1", "e2", "e3", "e4"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+
+    def heavy(task_id: str, engine_id: str) -> list[str]:
+        return sent(p.submit(task_id=task_id, tenant_id="t", request=chat("m"), origin=("peer", "A"), flow="B",
+                             weight=2.0, target_engine_id=engine_id, now=T0))
+
+    assert sent(forwarded(p, "a0", "A", engine_id="e1") + forwarded(p, "a1", "A", engine_id="e3")) == ["a0", "a1"]
+    assert heavy("b0", "e2") + heavy("b1", "e2") + heavy("b2", "e3") == ["b0", "b1", "b2"]
+    assert forwarded(p, "a2", "A", engine_id="e1") == []  # A holds 2 per weight, B 1.5: e1's last slot is B's
+    # B's next task (on e4) brings B to 2 per weight, as many as A: e1's last slot is A's too now.
+    assert heavy("b3", "e4") == ["b3", "a2"]
+
+
 # --- the caller on the wire ---------------------------------------------------
 
 
