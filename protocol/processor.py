@@ -85,6 +85,7 @@ abandoned while its stream may still be open is cancelled on that stream.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Mapping, Sequence
 
 from protocol import task_forms
@@ -695,11 +696,23 @@ class Processor(ProcessorSlots):
                     self._dispatch(now, task, target, effects)
                 queue = self._waiting.get(key)
                 continue
+            if target is None and not self._may_use_reserve(task):
+                task, target = self._reserve_taker(queue, key, task)
             if target is None:
                 break
             self._unwait(task, served=True)
             self._dispatch(now, task, target, effects)
             queue = self._waiting.get(key)
+
+    def _reserve_taker(self, queue: HeldQueue, key: tuple[str, str], head: _Task) -> tuple[_Task, _Engine | None]:
+        """The head of a lower criticality band whose caller may take the reserved slots the
+        head of the queue may not (it is the least served), and the engine it takes, rather
+        than leave those slots idle while both wait; else (``head``, None)."""
+        for task_id in itertools.islice(queue.heads(self._served_for(key)), 1, None):
+            task = self._tasks[task_id]
+            if self._may_use_reserve(task) and (target := self._pick(task)) is not None:
+                return task, target
+        return head, None
 
     def _refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap
