@@ -665,14 +665,33 @@ class Processor(ProcessorSlots):
     def _dispatch_targeted(
         self, now: float, engine: _Engine, model: str, targeted: HeldQueue, effects: list[Effect]
     ) -> None:
-        """Peers' tasks for ``model`` waiting for ``engine`` take its free slots, in their turn."""
-        served = self._served_for((engine.key.tenant_id, model))
+        """Peers' tasks for ``model`` waiting for ``engine`` take its free slots, in their turn
+        among this gateway's own tasks waiting for the model: a local task that comes first
+        (more critical, or of a caller holding fewer slots per weight) goes first, wherever
+        it finds room."""
+        key = (engine.key.tenant_id, model)
+        served = self._served_for(key)
         while targeted and (task_id := targeted.peek(served)) is not None:
             task = self._tasks[task_id]
+            local = self._waiting.get(key)
+            first = None if local is None else local.peek(served)
+            if first is not None and self._comes_before(self._tasks[first], task):
+                target = self._pick(self._tasks[first])
+                if target is not None:
+                    self._unwait(self._tasks[first], served=True)
+                    self._dispatch(now, self._tasks[first], target, effects)
+                    continue
             if self._full(engine, self._may_use_reserve(task)):
                 break  # the least served flow waits; nobody else may take the slot before it
             self._unwait(task, served=True)
             self._dispatch(now, task, engine, effects)
+
+    def _comes_before(self, task: _Task, other: _Task) -> bool:
+        """Whether ``task`` takes a slot before ``other`` (both waiting for its model): more
+        critical, or as critical and of a caller holding fewer slots per weight."""
+        served = self._shares.served
+        return (task.criticality.rank, served(task.tenant_id, task.model, task.flow)) < \
+            (other.criticality.rank, served(other.tenant_id, other.model, other.flow))
 
     def _dispatch_queue(self, now: float, key: tuple[str, str], effects: list[Effect]) -> None:
         """Tasks waiting in the queue of (tenant, model) go to any engine with room, in their turn."""

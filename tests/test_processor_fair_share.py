@@ -142,6 +142,19 @@ def test_a_peers_waiting_tasks_take_turns_by_slots_held_with_local_ones():
     assert finish(p, "b0") == ["s0"]
 
 
+@pytest.mark.parametrize("peer", ["burst", "steady"])
+def test_a_freed_slot_goes_to_the_caller_holding_fewer_whether_its_task_is_local_or_a_peers(peer):
+    """A peer's task waiting for its engine and a local one waiting for the model take the
+    engine's freed slot in their callers' turn, not the peer's first."""
+    p = make(max_in_flight_per_engine=2, fair_reserve=0, queue_timeout=30)
+    sent(submit(p, "b0", "burst"))
+    sent(forwarded(p, "b1", "burst"))
+    wait = {"burst": forwarded if peer == "burst" else submit, "steady": forwarded if peer == "steady" else submit}
+    assert wait["burst"](p, "b2", "burst") == [] and wait["steady"](p, "s0", "steady") == []
+    assert finish(p, "b0") == ["s0"]
+    assert finish(p, "b1") == ["b2"]
+
+
 def test_a_sheddable_peers_task_for_a_full_engine_is_refused_so_the_peer_tries_elsewhere():
     p = make(max_in_flight_per_engine=1, busy_retry_after=4)
     sent(submit(p, "a"))
