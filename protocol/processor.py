@@ -663,17 +663,18 @@ class Processor(ProcessorSlots):
             self._dispatch_queue(now, key, effects)
 
     def _dispatch_targeted(
-        self, now: float, engine: _Engine, model: str, targeted: HeldQueue, effects: list[Effect]
+        self, now: float, engine: _Engine, model: str, targeted: HeldQueue, effects: list[Effect],
+        before_local: bool = True,
     ) -> None:
         """Peers' tasks for ``model`` waiting for ``engine`` take its free slots, in their turn
         among this gateway's own tasks waiting for the model: a local task that comes first
         (more critical, or of a caller holding fewer slots per weight) goes first, wherever
-        it finds room."""
+        it finds room (``before_local``: unless the local ones just found none)."""
         key = (engine.key.tenant_id, model)
         served = self._served_for(key)
         while targeted and (task_id := targeted.peek(served)) is not None:
             task = self._tasks[task_id]
-            local = self._waiting.get(key)
+            local = self._waiting.get(key) if before_local else None
             first = None if local is None else local.peek(served)
             if first is not None and self._comes_before(self._tasks[first], task):
                 target = self._pick(self._tasks[first])
@@ -736,24 +737,32 @@ class Processor(ProcessorSlots):
     def _refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap
         can keep a task waiting while an engine serves its model, so only then is there work),
-        and retry those of a model whose slots held changed: that changes who may take an
-        engine's reserved slots (``_reshuffled``)."""
+        and retry those of a model whose slots held changed when that made a waiting caller
+        the least served, who may take an engine's reserved slots (``_reshuffled``)."""
         while self._freed or self._reshuffled:
             if self._freed:
-                key = next(iter(self._freed))
-                del self._freed[key]
-                engine = self._engines.get(key)
+                freed = next(iter(self._freed))
+                del self._freed[freed]
+                engine = self._engines.get(freed)
                 if engine is not None and engine.routable:
                     self._dispatch_waiting(now, engine, effects)
                 continue
-            tenant_id, model = next(iter(self._reshuffled))
-            del self._reshuffled[(tenant_id, model)]
+            key = next(iter(self._reshuffled))
+            del self._reshuffled[key]
+            takers = self._shares.least_served_waiting(*key)
+            before = self._reserve_takers.pop(key, frozenset())
+            if takers:
+                self._reserve_takers[key] = takers
+            if not takers - before:
+                continue  # no waiting caller may take a reserved slot it could not before
+            tenant_id, model = key
+            # This gateway's tasks first: then none of them can take a slot a peer's task may.
+            self._dispatch_queue(now, key, effects)
             for engine_key, queues in list(self._waiting_on.items()):
                 held = queues.get(model) if engine_key.tenant_id == tenant_id else None
                 engine = self._engines.get(engine_key)
-                if held is not None and engine is not None and engine.routable:
-                    self._dispatch_targeted(now, engine, model, held, effects)
-            self._dispatch_queue(now, (tenant_id, model), effects)
+                if held is not None and engine is not None and engine.routable and not self._full(engine):
+                    self._dispatch_targeted(now, engine, model, held, effects, before_local=False)
 
     # --- internals: failure and retries -----------------------------------
 

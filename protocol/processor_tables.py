@@ -220,6 +220,8 @@ class ProcessorTables:
         # (tenant, model)s whose slots held or waiting callers changed since the input began: with
         # a reserve, who may take an engine's last slots may have changed (``_refill``).
         self._reshuffled: dict[tuple[str, str], None] = {}
+        # The waiting callers of (tenant, model) that were the least served when last retried.
+        self._reserve_takers: dict[tuple[str, str], frozenset[str]] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
         # (busy_until, seq, engine): when an engine's busy back-off ends.
