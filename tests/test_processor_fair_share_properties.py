@@ -1,6 +1,7 @@
 """Fair shares under random interleavings (issue #17): local and peers' (targeted) tasks of
 several weighted callers, a peer's engine that reports its load, reserves, busy runtimes,
-refused and failed sends, engines that flap, leave, miss heartbeats or come back on a new route.
+refused and failed sends, engines that flap, leave, miss heartbeats or come back on a new route,
+go-away and drain.
 
 After every input: the slots each caller holds are the tasks on engines (``slots_held``), every
 engine's tasks are those routed to it, no task waits while an engine it may take has room, the
@@ -39,6 +40,9 @@ ops = st.lists(
         st.tuples(st.just("close"), st.sampled_from(LOCAL_ENGINES)),
         st.tuples(st.just("report"), st.integers(0, 4)),
         st.tuples(st.just("writable"),),
+        st.tuples(st.just("go_away"),),
+        st.tuples(st.just("drain"),),
+        st.tuples(st.just("peer_engine_gone"),),
         st.tuples(st.just("heartbeat_replies"),),
     ),
     min_size=10,
@@ -129,6 +133,12 @@ def test_fair_shares_hold_under_any_interleaving(script, cap, reserve, retry_del
         elif kind == "writable":
             for route in list(routes.values()):
                 apply(p.route_writable(route, now))
+        elif kind == "go_away":
+            apply(p.go_away(now))
+        elif kind == "drain":
+            apply(p.drain(now))
+        elif kind == "peer_engine_gone" and p.engine("t", "r1") is not None:
+            apply(p.remove_engine("t", "r1", "peer reported it gone", now))
         elif kind == "heartbeat_replies":
             for control_id, control in list(p._control.items()):
                 if control_id.startswith("infx-ctl-heartbeat"):
