@@ -29,7 +29,8 @@ the flow's next task takes its place in the turn. Memory is one entry per
 held task plus one per flow that holds tasks or is ahead of the clock; a
 band that empties forgets its flows (a new busy period starts even).
 ``peek`` costs O(flows with held tasks) (callers waiting at once are few;
-a flow's tasks are one entry), ``take`` and ``remove`` O(1).
+a flow's tasks are one entry), as does each band's head from ``heads``;
+``take`` and ``remove`` O(1).
 """
 
 from __future__ import annotations
@@ -159,6 +160,11 @@ class HeldQueue:
     def peek(self, served: Callable[[str], float] = lambda flow: 0.0) -> str | None:
         """The task to serve next, or None when nothing is held; ``served(flow)`` is the
         engine slots ``flow`` holds per weight (see the module docstring)."""
+        return next(self.heads(served), None)
+
+    def heads(self, served: Callable[[str], float] = lambda flow: 0.0) -> Iterator[str]:
+        """The task each criticality band would serve next, most important band first: the
+        next to try when the bands above it may take no free slot (an engine's reserve)."""
         for band in self._bands:
             best: tuple[float, float, int] | None = None
             chosen: _Flow | None = None
@@ -168,8 +174,7 @@ class HeldQueue:
                     if best is None or rank < best:
                         best, chosen = rank, flow
             if chosen is not None:
-                return next(iter(chosen.tasks))
-        return None
+                yield next(iter(chosen.tasks))
 
     def take(self, task_id: str) -> None:
         """``task_id`` got a slot: it leaves, and its flow's turn is spent."""

@@ -126,6 +126,15 @@ class FairShares:
         own = 0.0 if mine is None else mine.held / weight
         return all(own <= share.held / share.weight for name, share in shares.items() if name != flow)
 
+    def least_served_waiting(self, tenant_id: str, model: str) -> frozenset[str]:
+        """The flows with a task waiting that hold the fewest slots per weight: those whose
+        waiting tasks may take an engine's reserved slots (:meth:`least_served`); O(flows)."""
+        shares = self._models.get((tenant_id, model))
+        if not shares:
+            return frozenset()
+        fewest = min(share.held / share.weight for share in shares.values())
+        return frozenset(name for name, share in shares.items() if share.waiting and share.held / share.weight <= fewest)
+
     def _share(self, tenant_id: str, model: str, flow: str, weight: float) -> _Share:
         shares = self._models.setdefault((tenant_id, model), {})
         share = shares.get(flow)

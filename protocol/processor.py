@@ -60,7 +60,8 @@ Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
 route refused at its queue cap is routed again at once, with no retry counted;
 a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
-Caps, fair queues and shedding: see :mod:`protocol.processor_slots`.
+Caps, fair queues and shedding: see :mod:`protocol.processor_slots`; routing, dispatch and
+the waiting tasks that take freed slots: :mod:`protocol.processor_routing`.
 
 Draining (``drain``, on shutdown): local engines are told to go away, and a
 task that would wait (no routable engine, local or a peer's, serves its
@@ -88,8 +89,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from protocol import task_forms
-from protocol.fair_queue import Criticality, HeldQueue
-from protocol.fair_share import caller_message
+from protocol.fair_queue import Criticality
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     BUSY_STATUSES,
@@ -113,9 +113,8 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
-from protocol.routing import RoutingPolicy
 from protocol.routing_hints import RoutingHints
-from protocol.processor_slots import ProcessorSlots
+from protocol.processor_routing import ProcessorRouting
 from protocol.processor_tables import (
     _ON_ENGINE,
     EngineView,
@@ -150,7 +149,7 @@ __all__ = [
 ]
 
 
-class Processor(ProcessorSlots):
+class Processor(ProcessorRouting):
     """Routes tasks to engines and results back to requests; see the module docstring."""
 
     # --- requests ---------------------------------------------------------
@@ -238,6 +237,7 @@ class Processor(ProcessorSlots):
                 self._dispatch(now, task, engine, effects)
         else:
             self._route(now, task, effects)
+        self._refill(now, effects)
         return effects
 
     def cancel(self, task_id: str, now: float) -> list[Effect]:
@@ -269,6 +269,7 @@ class Processor(ProcessorSlots):
         effects: list[Effect] = []
         for task_id in list(self._waiting.get((tenant_id, model_id), ())):
             self._fail(self._tasks[task_id], status, message, effects)
+        self._refill(now, effects)
         return effects
 
     # --- engines ----------------------------------------------------------
@@ -316,6 +317,7 @@ class Processor(ProcessorSlots):
             self._dispatch_waiting(now, engine, effects)
         else:
             self._fail_waiting_on(key, "is no longer ready", effects)
+        self._refill(now, effects)
         return effects
 
     def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -365,6 +367,7 @@ class Processor(ProcessorSlots):
         if self._flow.unblock(route):
             for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
                 self._dispatch_waiting(now, engine, effects)
+        self._refill(now, effects)
         return effects
 
     def dispatch_refused(self, task_id: str, route: Route, now: float) -> list[Effect]:
@@ -372,6 +375,7 @@ class Processor(ProcessorSlots):
         queue is at its cap. The route counts as blocked (``route_blocked``), and the
         task is routed again at once, to another engine or the queue; this is not a
         failure of the engine, so no retry is counted and the engine is not avoided.
+        A targeted task (a peer's) fails with 503 instead, so that its peer tries elsewhere.
 
         A stale report (the task ended or moved on) only blocks the route.
         """
@@ -385,9 +389,14 @@ class Processor(ProcessorSlots):
         task = self._attempts.get(task_id)
         if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
             return effects
-        self._unassign(task)
-        self._move(task, TaskState.RETRY_PENDING)
-        self._route(now, task, effects)
+        if task.target:
+            # A peer's task is for this engine only: as on arrival at a blocked route, the peer tries elsewhere.
+            message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
+        else:
+            self._unassign(task)
+            self._move(task, TaskState.RETRY_PENDING)
+            self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
@@ -401,6 +410,7 @@ class Processor(ProcessorSlots):
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+        self._refill(now, effects)
         return effects
 
     def drain(self, now: float) -> list[Effect]:
@@ -414,6 +424,7 @@ class Processor(ProcessorSlots):
                 task = self._tasks[task_id]
                 if self._pick(task, ignore_cap=True) is None:
                     self._refuse_draining(task, effects)
+        self._refill(now, effects)
         return effects
 
     # --- results ----------------------------------------------------------
@@ -511,182 +522,6 @@ class Processor(ProcessorSlots):
             self._close_route(now, route, reason, effects)
         self._refill(now, effects)
         return effects
-
-    # --- internals: routing ----------------------------------------------
-
-    def _route(self, now: float, task: _Task, effects: list[Effect]) -> None:
-        engine = self._pick(task)
-        if engine is not None:
-            self._dispatch(now, task, engine, effects)
-            return
-        if self._no_engine_takes_it(task):
-            self._fail(task, 400, self._typed_form_missing(task), effects)
-            return
-        if self._should_shed(task):
-            self._shed(task, effects)
-            return
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            if not self._sheddable:
-                if task.busy_reply is not None:
-                    self._deliver(task, task.busy_reply, True, effects)
-                else:
-                    self._fail(task, 503, "too many tasks waiting for an engine", effects,
-                               self.config.busy_retry_after)
-                return
-            self._shed(self._tasks[next(reversed(self._sheddable))], effects)
-        if self.draining and self._pick(task, ignore_cap=True) is None:
-            self._refuse_draining(task, effects)
-            return
-        self._hold(now, task, self._waiting.setdefault((task.tenant_id, task.model), HeldQueue()))
-        if task.criticality is Criticality.SHEDDABLE:
-            self._sheddable[task.id] = None
-        if not self._served_but_full(task):
-            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(self._waiting[(task.tenant_id, task.model)])))
-
-    @staticmethod
-    def _typed_form_missing(task: _Task) -> str:
-        return (f"no engine serving model {task.model!r} can take this request "
-                f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
-
-    def _should_shed(self, task: _Task) -> bool:
-        """Whether a task that is about to wait is sheddable and the engines are saturated."""
-        if task.criticality is not Criticality.SHEDDABLE:
-            return False
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            return True
-        queue = self._waiting.get((task.tenant_id, task.model))
-        held = len(queue) if queue is not None else 0
-        return held >= self.config.shed_waiting_threshold and self._served_but_full(task)
-
-    def _served_but_full(self, task: _Task) -> bool:
-        """Whether the task waits only for room: an engine would take it but for its in-flight
-        cap, its runtime's busy back-off or its blocked route."""
-        return self._pick(task, ignore_cap=True) is not None
-
-    def _held_back(self, task: _Task, engine: _Engine, may_use_reserve: bool) -> bool:
-        """What the routing policy must not choose for ``task``: an engine that is full, busy
-        or blocked, or that cannot take the task's request in any form."""
-        return self._blocked(engine, False, may_use_reserve) or not task_forms.eligible(task.request, engine.status)
-
-    def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
-        policy = self.config.routing.policy
-        reserve = ignore_cap or self._may_use_reserve(task)
-        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
-                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
-            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
-                                      lambda key: self._held_back(task, self._engines[key], reserve))
-            if key is not None or not self.config.dynamic_model_loading:
-                return None if key is None else self._engines[key]
-        best: _Engine | None = None
-        best_rank: tuple[bool, bool, int, str] | None = None
-        for engine in self._ready_engines(task.tenant_id, task.model):
-            if not engine.routable or self._blocked(engine, ignore_cap, reserve):
-                continue
-            if not task_forms.eligible(task.request, engine.status):
-                continue
-            rank = (
-                engine.key.engine_id in task.avoid,
-                engine.locality is not Locality.LOCAL,
-                len(engine.in_flight),
-                engine.key.engine_id,
-            )
-            if best_rank is None or rank < best_rank:
-                best, best_rank = engine, rank
-        if best is None and self.config.dynamic_model_loading:
-            # Any engine may load the model: this one scan is over every engine of the tenant.
-            for engine in self._by_tenant.get(task.tenant_id, {}).values():
-                if not engine.routable or self._blocked(engine, ignore_cap, reserve):
-                    continue
-                if not task_forms.eligible(task.request, engine.status):
-                    continue
-                rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = engine, rank
-        return best
-
-    def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
-        self._move(task, TaskState.DISPATCHED)
-        task.engine = engine.key
-        task.route = engine.route
-        task.next_index = 0
-        task.attempt += 1
-        task.wire_id = self._attempt_id(task)
-        self._attempts[task.wire_id] = task
-        engine.in_flight.add(task.id)
-        task.holds_slot = True
-        self._shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
-        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
-        self._set_timer(task, task.deadline)
-        wire = worker_pb2.Task(
-            id=task.wire_id,
-            request=task_forms.for_engine(task.request, engine.status),
-            engine_id=engine.key.engine_id,
-            timeout_seconds=max(1, int(task.deadline - now)),
-        )
-        # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing_spills.py,
-        # fair_share.py), never to an engine.
-        wire.request.infx_prefix_tip = tip
-        caller = caller_message(task.flow, task.weight, task.criticality)
-        if caller is not None and engine.locality is Locality.REMOTE:
-            wire.request.infx_caller.CopyFrom(caller)
-        else:
-            wire.request.ClearField("infx_caller")
-        for name, values in task.header.items():
-            wire.header[name].values.extend(values)
-        effects.append(SendTask(engine.route, engine.key, wire))
-
-    def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
-        tenant_id = engine.key.tenant_id
-        for model, targeted in list(self._waiting_on.get(engine.key, {}).items()):
-            served = self._served_for((tenant_id, model))
-            while targeted and (task_id := targeted.peek(served)) is not None:
-                task = self._tasks[task_id]
-                if self._full(engine, self._may_use_reserve(task)):
-                    break  # the least served flow waits; nobody else may take the slot before it
-                self._unwait(task, served=True)
-                self._dispatch(now, task, engine, effects)
-        if self.config.dynamic_model_loading:
-            keys = [key for key in self._waiting if key[0] == tenant_id]
-        else:
-            # In the order the queues formed, not the frozenset's (hash-seeded) order, so that the
-            # same inputs dispatch the same way in every process (the simulation replays seeds).
-            keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
-        for key in keys:
-            queue = self._waiting.get(key)
-            while queue is not None and (task_id := queue.peek(self._served_for(key))) is not None:
-                task = self._tasks[task_id]
-                target = self._pick(task)
-                if target is None and task.request.typed_request_incomplete:
-                    if self._no_engine_takes_it(task):
-                        self._fail(task, 400, self._typed_form_missing(task), effects)
-                    else:
-                        # The head waits for an engine that takes its verbatim form; a task
-                        # behind it (in arrival order) may take this one's typed form now.
-                        task = next((t for t in map(self._tasks.__getitem__, queue)
-                                     if not t.request.typed_request_incomplete and self._pick(t) is not None),
-                                    task)
-                        target = None if task.id == task_id else self._pick(task)
-                        if target is None:
-                            break
-                        self._unwait(task, served=True)
-                        self._dispatch(now, task, target, effects)
-                    queue = self._waiting.get(key)
-                    continue
-                if target is None:
-                    break
-                self._unwait(task, served=True)
-                self._dispatch(now, task, target, effects)
-                queue = self._waiting.get(key)
-
-    def _refill(self, now: float, effects: list[Effect]) -> None:
-        """Give the slots freed during this input to waiting tasks (only an in-flight cap
-        can keep a task waiting while an engine serves its model, so only then is there work)."""
-        while self._freed:
-            key = next(iter(self._freed))
-            del self._freed[key]
-            engine = self._engines.get(key)
-            if engine is not None and engine.routable:
-                self._dispatch_waiting(now, engine, effects)
 
     # --- internals: failure and retries -----------------------------------
 

@@ -21,7 +21,8 @@ critical tasks first, then standard, then sheddable, and within each the
 caller (``flow``, weighted; a peer's task carries its caller) holding the
 fewest slots of the model's engines first. The last ``fair_reserve`` slots of
 an engine go only to a task of such a caller, or a critical one
-(:mod:`protocol.fair_share`).
+(:mod:`protocol.fair_share`); one the head of the queue may not take goes to
+the head of a lower band that may, rather than stay idle while both wait.
 
 Shedding: a ``sheddable`` task that would wait while every engine serving its
 model is at its cap and the model's queue holds ``shed_waiting_threshold``
@@ -114,6 +115,7 @@ class ProcessorSlots(ProcessorTables):
             queue.take(task.id)
         else:
             queue.remove(task.id)
+            self._shares_changed(task)
         self._sheddable.pop(task.id, None)
         self._shares.stopped_waiting(task.tenant_id, task.model, task.flow)
         self._waiting_total -= 1

@@ -217,6 +217,11 @@ class ProcessorTables:
         # Engines a task left since the current input began: with an in-flight cap,
         # their freed slots go to waiting tasks before the input returns (``_refill``).
         self._freed: dict[EngineKey, None] = {}
+        # (tenant, model)s whose slots held or waiting callers changed since the input began: with
+        # a reserve, who may take an engine's last slots may have changed (``_refill``).
+        self._reshuffled: dict[tuple[str, str], None] = {}
+        # The waiting callers of (tenant, model) that were the least served when last retried.
+        self._reserve_takers: dict[tuple[str, str], frozenset[str]] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
         # (busy_until, seq, engine): when an engine's busy back-off ends.
@@ -426,6 +431,7 @@ class ProcessorTables:
         if task.holds_slot:
             task.holds_slot = False
             self._shares.left(task.tenant_id, task.model, task.flow)
+            self._shares_changed(task)
         if task.engine is not None:
             engine = self._engines.get(task.engine)
             if engine is not None:
@@ -439,6 +445,13 @@ class ProcessorTables:
             task.wire_id = ""
         task.engine = None
         task.route = None
+
+    def _shares_changed(self, task: _Task) -> None:
+        """``task``'s caller took or gave back a slot, or stopped waiting unserved: with a
+        reserve, another caller may now be the least served, and take a reserved slot."""
+        cap = self.config.max_in_flight_per_engine
+        if cap is not None and min(self.config.fair_reserve, cap - 1) > 0:
+            self._reshuffled[(task.tenant_id, task.model)] = None
 
     def _control_task(
         self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest

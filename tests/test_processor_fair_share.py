@@ -142,6 +142,19 @@ def test_a_peers_waiting_tasks_take_turns_by_slots_held_with_local_ones():
     assert finish(p, "b0") == ["s0"]
 
 
+@pytest.mark.parametrize("peer", ["burst", "steady"])
+def test_a_freed_slot_goes_to_the_caller_holding_fewer_whether_its_task_is_local_or_a_peers(peer):
+    """A peer's task waiting for its engine and a local one waiting for the model take the
+    engine's freed slot in their callers' turn, not the peer's first."""
+    p = make(max_in_flight_per_engine=2, fair_reserve=0, queue_timeout=30)
+    sent(submit(p, "b0", "burst"))
+    sent(forwarded(p, "b1", "burst"))
+    wait = {"burst": forwarded if peer == "burst" else submit, "steady": forwarded if peer == "steady" else submit}
+    assert wait["burst"](p, "b2", "burst") == [] and wait["steady"](p, "s0", "steady") == []
+    assert finish(p, "b0") == ["s0"]
+    assert finish(p, "b1") == ["b2"]
+
+
 def test_a_sheddable_peers_task_for_a_full_engine_is_refused_so_the_peer_tries_elsewhere():
     p = make(max_in_flight_per_engine=1, busy_retry_after=4)
     sent(submit(p, "a"))
@@ -173,6 +186,56 @@ def test_peers_tasks_waiting_for_an_engine_that_leaves_fail_at_once(leave):
     [failed] = [f for f in only(effects, FailRequest) if f.task_id == "fwd"]
     assert failed.status == 503 and "while the task waited for a slot on it" in failed.message
     assert p.waiting_counts() == {} and not p.has_task("fwd")
+
+
+# --- a reserve that opens is taken at once ---------------------------------------
+
+
+def test_a_peers_task_takes_its_engines_reserve_once_its_caller_becomes_the_least_served():
+    """A slot freed on another engine can make a caller the least served: its peer's task
+    waiting on an engine with a reserved slot free takes it then, not when that engine frees one."""
+    p = make(engines=("e1", "e2", "e3"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+    assert sent(forwarded(p, "a0", "A", engine_id="e1") + forwarded(p, "a1", "A", engine_id="e3")) == ["a0", "a1"]
+    assert sent(forwarded(p, "b0", "B", engine_id="e2")) == ["b0"]
+    assert forwarded(p, "a2", "A", engine_id="e1") == []  # A holds 2, B 1: e1's last slot is B's
+    assert finish(p, "b0", "e2") == ["a2"]  # A alone now: e1's last slot is A's
+    assert p.slots_held("t", "m") == {"A": 3}
+
+
+@pytest.mark.parametrize("leave", ["cancel", "timeout"])
+def test_a_task_takes_the_reserve_once_the_caller_it_was_kept_for_stops_waiting(leave):
+    p = make(engines=("e1", "e2"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+    assert sent(forwarded(p, "b0", "B", engine_id="e2") + forwarded(p, "b1", "B", engine_id="e2")) == ["b0", "b1"]
+    assert forwarded(p, "c0", "C", engine_id="e2", now=T0 - 10) == []  # waits for e2, holding none
+    assert sent(submit(p, "a0", "A")) == ["a0"]  # on e1
+    assert sent(submit(p, "a1", "A")) == []  # A holds 1, C none: e1's last slot is C's
+    effects = p.cancel("c0", T0) if leave == "cancel" else p.handle_timeout(T0 + 20)
+    assert sent(effects) == ["a1"]  # A holds fewer than B now, and nobody else waits
+
+
+def test_a_dispatch_that_makes_another_caller_the_least_served_lets_it_take_the_reserve():
+    p = make(engines=("e1", "e2", "e3", "e4"), max_in_flight_per_engine=2, fair_reserve=1, queue_timeout=30)
+
+    def heavy(task_id: str, engine_id: str) -> list[str]:
+        return sent(p.submit(task_id=task_id, tenant_id="t", request=chat("m"), origin=("peer", "A"), flow="B",
+                             weight=2.0, target_engine_id=engine_id, now=T0))
+
+    assert sent(forwarded(p, "a0", "A", engine_id="e1") + forwarded(p, "a1", "A", engine_id="e3")) == ["a0", "a1"]
+    assert heavy("b0", "e2") + heavy("b1", "e2") + heavy("b2", "e3") == ["b0", "b1", "b2"]
+    assert forwarded(p, "a2", "A", engine_id="e1") == []  # A holds 2 per weight, B 1.5: e1's last slot is B's
+    # B's next task (on e4) brings B to 2 per weight, as many as A: e1's last slot is A's too now.
+    assert heavy("b3", "e4") == ["b3", "a2"]
+
+
+def test_a_reserved_slot_the_head_of_the_queue_may_not_take_goes_to_a_lower_band_task_that_may():
+    """Criticality orders who takes a slot anyone may take; a reserved slot the standard head may
+    not take goes to the sheddable task of the caller it is kept for, rather than stay idle."""
+    p = make(max_in_flight_per_engine=4, fair_reserve=2, queue_timeout=30, shed_waiting_threshold=5)
+    assert sent(sum((submit(p, f"a{i}", "A") for i in range(4)), [])) == ["a0", "a1", "a2", "a3"]
+    assert submit(p, "c0", "C", criticality=SHEDDABLE) == [] and submit(p, "a4", "A") == []
+    assert finish(p, "a0") == ["c0"]  # A holds 3, C none: the freed slot is reserved, and C's
+    assert finish(p, "a1") == []  # A holds 2, C 1: kept for C's next request
+    assert finish(p, "a2") == ["a4"]  # A holds as many as C
 
 
 # --- the caller on the wire ---------------------------------------------------
