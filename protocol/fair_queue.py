@@ -45,6 +45,19 @@ __all__ = ["Criticality", "CriticalityRefused", "FairQueueUsageError", "HeldQueu
            "requested_criticality"]
 
 
+#: The weights a caller may have: shares from a thousandth to a thousand times the default 1
+#: (a million to one between two callers). Past them ``1/weight`` in the virtual times would
+#: lose its precision or overflow, and fairness with it.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+
+
+def weight_problem(weight: object) -> str | None:
+    """Why ``weight`` cannot be a caller's weight, or None if it can."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        return f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got {weight!r}"
+    return None
+
+
 class FairQueueUsageError(LocalUsageError):
     """The caller drove the queue wrongly (a task twice, an unknown task, a bad weight)."""
 
@@ -142,8 +155,9 @@ class HeldQueue:
         """Hold ``task_id`` for ``flow`` (whose share is ``weight``, > 0) at ``criticality``."""
         if task_id in self._entries:
             raise FairQueueUsageError(f"task {task_id!r} is already held")
-        if not weight > 0 or weight == float("inf"):
-            raise FairQueueUsageError(f"weight must be a finite number > 0, got {weight!r}")
+        problem = weight_problem(weight)
+        if problem:
+            raise FairQueueUsageError(problem)
         band = self._bands[criticality.rank]
         state = band.flows.get(flow)
         if state is None:

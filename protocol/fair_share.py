@@ -26,11 +26,10 @@ Memory: one record per (tenant, model, flow) with a task held or waiting.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from protocol.errors import RemoteProtocolError
-from protocol.fair_queue import Criticality
+from protocol.fair_queue import Criticality, weight_problem
 from protocol.pb import worker_pb2
 
 __all__ = ["CallerRefused", "FairShares", "caller_message", "forwarded_caller"]
@@ -64,8 +63,9 @@ def forwarded_caller(request: worker_pb2.TaskRequest) -> tuple[str, float, Criti
         return "", 1.0, Criticality.STANDARD
     caller = request.infx_caller
     weight = caller.weight or 1.0
-    if not (weight > 0 and math.isfinite(weight)):
-        raise CallerRefused(f"forwarded caller weight must be a finite number > 0, got {caller.weight!r}")
+    problem = weight_problem(weight)
+    if problem:
+        raise CallerRefused(f"forwarded caller: {problem}")
     criticality = _FROM_WIRE.get(caller.criticality)
     if criticality is None:
         raise CallerRefused(f"forwarded caller has an unknown criticality ({caller.criticality})")

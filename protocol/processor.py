@@ -89,7 +89,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from protocol import task_forms
-from protocol.fair_queue import Criticality
+from protocol.fair_queue import Criticality, weight_problem
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     BUSY_STATUSES,
@@ -188,8 +188,9 @@ class Processor(ProcessorRouting):
             raise ProcessorUsageError(f"task id {task_id!r} is empty or uses the control prefix")
         if request.WhichOneof("request") is None:
             raise ProcessorUsageError(f"task {task_id!r} has an empty request")
-        if not 0 < weight < float("inf"):
-            raise ProcessorUsageError(f"task {task_id!r}: weight must be a finite number > 0")
+        weight_refused = weight_problem(weight)
+        if weight_refused:
+            raise ProcessorUsageError(f"task {task_id!r}: {weight_refused}")
         model = model_of(request)
         if not model and not target_engine_id:
             raise ProcessorUsageError(f"task {task_id!r} names neither a model nor a target engine")

@@ -58,9 +58,11 @@ def test_key_file_members_set_criticality_and_weight():
 @pytest.mark.parametrize(("member", "problem"), [
     ({"criticality": "urgent"}, "criticality must be critical, standard or sheddable"),
     ({"criticality": 3}, "criticality must be"),
-    ({"weight": 0}, "weight must be a number > 0"),
-    ({"weight": "heavy"}, "weight must be a number > 0"),
-    ({"weight": True}, "weight must be a number > 0"),
+    ({"weight": 0}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": "heavy"}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": True}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": 1e-320}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": 1e6}, "weight must be a number from 0.001 to 1000"),
 ])
 def test_bad_criticality_or_weight_in_the_key_file_is_an_error_naming_the_entry(member, problem):
     with pytest.raises(KeyFileError, match=rf"keys\[0\]: {problem}"):

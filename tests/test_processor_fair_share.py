@@ -264,6 +264,7 @@ def test_the_default_caller_sends_nothing():
     (worker_pb2.Caller(weight=-1.0), "weight"),
     (worker_pb2.Caller(weight=math.inf), "weight"),
     (worker_pb2.Caller(weight=math.nan), "weight"),
+    (worker_pb2.Caller(weight=1e-320), "from 0.001 to 1000"),  # 1/weight would overflow the virtual times
     (worker_pb2.Caller(criticality=7), "criticality"),  # type: ignore[arg-type]
     (worker_pb2.Caller(flow="k" * 257), "longer than 256"),
 ])
