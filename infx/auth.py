@@ -10,7 +10,7 @@ Kubernetes Secret (one Secret key holding the whole file)::
         rate_limit: {rate: 5, burst: 10}   # optional, requests per second
         admin: true                        # optional, may read /admin/status
         criticality: standard              # optional: critical, standard (default) or sheddable
-        weight: 1                          # optional: share of held requests' turns (> 0)
+        weight: 1                          # optional: share of held requests' turns (0.001 to 1000)
     engine_keys:               # engines dialling the worker gRPC port
       - key: ek-team-a
         tenant: team-a
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import yaml
 
-from protocol.fair_queue import Criticality, parse_criticality
+from protocol.fair_queue import Criticality, parse_criticality, weight_problem
 from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"
@@ -276,6 +276,7 @@ def _share(item: dict[str, Any], where: str) -> tuple[Criticality, float]:
         except ValueError as e:
             raise KeyFileError(f"{where}: {e}") from None
     weight = item.get("weight", 1.0)
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-        raise KeyFileError(f"{where}: weight must be a number > 0, got {weight!r}")
+    problem = weight_problem(weight)
+    if problem:
+        raise KeyFileError(f"{where}: {problem}")
     return criticality, float(weight)

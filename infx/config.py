@@ -74,8 +74,9 @@ class GatewayConfig:
     #: Seconds between heartbeats to local engines (none when unset); an engine
     #: that misses three in a row is removed and its tasks fail over.
     heartbeat_interval: float | None = None
-    #: Tasks this gateway keeps on one engine at once; an engine at it gets no more
-    #: until one ends (tasks go to another engine or wait). None: no cap.
+    #: Tasks one engine holds at once, every gateway's (as it reports them, plus those
+    #: sent since); an engine at it gets no more until one ends (tasks go to another
+    #: engine or wait; a peer's task for it waits at this gateway, its engine's). None: no cap.
     max_in_flight_per_engine: int | None = None
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
@@ -83,6 +84,9 @@ class GatewayConfig:
     #: A sheddable request that would wait while every engine of its model is at
     #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
     shed_waiting_threshold: int = 0
+    #: With max_in_flight_per_engine: each engine's last free slots, kept for the caller holding
+    #: the fewest (protocol/fair_share.py), so that another caller's burst cannot take them all.
+    fair_reserve: int = 2
     #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
     #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
@@ -219,7 +223,7 @@ def host_port(value: str, option: str) -> tuple[str, int]:
 
 #: Durations for which 0 is meaningful rather than a mistake.
 _ZERO_ALLOWED = frozenset({"echo_token_delay", "routing_index_blocks_per_engine", "routing_index_blocks",
-                           "routing_sessions", "routing_spilled_tips"})
+                           "routing_sessions", "routing_spilled_tips", "fair_reserve"})
 
 
 def _split_list(value: Any) -> tuple[str, ...]:

@@ -158,6 +158,7 @@ class GatewayService(service.MultiService):
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             shed_waiting_threshold=config.shed_waiting_threshold,
+            fair_reserve=config.fair_reserve,
             routing=routing,
             route_stuck_timeout=config.route_stuck_timeout,
         ))

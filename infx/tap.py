@@ -88,9 +88,13 @@ class Options(VersionOption, usage.Options):
         ["heartbeat-interval", None, None,
          "Seconds between heartbeats to local engines; one that misses three is removed [default: none]."],
         ["max-in-flight-per-engine", None, None,
-         "Tasks kept on one engine at once; more go to other engines or wait [default: no cap]."],
+         "Tasks one engine holds at once, every gateway's; more go to other engines or wait [default: no cap]."],
         ["max-tasks-per-tenant", None, None,
          "Live tasks one tenant may have on this gateway; past it, 429 with Retry-After [default: no cap]."],
+        ["fair-reserve", None, None,
+         "With --max-in-flight-per-engine: each engine's last free slots (at most the cap less one), "
+         "kept for the caller holding the fewest, or critical requests, so that one caller's burst "
+         f"cannot take them all; 0: none [default: {_DEFAULTS.fair_reserve}]."],
         ["shed-waiting-threshold", None, None,
          "Sheddable requests get 429 with Retry-After when every engine of their model is at "
          "--max-in-flight-per-engine and this many requests wait already [default: 0]."],

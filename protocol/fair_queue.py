@@ -9,31 +9,33 @@ an engine. Its order:
 
 1. **Criticality bands**, strictly: every ``critical`` task before any
    ``standard`` one, every ``standard`` before any ``sheddable`` one.
-2. **Within a band, weighted fair queueing across flows** (a flow is one
-   caller sharing the tenant's engines: an API key, or the name several keys
-   share). Each flow's tasks keep their arrival order; flows take turns by
-   virtual finish time: a flow's next task finishes at ``start + 1/weight``,
-   where ``start`` is the later of the band's virtual clock (the finish time
-   of the task served last) and the flow's own last finish. A flow that
-   bursts 1,000 tasks therefore gets one slot in its turn, not the next
-   1,000: a flow of weight ``w`` among busy flows of total weight ``W`` gets
-   ``w / W`` of the slots, and a newly arriving flow waits for at most one
-   turn of each other busy flow. A flow that leaves and comes back cannot
-   claim slots for the time it was away (its start is never before the
-   clock), nor skip its debt (its last finish is kept while it is ahead).
+2. **Within a band, the flow holding the fewest engine slots per weight**
+   (a flow is one caller sharing the tenant's engines: an API key, or the
+   name several keys share; ``served`` tells the queue how many slots each
+   holds, :class:`protocol.fair_share.FairShares`). Fairness by slots held
+   rather than by slots granted: a caller whose requests run long or come
+   often gets the slots it needs up to its share, and one that bursts 1,000
+   requests takes a freed slot only while it holds no more than the others.
+3. **Among flows holding as much, weighted fair queueing** by virtual finish
+   time: a flow's next task finishes at ``start + 1/weight``, where ``start``
+   is the later of the band's virtual clock (the finish time of the task
+   served last) and the flow's own last finish. Each flow's tasks keep their
+   arrival order. A flow that leaves and comes back cannot claim slots for
+   the time it was away (its start is never before the clock), nor skip its
+   debt (its last finish is kept while it is ahead).
 
 Removing a task without serving it (cancel, queue timeout) charges nothing:
 the flow's next task takes its place in the turn. Memory is one entry per
-held task plus one per flow that holds tasks or is ahead of the clock, and
-a heap of the flows' turns with at most one stale entry per change of a
-flow's head (dropped as they surface); a band that empties forgets its flows
-(a new busy period starts even). ``peek`` and ``take`` cost O(log flows).
+held task plus one per flow that holds tasks or is ahead of the clock; a
+band that empties forgets its flows (a new busy period starts even).
+``peek`` costs O(flows with held tasks) (callers waiting at once are few;
+a flow's tasks are one entry), as does each band's head from ``heads``;
+``take`` and ``remove`` O(1).
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -41,6 +43,19 @@ from protocol.errors import LocalUsageError, RemoteProtocolError
 
 __all__ = ["Criticality", "CriticalityRefused", "FairQueueUsageError", "HeldQueue", "parse_criticality",
            "requested_criticality"]
+
+
+#: The weights a caller may have: shares from a thousandth to a thousand times the default 1
+#: (a million to one between two callers). Past them ``1/weight`` in the virtual times would
+#: lose its precision or overflow, and fairness with it.
+MIN_WEIGHT, MAX_WEIGHT = 1e-3, 1e3
+
+
+def weight_problem(weight: object) -> str | None:
+    """Why ``weight`` cannot be a caller's weight, or None if it can."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+        return f"weight must be a number from {MIN_WEIGHT:g} to {MAX_WEIGHT:g}, got {weight!r}"
+    return None
 
 
 class FairQueueUsageError(LocalUsageError):
@@ -108,8 +123,6 @@ class _Band:
     clock: float = 0.0
     flows: dict[str, _Flow] = field(default_factory=dict)
     size: int = 0
-    #: (head finish, head arrival, flow) per turn; stale once that flow's head changed.
-    turns: list[tuple[float, int, str]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +155,9 @@ class HeldQueue:
         """Hold ``task_id`` for ``flow`` (whose share is ``weight``, > 0) at ``criticality``."""
         if task_id in self._entries:
             raise FairQueueUsageError(f"task {task_id!r} is already held")
-        if not weight > 0 or weight == float("inf"):
-            raise FairQueueUsageError(f"weight must be a finite number > 0, got {weight!r}")
+        problem = weight_problem(weight)
+        if problem:
+            raise FairQueueUsageError(problem)
         band = self._bands[criticality.rank]
         state = band.flows.get(flow)
         if state is None:
@@ -156,19 +170,25 @@ class HeldQueue:
         band.size += 1
         self._entries[task_id] = _Entry(flow, criticality, self._seq)
         self._seq += 1
-        if was_idle:
-            self._push(band, flow, state)
 
-    def peek(self) -> str | None:
-        """The task to serve next, or None when nothing is held."""
+    def peek(self, served: Callable[[str], float] = lambda flow: 0.0) -> str | None:
+        """The task to serve next, or None when nothing is held; ``served(flow)`` is the
+        engine slots ``flow`` holds per weight (see the module docstring)."""
+        return next(self.heads(served), None)
+
+    def heads(self, served: Callable[[str], float] = lambda flow: 0.0) -> Iterator[str]:
+        """The task each criticality band would serve next, most important band first: the
+        next to try when the bands above it may take no free slot (an engine's reserve)."""
         for band in self._bands:
-            while band.turns:
-                finish, seq, name = band.turns[0]
-                flow = band.flows.get(name)
-                if flow is not None and flow.tasks and flow.head_finish == finish and self._head_seq(flow) == seq:
-                    return next(iter(flow.tasks))
-                heapq.heappop(band.turns)  # stale: that flow's head has changed since
-        return None
+            best: tuple[float, float, int] | None = None
+            chosen: _Flow | None = None
+            for name, flow in band.flows.items():
+                if flow.tasks:
+                    rank = (served(name), flow.head_finish, self._head_seq(flow))
+                    if best is None or rank < best:
+                        best, chosen = rank, flow
+            if chosen is not None:
+                yield next(iter(chosen.tasks))
 
     def take(self, task_id: str) -> None:
         """``task_id`` got a slot: it leaves, and its flow's turn is spent."""
@@ -180,7 +200,6 @@ class HeldQueue:
             flow.last_finish = flow.head_finish
             if flow.tasks:
                 flow.head_finish = flow.last_finish + 1.0 / flow.weight
-                self._push(band, entry.flow, flow)
         self._forget(task_id, entry, band)
 
     def remove(self, task_id: str) -> None:
@@ -190,15 +209,10 @@ class HeldQueue:
         del flow.tasks[task_id]
         if first and not flow.tasks:
             flow.last_finish = flow.head_finish - 1.0 / flow.weight
-        elif first:
-            self._push(band, entry.flow, flow)  # the next task takes the turn, arriving later
         self._forget(task_id, entry, band)
 
     def _head_seq(self, flow: _Flow) -> int:
         return self._entries[next(iter(flow.tasks))].seq
-
-    def _push(self, band: _Band, name: str, flow: _Flow) -> None:
-        heapq.heappush(band.turns, (flow.head_finish, self._head_seq(flow), name))
 
     def _locate(self, task_id: str) -> tuple[_Entry, _Band, _Flow]:
         entry = self._entries.get(task_id)
@@ -212,7 +226,6 @@ class HeldQueue:
         band.size -= 1
         if not band.size:
             band.flows.clear()  # idle: the next busy period starts even
-            band.turns.clear()
             return
         flow = band.flows[entry.flow]
         if not flow.tasks and flow.last_finish <= band.clock:

@@ -60,22 +60,8 @@ Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
 route refused at its queue cap is routed again at once, with no retry counted;
 a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
-Caps (``ProcessorConfig``): an engine with ``max_in_flight_per_engine`` tasks
-of this processor on it is skipped by routing; a task that finds every engine
-for its model full waits in the queue, and a slot freed when a task leaves an
-engine goes to a waiting task it can serve before the input that freed it
-returns. Each model's queue is a :class:`protocol.fair_queue.HeldQueue`:
-critical tasks first, then standard, then sheddable, and within each, fair
-across the callers (``flow``, weighted) that share the tenant's engines.
-
-Shedding: a ``sheddable`` task that would wait while every engine serving its
-model is at its cap and the model's queue holds ``shed_waiting_threshold``
-tasks or more, or while the whole queue is at ``max_waiting_tasks``, fails at
-once with 429 and ``busy_retry_after``. A critical or standard task that
-finds the whole queue full takes the place of the newest sheddable task
-waiting (which fails so), and is refused with 503 only when none waits. A tenant with
-``max_tasks_per_tenant`` live tasks has its next one failed at once (429, or
-503 for a targeted task so that the forwarding peer retries elsewhere).
+Caps, fair queues and shedding: see :mod:`protocol.processor_slots`; routing, dispatch and
+the waiting tasks that take freed slots: :mod:`protocol.processor_routing`.
 
 Draining (``drain``, on shutdown): local engines are told to go away, and a
 task that would wait (no routable engine, local or a peer's, serves its
@@ -103,7 +89,7 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from protocol import task_forms
-from protocol.fair_queue import Criticality, HeldQueue
+from protocol.fair_queue import Criticality, weight_problem
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
     BUSY_STATUSES,
@@ -127,13 +113,12 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
-from protocol.routing import Router, RoutingPolicy
 from protocol.routing_hints import RoutingHints
+from protocol.processor_routing import ProcessorRouting
 from protocol.processor_tables import (
     _ON_ENGINE,
     EngineView,
     ProcessorCounters,
-    ProcessorTables,
     TaskOutcome,
     TaskState,
     _ControlKind,
@@ -164,7 +149,7 @@ __all__ = [
 ]
 
 
-class Processor(ProcessorTables):
+class Processor(ProcessorRouting):
     """Routes tasks to engines and results back to requests; see the module docstring."""
 
     # --- requests ---------------------------------------------------------
@@ -203,8 +188,9 @@ class Processor(ProcessorTables):
             raise ProcessorUsageError(f"task id {task_id!r} is empty or uses the control prefix")
         if request.WhichOneof("request") is None:
             raise ProcessorUsageError(f"task {task_id!r} has an empty request")
-        if not 0 < weight < float("inf"):
-            raise ProcessorUsageError(f"task {task_id!r}: weight must be a finite number > 0")
+        weight_refused = weight_problem(weight)
+        if weight_refused:
+            raise ProcessorUsageError(f"task {task_id!r}: {weight_refused}")
         model = model_of(request)
         if not model and not target_engine_id:
             raise ProcessorUsageError(f"task {task_id!r} names neither a model nor a target engine")
@@ -246,13 +232,13 @@ class Processor(ProcessorTables):
             elif engine.route in self._flow:
                 message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
                 self._fail(task, 503, message, effects, self.config.busy_retry_after)
-            elif self._full(engine):
-                message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
-                self._fail(task, 503, message, effects, self.config.busy_retry_after)
+            elif self._full(engine, self._may_use_reserve(task)):
+                self._wait_on_engine(now, task, engine, effects)
             else:
                 self._dispatch(now, task, engine, effects)
         else:
             self._route(now, task, effects)
+        self._refill(now, effects)
         return effects
 
     def cancel(self, task_id: str, now: float) -> list[Effect]:
@@ -284,6 +270,7 @@ class Processor(ProcessorTables):
         effects: list[Effect] = []
         for task_id in list(self._waiting.get((tenant_id, model_id), ())):
             self._fail(self._tasks[task_id], status, message, effects)
+        self._refill(now, effects)
         return effects
 
     # --- engines ----------------------------------------------------------
@@ -329,6 +316,9 @@ class Processor(ProcessorTables):
             self._next_heartbeat = now + self.config.heartbeat_interval
         if engine.routable:
             self._dispatch_waiting(now, engine, effects)
+        else:
+            self._fail_waiting_on(key, "is no longer ready", effects)
+        self._refill(now, effects)
         return effects
 
     def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -378,6 +368,7 @@ class Processor(ProcessorTables):
         if self._flow.unblock(route):
             for engine in [e for e in self._engines.values() if e.route == route and e.routable]:
                 self._dispatch_waiting(now, engine, effects)
+        self._refill(now, effects)
         return effects
 
     def dispatch_refused(self, task_id: str, route: Route, now: float) -> list[Effect]:
@@ -385,6 +376,7 @@ class Processor(ProcessorTables):
         queue is at its cap. The route counts as blocked (``route_blocked``), and the
         task is routed again at once, to another engine or the queue; this is not a
         failure of the engine, so no retry is counted and the engine is not avoided.
+        A targeted task (a peer's) fails with 503 instead, so that its peer tries elsewhere.
 
         A stale report (the task ended or moved on) only blocks the route.
         """
@@ -398,9 +390,14 @@ class Processor(ProcessorTables):
         task = self._attempts.get(task_id)
         if task is None or task.state is not TaskState.DISPATCHED or task.route != route:
             return effects
-        self._unassign(task)
-        self._move(task, TaskState.RETRY_PENDING)
-        self._route(now, task, effects)
+        if task.target:
+            # A peer's task is for this engine only: as on arrival at a blocked route, the peer tries elsewhere.
+            message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
+        else:
+            self._unassign(task)
+            self._move(task, TaskState.RETRY_PENDING)
+            self._route(now, task, effects)
         self._refill(now, effects)
         return effects
 
@@ -410,9 +407,11 @@ class Processor(ProcessorTables):
         for engine in self._engines.values():
             if engine.locality is Locality.LOCAL:
                 engine.draining = True
+                self._fail_waiting_on(engine.key, "is going away", effects)
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
                 effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+        self._refill(now, effects)
         return effects
 
     def drain(self, now: float) -> list[Effect]:
@@ -426,6 +425,7 @@ class Processor(ProcessorTables):
                 task = self._tasks[task_id]
                 if self._pick(task, ignore_cap=True) is None:
                     self._refuse_draining(task, effects)
+        self._refill(now, effects)
         return effects
 
     # --- results ----------------------------------------------------------
@@ -524,206 +524,6 @@ class Processor(ProcessorTables):
         self._refill(now, effects)
         return effects
 
-    # --- internals: routing ----------------------------------------------
-
-    def _route(self, now: float, task: _Task, effects: list[Effect]) -> None:
-        engine = self._pick(task)
-        if engine is not None:
-            self._dispatch(now, task, engine, effects)
-            return
-        if self._no_engine_takes_it(task):
-            self._fail(task, 400, self._typed_form_missing(task), effects)
-            return
-        if self._should_shed(task):
-            self._shed(task, effects)
-            return
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            if not self._sheddable:
-                if task.busy_reply is not None:
-                    self._deliver(task, task.busy_reply, True, effects)
-                else:
-                    self._fail(task, 503, "too many tasks waiting for an engine", effects,
-                               self.config.busy_retry_after)
-                return
-            self._shed(self._tasks[next(reversed(self._sheddable))], effects)
-        if self.draining and self._pick(task, ignore_cap=True) is None:
-            self._refuse_draining(task, effects)
-            return
-        self._move(task, TaskState.WAITING)
-        key = (task.tenant_id, task.model)
-        queue = self._waiting.setdefault(key, HeldQueue())
-        queue.add(task.id, task.flow, task.weight, task.criticality)
-        if task.criticality is Criticality.SHEDDABLE:
-            self._sheddable[task.id] = None
-        self._waiting_total += 1
-        queued_since = now if task.busy_since is None else task.busy_since
-        self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
-        if not self._served_but_full(task):
-            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(queue)))
-
-    def _no_engine_takes_it(self, task: _Task) -> bool:
-        """Engines list the task's model, but none can take its request (only its verbatim form
-        exists and they are LLMariner engines): waiting would not help."""
-        return (
-            bool(task.request.typed_request_incomplete)
-            and self.serves(task.tenant_id, task.model)
-            and not self.takes_http_request(task.tenant_id, task.model)
-        )
-
-    @staticmethod
-    def _typed_form_missing(task: _Task) -> str:
-        return (f"no engine serving model {task.model!r} can take this request "
-                f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
-    def _should_shed(self, task: _Task) -> bool:
-        """Whether a task that is about to wait is sheddable and the engines are saturated."""
-        if task.criticality is not Criticality.SHEDDABLE:
-            return False
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            return True
-        queue = self._waiting.get((task.tenant_id, task.model))
-        held = len(queue) if queue is not None else 0
-        return held >= self.config.shed_waiting_threshold and self._served_but_full(task)
-
-    def _shed(self, task: _Task, effects: list[Effect]) -> None:
-        self.counters.shed += 1
-        message = f"engines for model {task.model!r} are saturated and this request is sheddable; retry later"
-        self._fail(task, 429, message, effects, self.config.busy_retry_after)
-
-    def _full(self, engine: _Engine) -> bool:
-        """At its in-flight cap, or on a route that is not draining."""
-        cap = self.config.max_in_flight_per_engine
-        return (cap is not None and len(engine.in_flight) >= cap) or engine.route in self._flow
-
-    def _served_but_full(self, task: _Task) -> bool:
-        """Whether the task waits only for room: an engine would take it but for its in-flight
-        cap, its runtime's busy back-off or its blocked route."""
-        return self._pick(task, ignore_cap=True) is not None
-
-    def _blocked(self, engine: _Engine, ignore_cap: bool) -> bool:
-        """Whether routing must skip a routable engine for now (full, its route not
-        draining, or its runtime busy)."""
-        return not ignore_cap and (self._full(engine) or engine.busy_until is not None)
-
-    def _held_back(self, task: _Task, engine: _Engine) -> bool:
-        """What the routing policy must not choose for ``task``: an engine that is full, busy
-        or blocked, or that cannot take the task's request in any form."""
-        return self._blocked(engine, False) or not task_forms.eligible(task.request, engine.status)
-
-    def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
-        policy = self.config.routing.policy
-        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
-                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
-            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
-                                      lambda key: self._held_back(task, self._engines[key]))
-            if key is not None or not self.config.dynamic_model_loading:
-                return None if key is None else self._engines[key]
-        best: _Engine | None = None
-        best_rank: tuple[bool, bool, int, str] | None = None
-        for engine in self._ready_engines(task.tenant_id, task.model):
-            if not engine.routable or self._blocked(engine, ignore_cap):
-                continue
-            if not task_forms.eligible(task.request, engine.status):
-                continue
-            rank = (
-                engine.key.engine_id in task.avoid,
-                engine.locality is not Locality.LOCAL,
-                len(engine.in_flight),
-                engine.key.engine_id,
-            )
-            if best_rank is None or rank < best_rank:
-                best, best_rank = engine, rank
-        if best is None and self.config.dynamic_model_loading:
-            # Any engine may load the model: this one scan is over every engine of the tenant.
-            for engine in self._by_tenant.get(task.tenant_id, {}).values():
-                if not engine.routable or self._blocked(engine, ignore_cap):
-                    continue
-                if not task_forms.eligible(task.request, engine.status):
-                    continue
-                rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = engine, rank
-        return best
-
-    def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
-        self._move(task, TaskState.DISPATCHED)
-        task.engine = engine.key
-        task.route = engine.route
-        task.next_index = 0
-        task.attempt += 1
-        task.wire_id = self._attempt_id(task)
-        self._attempts[task.wire_id] = task
-        engine.in_flight.add(task.id)
-        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
-        self._set_timer(task, task.deadline)
-        wire = worker_pb2.Task(
-            id=task.wire_id,
-            request=task_forms.for_engine(task.request, engine.status),
-            engine_id=engine.key.engine_id,
-            timeout_seconds=max(1, int(task.deadline - now)),
-        )
-        # A spill's tip goes to a peer's engine's gateway (protocol/routing_spills.py), never to an engine.
-        wire.request.infx_prefix_tip = tip
-        for name, values in task.header.items():
-            wire.header[name].values.extend(values)
-        effects.append(SendTask(engine.route, engine.key, wire))
-
-    def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
-        tenant_id = engine.key.tenant_id
-        if self.config.dynamic_model_loading:
-            keys = [key for key in self._waiting if key[0] == tenant_id]
-        else:
-            # In the order the queues formed, not the frozenset's (hash-seeded) order, so that the
-            # same inputs dispatch the same way in every process (the simulation replays seeds).
-            keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
-        for key in keys:
-            queue = self._waiting.get(key)
-            while queue is not None and (task_id := queue.peek()) is not None:
-                task = self._tasks[task_id]
-                target = self._pick(task)
-                if target is None and task.request.typed_request_incomplete:
-                    if self._no_engine_takes_it(task):
-                        self._fail(task, 400, self._typed_form_missing(task), effects)
-                    else:
-                        # The head waits for an engine that takes its verbatim form; a task
-                        # behind it (in arrival order) may take this one's typed form now.
-                        task = next((t for t in map(self._tasks.__getitem__, queue)
-                                     if not t.request.typed_request_incomplete and self._pick(t) is not None),
-                                    task)
-                        target = None if task.id == task_id else self._pick(task)
-                        if target is None:
-                            break
-                        self._unwait(task, served=True)
-                        self._dispatch(now, task, target, effects)
-                    queue = self._waiting.get(key)
-                    continue
-                if target is None:
-                    break
-                self._unwait(task, served=True)
-                self._dispatch(now, task, target, effects)
-                queue = self._waiting.get(key)
-
-    def _refill(self, now: float, effects: list[Effect]) -> None:
-        """Give the slots freed during this input to waiting tasks (only an in-flight cap
-        can keep a task waiting while an engine serves its model, so only then is there work)."""
-        while self._freed:
-            key = next(iter(self._freed))
-            del self._freed[key]
-            engine = self._engines.get(key)
-            if engine is not None and engine.routable:
-                self._dispatch_waiting(now, engine, effects)
-
-    def _unwait(self, task: _Task, served: bool = False) -> None:
-        key = (task.tenant_id, task.model)
-        queue = self._waiting[key]
-        if served:
-            queue.take(task.id)
-        else:
-            queue.remove(task.id)
-        self._sheddable.pop(task.id, None)
-        self._waiting_total -= 1
-        if not queue:
-            del self._waiting[key]
-
     # --- internals: failure and retries -----------------------------------
 
     def _engine_lost(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
@@ -782,6 +582,10 @@ class Processor(ProcessorTables):
         elif now >= task.deadline:
             self._stop_on_engine(task, effects)
             self._fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
+        elif task.state is TaskState.WAITING and task.target:
+            message = (f"engine {task.target!r} stayed at its limit of {self.config.max_in_flight_per_engine} "
+                       f"tasks (waited {self.config.queue_timeout:g}s)")
+            self._fail(task, 503, message, effects, self.config.busy_retry_after)
         elif task.state is TaskState.WAITING:
             if self._served_but_full(task):
                 cap = self.config.max_in_flight_per_engine
@@ -794,38 +598,6 @@ class Processor(ProcessorTables):
             self._fail(task, 503, message, effects, self.config.busy_retry_after)
         elif task.state is TaskState.RETRY_PENDING:
             self._route(now, task, effects)
-
-    def _fail(
-        self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
-    ) -> None:
-        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
-                                   task.engine, task.route, task.redispatches))
-        self._end(task, TaskOutcome.FAILED)
-
-    def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
-        self.counters.drain_refusals += 1
-        message = f"this gateway is shutting down and no other engine serves model {task.model!r}; retry"
-        self._fail(task, 503, message, effects, self.config.busy_retry_after)
-
-    def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
-        """Cancel the current attempt on the route it was sent on, whether or not its
-        engine is still registered (a removed engine's older stream may still be open)."""
-        if task.state not in _ON_ENGINE or task.engine is None:
-            return
-        request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.wire_id))
-        send = self._control_task(_ControlKind.CANCEL, task.engine, task.route, request)
-        effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.wire_id))
-
-    def _end(self, task: _Task, outcome: TaskOutcome) -> None:
-        if task.state is TaskState.WAITING:
-            self._unwait(task)
-        self._unassign(task)
-        task.state = None
-        del self._tasks[task.id]
-        self._tenant_tasks[task.tenant_id] -= 1
-        if not self._tenant_tasks[task.tenant_id]:
-            del self._tenant_tasks[task.tenant_id]
-        self.counters.outcomes[outcome.value] += 1
 
     def _remove(
         self, now: float, engines: list[_Engine], reason: str, effects: list[Effect], closing: Route = None
@@ -853,6 +625,7 @@ class Processor(ProcessorTables):
                 del self._control[control_id]
             if engine.locality is Locality.LOCAL:
                 effects.append(LocalEnginesChanged())
+            self._fail_waiting_on(engine.key, f"was removed ({reason})", effects)
             lost += [(engine, self._tasks[task_id]) for task_id in sorted(engine.in_flight)]
         for engine, task in lost:
             if task.route != closing:
@@ -862,28 +635,6 @@ class Processor(ProcessorTables):
             effects.append(EnginesRemoved(tuple(engine.key for engine in engines)))
 
     # --- internals: results -----------------------------------------------
-
-    def _deliver(self, task: _Task, result: worker_pb2.TaskResult, last: bool, effects: list[Effect]) -> None:
-        if task.unconsumed >= self.config.max_unconsumed_results:
-            self.counters.slow_consumers += 1
-            self._stop_on_engine(task, effects)
-            self._fail(task, 503, f"client did not keep up: {task.unconsumed} results unread", effects)
-            return
-        task.unconsumed += 1
-        task.next_index += 1
-        if result.task_id != task.id:
-            # A retry's result names its attempt; the origin knows the task by its own id.
-            renamed = worker_pb2.TaskResult()
-            renamed.CopyFrom(result)
-            renamed.task_id = task.id
-            result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
-                                     task.redispatches))
-        if last:
-            self._end(task, TaskOutcome.COMPLETED)
-        elif task.state is TaskState.DISPATCHED:
-            self._move(task, TaskState.STREAMING)
-            task.release_request()
 
     # --- internals: control tasks and heartbeats --------------------------
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
+from protocol.fair_share import FairShares
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.route_flow import RouteFlow
@@ -125,6 +126,9 @@ class _Task:
     flow: str = ""
     weight: float = 1.0
     hints: RoutingHints | None = None
+    # Whether it counts in its flow's slots held now (``FairShares``), from dispatch until it
+    # leaves the engine (the engine may be gone from the tables by then).
+    holds_slot: bool = False
 
 
 @dataclass(slots=True)
@@ -194,6 +198,10 @@ class ProcessorTables:
         self._ready_for: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
         # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
         self._waiting: dict[tuple[str, str], HeldQueue] = {}
+        # Targeted tasks (a peer's) waiting for a slot on their engine, per engine and model.
+        self._waiting_on: dict[EngineKey, dict[str, HeldQueue]] = {}
+        # Slots held and tasks waiting per caller, for fairness by slots held.
+        self._shares = FairShares()
         self._waiting_total = 0
         # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
         self._sheddable: dict[str, None] = {}
@@ -209,6 +217,11 @@ class ProcessorTables:
         # Engines a task left since the current input began: with an in-flight cap,
         # their freed slots go to waiting tasks before the input returns (``_refill``).
         self._freed: dict[EngineKey, None] = {}
+        # (tenant, model)s whose slots held or waiting callers changed since the input began: with
+        # a reserve, who may take an engine's last slots may have changed (``_refill``).
+        self._reshuffled: dict[tuple[str, str], None] = {}
+        # The waiting callers of (tenant, model) that were the least served when last retried.
+        self._reserve_takers: dict[tuple[str, str], frozenset[str]] = {}
         # Set by ``drain``: a task that would wait fails at once instead.
         self.draining = False
         # (busy_until, seq, engine): when an engine's busy back-off ends.
@@ -234,12 +247,21 @@ class ProcessorTables:
         return state
 
     def waiting_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks waiting for an engine, per (tenant, model): the scaler's demand signal."""
-        return {key: len(ids) for key, ids in self._waiting.items() if ids}
+        """Tasks waiting for an engine, per (tenant, model), peers' tasks waiting for a slot on
+        one of ours included: the scaler's demand signal and the queued metric."""
+        counts = Counter({key: len(ids) for key, ids in self._waiting.items() if ids})
+        for engine_key, queues in self._waiting_on.items():
+            for model, queue in queues.items():
+                counts[(engine_key.tenant_id, model)] += len(queue)
+        return dict(counts)
 
     def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
         """Tasks waiting for (tenant, model), oldest first."""
         return list(self._waiting.get((tenant_id, model_id), ()))
+
+    def slots_held(self, tenant_id: str, model_id: str) -> dict[str, int]:
+        """Tasks on an engine per caller (flow) of (tenant, model): what fairness counts."""
+        return self._shares.held(tenant_id, model_id)
 
     def in_flight_counts(self) -> dict[tuple[str, str], int]:
         """Tasks on an engine (dispatched or streaming), per (tenant, model)."""
@@ -317,6 +339,8 @@ class ProcessorTables:
                             for m in sorted(e.status.models, key=lambda m: m.id)
                         ],
                         "tasks": sorted(e.in_flight),
+                        # Peers' tasks waiting here for a slot on it.
+                        "waiting": [t for queue in self._waiting_on.get(e.key, {}).values() for t in queue],
                     }
                     for engine_id, e in sorted(engines.items())
                 }
@@ -404,6 +428,10 @@ class ProcessorTables:
         return candidate
 
     def _unassign(self, task: _Task) -> None:
+        if task.holds_slot:
+            task.holds_slot = False
+            self._shares.left(task.tenant_id, task.model, task.flow)
+            self._shares_changed(task)
         if task.engine is not None:
             engine = self._engines.get(task.engine)
             if engine is not None:
@@ -417,6 +445,13 @@ class ProcessorTables:
             task.wire_id = ""
         task.engine = None
         task.route = None
+
+    def _shares_changed(self, task: _Task) -> None:
+        """``task``'s caller took or gave back a slot, or stopped waiting unserved: with a
+        reserve, another caller may now be the least served, and take a reserved slot."""
+        cap = self.config.max_in_flight_per_engine
+        if cap is not None and min(self.config.fair_reserve, cap - 1) > 0:
+            self._reshuffled[(task.tenant_id, task.model)] = None
 
     def _control_task(
         self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest

@@ -93,13 +93,24 @@ class ProcessorConfig:
     busy_retry_after: the ``Retry-After`` (seconds) suggested with a 503 for
         lack of capacity (queue full, queue timeout, engine or tenant at its
         cap) and with the 429 of the tenant cap.
-    max_in_flight_per_engine: tasks this processor keeps on one engine at once
-        (dispatched or streaming, counted by the processor itself, not from the
-        engine's reported ``in_progress_task_count``); an engine at it is skipped
-        by routing, so a task goes to another engine or waits in the queue and is
-        dispatched when a task on the engine ends. A targeted task (forwarded by
-        a peer) for an engine at it fails with 503 at once, so that the peer tries
-        elsewhere. None: no cap (the engine agent bounds its own queue).
+    max_in_flight_per_engine: tasks one engine holds at once (dispatched or
+        streaming), counted as the larger of this processor's tasks on it and
+        what the engine last reported (its runtime's running and waiting
+        requests, else its ``in_progress_task_count``, which count every
+        gateway's tasks) plus the tasks this processor sent it since. An engine
+        at it is skipped by routing, so a task goes to another engine or waits
+        in the queue and is dispatched when a task on the engine ends. A
+        targeted task (forwarded by a peer) for an engine at it waits for a slot
+        on that engine, in its caller's turn among every gateway's callers
+        (``TaskRequest.infx_caller``); a sheddable one is refused with 503 at
+        once, so that the peer tries elsewhere. None: no cap (the engine agent
+        bounds its own queue).
+    fair_reserve: with ``max_in_flight_per_engine``, the last free slots of
+        each engine (at most the cap less one) that only a task of the caller
+        holding the fewest slots per weight on its model, or a critical task,
+        may take (:mod:`protocol.fair_share`): a caller's burst leaves them
+        for the others' next requests, which then start at once on the engine
+        that holds their cache. 0: none.
     max_tasks_per_tenant: live tasks (waiting, retrying or on an engine) one
         tenant may have in this processor; past it the tenant's next task fails
         at once with 429 and ``busy_retry_after``, and other tenants are not
@@ -140,6 +151,7 @@ class ProcessorConfig:
     control_task_prefix: str = "infx-ctl-"
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
+    fair_reserve: int = 2
     max_tasks_per_tenant: int | None = None
     busy_backoff: float = 1.0
     max_busy_backoff: float = 60.0
@@ -169,6 +181,8 @@ class ProcessorConfig:
             problems.append("busy_retry_after must be >= 0")
         if self.max_in_flight_per_engine is not None and self.max_in_flight_per_engine < 1:
             problems.append("max_in_flight_per_engine must be >= 1 or None")
+        if self.fair_reserve < 0:
+            problems.append("fair_reserve must be >= 0")
         if self.max_tasks_per_tenant is not None and self.max_tasks_per_tenant < 1:
             problems.append("max_tasks_per_tenant must be >= 1 or None")
         if not 0 < self.busy_backoff <= self.max_busy_backoff:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
+from protocol.fair_share import CallerRefused, forwarded_caller
 from protocol.openai_errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor import Processor
@@ -205,6 +206,10 @@ class Receiver:
         refusal = self._refusal(task, tenant_id)
         if refusal:
             return [_send_result(error_result(task.id, 503, refusal))]
+        try:
+            flow, weight, criticality = forwarded_caller(task.request)
+        except CallerRefused as e:
+            return [_send_result(error_result(task.id, 400, str(e)))]
         self._tasks.add(task.id)
         outputs: list[ReceiverOutput] = []
         outputs += self.processor.submit(
@@ -215,6 +220,9 @@ class Receiver:
             header={name: list(value.values) for name, value in task.header.items()},
             deadline=now + task.timeout_seconds if task.timeout_seconds > 0 else None,
             target_engine_id=task.engine_id,
+            criticality=criticality,
+            flow=flow,
+            weight=weight,
             now=now,
         )
         return outputs

@@ -58,9 +58,11 @@ def test_key_file_members_set_criticality_and_weight():
 @pytest.mark.parametrize(("member", "problem"), [
     ({"criticality": "urgent"}, "criticality must be critical, standard or sheddable"),
     ({"criticality": 3}, "criticality must be"),
-    ({"weight": 0}, "weight must be a number > 0"),
-    ({"weight": "heavy"}, "weight must be a number > 0"),
-    ({"weight": True}, "weight must be a number > 0"),
+    ({"weight": 0}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": "heavy"}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": True}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": 1e-320}, "weight must be a number from 0.001 to 1000"),
+    ({"weight": 1e6}, "weight must be a number from 0.001 to 1000"),
 ])
 def test_bad_criticality_or_weight_in_the_key_file_is_an_error_naming_the_entry(member, problem):
     with pytest.raises(KeyFileError, match=rf"keys\[0\]: {problem}"):
@@ -69,6 +71,10 @@ def test_bad_criticality_or_weight_in_the_key_file_is_an_error_naming_the_entry(
 
 def test_the_gateway_option_is_validated():
     assert build_config({}, {"shed-waiting-threshold": "4"}).shed_waiting_threshold == 4
+    assert build_config({}, {"fair-reserve": "0"}).fair_reserve == 0
+    assert build_config({}, {}).fair_reserve == ProcessorConfig().fair_reserve
+    with pytest.raises(ConfigError, match="fair-reserve"):
+        build_config({}, {"fair-reserve": "-1"})
     with pytest.raises(ConfigError, match="shed-waiting-threshold"):
         build_config({}, {"shed-waiting-threshold": "-1"})
 

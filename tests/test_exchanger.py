@@ -66,6 +66,32 @@ def engines(gateway: GatewayService) -> dict[tuple[str, Locality], int]:
     return gateway.processor.engine_counts()
 
 
+def key_file(tmp_path: Any, keys: list[dict[str, Any]]) -> Any:
+    """A key file with ``keys`` and the engine key of tenant ``team``."""
+    import yaml
+
+    path = tmp_path / "keys.yaml"
+    path.write_text(yaml.safe_dump({"keys": keys, "engine_keys": [{"key": "ek-team", "tenant": "team"}]}))
+    return path
+
+
+def team_engine(gateway: GatewayService, token_delay: float) -> Any:
+    """An echo engine of tenant ``team`` serving ``m``, started and attached to ``gateway``."""
+    from infx.engine import EngineAgent
+    from infx.runtimes import EchoRuntime
+    from infx.transport import GrpcChannel, client_endpoint
+    from protocol.echo import EchoConfig
+    from protocol.engine_agent import AgentConfig, EngineAgentCore
+
+    worker = gateway.worker_grpc.port.getHost().port
+    engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="e-team", models=("m",))),
+                         EchoRuntime(reactor, EchoConfig(token_delay=token_delay)),
+                         lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker)), key="ek-team",
+                         grace=1)
+    engine.startService()
+    return engine
+
+
 def chat(base: str, **kwargs: Any) -> Any:
     client = openai.OpenAI(base_url=base, api_key="x", max_retries=0, timeout=10)
     return client.chat.completions.create(messages=[{"role": "user", "content": "hello infx world"}], **kwargs)
@@ -420,27 +446,10 @@ def test_a_peer_that_forwards_a_task_without_an_id_is_cut_off_and_redialled(gate
 
 @pytest_twisted.inlineCallbacks
 def test_a_peer_engine_serves_only_its_own_tenant_here(gateways, tmp_path):
-    import yaml
-
-    from infx.engine import EngineAgent
-    from infx.runtimes import EchoRuntime
-    from infx.transport import GrpcChannel, client_endpoint
-    from protocol.echo import EchoConfig
-    from protocol.engine_agent import AgentConfig, EngineAgentCore
-
-    keys = tmp_path / "keys.yaml"
-    keys.write_text(yaml.safe_dump({
-        "keys": [{"key": "sk-team", "tenant": "team"}, {"key": "sk-other", "tenant": "other"}],
-        "engine_keys": [{"key": "ek-team", "tenant": "team"}],
-    }))
+    keys = key_file(tmp_path, [{"key": "sk-team", "tenant": "team"}, {"key": "sk-other", "tenant": "other"}])
     a = yield gateways("a", api_keys=str(keys))
     b = yield gateways("b", api_keys=str(keys), peers=internal_address(a))
-    worker = b.worker_grpc.port.getHost().port
-    engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="e-team", models=("m",))),
-                         EchoRuntime(reactor, EchoConfig(token_delay=0)),
-                         lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker)), key="ek-team",
-                         grace=1)
-    engine.startService()
+    engine = team_engine(b, token_delay=0)
     try:
         yield until(lambda: engines(a) == {("team", Locality.REMOTE): 1})
         client = openai.OpenAI(base_url=base_url(a), api_key="sk-team", max_retries=0, timeout=10)
@@ -489,3 +498,26 @@ def test_the_pod_name_defaults_to_pod_name_else_the_internal_listen_address():
     config = build_config({}, {"internal_grpc": "tcp:9083:interface=127.0.0.2"})
     assert GatewayService(reactor, config, environ={"POD_NAME": "gw-0"}).exchanger.config.pod_name == "gw-0"
     assert GatewayService(reactor, config, environ={}).exchanger.config.pod_name == "127.0.0.2:9083"
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_forwarded_task_holds_its_slot_at_the_engines_gateway_for_its_caller(gateways, tmp_path):
+    """The caller crosses the exchange with the task: the engine's gateway counts the slot for
+    the key's name, as fairness by slots held needs (weight and criticality ride along too:
+    tests/test_receiver.py, tests/test_processor_fair_share.py)."""
+    keys = key_file(tmp_path, [{"key": "sk-app", "tenant": "team", "name": "app", "weight": 3,
+                                "criticality": "critical"}])
+    a = yield gateways("a", api_keys=str(keys), max_in_flight_per_engine=4)
+    b = yield gateways("b", api_keys=str(keys), peers=internal_address(a), max_in_flight_per_engine=4)
+    engine = team_engine(b, token_delay=0.2)
+    try:
+        yield until(lambda: engines(a) == {("team", Locality.REMOTE): 1})
+        client = openai.OpenAI(base_url=base_url(a), api_key="sk-app", max_retries=0, timeout=10)
+        reply = threads.deferToThread(
+            client.chat.completions.create, model="m", messages=[{"role": "user", "content": "one two three four"}])
+        yield until(lambda: b.processor.slots_held("team", "m") == {"app": 1})
+        assert a.processor.slots_held("team", "m") == {"app": 1}
+        assert (yield reply).choices[0].message.content == "one two three four"
+        yield until(lambda: b.processor.slots_held("team", "m") == {} and a.processor.slots_held("team", "m") == {})
+    finally:
+        yield engine.stopService()

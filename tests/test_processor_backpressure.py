@@ -127,6 +127,25 @@ def test_a_targeted_task_for_an_engine_on_a_blocked_route_fails_at_once_for_the_
     assert failed.status == 503 and "not draining" in failed.message and failed.retry_after is not None
 
 
+@pytest.mark.parametrize("cap", [None, 1])
+def test_a_targeted_task_its_engines_route_refused_fails_for_the_peer_to_retry_and_never_moves(cap):
+    """A peer's task is for its engine only: refused by that engine's route, it neither goes to
+    another engine (which the peer did not choose) nor waits in the model's queue (with a cap,
+    where it ended with a KeyError on leaving it); it fails 503 at once, as on arrival."""
+    p = make(max_in_flight_per_engine=cap, busy_retry_after=3)
+    join(p, "e1", "m")
+    join(p, "e2", "m")
+    if cap:
+        assert sent(submit(p, "a")) == [("a", "e1")]  # e1 is full: no other engine has room
+    assert sent(submit(p, "fwd", target_engine_id="e2")) == [("fwd", "e2")]
+    effects = p.dispatch_refused("fwd", "route-e2", T0)
+    assert sent(effects) == []
+    failed = one(effects, FailRequest)
+    assert (failed.task_id, failed.status, failed.retry_after) == ("fwd", 503, 3) and "not draining" in failed.message
+    assert not p.has_task("fwd") and p.waiting_counts() == {} and p.engine("t", "e2").in_flight == 0
+    assert p.slots_held("t", "m") == ({"": 1} if cap else {})
+
+
 def test_a_route_blocked_past_the_timeout_is_closed_and_its_tasks_fail_over():
     p = make(route_stuck_timeout=10.0)
     join(p, "e1", "m")

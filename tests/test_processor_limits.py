@@ -124,15 +124,6 @@ def test_waiting_for_a_slot_times_out_with_503_that_names_the_cap():
     assert p.task_state("a") is TaskState.DISPATCHED
 
 
-def test_targeted_task_for_a_full_engine_fails_at_once_so_the_peer_retries_elsewhere():
-    p = make(max_in_flight_per_engine=1)
-    join(p, "e1", "m")
-    submit(p, "a")
-    failed = one(submit(p, "fwd", target_engine_id="e1"), FailRequest)
-    assert failed.status == 503 and failed.retry_after is not None and "limit" in failed.message
-    assert not p.has_task("fwd")
-
-
 def test_an_engine_removed_while_full_takes_no_waiting_task():
     p = make(max_in_flight_per_engine=1, retry_delay=0)
     join(p, "e1", "m")

@@ -298,3 +298,27 @@ def test_a_draining_report_says_so_even_with_no_engine_to_mark_not_ready():
     r.shutdown(T0 + 1)
     [draining] = [m.server_status for m in r.pop_messages()]
     assert draining.draining and list(draining.engine_statuses) == []
+
+
+# --- the caller of a forwarded task ---------------------------------------------
+
+
+def test_a_forwarded_tasks_caller_is_counted_for_its_flow_and_never_reaches_the_engine(h):
+    request = chat()
+    request.infx_caller.CopyFrom(worker_pb2.Caller(flow="key-7", weight=3.0,
+                                                   criticality=worker_pb2.Caller.CRITICALITY_CRITICAL))
+    h.forward("task-1", request=request)
+    assert h.p.slots_held("t", "m") == {"key-7": 1}
+    sent_task = one(h.engine_tasks, SendTask).task
+    assert sent_task.id == "task-1" and not sent_task.request.HasField("infx_caller")
+
+
+def test_a_forwarded_task_with_a_malformed_caller_is_refused_with_400(h):
+    h.reports()
+    request = chat()
+    request.infx_caller.CopyFrom(worker_pb2.Caller(flow="k", weight=-2.0))
+    h.forward("task-1", request=request)
+    [result] = h.results()
+    assert result.task_id == "task-1" and result.http_response.status_code == 400
+    assert "weight" in json.loads(result.http_response.body)["error"]["message"]
+    assert not h.p.has_task("task-1") and not h.engine_tasks

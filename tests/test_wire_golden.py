@@ -193,6 +193,14 @@ def test_prefix_tip_is_an_infx_extension_at_field_105_of_task_request():
     assert encode(worker_pb2.TaskRequest(infx_prefix_tip=0)) == b""  # 0 is "none": nothing on the wire
 
 
+def test_caller_is_an_infx_extension_at_field_106_of_task_request():
+    caller = worker_pb2.Caller(flow="key-1", weight=2.0, criticality=worker_pb2.Caller.CRITICALITY_SHEDDABLE)
+    # flow: string 1; weight: double 2 (wire type 1, eight little-endian bytes); criticality: enum 3.
+    body = ld(1, "key-1") + double(2, 2.0) + uint(3, 2)
+    assert encode(worker_pb2.TaskRequest(infx_caller=caller)) == ld(106, body)
+    assert encode(worker_pb2.TaskRequest()) == b""  # no caller: nothing on the wire
+
+
 def test_model_prefix_tips_are_an_infx_extension_at_field_106_packed():
     model = status_pb2.EngineStatus.Model(id="m", infx_prefix_tips=[1, 2**64 - 1])
     packed = (1).to_bytes(8, "little") + (2**64 - 1).to_bytes(8, "little")

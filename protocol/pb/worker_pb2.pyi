@@ -5,6 +5,7 @@ from protocol.pb import model_response_pb2 as _model_response_pb2
 from protocol.pb import status_pb2 as _status_pb2
 from protocol.pb import tokenize_pb2 as _tokenize_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -96,7 +97,7 @@ class HttpRequest(_message.Message):
     def __init__(self, method: _Optional[str] = ..., path: _Optional[str] = ..., body: _Optional[bytes] = ...) -> None: ...
 
 class TaskRequest(_message.Message):
-    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task", "http_request", "typed_request_incomplete", "infx_prefix_tip")
+    __slots__ = ("chat_completion", "embedding", "go_away", "heartbeat", "audio_transcription", "model_response", "tokenize_request", "cancel_task", "http_request", "typed_request_incomplete", "infx_prefix_tip", "infx_caller")
     CHAT_COMPLETION_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GO_AWAY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +109,7 @@ class TaskRequest(_message.Message):
     HTTP_REQUEST_FIELD_NUMBER: _ClassVar[int]
     TYPED_REQUEST_INCOMPLETE_FIELD_NUMBER: _ClassVar[int]
     INFX_PREFIX_TIP_FIELD_NUMBER: _ClassVar[int]
+    INFX_CALLER_FIELD_NUMBER: _ClassVar[int]
     chat_completion: _chat_pb2.CreateChatCompletionRequest
     embedding: _embeddings_pb2.CreateEmbeddingRequest
     go_away: GoAwayRequest
@@ -119,7 +121,26 @@ class TaskRequest(_message.Message):
     http_request: HttpRequest
     typed_request_incomplete: str
     infx_prefix_tip: int
-    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ..., http_request: _Optional[_Union[HttpRequest, _Mapping]] = ..., typed_request_incomplete: _Optional[str] = ..., infx_prefix_tip: _Optional[int] = ...) -> None: ...
+    infx_caller: Caller
+    def __init__(self, chat_completion: _Optional[_Union[_chat_pb2.CreateChatCompletionRequest, _Mapping]] = ..., embedding: _Optional[_Union[_embeddings_pb2.CreateEmbeddingRequest, _Mapping]] = ..., go_away: _Optional[_Union[GoAwayRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ..., audio_transcription: _Optional[_Union[_audio_pb2.CreateAudioTranscriptionRequest, _Mapping]] = ..., model_response: _Optional[_Union[_model_response_pb2.CreateModelResponseRequest, _Mapping]] = ..., tokenize_request: _Optional[_Union[_tokenize_pb2.TokenizeRequest, _Mapping]] = ..., cancel_task: _Optional[_Union[CancelTaskRequest, _Mapping]] = ..., http_request: _Optional[_Union[HttpRequest, _Mapping]] = ..., typed_request_incomplete: _Optional[str] = ..., infx_prefix_tip: _Optional[int] = ..., infx_caller: _Optional[_Union[Caller, _Mapping]] = ...) -> None: ...
+
+class Caller(_message.Message):
+    __slots__ = ("flow", "weight", "criticality")
+    class Criticality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CRITICALITY_STANDARD: _ClassVar[Caller.Criticality]
+        CRITICALITY_CRITICAL: _ClassVar[Caller.Criticality]
+        CRITICALITY_SHEDDABLE: _ClassVar[Caller.Criticality]
+    CRITICALITY_STANDARD: Caller.Criticality
+    CRITICALITY_CRITICAL: Caller.Criticality
+    CRITICALITY_SHEDDABLE: Caller.Criticality
+    FLOW_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CRITICALITY_FIELD_NUMBER: _ClassVar[int]
+    flow: str
+    weight: float
+    criticality: Caller.Criticality
+    def __init__(self, flow: _Optional[str] = ..., weight: _Optional[float] = ..., criticality: _Optional[_Union[Caller.Criticality, str]] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("id", "header", "request", "engine_id", "timeout_seconds")

@@ -24,6 +24,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.fair_share import forwarded_caller
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.receiver import error_result
@@ -81,7 +82,7 @@ class Simulation:
     def __init__(self, workload: str, policy: str, gateways: int, seed: int, duration: float = 60.0,
                  warmup: float = 10.0, engines: int = 8, spec: RuntimeSpec = RuntimeSpec(),
                  scale: float = 1.0, report_interval: float = 0.25, routing: RoutingConfig = RoutingConfig(),
-                 fair_queue: int = 0) -> None:
+                 fair_queue: int = 0, fair_reserve: int = ProcessorConfig().fair_reserve) -> None:
         self.result = Result(workload, policy, gateways, seed)
         self.policy, self.duration, self.warmup, self.report_interval = policy, duration, warmup, report_interval
         self.rng = random.Random(seed * 7919 + gateways)
@@ -93,7 +94,8 @@ class Simulation:
                                       policy=RoutingPolicy(policy if policy != "oracle" else "least_in_progress"))
         self.bound = routing
         cap = fair_queue or None
-        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing, max_in_flight_per_engine=cap))
+        self.gateways = [Processor(ProcessorConfig(retry_delay=0, routing=routing, max_in_flight_per_engine=cap,
+                                                   fair_reserve=fair_reserve))
                          for _ in range(gateways)]
         self.runtimes = {f"e{i}": SimRuntime(f"e{i}", spec) for i in range(engines)}
         self.result.load_samples = dict.fromkeys(self.runtimes, 0)
@@ -206,9 +208,11 @@ class Simulation:
                 # A peer's engine: the engine's gateway runs the task (as its receiver does).
                 peer = effect.route[1]
                 self.forwarded[(peer, effect.task.id)] = g
+                flow, weight, criticality = forwarded_caller(effect.task.request)
                 self.perform(now, peer, self.gateways[peer].submit(
                     task_id=effect.task.id, tenant_id="t", request=effect.task.request, origin=("peer", g),
-                    deadline=now + effect.task.timeout_seconds, target_engine_id=effect.engine.engine_id, now=now))
+                    deadline=now + effect.task.timeout_seconds, target_engine_id=effect.engine.engine_id,
+                    criticality=criticality, flow=flow, weight=weight, now=now))
             elif isinstance(effect, SendTask):
                 task_id = processor.attempt_owner(effect.task.id)
                 if task_id is None:
