@@ -5,6 +5,8 @@ and the scaler's signals as effects."""
 
 from __future__ import annotations
 
+import itertools
+
 import random
 from collections import deque
 from collections.abc import Callable
@@ -80,6 +82,7 @@ class Net:
         self.cores = {name: core(name) for name in names}
         self.effects: dict[str, list[Any]] = {name: [] for name in names}
         self.streams: dict[Dial, tuple[str, object]] = {}  # dial -> (accepting core, its stream)
+        self._stream_ids = itertools.count()
         self.dial_of: dict[object, tuple[str, Dial]] = {}  # accepted stream -> (dialling core, dial)
         self._queue: deque[Callable[[], None]] = deque()
         self._carrying = False
@@ -107,7 +110,9 @@ class Net:
 
     def _carry(self, name: str, effect: Any) -> None:
         if isinstance(effect, OpenDial):
-            stream = ("stream", name, effect.dial.attempt)
+            # Unique, as a transport's stream objects are: a peer forgotten and dialled again
+            # starts over at attempt 1, and an equal key would pass for its older stream.
+            stream = ("stream", name, effect.dial.attempt, next(self._stream_ids))
             self.streams[effect.dial] = (effect.dial.address, stream)
             self.dial_of[stream] = (name, effect.dial)
             target = str(effect.dial.address)

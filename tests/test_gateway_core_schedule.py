@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.gateway_core import GatewayCore
@@ -197,6 +197,9 @@ operations = st.lists(st.one_of(
 
 @settings(max_examples=120, deadline=None)
 @given(operations)
+# A peer forgotten and dialled again, twice (the harness once took its new stream for the old).
+@example(
+    [('drain', 'a'), ('status', 'a', 0, False, 0), ('peers', 'c', set()), ('status', 'a', 0, False, 0), ('peers', 'c', {'b', 'a'}), ('peers', 'c', set()), ('status', 'a', 0, False, 0), ('peers', 'c', {'b', 'a'})])
 def test_the_deadline_and_the_shared_local_engines_are_what_the_scans_give(steps):
     """Three gateways dialling each other, engines coming, changing and going, tasks (with
     spills), time passing, streams cut, peers changing and draining: after every step each
