@@ -4,7 +4,6 @@ a message is handled, or while the read waits for the next), or with the call's 
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from hypothesis import given
@@ -12,11 +11,12 @@ from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 
 from infx.exchanger import PeerStream
-from infx.transport.calls import CallBase, GrpcError
+from infx.transport.calls import GrpcError
 from protocol.grpc import StatusCode
+from tests.test_transport_read_each import ScriptedCall
 
 
-class ScriptedServerCall(CallBase):
+class ScriptedServerCall(ScriptedCall):
     """A server call fed by hand, ending as ServerCall does: ``abort`` sends a status and wakes no
     reader; ``reset`` (ours) and ``peer_reset`` end the call and fail a waiting read. Items are ints
     (messages; 13 cannot be read, as a bad protobuf) and None (the peer half-closed)."""
@@ -24,19 +24,9 @@ class ScriptedServerCall(CallBase):
     buffered_amount = 0  # bytes queued to send: with some, end(UNAVAILABLE) resets instead of aborting
 
     def __init__(self) -> None:
-        self._protocol = None
-        self.stream_id = None
-        self._send_waiter = None
-        self._recv_waiter = None
-        self._inbox = deque()
-        self.ended_with: GrpcError | None = None
+        super().__init__()
         self.finished = False
         self.peer = "peer"
-
-    def _take(self, item: Any) -> Any:
-        if item == 13:
-            raise GrpcError(StatusCode.INTERNAL, "request could not be deserialized")
-        return item
 
     def _input_over(self) -> Deferred[Any] | None:
         if self.ended_with is not None:
@@ -60,12 +50,8 @@ class ScriptedServerCall(CallBase):
             self.peer_reset()
 
     def peer_reset(self) -> None:
-        if self.over:
-            return
-        self.ended_with = GrpcError(StatusCode.CANCELLED, "reset")
-        if self._recv_waiter is not None:
-            waiter, self._recv_waiter = self._recv_waiter, None
-            waiter.errback(self.ended_with)
+        if not self.over:
+            self.end()
 
 
 class RecvLoopPeerStream(PeerStream):
@@ -75,13 +61,7 @@ class RecvLoopPeerStream(PeerStream):
     _pending: Deferred[Any] | None = None
 
     def end(self, code: StatusCode, message: str) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if code is StatusCode.UNAVAILABLE and self.call.buffered_amount:
-            self.call.reset(message)
-        else:
-            self.call.abort(code, message)
+        super().end(code, message)  # ends the call; this stream never sets the read_each state
         if self._pending is not None and not self._pending.called:
             self._pending.cancel()
 
