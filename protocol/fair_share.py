@@ -80,6 +80,11 @@ class _Share:
     held: int = 0
     waiting: int = 0
 
+    @property
+    def served(self) -> float:
+        """Slots held per weight: what fairness compares."""
+        return self.held / self.weight
+
 
 class FairShares:
     """Slots held and tasks waiting per (tenant, model, flow)."""
@@ -113,7 +118,7 @@ class FairShares:
     def served(self, tenant_id: str, model: str, flow: str) -> float:
         """Slots ``flow`` holds per weight (0 if it holds none)."""
         share = self._models.get((tenant_id, model), {}).get(flow)
-        return 0.0 if share is None else share.held / share.weight
+        return 0.0 if share is None else share.served
 
     def least_served(self, tenant_id: str, model: str, flow: str, weight: float) -> bool:
         """Whether ``flow`` (its next task weighing ``weight``) holds no more slots per weight
@@ -124,7 +129,7 @@ class FairShares:
             return True
         mine = shares.get(flow)
         own = 0.0 if mine is None else mine.held / weight
-        return all(own <= share.held / share.weight for name, share in shares.items() if name != flow)
+        return all(own <= share.served for name, share in shares.items() if name != flow)
 
     def least_served_waiting(self, tenant_id: str, model: str) -> frozenset[str]:
         """The flows with a task waiting that hold the fewest slots per weight: those whose
@@ -132,8 +137,8 @@ class FairShares:
         shares = self._models.get((tenant_id, model))
         if not shares:
             return frozenset()
-        fewest = min(share.held / share.weight for share in shares.values())
-        return frozenset(name for name, share in shares.items() if share.waiting and share.held / share.weight <= fewest)
+        fewest = min(share.served for share in shares.values())
+        return frozenset(name for name, share in shares.items() if share.waiting and share.served <= fewest)
 
     def _share(self, tenant_id: str, model: str, flow: str, weight: float) -> _Share:
         shares = self._models.setdefault((tenant_id, model), {})

@@ -57,7 +57,8 @@ class ProcessorRouting(ProcessorSlots):
         if task.criticality is Criticality.SHEDDABLE:
             self._sheddable[task.id] = None
         if not self._served_but_full(task):
-            effects.append(TaskQueued(task.tenant_id, task.model, task.id, len(self._waiting[(task.tenant_id, task.model)])))
+            queued = len(self._waiting[(task.tenant_id, task.model)])
+            effects.append(TaskQueued(task.tenant_id, task.model, task.id, queued))
 
     @staticmethod
     def _typed_form_missing(task: _Task) -> str:
@@ -143,8 +144,9 @@ class ProcessorRouting(ProcessorSlots):
         # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing_spills.py,
         # fair_share.py), never to an engine.
         wire.request.infx_prefix_tip = tip
-        caller = caller_message(task.flow, task.weight, task.criticality)
-        if caller is not None and engine.locality is Locality.REMOTE:
+        remote = engine.locality is Locality.REMOTE
+        caller = caller_message(task.flow, task.weight, task.criticality) if remote else None
+        if caller is not None:
             wire.request.infx_caller.CopyFrom(caller)
         else:
             wire.request.ClearField("infx_caller")
