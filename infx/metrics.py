@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from protocol.attempts import AttemptFailure
+
 # ``*_created`` series would double every counter and histogram, for nothing an operator reads.
 prometheus_client.disable_created_metrics()
 
@@ -41,7 +43,6 @@ PROCESSOR_GAUGES = {
 
 #: Counters the processor keeps, exported at scrape time: attribute -> (name, help).
 PROCESSOR_COUNTERS = {
-    "retries": ("infx_task_retries", "Tasks re-dispatched after a scheduling failure, a lost engine or a 503."),
     "results_ignored": ("infx_results_ignored", "Results for tasks that had already ended."),
     "protocol_errors": ("infx_engine_protocol_errors", "Tasks ended because an engine broke the result order."),
     "slow_consumers": ("infx_slow_consumer_failures", "Requests failed because their consumer fell too far behind."),
@@ -51,6 +52,22 @@ PROCESSOR_COUNTERS = {
                        "Tasks failed at once (503) while draining because no engine left here serves their model."),
     "shed": ("infx_sheddable_refusals",
              "Sheddable tasks refused (429) because the engines of their model were saturated."),
+}
+
+_REASONS = tuple(failure.value for failure in AttemptFailure)
+
+#: Counters the processor keeps by one label: attribute -> (name, help, label, its values). Every
+#: value is a fixed name of the processor's, exported from the start (at 0) so that rates need no
+#: first sample.
+PROCESSOR_LABELLED_COUNTERS = {
+    "outcomes": ("infx_tasks_ended", "Tasks ended, by outcome.", "outcome", ()),
+    "attempt_failures": ("infx_task_attempt_failures",
+                         "Sends of a task to an engine that failed without an answer for the client, by reason "
+                         "(engine_lost, send_failed, runtime_busy, runtime_unreachable, runtime_dropped).",
+                         "reason", _REASONS),
+    "retries": ("infx_task_retries",
+                "Sends of a task to an engine after an earlier send of it failed, by that failure's reason.",
+                "reason", _REASONS),
 }
 
 GaugeSource = Callable[[], Iterable[tuple[str, tuple[str, ...], int]]]
@@ -87,10 +104,12 @@ class _ProcessorMetrics(Collector):
         counters = self.counters()
         for attribute, (name, text) in PROCESSOR_COUNTERS.items():
             yield CounterMetricFamily(name, text, value=getattr(counters, attribute))
-        outcomes = CounterMetricFamily("infx_tasks_ended", "Tasks ended, by outcome.", labels=["outcome"])
-        for outcome, count in sorted(counters.outcomes.items()):
-            outcomes.add_metric([outcome], count)
-        yield outcomes
+        for attribute, (name, text, label, values) in PROCESSOR_LABELLED_COUNTERS.items():
+            family = CounterMetricFamily(name, text, labels=[label])
+            counts = getattr(counters, attribute)
+            for value in sorted(set(values) | set(counts)):
+                family.add_metric([value], counts[value])
+            yield family
 
 
 class GatewayMetrics:
@@ -139,7 +158,9 @@ class GatewayMetrics:
             ["tenant", "model"], registry=registry,
         )
         self.request_retries = Counter(
-            "infx_request_retries", "Re-dispatches it took to answer HTTP requests that ended.",
+            "infx_request_retries",
+            "Retries (sends to an engine after a failed one) of HTTP requests that ended, as their log lines count "
+            "them: once every request has ended, the sum of infx_task_retries_total over its reasons.",
             ["tenant", "model"], registry=registry,
         )
         self.exchanged = Counter(

@@ -41,8 +41,8 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     submit -> WAITING | DISPATCHED
     WAITING       -> DISPATCHED                   an engine for the model became ready
     DISPATCHED    -> STREAMING                    first result delivered (no retries after)
-    DISPATCHED    -> RETRY_PENDING                engine lost / send failed / runtime busy (re-routed at once)
-    RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
+    DISPATCHED    -> RETRY_PENDING                the attempt failed and another may be made (see Attempts)
+    RETRY_PENDING -> DISPATCHED | WAITING         retry delay over (a busy runtime's task: at once)
 
 Routing: engines of the task's tenant only, and only those that can take the
 task's request (:func:`protocol.task_forms.eligible`; each gets the form it
@@ -69,13 +69,21 @@ model) fails at once with 503 and ``busy_retry_after`` instead, as do those
 already waiting for such a model: nothing will come to serve them here, and
 the client is better off retrying at once elsewhere than holding on for the
 grace period. Tasks a peer's engine can take are still routed to it.
-Busy runtimes: a runtime's 503 or 429 (``BUSY_STATUSES``) before any result
-of a task (not a targeted one) is not the loss of its engine. The engine gets
-no task until its ``Retry-After`` (or ``busy_backoff``) passed; the task goes
-at once to another engine with room, or waits in the queue, counted from its
-first busy answer for ``queue_timeout``; when that or its deadline comes
-first, the client gets the runtime's latest answer as it is (status, body,
-headers). An engine whose stream is lost stays the other case: retries.
+Attempts (:mod:`protocol.attempts`): every send of a task to an engine is an
+attempt, and a task (not a targeted one, whose forwarding peer decides) is sent
+at most ``max_attempts`` times in all, whatever failed; one a runtime read and
+dropped (the agent's ``RUNTIME_DROPPED``) at most twice, and a Responses
+request once. A lost engine, a failed send or a dropped request is sent again
+after ``retry_delay``, avoiding that engine; when no attempt is left the client
+gets at once a 503 (engine lost) or the agent's 502 (runtime dropped it).
+
+Busy runtimes: a runtime's 503 or 429 (``BUSY_STATUSES``; the agent's "could not
+reach its runtime" too) before any result of a task (not a targeted one) is not
+the loss of its engine. The engine gets no task until its ``Retry-After`` (or
+``busy_backoff``) passed; the task goes at once to another engine with room, or
+waits in the queue, counted from its first busy answer for ``queue_timeout``;
+when that, its deadline or its attempts run out first, the client gets the
+runtime's latest answer as it is (status, body, headers).
 
 Attempts: each dispatch of a task is an attempt with its own wire id (the task
 id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
@@ -89,10 +97,10 @@ import heapq
 from collections.abc import Mapping, Sequence
 
 from protocol import task_forms
+from protocol.attempts import AttemptFailure, failure_of
 from protocol.fair_queue import Criticality, weight_problem
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import (
-    BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
@@ -125,6 +133,10 @@ from protocol.processor_tables import (
     _Engine,
     _Task,
 )
+
+#: What a client whose stream's engine went away reads, whatever the transport said (that goes to the log).
+ENGINE_LOST_MID_STREAM = ("The engine serving this request went away before the response was complete, "
+                          "so it is cut short; send the request again.")
 
 __all__ = [
     "CancelTaskOnEngine",
@@ -346,7 +358,8 @@ class Processor(ProcessorRouting):
         self._remove(now, [e for e in self._engines.values() if e.route == route], reason, effects, closing=route)
         for task in [t for t in self._tasks.values() if t.state in _ON_ENGINE and t.route == route]:
             engine_id = task.engine.engine_id if task.engine else ""
-            self._engine_lost(now, task, f"stream of engine {engine_id!r} closed: {reason}", effects)
+            self._engine_lost(now, task, AttemptFailure.ENGINE_LOST, f"stream of engine {engine_id!r} closed: {reason}",
+                              effects)
         for control_id in [c for c, ctl in self._control.items() if ctl.route == route]:
             del self._control[control_id]
 
@@ -395,6 +408,10 @@ class Processor(ProcessorRouting):
             message = f"engine {task.target!r} is not taking tasks (its stream is not draining)"
             self._fail(task, 503, message, effects, self.config.busy_retry_after)
         else:
+            retried = task.attempts.unsent()
+            if retried is not None:
+                # Reported in the reactor turn that counted the send, so no scrape saw that count.
+                self.counters.retries[retried.value] -= 1
             self._unassign(task)
             self._move(task, TaskState.RETRY_PENDING)
             self._route(now, task, effects)
@@ -457,13 +474,18 @@ class Processor(ProcessorRouting):
         if violation:
             self.counters.protocol_errors += 1
             self._stop_on_engine(task, effects)
-            self._fail(task, 502, violation, effects)
+            self._fail(task, 502, "The engine sent an answer out of order; the response is incomplete.", effects,
+                       code="engine_protocol_error", detail=violation)
             return effects
         if kind == "http_response":
-            code = result.http_response.status_code
-            if code in BUSY_STATUSES and not task.target and now < task.deadline:
-                self._runtime_busy(now, task, result, effects)
+            failure = None if task.target else failure_of(result)
+            if failure is AttemptFailure.RUNTIME_DROPPED:
+                self._runtime_dropped(now, task, result, effects)
                 return effects
+            if failure is not None:
+                self._runtime_busy(now, task, result, failure, effects)
+                return effects
+            code = result.http_response.status_code
             last = not task.streaming or code < 200 or code >= 400
         else:
             last = result.server_sent_event.is_last_event
@@ -486,7 +508,7 @@ class Processor(ProcessorRouting):
         if task is None or task.state is not TaskState.DISPATCHED or (route is not None and task.route != route):
             return []
         effects: list[Effect] = []
-        self._engine_lost(now, task, f"sending the task failed: {reason}", effects)
+        self._engine_lost(now, task, AttemptFailure.SEND_FAILED, f"sending the task failed: {reason}", effects)
         self._refill(now, effects)
         return effects
 
@@ -526,27 +548,49 @@ class Processor(ProcessorRouting):
 
     # --- internals: failure and retries -----------------------------------
 
-    def _engine_lost(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
-        if task.state is TaskState.STREAMING:
-            self._fail(task, 502, f"{reason} after the response started", effects)
-        elif self._can_retry(now, task):
-            self._retry(now, task, reason, effects)
-        else:
-            self._fail(task, 503, reason, effects)
+    def _attempt_failed(self, now: float, task: _Task, failure: AttemptFailure) -> str:
+        """Count the current attempt's failure; say why no other may be made ("" if one may)."""
+        task.attempts.fail(failure)
+        self.counters.attempt_failures[failure.value] += 1
+        if task.target:
+            return "the gateway that forwarded it decides"
+        if now >= task.deadline:
+            return "its deadline passed"
+        return task.attempts.refusal(self.config.max_attempts, task.request.WhichOneof("request"))
 
-    def _retry(self, now: float, task: _Task, reason: str, effects: list[Effect]) -> None:
+    def _engine_lost(self, now: float, task: _Task, failure: AttemptFailure, reason: str,
+                     effects: list[Effect]) -> None:
+        """The engine of a task on it went away (``reason``, for the log) or could not be sent to."""
+        if task.state is TaskState.STREAMING:
+            self._fail(task, 502, ENGINE_LOST_MID_STREAM, effects, code="engine_lost", detail=reason)
+            return
+        refusal = self._attempt_failed(now, task, failure)
+        if refusal:
+            message = f"The engine serving this request went away before it answered ({refusal}); retry later."
+            self._fail(task, 503, message, effects, code="engine_unavailable", detail=reason)
+        else:
+            self._retry(now, task, effects)
+
+    def _retry(self, now: float, task: _Task, effects: list[Effect]) -> None:
         if task.engine is not None:
             task.avoid.add(task.engine.engine_id)
         self._unassign(task)
-        task.retries += 1
-        self.counters.retries += 1
         self._move(task, TaskState.RETRY_PENDING)
         if self.config.retry_delay == 0:
             self._route(now, task, effects)
         else:
             self._set_timer(task, min(now + self.config.retry_delay, task.deadline))
 
-    def _runtime_busy(self, now: float, task: _Task, result: worker_pb2.TaskResult, effects: list[Effect]) -> None:
+    def _runtime_dropped(self, now: float, task: _Task, result: worker_pb2.TaskResult, effects: list[Effect]) -> None:
+        """The runtime read the request and dropped it: sent again at most once, else the agent's 502
+        (its own words for what happened) is the client's answer."""
+        if self._attempt_failed(now, task, AttemptFailure.RUNTIME_DROPPED):
+            self._deliver(task, result, True, effects)
+        else:
+            self._retry(now, task, effects)
+
+    def _runtime_busy(self, now: float, task: _Task, result: worker_pb2.TaskResult, failure: AttemptFailure,
+                      effects: list[Effect]) -> None:
         engine = self._engines.get(task.engine) if task.engine is not None else None
         until: float | None = None
         if engine is not None:
@@ -563,14 +607,13 @@ class Processor(ProcessorRouting):
         task.busy_reply = reply
         if task.busy_since is None:
             task.busy_since = now
-        self.counters.busy_replies += 1
-        task.busy_returns += 1
+        refusal = self._attempt_failed(now, task, failure)
         self._unassign(task)
         self._move(task, TaskState.RETRY_PENDING)
         give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
-        if until is not None and until >= give_up and self._pick(task) is None:
-            # Nobody can take it now, and its engine is not to be asked again before the wait
-            # would end: waiting cannot help, so the client gets the runtime's answer at once.
+        if refusal or (until is not None and until >= give_up and self._pick(task) is None):
+            # No attempt is left; or nobody can take it now, and its engine is not to be asked again
+            # before the wait would end: waiting cannot help, so the client gets the runtime's answer at once.
             self._deliver(task, reply, True, effects)
             return
         self._route(now, task, effects)
@@ -630,7 +673,8 @@ class Processor(ProcessorRouting):
         for engine, task in lost:
             if task.route != closing:
                 self._stop_on_engine(task, effects)
-            self._engine_lost(now, task, f"engine {engine.key.engine_id!r} removed: {reason}", effects)
+            self._engine_lost(now, task, AttemptFailure.ENGINE_LOST, f"engine {engine.key.engine_id!r} removed: {reason}",
+                              effects)
         if engines:
             effects.append(EnginesRemoved(tuple(engine.key for engine in engines)))
 

@@ -127,6 +127,9 @@ class ProcessorRouting(ProcessorSlots):
         task.route = engine.route
         task.next_index = 0
         task.attempt += 1
+        retried = task.attempts.sent()
+        if retried is not None:
+            self.counters.retries[retried.value] += 1
         task.wire_id = self._attempt_id(task)
         self._attempts[task.wire_id] = task
         engine.in_flight.add(task.id)

@@ -127,10 +127,11 @@ class ProcessorSlots(ProcessorTables):
             del self._waiting[(task.tenant_id, task.model)]
 
     def _fail(
-        self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None
+        self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None,
+        *, code: str | None = None, detail: str = "",
     ) -> None:
         effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
-                                   task.engine, task.route, task.redispatches))
+                                   task.engine, task.route, task.attempts.retries, code, detail))
         self._end(task, TaskOutcome.FAILED)
 
     def _end(self, task: _Task, outcome: TaskOutcome) -> None:
@@ -168,7 +169,7 @@ class ProcessorSlots(ProcessorTables):
             renamed.task_id = task.id
             result = renamed
         effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
-                                     task.redispatches))
+                                     task.attempts.retries))
         if last:
             self._end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:

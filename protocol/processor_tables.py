@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from protocol import task_forms
+from protocol.attempts import Attempts
 from protocol.fair_queue import Criticality, HeldQueue
 from protocol.fair_share import FairShares
 from protocol.pb import status_pb2, worker_pb2
@@ -95,7 +96,6 @@ class _Task:
     state: TaskState | None = None
     engine: EngineKey | None = None
     route: Route = None
-    retries: int = 0
     avoid: set[str] = field(default_factory=set)
     next_index: int = 0
     unconsumed: int = 0
@@ -106,21 +106,14 @@ class _Task:
     # The latest busy answer of a runtime (see "Busy runtimes"), and when the first came.
     busy_reply: worker_pb2.TaskResult | None = None
     busy_since: float | None = None
-
-    # Times a busy runtime sent it back (these do not use up ``max_retries``).
-    busy_returns: int = 0
+    # Its sends to engines that failed, and the retries sent (``protocol.attempts``).
+    attempts: Attempts = field(default_factory=Attempts)
 
     def release_request(self) -> None:
         """The response has started: the task can never be dispatched again, so the request
         (in both its forms, verbatim and typed) and its headers need not be held while it streams."""
         self.request = _RELEASED_REQUEST
         self.header = {}
-
-    @property
-    def redispatches(self) -> int:
-        """Times the task went back for another dispatch, whatever the cause (a lost
-        engine, a failed send, a busy runtime): what logs and metrics call its retries."""
-        return self.retries + self.busy_returns
     # Its place in a held queue (see ``protocol.fair_queue``).
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
@@ -168,14 +161,16 @@ class ProcessorCounters:
     """Monotonic counters the Twisted layer exports as metrics."""
 
     accepted: int = 0
-    retries: int = 0
+    #: Sends of a task after one of its attempts failed, by that failure (``AttemptFailure``).
+    retries: Counter[str] = field(default_factory=Counter)
+    #: Attempts that failed without an answer for the client, by failure, retried or not.
+    attempt_failures: Counter[str] = field(default_factory=Counter)
     results_ignored: int = 0
     protocol_errors: int = 0
     slow_consumers: int = 0
     heartbeats_missed: int = 0
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
-    busy_replies: int = 0
     shed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
@@ -406,14 +401,6 @@ class ProcessorTables:
             flavour = "streaming" if task.streaming else "non-streaming"
             return f"engine {engine_id!r} sent {kind} as result {task.next_index} of a {flavour} task"
         return ""
-
-    def _can_retry(self, now: float, task: _Task) -> bool:
-        return (
-            not task.target
-            and task.state is TaskState.DISPATCHED
-            and task.retries < self.config.max_retries
-            and now < task.deadline
-        )
 
     def _attempt_id(self, task: _Task) -> str:
         """The id attempt ``task.attempt`` carries on the wire: the task id for the first,

@@ -72,10 +72,16 @@ class ProcessorConfig:
     queue_timeout: how long a task waits for an engine that serves its model
         before it fails with 503 (never past the task's own deadline).
     max_task_duration: deadline of a task whose client gave none.
-    max_retries: re-dispatches of one task after a scheduling failure or the
-        loss of its engine, before any result was delivered.
-    retry_delay: pause before a re-dispatch, so that a flapping engine is not
-        hammered; 0 re-dispatches at once.
+    max_attempts: sends of one task to engines, in all, before any result
+        was delivered: whatever failed (a lost engine, a failed send, a busy
+        or unreachable runtime, a runtime that dropped it) and on whichever
+        engine. A task a runtime read and dropped is sent again at most once
+        (:mod:`protocol.attempts`). When none is left, the client gets the
+        last failure's answer at once.
+    retry_delay: pause before sending a task again after its engine was lost,
+        the send failed or a runtime dropped it, so that a flapping engine is
+        not hammered; 0 sends it again at once. (A busy runtime's task goes at
+        once to another engine with room, or waits.)
     dynamic_model_loading: when no engine serves a model, send the task to the
         ready engine with the fewest models (which loads it on demand) instead
         of waiting.
@@ -125,7 +131,8 @@ class ProcessorConfig:
         ``Retry-After: 0`` cannot make a busy loop; at most ``max_busy_backoff``). The task that
         got the answer goes to another engine with room at once, or waits in
         the queue (for ``queue_timeout`` from its first busy answer, never past
-        its deadline) and, if time runs out, gets the runtime's own answer.
+        its deadline) and, if time or its ``max_attempts`` run out, gets the
+        runtime's own answer.
     shed_waiting_threshold: a sheddable task that would wait while every
         engine serving its model is at ``max_in_flight_per_engine`` fails at
         once with 429 and ``busy_retry_after`` when its model's queue already
@@ -141,7 +148,7 @@ class ProcessorConfig:
 
     queue_timeout: float = 30.0
     max_task_duration: float = 600.0
-    max_retries: int = 3
+    max_attempts: int = 3
     retry_delay: float = 3.0
     dynamic_model_loading: bool = False
     max_waiting_tasks: int = 10_000
@@ -165,8 +172,8 @@ class ProcessorConfig:
             problems.append("queue_timeout must be >= 0")
         if self.max_task_duration <= 0:
             problems.append("max_task_duration must be > 0")
-        if self.max_retries < 0:
-            problems.append("max_retries must be >= 0")
+        if self.max_attempts < 1:
+            problems.append("max_attempts must be >= 1")
         if self.retry_delay < 0:
             problems.append("retry_delay must be >= 0")
         if self.max_waiting_tasks < 0:
@@ -246,7 +253,7 @@ class DeliverResult:
     result: worker_pb2.TaskResult
     last: bool
     #: Who served it, for logs and metrics: the engine, the route it was reached by
-    #: (a peer's for a remote engine), and how many re-dispatches it took.
+    #: (a peer's for a remote engine), and its retries (sends after a failed attempt).
     engine: EngineKey | None = None
     route: Route = None
     retries: int = 0
@@ -261,7 +268,10 @@ class FailRequest:
     results the request had received before the failure. ``retry_after``
     (seconds) is set when the failure is a lack of capacity that may pass
     (queue full, no engine for the model in time, a cap reached; 429 for the
-    tenant's task cap): the ``Retry-After`` header.
+    tenant's task cap): the ``Retry-After`` header. ``code`` is the OpenAI
+    error code the client sees (None: the status); ``detail`` is for the log
+    only (what broke, in the words of the layer that saw it), never for the
+    client, whose ``message`` is short and stable.
     """
 
     origin: Origin
@@ -270,14 +280,16 @@ class FailRequest:
     message: str
     delivered: int = 0
     retry_after: float | None = None
-    #: As in :class:`DeliverResult`: the engine the task was last on (if any), its route, re-dispatches.
+    #: As in :class:`DeliverResult`: the engine the task was last on (if any), its route, retries.
     engine: EngineKey | None = None
     route: Route = None
     retries: int = 0
+    code: str | None = None
+    detail: str = ""
 
     def error_body(self) -> bytes:
         """The OpenAI-style JSON error body for this failure."""
-        return error_json(self.status, self.message, code=self.status)
+        return error_json(self.status, self.message, code=self.status if self.code is None else self.code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,10 +367,6 @@ Effect = Union[
 
 # --- busy runtimes -----------------------------------------------------------
 
-#: Runtime answers that mean "busy, try again later" rather than "this request is wrong":
-#: vLLM, SGLang and Ollama send 503 when overloaded or loading, and 429 when a queue is full.
-BUSY_STATUSES = frozenset({429, 503})
-
 
 def retry_after_seconds(response: worker_pb2.HttpResponse) -> float | None:
     """The ``Retry-After`` of a response in seconds, or None when absent or not delay-seconds.
@@ -402,6 +410,6 @@ def is_streaming(request: worker_pb2.TaskRequest) -> bool:
     return False
 
 
-def sse_error_event(status: int, message: str) -> bytes:
+def sse_error_event(status: int, message: str, code: str | None = None) -> bytes:
     """An error as one server-sent event, for a stream whose headers are already out."""
-    return error_event(status, message, code=status)
+    return error_event(status, message, code=status if code is None else code)

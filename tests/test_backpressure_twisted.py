@@ -142,7 +142,7 @@ def test_a_zero_window_engine_gets_one_task_and_the_rest_wait_until_it_opens_its
     link.pump()
     assert link.processor.waiting_task_ids("default", "m") == []
     assert link.states(ids) == [TaskState.DISPATCHED] * 10
-    assert link.processor.counters.retries == 0
+    assert not link.processor.counters.retries
 
 
 def test_a_burst_for_an_engine_that_does_not_read_stops_at_the_queue_cap_without_retries():
@@ -156,7 +156,7 @@ def test_a_burst_for_an_engine_that_does_not_read_stops_at_the_queue_cap_without
     assert 1 < len(dispatched) < 10
     assert link.stream.call.buffered_amount <= CAP + TASK_BYTES + 1024
     assert link.processor.waiting_task_ids("default", "m") == ids[len(dispatched):]
-    assert link.processor.counters.retries == 0
+    assert not link.processor.counters.retries
 
 
 def test_an_engine_stuck_past_the_timeout_is_reset_and_its_tasks_fail_over():

@@ -94,9 +94,11 @@ def test_engine_killed_mid_stream_ends_the_clients_stream_with_an_explicit_error
     with pytest.raises(openai.APIError) as raised:
         for chunk in stream:
             received.append(chunk.choices[0].delta.content)
-    # Not a timeout or a dropped connection: the gateway's own error event.
+    # Not a timeout or a dropped connection: the gateway's own error event, in words a client can
+    # act on (issue #22: it said "UNAVAILABLE Connection was closed cleanly. after the response started").
     assert type(raised.value) is openai.APIError
-    assert "a-streamer" in raised.value.message and "after the response started" in raised.value.message
+    assert "went away before the response was complete" in raised.value.message
+    assert "send the request again" in raised.value.message and "Connection" not in raised.value.message
     assert len(received) < len(words) + 1
     status = assert_nothing_in_flight(gateway)
     # Once output has started, the task is not retried on the standby engine.

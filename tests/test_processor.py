@@ -220,7 +220,7 @@ def test_a_failed_send_requeues_the_task_after_the_retry_delay_avoiding_that_eng
     assert p.next_deadline() == T0 + 3
     effects = p.handle_timeout(T0 + 3)
     assert sent_to(effects) == ["e2"]
-    assert p.counters.retries == 1
+    assert p.counters.retries == {"send_failed": 1}
 
 
 def test_a_retried_task_goes_back_to_the_engine_that_failed_it_when_it_is_the_only_one():
@@ -238,25 +238,26 @@ def test_a_retried_task_with_no_engine_left_waits_for_one():
     assert p.task_state("a") is TaskState.WAITING
 
 
-def test_retries_stop_after_max_retries_and_the_request_fails_with_503():
-    p = make(retry_delay=0, max_retries=3)
+def test_sends_stop_after_max_attempts_and_the_request_fails_with_503():
+    p = make(retry_delay=0, max_attempts=3)
     join(p, "e1", "m")
     submit(p, "a")
-    for attempt in ("a", "a#2", "a#3"):
+    for attempt in ("a", "a#2"):
         assert sent_to(p.dispatch_failed(attempt, "stream closed", route=None, now=T0)) == ["e1"]
-    failed = one(p.dispatch_failed("a#4", "stream closed", route=None, now=T0), FailRequest)
-    assert failed.status == 503 and "stream closed" in failed.message
+    failed = one(p.dispatch_failed("a#3", "stream closed", route=None, now=T0), FailRequest)
+    assert (failed.status, failed.code, failed.retries) == (503, "engine_unavailable", 2)
+    assert "3 attempts failed" in failed.message and "stream closed" in failed.detail
     assert not p.has_task("a")
 
 
-def test_losing_engines_more_than_max_retries_times_fails_the_request_with_503_and_a_reason():
-    p = make(retry_delay=0, max_retries=1)
+def test_losing_engines_max_attempts_times_fails_the_request_with_503_and_the_reason_in_its_detail():
+    p = make(retry_delay=0, max_attempts=2)
     join(p, "e1", "m")
     submit(p, "a")
     join(p, "e2", "m")
     p.remove_engine("t", "e1", "gone", T0)
     failed = one(p.remove_engine("t", "e2", "gone too", T0), FailRequest)
-    assert failed.status == 503 and "e2" in failed.message
+    assert failed.status == 503 and "e2" in failed.detail and "e2" not in failed.message
 
 
 def test_no_retry_once_a_result_was_delivered_engine_loss_mid_stream_fails_with_502():
@@ -266,7 +267,8 @@ def test_no_retry_once_a_result_was_delivered_engine_loss_mid_stream_fails_with_
     submit(p, "a", request=chat(stream=True))
     p.receive_result("route-e1", http("a"), T0)
     failed = one(p.remove_engine("t", "e1", "gone", T0), FailRequest)
-    assert failed.status == 502 and failed.delivered == 1
+    assert (failed.status, failed.code, failed.delivered) == (502, "engine_lost", 1)
+    assert "gone" in failed.detail and "gone" not in failed.message
     assert not only(p.remove_engine("t", "e2", "x", T0), SendTask)
 
 
@@ -310,7 +312,7 @@ def test_engine_replies_of_500_and_4xx_are_final_and_passed_to_the_client_as_the
     result = http("a", code, body=b'{"error": "x"}')
     delivered = one(p.receive_result("route-e1", result, T0), DeliverResult)
     assert delivered.last and delivered.result == result
-    assert p.counters.retries == 0
+    assert not p.counters.retries
 
 
 def test_a_task_whose_send_failed_is_retried_elsewhere():
@@ -633,7 +635,7 @@ def test_misuse_raises_a_local_error():
     with pytest.raises(ProcessorUsageError):
         p.remove_engine("t", "nope", "x", T0)
     with pytest.raises(ProcessorUsageError):
-        ProcessorConfig(max_retries=-1, queue_timeout=-1)
+        ProcessorConfig(max_attempts=0, queue_timeout=-1)
 
 
 # --- attempts: findings F2 and F3 of the cluster simulation (tests/sim/FINDINGS.md) ----
@@ -653,7 +655,7 @@ def test_a_retry_over_the_same_peer_route_has_its_own_wire_id_and_late_answers_t
     assert p.receive_result("peer", http("a", 503), T0) == []
     assert p.receive_result("peer", http("a", 503, body=b"task 'a' is already running"), T0) == []
     assert p.dispatch_failed("a", "stream closed", route="peer", now=T0) == []
-    assert p.task_state("a") is TaskState.DISPATCHED and p.counters.retries == 1
+    assert p.task_state("a") is TaskState.DISPATCHED and p.counters.retries == {"engine_lost": 1}
     delivered = one(p.receive_result("peer", http("a#2", body=b"ok"), T0), DeliverResult)
     assert (delivered.task_id, delivered.result.task_id, delivered.result.http_response.body) == ("a", "a", b"ok")
     assert delivered.last and not p.has_task("a")

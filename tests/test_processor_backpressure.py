@@ -84,15 +84,15 @@ def test_writable_for_a_route_that_was_not_blocked_dispatches_nothing():
 
 
 def test_a_refused_task_is_routed_again_without_counting_a_retry_or_avoiding_the_engine():
-    p = make(max_retries=0)
+    p = make(max_attempts=1)
     join(p, "e1", "m")
     join(p, "e2", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
-    # e1's route is at its queue cap: the task moves on to e2 at once, even with no retries left.
+    # e1's route is at its queue cap: the task moves on to e2 at once, even with no other attempt allowed.
     moved = p.dispatch_refused("a", "route-e1", T0)
     assert sent(moved) == [("a#2", "e2")]
     assert not only(moved, FailRequest)
-    assert p.counters.retries == 0
+    assert not p.counters.retries and not p.counters.attempt_failures
     assert p.engine("t", "e1").in_flight == 0
     # The refusal blocks e1's route until it drains.
     assert sent(submit(p, "b")) == [("b", "e2")]

@@ -67,7 +67,7 @@ def test_a_busy_answer_sends_the_task_to_another_engine_with_room_at_once(code):
     join(p, "e2", "m")
     assert sent(submit(p, "a")) == [("a", "e1")]
     assert sent(p.receive_result("route-e1", busy("a", code), T0 + 0.5)) == [("a#2", "e2")]
-    assert p.counters.busy_replies == 1 and p.counters.retries == 0
+    assert p.counters.attempt_failures == {"runtime_busy": 1} and p.counters.retries == {"runtime_busy": 1}
 
 
 def test_with_no_other_engine_the_task_waits_and_is_not_resent_before_retry_after():
@@ -164,15 +164,21 @@ def test_an_engine_that_comes_back_after_its_back_off_serves_the_task():
     assert delivered.last and delivered.result.http_response.body == b"ok"
 
 
-def test_busy_answers_are_not_bounded_by_max_retries_only_by_time():
-    p = make(max_retries=0, queue_timeout=30, busy_backoff=1.0)
+def test_busy_answers_use_up_the_same_attempts_and_the_last_one_reaches_the_client_at_once():
+    """Issue #22: busy answers were bounded only by the queue time (30 s of replays); they
+    count against ``max_attempts`` like every other failure, and the client gets the
+    runtime's own answer as soon as none is left."""
+    p = make(max_attempts=3, queue_timeout=30, busy_backoff=1.0)
     join(p, "e1", "m")
     submit(p, "a")
     wire = "a"
-    for second in range(1, 6):
+    for second in range(1, 3):
         p.receive_result("route-e1", busy(wire), T0 + second - 1)
         wire = one(p.handle_timeout(T0 + second), SendTask).task.id
-    assert p.task_state("a") is TaskState.DISPATCHED and p.counters.busy_replies == 5
+    last = one(p.receive_result("route-e1", busy(wire, retry_after="4"), T0 + 2.5), DeliverResult)
+    assert last.last and last.result.http_response.status_code == 503 and last.retries == 2
+    assert p.counters.attempt_failures == {"runtime_busy": 3} and p.counters.retries == {"runtime_busy": 2}
+    assert not p.has_task("a") and p.next_deadline() == T0 + 6.5  # only e1's back-off is left
 
 
 def test_a_targeted_task_gets_the_busy_answer_at_once_so_the_forwarding_peer_decides():
@@ -193,11 +199,11 @@ def test_a_streaming_tasks_busy_answer_is_handled_the_same_way():
 
 
 def test_losing_the_engines_stream_is_still_engine_gone_not_busy():
-    p = make(retry_delay=0, max_retries=0)
+    p = make(retry_delay=0, max_attempts=1)
     join(p, "e1", "m")
     submit(p, "a")
     failed = one(p.close_route("route-e1", "stream reset", T0), FailRequest)
-    assert failed.status == 503 and p.counters.busy_replies == 0
+    assert failed.status == 503 and p.counters.attempt_failures == {"engine_lost": 1}
 
 
 def test_a_task_waiting_on_a_not_ready_model_is_held_and_signalled_for_the_scaler():

@@ -85,7 +85,7 @@ def test_waiting_only_for_a_slot_is_not_reported_to_the_scaler_as_a_missing_mode
 
 @pytest.mark.parametrize("ending", ["cancel", "deadline", "stream_error", "engine_500"])
 def test_every_way_a_task_leaves_an_engine_frees_its_slot(ending):
-    p = make(max_in_flight_per_engine=1, retry_delay=0, max_retries=0)
+    p = make(max_in_flight_per_engine=1, retry_delay=0, max_attempts=1)
     join(p, "e1", "m")
     submit(p, "a", deadline=T0 + 10, stream=True)
     submit(p, "b")

@@ -380,7 +380,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     b.p.remove_engine("t", "eb", "crashed", network.now)
     a.request("task-1")
     # The refusal is a busy answer (a peer's 503): the task waits, with no engine left for it.
-    assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.busy_replies == 1
+    assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.attempt_failures == {"runtime_busy": 1}
     network.links[0][0].local_engines_changed(network.now)  # B's report catches up
     network.pump()
     assert a.p.engine("t", "eb") is None

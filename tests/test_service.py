@@ -76,7 +76,9 @@ def test_metrics_export_engines_and_task_counts_read_at_scrape_time(running_gate
     assert 'infx_engines{locality="local",tenant="default"} 1.0' in text
     assert 'infx_http_requests_total{endpoint="chat/completions",model="echo",status="200",tenant="default"} 1.0' in text
     assert "# TYPE infx_tasks_queued gauge" in text and "# TYPE infx_tasks_in_flight gauge" in text
-    assert gateway.registry.get_sample_value("infx_task_retries_total") == 0
+    for reason in ("engine_lost", "send_failed", "runtime_busy", "runtime_unreachable", "runtime_dropped"):
+        assert gateway.registry.get_sample_value("infx_task_retries_total", {"reason": reason}) == 0
+        assert gateway.registry.get_sample_value("infx_task_attempt_failures_total", {"reason": reason}) == 0
     assert gateway.registry.get_sample_value("infx_tasks_ended_total", {"outcome": "completed"}) == 1
 
 

@@ -30,7 +30,7 @@ from protocol.pb import status_pb2 as protocol_dot_pb_dot_status__pb2
 from protocol.pb import tokenize_pb2 as protocol_dot_pb_dot_tokenize__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/worker.proto\x12\x1dllmariner.inference.server.v1\x1a\x17protocol/pb/audio.proto\x1a\x16protocol/pb/chat.proto\x1a\x1cprotocol/pb/embeddings.proto\x1a protocol/pb/model_response.proto\x1a\x18protocol/pb/status.proto\x1a\x1aprotocol/pb/tokenize.proto\"\x1d\n\x0bHeaderValue\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xf9\x01\n\x0cHttpResponse\x12\x13\n\x0bstatus_code\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12G\n\x06header\x18\x03 \x03(\x0b\x32\x37.llmariner.inference.server.v1.HttpResponse.HeaderEntry\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x12\x12\n\nlatency_ms\x18\x05 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"J\n\x0fServerSentEvent\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\ris_last_event\x18\x02 \x01(\x08\x12\x12\n\nlatency_ms\x18\x03 \x01(\x05\"\xea\x01\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x44\n\rhttp_response\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.HttpResponseH\x00\x12K\n\x11server_sent_event\x18\x03 \x01(\x0b\x32..llmariner.inference.server.v1.ServerSentEventH\x00\x12\x14\n\x0cresult_index\x18\x04 \x01(\x05\x12\x17\n\x0fverbatim_answer\x18\x64 \x01(\x08\x42\t\n\x07message\"\xa8\x01\n\x13ProcessTasksRequest\x12\x44\n\rengine_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"\x0f\n\rGoAwayRequest\"\x12\n\x10HeartbeatRequest\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"9\n\x0bHttpRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\"\xba\x06\n\x0bTaskRequest\x12P\n\x0f\x63hat_completion\x18\x01 \x01(\x0b\x32\x35.llmariner.chat.server.v1.CreateChatCompletionRequestH\x00\x12K\n\tembedding\x18\x02 \x01(\x0b\x32\x36.llmariner.embeddings.server.v1.CreateEmbeddingRequestH\x00\x12?\n\x07go_away\x18\x05 \x01(\x0b\x32,.llmariner.inference.server.v1.GoAwayRequestH\x00\x12\x44\n\theartbeat\x18\x06 \x01(\x0b\x32/.llmariner.inference.server.v1.HeartbeatRequestH\x00\x12Y\n\x13\x61udio_transcription\x18\x07 \x01(\x0b\x32:.llmariner.audio.server.v1.CreateAudioTranscriptionRequestH\x00\x12R\n\x0emodel_response\x18\x08 \x01(\x0b\x32\x38.llmariner.response.server.v1.CreateModelResponseRequestH\x00\x12I\n\x10tokenize_request\x18\t \x01(\x0b\x32-.llmariner.tokenize.server.v1.TokenizeRequestH\x00\x12G\n\x0b\x63\x61ncel_task\x18\x64 \x01(\x0b\x32\x30.llmariner.inference.server.v1.CancelTaskRequestH\x00\x12@\n\x0chttp_request\x18\x65 \x01(\x0b\x32*.llmariner.inference.server.v1.HttpRequest\x12 \n\x18typed_request_incomplete\x18\x66 \x01(\t\x12\x17\n\x0finfx_prefix_tip\x18i \x01(\x06\x12:\n\x0binfx_caller\x18j \x01(\x0b\x32%.llmariner.inference.server.v1.CallerB\t\n\x07request\"\xcc\x01\n\x06\x43\x61ller\x12\x0c\n\x04\x66low\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x46\n\x0b\x63riticality\x18\x03 \x01(\x0e\x32\x31.llmariner.inference.server.v1.Caller.Criticality\"\\\n\x0b\x43riticality\x12\x18\n\x14\x43RITICALITY_STANDARD\x10\x00\x12\x18\n\x14\x43RITICALITY_CRITICAL\x10\x01\x12\x19\n\x15\x43RITICALITY_SHEDDABLE\x10\x02\"\x97\x02\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12?\n\x06header\x18\x03 \x03(\x0b\x32/.llmariner.inference.server.v1.Task.HeaderEntry\x12;\n\x07request\x18\x04 \x01(\x0b\x32*.llmariner.inference.server.v1.TaskRequest\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"M\n\x14ProcessTasksResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task2\x97\x01\n\x16InferenceWorkerService\x12}\n\x0cProcessTasks\x12\x32.llmariner.inference.server.v1.ProcessTasksRequest\x1a\x33.llmariner.inference.server.v1.ProcessTasksResponse\"\x00(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/worker.proto\x12\x1dllmariner.inference.server.v1\x1a\x17protocol/pb/audio.proto\x1a\x16protocol/pb/chat.proto\x1a\x1cprotocol/pb/embeddings.proto\x1a protocol/pb/model_response.proto\x1a\x18protocol/pb/status.proto\x1a\x1aprotocol/pb/tokenize.proto\"\x1d\n\x0bHeaderValue\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xf9\x01\n\x0cHttpResponse\x12\x13\n\x0bstatus_code\x18\x01 \x01(\x05\x12\x0e\n\x06status\x18\x02 \x01(\t\x12G\n\x06header\x18\x03 \x03(\x0b\x32\x37.llmariner.inference.server.v1.HttpResponse.HeaderEntry\x12\x0c\n\x04\x62ody\x18\x04 \x01(\x0c\x12\x12\n\nlatency_ms\x18\x05 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"J\n\x0fServerSentEvent\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x15\n\ris_last_event\x18\x02 \x01(\x08\x12\x12\n\nlatency_ms\x18\x03 \x01(\x05\"\xb7\x02\n\nTaskResult\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x44\n\rhttp_response\x18\x02 \x01(\x0b\x32+.llmariner.inference.server.v1.HttpResponseH\x00\x12K\n\x11server_sent_event\x18\x03 \x01(\x0b\x32..llmariner.inference.server.v1.ServerSentEventH\x00\x12\x14\n\x0cresult_index\x18\x04 \x01(\x05\x12\x17\n\x0fverbatim_answer\x18\x64 \x01(\x08\x12K\n\x14infx_runtime_failure\x18\x65 \x01(\x0e\x32-.llmariner.inference.server.v1.RuntimeFailureB\t\n\x07message\"\xa8\x01\n\x13ProcessTasksRequest\x12\x44\n\rengine_status\x18\x01 \x01(\x0b\x32+.llmariner.inference.server.v1.EngineStatusH\x00\x12@\n\x0btask_result\x18\x02 \x01(\x0b\x32).llmariner.inference.server.v1.TaskResultH\x00\x42\t\n\x07message\"\x0f\n\rGoAwayRequest\"\x12\n\x10HeartbeatRequest\"$\n\x11\x43\x61ncelTaskRequest\x12\x0f\n\x07task_id\x18\x01 \x01(\t\"9\n\x0bHttpRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04\x62ody\x18\x03 \x01(\x0c\"\xba\x06\n\x0bTaskRequest\x12P\n\x0f\x63hat_completion\x18\x01 \x01(\x0b\x32\x35.llmariner.chat.server.v1.CreateChatCompletionRequestH\x00\x12K\n\tembedding\x18\x02 \x01(\x0b\x32\x36.llmariner.embeddings.server.v1.CreateEmbeddingRequestH\x00\x12?\n\x07go_away\x18\x05 \x01(\x0b\x32,.llmariner.inference.server.v1.GoAwayRequestH\x00\x12\x44\n\theartbeat\x18\x06 \x01(\x0b\x32/.llmariner.inference.server.v1.HeartbeatRequestH\x00\x12Y\n\x13\x61udio_transcription\x18\x07 \x01(\x0b\x32:.llmariner.audio.server.v1.CreateAudioTranscriptionRequestH\x00\x12R\n\x0emodel_response\x18\x08 \x01(\x0b\x32\x38.llmariner.response.server.v1.CreateModelResponseRequestH\x00\x12I\n\x10tokenize_request\x18\t \x01(\x0b\x32-.llmariner.tokenize.server.v1.TokenizeRequestH\x00\x12G\n\x0b\x63\x61ncel_task\x18\x64 \x01(\x0b\x32\x30.llmariner.inference.server.v1.CancelTaskRequestH\x00\x12@\n\x0chttp_request\x18\x65 \x01(\x0b\x32*.llmariner.inference.server.v1.HttpRequest\x12 \n\x18typed_request_incomplete\x18\x66 \x01(\t\x12\x17\n\x0finfx_prefix_tip\x18i \x01(\x06\x12:\n\x0binfx_caller\x18j \x01(\x0b\x32%.llmariner.inference.server.v1.CallerB\t\n\x07request\"\xcc\x01\n\x06\x43\x61ller\x12\x0c\n\x04\x66low\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12\x46\n\x0b\x63riticality\x18\x03 \x01(\x0e\x32\x31.llmariner.inference.server.v1.Caller.Criticality\"\\\n\x0b\x43riticality\x12\x18\n\x14\x43RITICALITY_STANDARD\x10\x00\x12\x18\n\x14\x43RITICALITY_CRITICAL\x10\x01\x12\x19\n\x15\x43RITICALITY_SHEDDABLE\x10\x02\"\x97\x02\n\x04Task\x12\n\n\x02id\x18\x01 \x01(\t\x12?\n\x06header\x18\x03 \x03(\x0b\x32/.llmariner.inference.server.v1.Task.HeaderEntry\x12;\n\x07request\x18\x04 \x01(\x0b\x32*.llmariner.inference.server.v1.TaskRequest\x12\x11\n\tengine_id\x18\x05 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x06 \x01(\x05\x1aY\n\x0bHeaderEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x39\n\x05value\x18\x02 \x01(\x0b\x32*.llmariner.inference.server.v1.HeaderValue:\x02\x38\x01\"M\n\x14ProcessTasksResponse\x12\x35\n\x08new_task\x18\x01 \x01(\x0b\x32#.llmariner.inference.server.v1.Task*_\n\x0eRuntimeFailure\x12\x1f\n\x1bRUNTIME_FAILURE_UNSPECIFIED\x10\x00\x12\x17\n\x13RUNTIME_UNREACHABLE\x10\x01\x12\x13\n\x0fRUNTIME_DROPPED\x10\x02\x32\x97\x01\n\x16InferenceWorkerService\x12}\n\x0cProcessTasks\x12\x32.llmariner.inference.server.v1.ProcessTasksRequest\x1a\x33.llmariner.inference.server.v1.ProcessTasksResponse\"\x00(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,6 +41,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HTTPRESPONSE_HEADERENTRY']._serialized_options = b'8\001'
   _globals['_TASK_HEADERENTRY']._loaded_options = None
   _globals['_TASK_HEADERENTRY']._serialized_options = b'8\001'
+  _globals['_RUNTIMEFAILURE']._serialized_start=2601
+  _globals['_RUNTIMEFAILURE']._serialized_end=2696
   _globals['_HEADERVALUE']._serialized_start=226
   _globals['_HEADERVALUE']._serialized_end=255
   _globals['_HTTPRESPONSE']._serialized_start=258
@@ -50,29 +52,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVERSENTEVENT']._serialized_start=509
   _globals['_SERVERSENTEVENT']._serialized_end=583
   _globals['_TASKRESULT']._serialized_start=586
-  _globals['_TASKRESULT']._serialized_end=820
-  _globals['_PROCESSTASKSREQUEST']._serialized_start=823
-  _globals['_PROCESSTASKSREQUEST']._serialized_end=991
-  _globals['_GOAWAYREQUEST']._serialized_start=993
-  _globals['_GOAWAYREQUEST']._serialized_end=1008
-  _globals['_HEARTBEATREQUEST']._serialized_start=1010
-  _globals['_HEARTBEATREQUEST']._serialized_end=1028
-  _globals['_CANCELTASKREQUEST']._serialized_start=1030
-  _globals['_CANCELTASKREQUEST']._serialized_end=1066
-  _globals['_HTTPREQUEST']._serialized_start=1068
-  _globals['_HTTPREQUEST']._serialized_end=1125
-  _globals['_TASKREQUEST']._serialized_start=1128
-  _globals['_TASKREQUEST']._serialized_end=1954
-  _globals['_CALLER']._serialized_start=1957
-  _globals['_CALLER']._serialized_end=2161
-  _globals['_CALLER_CRITICALITY']._serialized_start=2069
-  _globals['_CALLER_CRITICALITY']._serialized_end=2161
-  _globals['_TASK']._serialized_start=2164
-  _globals['_TASK']._serialized_end=2443
+  _globals['_TASKRESULT']._serialized_end=897
+  _globals['_PROCESSTASKSREQUEST']._serialized_start=900
+  _globals['_PROCESSTASKSREQUEST']._serialized_end=1068
+  _globals['_GOAWAYREQUEST']._serialized_start=1070
+  _globals['_GOAWAYREQUEST']._serialized_end=1085
+  _globals['_HEARTBEATREQUEST']._serialized_start=1087
+  _globals['_HEARTBEATREQUEST']._serialized_end=1105
+  _globals['_CANCELTASKREQUEST']._serialized_start=1107
+  _globals['_CANCELTASKREQUEST']._serialized_end=1143
+  _globals['_HTTPREQUEST']._serialized_start=1145
+  _globals['_HTTPREQUEST']._serialized_end=1202
+  _globals['_TASKREQUEST']._serialized_start=1205
+  _globals['_TASKREQUEST']._serialized_end=2031
+  _globals['_CALLER']._serialized_start=2034
+  _globals['_CALLER']._serialized_end=2238
+  _globals['_CALLER_CRITICALITY']._serialized_start=2146
+  _globals['_CALLER_CRITICALITY']._serialized_end=2238
+  _globals['_TASK']._serialized_start=2241
+  _globals['_TASK']._serialized_end=2520
   _globals['_TASK_HEADERENTRY']._serialized_start=418
   _globals['_TASK_HEADERENTRY']._serialized_end=507
-  _globals['_PROCESSTASKSRESPONSE']._serialized_start=2445
-  _globals['_PROCESSTASKSRESPONSE']._serialized_end=2522
-  _globals['_INFERENCEWORKERSERVICE']._serialized_start=2525
-  _globals['_INFERENCEWORKERSERVICE']._serialized_end=2676
+  _globals['_PROCESSTASKSRESPONSE']._serialized_start=2522
+  _globals['_PROCESSTASKSRESPONSE']._serialized_end=2599
+  _globals['_INFERENCEWORKERSERVICE']._serialized_start=2699
+  _globals['_INFERENCEWORKERSERVICE']._serialized_end=2850
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RuntimeFailure(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUNTIME_FAILURE_UNSPECIFIED: _ClassVar[RuntimeFailure]
+    RUNTIME_UNREACHABLE: _ClassVar[RuntimeFailure]
+    RUNTIME_DROPPED: _ClassVar[RuntimeFailure]
+RUNTIME_FAILURE_UNSPECIFIED: RuntimeFailure
+RUNTIME_UNREACHABLE: RuntimeFailure
+RUNTIME_DROPPED: RuntimeFailure
+
 class HeaderValue(_message.Message):
     __slots__ = ("values",)
     VALUES_FIELD_NUMBER: _ClassVar[int]
@@ -51,18 +60,20 @@ class ServerSentEvent(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., is_last_event: _Optional[bool] = ..., latency_ms: _Optional[int] = ...) -> None: ...
 
 class TaskResult(_message.Message):
-    __slots__ = ("task_id", "http_response", "server_sent_event", "result_index", "verbatim_answer")
+    __slots__ = ("task_id", "http_response", "server_sent_event", "result_index", "verbatim_answer", "infx_runtime_failure")
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
     HTTP_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     SERVER_SENT_EVENT_FIELD_NUMBER: _ClassVar[int]
     RESULT_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERBATIM_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    INFX_RUNTIME_FAILURE_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     http_response: HttpResponse
     server_sent_event: ServerSentEvent
     result_index: int
     verbatim_answer: bool
-    def __init__(self, task_id: _Optional[str] = ..., http_response: _Optional[_Union[HttpResponse, _Mapping]] = ..., server_sent_event: _Optional[_Union[ServerSentEvent, _Mapping]] = ..., result_index: _Optional[int] = ..., verbatim_answer: _Optional[bool] = ...) -> None: ...
+    infx_runtime_failure: RuntimeFailure
+    def __init__(self, task_id: _Optional[str] = ..., http_response: _Optional[_Union[HttpResponse, _Mapping]] = ..., server_sent_event: _Optional[_Union[ServerSentEvent, _Mapping]] = ..., result_index: _Optional[int] = ..., verbatim_answer: _Optional[bool] = ..., infx_runtime_failure: _Optional[_Union[RuntimeFailure, str]] = ...) -> None: ...
 
 class ProcessTasksRequest(_message.Message):
     __slots__ = ("engine_status", "task_result")

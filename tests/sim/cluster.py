@@ -135,7 +135,7 @@ class Cluster:
         self.stats: Counter[str] = Counter()
         self.faults = Faults(self, config.fault_interval)
         self.processor_config = ProcessorConfig(
-            queue_timeout=5.0, max_task_duration=20.0, max_retries=3,
+            queue_timeout=5.0, max_task_duration=20.0, max_attempts=4,
             retry_delay=self.rng.choice((0.0, 0.2, 1.0)), heartbeat_interval=3.0, heartbeat_max_missed=2,
         )
         self.gateway_names = [f"gw{i}" for i in range(config.gateways)]

@@ -119,7 +119,8 @@ class ClientRequest:
         if effect.delivered != self.delivered:
             self.ledger.fail(ORDER, f"{self.task_id}: failure says {effect.delivered} delivered, saw {self.delivered}")
         self.status = effect.status
-        self.reason = effect.message
+        # The client's words, and what broke in the words of the layer that saw it (the log's).
+        self.reason = f"{effect.message} ({effect.detail})" if effect.detail else effect.message
         self.events.append(f"fail{effect.status}")
         self._end(Outcome.FAILED)
 
