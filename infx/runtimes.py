@@ -16,6 +16,14 @@ gateway relays it unchanged; it announces this with
 :data:`CAPABILITIES`. A task with only the typed form (from a gateway that
 does not know the capability) is converted by :mod:`protocol.openai_runtime`.
 
+A runtime that fails a task is reported in the words of
+:mod:`protocol.runtime_failures`: one it could not reach (503, never read:
+the gateway may send the task elsewhere), one that read the request and
+dropped the connection or broke off its answer (502: sent again at most
+once), a stream cut short (its chunked framing broken, or an unframed stream
+closed before its final event: an error event ends it). The client reads a
+fixed message; what the socket said goes to this process's log.
+
 The ``openai`` runtime's upstream URL is the server's root
 (``http://127.0.0.1:8000``); a trailing ``/v1`` is accepted and dropped,
 because the endpoints are those LLMariner's engine uses:
@@ -33,13 +41,17 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.error import ConnectError, DNSLookupError
 from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.web.client import URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, ResponseDone
+from twisted.web.client import (
+    URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, RequestGenerationFailed, RequestTransmissionFailed,
+    ResponseDone,
+)
 from twisted.web.error import SchemeNotSupported
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -49,15 +61,17 @@ from zope.interface import implementer
 from infx.upstream_key import UpstreamKey
 from protocol.echo import EchoConfig, echo_task
 from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
+from protocol.openai_observe import ends_stream
 from protocol.openai_runtime import RuntimeRequest, runtime_request
 from protocol.pb import worker_pb2
 from protocol.processor_types import is_streaming
+from protocol.runtime_failures import RuntimeFailure, broken_stream_event, failure_result
 from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
 __all__ = [
-    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RuntimeUnavailable", "RunningTask",
-    "TaskSink", "runtime_agent", "upstream_root",
+    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RunningTask", "TaskSink", "runtime_agent",
+    "runtime_failure", "upstream_root",
 ]
 
 log = Logger()
@@ -92,12 +106,6 @@ class Runtime(Protocol):
         ...
 
 
-class RuntimeUnavailable(OpenAIError):
-    """The runtime could not be reached: HTTP 503, so that the gateway retries on another engine."""
-
-    status = 503
-
-
 def _http_response(status: int, phrase: str | None, body: bytes = b"", headers: dict[str, list[str]] | None = None,
                    latency_ms: int = 0) -> worker_pb2.TaskResult:
     response = worker_pb2.HttpResponse(
@@ -119,6 +127,27 @@ def _event(data: bytes, *, last: bool = False, latency_ms: int = 0) -> worker_pb
     return worker_pb2.TaskResult(
         server_sent_event=worker_pb2.ServerSentEvent(data=data, is_last_event=last, latency_ms=latency_ms)
     )
+
+
+#: Failures that happen before the request is whole on the wire: the runtime never read it.
+_NOT_READ = (ConnectError, DNSLookupError, RequestGenerationFailed, RequestTransmissionFailed, SchemeNotSupported)
+
+
+def runtime_failure(failure: Failure) -> RuntimeFailure:
+    """Whether a request that got no answer may have been read by the runtime: only a failure to
+    connect or to write the request says it was not; anything else (the connection closed while
+    waiting for the answer, an answer broken off, a failure of a kind not known here) may have
+    followed a crash on it, and is reported so."""
+    return RuntimeFailure.UNREACHABLE if failure.check(*_NOT_READ) else RuntimeFailure.DROPPED
+
+
+def describe(failure: Failure) -> str:
+    """What a failure of the runtime's connection says, for the log: the wrapped reasons of
+    Twisted's ``ResponseFailed`` and kin in words, not as a list of ``Failure`` reprs."""
+    reasons = getattr(failure.value, "reasons", None)
+    if reasons:
+        return "; ".join(f"{type(r.value).__name__}: {r.getErrorMessage()}" for r in reasons)
+    return f"{type(failure.value).__name__}: {failure.getErrorMessage()}"
 
 
 # -- echo -------------------------------------------------------------------------------
@@ -264,21 +293,30 @@ class _BodyReader(TwistedProtocol):
 
 
 class _StreamRelay(TwistedProtocol):
-    """Receives a streamed response body and relays its events as they complete."""
+    """Receives a streamed response body and relays its events as they complete.
+
+    A body whose framing ended it (chunked, or a length) ended as the runtime meant; one that
+    ended only because the connection closed (no framing, as HTTP/1.0 allows) is whole only if
+    its last event is one a stream ends with (:func:`~protocol.openai_observe.ends_stream`),
+    else the runtime died mid-stream and the client is told so.
+    """
 
     def __init__(self, call: _OpenAITask) -> None:
         self._call = call
         self._splitter = SSEBlockSplitter(call.runtime.max_event_size)
+        self._last_event = b""
 
     def dataReceived(self, data: bytes) -> None:
         try:
             events = self._splitter.receive_data(data)
         except EventTooLarge as exc:
-            self._call.stream_failed(exc)
+            self._call.stream_failed(exc.to_event(), exc.message)
             self.transport.stopProducing()
             return
         for event in events:
             self._call.event(event)
+        if events:
+            self._last_event = events[-1]
         writable = self._call.when_writable()
         if writable is not None and self.transport is not None:
             # The gRPC stream is full: stop reading the runtime until it drains.
@@ -287,13 +325,18 @@ class _StreamRelay(TwistedProtocol):
             writable.addCallback(lambda _: None if self._call.done else transport.resumeProducing())
 
     def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if reason.check(ResponseDone, PotentialDataLoss):
-            rest = self._splitter.end_of_stream()
-            if rest is not None:
-                self._call.event(rest)
-            self._call.stream_done()
+        if not reason.check(ResponseDone, PotentialDataLoss):
+            self._call.stream_failed(broken_stream_event(), describe(reason))
+            return
+        rest = self._splitter.end_of_stream()
+        if rest is not None:
+            self._call.event(rest)
+            self._last_event = rest
+        if reason.check(PotentialDataLoss) and not ends_stream(self._last_event):
+            self._call.stream_failed(broken_stream_event(),
+                                     "the connection closed an unframed stream before its final event")
         else:
-            self._call.stream_failed(UpstreamError(f"The runtime's stream broke off: {reason.getErrorMessage()}"))
+            self._call.stream_done()
 
 
 class _OpenAITask:
@@ -302,6 +345,9 @@ class _OpenAITask:
         self._sink = sink
         self._clock = runtime.clock
         self._started = self._clock.seconds()
+        # What the gateway's request log names the request by, so that the two logs meet.
+        forwarded_id = task.header["x-request-id"].values if "x-request-id" in task.header else ()
+        self._request_id = forwarded_id[0] if forwarded_id else task.id
         self._done = False
         self._pending: Deferred[Any] | None = None
         self._body_transport: Any = None
@@ -350,11 +396,15 @@ class _OpenAITask:
         self._pending = None
         if self._done or failure.check(CancelledError):
             return
-        log.info("runtime unreachable at {url}: {error}", url=self.runtime.root, error=failure.getErrorMessage())
+        self._runtime_failed(runtime_failure(failure), describe(failure))
+
+    def _runtime_failed(self, failure: RuntimeFailure, detail: str) -> None:
+        """The task ends with the agent's answer for ``failure``; ``detail`` goes to the log only."""
+        log.info("runtime at {url} failed request {request_id} ({failure}): {detail}", url=self.runtime.root,
+                 request_id=self._request_id, failure=failure.value, detail=detail)
         for listener in self.runtime.on_unreachable:
             listener()
-        message = f"The engine could not reach its runtime: {failure.getErrorMessage()}"
-        self._end_with(_error_result(RuntimeUnavailable(message), self._latency()))
+        self._end_with(failure_result(failure, self._latency()))
 
     def _bug(self, failure: Failure) -> None:
         log.failure("openai runtime task failed", failure)
@@ -388,8 +438,7 @@ class _OpenAITask:
             self._end_with(self._mark(_http_response(status, phrase, body, headers, latency)))
 
         def broken(reason: Failure) -> None:
-            message = f"The runtime's answer broke off: {reason.getErrorMessage()}"
-            self._end_with(_error_result(UpstreamError(message), latency))
+            self._runtime_failed(RuntimeFailure.DROPPED, f"its answer ({status}) broke off: {describe(reason)}")
 
         reader = _BodyReader(whole, broken)
         response.deliverBody(reader)
@@ -418,10 +467,12 @@ class _OpenAITask:
             self._sink.send(_event(b"", last=True, latency_ms=self._latency()))
             self._sink.finish()
 
-    def stream_failed(self, error: OpenAIError) -> None:
+    def stream_failed(self, event: bytes, detail: str) -> None:
+        """The stream cannot go on: ``event`` (an error) ends it, with no ``[DONE]``; ``detail`` is logged."""
         if not self._done:
-            log.info("runtime stream failed: {error}", error=error.message)
-            self._sink.send(_event(error.to_event()))
+            log.info("runtime at {url} broke off the stream of request {request_id}: {detail}",
+                     url=self.runtime.root, request_id=self._request_id, detail=detail)
+            self._sink.send(_event(event))
             self.stream_done()
 
     def abort(self) -> None:

@@ -43,6 +43,27 @@ def error_type_for(status: int) -> str:
     return "server_error"
 
 
+#: The status an error ``type`` stands for, where the type names a kind of its own.
+_STATUS_OF_TYPE = {"invalid_request_error": 400, RATE_LIMIT_TYPE: 429, "tokens": 429, "not_implemented": 501,
+                   "upstream_error": 502}
+
+
+def status_of_error(error: Any) -> int:
+    """The HTTP status an error object (the ``error`` member of OpenAI's shape) stands for: its
+    ``code`` when that is a status (vLLM's stream errors carry one), else its ``type``'s, else 500.
+
+    What a stream that ends with an error event is logged and counted as: its status line said
+    200, but the answer failed.
+    """
+    if not isinstance(error, dict):
+        return 500
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code <= 599:
+        return code
+    kind = error.get("type")
+    return _STATUS_OF_TYPE.get(kind, 500) if isinstance(kind, str) else 500
+
+
 def error_body(
     status: int, message: str, *, error_type: str | None = None, param: str | None = None,
     code: str | int | None = None,

@@ -12,11 +12,16 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.web import resource, server
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRefusedError, DNSLookupError, TimeoutError
+from twisted.python.failure import Failure
+from twisted.web.client import (
+    Agent, HTTPConnectionPool, RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived,
+)
 
-from infx.runtimes import EchoRuntime, OpenAIRuntime, upstream_root
+from infx.runtimes import EchoRuntime, OpenAIRuntime, describe, runtime_failure, upstream_root
 from protocol.echo import EchoConfig
 from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, worker_pb2
+from protocol.runtime_failures import RuntimeFailure
 
 
 class Sink:
@@ -286,8 +291,10 @@ def test_openai_connection_refused_becomes_503_so_the_gateway_retries_elsewhere(
     sink = Sink()
     runtime.start(chat_task("x"), sink)
     yield sink.done
-    assert sink.head.status_code == 503
-    assert json.loads(sink.head.body)["error"]["message"]
+    assert sink.head.status_code == 503 and sink.results[0].infx_runtime_failure == worker_pb2.RUNTIME_UNREACHABLE
+    assert json.loads(sink.head.body)["error"] == {
+        "message": "The engine could not reach its runtime; retry later.", "type": "server_error", "param": None,
+        "code": "runtime_unreachable"}
 
 
 @pytest_twisted.inlineCallbacks
@@ -505,3 +512,106 @@ def test_a_runtimes_status_outside_the_registry_is_relayed_with_its_own_reason(s
     upstream.answer(status_line + b"\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}")
     assert sink.finished == 1
     assert (sink.head.status_code, sink.head.status, sink.head.body) == (int(status_line.split()[1]), relayed, b"{}")
+
+
+
+# --- a runtime that fails the task: what the agent tells the gateway (issue #22) ------------
+
+SSE_CLOSE_DELIMITED = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+
+
+def no_internals(data: bytes) -> None:
+    """What a client may read: no Python repr, no Twisted class name."""
+    for word in (b"Failure", b"twisted", b"ConnectionDone", b"ConnectionLost", b"_DataLoss", b"CHUNK_LENGTH", b"<"):
+        assert word not in data, data
+
+
+def test_a_runtime_that_closes_the_connection_after_reading_the_request_is_reported_dropped() -> None:
+    """The issue's crash: the request was written whole and the connection closed with no answer.
+    The runtime may have died of this request, so the gateway must not treat it as unreachable
+    (which it may retry freely): a 502 marked RUNTIME_DROPPED, in fixed words."""
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(chat_task("x"), sink)
+    assert upstream.connect().startswith(b"POST /v1/chat/completions HTTP/1.1\r\n")
+    upstream.protocol.connectionLost(Failure(ConnectionDone("Connection was closed cleanly.")))
+    assert sink.finished == 1 and sink.results[0].infx_runtime_failure == worker_pb2.RUNTIME_DROPPED
+    error = json.loads(sink.head.body)["error"]
+    assert (sink.head.status_code, error["type"], error["code"]) == (502, "upstream_error", "runtime_dropped")
+    no_internals(sink.head.body)
+
+
+def test_an_answer_broken_off_after_its_status_line_is_reported_dropped() -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(embed_task("x"), sink)
+    upstream.connect()
+    upstream.answer(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"da")
+    upstream.protocol.connectionLost(Failure(ConnectionLost("reset")))
+    assert sink.finished == 1 and sink.results[0].infx_runtime_failure == worker_pb2.RUNTIME_DROPPED
+    assert json.loads(sink.head.body)["error"]["code"] == "runtime_dropped"
+    no_internals(sink.head.body)
+
+
+def test_a_chunked_stream_cut_short_ends_with_an_error_event_and_no_done() -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(chat_task("x", stream=True), sink)
+    upstream.connect()
+    upstream.answer(STREAM_HEAD + chunk(b'data: {"n":1}\n\n') + b"2a\r\ndata: {")
+    upstream.protocol.connectionLost(Failure(ConnectionLost("non-clean")))
+    assert sink.finished == 1
+    datas = [e.data for e in sink.events]
+    assert datas[0] == b'data: {"n":1}\n\n' and sink.events[-1].is_last_event and not datas[-1]
+    error = json.loads(datas[1].removeprefix(b"data: "))["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "runtime_stream_broken")
+    assert not any(b"[DONE]" in d for d in datas)
+    no_internals(datas[1])
+
+
+def test_an_unframed_stream_closed_before_its_final_event_ends_with_an_error_event() -> None:
+    """No chunked framing and no length: the body ends where the connection does, so a runtime
+    that dies mid-stream looks like one that finished. Only a final event tells them apart."""
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(chat_task("x", stream=True), sink)
+    upstream.connect()
+    upstream.answer(SSE_CLOSE_DELIMITED + b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n')
+    upstream.protocol.connectionLost(Failure(ConnectionDone("closed")))
+    datas = [e.data for e in sink.events]
+    assert len(datas) == 3 and b"runtime_stream_broken" in datas[1] and sink.events[-1].is_last_event
+
+
+@pytest.mark.parametrize("final", [
+    b"data: [DONE]\n\n",
+    b"data: [DONE]",
+    b'event: response.completed\ndata: {"type":"response.completed","response":{}}\n\n',
+])
+def test_an_unframed_stream_that_reached_its_final_event_ended_as_the_runtime_meant(final) -> None:
+    upstream = MemoryUpstream()
+    sink = Sink()
+    upstream.runtime.start(chat_task("x", stream=True), sink)
+    upstream.connect()
+    upstream.answer(SSE_CLOSE_DELIMITED + b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' + final)
+    upstream.protocol.connectionLost(Failure(ConnectionDone("closed")))
+    datas = [e.data for e in sink.events]
+    assert len(datas) == 3 and datas[1].startswith(final.rstrip(b"\n")) and not datas[2]
+    assert not any(b"error" in d for d in datas)
+
+
+@pytest.mark.parametrize(("failure", "kind"), [
+    (ConnectionRefusedError("refused"), RuntimeFailure.UNREACHABLE),
+    (TimeoutError("connect"), RuntimeFailure.UNREACHABLE),
+    (DNSLookupError("nowhere"), RuntimeFailure.UNREACHABLE),
+    (RequestTransmissionFailed([Failure(ConnectionLost("while writing"))]), RuntimeFailure.UNREACHABLE),
+    (ResponseNeverReceived([Failure(ConnectionDone("closed"))]), RuntimeFailure.DROPPED),
+    (ResponseFailed([Failure(ConnectionLost("mid-body"))]), RuntimeFailure.DROPPED),
+    (ValueError("something unforeseen"), RuntimeFailure.DROPPED),  # may have been read: the safe reading
+])
+def test_only_a_failure_to_connect_or_to_write_the_request_says_the_runtime_never_read_it(failure, kind):
+    assert runtime_failure(Failure(failure)) is kind
+
+
+def test_the_log_says_what_the_socket_said_in_words() -> None:
+    text = describe(Failure(ResponseNeverReceived([Failure(ConnectionDone())])))
+    assert text == "ConnectionDone: Connection was closed cleanly." and "<" not in text

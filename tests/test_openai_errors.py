@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from protocol.openai_errors import (
+    status_of_error,
     InvalidRequestError,
     ModelNotFoundError,
     NotImplementedRequestError,
@@ -167,3 +168,19 @@ def test_error_bodies_status_phrases_and_done_come_only_from_the_vocabulary():
 ])
 def test_the_one_place_check_bites(source):
     assert _vocabulary_spelled_elsewhere("infx/elsewhere.py", source) != []
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    ({"message": "x", "type": "upstream_error", "code": "runtime_stream_broken"}, 502),
+    ({"message": "x", "type": "BadRequestError", "code": 400}, 400),  # vLLM names the status
+    ({"message": "x", "type": "server_error", "code": 503}, 503),
+    ({"message": "x", "type": "invalid_request_error"}, 400),
+    ({"message": "x", "type": "requests"}, 429),
+    ({"message": "x", "type": "not_implemented"}, 501),
+    ({"message": "x", "type": "server_error", "code": 200}, 500),  # not an error status
+    ({"message": "x", "code": True}, 500),
+    ({"message": "x"}, 500),
+    ("not an object", 500),
+])
+def test_an_error_objects_status_is_its_code_when_that_is_one_else_its_types(error, status):
+    assert status_of_error(error) == status

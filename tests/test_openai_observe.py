@@ -2,10 +2,14 @@
 
 import json
 
+import pytest
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.openai_observe import StreamWatcher, Usage, carries_output, usage_of, usage_of_body
+from protocol.openai_observe import (
+    StreamError, StreamWatcher, Usage, carries_output, ends_stream, usage_of, usage_of_body,
+)
 
 
 def event(obj) -> bytes:
@@ -94,11 +98,11 @@ def test_any_bytes_in_a_stream_are_read_without_raising(data):
     usage_of_body(data)
 
 
-def reference_watch(chunks: list[bytes]) -> tuple[list[bool], Usage | None]:
+def reference_watch(chunks: list[bytes]) -> tuple[list[bool], Usage | None, bool]:
     """What the watcher must find: every event parsed and decoded, none skipped."""
     from protocol.sse import DONE_DATA, EventReceived, SSEParser
 
-    parser, seen, usage, firsts = SSEParser(), False, None, []
+    parser, seen, usage, firsts, failed = SSEParser(), False, None, [], False
     for chunk in chunks:
         first = False
         for ev in parser.receive_data(chunk):
@@ -111,8 +115,9 @@ def reference_watch(chunks: list[bytes]) -> tuple[list[bool], Usage | None]:
             if not seen and carries_output(decoded):
                 seen = first = True
             usage = usage_of(decoded) or usage
+            failed = failed or (isinstance(decoded, dict) and isinstance(decoded.get("error"), dict))
         firsts.append(first)
-    return firsts, usage
+    return firsts, usage, failed
 
 
 stream_events = st.lists(
@@ -122,6 +127,7 @@ stream_events = st.lists(
                   st.integers(0, 9)),
         st.just(b"data: [DONE]\n\n"), st.just(b": keep-alive\n\n"), st.just(b"event: x\r\ndata: {}\r\n\r\n"),
         st.just(b"data: {\"usage\"\n"), st.just(b"\r"), st.just(b"\n"),
+        st.just(b'data: {"error":{"message":"x","type":"upstream_error","code":"runtime_stream_broken"}}\n\n'),
     ),
     max_size=12,
 )
@@ -136,4 +142,51 @@ def test_the_watcher_skipping_whole_events_finds_what_parsing_every_event_finds(
     chunks = events if one_per_result else [stream[a:b] for a, b in zip(bounds, bounds[1:])] or [stream]
     watcher = StreamWatcher()
     firsts = [watcher.feed(chunk) for chunk in chunks]
-    assert (firsts, watcher.usage) == reference_watch(chunks)
+    assert (firsts, watcher.usage, watcher.error is not None) == reference_watch(chunks)
+
+
+# --- how a stream ended -----------------------------------------------------------------
+
+
+def test_a_stream_that_carried_an_error_event_failed_with_that_errors_status_and_code():
+    """Issue #22: a stream cut by a dying runtime was logged status=200; the watcher keeps the
+    error event it ended with, so the request log and metrics record the real outcome."""
+    watcher = StreamWatcher()
+    watcher.feed(event(chat_chunk(content="partial")))
+    assert watcher.error is None
+    watcher.feed(b'data: {"error":{"message":"cut","type":"upstream_error","param":null,'
+                 b'"code":"runtime_stream_broken"}}\n\n')
+    assert watcher.error == StreamError(502, "runtime_stream_broken")
+
+
+def test_a_runtimes_own_stream_error_counts_with_the_status_it_names():
+    watcher = StreamWatcher()
+    watcher.feed(b'data: {"error":{"object":"error","message":"boom","type":"BadRequestError","code":400}}\n\n')
+    assert watcher.error == StreamError(400, "BadRequestError")
+
+
+def test_content_that_mentions_an_error_is_not_an_error_event():
+    watcher = StreamWatcher()
+    watcher.feed(event(chat_chunk(content="ok")))
+    watcher.feed(event(chat_chunk(content='{"error": {"message": "quoted"}}')))
+    watcher.feed(event({"choices": [], "error": "not an object"}))
+    assert watcher.error is None
+
+
+@pytest.mark.parametrize(("last", "ends"), [
+    (b"data: [DONE]\n\n", True),
+    (b"data: [DONE]", True),  # the last event's blank line may be missing too
+    (b'data: {"error":{"message":"x","type":"server_error"}}\n\n', True),
+    (b'event: response.completed\ndata: {"type":"response.completed","response":{}}\n\n', True),
+    (b'event: response.failed\ndata: {"type":"response.failed","response":{}}\n\n', True),
+    (b'data: {"type":"transcript.text.done","text":"hi"}\n\n', True),
+    (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', False),
+    (b'data: {"type":"response.output_text.delta","delta":"a"}\n\n', False),
+    (b": keep-alive\n\n", False),
+    (b"", False),
+    (b"data: [DONE", False),
+])
+def test_a_stream_may_end_only_with_a_final_event(last, ends):
+    """A stream that ended only because its connection closed (no framing) is whole only if its
+    last event is one a stream ends with; else the runtime died mid-stream."""
+    assert ends_stream(last) is ends
