@@ -607,13 +607,16 @@ class Processor(ProcessorRouting):
         task.busy_reply = reply
         if task.busy_since is None:
             task.busy_since = now
-        refusal = self._attempt_failed(now, task, failure)
+        if self._attempt_failed(now, task, failure):
+            # No attempt is left: the runtime's answer is the client's, from the engine it came from.
+            self._deliver(task, reply, True, effects)
+            return
         self._unassign(task)
         self._move(task, TaskState.RETRY_PENDING)
         give_up = min(task.busy_since + self.config.queue_timeout, task.deadline)
-        if refusal or (until is not None and until >= give_up and self._pick(task) is None):
-            # No attempt is left; or nobody can take it now, and its engine is not to be asked again
-            # before the wait would end: waiting cannot help, so the client gets the runtime's answer at once.
+        if until is not None and until >= give_up and self._pick(task) is None:
+            # Nobody can take it now, and its engine is not to be asked again before the wait
+            # would end: waiting cannot help, so the client gets the runtime's answer at once.
             self._deliver(task, reply, True, effects)
             return
         self._route(now, task, effects)

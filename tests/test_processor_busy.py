@@ -177,6 +177,7 @@ def test_busy_answers_use_up_the_same_attempts_and_the_last_one_reaches_the_clie
         wire = one(p.handle_timeout(T0 + second), SendTask).task.id
     last = one(p.receive_result("route-e1", busy(wire, retry_after="4"), T0 + 2.5), DeliverResult)
     assert last.last and last.result.http_response.status_code == 503 and last.retries == 2
+    assert last.engine is not None and last.engine.engine_id == "e1"  # whose runtime said so, for the log
     assert p.counters.attempt_failures == {"runtime_busy": 3} and p.counters.retries == {"runtime_busy": 2}
     assert not p.has_task("a") and p.next_deadline() == T0 + 6.5  # only e1's back-off is left
 
