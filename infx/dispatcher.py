@@ -399,7 +399,7 @@ class HttpOrigin:
     def request_failed(self, effect: FailRequest) -> None:
         self._served(effect)
         self.ended = True
-        self.sink.failed(effect.status, effect.message, effect.retry_after)
+        self.sink.failed(effect.status, effect.message, effect.retry_after, effect.code, effect.detail)
 
     # TaskHandle
 

@@ -15,6 +15,13 @@ status, reason, headers but hop-by-hop ones, body, events, and no ``[DONE]``
 of the gateway's. Answers of LLMariner engines are relayed as before (error
 bodies in OpenAI's shape, chat answers to ``/v1/completions`` converted back,
 ``[DONE]`` ending every chat or completions stream).
+
+Every answer the gateway makes itself is JSON in OpenAI's error shape with the
+registered reason phrase (``429 Too Many Requests``, not Twisted's ``Unknown
+Status``), on every path and method: a method a path does not take is a 405
+naming those it does (``Allow``), an unknown path a 404, a failure inside a
+handler a 500 (the traceback goes to the log). Every refusal is logged as a
+request line and counted in ``infx_http_requests_total``.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol import openai_completions, openai_requests, openai_verbatim, routing_hints
 from protocol.fair_queue import CriticalityRefused, requested_criticality
 from protocol.openai_errors import (
-    InvalidRequestError, ModelNotFoundError, OpenAIError, error_event, error_json, reason_phrase,
+    InvalidRequestError, ModelNotFoundError, OpenAIError, error_event, error_json, error_type_for, reason_phrase,
 )
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
@@ -100,6 +107,35 @@ class Gateway:
     def ready(self) -> bool:
         return self.listening and not self.shutting_down
 
+    def refuse(self, request: server.Request, endpoint: str, status: int, message: str, *, code: str | None = None,
+               param: str | None = None, tenant: str = "", record: bool = True) -> bytes:
+        """Answer with an error of the gateway's own (not a task's), in OpenAI's shape, with the
+        registered reason phrase; unless told not to (a probe's answer), log it as a request and
+        count it. Returns the body for ``render`` to return."""
+        body = error_json(status, message, code=code, param=param)
+        _set_status(request, status)
+        request.setHeader("content-type", "application/json")
+        request_id = _header(request, "x-request-id") or uuid.uuid4().hex
+        request.setHeader("x-request-id", request_id)
+        if record:
+            self.record_refusal(endpoint, request_id, status, code or error_type_for(status), tenant)
+        return body
+
+    def refused_early(self, path: bytes, status: int, code: str, detail: str = "") -> None:
+        """A refusal the site made before any resource ran (a body over the limit, a handler's
+        crash): logged and counted like the others, under the endpoint its path names."""
+        self.record_refusal(endpoint_of(path), uuid.uuid4().hex, status, code, detail=detail)
+
+    def record_refusal(self, endpoint: str, request_id: str, status: int, code: str, tenant: str = "",
+                       detail: str = "") -> None:
+        """One refused request's log line and metrics (see :class:`~infx.request_log.RequestTrace`)."""
+        now = self.clock.seconds()
+        trace = RequestTrace(self.metrics, endpoint, now)
+        trace.request_id = request_id
+        trace.tenant = tenant
+        trace.failed(code, detail)
+        trace.finish(now, status, None)
+
 
 # --- the API handlers ---------------------------------------------------------
 
@@ -156,8 +192,6 @@ class ApiCall:
         if principal is None:
             return self._refuse(401, "Missing or unknown API key.", code="invalid_api_key")
         self.trace.tenant = principal.tenant
-        if not self._admit(principal):
-            return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         body = request.content.read() if request.content else b""
         if request.content is not None:
             # The body lives on in the task (and, once the answer streams, not even there):
@@ -190,6 +224,9 @@ class ApiCall:
                 503, f"No engine serves the model '{parsed.model}' right now; retry later.",
                 code="model_unavailable", param="model",
             )
+        # Limited after the body is read, so that a refusal is counted under the model it asked for.
+        if not self._admit(principal):
+            return self._refuse(429, "Rate limit reached for this API key; retry later.", code="rate_limit_exceeded")
         submission_headers = _forwarded_headers(request, request_id)
         submission = Submission(
             tenant=principal.tenant,
@@ -231,13 +268,20 @@ class ApiCall:
         return decision.allowed
 
     def _connection_done(self, reason: object) -> None:
-        """The response was finished or the client went away; a task still running is cancelled."""
+        """The response was finished or the client went away; a task still running is cancelled.
+
+        A client that leaves once the stream's ``[DONE]`` reached it (the openai client does, at
+        once) had the whole answer, whatever came after: that is a 200, not a 499."""
         self.gateway.active_calls.discard(self)
         if not self.finished:
             self.finished = True
             if self.handle is not None:
                 self.handle.cancel()
-            self._record(499)
+            if self.done_sent and not self.pending:
+                self._record(200)
+            else:
+                self.trace.failed("client_closed_request")
+                self._record(499)
 
     # -- result sink (see infx.tasks.ResultSink)
 
@@ -247,7 +291,8 @@ class ApiCall:
         status = response.status_code or 200
         if not 200 <= status <= 599:
             # Not a final HTTP status (1xx, or not one at all): never relay it as the status line.
-            self._finish_error(502, error_json(502, f"The engine answered with HTTP status {status}."))
+            self._finish_error(502, error_json(502, f"The engine answered with HTTP status {status}, which is not a "
+                                                    "final status.", error_type="upstream_error", code="bad_status"))
             return
         if verbatim:
             self._relay_verbatim(status, response)
@@ -264,12 +309,12 @@ class ApiCall:
                 except OpenAIError as e:
                     self._finish_error(e.status, e.to_json())
                     return
-            self.request.setResponseCode(200)
+            _set_status(self.request, 200)
             self.request.setHeader("content-type", _first(response, "content-type") or "application/json")
             self.request.write(body)
             return
         self.sse_started = True
-        self.request.setResponseCode(200)
+        _set_status(self.request, 200)
         self.request.setHeader("content-type", "text/event-stream")
         self.request.setHeader("cache-control", "no-cache")
         self.request.setHeader("x-accel-buffering", "no")
@@ -280,7 +325,7 @@ class ApiCall:
         self.verbatim = True
         request = self.request
         phrase = response.status.split(" ", 1)[1] if " " in response.status else ""
-        request.setResponseCode(status, phrase.encode("latin-1") if phrase else None)
+        _set_status(request, status, phrase)
         request.defaultContentType = None  # no content type the runtime did not send
         for name, header in response.header.items():
             if name.lower() not in NOT_RELAYED:
@@ -290,6 +335,8 @@ class ApiCall:
             request.registerProducer(self, True)
             return
         body = bytes(response.body)
+        if status >= 400:
+            self.trace.error_body(body)
         request.setHeader("content-length", str(len(body)))
         request.write(body)
         self._end(status)
@@ -302,7 +349,7 @@ class ApiCall:
             try:
                 data = self.transform.event(data)
             except OpenAIError as e:
-                self.failed(e.status, e.message, None)
+                self.failed(e.status, e.message, None, code=e.code or "bad_event")
                 if self.handle is not None:
                     self.handle.cancel()
                 return
@@ -316,12 +363,15 @@ class ApiCall:
     def completed(self) -> None:
         if self.finished:
             return
-        if self.sse_started and not self.done_sent and not self.verbatim and self.endpoint in DONE_ENDPOINTS:
+        if (self.sse_started and not self.done_sent and not self.verbatim and self.endpoint in DONE_ENDPOINTS
+                and not self.trace.stream_failed):
+            # A LLMariner engine's stream gets the [DONE] it lacks, unless it ended in an error.
             self._write_event(DONE_EVENT)
             self.done_sent = True
         self._end(200)
 
-    def failed(self, status: int, message: str, retry_after: float | None) -> None:
+    def failed(self, status: int, message: str, retry_after: float | None, code: str | None = None,
+               detail: str = "") -> None:
         if self.finished:
             return
         if status == ModelNotFoundError.status:
@@ -330,8 +380,10 @@ class ApiCall:
             # answer as an unknown model refused at once.
             unknown = ModelNotFoundError(self.model, message)
             body, event = unknown.to_json(), unknown.to_event()
+            code = unknown.code
         else:
-            body, event = error_json(status, message), error_event(status, message)
+            body, event = error_json(status, message, code=code), error_event(status, message, code=code)
+        self.trace.failed(code or error_type_for(status), detail)
         if self.sse_started:
             # The status line is gone: the error travels as the stream's last event.
             self._write_event(event)
@@ -381,6 +433,7 @@ class ApiCall:
         self.finished = True
         if self.handle is not None:
             self.handle.cancel()
+        self.trace.failed("slow_client", f"the client fell {self.gateway.max_buffered_bytes} bytes behind")
         self._record(499)
         transport = getattr(self.request.channel, "transport", None)
         if transport is not None:
@@ -410,17 +463,19 @@ class ApiCall:
         return self._respond_now(status, error_json(status, message, code=code, param=param))
 
     def _finish_error(self, status: int, body: bytes) -> int | bytes:
+        self.trace.error_body(body)
         if not self.submitted:
             self.finished = True
             return self._respond_now(status, body)
-        self.request.setResponseCode(status)
+        _set_status(self.request, status)
         self.request.setHeader("content-type", "application/json")
         self.request.write(body)
         self._end(status)
         return server.NOT_DONE_YET
 
     def _respond_now(self, status: int, body: bytes) -> bytes:
-        self.request.setResponseCode(status)
+        self.trace.error_body(body)
+        _set_status(self.request, status)
         self.request.setHeader("content-type", "application/json")
         self._record(status)
         return body
@@ -456,6 +511,33 @@ class CompletionTransform:
 
 
 # --- helpers ------------------------------------------------------------------
+
+#: The endpoint label of a path the gateway does not serve.
+UNKNOWN_ENDPOINT = "unknown"
+#: The endpoint each path of :func:`build_resource`'s tree is logged and counted as, for refusals
+#: made before the tree is reached (:meth:`Gateway.refused_early`).
+ENDPOINTS = {
+    b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions",
+    b"/v1/embeddings": "embeddings", b"/v1/responses": "responses", b"/v1/tokenize": "tokenize",
+    b"/v1/audio/transcriptions": "audio/transcriptions", b"/v1/models": "models", b"/healthz": "healthz",
+    b"/readyz": "readyz", b"/metrics": "metrics", b"/admin/status": "admin/status",
+}
+
+
+def endpoint_of(path: bytes) -> str:
+    """The endpoint label of a request path (its query dropped); :data:`UNKNOWN_ENDPOINT` for others."""
+    path = path.split(b"?", 1)[0].rstrip(b"/")
+    if path.startswith(b"/v1/models/"):
+        return "models"
+    return ENDPOINTS.get(path, UNKNOWN_ENDPOINT)
+
+
+def _set_status(request: server.Request, status: int, phrase: str = "") -> None:
+    """The status line with ``phrase``, else the registered one (Twisted's own table lacks some,
+    429 among them, and would say ``Unknown Status``)."""
+    reason = phrase or reason_phrase(status)
+    request.setResponseCode(status, reason.encode("latin-1", "replace") if reason else None)
+
 
 
 def _body_size(request: server.Request) -> int:
@@ -527,7 +609,29 @@ def _as_openai_error(status: int, body: bytes) -> bytes:
 # --- resources ------------------------------------------------------------------
 
 
-class _Endpoint(resource.Resource):
+class _Route(resource.Resource):
+    """A path of the gateway: ``endpoint`` names it in logs and metrics, ``methods`` are those it
+    serves (HEAD too where GET is); any other is refused with a JSON 405 and ``Allow``."""
+
+    endpoint = ""
+    methods: tuple[bytes, ...] = (b"GET",)
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__()
+        self.gateway = gateway
+
+    def render(self, request: server.Request) -> Any:
+        method = b"GET" if request.method == b"HEAD" and b"GET" in self.methods else request.method
+        if method not in self.methods:
+            allowed = self.methods + ((b"HEAD",) if b"GET" in self.methods else ())
+            request.setHeader(b"allow", b", ".join(allowed))
+            said = f"{request.method.decode('latin-1')[:16]} {_path_of(request)}"
+            return self.gateway.refuse(request, self.endpoint, 405, f"Invalid method for URL ({said}); "
+                                       f"it takes {', '.join(m.decode() for m in allowed)}.", code="method_not_allowed")
+        return getattr(self, "render_" + method.decode("ascii"))(request)
+
+
+class _Endpoint(_Route):
     """A JSON endpoint: ``typed`` converts for LLMariner engines, the body also travels verbatim.
 
     ``kind`` is the typed request kind; ``runtime_path`` the path the runtime
@@ -535,19 +639,19 @@ class _Endpoint(resource.Resource):
     """
 
     isLeaf = True
+    methods = (b"POST",)
 
     def __init__(self, gateway: Gateway, name: str, kind: str, typed: TypedParser,
                  transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
-        super().__init__()
-        self.gateway = gateway
-        self.name = name
+        super().__init__(gateway)
+        self.endpoint = name
         self.kind = kind
         self.typed = typed
         self.transform = transform
         self.runtime_path = runtime_path or f"/v1/{name}"
 
     def render_POST(self, request: server.Request) -> int | bytes:
-        call = ApiCall(self.gateway, request, self.name, self.transform() if self.transform else None)
+        call = ApiCall(self.gateway, request, self.endpoint, self.transform() if self.transform else None)
         path = _runtime_uri(request, self.runtime_path)
         return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
 
@@ -590,21 +694,17 @@ def _parse_multipart_transcription(request: server.Request) -> Parser:
     return parse
 
 
-class _Transcriptions(resource.Resource):
+class _Transcriptions(_Route):
     isLeaf = True
-
-    def __init__(self, gateway: Gateway) -> None:
-        super().__init__()
-        self.gateway = gateway
+    endpoint = "audio/transcriptions"
+    methods = (b"POST",)
 
     def render_POST(self, request: server.Request) -> int | bytes:
-        return ApiCall(self.gateway, request, "audio/transcriptions").start(_parse_multipart_transcription(request))
+        return ApiCall(self.gateway, request, self.endpoint).start(_parse_multipart_transcription(request))
 
 
-class _Models(resource.Resource):
-    def __init__(self, gateway: Gateway) -> None:
-        super().__init__()
-        self.gateway = gateway
+class _Models(_Route):
+    endpoint = "models"
 
     def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
         if not path:
@@ -613,32 +713,32 @@ class _Models(resource.Resource):
 
     def render_GET(self, request: server.Request) -> bytes:
         principal = self.gateway.keys.client(_header(request, "authorization"))
-        request.setHeader("content-type", "application/json")
         if principal is None:
-            request.setResponseCode(401)
-            return error_json(401, "Missing or unknown API key.", code="invalid_api_key")
+            return self.gateway.refuse(request, self.endpoint, 401, "Missing or unknown API key.",
+                                       code="invalid_api_key")
+        request.setHeader("content-type", "application/json")
         models = self.gateway.runner.models(principal.tenant)
         return json.dumps({"object": "list", "data": [_model_object(m) for m in models]}).encode()
 
 
-class _Model(resource.Resource):
+class _Model(_Route):
     isLeaf = True
+    endpoint = "models"
 
     def __init__(self, gateway: Gateway, model: str) -> None:
-        super().__init__()
-        self.gateway = gateway
+        super().__init__(gateway)
         self.model = model
 
     def render_GET(self, request: server.Request) -> bytes:
         principal = self.gateway.keys.client(_header(request, "authorization"))
-        request.setHeader("content-type", "application/json")
         if principal is None:
-            request.setResponseCode(401)
-            return error_json(401, "Missing or unknown API key.", code="invalid_api_key")
+            return self.gateway.refuse(request, self.endpoint, 401, "Missing or unknown API key.",
+                                       code="invalid_api_key")
         if self.model not in self.gateway.runner.models(principal.tenant):
             unknown = ModelNotFoundError(self.model)
-            request.setResponseCode(unknown.status)
-            return unknown.to_json()
+            return self.gateway.refuse(request, self.endpoint, unknown.status, unknown.message, code=unknown.code,
+                                       param=unknown.param, tenant=principal.tenant)
+        request.setHeader("content-type", "application/json")
         return json.dumps(_model_object(self.model)).encode()
 
 
@@ -646,72 +746,79 @@ def _model_object(model: str) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "infx"}
 
 
-class _Health(resource.Resource):
+class _Health(_Route):
+    """A probe: plain ``ok`` while ``check`` holds; else 503 in OpenAI's error shape."""
+
     isLeaf = True
 
-    def __init__(self, check: Callable[[], bool]) -> None:
-        super().__init__()
+    def __init__(self, gateway: Gateway, endpoint: str, check: Callable[[], bool]) -> None:
+        super().__init__(gateway)
+        self.endpoint = endpoint
         self.check = check
 
     def render_GET(self, request: server.Request) -> bytes:
-        request.setHeader("content-type", "text/plain")
         if self.check():
+            request.setHeader("content-type", "text/plain")
             return b"ok\n"
-        request.setResponseCode(503)
-        return b"not ready\n"
+        return self.gateway.refuse(request, self.endpoint, 503, "Not ready.", code="not_ready", record=False)
 
 
-class _Metrics(resource.Resource):
+class _Metrics(_Route):
     isLeaf = True
-
-    def __init__(self, gateway: Gateway) -> None:
-        super().__init__()
-        self.gateway = gateway
+    endpoint = "metrics"
 
     def render_GET(self, request: server.Request) -> bytes:
         request.setHeader("content-type", CONTENT_TYPE_LATEST)
         return generate_latest(self.gateway.metrics.registry)
 
 
-class _AdminStatus(resource.Resource):
+class _AdminStatus(_Route):
     isLeaf = True
-
-    def __init__(self, gateway: Gateway) -> None:
-        super().__init__()
-        self.gateway = gateway
+    endpoint = "admin/status"
 
     def render_GET(self, request: server.Request) -> bytes:
-        request.setHeader("content-type", "application/json")
         principal = self.gateway.keys.client(_header(request, "authorization"))
         if principal is None or (self.gateway.keys.enabled and not principal.admin):
-            request.setResponseCode(401 if principal is None else 403)
-            return error_json(401 if principal is None else 403, "An admin API key is required.")
+            status = 401 if principal is None else 403
+            return self.gateway.refuse(request, self.endpoint, status, "An admin API key is required.",
+                                       code="invalid_api_key" if principal is None else "admin_key_required",
+                                       tenant=principal.tenant if principal is not None else "")
+        request.setHeader("content-type", "application/json")
         return json.dumps(self.gateway.runner.status(), sort_keys=True, default=str).encode()
 
 
-class _NotFound(resource.Resource):
+class _NotFound(_Route):
+    """Any method on a path the gateway does not serve: an OpenAI-style 404."""
+
     isLeaf = True
+    endpoint = UNKNOWN_ENDPOINT
 
     def render(self, request: server.Request) -> bytes:
-        request.setResponseCode(404)
-        request.setHeader("content-type", "application/json")
-        path = request.path.decode("latin-1")
-        return error_json(404, f"Unknown path {path}.", code="unknown_url")
+        return self.gateway.refuse(request, self.endpoint, 404, f"Unknown path {_path_of(request)}.",
+                                   code="unknown_url")
 
 
-class _Tree(resource.Resource):
-    """A directory whose unknown children answer with an OpenAI-style 404."""
+class _Tree(_NotFound):
+    """A directory: itself and its unknown children answer with an OpenAI-style 404."""
+
+    isLeaf = False
 
     def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
-        return _NotFound()
+        return _NotFound(self.gateway)
+
+
+def _path_of(request: server.Request) -> str:
+    """The request's path for a message: as sent, cut short if long."""
+    path = request.path.decode("latin-1")
+    return path if len(path) <= 200 else path[:200] + "..."
 
 
 def build_resource(gateway: Gateway) -> resource.Resource:
     """The gateway's resource tree, to serve with :class:`~infx.gateway_site.GatewaySite` or mount elsewhere."""
-    root = _Tree()
-    v1 = _Tree()
+    root = _Tree(gateway)
+    v1 = _Tree(gateway)
     root.putChild(b"v1", v1)
-    chat = _Tree()
+    chat = _Tree(gateway)
     v1.putChild(b"chat", chat)
     chat.putChild(b"completions", _Endpoint(
         gateway, "chat/completions", "chat_completion", openai_requests.parse_chat_completion))
@@ -723,14 +830,14 @@ def build_resource(gateway: Gateway) -> resource.Resource:
     # vLLM serves /tokenize at its root, not under /v1.
     v1.putChild(b"tokenize", _Endpoint(
         gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path="/tokenize"))
-    audio = _Tree()
+    audio = _Tree(gateway)
     v1.putChild(b"audio", audio)
     audio.putChild(b"transcriptions", _Transcriptions(gateway))
     v1.putChild(b"models", _Models(gateway))
-    root.putChild(b"healthz", _Health(lambda: True))
-    root.putChild(b"readyz", _Health(lambda: gateway.ready))
+    root.putChild(b"healthz", _Health(gateway, "healthz", lambda: True))
+    root.putChild(b"readyz", _Health(gateway, "readyz", lambda: gateway.ready))
     root.putChild(b"metrics", _Metrics(gateway))
-    admin = _Tree()
+    admin = _Tree(gateway)
     root.putChild(b"admin", admin)
     admin.putChild(b"status", _AdminStatus(gateway))
     return root

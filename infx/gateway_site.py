@@ -6,13 +6,18 @@ over the limit, or a chunked body that grows past it) with an OpenAI-style 413 a
 soon as it is known and closes the connection after a small drain allowance, so
 an endless body costs neither memory nor a connection held open. Mounted in a
 site of its own, the tree still checks the (then fully buffered) body itself.
+A handler that fails is answered with a JSON 500, not Twisted's HTML page (the
+traceback goes to the log). Both are told to the site's ``on_refused``, which
+logs and counts them as the gateway's other refusals.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from io import BytesIO
 from typing import Any
 
+from twisted.logger import Logger
 from twisted.web import resource, server
 
 from protocol.openai_errors import error_json, reason_phrase
@@ -25,6 +30,11 @@ REFUSED_BODY_DRAIN_BYTES = 256 * 1024
 REFUSED_BODY_DRAIN_SECONDS = 2.0
 #: The body limit of a request served by a site other than :class:`GatewaySite`.
 DEFAULT_MAX_BODY_SIZE = 32 * 1024 * 1024
+
+#: Told of a refusal the site made itself: the request's path, the status, the error code, a detail.
+RefusalHook = Callable[[bytes, int, str, str], None]
+
+log = Logger()
 
 
 class GatewayRequest(server.Request):
@@ -78,11 +88,35 @@ class GatewayRequest(server.Request):
         # No "100 Continue" for a body that is refused.
         self.requestHeaders.removeHeader(b"expect")
         body = error_json(413, message, code="request_too_large")
+        # The request line is the channel's still: the request itself gets it once the body is in.
+        self._told_refused(getattr(self.channel, "_path", b""), 413, "request_too_large", message)
         head = (b"HTTP/1.1 413 %s\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n" % (reason_phrase(413).encode(), len(body)))
         self.channel.transport.write(head + body)
         self.channel.persistent = False
         self._drain_timer = self.channel.callLater(REFUSED_BODY_DRAIN_SECONDS, self._close)
+
+    def processingFailed(self, reason: Any) -> Any:
+        """A handler raised: a JSON 500 rather than Twisted's HTML page; the traceback is logged."""
+        log.failure("the gateway failed to handle {method} {path}", reason,
+                    method=self.method.decode("latin-1"), path=self.path.decode("latin-1"))
+        self._told_refused(self.path, 500, "internal_error", reason.getErrorMessage())
+        if self.startedWriting:
+            # Headers are out: the answer cannot change now, only end.
+            self.channel.loseConnection()
+            return reason
+        body = error_json(500, "The gateway failed to handle this request.", code="internal_error")
+        self.setResponseCode(500, reason_phrase(500).encode())
+        self.responseHeaders.setRawHeaders(b"content-type", [b"application/json"])
+        self.responseHeaders.setRawHeaders(b"content-length", [b"%d" % len(body)])
+        self.write(body)
+        self.finish()
+        return reason
+
+    def _told_refused(self, path: bytes, status: int, code: str, detail: str) -> None:
+        hook = getattr(self.channel.site, "on_refused", None) if self.channel is not None else None
+        if hook is not None:
+            hook(path, status, code, detail)
 
     def _close(self) -> None:
         if self._drain_timer is not None and self._drain_timer.active():
@@ -102,12 +136,14 @@ class GatewayRequest(server.Request):
 class GatewaySite(server.Site):
     """A Site that uses :class:`GatewayRequest` and knows the body size limit."""
 
-    def __init__(self, root: resource.Resource, max_body_size: int, **kwargs: Any) -> None:
+    def __init__(self, root: resource.Resource, max_body_size: int, on_refused: RefusalHook | None = None,
+                 **kwargs: Any) -> None:
         # No request.args from the body: no handler reads them, and deciding whether a body is a
         # form took an email.message parse of every request's Content-Type.
         kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(root, requestFactory=GatewayRequest, **kwargs)
         self.max_body_size = max_body_size
+        self.on_refused = on_refused
 
     def log(self, request: server.Request) -> None:
         """No access log line of twisted.web's: each request's line is :mod:`infx.request_log`'s."""

@@ -171,7 +171,8 @@ class GatewayService(service.MultiService):
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
         self.http_resource = build_resource(self.gateway)
-        site = GatewaySite(self.http_resource, max_body_size=config.max_body_size)
+        site = GatewaySite(self.http_resource, max_body_size=config.max_body_size,
+                           on_refused=self.gateway.refused_early)
         self.http = ListeningService(reactor, "--http", config.http, site)
         self.http.setServiceParent(self)
 

@@ -72,8 +72,10 @@ class ResultSink(Protocol):
     def completed(self) -> None:
         """The task ended normally (the last event, or the non-streaming body)."""
 
-    def failed(self, status: int, message: str, retry_after: float | None) -> None:
-        """The task ended without a (complete) answer; ``status`` is an HTTP status."""
+    def failed(self, status: int, message: str, retry_after: float | None, code: str | None = None,
+               detail: str = "") -> None:
+        """The task ended without a (complete) answer; ``status`` is an HTTP status, ``message``
+        and ``code`` what the client reads, ``detail`` what broke, for the log only."""
 
 
 class TaskHandle(Protocol):

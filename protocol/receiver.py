@@ -115,15 +115,16 @@ class ReceiverConfig:
             raise ProcessorUsageError("status_interval must be > 0")
 
 
-def error_result(task_id: str, status: int, message: str, delivered: int = 0) -> worker_pb2.TaskResult:
+def error_result(task_id: str, status: int, message: str, delivered: int = 0,
+                 code: str | None = None) -> worker_pb2.TaskResult:
     """A failure as the next ``TaskResult`` of a task: an ``HttpResponse`` with the
     status if nothing was sent yet, else a last server-sent event carrying the error."""
     if delivered == 0:
-        body = FailRequest(None, task_id, status, message).error_body()
+        body = FailRequest(None, task_id, status, message, code=code).error_body()
         response = worker_pb2.HttpResponse(status_code=status, status=status_line(status), body=body)
         response.header["Content-Type"].values.append("application/json")
         return worker_pb2.TaskResult(task_id=task_id, result_index=0, http_response=response)
-    event = worker_pb2.ServerSentEvent(data=sse_error_event(status, message), is_last_event=True)
+    event = worker_pb2.ServerSentEvent(data=sse_error_event(status, message, code), is_last_event=True)
     return worker_pb2.TaskResult(task_id=task_id, result_index=delivered, server_sent_event=event)
 
 
@@ -239,7 +240,8 @@ class Receiver:
                 self._tasks.discard(effect.task_id)
             return [_send_result(effect.result)]
         self._tasks.discard(effect.task_id)
-        return [_send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered))]
+        return [_send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered,
+                                          effect.code))]
 
     def shutdown(self, now: float) -> list[ReceiverOutput]:
         """Report every local engine not ready; keep serving in-flight tasks, refuse new ones."""

@@ -96,9 +96,14 @@ def test_engine_killed_mid_stream_ends_the_clients_stream_with_an_explicit_error
             received.append(chunk.choices[0].delta.content)
     # Not a timeout or a dropped connection: the gateway's own error event, in words a client can
     # act on (issue #22: it said "UNAVAILABLE Connection was closed cleanly. after the response started").
-    assert type(raised.value) is openai.APIError
+    assert type(raised.value) is openai.APIError and raised.value.code == "engine_lost"
     assert "went away before the response was complete" in raised.value.message
     assert "send the request again" in raised.value.message and "Connection" not in raised.value.message
+    # What broke is the log's: the request line names the engine and what its stream said.
+    line = wait_until(lambda: next((l for l in gateway.child.output().splitlines()
+                                    if "[infx.request_log#info]" in l and "error=engine_lost" in l), None),
+                      "the request's log line", [gateway.child])
+    assert " status=502 " in line and "detail=\"engine 'a-streamer' removed: engine stream ended: UNAVAILABLE" in line
     assert len(received) < len(words) + 1
     status = assert_nothing_in_flight(gateway)
     # Once output has started, the task is not retried on the standby engine.

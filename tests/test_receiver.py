@@ -218,7 +218,8 @@ def test_a_failure_after_results_were_relayed_ends_the_stream_with_an_error_even
     assert results[1].server_sent_event.is_last_event
     event = results[1].server_sent_event.data
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
-    assert json.loads(event[len(b"data: "):])["error"]["code"] == 502
+    error = json.loads(event[len(b"data: "):])["error"]
+    assert error["code"] == "engine_lost" and "crashed" not in error["message"]  # the cause is this gateway's log's
 
 
 def test_a_cancel_request_from_the_peer_stops_the_local_engine_and_is_answered(h):

@@ -20,6 +20,8 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import OTHER_MODEL, GatewayMetrics
 from infx.tasks import Availability, ServedBy
 from protocol.pb import worker_pb2
+from protocol.processor import ENGINE_LOST_MID_STREAM
+from protocol.runtime_failures import broken_stream_event
 from tests.test_gateway import raw
 from tests.test_repeated_failure_logs import LogLines
 
@@ -42,7 +44,7 @@ class SlowTokens:
         self.served_by = ServedBy(engine_id="e7", gateway="gw-b", retries=1, queued_seconds=0.5)
 
     def availability(self, tenant: str, model: str) -> Availability:
-        return Availability.SERVED if model == "slow" else Availability.UNKNOWN
+        return Availability.SERVED if model in ("slow", "cut", "lost") else Availability.UNKNOWN
 
     def models(self, tenant: str) -> list[str]:
         return ["slow"]
@@ -66,6 +68,18 @@ class SlowTokens:
         return Handle()
 
     def answer(self, submission: Any, sink: Any) -> None:
+        if submission.model in ("cut", "lost"):
+            # A runtime that dies mid-stream (the agent's error event), or an engine lost mid-stream.
+            sink.response_received(worker_pb2.HttpResponse(status_code=200, header=SSE))
+            sink.event_received(delta(role="assistant", content="par"))
+            self.clock.advance(1)
+            if submission.model == "cut":
+                sink.event_received(broken_stream_event())
+                sink.completed()
+            else:
+                sink.failed(502, ENGINE_LOST_MID_STREAM, None, "engine_lost",
+                            "stream of engine 'e7' closed: UNAVAILABLE Connection was closed cleanly.")
+            return
         if not submission.streaming:
             self.clock.advance(1.5)
             body = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
@@ -189,3 +203,65 @@ def test_a_request_logs_one_line_with_no_twisted_web_access_line_beside_it(slow_
     assert [line for line in lines if "r-1" in line or "/v1/chat/completions" in line] == [
         "request r-1 chat/completions model='slow' tenant='default' status=200 latency=1.500s ttft=- "
         "tokens_in=11 tokens_out=3 engine='e7' gateway='gw-b' retries=1"]
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_stream_a_dying_runtime_cut_short_is_logged_and_counted_as_a_502_with_its_cause(slow_gateway):
+    """Issue #22: such a stream was logged status=200, so error-rate alerts never saw it. Its status
+    line did say 200; its last event says how it ended, and that is what is logged and counted.
+    No [DONE] follows the error event."""
+    gateway, base = yield slow_gateway()
+    with LogLines() as logs:
+        status, _, body = yield threads.deferToThread(
+            post, base, {"model": "cut", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            {"X-Request-ID": "cut-1"})
+    assert status == 200 and b"runtime_stream_broken" in body and b"[DONE]" not in body
+    [line] = request_lines(logs)
+    assert (line["status"], line["error"], line["detail"]) == (502, "runtime_stream_broken", None)
+    assert logs.matching("request cut-1")[0].endswith("retries=1 error=runtime_stream_broken")
+    assert gateway.metrics.registry.get_sample_value("infx_http_requests_total", {
+        "endpoint": "chat/completions", "tenant": "default", "model": "cut", "status": "502"}) == 1
+    assert gateway.metrics.registry.get_sample_value("infx_http_requests_total", {
+        "endpoint": "chat/completions", "tenant": "default", "model": "cut", "status": "200"}) is None
+
+
+@pytest_twisted.inlineCallbacks
+def test_an_engine_lost_mid_stream_tells_the_client_what_to_do_and_the_log_what_broke(slow_gateway):
+    gateway, base = yield slow_gateway()
+    with LogLines() as logs:
+        status, _, body = yield threads.deferToThread(
+            post, base, {"model": "lost", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            {"X-Request-ID": "lost-1"})
+    error = json.loads(body.split(b"data: ")[-1])["error"]
+    assert status == 200 and (error["code"], error["message"]) == ("engine_lost", ENGINE_LOST_MID_STREAM)
+    assert b"UNAVAILABLE" not in body and b"[DONE]" not in body
+    [line] = request_lines(logs)
+    assert (line["status"], line["error"]) == (502, "engine_lost")
+    assert logs.matching("request lost-1")[0].endswith(
+        "error=engine_lost detail=\"stream of engine 'e7' closed: UNAVAILABLE Connection was closed cleanly.\"")
+
+
+@pytest_twisted.inlineCallbacks
+def test_what_is_not_known_reads_as_a_dash_in_the_text(slow_gateway, tmp_path):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - key: k1\n    tenant: acme\n")
+    _, base = yield slow_gateway(KeyStore.from_file(str(keys)))
+    with LogLines() as logs:
+        yield threads.deferToThread(post, base, {"model": "slow", "messages": []}, {"X-Request-ID": "anon"})
+    assert "ttft=- tokens_in=- tokens_out=- engine='' gateway='' retries=0 error=invalid_api_key" in \
+        logs.matching("request anon")[0]
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_rate_limited_request_for_a_served_model_is_counted_under_that_model(slow_gateway, tmp_path):
+    """Issue #22: a 429 was counted under model="__other__": the limit was checked before the body
+    named the model."""
+    keys = tmp_path / "keys.yaml"
+    keys.write_text("keys:\n  - {key: k1, tenant: acme, rate_limit: {rate: 0.001, burst: 1}}\n")
+    gateway, base = yield slow_gateway(KeyStore.from_file(str(keys)))
+    body = {"model": "slow", "messages": [{"role": "user", "content": "x"}]}
+    first = yield threads.deferToThread(post, base, body, {"Authorization": "Bearer k1"})
+    second = yield threads.deferToThread(post, base, body, {"Authorization": "Bearer k1"})
+    assert (first[0], second[0]) == (200, 429)
+    assert gateway.metrics.registry.get_sample_value("infx_http_requests_total", {
+        "endpoint": "chat/completions", "tenant": "acme", "model": "slow", "status": "429"}) == 1

@@ -46,7 +46,8 @@ class Sink:
     def completed(self) -> None:
         pass
 
-    def failed(self, status: int, message: str, retry_after: float | None) -> None:
+    def failed(self, status: int, message: str, retry_after: float | None, code: str | None = None,
+               detail: str = "") -> None:
         self.failure = (status, message, retry_after)
 
 
