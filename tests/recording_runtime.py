@@ -34,19 +34,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Answer:
-    """What the runtime answers one request with: ``body`` whole, or ``chunks`` one write each."""
+    """What the runtime answers one request with: ``body`` whole, or ``chunks`` one write each;
+    ``end`` says how the answer ends (see the module docstring): ``finish``, ``drop``, ``abort``
+    or ``close``."""
 
     status: int = 200
     reason: str = "OK"
     headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),)
     body: bytes = b"{}"
     chunks: tuple[bytes, ...] | None = None
+    end: str = "finish"
 
     def to_json(self) -> dict[str, Any]:
         return {
             "status": self.status, "reason": self.reason, "headers": [list(h) for h in self.headers],
             "body": base64.b64encode(self.body).decode(),
             "chunks": None if self.chunks is None else [base64.b64encode(c).decode() for c in self.chunks],
+            "end": self.end,
         }
 
     @property
@@ -63,6 +67,8 @@ class Recorded:
     path: str
     headers: tuple[tuple[str, str], ...]
     body: bytes = field(repr=False)
+    #: When it was read (``time.time()`` in the runtime's process: the same clock as the test's).
+    at: float = 0.0
 
     def header(self, name: str) -> str | None:
         values = [v for n, v in self.headers if n.lower() == name.lower()]
@@ -99,7 +105,8 @@ class RecordingRuntime:
 
     def requests(self) -> list[Recorded]:
         return [
-            Recorded(r["method"], r["path"], tuple((n, v) for n, v in r["headers"]), base64.b64decode(r["body"]))
+            Recorded(r["method"], r["path"], tuple((n, v) for n, v in r["headers"]), base64.b64decode(r["body"]),
+                     r["at"])
             for r in self._call("GET", "/_rec/requests")
         ]
 
@@ -143,29 +150,58 @@ def _serve(port_file: str) -> None:
                 "headers": [[n.decode("latin-1"), v.decode("latin-1")]
                             for n, vs in request.requestHeaders.getAllRawHeaders() for v in vs],
                 "body": base64.b64encode(body).decode(),
+                "at": time.time(),
             })
             request.defaultContentType = None
             if not answers:
                 request.setResponseCode(599, b"No Scripted Answer")
                 return b""
             answer = answers.pop(0)
+            end = answer.get("end", "finish")
+            if end == "drop":
+                request.channel.transport.loseConnection()
+                return server.NOT_DONE_YET
+            if end == "close":
+                self._write_unframed(request, answer)
+                return server.NOT_DONE_YET
             request.setResponseCode(answer["status"], answer["reason"].encode("latin-1"))
             for name, value in answer["headers"]:
                 request.responseHeaders.addRawHeader(name.encode("latin-1"), value.encode("latin-1"))
             if answer["chunks"] is None:
                 return base64.b64decode(answer["body"])
             chunks = [base64.b64decode(c) for c in answer["chunks"]]
-            self._write_chunks(request, chunks)
+            self._write_chunks(request, chunks, end == "abort")
             return server.NOT_DONE_YET
 
-        def _write_chunks(self, request: server.Request, chunks: list[bytes]) -> None:
+        def _write_chunks(self, request: server.Request, chunks: list[bytes], abort: bool) -> None:
             if request._disconnected:
                 return
             if not chunks:
-                request.finish()
+                if abort:
+                    request.channel.transport.abortConnection()
+                else:
+                    request.finish()
                 return
             request.write(chunks.pop(0))
-            reactor.callLater(0.002, self._write_chunks, request, chunks)
+            reactor.callLater(0.002, self._write_chunks, request, chunks, abort)
+
+        def _write_unframed(self, request: server.Request, answer: dict[str, Any]) -> None:
+            """The answer as HTTP/1.0 sends a body of unknown length: no framing, then the close."""
+            transport = request.channel.transport
+            head = f"HTTP/1.1 {answer['status']} {answer['reason']}\r\n".encode("latin-1")
+            for name, value in answer["headers"]:
+                head += f"{name}: {value}\r\n".encode("latin-1")
+            transport.write(head + b"Connection: close\r\n\r\n")
+            chunks = [base64.b64decode(c) for c in answer["chunks"] or [answer["body"]]]
+
+            def write_next() -> None:
+                if chunks:
+                    transport.write(chunks.pop(0))
+                    reactor.callLater(0.002, write_next)
+                else:
+                    transport.loseConnection()
+
+            write_next()
 
         def _control(self, uri: str, body: bytes, request: server.Request) -> bytes:
             request.setHeader(b"content-type", b"application/json")
