@@ -62,6 +62,10 @@ class GatewayConfig:
     queue_timeout: float = 30.0
     #: Deadline of a task whose client set none, in seconds.
     max_task_duration: float = 600.0
+    #: Sends of one request to engines, in all, whatever failed (a lost engine, a busy or
+    #: unreachable runtime, one that dropped the request); one a runtime read and dropped is
+    #: sent at most twice, a Responses request once (see :mod:`protocol.attempts`).
+    max_attempts: int = 3
     #: Largest accepted HTTP request body, in bytes.
     max_body_size: int = 32 * 1024 * 1024
     #: Largest gRPC message on the worker and internal services, in bytes: the

@@ -154,6 +154,7 @@ class GatewayService(service.MultiService):
         routing, hints = routing_config(config)
         self.processor = Processor(ProcessorConfig(
             queue_timeout=queue_timeout, max_task_duration=config.max_task_duration,
+            max_attempts=config.max_attempts,
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
             max_tasks_per_tenant=config.max_tasks_per_tenant,

@@ -80,6 +80,9 @@ class Options(VersionOption, usage.Options):
          f"Seconds between the built-in echo engine's streamed words [default: {_DEFAULTS.echo_token_delay:g}]."],
         ["api-keys", None, None, "YAML file of API keys and tenants (auth is off without it)."],
         ["queue-timeout", None, None, f"Seconds a task waits for an engine [default: {_DEFAULTS.queue_timeout:g}]."],
+        ["max-attempts", None, None,
+         "Sends of one request to engines in all, whatever failed; one a runtime read and dropped is sent at "
+         f"most twice [default: {_DEFAULTS.max_attempts}]."],
         ["max-task-duration", None, None,
          f"Deadline of a task whose client set none, seconds [default: {_DEFAULTS.max_task_duration:g}]."],
         ["max-body-size", None, None, f"Largest HTTP request body, bytes [default: {_DEFAULTS.max_body_size}]."],

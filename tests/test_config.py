@@ -85,9 +85,16 @@ def test_twistd_infx_cap_flags_reach_the_processor():
     from infx.tap import Options
 
     options = Options()
-    options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7"])
+    options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7", "--max-attempts", "2"])
     processor = GatewayService(Clock(), options.config_value, environ={}).processor
     assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)
+    assert processor.config.max_attempts == 2
+
+
+def test_a_request_is_sent_three_times_at_most_unless_told_otherwise_and_at_least_once():
+    assert build_config({}, {}).max_attempts == 3
+    with pytest.raises(ConfigError, match="--max-attempts"):
+        build_config({}, {"max_attempts": "0"})
 
 
 # --- listen endpoints: refused before anything starts ------------------------------------------------
