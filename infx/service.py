@@ -220,7 +220,10 @@ class GatewayService(service.MultiService):
 
         It takes the same path as any engine (gRPC over loopback), so what
         ``tools/run`` shows is what a real deployment does. It starts once
-        the worker port listens and stops first on shutdown.
+        the worker port listens and stops first on shutdown. Its id names this
+        gateway (:func:`builtin_engine_id`): every gateway runs one, and a peer
+        that does not scope engine ids by gateway (LLMariner's) must not take
+        them for one engine.
         """
         from infx.engine import EngineAgent
         from infx.runtimes import EchoRuntime
@@ -238,7 +241,8 @@ class GatewayService(service.MultiService):
             config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size)
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
-        core = EngineAgentCore(AgentConfig(engine_id="builtin-echo", models=self.config.echo_models))
+        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
+                                           models=self.config.echo_models))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)
@@ -401,6 +405,11 @@ class GatewayService(service.MultiService):
         if self.peer_tls is not None:
             endpoint = self.peer_tls.client_endpoint(self.reactor, endpoint)
         return GrpcChannel(self.reactor, endpoint, config)
+
+
+def builtin_engine_id(pod_name: str) -> str:
+    """The id of the built-in echo engine of the gateway ``pod_name``."""
+    return f"builtin-echo-{pod_name}"
 
 
 def _sleep(reactor: Any, seconds: float) -> Deferred[None]:

@@ -283,10 +283,21 @@ class Processor(ProcessorRouting):
         ``ready=false`` takes the engine out of routing but keeps its tasks.
         A new ``route`` for a known engine (it reconnected) takes over new
         tasks; tasks already sent on the old route stay there until it closes.
+        The engine is named here by the id it reports; see :meth:`update_engine_as`.
         """
         if not status.engine_id:
             raise ProcessorUsageError("engine status without engine_id")
-        key = EngineKey(tenant_id, status.engine_id)
+        return self.update_engine_as(route, EngineKey(tenant_id, status.engine_id), status, locality, now)
+
+    def update_engine_as(
+        self, route: Route, key: EngineKey, status: status_pb2.EngineStatus, locality: Locality, now: float
+    ) -> list[Effect]:
+        """:meth:`update_engine` for an engine named ``key`` here, which may differ from the id
+        it reports (``status.engine_id``, what tasks sent on its route carry): a peer's engine
+        is named with the peer's pod (:func:`protocol.sender.peer_engine_id`), so that engines
+        of one id attached to two gateways are two engines everywhere."""
+        if not status.engine_id or not key.engine_id:
+            raise ProcessorUsageError("engine status without engine_id")
         snapshot = status_pb2.EngineStatus()
         snapshot.CopyFrom(status)
         engine = self._engines.get(key)
@@ -294,7 +305,7 @@ class Processor(ProcessorRouting):
         if engine is None:
             engine = _Engine(key=key, route=route, locality=locality, status=snapshot)
             self._engines[key] = engine
-            self._by_tenant.setdefault(tenant_id, {})[key.engine_id] = engine
+            self._by_tenant.setdefault(key.tenant_id, {})[key.engine_id] = engine
             changed, was_local = True, False
         else:
             changed = engine.status != snapshot or engine.locality is not locality
@@ -410,7 +421,8 @@ class Processor(ProcessorRouting):
                 self._fail_waiting_on(engine.key, "is going away", effects)
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
-                effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+                effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.status.engine_id,
+                                                  engine.route, request))
         self._refill(now, effects)
         return effects
 
@@ -653,7 +665,8 @@ class Processor(ProcessorRouting):
                     self._remove(now, [engine], reason, effects, closing=engine.route)
                     continue
             request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
-            send = self._control_task(_ControlKind.HEARTBEAT, engine.key, engine.route, request)
+            send = self._control_task(_ControlKind.HEARTBEAT, engine.key, engine.status.engine_id,
+                                      engine.route, request)
             engine.pending_heartbeat = send.task.id
             effects.append(send)
         has_local = any(e.locality is Locality.LOCAL for e in self._engines.values())

@@ -94,6 +94,9 @@ class _Task:
     target: str
     state: TaskState | None = None
     engine: EngineKey | None = None
+    # The id that engine reports, which the attempt carries on its route (a peer's engine is
+    # named here with its gateway's pod, see ``update_engine_as``): its cancel carries it too.
+    reported_engine_id: str = ""
     route: Route = None
     retries: int = 0
     avoid: set[str] = field(default_factory=set)
@@ -329,6 +332,8 @@ class ProcessorTables:
             tenants[tenant_id] = {
                 "engines": {
                     engine_id: {
+                        # The id it reports (a peer's engine is named with its gateway's pod here).
+                        "engine_id": e.status.engine_id,
                         "locality": e.locality.value,
                         "ready": e.status.ready,
                         "draining": e.draining,
@@ -454,12 +459,13 @@ class ProcessorTables:
             self._reshuffled[(task.tenant_id, task.model)] = None
 
     def _control_task(
-        self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest
+        self, kind: _ControlKind, engine: EngineKey, reported_id: str, route: Route, request: worker_pb2.TaskRequest
     ) -> SendTask:
+        """A task of the processor's own to ``engine``, which reports ``reported_id`` on ``route``."""
         self._control_seq += 1
         control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
         self._control[control_id] = _Control(kind, engine, route)
-        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.engine_id)
+        wire = worker_pb2.Task(id=control_id, request=request, engine_id=reported_id)
         return SendTask(route, engine, wire)
 
     def _control_replied(self, control_id: str, control: _Control) -> None:

@@ -175,7 +175,7 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
     net = Net("a", "b")
     net.engine_joins("b", "e1", "m")
     net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
-    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    assert net.cores["a"].processor.engine("t", "e1@b").locality is Locality.REMOTE
     client = net.submit("a", "r1", stream=True)
     assert net.sent_to_engine("b", "e1") == ["r1"]
     net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
@@ -215,7 +215,7 @@ def test_deltas_flow_only_to_a_peer_whose_headers_offered_them():
     for name in ("a", "c"):
         processor = net.cores[name].processor
         assert processor.engine_counts() == {("t", Locality.REMOTE): 2}
-        assert processor.engine("t", "e1").routable and not processor.engine("t", "e2").routable
+        assert processor.engine("t", "e1@b").routable and not processor.engine("t", "e2@b").routable
 
 
 def test_a_lost_delta_ends_the_stream_and_the_redial_starts_with_a_full_snapshot():
@@ -248,7 +248,7 @@ def test_reports_carry_only_local_engines_so_they_never_loop():
         net.now += 10
         for name in ("a", "b"):
             net.run(name, net.cores[name].handle_timeout)
-    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    assert net.cores["a"].processor.engine("t", "e1@b").locality is Locality.REMOTE
     assert all(not s.engine_statuses for s in status_reports(net.effects["a"]))
     assert net.cores["b"].processor.engine("t", "e1").locality is Locality.LOCAL
 
@@ -264,19 +264,31 @@ def test_a_peer_report_carries_the_requests_accepted_here_per_model():
     assert net.of("a", PeerRequests)[-1].counts == {"m": 2}
 
 
-def test_engines_removed_lets_another_peers_sender_register_what_it_reported():
-    """An engine reported by two peers is registered through the first; when that one goes,
-    the second's last report registers it at once (its peer re-reports only on change)."""
+def test_engines_of_one_id_two_peers_report_are_two_engines_and_one_goes_with_its_peer():
+    """Issue 22 item 2: b's e1 and c's e1 are named with their pods here; neither hides the other."""
     a = core("a")
     first, second = object(), object()
     for stream in (first, second):
         a.peer_stream_opened(stream, T0)
     a.peer_stream_message(first, report("b", "e1"), T0)
     a.peer_stream_message(second, report("c", "e1"), T0)
-    assert a.processor.engine("t", "e1").route is first
+    assert (a.processor.engine("t", "e1@b").route, a.processor.engine("t", "e1@c").route) == (first, second)
     effects = a.peer_stream_closed(first, T0)
-    assert a.processor.engine("t", "e1").route is second
+    assert a.processor.engine("t", "e1@b") is None and a.processor.engine("t", "e1@c").route is second
     assert one(effects, PeerGone).stream is first
+
+
+def test_engines_removed_lets_a_peers_sender_register_what_it_reported_under_a_taken_name():
+    """A peer's engine whose name here a local engine took is registered from the peer's last
+    report as soon as the local one goes (its peer re-reports only on change)."""
+    a = core("a")
+    stream = object()
+    a.engine_status("engine:x", "t", engine_status("e1@c", "m"), Locality.LOCAL, T0)
+    a.peer_stream_opened(stream, T0)
+    a.peer_stream_message(stream, report("c", "e1"), T0)
+    assert a.processor.engine("t", "e1@c").route == "engine:x"
+    a.engine_closed("engine:x", "stream ended", T0)
+    assert a.processor.engine("t", "e1@c").route is stream
 
 
 # --- peers that dial us -------------------------------------------------------------------------
@@ -291,7 +303,7 @@ def test_a_newer_stream_from_the_same_pod_replaces_the_older_one():
     effects = a.peer_stream_message(new, report("b", "e1"), T0 + 1)
     ended = one(effects, EndPeerStream)
     assert (ended.stream, ended.code) == (old, StatusCode.UNAVAILABLE) and "reconnected" in ended.message
-    assert a.processor.engine("t", "e1").route is new
+    assert a.processor.engine("t", "e1@b").route is new
     assert a.peer_stream_message(old, report("b"), T0 + 2) == []  # the old stream is forgotten
 
 
@@ -306,7 +318,7 @@ def test_a_result_before_any_status_and_an_empty_message_end_the_stream_with_the
     a.peer_stream_message(empty, report("b", "e1"), T0)
     effects = a.peer_stream_message(empty, internal_pb2.ProcessTasksInternalRequest(), T0)
     assert one(effects, EndPeerStream).code is StatusCode.INVALID_ARGUMENT
-    assert a.processor.engine("t", "e1") is None  # its engines went with it
+    assert a.processor.engine("t", "e1@b") is None  # its engines went with it
 
 
 def test_a_shutting_down_gateway_refuses_new_peer_streams():
@@ -369,7 +381,7 @@ def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded
     net.submit("a", "r1")
     net.run("b", net.cores["b"].drain_peers)
     assert status_reports(net.effects["b"])[-1].draining
-    assert not net.cores["a"].processor.engine("t", "e1").routable
+    assert not net.cores["a"].processor.engine("t", "e1@b").routable
     assert net.of("b", HalfCloseDial) == []  # r1 still runs
     net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
     assert len(net.of("b", HalfCloseDial)) == 1 and net.cores["b"].dialling == 0

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from infx.cli import EXIT_CANNOT_LISTEN
+from infx.service import builtin_engine_id
+from protocol.sender import peer_engine_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
@@ -162,6 +164,20 @@ class Gateway:
     @property
     def worker_address(self) -> str:
         return f"127.0.0.1:{self.worker_port}"
+
+    @property
+    def pod_name(self) -> str:
+        """How the gateway names itself to its peers: without POD_NAME, its internal endpoint's address."""
+        return f"127.0.0.1:{self.internal_port}"
+
+    @property
+    def builtin_engine_id(self) -> str:
+        """The id of its built-in echo engine (``--echo-models``)."""
+        return builtin_engine_id(self.pod_name)
+
+    def remote_engine_id(self, engine_id: str) -> str:
+        """What the engine ``engine_id`` attached to this gateway is named at its peers."""
+        return peer_engine_id(engine_id, self.pod_name)
 
     def readyz(self) -> int:
         return http_get(self.url + "/readyz")[0]

@@ -39,6 +39,7 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import is_streaming
+from protocol.sender import peer_engine_id
 from tests.sim.gateway import PROCESS_TASKS, engine_key
 from tests.sim.wire import GrpcEnd
 
@@ -143,6 +144,12 @@ class EngineNode:
         self.restart_pending = False
         #: The process is gone (crashed) until ``restart``: nothing of it runs.
         self.crashed = False
+
+    def name_at(self, gateway: str) -> str:
+        """What ``gateway`` names this engine now: its id where it is attached, else its id scoped
+        by the gateway it is attached to (``protocol.sender.peer_engine_id``)."""
+        attached = self.gateway_of.get(self.current) if self.current is not None else None
+        return self.engine_id if attached in (None, gateway) else peer_engine_id(self.engine_id, attached)
 
     def _new_core(self) -> EngineAgentCore:
         return EngineAgentCore(AgentConfig(

@@ -276,7 +276,8 @@ class PeerDial:
             self.gateway.cluster.ledger.checks += 1
             engine = processor.engine(entry.tenant_id, entry.engine_status.engine_id)
             if engine is None or engine.locality is not Locality.LOCAL:
-                where = "unknown" if engine is None else engine.locality.value
+                # A peer's engine is named with its pod there: an advertised one is unknown by its id.
+                where = "not attached" if engine is None else engine.locality.value
                 self.gateway.cluster.ledger.fail(
                     NO_LOOP, f"{self.gateway.name} advertised engine {entry.engine_status.engine_id!r} "
                     f"({entry.tenant_id}) to {self.peer}, but it is {where} there")
