@@ -23,6 +23,7 @@ from protocol.gateway_effects import (
     HalfCloseDial,
     ModelServed,
     OpenDial,
+    PeerDialledIn,
     PeerGone,
     PeerRequests,
     ReportLoad,
@@ -189,6 +190,29 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
         RequestStarted, RequestFinished]
     assert one(net.effects["a"], RequestDispatched).origin is client
     assert net.cores["b"].peers["a"].receiver.tasks_in_flight == 0
+
+
+@pytest.mark.parametrize("accepted_first", [False, True], ids=["before-accepted", "after-accepted"])
+def test_a_local_engine_registered_after_the_first_report_to_a_peer_reaches_it(accepted_first):
+    """Issue 22's start-up race: a gateway dials its peers before its built-in engine has
+    registered, so its first report names no engine ("dialled in with 0 engines"). The engine's
+    registration goes out on that stream when it comes, whether the peer's headers came yet."""
+    a, b = core("a"), core("b")
+    out = b.peers_changed({"a": "a"}, T0)
+    dial, stream = one(out, OpenDial).dial, object()
+    a.peer_stream_opened(stream, T0)
+    for sent in only(out, SendOnDial):
+        assert one(a.peer_stream_message(stream, sent.message, T0), PeerDialledIn).engines == 0
+    if accepted_first:
+        b.dial_accepted(dial, PEER_ACCEPT_METADATA, T0)
+    joined = b.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0 + 1)
+    [later] = only(joined, SendOnDial)
+    assert later.dial is dial
+    assert [e.engine_status.engine_id for e in later.message.server_status.engine_statuses] == ["e1"]
+    a.peer_stream_message(stream, later.message, T0 + 1)
+    if not accepted_first:
+        b.dial_accepted(dial, PEER_ACCEPT_METADATA, T0 + 1)
+    assert a.processor.engine("t", "e1@b").routable and a.availability("t", "m", T0 + 1) is Availability.SERVED
 
 
 def reports_on(effects: list[Any], peer: str) -> list[internal_pb2.ServerStatus]:
