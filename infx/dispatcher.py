@@ -56,6 +56,7 @@ from protocol.processor_types import (
     DeliverResult,
     FailRequest,
     Locality,
+    RefuseEngine,
     SendTask,
     TaskQueued,
 )
@@ -85,6 +86,13 @@ class EngineRoute(Protocol):
 
     def close(self, reason: str) -> None:
         """End the route (the processor gave up on its engine)."""
+
+
+class RefusableRoute(EngineRoute, Protocol):
+    """A local engine's stream, which the processor may refuse (another engine process's id)."""
+
+    def refuse(self, reason: str) -> None:
+        """End the stream with ALREADY_EXISTS and ``reason`` (its owner logs the refusal)."""
 
 
 class StreamSendGate:
@@ -226,6 +234,9 @@ class Dispatcher:
             route = effect.route  # type: ignore[assignment]
             log.warn("closing engine {engine}: {reason}", engine=effect.engine.engine_id, reason=effect.reason)
             route.close(effect.reason)
+        elif isinstance(effect, RefuseEngine):
+            refused: RefusableRoute = effect.route  # type: ignore[assignment]
+            refused.refuse(effect.reason)
         elif isinstance(effect, CloseRoute):
             route = effect.route  # type: ignore[assignment]
             log.warn("closing {route}: {reason}", route=repr(route), reason=effect.reason)

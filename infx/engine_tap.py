@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 from dataclasses import replace
 from typing import Any
@@ -142,6 +143,7 @@ class Options(VersionOption, usage.Options):
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
+                instance=secrets.token_hex(8),
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
             self["load-config"] = None

@@ -242,7 +242,7 @@ class GatewayService(service.MultiService):
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
         core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
-                                           models=self.config.echo_models))
+                                           models=self.config.echo_models, instance=secrets.token_hex(8)))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)

@@ -176,6 +176,7 @@ class ProcessorCounters:
     protocol_errors: int = 0
     slow_consumers: int = 0
     heartbeats_missed: int = 0
+    engine_id_clashes: int = 0
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
     busy_replies: int = 0
@@ -215,6 +216,9 @@ class ProcessorTables:
         # The task each attempt on an engine belongs to, by the id it carries on the wire.
         self._attempts: dict[str, _Task] = {}
         self._next_heartbeat: float | None = None
+        # Local engines another engine process claimed the id of, and when their answer to a
+        # heartbeat is due (see ``Processor.update_engine``).
+        self._probes: dict[EngineKey, float] = {}
         # Live tasks per tenant (every state), for ``max_tasks_per_tenant``.
         self._tenant_tasks: Counter[str] = Counter()
         # Engines a task left since the current input began: with an in-flight cap,
@@ -471,6 +475,7 @@ class ProcessorTables:
     def _control_replied(self, control_id: str, control: _Control) -> None:
         del self._control[control_id]
         if control.kind is _ControlKind.HEARTBEAT:
+            self._probes.pop(control.engine, None)  # alive: an engine that claimed its id was refused rightly
             engine = self._engines.get(control.engine)
             if engine is not None and engine.pending_heartbeat == control_id:
                 engine.pending_heartbeat = None
