@@ -322,8 +322,8 @@ class Dispatcher:
     def models(self, tenant: str) -> list[str]:
         return sorted(self.processor.known_models(tenant, ready_only=True))
 
-    def status(self) -> dict[str, Any]:
-        return self.processor.status()
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        return self.processor.status(tenant)
 
     def model_label(self, tenant: str, model: str) -> str:
         """``model`` as a metric label: itself if the tenant's engines list it, else OTHER_MODEL."""

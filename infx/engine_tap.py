@@ -43,7 +43,21 @@ def default_engine_id() -> str:
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6ADDR]:PORT``; raises ``UsageError``."""
+    """``HOST:PORT`` or ``[V6ADDR]:PORT``; raises ``UsageError``, which for a URL (the agent
+    speaks gRPC, not HTTP) says what to write instead."""
+    if "://" in value:
+        parts = urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.hostname and port:
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            tls = "--tls " if parts.scheme == "https" else ""
+            raise usage.UsageError(f"--server takes the gateway's engine port as HOST:PORT, not a URL: "
+                                   f"write {tls}--server {host}:{port}")
+        raise usage.UsageError(f"--server takes the gateway's engine port as HOST:PORT (e.g. gateway:8082), "
+                               f"not a URL, got {value!r}")
     host, sep, port = value.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -683,10 +683,12 @@ class _AdminStatus(resource.Resource):
     def render_GET(self, request: server.Request) -> bytes:
         request.setHeader("content-type", "application/json")
         principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None or (self.gateway.keys.enabled and not principal.admin):
+        if principal is None or not principal.admin:
             request.setResponseCode(401 if principal is None else 403)
             return error_json(401 if principal is None else 403, "An admin API key is required.")
-        return json.dumps(self.gateway.runner.status(), sort_keys=True, default=str).encode()
+        # A tenant's admin sees its tenant; the cluster (every tenant) takes a key with admin: cluster.
+        status = self.gateway.runner.status(None if principal.cluster_admin else principal.tenant)
+        return json.dumps(status, sort_keys=True, default=str).encode()
 
 
 class _NotFound(resource.Resource):

@@ -149,6 +149,7 @@ class GatewayService(service.MultiService):
         else:
             keys = KeyStore.disabled()
         self.keys = keys
+        self._log_auth()
         # With the scaler, a task may wait for a cold start, not only for an engine to reconnect.
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
         routing, hints = routing_config(config)
@@ -281,8 +282,24 @@ class GatewayService(service.MultiService):
         service.MultiService.startService(self)
         self._start_dependents()
 
+    def _log_auth(self) -> None:
+        """Say at start whether anyone may call: an open gateway must not look like a locked one."""
+        if not self.keys.enabled:
+            log.warn("auth is off (no --api-keys): every caller is in the default tenant, engines need no key, "
+                     "and /admin/status is open", event="auth_off")
+        else:
+            clients, engines = self.keys.counts()
+            log.info("API keys: loaded {clients} client and {engines} engine key(s) from {path}",
+                     clients=clients, engines=engines, path=self.keys.source, event="keys_loaded")
+        if self.config.internal_secret is None:
+            log.info("peers need no internal secret (no --internal-secret-file, $INFX_INTERNAL_SECRET or "
+                     "--internal-secret)", event="peer_auth_off")
+
     def _every_port_listens(self, _: Any) -> None:
         self._all_bound = True
+        log.info("listening: HTTP API on {http}, engines on {worker}, peers on {internal}",
+                 http=_address(self.http.port), worker=_address(self.worker_grpc.port),
+                 internal=_address(self.internal_grpc.port), event="listening")
         self._start_dependents()
         waiters, self._listen_waiters = self._listen_waiters, []
         for waiter in waiters:
@@ -405,6 +422,16 @@ class GatewayService(service.MultiService):
         if self.peer_tls is not None:
             endpoint = self.peer_tls.client_endpoint(self.reactor, endpoint)
         return GrpcChannel(self.reactor, endpoint, config)
+
+
+def _address(port: Any) -> str:
+    """Where a listening port accepts connections: HOST:PORT (every interface: 0.0.0.0 or ::),
+    or the address as Twisted gives it (a unix socket)."""
+    address = port.getHost()
+    host, number = getattr(address, "host", None), getattr(address, "port", None)
+    if host is None or number is None:
+        return str(address)
+    return f"[{host}]:{number}" if ":" in str(host) else f"{host}:{number}"
 
 
 def builtin_engine_id(pod_name: str) -> str:

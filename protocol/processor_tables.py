@@ -329,10 +329,13 @@ class ProcessorTables:
                 out.append((engine.key.tenant_id, copy))
         return out
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-able dump of tenants, engines, their tasks and the queue."""
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        """A JSON-able dump of tenants, engines, their tasks and the queue; with ``tenant``, of
+        that tenant alone (what its own admin may see)."""
         tenants: dict[str, Any] = {}
         for tenant_id, engines in sorted(self._by_tenant.items()):
+            if tenant is not None and tenant_id != tenant:
+                continue
             tenants[tenant_id] = {
                 "engines": {
                     engine_id: {
@@ -356,10 +359,12 @@ class ProcessorTables:
             }
         queue: dict[str, Any] = {}
         for (tenant_id, model), ids in sorted(self._waiting.items()):
-            if ids:
+            if ids and tenant in (None, tenant_id):
                 queue.setdefault(tenant_id, {})[model] = list(ids)
-        retrying = sorted(t.id for t in self._tasks.values() if t.state is TaskState.RETRY_PENDING)
-        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": len(self._tasks)}
+        retrying = sorted(t.id for t in self._tasks.values()
+                          if t.state is TaskState.RETRY_PENDING and tenant in (None, t.tenant_id))
+        tasks = len(self._tasks) if tenant is None else self._tenant_tasks[tenant]
+        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": tasks}
     # --- internals: bookkeeping -------------------------------------------
 
     def _index(self, engine: _Engine, listed: frozenset[str], ready: frozenset[str]) -> None:
