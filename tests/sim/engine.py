@@ -130,6 +130,8 @@ class EngineNode:
         self.name = f"{tenant}/{engine_id}"
         self.max_concurrency = max_concurrency
         self.ready_override = True
+        #: Processes started for this engine so far: each draws its own instance token.
+        self.processes = 0
         self.core = self._new_core()
         self.runtime = ScriptedRuntime(self)
         # core stream id -> (connection, gRPC stream id)
@@ -152,8 +154,12 @@ class EngineNode:
         return self.engine_id if attached in (None, gateway) else peer_engine_id(self.engine_id, attached)
 
     def _new_core(self) -> EngineAgentCore:
+        # A restarted process is another instance: while its old stream lingers (half-open), the
+        # gateway refuses it and probes the old one (protocol/processor.py, engine identity).
+        self.processes += 1
         return EngineAgentCore(AgentConfig(
             engine_id=self.engine_id, models=self.models, max_concurrency=self.max_concurrency,
+            instance=f"{self.name}#{self.processes}",
             status_interval=10.0, status_min_interval=0.1, reconnect_initial=0.3, reconnect_max=3.0,
             go_away_linger=2.0,
         ))
