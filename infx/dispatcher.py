@@ -35,10 +35,12 @@ from protocol.gateway_effects import (
     HalfCloseDial,
     ModelServed,
     OpenDial,
+    PeerDialledBack,
     PeerDialledIn,
     PeerDisconnected,
     PeerDraining,
     PeerGone,
+    PeerOneWay,
     PeerRequests,
     ReportLoad,
     RequestDispatched,
@@ -144,8 +146,8 @@ class TaskOrigin(Protocol):
 
 
 #: Effects on peer dials and accepted peer streams: performed by the exchanger.
-PEER_EFFECTS = (OpenDial, SendOnDial, HalfCloseDial, CancelDial, EndPeerStream, PeerDialledIn, PeerDraining,
-                PeerDisconnected, PeerRequests, PeerGone)
+PEER_EFFECTS = (OpenDial, SendOnDial, HalfCloseDial, CancelDial, EndPeerStream, PeerDialledIn, PeerDialledBack,
+                PeerOneWay, PeerDraining, PeerDisconnected, PeerRequests, PeerGone)
 #: The scaler's signals: performed by the scaler link.
 SCALER_EFFECTS = (TaskQueued, ModelServed, TaskReleased, ReportLoad)
 

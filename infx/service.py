@@ -33,7 +33,7 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
-from protocol.gateway_effects import PEER_LEARNING_SECONDS, CoreConfig
+from protocol.gateway_effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
@@ -167,7 +167,8 @@ class GatewayService(service.MultiService):
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
                                      config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval,
                                                        learn_peers_within=PEER_LEARNING_SECONDS,
-                                                       redial_when_dialled_in=True))
+                                                       redial_when_dialled_in=True,
+                                                       dial_back_after=DIAL_BACK_SECONDS))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
@@ -363,7 +364,7 @@ class GatewayService(service.MultiService):
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
-            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret),
+            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port()),
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)
@@ -380,6 +381,13 @@ class GatewayService(service.MultiService):
         self.internal_grpc = ListeningService(self.reactor, "--internal-grpc", config.internal_grpc,
                                               listening_factory)
         self.internal_grpc.setServiceParent(self)
+
+    def _peer_port(self) -> int | None:
+        """The port peers dial back (a unix: internal endpoint has none)."""
+        try:
+            return self.config.effective_peer_port
+        except ConfigError:
+            return None
 
     def _default_pod_name(self) -> str:
         """``POD_NAME``; else ``ADDRESS:PORT`` of the internal listen endpoint, which is what
