@@ -72,8 +72,7 @@ def test_every_model_is_served_from_every_gateway_and_a_same_gateway_clash_is_re
     # At c, a's and b's gpu-0 are two engines, named with their gateways; each reports its own id.
     engines = c.engines()
     assert {a.remote_engine_id(SHARED_ID), b.remote_engine_id(SHARED_ID)} <= engines.keys()
-    assert {engines[a.remote_engine_id(SHARED_ID)]["engine_id"], engines[b.remote_engine_id(SHARED_ID)]["engine_id"]} == {
-        SHARED_ID}
+    assert {engines[g.remote_engine_id(SHARED_ID)]["engine_id"] for g in (a, b)} == {SHARED_ID}
 
     # A second gpu-0 on a: refused on its own stream, with what to change; the first keeps serving.
     intruder = TwistdChild("engine-gpu-0-again", ["infx-engine", "--server", a.worker_address, "--engine-id", SHARED_ID,
