@@ -409,13 +409,16 @@ class GatewayCore:
         backoff its outage grew would only delay its learning of our engines."""
         if not self.config.redial_when_dialled_in or self._shutting_down:
             return
-        peer = self._peers.get(pod)
+        peer = self._dialled(pod)
         if peer is not None and peer.dial is None and peer.redial_at is not None:
             self._open(peer, now, out)
 
+    def _dialled(self, pod: str) -> DialledPeer | None:
+        """Our dial meant for ``pod`` (by name) or that reached it (by its headers), if any."""
+        return self._peers.get(pod) or next((peer for peer in self._peers.values() if peer.pod_name == pod), None)
+
     def _dials(self, pod: str) -> bool:
-        """Whether one of our dials is meant for ``pod`` (by name) or reached it (by its headers)."""
-        return pod in self._peers or any(peer.pod_name == pod for peer in self._peers.values())
+        return self._dialled(pod) is not None
 
     def _dial_back(self, now: float, out: list[CoreEffect]) -> None:
         """Dial back each peer whose time came that still dials us unasked, or warn that it cannot be."""
@@ -789,7 +792,8 @@ class GatewayCore:
     def _check_learned(self, until: float, now: float, out: list[CoreEffect]) -> None:
         """Start-up learning ends once every peer we dial has reported, or its time is up; a
         request that waited for a model no engine has listed since then gets its 404."""
-        if now < until and any(name not in self._by_pod for name in self._peers):
+        if now < until and any(name not in self._by_pod and peer.pod_name not in self._by_pod
+                               for name, peer in self._peers.items()):
             return
         self._learned = True
         models, self._learning_models = self._learning_models, set()

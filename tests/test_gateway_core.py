@@ -430,6 +430,19 @@ def test_a_dial_back_lasts_while_its_peer_dials_us_and_the_pod_source_can_take_i
     assert dict(c.peers) == {} and c.next_deadline() is None
 
 
+def test_a_peer_listed_under_another_name_that_dials_in_while_we_back_off_is_redialled_at_once():
+    """Its headers named its pod when it first accepted our stream: its own report on the
+    stream it opens after a restart says it is back, whatever our --peers call it."""
+    a = core("a", redial_when_dialled_in=True, redial_backoff=Backoff(initial=5.0, factor=2.0, cap=10.0, jitter=0))
+    first = one(a.peers_changed({"alias": "b-address"}, T0), OpenDial).dial
+    a.dial_accepted(first, core("b").accept_metadata, T0)
+    a.dial_closed(first, T0 + 1)  # b restarts
+    assert a.next_deadline() == T0 + 6
+    stream = object()
+    a.peer_stream_opened(stream, None, T0 + 2)
+    assert one(a.peer_stream_message(stream, report("b"), T0 + 2), OpenDial).dial.name == "alias"
+
+
 def test_dial_backs_are_off_unless_configured():
     b = core("b")
     stream = object()
