@@ -329,6 +329,7 @@ class Processor(ProcessorRouting):
                 engine.draining = False
                 engine.pending_heartbeat = None
                 engine.missed_heartbeats = 0
+                self._probes.pop(key, None)  # it reconnected: alive, and its old stream's heartbeat is moot
             engine.locality = locality
             engine.status = snapshot
         self._index(engine, frozenset(m.id for m in snapshot.models),

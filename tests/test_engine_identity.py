@@ -92,6 +92,16 @@ def test_a_holder_whose_stream_died_without_a_word_is_closed_and_the_newcomer_ge
     assert [(s.route, s.task.id) for s in only(joined, SendTask)] == [("stream-2", "a#2")]  # task a failed over
 
 
+def test_a_holder_that_reconnects_while_probed_is_alive_and_its_new_stream_stays():
+    """Its probe went on the old stream, which will never answer: the reconnect is the answer."""
+    p = processor()
+    join(p, "stream-1", "proc-a")
+    join(p, "stream-2", "proc-b")
+    join(p, "stream-3", "proc-a", now=T0 + 1)
+    assert p.next_deadline() is None and p.handle_timeout(T0 + PROBE + 1) == []
+    assert p.engine("t", "gpu-0").route == "stream-3"
+
+
 def test_the_same_process_on_a_new_stream_is_a_reconnect_and_takes_over():
     p = processor()
     join(p, "stream-1", "proc-a")
