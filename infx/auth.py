@@ -8,7 +8,8 @@ Kubernetes Secret (one Secret key holding the whole file)::
         tenant: team-a
         name: team-a-ci                    # optional, names the key in logs and rate limits
         rate_limit: {rate: 5, burst: 10}   # optional, requests per second
-        admin: true                        # optional, may read /admin/status
+        admin: true                        # optional: may read /admin/status for its tenant;
+                                           #   admin: cluster, for every tenant
         criticality: standard              # optional: critical, standard (default) or sheddable
         weight: 1                          # optional: share of held requests' turns (0.001 to 1000)
     engine_keys:               # engines dialling the worker gRPC port
@@ -16,8 +17,8 @@ Kubernetes Secret (one Secret key holding the whole file)::
         tenant: team-a
 
 The schema is strict, because a typo here is a security mistake: an unknown
-member (``tenat:``), an ``admin`` that is not a YAML boolean (``"false"`` is a
-string), a malformed ``rate_limit``, a key listed twice or a YAML mapping with
+member (``tenat:``), an ``admin`` that is neither a YAML boolean (``"false"`` is a
+string) nor ``cluster``, a malformed ``rate_limit``, a key listed twice or a YAML mapping with
 a member given twice are errors, at start and when the file is read again
 (:mod:`infx.key_reload`). :func:`parse_key_file` is pure: text in, tables out.
 
@@ -47,6 +48,8 @@ from protocol.fair_queue import Criticality, parse_criticality, weight_problem
 from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"
+#: The ``admin`` value of a key that may read every tenant's state in /admin/status.
+CLUSTER_ADMIN = "cluster"
 
 
 class KeyFileError(ValueError):
@@ -59,13 +62,16 @@ class Principal:
 
     tenant: str
     key_id: str
+    #: May read /admin/status: its own tenant's, or with ``cluster_admin`` every tenant's.
     admin: bool = False
+    cluster_admin: bool = False
     rate_limit: RateLimit | None = None
     criticality: Criticality = Criticality.STANDARD
     weight: float = 1.0
 
 
-ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", admin=True)
+#: Every caller when auth is off: the gateway is open, /admin/status too (it logs so at start).
+ANONYMOUS = Principal(tenant=DEFAULT_TENANT, key_id="anonymous", admin=True, cluster_admin=True)
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,10 @@ class KeyStore:
         for hook in list(self.on_replaced):
             hook()
 
+    def counts(self) -> tuple[int, int]:
+        """How many client and engine keys the file gave (the built-in engine's aside)."""
+        return len(self._tables.clients), len(self._tables.engines)
+
     def add_engine_key(self, key: str, principal: Principal) -> None:
         """Admit one more engine key (the gateway's own built-in engine uses one)."""
         self._added_engines[key] = principal
@@ -237,10 +247,11 @@ def _entries(items: Any, source: str, section: str) -> dict[str, Principal]:
         if not isinstance(name, str) or not name:
             raise KeyFileError(f"{where}: 'name' must be a non-empty string")
         admin = item.get("admin", False)
-        if not isinstance(admin, bool):
-            raise KeyFileError(f"{where}: 'admin' must be true or false (unquoted), got {admin!r}")
+        if not isinstance(admin, bool) and admin != CLUSTER_ADMIN:
+            raise KeyFileError(f"{where}: 'admin' must be true or false (unquoted), or {CLUSTER_ADMIN}, got {admin!r}")
         criticality, weight = _share(item, where)
-        table[key] = Principal(tenant=tenant, key_id=name, admin=admin,
+        table[key] = Principal(tenant=tenant, key_id=name, admin=admin is not False,
+                               cluster_admin=admin == CLUSTER_ADMIN,
                                rate_limit=_rate_limit(item.get("rate_limit"), where),
                                criticality=criticality, weight=weight)
     return table

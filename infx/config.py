@@ -39,6 +39,10 @@ class GatewayConfig:
     worker_grpc: str = "tcp:8082"
     #: Peer-facing gRPC (``ProcessTasksInternal``).
     internal_grpc: str = "tcp:8083"
+    #: The address the three listen options bind to when they name none (a port number,
+    #: ``tcp:PORT``, or the defaults): ``127.0.0.1`` keeps the gateway to this machine
+    #: (``tools/run`` passes it); empty, every interface.
+    interface: str = ""
     #: Static peers as ``host:port`` (exclusive with ``kube``).
     peers: tuple[str, ...] = ()
     #: Discover peers by watching this namespace's pods.
@@ -50,7 +54,11 @@ class GatewayConfig:
     #: YAML file of API keys (see :mod:`infx.auth`); none means auth is off.
     api_keys: str | None = None
     #: Shared secret peers present as ``authorization: Bearer ...``; none means no peer auth.
+    #: Given on the command line it shows in ``ps``: prefer ``internal_secret_file`` or the
+    #: ``INFX_INTERNAL_SECRET`` environment variable (``twistd infx`` reads it when neither is given).
     internal_secret: str | None = None
+    #: A file holding the shared secret (a mounted Kubernetes Secret), read at start.
+    internal_secret_file: str | None = None
     #: Models served by an in-process echo engine (what ``tools/run`` starts).
     echo_models: tuple[str, ...] = ()
     #: Tenant the built-in echo engine serves. Without ``api_keys`` every caller is in the
@@ -142,18 +150,22 @@ class GatewayConfig:
 _PORT_ONLY = re.compile(r"^\d+$")
 _SIGNED = re.compile(r"^-?\d+$")
 _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d+)$")
+_TCP_PORT_ONLY = re.compile(r"^tcp:\d+$")
 
 
-def listen_endpoint(value: str, option: str) -> str:
-    """A bare port number becomes ``tcp:PORT``; anything else must be a Twisted server endpoint
-    string that can listen. Checked here, before anything starts, so that a typo is a usage
-    error rather than a port that never opens."""
+def listen_endpoint(value: str, option: str, interface: str = "") -> str:
+    """A bare port number becomes ``tcp:PORT``, and with ``interface`` a ``tcp:PORT`` that names
+    no interface listens there (``tcp:PORT:interface=ADDR``); anything else must be a Twisted
+    server endpoint string that can listen. Checked here, before anything starts, so that a typo
+    is a usage error rather than a port that never opens."""
     value = str(value).strip()
     if _PORT_ONLY.match(value):
         port = int(value)
         if port > 65535:
             raise ConfigError(f"{option}: port {port} is out of range")
-        return f"tcp:{port}"
+        value = f"tcp:{port}"
+    if interface and _TCP_PORT_ONLY.match(value):
+        value = f"{value}:interface={interface.replace(':', chr(92) + ':')}"
     if ":" not in value:
         raise ConfigError(f"{option}: expected a port number or an endpoint such as tcp:8080, got {value!r}")
     _check_server_endpoint(value, option)
@@ -205,6 +217,24 @@ def _check_server_endpoint(value: str, option: str) -> None:
                               "write it as plain digits, e.g. tcp:8080") from None
         if not 0 <= port <= 65535:
             raise ConfigError(f"{option}: port {port} is out of range")
+
+
+def read_secret_file(path: str, option: str) -> str:
+    """The secret in the file at ``path`` (surrounding white space dropped: a Secret's file may
+    end with a newline); it travels in a header, so it must be printable ASCII without spaces."""
+    try:
+        secret = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{option}: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not secret:
+        raise ConfigError(f"{option}: {path} is empty")
+    if not _printable(secret):
+        raise ConfigError(f"{option}: the secret in {path} must be printable ASCII without spaces")
+    return secret
+
+
+def _printable(secret: str) -> bool:
+    return all(0x21 <= ord(c) <= 0x7E for c in secret)
 
 
 def endpoint_port(endpoint: str) -> int:
@@ -316,10 +346,16 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             (config.internal_tls_cert, config.internal_tls_key, config.internal_tls_ca)):
         raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
     replaced: dict[str, Any] = {
-        "http": listen_endpoint(config.http, "--http"),
-        "worker_grpc": listen_endpoint(config.worker_grpc, "--worker-grpc"),
-        "internal_grpc": listen_endpoint(config.internal_grpc, "--internal-grpc"),
+        "http": listen_endpoint(config.http, "--http", config.interface),
+        "worker_grpc": listen_endpoint(config.worker_grpc, "--worker-grpc", config.interface),
+        "internal_grpc": listen_endpoint(config.internal_grpc, "--internal-grpc", config.interface),
     }
+    if config.internal_secret_file:
+        if config.internal_secret:
+            raise ConfigError("--internal-secret-file and --internal-secret: give the secret once")
+        replaced["internal_secret"] = read_secret_file(config.internal_secret_file, "--internal-secret-file")
+    elif config.internal_secret is not None and not _printable(config.internal_secret):
+        raise ConfigError("--internal-secret (or $INFX_INTERNAL_SECRET): must be printable ASCII without spaces")
     for peer in config.peers:
         host_port(peer, "--peers")
     if config.echo_tenant != "default" and not config.api_keys:

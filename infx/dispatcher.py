@@ -35,10 +35,12 @@ from protocol.gateway_effects import (
     HalfCloseDial,
     ModelServed,
     OpenDial,
+    PeerDialledBack,
     PeerDialledIn,
     PeerDisconnected,
     PeerDraining,
     PeerGone,
+    PeerOneWay,
     PeerRequests,
     ReportLoad,
     RequestDispatched,
@@ -56,6 +58,7 @@ from protocol.processor_types import (
     DeliverResult,
     FailRequest,
     Locality,
+    RefuseEngine,
     SendTask,
     TaskQueued,
 )
@@ -85,6 +88,13 @@ class EngineRoute(Protocol):
 
     def close(self, reason: str) -> None:
         """End the route (the processor gave up on its engine)."""
+
+
+class RefusableRoute(EngineRoute, Protocol):
+    """A local engine's stream, which the processor may refuse (another engine process's id)."""
+
+    def refuse(self, reason: str) -> None:
+        """End the stream with ALREADY_EXISTS and ``reason`` (its owner logs the refusal)."""
 
 
 class StreamSendGate:
@@ -136,8 +146,8 @@ class TaskOrigin(Protocol):
 
 
 #: Effects on peer dials and accepted peer streams: performed by the exchanger.
-PEER_EFFECTS = (OpenDial, SendOnDial, HalfCloseDial, CancelDial, EndPeerStream, PeerDialledIn, PeerDraining,
-                PeerDisconnected, PeerRequests, PeerGone)
+PEER_EFFECTS = (OpenDial, SendOnDial, HalfCloseDial, CancelDial, EndPeerStream, PeerDialledIn, PeerDialledBack,
+                PeerOneWay, PeerDraining, PeerDisconnected, PeerRequests, PeerGone)
 #: The scaler's signals: performed by the scaler link.
 SCALER_EFFECTS = (TaskQueued, ModelServed, TaskReleased, ReportLoad)
 
@@ -226,6 +236,9 @@ class Dispatcher:
             route = effect.route  # type: ignore[assignment]
             log.warn("closing engine {engine}: {reason}", engine=effect.engine.engine_id, reason=effect.reason)
             route.close(effect.reason)
+        elif isinstance(effect, RefuseEngine):
+            refused: RefusableRoute = effect.route  # type: ignore[assignment]
+            refused.refuse(effect.reason)
         elif isinstance(effect, CloseRoute):
             route = effect.route  # type: ignore[assignment]
             log.warn("closing {route}: {reason}", route=repr(route), reason=effect.reason)
@@ -311,8 +324,8 @@ class Dispatcher:
     def models(self, tenant: str) -> list[str]:
         return sorted(self.processor.known_models(tenant, ready_only=True))
 
-    def status(self) -> dict[str, Any]:
-        return self.processor.status()
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        return self.processor.status(tenant)
 
     def model_label(self, tenant: str, model: str) -> str:
         """``model`` as a metric label: itself if the tenant's engines list it, else OTHER_MODEL."""

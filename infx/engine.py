@@ -134,6 +134,8 @@ class EngineAgent(Service):
         self._stopped: Deferred[None] | None = None
         #: A gateway that refuses us (wrong key) or is not there fails every reconnect the same way.
         self._stream_failures = RepeatSuppressor()
+        #: Streams the gateway accepted so far: the first is a connect, the others reconnects.
+        self._accepted = 0
 
     # -- service ------------------------------------------------------------------
 
@@ -226,8 +228,10 @@ class EngineAgent(Service):
             if call.final is None:
                 self.core.stream_confirmed(stream_id)
                 self._log_repeats(self._stream_failures.cleared("stream", self.clock.seconds()))
-                log.info("engine {engine_id}: stream {stream_id} accepted by the gateway",
-                         engine_id=self.core.config.engine_id, stream_id=stream_id)
+                self._accepted += 1
+                log.info("engine {engine_id}: {connected} to the gateway (stream {stream_id})",
+                         engine_id=self.core.config.engine_id, stream_id=stream_id,
+                         connected="connected" if self._accepted == 1 else "reconnected", event="engine_connected")
 
         call.initial_metadata().addCallback(confirmed)
         self._read(stream_id, call)

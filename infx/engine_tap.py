@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import socket
 from dataclasses import replace
 from typing import Any
@@ -42,7 +43,21 @@ def default_engine_id() -> str:
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6ADDR]:PORT``; raises ``UsageError``."""
+    """``HOST:PORT`` or ``[V6ADDR]:PORT``; raises ``UsageError``, which for a URL (the agent
+    speaks gRPC, not HTTP) says what to write instead."""
+    if "://" in value:
+        parts = urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if parts.hostname and port:
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            tls = "--tls " if parts.scheme == "https" else ""
+            raise usage.UsageError(f"--server takes the gateway's engine port as HOST:PORT, not a URL: "
+                                   f"write {tls}--server {host}:{port}")
+        raise usage.UsageError(f"--server takes the gateway's engine port as HOST:PORT (e.g. gateway:8082), "
+                               f"not a URL, got {value!r}")
     host, sep, port = value.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -142,6 +157,7 @@ class Options(VersionOption, usage.Options):
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
+                instance=secrets.token_hex(8),
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
             self["load-config"] = None

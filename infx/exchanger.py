@@ -61,7 +61,8 @@ from twisted.logger import Logger
 from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
-from protocol.gateway_core import PEER_ACCEPT_METADATA, DialledPeer
+from protocol.dial_backs import PEER_PORT_HEADER, dial_back_address
+from protocol.gateway_core import DialledPeer
 from protocol.gateway_effects import (
     CancelDial,
     CoreEffect,
@@ -69,10 +70,12 @@ from protocol.gateway_effects import (
     EndPeerStream,
     HalfCloseDial,
     OpenDial,
+    PeerDialledBack,
     PeerDialledIn,
     PeerDisconnected,
     PeerDraining,
     PeerGone,
+    PeerOneWay,
     PeerRequests,
     SendOnDial,
 )
@@ -100,13 +103,17 @@ class ExchangerConfig:
     """How this gateway's peer streams are authenticated and named in logs.
 
     ``pod_name`` names this gateway; ``secret``, when set, is required of
-    peers as ``authorization: Bearer <secret>`` and presented to them. What
-    the core needs (status interval, redial backoff) is in its
+    peers as ``authorization: Bearer <secret>`` and presented to them;
+    ``peer_port``, the port of this gateway's internal server, goes in the
+    headers of every stream it dials, so that a peer that does not dial it
+    dials it back (:mod:`protocol.dial_backs`). What the core needs (status
+    interval, redial backoff) is in its
     :class:`~protocol.gateway_effects.CoreConfig`.
     """
 
     pod_name: str
     secret: str | None = None
+    peer_port: int | None = None
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -280,7 +287,8 @@ class Exchanger:
         self.source = make_source(self.peer_changed)
         self._connect = connect
         self.metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {config.secret}"),) if config.secret else ())
+            *((("authorization", f"Bearer {config.secret}"),) if config.secret else ()),
+            *(((PEER_PORT_HEADER, str(config.peer_port)),) if config.peer_port else ()))
         #: Accepted streams of peers that dialled us.
         self.streams: set[PeerStream] = set()
         #: The open call of each dial the core asked for.
@@ -408,6 +416,13 @@ class Exchanger:
             stream.pod_name = effect.pod_name
             log.info("peer {pod} dialled in from {address} with {engines} engines", pod=effect.pod_name or "?",
                      address=str(stream.call.peer), engines=effect.engines, event="peer_dialled_in")
+        elif isinstance(effect, PeerDialledBack):
+            log.info("peer {pod} dialled in and this gateway does not dial it: dialling it back at {address}",
+                     pod=effect.pod_name, address=str(effect.address), event="peer_dialled_back")
+        elif isinstance(effect, PeerOneWay):
+            log.warn("peer {pod} dialled in, but this gateway does not dial it and it gave no port to dial it "
+                     "back at: its engines serve here, this gateway's do not serve there; list it in --peers",
+                     pod=effect.pod_name, event="peer_one_way")
         elif isinstance(effect, PeerDraining):
             log.info("peer {pod} is draining: its engines take no new tasks from here", pod=effect.pod_name or "?",
                      event="peer_draining")
@@ -446,11 +461,12 @@ class Exchanger:
         core = self.dispatcher.core
         stream = PeerStream(call, self.dispatcher.route_writable)
         self.streams.add(stream)
-        self.dispatcher.run(lambda now: core.peer_stream_opened(stream, now))
+        dial_back = dial_back_address(call.metadata, str(call.peer).rsplit(":", 1)[0])
+        self.dispatcher.run(lambda now: core.peer_stream_opened(stream, dial_back, now))
         if not stream.closed:
             # Headers now tell the peer's receiver the stream is accepted before any task flows,
-            # and that this side reads status deltas (a LLMariner receiver ignores that).
-            call.send_initial_metadata(PEER_ACCEPT_METADATA)
+            # that this side reads status deltas (a LLMariner receiver ignores that) and its pod.
+            call.send_initial_metadata(core.accept_metadata)
         try:
             await stream.read_each(
                 lambda message: self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now)))

@@ -778,13 +778,15 @@ class _AdminStatus(_Route):
 
     def render_GET(self, request: server.Request) -> bytes:
         principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None or (self.gateway.keys.enabled and not principal.admin):
+        if principal is None or not principal.admin:
             status = 401 if principal is None else 403
             return self.gateway.refuse(request, self.endpoint, status, "An admin API key is required.",
                                        code="invalid_api_key" if principal is None else "admin_key_required",
                                        tenant=principal.tenant if principal is not None else "")
         request.setHeader("content-type", "application/json")
-        return json.dumps(self.gateway.runner.status(), sort_keys=True, default=str).encode()
+        # A tenant's admin sees its tenant; the cluster (every tenant) takes a key with admin: cluster.
+        status = self.gateway.runner.status(None if principal.cluster_admin else principal.tenant)
+        return json.dumps(status, sort_keys=True, default=str).encode()
 
 
 class _NotFound(_Route):

@@ -47,6 +47,8 @@ PROCESSOR_COUNTERS = {
     "protocol_errors": ("infx_engine_protocol_errors", "Tasks ended because an engine broke the result order."),
     "slow_consumers": ("infx_slow_consumer_failures", "Requests failed because their consumer fell too far behind."),
     "heartbeats_missed": ("infx_heartbeats_missed", "Heartbeats local engines did not answer in time."),
+    "engine_id_clashes": ("infx_engine_id_clashes",
+                          "Engine streams refused because another engine process holds their engine id here."),
     "tenant_cap_refusals": ("infx_tenant_cap_refusals", "Tasks refused because their tenant was at its cap."),
     "drain_refusals": ("infx_drain_refusals",
                        "Tasks failed at once (503) while draining because no engine left here serves their model."),

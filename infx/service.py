@@ -33,7 +33,7 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
-from protocol.gateway_effects import PEER_LEARNING_SECONDS, CoreConfig
+from protocol.gateway_effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor import Processor
@@ -149,6 +149,7 @@ class GatewayService(service.MultiService):
         else:
             keys = KeyStore.disabled()
         self.keys = keys
+        self._log_auth()
         # With the scaler, a task may wait for a cold start, not only for an engine to reconnect.
         queue_timeout = max(config.queue_timeout, DEFAULT_STARTUP_TIMEOUT) if config.scaler else config.queue_timeout
         routing, hints = routing_config(config)
@@ -167,7 +168,8 @@ class GatewayService(service.MultiService):
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
                                      config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval,
                                                        learn_peers_within=PEER_LEARNING_SECONDS,
-                                                       redial_when_dialled_in=True))
+                                                       redial_when_dialled_in=True,
+                                                       dial_back_after=DIAL_BACK_SECONDS))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
@@ -222,7 +224,10 @@ class GatewayService(service.MultiService):
 
         It takes the same path as any engine (gRPC over loopback), so what
         ``tools/run`` shows is what a real deployment does. It starts once
-        the worker port listens and stops first on shutdown.
+        the worker port listens and stops first on shutdown. Its id names this
+        gateway (:func:`builtin_engine_id`): every gateway runs one, and a peer
+        that does not scope engine ids by gateway (LLMariner's) must not take
+        them for one engine.
         """
         from infx.engine import EngineAgent
         from infx.runtimes import EchoRuntime
@@ -240,7 +245,8 @@ class GatewayService(service.MultiService):
             config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size)
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
-        core = EngineAgentCore(AgentConfig(engine_id="builtin-echo", models=self.config.echo_models))
+        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
+                                           models=self.config.echo_models, instance=secrets.token_hex(8)))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)
@@ -279,8 +285,24 @@ class GatewayService(service.MultiService):
         service.MultiService.startService(self)
         self._start_dependents()
 
+    def _log_auth(self) -> None:
+        """Say at start whether anyone may call: an open gateway must not look like a locked one."""
+        if not self.keys.enabled:
+            log.warn("auth is off (no --api-keys): every caller is in the default tenant, engines need no key, "
+                     "and /admin/status is open", event="auth_off")
+        else:
+            clients, engines = self.keys.counts()
+            log.info("API keys: loaded {clients} client and {engines} engine key(s) from {path}",
+                     clients=clients, engines=engines, path=self.keys.source, event="keys_loaded")
+        if self.config.internal_secret is None:
+            log.info("peers need no internal secret (no --internal-secret-file, $INFX_INTERNAL_SECRET or "
+                     "--internal-secret)", event="peer_auth_off")
+
     def _every_port_listens(self, _: Any) -> None:
         self._all_bound = True
+        log.info("listening: HTTP API on {http}, engines on {worker}, peers on {internal}",
+                 http=_address(self.http.port), worker=_address(self.worker_grpc.port),
+                 internal=_address(self.internal_grpc.port), event="listening")
         self._start_dependents()
         waiters, self._listen_waiters = self._listen_waiters, []
         for waiter in waiters:
@@ -344,7 +366,7 @@ class GatewayService(service.MultiService):
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
-            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret),
+            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port()),
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)
@@ -361,6 +383,13 @@ class GatewayService(service.MultiService):
         self.internal_grpc = ListeningService(self.reactor, "--internal-grpc", config.internal_grpc,
                                               listening_factory)
         self.internal_grpc.setServiceParent(self)
+
+    def _peer_port(self) -> int | None:
+        """The port peers dial back (a unix: internal endpoint has none)."""
+        try:
+            return self.config.effective_peer_port
+        except ConfigError:
+            return None
 
     def _default_pod_name(self) -> str:
         """``POD_NAME``; else ``ADDRESS:PORT`` of the internal listen endpoint, which is what
@@ -403,6 +432,21 @@ class GatewayService(service.MultiService):
         if self.peer_tls is not None:
             endpoint = self.peer_tls.client_endpoint(self.reactor, endpoint)
         return GrpcChannel(self.reactor, endpoint, config)
+
+
+def _address(port: Any) -> str:
+    """Where a listening port accepts connections: HOST:PORT (every interface: 0.0.0.0 or ::),
+    or the address as Twisted gives it (a unix socket)."""
+    address = port.getHost()
+    host, number = getattr(address, "host", None), getattr(address, "port", None)
+    if host is None or number is None:
+        return str(address)
+    return f"[{host}]:{number}" if ":" in str(host) else f"{host}:{number}"
+
+
+def builtin_engine_id(pod_name: str) -> str:
+    """The id of the built-in echo engine of the gateway ``pod_name``."""
+    return f"builtin-echo-{pod_name}"
 
 
 def _sleep(reactor: Any, seconds: float) -> Deferred[None]:

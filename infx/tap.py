@@ -6,6 +6,7 @@ Each option has a YAML key of the same name (see :mod:`infx.config`);
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from twisted.application.service import IService
@@ -31,7 +32,9 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
     ["peer-port", None, None, "With --kube: port dialled on each peer pod's IP [default: the internal port's number]."],
     ["pod-label", None, None, f"With --kube: key=value label of the gateway's pods [default: {_DEFAULTS.pod_label}]."],
     ["internal-secret", None, None,
-     "Shared secret peers present as 'authorization: Bearer ...' (peer auth is off without it)."],
+     "Shared secret peers present as 'authorization: Bearer ...' (peer auth is off without it); "
+     "visible in ps: prefer --internal-secret-file or $INFX_INTERNAL_SECRET (read when neither option is given)."],
+    ["internal-secret-file", None, None, "File holding --internal-secret (e.g. a mounted Kubernetes Secret)."],
     ["status-interval", None, None,
      "Seconds between checks that re-report local engines and request counts to peers "
      f"[default: {_DEFAULTS.status_interval:g}]."],
@@ -71,6 +74,8 @@ class Options(VersionOption, usage.Options):
         ["config", "c", None, "YAML file with any of these options as keys (flags win)."],
         ["http", None, None, f"HTTP API listen port or endpoint [default: {_DEFAULTS.http}]."],
         ["worker-grpc", None, None, f"Engine-facing gRPC listen port or endpoint [default: {_DEFAULTS.worker_grpc}]."],
+        ["interface", None, None, "Address the listen ports bind to when they name none, e.g. 127.0.0.1 "
+                                  "(tools/run passes it) [default: every interface]."],
         ["echo-models", None, None,
          "Comma-separated models served by a built-in echo engine in this process (for trying infx)."],
         ["echo-tenant", None, None,
@@ -119,6 +124,9 @@ class Options(VersionOption, usage.Options):
         flags.update(self._flag_values())
         try:
             file_values = load_yaml(self["config"]) if self["config"] else {}
+            given = ("internal-secret", "internal-secret-file", "internal_secret", "internal_secret_file")
+            if not any(flags.get(name) or file_values.get(name) for name in given):
+                flags["internal-secret"] = os.environ.get("INFX_INTERNAL_SECRET") or None
             self.config_value = build_config(file_values, flags)
             if self.config_value.api_keys:
                 KeyStore.from_file(self.config_value.api_keys)

@@ -102,5 +102,5 @@ class TaskRunner(Protocol):
     def models(self, tenant: str) -> list[str]:
         """The models ready engines of the tenant serve, local and remote, sorted."""
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-able dump for ``/admin/status``."""
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        """A JSON-able dump for ``/admin/status``: every tenant's, or ``tenant``'s alone."""

@@ -47,6 +47,8 @@ class EngineStream:
         self.call = call
         self.peer = peer
         self.closed = False
+        #: Why the processor refused this engine, if it did (another engine process's id).
+        self.refusal = ""
         #: What the engine presented and who that made it, to end the stream if its key is revoked.
         self.authorization = authorization
         self.principal = principal
@@ -71,6 +73,13 @@ class EngineStream:
                 self.call.reset(reason)
             else:
                 self.call.abort(StatusCode.UNAVAILABLE, reason)
+
+    def refuse(self, reason: str) -> None:
+        """End the stream of an engine the processor refused (it claims another engine's id)."""
+        if not self.closed:
+            self.closed = True
+            self.refusal = reason
+            self.call.abort(StatusCode.ALREADY_EXISTS, reason)
 
     def __repr__(self) -> str:
         return f"<EngineStream {self.peer}>"
@@ -119,6 +128,8 @@ class WorkerService:
             self._refused(address, "missing or unknown engine key")
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
         call.authenticated()
+        # Headers now, not with the first task: the engine learns at once that it is in (and logs it).
+        call.send_initial_metadata()
         stream = EngineStream(call, address, authorization, principal, self.dispatcher.route_writable,
                               self.max_queued_bytes)
         self.streams.add(stream)
@@ -137,6 +148,10 @@ class WorkerService:
                     self._refused(address, "engine status without engine_id")
                     raise GrpcError(StatusCode.INVALID_ARGUMENT, "engine status without engine_id")
                 reported = tuple(sorted((m.id, m.is_ready and status.ready) for m in status.models))
+                self.dispatcher.engine_status(stream, principal.tenant, status, Locality.LOCAL)
+                if stream.refusal:
+                    self._refused(address, stream.refusal)  # never registered: no "connected" line
+                    return
                 if not engine_id:
                     engine_id = status.engine_id
                     log.info("engine {engine_id} connected from {address}: tenant {tenant!r}, models {models}",
@@ -146,7 +161,6 @@ class WorkerService:
                     log.info("engine {engine_id}: models now {models}", engine_id=engine_id,
                              models=_models_text(reported), event="engine_models_changed")
                 models = reported
-                self.dispatcher.engine_status(stream, principal.tenant, status, Locality.LOCAL)
 
         try:
             # One call per message as it arrives (a result per relayed event), no Deferred each.

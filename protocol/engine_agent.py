@@ -112,6 +112,10 @@ class AgentConfig:
     ``wait_for_runtime``: models are not ready until ``runtime_changed`` says
     the runtime answers (without it they are always ready, as with the echo
     runtime); ``models`` may then be empty: the runtime's own list is served.
+    ``instance``: a token drawn once per agent process (the adapter draws it),
+    sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
+    tells this process reconnecting from another process given the same
+    ``engine_id`` (which it refuses).
     """
 
     engine_id: str
@@ -128,6 +132,7 @@ class AgentConfig:
     go_away_linger: float = 5.0
     capabilities: tuple[str, ...] = ()
     wait_for_runtime: bool = False
+    instance: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -373,6 +378,7 @@ class EngineAgentCore:
             ready=self.state is AgentState.RUNNING,
             cluster_id=self.config.cluster_id,
             infx_capabilities=self.config.capabilities,
+            infx_instance=self.config.instance,
             models=[
                 status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
                 for m, n in counts.items()

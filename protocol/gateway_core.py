@@ -25,9 +25,12 @@ What it decides:
   stream per wanted peer at its current address, redialled after a jittered
   backoff that grows while the peer does not accept (with
   ``redial_when_dialled_in``, at once when that peer dials us: it is back);
-  drained on shutdown.
+  drained on shutdown. A peer that dials us unasked is dialled back
+  (``dial_back_after``, :mod:`protocol.dial_backs`): one-way peering would
+  leave it without our engines; a dial that turns out to reach a pod another
+  dial reaches (the accepting side names its pod) gives up the dial-back.
 - *Status deltas*: a stream accepted here answers with
-  :data:`PEER_ACCEPT_METADATA` in its headers (infx reads status deltas);
+  :attr:`GatewayCore.accept_metadata` in its headers (infx reads status deltas, and its pod);
   a dial whose peer answered so gets deltas after its first full report,
   any other (a LLMariner peer) full snapshots only
   (:mod:`protocol.status_reports`).
@@ -56,6 +59,7 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from protocol.dial_backs import POD_HEADER, DialBacks, pod_of
 from protocol.due_times import DueTimes
 from protocol.gateway_effects import (
     CancelDial,
@@ -66,10 +70,12 @@ from protocol.gateway_effects import (
     HalfCloseDial,
     ModelServed,
     OpenDial,
+    PeerDialledBack,
     PeerDialledIn,
     PeerDisconnected,
     PeerDraining,
     PeerGone,
+    PeerOneWay,
     PeerRequests,
     ReportLoad,
     RequestDispatched,
@@ -100,10 +106,7 @@ from protocol.sender import Sender
 from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 from protocol.grpc_metadata import Metadata
 
-__all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
-
-#: The response headers of a ProcessTasksInternal stream this gateway accepts: it reads status deltas.
-PEER_ACCEPT_METADATA: Metadata = STATUS_DELTA_METADATA
+__all__ = ["Availability", "DialState", "DialledPeer", "GatewayCore"]
 
 #: Receiver states in which a dial's stream takes messages.
 _LIVE = (ReceiverState.OPEN, ReceiverState.DRAINING)
@@ -152,10 +155,14 @@ class DialledPeer:
     """
 
     __slots__ = ("name", "address", "order", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
-                 "streams_opened", "redial_at", "stopped")
+                 "streams_opened", "redial_at", "stopped", "pod_name", "dialled_back")
 
-    def __init__(self, name: str, address: object, order: int = 0) -> None:
+    def __init__(self, name: str, address: object, order: int = 0, dialled_back: bool = False) -> None:
         self.name = name
+        #: The pod the peer's headers named when it accepted our stream ("" until then, or LLMariner).
+        self.pod_name = ""
+        #: Dialled because it dialled us (named by its pod), not because the pod source lists it.
+        self.dialled_back = dialled_back
         #: When the core made it, relative to the others: peers due at once are served in this order.
         self.order = order
         self.address = address
@@ -199,6 +206,9 @@ class GatewayCore:
         # Accepted peer streams and their senders (None until the first report).
         self._accepted: dict[object, Sender | None] = {}
         self._by_pod: dict[str, object] = {}
+        # Where each accepted stream's peer says it can be dialled back, and when to (protocol/dial_backs.py).
+        self._dial_back_at: dict[object, object] = {}
+        self._dial_backs = DialBacks(config.dial_back_after)
         self._peers: dict[str, DialledPeer] = {}
         self._by_dial: dict[Dial, DialledPeer] = {}
         self._made = itertools.count()
@@ -327,12 +337,21 @@ class GatewayCore:
 
     # --- peers that dial us (senders) ------------------------------------------------
 
-    def peer_stream_opened(self, stream: object, now: float) -> list[CoreEffect]:
-        """A peer opened ``ProcessTasksInternal`` to us (already authenticated)."""
+    @property
+    def accept_metadata(self) -> Metadata:
+        """The response headers of a ProcessTasksInternal stream accepted here: this gateway reads
+        status deltas, and its pod (so the dialler knows which pod its dial reached)."""
+        return (*STATUS_DELTA_METADATA, (POD_HEADER, self.config.pod_name))
+
+    def peer_stream_opened(self, stream: object, dial_back: object | None, now: float) -> list[CoreEffect]:
+        """A peer opened ``ProcessTasksInternal`` to us (already authenticated); ``dial_back`` is
+        where its headers say it can be dialled (:func:`protocol.dial_backs.dial_back_address`)."""
         if self._shutting_down:
             return [EndPeerStream(stream, StatusCode.UNAVAILABLE,
                                   f"gateway {self.config.pod_name!r} is shutting down")]
         self._accepted[stream] = None
+        if dial_back is not None:
+            self._dial_back_at[stream] = dial_back
         return []
 
     def peer_stream_message(self, stream: object, message: internal_pb2.ProcessTasksInternalRequest,
@@ -371,6 +390,8 @@ class GatewayCore:
             self._accepted[stream] = sender
             out.append(PeerDialledIn(stream, pod, len(status.engine_statuses)))
             self._redial_now(pod, now, out)
+            if pod and not self._dials(pod):
+                self._dial_backs.dialled_in(pod, self._dial_back_at.get(stream), now)
         if status.draining and not sender.peer_draining:
             out.append(PeerDraining(stream, pod))
         older = self._by_pod.get(pod)
@@ -388,11 +409,32 @@ class GatewayCore:
         backoff its outage grew would only delay its learning of our engines."""
         if not self.config.redial_when_dialled_in or self._shutting_down:
             return
-        peer = self._peers.get(pod)
+        peer = self._dialled(pod)
         if peer is not None and peer.dial is None and peer.redial_at is not None:
             self._open(peer, now, out)
 
+    def _dialled(self, pod: str) -> DialledPeer | None:
+        """Our dial meant for ``pod`` (by name) or that reached it (by its headers), if any."""
+        return self._peers.get(pod) or next((peer for peer in self._peers.values() if peer.pod_name == pod), None)
+
+    def _dials(self, pod: str) -> bool:
+        return self._dialled(pod) is not None
+
+    def _dial_back(self, now: float, out: list[CoreEffect]) -> None:
+        """Dial back each peer whose time came that still dials us unasked, or warn that it cannot be."""
+        for pod, address in self._dial_backs.due(now):
+            if self._shutting_down or pod not in self._by_pod or self._dials(pod):
+                continue
+            if address is None:
+                out.append(PeerOneWay(pod))
+                continue
+            peer = DialledPeer(pod, address, next(self._made), dialled_back=True)
+            self._peers[pod] = peer
+            out.append(PeerDialledBack(pod, address))
+            self._open(peer, now, out)
+
     def _forget_accepted(self, stream: object, now: float, out: list[CoreEffect]) -> None:
+        self._dial_back_at.pop(stream, None)
         if stream not in self._accepted:
             return
         sender = self._accepted.pop(stream)
@@ -414,7 +456,9 @@ class GatewayCore:
         for name in sorted(set(self._peers) | set(peers)):
             desired = None if self._shutting_down else peers.get(name)
             peer = self._peers.get(name)
-            if peer is not None and desired != peer.address:
+            if peer is not None and peer.dialled_back and name not in peers and not self._shutting_down:
+                continue  # ours to keep while the peer dials us; the source now naming it takes it over
+            if peer is not None and (desired != peer.address or peer.dialled_back):
                 self._give_up(peer, "peer left or moved", now, out)
                 self._forget_peer(peer)
                 peer = None
@@ -435,6 +479,13 @@ class GatewayCore:
             receiver = peer.receiver
             if receiver is not None and receiver.state in _LIVE and offers_deltas(metadata):
                 self._absorb_receiver(peer, receiver.deltas_offered(now), now, out)
+            peer.pod_name = pod_of(metadata)
+            self._dial_backs.settled(peer.pod_name)
+            twin = self._peers.get(peer.pod_name)
+            if twin is not None and twin is not peer and twin.dialled_back:
+                # The pod dialled back is one this dial reaches under another name: one stream is enough.
+                self._give_up(twin, f"peer {peer.pod_name!r} is dialled as {peer.name}", now, out)
+                self._forget_peer(twin)
         return out
 
     def dial_message(self, dial: Dial, message: internal_pb2.ProcessTasksInternalResponse,
@@ -524,7 +575,8 @@ class GatewayCore:
         peer.failures = 0 if peer.accepted else peer.failures + 1
         if self._peers.get(peer.name) is not peer:
             return  # replaced or given up
-        if self._shutting_down:
+        if self._shutting_down or (peer.dialled_back and peer.name not in self._by_pod):
+            # A dial-back lasts while its peer dials us: it is dialled back again when it does.
             self._forget_peer(peer)
             return
         peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
@@ -645,7 +697,8 @@ class GatewayCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
-        candidates = [self.processor.next_deadline(), self._next_load, self._due.earliest()]
+        candidates = [self.processor.next_deadline(), self._next_load, self._due.earliest(),
+                      self._dial_backs.next_deadline()]
         if self._learning_models and not self._learned:
             candidates.append(self._learning_until)
         due = [t for t in candidates if t is not None]
@@ -664,6 +717,7 @@ class GatewayCore:
             if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
                 self._open(peer, now, out)
             self._peer_touched(peer)
+        self._dial_back(now, out)
         if self._next_load is not None and self._next_load <= now:
             self._next_load = now + self.config.load_interval
             self._report_load(out)
@@ -738,7 +792,8 @@ class GatewayCore:
     def _check_learned(self, until: float, now: float, out: list[CoreEffect]) -> None:
         """Start-up learning ends once every peer we dial has reported, or its time is up; a
         request that waited for a model no engine has listed since then gets its 404."""
-        if now < until and any(name not in self._by_pod for name in self._peers):
+        if now < until and any(name not in self._by_pod and peer.pod_name not in self._by_pod
+                               for name, peer in self._peers.items()):
             return
         self._learned = True
         models, self._learning_models = self._learning_models, set()

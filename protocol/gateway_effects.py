@@ -22,6 +22,7 @@ from protocol.backoff import Backoff
 from protocol.processor_types import Effect, ProcessorUsageError
 
 __all__ = [
+    "DIAL_BACK_SECONDS",
     "PEER_LEARNING_SECONDS",
     "CancelDial",
     "CoreConfig",
@@ -32,8 +33,10 @@ __all__ = [
     "ModelServed",
     "OpenDial",
     "PeerDisconnected",
+    "PeerDialledBack",
     "PeerDialledIn",
     "PeerDraining",
+    "PeerOneWay",
     "PeerGone",
     "PeerRequests",
     "ReportLoad",
@@ -49,6 +52,11 @@ __all__ = [
 #: reports rather than getting 404 (a live peer reports within a round trip of our dial, as it
 #: dials back at once; this bounds the wait on a peer that is down). ``twistd infx`` uses it.
 PEER_LEARNING_SECONDS = 5.0
+
+#: How long after a peer that this gateway does not dial first reported it is dialled back
+#: (:mod:`protocol.dial_backs`): time for our own dials to show they reach it under another
+#: name. ``twistd infx`` uses it.
+DIAL_BACK_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,11 @@ class CoreConfig:
     ``redial_when_dialled_in``: a peer we back off from that dials us is up
     again (a restart), so it is redialled at once. Both are on in ``twistd
     infx`` and in the simulation, and off by default, so that a core built
-    bare in a unit test answers at once.
+    bare in a unit test answers at once. ``dial_back_after``: seconds after a
+    peer that this gateway does not dial first reported on its stream, at
+    which it is dialled back, or warned about if it gave no port to dial
+    (:mod:`protocol.dial_backs`); None, the default, never (``twistd infx``
+    sets it; the simulation's peers all dial each other).
     """
 
     pod_name: str
@@ -78,6 +90,7 @@ class CoreConfig:
     load_interval: float = 1.0
     learn_peers_within: float = 0.0
     redial_when_dialled_in: bool = False
+    dial_back_after: float | None = None
 
     def __post_init__(self) -> None:
         if self.status_interval <= 0 or self.load_interval <= 0 or self.forget_models_after < 0 \
@@ -156,6 +169,22 @@ class PeerDialledIn:
     stream: object
     pod_name: str
     engines: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDialledBack:
+    """``pod_name`` dialled in, and this gateway did not dial it: it is dialled back at ``address`` (for the log)."""
+
+    pod_name: str
+    address: object
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOneWay:
+    """``pod_name`` dialled in, this gateway does not dial it and it gave no port to dial it back at
+    (a LLMariner gateway): its engines serve here, ours not there (a warning for the log)."""
+
+    pod_name: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +275,8 @@ CoreEffect = Union[
     CancelDial,
     EndPeerStream,
     PeerDialledIn,
+    PeerDialledBack,
+    PeerOneWay,
     PeerDraining,
     PeerDisconnected,
     PeerRequests,

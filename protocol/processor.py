@@ -32,6 +32,7 @@ Outputs (effects, performed by the caller in the order given)
     ``FailRequest``            end the request with an HTTP status and a reason
     ``CloseEngine``            close a local engine's stream (missed heartbeats)
     ``CloseRoute``             close a route that stayed blocked past ``route_stuck_timeout``
+    ``RefuseEngine``           end the stream of an engine that claims another engine process's id
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
     ``LocalEnginesChanged``    re-report local engines to peers (receivers)
     ``EnginesRemoved``         engines left: senders may register what their peers reported
@@ -114,6 +115,7 @@ from protocol.processor_types import (
     Origin,
     ProcessorConfig,
     ProcessorUsageError,
+    RefuseEngine,
     Route,
     SendTask,
     TaskQueued,
@@ -154,6 +156,7 @@ __all__ = [
     "ProcessorConfig",
     "ProcessorCounters",
     "ProcessorUsageError",
+    "RefuseEngine",
     "SendTask",
     "TaskOutcome",
     "TaskQueued",
@@ -295,18 +298,40 @@ class Processor(ProcessorRouting):
         ``ready=false`` takes the engine out of routing but keeps its tasks.
         A new ``route`` for a known engine (it reconnected) takes over new
         tasks; tasks already sent on the old route stay there until it closes.
+        The engine is named here by the id it reports; see :meth:`update_engine_as`.
+
+        A local engine's id is one engine process's: a status on a new route
+        that names another process (``infx_instance``, which LLMariner's engines
+        leave empty) than the engine registered under that id is a clash, not
+        a reconnect. It is refused (``RefuseEngine``, counted) and registers
+        nothing; the engine holding the id is sent a heartbeat, and closed if
+        it does not answer within ``clash_probe_timeout`` (a stream that died
+        without a word), so that the newcomer's next attempt gets in.
         """
         if not status.engine_id:
             raise ProcessorUsageError("engine status without engine_id")
-        key = EngineKey(tenant_id, status.engine_id)
+        return self.update_engine_as(route, EngineKey(tenant_id, status.engine_id), status, locality, now)
+
+    def update_engine_as(
+        self, route: Route, key: EngineKey, status: status_pb2.EngineStatus, locality: Locality, now: float
+    ) -> list[Effect]:
+        """:meth:`update_engine` for an engine named ``key`` here, which may differ from the id
+        it reports (``status.engine_id``, what tasks sent on its route carry): a peer's engine
+        is named with the peer's pod (:func:`protocol.sender.peer_engine_id`), so that engines
+        of one id attached to two gateways are two engines everywhere."""
+        if not status.engine_id or not key.engine_id:
+            raise ProcessorUsageError("engine status without engine_id")
+        engine = self._engines.get(key)
+        if engine is not None and engine.route != route and Locality.LOCAL is locality is engine.locality \
+                and engine.status.infx_instance != status.infx_instance:
+            return self._clash(now, engine, route)
         snapshot = status_pb2.EngineStatus()
         snapshot.CopyFrom(status)
-        engine = self._engines.get(key)
         effects: list[Effect] = []
         if engine is None:
             engine = _Engine(key=key, route=route, locality=locality, status=snapshot)
             self._engines[key] = engine
-            self._by_tenant.setdefault(tenant_id, {})[key.engine_id] = engine
+            self._by_tenant.setdefault(key.tenant_id, {})[key.engine_id] = engine
             changed, was_local = True, False
         else:
             changed = engine.status != snapshot or engine.locality is not locality
@@ -316,6 +341,7 @@ class Processor(ProcessorRouting):
                 engine.draining = False
                 engine.pending_heartbeat = None
                 engine.missed_heartbeats = 0
+                self._probes.pop(key, None)  # it reconnected: alive, and its old stream's heartbeat is moot
             engine.locality = locality
             engine.status = snapshot
         self._index(engine, frozenset(m.id for m in snapshot.models),
@@ -331,6 +357,23 @@ class Processor(ProcessorRouting):
         else:
             self._fail_waiting_on(key, "is no longer ready", effects)
         self._refill(now, effects)
+        return effects
+
+    def _clash(self, now: float, holder: _Engine, route: Route) -> list[Effect]:
+        """Another engine process claims ``holder``'s id on ``route``: refuse it, and check that
+        the holder is alive (see :meth:`update_engine`)."""
+        self.counters.engine_id_clashes += 1
+        key = holder.key
+        reason = (f"engine id {key.engine_id!r} (tenant {key.tenant_id!r}) is already connected to this gateway "
+                  f"from another engine process; give each engine its own --engine-id")
+        effects: list[Effect] = [RefuseEngine(route, key, reason)]
+        if key not in self._probes:
+            self._probes[key] = now + self.config.clash_probe_timeout
+            if holder.pending_heartbeat is None:
+                request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
+                send = self._control_task(_ControlKind.HEARTBEAT, key, holder.status.engine_id, holder.route, request)
+                holder.pending_heartbeat = send.task.id
+                effects.append(send)
         return effects
 
     def remove_engine(self, tenant_id: str, engine_id: str, reason: str, now: float) -> list[Effect]:
@@ -427,7 +470,8 @@ class Processor(ProcessorRouting):
                 self._fail_waiting_on(engine.key, "is going away", effects)
                 self._router.engine_updated(engine.key, frozenset(), engine.status, True)
                 request = worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest())
-                effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.route, request))
+                effects.append(self._control_task(_ControlKind.GO_AWAY, engine.key, engine.status.engine_id,
+                                                  engine.route, request))
         self._refill(now, effects)
         return effects
 
@@ -519,7 +563,8 @@ class Processor(ProcessorRouting):
         while self._timers and not self._timer_live(self._timers[0]):
             heapq.heappop(self._timers)
         firsts = (self._timers[0][0] if self._timers else None, self._next_heartbeat,
-                  self._backoffs[0][0] if self._backoffs else None, self._flow.next_deadline())
+                  self._backoffs[0][0] if self._backoffs else None, self._flow.next_deadline(),
+                  min(self._probes.values(), default=None))
         candidates = [t for t in firsts if t is not None]
         return min(candidates) if candidates else None
 
@@ -539,6 +584,13 @@ class Processor(ProcessorRouting):
                 engine.busy_until = None
                 if engine.routable:
                     self._dispatch_waiting(now, engine, effects)
+        for key, due in [(key, due) for key, due in self._probes.items() if due <= now]:
+            del self._probes[key]
+            holder = self._engines[key]
+            reason = f"no answer to a heartbeat within {self.config.clash_probe_timeout:g}s of another engine " \
+                     "claiming its id"
+            effects.append(CloseEngine(holder.route, key, reason))
+            self._remove(now, [holder], reason, effects, closing=holder.route)
         for route in self._flow.stuck(now):
             reason = f"stream not draining for {self.config.route_stuck_timeout:g}s"
             effects.append(CloseRoute(route, reason))
@@ -669,6 +721,7 @@ class Processor(ProcessorRouting):
                 del self._by_tenant[engine.key.tenant_id]
             for control_id in [c for c, ctl in self._control.items() if ctl.engine == engine.key]:
                 del self._control[control_id]
+            self._probes.pop(engine.key, None)
             if engine.locality is Locality.LOCAL:
                 effects.append(LocalEnginesChanged())
             self._fail_waiting_on(engine.key, f"was removed ({reason})", effects)
@@ -700,7 +753,8 @@ class Processor(ProcessorRouting):
                     self._remove(now, [engine], reason, effects, closing=engine.route)
                     continue
             request = worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest())
-            send = self._control_task(_ControlKind.HEARTBEAT, engine.key, engine.route, request)
+            send = self._control_task(_ControlKind.HEARTBEAT, engine.key, engine.status.engine_id,
+                                      engine.route, request)
             engine.pending_heartbeat = send.task.id
             effects.append(send)
         has_local = any(e.locality is Locality.LOCAL for e in self._engines.values())

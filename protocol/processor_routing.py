@@ -124,6 +124,7 @@ class ProcessorRouting(ProcessorSlots):
     def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
         self._move(task, TaskState.DISPATCHED)
         task.engine = engine.key
+        task.reported_engine_id = engine.status.engine_id
         task.route = engine.route
         task.next_index = 0
         task.attempt += 1
@@ -141,7 +142,7 @@ class ProcessorRouting(ProcessorSlots):
         wire = worker_pb2.Task(
             id=task.wire_id,
             request=task_forms.for_engine(task.request, engine.status),
-            engine_id=engine.key.engine_id,
+            engine_id=engine.status.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
         # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing_spills.py,

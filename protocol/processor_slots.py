@@ -151,7 +151,8 @@ class ProcessorSlots(ProcessorTables):
         if task.state not in _ON_ENGINE or task.engine is None:
             return
         request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.wire_id))
-        send = self._control_task(_ControlKind.CANCEL, task.engine, task.route, request)
+        send = self._control_task(_ControlKind.CANCEL, task.engine, task.reported_engine_id, task.route,
+                                  request)
         effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.wire_id))
 
     def _deliver(self, task: _Task, result: worker_pb2.TaskResult, last: bool, effects: list[Effect]) -> None:

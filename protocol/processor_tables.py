@@ -95,6 +95,9 @@ class _Task:
     target: str
     state: TaskState | None = None
     engine: EngineKey | None = None
+    # The id that engine reports, which the attempt carries on its route (a peer's engine is
+    # named here with its gateway's pod, see ``update_engine_as``): its cancel carries it too.
+    reported_engine_id: str = ""
     route: Route = None
     avoid: set[str] = field(default_factory=set)
     next_index: int = 0
@@ -169,6 +172,7 @@ class ProcessorCounters:
     protocol_errors: int = 0
     slow_consumers: int = 0
     heartbeats_missed: int = 0
+    engine_id_clashes: int = 0
     tenant_cap_refusals: int = 0
     drain_refusals: int = 0
     shed: int = 0
@@ -207,6 +211,9 @@ class ProcessorTables:
         # The task each attempt on an engine belongs to, by the id it carries on the wire.
         self._attempts: dict[str, _Task] = {}
         self._next_heartbeat: float | None = None
+        # Local engines another engine process claimed the id of, and when their answer to a
+        # heartbeat is due (see ``Processor.update_engine``).
+        self._probes: dict[EngineKey, float] = {}
         # Live tasks per tenant (every state), for ``max_tasks_per_tenant``.
         self._tenant_tasks: Counter[str] = Counter()
         # Engines a task left since the current input began: with an in-flight cap,
@@ -317,13 +324,18 @@ class ProcessorTables:
                 out.append((engine.key.tenant_id, copy))
         return out
 
-    def status(self) -> dict[str, Any]:
-        """A JSON-able dump of tenants, engines, their tasks and the queue."""
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
+        """A JSON-able dump of tenants, engines, their tasks and the queue; with ``tenant``, of
+        that tenant alone (what its own admin may see)."""
         tenants: dict[str, Any] = {}
         for tenant_id, engines in sorted(self._by_tenant.items()):
+            if tenant is not None and tenant_id != tenant:
+                continue
             tenants[tenant_id] = {
                 "engines": {
                     engine_id: {
+                        # The id it reports (a peer's engine is named with its gateway's pod here).
+                        "engine_id": e.status.engine_id,
                         "locality": e.locality.value,
                         "ready": e.status.ready,
                         "draining": e.draining,
@@ -342,10 +354,12 @@ class ProcessorTables:
             }
         queue: dict[str, Any] = {}
         for (tenant_id, model), ids in sorted(self._waiting.items()):
-            if ids:
+            if ids and tenant in (None, tenant_id):
                 queue.setdefault(tenant_id, {})[model] = list(ids)
-        retrying = sorted(t.id for t in self._tasks.values() if t.state is TaskState.RETRY_PENDING)
-        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": len(self._tasks)}
+        retrying = sorted(t.id for t in self._tasks.values()
+                          if t.state is TaskState.RETRY_PENDING and tenant in (None, t.tenant_id))
+        tasks = len(self._tasks) if tenant is None else self._tenant_tasks[tenant]
+        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": tasks}
     # --- internals: bookkeeping -------------------------------------------
 
     def _index(self, engine: _Engine, listed: frozenset[str], ready: frozenset[str]) -> None:
@@ -441,17 +455,19 @@ class ProcessorTables:
             self._reshuffled[(task.tenant_id, task.model)] = None
 
     def _control_task(
-        self, kind: _ControlKind, engine: EngineKey, route: Route, request: worker_pb2.TaskRequest
+        self, kind: _ControlKind, engine: EngineKey, reported_id: str, route: Route, request: worker_pb2.TaskRequest
     ) -> SendTask:
+        """A task of the processor's own to ``engine``, which reports ``reported_id`` on ``route``."""
         self._control_seq += 1
         control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
         self._control[control_id] = _Control(kind, engine, route)
-        wire = worker_pb2.Task(id=control_id, request=request, engine_id=engine.engine_id)
+        wire = worker_pb2.Task(id=control_id, request=request, engine_id=reported_id)
         return SendTask(route, engine, wire)
 
     def _control_replied(self, control_id: str, control: _Control) -> None:
         del self._control[control_id]
         if control.kind is _ControlKind.HEARTBEAT:
+            self._probes.pop(control.engine, None)  # alive: an engine that claimed its id was refused rightly
             engine = self._engines.get(control.engine)
             if engine is not None and engine.pending_heartbeat == control_id:
                 engine.pending_heartbeat = None

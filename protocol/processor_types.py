@@ -144,6 +144,11 @@ class ProcessorConfig:
         before the processor closes it with ``CloseRoute``; its tasks fail over
         like any lost engine's. A blocked route gets no new tasks meanwhile.
         None: blocked routes are never closed for it.
+    clash_probe_timeout: seconds a local engine has to answer the heartbeat it
+        is sent when another engine process claims its id on this gateway
+        (``update_engine``); one that does not is taken for a dead stream (a
+        half-open connection) and closed, so that the newcomer's next attempt
+        gets in.
     """
 
     queue_timeout: float = 30.0
@@ -165,6 +170,7 @@ class ProcessorConfig:
     shed_waiting_threshold: int = 0
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     route_stuck_timeout: float | None = 30.0
+    clash_probe_timeout: float = 5.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -198,6 +204,8 @@ class ProcessorConfig:
             problems.append("shed_waiting_threshold must be >= 0")
         if self.route_stuck_timeout is not None and self.route_stuck_timeout <= 0:
             problems.append("route_stuck_timeout must be > 0 or None")
+        if self.clash_probe_timeout <= 0:
+            problems.append("clash_probe_timeout must be > 0")
         if not self.control_task_prefix:
             problems.append("control_task_prefix must not be empty")
         if problems:
@@ -305,6 +313,17 @@ class CloseEngine:
 
 
 @dataclass(frozen=True, slots=True)
+class RefuseEngine:
+    """End the stream ``route`` of an engine that claims ``engine``'s id while another engine
+    process holds it here, with gRPC ALREADY_EXISTS and ``reason`` (the newcomer's operator can
+    fix it: give it another id). Nothing of its status was registered."""
+
+    route: Route
+    engine: EngineKey
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class CloseRoute:
     """Close ``route`` (an engine's or a peer's stream): it stopped draining and stayed
     blocked for ``route_stuck_timeout``. Whatever is still queued on it is dropped.
@@ -359,6 +378,7 @@ Effect = Union[
     FailRequest,
     CloseEngine,
     CloseRoute,
+    RefuseEngine,
     TaskQueued,
     LocalEnginesChanged,
     EnginesRemoved,

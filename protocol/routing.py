@@ -18,7 +18,8 @@ Policies (``RoutingConfig.policy``):
     no engine carries more than ``load_factor`` times the mean, plus one
     (below ``min_capacity`` requests an engine is never loaded enough for
     the bound to matter, and affinity is worth most). Every gateway knows
-    the same engines from the exchange, so a conversation arriving at any
+    the same engines from the exchange, and hashes each by the id it reports
+    (a peer's engine is named with its pod here), so a conversation arriving at any
     replica has the same home while that engine has room: no central
     service. Where bounded load moved a turn off its home, the engine's
     gateway reports the spill to every peer with the engine's status
@@ -250,6 +251,9 @@ class PrefixIndex:
 @dataclass(slots=True)
 class _Member:
     key: EngineKey
+    # The id the engine reports, the same on every gateway (``key`` names a peer's engine
+    # with its gateway's pod here): what its points on the ring are hashed from.
+    reported_id: str = ""
     pools: frozenset[str] = frozenset()
     local: bool = False
     own: int = 0
@@ -299,7 +303,7 @@ class Router:
         attached here (its spilled tips are recorded here), else a peer's (they come in ``status``)."""
         member = self._members.get(key)
         if member is None:
-            member = self._members[key] = _Member(key, local=local)
+            member = self._members[key] = _Member(key, status.engine_id, local=local)
         elif member.local is not local:
             self.spills.forget(key)
             member.local = local
@@ -436,7 +440,7 @@ class Router:
 
     def _build_ring(self, pool: _Pool) -> list[int]:
         points = sorted(
-            (_point(f"{key.tenant_id}\0{key.engine_id}\0{i}".encode()), key.engine_id, member)
+            (_point(f"{key.tenant_id}\0{member.reported_id}\0{i}".encode()), key.engine_id, member)
             for key, member in pool.members.items()
             for i in range(self.config.ring_points)
         )

@@ -5,12 +5,20 @@ reports the engines attached to it; the sender registers them in the local
 :class:`~protocol.processor.Processor` as remote engines (tenant from the
 report) whose route is the sender, or the object the adapter names as its
 route. It removes those that disappear from a report and all of them when the
-stream ends (their in-flight tasks fail over as the processor specifies). An
-engine already registered on another route (attached here, or reported by
-another peer first) is left alone while that registration lasts; the sender
-remembers the peer's last report and registers such an engine as soon as the
-processor says it went (``engines_removed``), since the peer re-reports only
-when something changes on its side. Results the peer returns go into the
+stream ends (their in-flight tasks fail over as the processor specifies).
+
+Engine ids are chosen by each engine's operator (or default to the same
+built-in name), so two gateways may each hold an engine of one id. Here a
+peer's engine is named :func:`peer_engine_id` (its id scoped by the peer's
+pod name), never its bare id: it cannot shadow a local engine or another
+peer's, and every such engine serves every gateway. Tasks for it still carry
+the id it reports (the processor keeps both), so the wire is LLMariner's.
+A scoped name can still be taken on another route (a local engine named so,
+or the stream of the same pod this one replaced): that registration is left
+alone while it lasts; the sender remembers the peer's last report and
+registers the engine as soon as the processor says the other went
+(``engines_removed``), since the peer re-reports only when something changes
+on its side. Results the peer returns go into the
 processor as results of the original tasks. A peer whose report says it is
 ``draining`` (infx's field 101) has its engines registered not ready, so they
 get no new tasks from here whatever readiness they report. The per-model request counts of
@@ -48,7 +56,12 @@ from protocol.processor_types import (
     Route,
 )
 
-__all__ = ["Sender"]
+__all__ = ["Sender", "peer_engine_id"]
+
+
+def peer_engine_id(engine_id: str, pod_name: str) -> str:
+    """What the engine ``engine_id`` that the gateway ``pod_name`` holds is named at its peers."""
+    return f"{engine_id}@{pod_name}"
 
 
 class Sender:
@@ -60,8 +73,9 @@ class Sender:
         self.processor = processor
         self.route: Route = self if route is None else route
         self.pod_name = ""
+        # The peer's engines registered here, by their names here (peer_engine_id).
         self._engines: set[EngineKey] = set()
-        # What the peer reports now, every engine of it, registered here or not.
+        # What the peer reports now, every engine of it by its reported id, registered here or not.
         self._reports = ReportReader()
         self._closed = False
 
@@ -102,20 +116,27 @@ class Sender:
         """Engines left the processor: register those the peer last reported, if nothing
         else has registered them meanwhile. A closed sender registers nothing."""
         effects: list[Effect] = []
-        if self._closed:
+        if self._closed or not self._reports.engines:
             return effects
-        for key in keys:
-            if key not in self._reports.engines or self.processor.engine(key.tenant_id, key.engine_id) is not None:
+        suffix = peer_engine_id("", self.pod_name)
+        for here in keys:
+            if not here.engine_id.endswith(suffix):
                 continue
-            self._engines.add(key)
-            effects += self.processor.update_engine(self.route, key.tenant_id, self._effective(key),
-                                                    Locality.REMOTE, now)
+            reported = EngineKey(here.tenant_id, here.engine_id[:-len(suffix)])
+            if reported not in self._reports.engines or self.processor.engine(here.tenant_id, here.engine_id):
+                continue
+            self._engines.add(here)
+            effects += self.processor.update_engine_as(self.route, here, self._effective(reported),
+                                                       Locality.REMOTE, now)
         return effects
 
     @property
     def engines(self) -> frozenset[EngineKey]:
-        """The engines this peer reported and this sender registered."""
+        """The engines this peer reported and this sender registered, by their names here."""
         return frozenset(self._engines)
+
+    def _here(self, reported: EngineKey) -> EngineKey:
+        return EngineKey(reported.tenant_id, peer_engine_id(reported.engine_id, self.pod_name))
 
     def _effective(self, key: EngineKey) -> status_pb2.EngineStatus:
         """The peer's status of an engine as registered here: not ready while the peer drains."""
@@ -128,6 +149,9 @@ class Sender:
         return status
 
     def _status_received(self, status: internal_pb2.ServerStatus, now: float) -> list[Effect]:
+        if self._reports.engines and status.pod_name != self.pod_name:
+            # Its engines are named with its pod here: a new name would orphan them.
+            raise RemoteProtocolError(f"peer {self.pod_name!r} now calls itself {status.pod_name!r}")
         self.pod_name = status.pod_name
         read = self._reports.read(status)
         effects: list[Effect] = []
@@ -137,21 +161,22 @@ class Sender:
         updated = sorted(self._reports.engines, key=lambda k: (k.tenant_id, k.engine_id)) if read.draining_changed \
             else read.upserted
         for key in updated:
-            known = self.processor.engine(key.tenant_id, key.engine_id)
+            here = self._here(key)
+            known = self.processor.engine(here.tenant_id, here.engine_id)
             if known is not None and known.route is not self.route:
-                # Attached here, or reported by another peer first: that registration stays
-                # until it goes (engines_removed).
-                self._engines.discard(key)
+                # Its name is taken on another route: that registration stays until it goes
+                # (engines_removed).
+                self._engines.discard(here)
                 continue
-            self._engines.add(key)
-            effects += self.processor.update_engine(self.route, key.tenant_id, self._effective(key),
-                                                    Locality.REMOTE, now)
+            self._engines.add(here)
+            effects += self.processor.update_engine_as(self.route, here, self._effective(key), Locality.REMOTE, now)
         for key in sorted(read.removed, key=lambda k: (k.tenant_id, k.engine_id)):
-            if key not in self._engines:
+            here = self._here(key)
+            if here not in self._engines:
                 continue
-            self._engines.discard(key)
-            known = self.processor.engine(key.tenant_id, key.engine_id)
+            self._engines.discard(here)
+            known = self.processor.engine(here.tenant_id, here.engine_id)
             if known is not None and known.route is self.route:
                 reason = f"no longer reported by peer {self.pod_name!r}"
-                effects += self.processor.remove_engine(key.tenant_id, key.engine_id, reason, now)
+                effects += self.processor.remove_engine(here.tenant_id, here.engine_id, reason, now)
         return effects

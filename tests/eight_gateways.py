@@ -98,9 +98,10 @@ class GatewayNode:
         return result
 
     def ready_engines(self) -> set[str]:
-        """Engines this gateway would route to now (local or a peer's), every model ready."""
+        """Engines this gateway would route to now (local or a peer's), every model ready, by the
+        ids they report."""
         engines = self.status()["tenants"].get("default", {}).get("engines", {})
-        return {engine_id for engine_id, e in engines.items()
+        return {e["engine_id"] for e in engines.values()
                 if e["ready"] and e["models"] and all(m["ready"] for m in e["models"])}
 
     def metrics(self) -> str:

@@ -54,7 +54,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
              "--route-stuck-timeout", "1", "--queue-timeout", "2"]
     gw = Gateway(Path(log_dir), api_keys=keys, admin_key=CLIENT_KEY, extra=extra)
     try:
-        gw.wait_for_engine("builtin-echo")
+        gw.wait_for_engine(gw.builtin_engine_id)
         yield gw
     finally:
         gw.stop()

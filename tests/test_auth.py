@@ -24,8 +24,16 @@ def test_keys_from_a_mounted_secret_file_map_to_tenants(tmp_path):
     client = store.client("Bearer sk-a")
     assert client.tenant == "team-a" and not client.admin
     assert (client.rate_limit.rate, client.rate_limit.burst) == (2.0, 4)
-    assert store.client("bearer sk-admin").admin
+    assert store.client("bearer sk-admin").admin and not store.client("bearer sk-admin").cluster_admin
     assert store.engine("Bearer ek-b").tenant == "team-b"
+
+
+def test_admin_cluster_is_the_one_admin_of_every_tenant_and_auth_off_is_one_too():
+    store = KeyStore.from_mapping({"keys": [{"key": "sk-ops", "tenant": "ops", "admin": "cluster"},
+                                            {"key": "sk-a", "tenant": "team-a", "admin": True}]})
+    ops, team_a = store.client("Bearer sk-ops"), store.client("Bearer sk-a")
+    assert (ops.admin, ops.cluster_admin, team_a.admin, team_a.cluster_admin) == (True, True, True, False)
+    assert ANONYMOUS.cluster_admin  # no key file: everything is open, and the gateway says so at start
 
 
 @pytest.mark.parametrize("header", [None, "", "Bearer", "Basic sk-a", "Bearer sk-unknown", "Bearer ek-b"])
@@ -59,7 +67,9 @@ from infx.auth import KeyTables, key_fingerprint, parse_key_file  # noqa: E402
     [
         ("keys:\n  - {key: sk-a, tenat: team-a}\n", r"keys\[0\]: unknown member 'tenat'"),
         ("keys:\n  - {key: sk-a, admn: true}\n", r"keys\[0\]: unknown member 'admn'"),
-        ("keys:\n  - {key: sk-a, admin: 'false'}\n", r"'admin' must be true or false \(unquoted\), got 'false'"),
+        ("keys:\n  - {key: sk-a, admin: 'false'}\n",
+         r"'admin' must be true or false \(unquoted\), or cluster, got 'false'"),
+        ("keys:\n  - {key: sk-a, admin: clusters}\n", r"or cluster, got 'clusters'"),
         ("keys:\n  - {key: sk-a, admin: 1}\n", "'admin' must be true or false"),
         ("keys:\n  - {key: sk-a, rate_limit: 5}\n", r"rate_limit must be a mapping \{rate: R, burst: B\}.*got 5"),
         ("keys:\n  - {key: sk-a, rate_limit: {rate: -1}}\n", "rate -1 is not a positive number"),

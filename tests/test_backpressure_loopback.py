@@ -20,7 +20,7 @@ from twisted.internet import reactor, task, threads
 
 from infx.config import build_config
 from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES
-from infx.service import GatewayService, build_gateway
+from infx.service import GatewayService, build_gateway, builtin_engine_id
 from protocol.pb import status_pb2, worker_pb2
 from tools.bench.attacks import H2Peer, Outcome, Target, grpc_message, request_headers
 
@@ -63,7 +63,8 @@ def post_chat(port: int, content: str) -> tuple[int, str]:
 def test_an_engine_that_never_reads_holds_a_bounded_queue_and_its_task_fails_over(gateway: GatewayService):
     worker_port = gateway.worker_grpc.port.getHost().port
     http_port = gateway.http.port.getHost().port
-    yield from until(lambda: gateway.processor.engine("default", "builtin-echo"), "the echo engine")
+    yield from until(lambda: gateway.processor.engine("default", builtin_engine_id(gateway.pod_name)),
+                     "the echo engine")
     target = Target("127.0.0.1", http_port, worker_port, 0)
     outcome = Outcome("zero-window engine")
     peer_done = threading.Event()

@@ -89,7 +89,10 @@ def parsed(container: dict[str, Any], pod: dict[str, Any], tmp: Path) -> usage.O
             if arg.startswith(mount + "/"):
                 arg = str(local / arg[len(mount) + 1:])
                 Path(arg).parent.mkdir(parents=True, exist_ok=True)
-                Path(arg).write_text(yaml.safe_dump({"keys": [{"key": "sk-1", "tenant": "t"}]}))
+                if arg.endswith(".yaml"):
+                    Path(arg).write_text(yaml.safe_dump({"keys": [{"key": "sk-1", "tenant": "t"}]}))
+                else:  # a secret of one line, as the Secret's file holds it
+                    Path(arg).write_text("placeholder-secret\n")
         args.append(arg)
     options.parseOptions(args)
     return options
@@ -98,6 +101,15 @@ def parsed(container: dict[str, Any], pod: dict[str, Any], tmp: Path) -> usage.O
 @pytest.mark.parametrize(("name", "container", "pod"), infx_containers(), ids=[n for n, _, _ in infx_containers()])
 def test_container_commands_are_accepted_by_the_plugin_options(name, container, pod, tmp_path):
     parsed(container, pod, tmp_path)
+
+
+@pytest.mark.parametrize(("name", "container", "pod"), infx_containers(), ids=[n for n, _, _ in infx_containers()])
+def test_no_secret_is_on_a_command_line_where_ps_would_show_it(name, container, pod):
+    """Issue 22 item 4: secrets come from files or the environment (``--internal-secret-file``,
+    ``INFX_ENGINE_KEY``), never from ``args``, where ``$(VAR)`` would put them in ``ps``."""
+    args = container["command"] + container.get("args", [])
+    assert not {"--internal-secret", "--key"} & set(args), args
+    assert not [arg for arg in args if "$(" in arg and ("SECRET" in arg or "KEY" in arg)], args
 
 
 def gateway() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -34,7 +34,7 @@ def test_a_draining_gateway_serves_new_requests_through_a_peer_or_refuses_them_a
     b = Gateway(tmp_path, name="b", extra=["--peers", f"127.0.0.1:{a.internal_port}", "--status-interval", "0.5"])
     engine = Engine(tmp_path, b, "echo-b", ["m"])
     try:
-        wait_until(lambda: "echo-b" in a.engines(), "a learns b's engine", [a.child, b.child])
+        wait_until(lambda: b.remote_engine_id("echo-b") in a.engines(), "a learns b's engine", [a.child, b.child])
         client = openai.OpenAI(base_url=a.base_url, api_key="x", max_retries=0, timeout=30)
         chunks = client.chat.completions.create(
             model="only-a", messages=[{"role": "user", "content": WORDS}], stream=True)
@@ -55,7 +55,7 @@ def test_a_draining_gateway_serves_new_requests_through_a_peer_or_refuses_them_a
         assert "shutting down" in refused["error"]["message"]
         assert a.child.wait(timeout=20) in (0, -signal.SIGTERM)  # twistd re-raises the signal it stopped on
         log = a.child.output()
-        assert "model='m'" in log and "engine='echo-b'" in log, log[-3000:]
+        assert "model='m'" in log and f"engine='{b.remote_engine_id('echo-b')}'" in log, log[-3000:]
         assert "model='only-a' tenant='default' status=503" in log
     finally:
         engine.stop()

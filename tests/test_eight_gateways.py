@@ -100,9 +100,9 @@ def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> set[str]:
     """Ids of the tasks ``nodes`` have in flight on ``engines`` (another gateway's: the exchange)."""
     ids: set[str] = set()
     for node in nodes:
-        known = node.status()["tenants"]["default"]["engines"]
-        for engine in engines & known.keys():
-            ids.update(known[engine]["tasks"])
+        for engine in node.status()["tenants"]["default"]["engines"].values():
+            if engine["engine_id"] in engines:
+                ids.update(engine["tasks"])
     return ids
 
 

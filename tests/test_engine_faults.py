@@ -157,6 +157,11 @@ def test_engine_reconnects_and_serves_again_after_the_gateway_is_killed_and_rest
         second = Gateway(tmp_path, name="restarted-gateway", same_ports_as=first)
         # The engine agent's backoff starts at half a second; registration follows on its own.
         second.wait_for_engine("steadfast", children=[engine.child])
+        # The agent says when it is in, first and again after the loss, before any task comes.
+        said = engine.child.output()
+        assert "engine steadfast: connected to the gateway (stream 1)" in said
+        wait_until(lambda: "engine steadfast: reconnected to the gateway" in engine.child.output(),
+                   "the agent's reconnect line", [engine.child])
         client = openai.OpenAI(base_url=second.base_url, api_key="x", max_retries=0, timeout=10)
         reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "back again"}])
         assert reply.choices[0].message.content == "back again"

@@ -15,6 +15,7 @@ import pytest_twisted
 from twisted.internet import threads
 
 from infx.exchanger import PROCESS_TASKS_INTERNAL
+from infx.service import builtin_engine_id
 from protocol.pb import internal_pb2
 from protocol.processor_types import Locality
 from protocol.status_reports import STATUS_DELTA_HEADER
@@ -79,7 +80,7 @@ def test_a_llmariner_sender_gets_a_full_snapshot_every_time_even_for_a_count_cha
         assert all(not report.delta and not report.removed_engines for report in reports)
         for report in reports[known - 1:]:  # from the first that carried the engine on
             assert [(e.tenant_id, e.engine_status.engine_id) for e in report.engine_statuses] == [
-                ("default", "builtin-echo")]
+                ("default", builtin_engine_id(b.pod_name))]
         assert [r.sequence for r in reports] == list(range(1, len(reports) + 1))
     finally:
         llmariner.stop()
@@ -124,7 +125,9 @@ def test_a_llmariner_receivers_full_snapshots_register_and_remove_engines_here(g
         yield until(lambda: engines(a) == {("default", Locality.REMOTE): 2})
         outbox.put(full_report("l2"))
         yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
-        assert a.processor.engine("default", "l1") is None and a.processor.engine("default", "l2") is not None
+        # A LLMariner peer's engines are named with its pod here, as an infx peer's are.
+        assert a.processor.engine("default", "l1@llmariner-0") is None
+        assert a.processor.engine("default", "l2@llmariner-0") is not None
     finally:
         outbox.put(None)
         responses.cancel()

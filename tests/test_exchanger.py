@@ -17,7 +17,7 @@ from infx.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
 from protocol.gateway_core import DialState
 from tests.scaler_fakes import InMemoryServiceQuery
-from infx.service import GatewayService
+from infx.service import GatewayService, builtin_engine_id
 from protocol.backoff import Backoff
 from protocol.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.processor_types import Locality
@@ -197,25 +197,23 @@ def test_requests_a_peer_accepted_reach_this_gateways_scaler_as_started_requests
 
 
 @pytest_twisted.inlineCallbacks
-def test_an_engine_two_peers_report_is_reached_through_the_second_once_the_first_goes(gateways):
-    """F1 of tests/sim/FINDINGS.md over real sockets: b and c both report an engine named
-    builtin-echo; a registers b's (first) and skips c's. When b stops, a registers c's from
-    c's last report, though c has nothing new to report."""
+def test_the_builtin_engines_of_two_peers_are_two_engines_here_and_one_leaves_with_its_gateway(gateways):
+    """Issue 22 item 2 over real sockets: b and c each run a built-in echo engine (once both
+    named builtin-echo, and a learned only the first). a reaches each, by its own id on the
+    wire, and loses only b's when b stops."""
     a = yield gateways("a")
     b = yield gateways("b", echo_models="m", peers=internal_address(a))
-    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
-    yield gateways("c", echo_models="m", peers=internal_address(a))
-    yield until(lambda: sorted(s.pod_name for s in a.exchanger.streams) == ["b", "c"])
-
-    def reported_by() -> str:
-        view = a.processor.engine("default", "builtin-echo")
-        return "" if view is None else view.route.pod_name
-
-    assert reported_by() == "b"
+    c = yield gateways("c", echo_models="n", peers=internal_address(a))
+    names = {f"{builtin_engine_id(g.pod_name)}@{g.pod_name}": g.pod_name for g in (b, c)}
+    yield until(lambda: engines(a) == {("default", Locality.REMOTE): 2})
+    assert {name: a.processor.engine("default", name).route.pod_name for name in names} == names
+    assert a.dispatcher.models("default") == ["m", "n"]
+    for model in ("m", "n"):
+        reply = yield threads.deferToThread(chat, base_url(a), model=model)
+        assert reply.choices[0].message.content == "hello infx world"
     yield b.stopService()
-    yield until(lambda: reported_by() == "c")
-    reply = yield threads.deferToThread(chat, base_url(a), model="m")
-    assert reply.choices[0].message.content == "hello infx world"
+    yield until(lambda: a.dispatcher.models("default") == ["n"])
+    assert engines(a) == {("default", Locality.REMOTE): 1}
 
 
 class FakePods:

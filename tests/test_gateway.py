@@ -57,7 +57,7 @@ class ScriptedRunner:
     def takes_http_request(self, tenant, model):
         return False
 
-    def status(self):
+    def status(self, tenant=None):
         return {"tasks": len(self.sinks)}
 
     def submit(self, submission, sink):

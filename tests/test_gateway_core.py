@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from protocol.gateway_core import PEER_ACCEPT_METADATA, Availability, DialState, GatewayCore
+from protocol.gateway_core import Availability, DialState, GatewayCore
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -23,7 +23,10 @@ from protocol.gateway_effects import (
     HalfCloseDial,
     ModelServed,
     OpenDial,
+    PeerDialledBack,
+    PeerDialledIn,
     PeerGone,
+    PeerOneWay,
     PeerRequests,
     ReportLoad,
     RequestDispatched,
@@ -75,11 +78,11 @@ class Net:
     ``"engine:<id>"``; what a core asks of its engines and clients is kept per core.
     """
 
-    def __init__(self, *names: str, llmariner: tuple[str, ...] = ()) -> None:
+    def __init__(self, *names: str, llmariner: tuple[str, ...] = (), **config: Any) -> None:
         self.now = T0
         #: Cores that accept streams the way a LLMariner gateway does: no status-delta header.
         self.llmariner = llmariner
-        self.cores = {name: core(name) for name in names}
+        self.cores = {name: core(name, **config) for name in names}
         self.effects: dict[str, list[Any]] = {name: [] for name in names}
         self.streams: dict[Dial, tuple[str, object]] = {}  # dial -> (accepting core, its stream)
         self._stream_ids = itertools.count()
@@ -116,8 +119,9 @@ class Net:
             self.streams[effect.dial] = (effect.dial.address, stream)
             self.dial_of[stream] = (name, effect.dial)
             target = str(effect.dial.address)
-            self.later(target, lambda now: self.cores[target].peer_stream_opened(stream, now))
-            headers = () if target in self.llmariner else PEER_ACCEPT_METADATA
+            # A core's name is its address here, and what its dials' headers offer to be dialled back at.
+            self.later(target, lambda now: self.cores[target].peer_stream_opened(stream, name, now))
+            headers = () if target in self.llmariner else self.cores[target].accept_metadata
             self.later(name, lambda now: self.cores[name].dial_accepted(effect.dial, headers, now))
         elif isinstance(effect, SendOnDial):
             target, stream = self.streams[effect.dial]
@@ -175,7 +179,7 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
     net = Net("a", "b")
     net.engine_joins("b", "e1", "m")
     net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a"}, now))
-    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    assert net.cores["a"].processor.engine("t", "e1@b").locality is Locality.REMOTE
     client = net.submit("a", "r1", stream=True)
     assert net.sent_to_engine("b", "e1") == ["r1"]
     net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
@@ -189,6 +193,29 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
         RequestStarted, RequestFinished]
     assert one(net.effects["a"], RequestDispatched).origin is client
     assert net.cores["b"].peers["a"].receiver.tasks_in_flight == 0
+
+
+@pytest.mark.parametrize("accepted_first", [False, True], ids=["before-accepted", "after-accepted"])
+def test_a_local_engine_registered_after_the_first_report_to_a_peer_reaches_it(accepted_first):
+    """Issue 22's start-up race: a gateway dials its peers before its built-in engine has
+    registered, so its first report names no engine ("dialled in with 0 engines"). The engine's
+    registration goes out on that stream when it comes, whether the peer's headers came yet."""
+    a, b = core("a"), core("b")
+    out = b.peers_changed({"a": "a"}, T0)
+    dial, stream = one(out, OpenDial).dial, object()
+    a.peer_stream_opened(stream, None, T0)
+    for sent in only(out, SendOnDial):
+        assert one(a.peer_stream_message(stream, sent.message, T0), PeerDialledIn).engines == 0
+    if accepted_first:
+        b.dial_accepted(dial, a.accept_metadata, T0)
+    joined = b.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0 + 1)
+    [later] = only(joined, SendOnDial)
+    assert later.dial is dial
+    assert [e.engine_status.engine_id for e in later.message.server_status.engine_statuses] == ["e1"]
+    a.peer_stream_message(stream, later.message, T0 + 1)
+    if not accepted_first:
+        b.dial_accepted(dial, a.accept_metadata, T0 + 1)
+    assert a.processor.engine("t", "e1@b").routable and a.availability("t", "m", T0 + 1) is Availability.SERVED
 
 
 def reports_on(effects: list[Any], peer: str) -> list[internal_pb2.ServerStatus]:
@@ -215,7 +242,7 @@ def test_deltas_flow_only_to_a_peer_whose_headers_offered_them():
     for name in ("a", "c"):
         processor = net.cores[name].processor
         assert processor.engine_counts() == {("t", Locality.REMOTE): 2}
-        assert processor.engine("t", "e1").routable and not processor.engine("t", "e2").routable
+        assert processor.engine("t", "e1@b").routable and not processor.engine("t", "e2@b").routable
 
 
 def test_a_lost_delta_ends_the_stream_and_the_redial_starts_with_a_full_snapshot():
@@ -248,7 +275,7 @@ def test_reports_carry_only_local_engines_so_they_never_loop():
         net.now += 10
         for name in ("a", "b"):
             net.run(name, net.cores[name].handle_timeout)
-    assert net.cores["a"].processor.engine("t", "e1").locality is Locality.REMOTE
+    assert net.cores["a"].processor.engine("t", "e1@b").locality is Locality.REMOTE
     assert all(not s.engine_statuses for s in status_reports(net.effects["a"]))
     assert net.cores["b"].processor.engine("t", "e1").locality is Locality.LOCAL
 
@@ -264,19 +291,31 @@ def test_a_peer_report_carries_the_requests_accepted_here_per_model():
     assert net.of("a", PeerRequests)[-1].counts == {"m": 2}
 
 
-def test_engines_removed_lets_another_peers_sender_register_what_it_reported():
-    """An engine reported by two peers is registered through the first; when that one goes,
-    the second's last report registers it at once (its peer re-reports only on change)."""
+def test_engines_of_one_id_two_peers_report_are_two_engines_and_one_goes_with_its_peer():
+    """Issue 22 item 2: b's e1 and c's e1 are named with their pods here; neither hides the other."""
     a = core("a")
     first, second = object(), object()
     for stream in (first, second):
-        a.peer_stream_opened(stream, T0)
+        a.peer_stream_opened(stream, None, T0)
     a.peer_stream_message(first, report("b", "e1"), T0)
     a.peer_stream_message(second, report("c", "e1"), T0)
-    assert a.processor.engine("t", "e1").route is first
+    assert (a.processor.engine("t", "e1@b").route, a.processor.engine("t", "e1@c").route) == (first, second)
     effects = a.peer_stream_closed(first, T0)
-    assert a.processor.engine("t", "e1").route is second
+    assert a.processor.engine("t", "e1@b") is None and a.processor.engine("t", "e1@c").route is second
     assert one(effects, PeerGone).stream is first
+
+
+def test_engines_removed_lets_a_peers_sender_register_what_it_reported_under_a_taken_name():
+    """A peer's engine whose name here a local engine took is registered from the peer's last
+    report as soon as the local one goes (its peer re-reports only on change)."""
+    a = core("a")
+    stream = object()
+    a.engine_status("engine:x", "t", engine_status("e1@c", "m"), Locality.LOCAL, T0)
+    a.peer_stream_opened(stream, None, T0)
+    a.peer_stream_message(stream, report("c", "e1"), T0)
+    assert a.processor.engine("t", "e1@c").route == "engine:x"
+    a.engine_closed("engine:x", "stream ended", T0)
+    assert a.processor.engine("t", "e1@c").route is stream
 
 
 # --- peers that dial us -------------------------------------------------------------------------
@@ -285,35 +324,131 @@ def test_engines_removed_lets_another_peers_sender_register_what_it_reported():
 def test_a_newer_stream_from_the_same_pod_replaces_the_older_one():
     a = core("a")
     old, new = object(), object()
-    a.peer_stream_opened(old, T0)
+    a.peer_stream_opened(old, None, T0)
     a.peer_stream_message(old, report("b", "e1"), T0)
-    a.peer_stream_opened(new, T0)
+    a.peer_stream_opened(new, None, T0)
     effects = a.peer_stream_message(new, report("b", "e1"), T0 + 1)
     ended = one(effects, EndPeerStream)
     assert (ended.stream, ended.code) == (old, StatusCode.UNAVAILABLE) and "reconnected" in ended.message
-    assert a.processor.engine("t", "e1").route is new
+    assert a.processor.engine("t", "e1@b").route is new
     assert a.peer_stream_message(old, report("b"), T0 + 2) == []  # the old stream is forgotten
 
 
 def test_a_result_before_any_status_and_an_empty_message_end_the_stream_with_their_status():
     a = core("a")
     early, empty = object(), object()
-    a.peer_stream_opened(early, T0)
+    a.peer_stream_opened(early, None, T0)
     result = internal_pb2.ProcessTasksInternalRequest(task_result=http("x"))
     ended = one(a.peer_stream_message(early, result, T0), EndPeerStream)
     assert ended.code is StatusCode.FAILED_PRECONDITION
-    a.peer_stream_opened(empty, T0)
+    a.peer_stream_opened(empty, None, T0)
     a.peer_stream_message(empty, report("b", "e1"), T0)
     effects = a.peer_stream_message(empty, internal_pb2.ProcessTasksInternalRequest(), T0)
     assert one(effects, EndPeerStream).code is StatusCode.INVALID_ARGUMENT
-    assert a.processor.engine("t", "e1") is None  # its engines went with it
+    assert a.processor.engine("t", "e1@b") is None  # its engines went with it
 
 
 def test_a_shutting_down_gateway_refuses_new_peer_streams():
     a = core("a")
     a.drain_peers(T0)
-    ended = one(a.peer_stream_opened(object(), T0), EndPeerStream)
+    ended = one(a.peer_stream_opened(object(), None, T0), EndPeerStream)
     assert ended.code is StatusCode.UNAVAILABLE and "shutting down" in ended.message
+
+
+# --- peers that dial us unasked: dialled back (issue 22 item 5) --------------------------------
+
+
+def test_a_gateway_that_dials_one_way_is_dialled_back_and_each_serves_the_others_engines():
+    """a lists b in its peers, b lists nobody: without the dial-back b would learn a's
+    engines and a never b's (a answered 404 for b's models)."""
+    net = Net("a", "b", dial_back_after=2.0)
+    net.engine_joins("a", "ea", "model-a")
+    net.engine_joins("b", "eb", "model-b")
+    net.run("a", lambda now: net.cores["a"].peers_changed({"b": "b"}, now))
+    assert net.cores["b"].processor.engine("t", "ea@a") and not net.cores["a"].processor.engine("t", "eb@b")
+    assert net.cores["b"].next_deadline() == T0 + 2.0
+    net.now = T0 + 2.0
+    out = net.run("b", net.cores["b"].handle_timeout)
+    assert (one(out, PeerDialledBack).pod_name, one(out, OpenDial).dial.address) == ("a", "a")
+    assert net.cores["a"].processor.engine("t", "eb@b").routable
+    assert net.cores["a"].availability("t", "model-b", net.now) is Availability.SERVED
+    assert net.cores["b"].peers["a"].dialled_back and net.cores["b"].peers["a"].pod_name == "a"
+
+
+def test_no_dial_back_when_a_dial_of_ours_reaches_that_pod_under_another_name():
+    """b lists a as "alias" (another host name): once that dial is accepted, a's headers name
+    pod a, and a dial-back would be a second stream to one pod."""
+    b = core("b", dial_back_after=2.0)
+    stream = object()
+    b.peer_stream_opened(stream, "a-address", T0)
+    b.peer_stream_message(stream, report("a", "e1"), T0)
+    alias = one(b.peers_changed({"alias": "a-other-address"}, T0 + 1), OpenDial).dial
+    b.dial_accepted(alias, core("a").accept_metadata, T0 + 1)
+    assert b.handle_timeout(T0 + 2) == [] and list(b.peers) == ["alias"]
+
+
+def test_a_dial_back_made_before_our_own_dial_reached_the_pod_is_given_up_then():
+    b = core("b", dial_back_after=2.0)
+    stream = object()
+    b.peer_stream_opened(stream, "a-address", T0)
+    b.peer_stream_message(stream, report("a", "e1"), T0)
+    back = one(b.handle_timeout(T0 + 2), OpenDial).dial
+    b.dial_accepted(back, core("a").accept_metadata, T0 + 2)
+    alias = one(b.peers_changed({"alias": "a-other-address"}, T0 + 3), OpenDial).dial
+    effects = b.dial_accepted(alias, core("a").accept_metadata, T0 + 4)
+    assert one(effects, CancelDial).dial is back and list(b.peers) == ["alias"]
+
+
+def test_a_dialler_that_gives_no_port_is_warned_about_once_its_time_comes():
+    """A LLMariner gateway says nothing of where it listens: one-way peering is logged instead."""
+    b = core("b", dial_back_after=2.0)
+    stream = object()
+    b.peer_stream_opened(stream, None, T0)
+    b.peer_stream_message(stream, report("llmariner-0", "e1"), T0)
+    effects = b.handle_timeout(T0 + 2)
+    assert one(effects, PeerOneWay).pod_name == "llmariner-0" and not only(effects, OpenDial)
+    assert b.next_deadline() is None
+
+
+def test_a_dial_back_lasts_while_its_peer_dials_us_and_the_pod_source_can_take_it_over():
+    b = core("b", dial_back_after=2.0)
+    stream = object()
+    b.peer_stream_opened(stream, "a-address", T0)
+    b.peer_stream_message(stream, report("a", "e1"), T0)
+    back = one(b.handle_timeout(T0 + 2), OpenDial).dial
+    assert b.peers_changed({}, T0 + 3) == []  # the pod source's list does not name it: it stays
+    taken = b.peers_changed({"a": "a-address-from-the-source"}, T0 + 3)
+    assert one(taken, CancelDial).dial is back and one(taken, OpenDial).dial.address == "a-address-from-the-source"
+    assert not b.peers["a"].dialled_back
+    # A dial-back whose peer no longer dials us is not redialled.
+    c = core("c", dial_back_after=2.0)
+    c.peer_stream_opened(stream, "a-address", T0)
+    c.peer_stream_message(stream, report("a", "e1"), T0)
+    again = one(c.handle_timeout(T0 + 2), OpenDial).dial
+    c.peer_stream_closed(stream, T0 + 3)
+    c.dial_closed(again, T0 + 3)
+    assert dict(c.peers) == {} and c.next_deadline() is None
+
+
+def test_a_peer_listed_under_another_name_that_dials_in_while_we_back_off_is_redialled_at_once():
+    """Its headers named its pod when it first accepted our stream: its own report on the
+    stream it opens after a restart says it is back, whatever our --peers call it."""
+    a = core("a", redial_when_dialled_in=True, redial_backoff=Backoff(initial=5.0, factor=2.0, cap=10.0, jitter=0))
+    first = one(a.peers_changed({"alias": "b-address"}, T0), OpenDial).dial
+    a.dial_accepted(first, core("b").accept_metadata, T0)
+    a.dial_closed(first, T0 + 1)  # b restarts
+    assert a.next_deadline() == T0 + 6
+    stream = object()
+    a.peer_stream_opened(stream, None, T0 + 2)
+    assert one(a.peer_stream_message(stream, report("b"), T0 + 2), OpenDial).dial.name == "alias"
+
+
+def test_dial_backs_are_off_unless_configured():
+    b = core("b")
+    stream = object()
+    b.peer_stream_opened(stream, "a-address", T0)
+    b.peer_stream_message(stream, report("a", "e1"), T0)
+    assert b.next_deadline() is None and dict(b.peers) == {}
 
 
 # --- peers we dial ----------------------------------------------------------------------------
@@ -331,7 +466,7 @@ def test_a_peer_is_redialled_on_its_deadline_with_backoff_that_resets_once_accep
     a.dial_closed(second, T0 + 1)
     assert a.next_deadline() == T0 + 3  # two failures in a row: 2 s
     third = one(a.handle_timeout(T0 + 3), OpenDial).dial
-    a.dial_accepted(third, PEER_ACCEPT_METADATA, T0 + 3)
+    a.dial_accepted(third, core("b").accept_metadata, T0 + 3)
     assert a.peers["b"].state is DialState.OPEN and a.peers["b"].streams_opened == 1
     a.dial_closed(third, T0 + 4)
     assert a.next_deadline() == T0 + 5  # accepted: back to the first delay
@@ -356,7 +491,7 @@ def test_peers_follow_the_wanted_set_one_stream_each_at_its_current_address():
 def test_a_malformed_forwarded_task_gives_the_stream_up_and_the_peer_is_redialled():
     a = core("a", redial_backoff=Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0))
     dial = one(a.peers_changed({"b": "b"}, T0), OpenDial).dial
-    a.dial_accepted(dial, PEER_ACCEPT_METADATA, T0)
+    a.dial_accepted(dial, core("b").accept_metadata, T0)
     effects = a.dial_message(dial, internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     assert "broke the protocol" in one(effects, CancelDial).reason
     assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 1
@@ -369,7 +504,7 @@ def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded
     net.submit("a", "r1")
     net.run("b", net.cores["b"].drain_peers)
     assert status_reports(net.effects["b"])[-1].draining
-    assert not net.cores["a"].processor.engine("t", "e1").routable
+    assert not net.cores["a"].processor.engine("t", "e1@b").routable
     assert net.of("b", HalfCloseDial) == []  # r1 still runs
     net.run("b", lambda now: net.cores["b"].engine_result("engine:e1", http("r1"), now))
     assert len(net.of("b", HalfCloseDial)) == 1 and net.cores["b"].dialling == 0
@@ -384,20 +519,20 @@ def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
     a.dial_closed(first, T0)  # b is down
     assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 8
     stream = object()
-    a.peer_stream_opened(stream, T0 + 1)
+    a.peer_stream_opened(stream, None, T0 + 1)
     redial = one(a.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial).dial
     assert redial.attempt == 2 and a.peers["b"].state is DialState.CONNECTING
     # A peer we are connected to (or not dialling at all) is left alone when it dials in again.
     again = object()
-    a.peer_stream_opened(again, T0 + 2)
+    a.peer_stream_opened(again, None, T0 + 2)
     assert only(a.peer_stream_message(again, report("b", "e1"), T0 + 2), OpenDial) == []
     other = object()
-    a.peer_stream_opened(other, T0 + 2)
+    a.peer_stream_opened(other, None, T0 + 2)
     assert only(a.peer_stream_message(other, report("c", "e2"), T0 + 2), OpenDial) == []
     # Off (the default), the backoff runs its course.
     patient = core("a", redial_backoff=Backoff(initial=8.0, factor=2.0, cap=30.0, jitter=0.0))
     patient.dial_closed(one(patient.peers_changed({"b": "b:1"}, T0), OpenDial).dial, T0)
-    patient.peer_stream_opened(stream, T0 + 1)
+    patient.peer_stream_opened(stream, None, T0 + 1)
     assert only(patient.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial) == []
 
 
@@ -424,7 +559,7 @@ def test_start_up_learning_ends_with_404_for_a_model_no_peer_reported_in_time():
     a = core("a", learn_peers_within=5.0)
     a.peers_changed({"b": "b", "c": "c"}, T0)
     b = object()
-    a.peer_stream_opened(b, T0)
+    a.peer_stream_opened(b, None, T0)
     a.peer_stream_message(b, report("b", "e1"), T0)  # c never reports (it is down)
     assert a.availability("t", "nobody-serves-it", T0 + 1) is Availability.LEARNING
     a.submit(Client("r1"), "r1", "t", "nobody-serves-it", chat("nobody-serves-it"), {}, None, T0 + 1)

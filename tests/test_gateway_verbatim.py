@@ -50,7 +50,7 @@ class VerbatimRunner:
     def models(self, tenant):
         return ["m"]
 
-    def status(self):
+    def status(self, tenant=None):
         return {}
 
     def submit(self, submission, sink):

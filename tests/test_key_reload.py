@@ -161,13 +161,13 @@ def test_an_engine_whose_key_is_removed_loses_its_stream_and_cannot_dial_again(t
     from tests.twistd_processes import Engine, Gateway, wait_until
 
     path = tmp_path / "keys.yaml"
-    with_engine = "keys:\n  - {key: sk-admin, admin: true}\nengine_keys:\n  - {key: ek-a, tenant: a}\n"
+    with_engine = "keys:\n  - {key: sk-admin, admin: cluster}\nengine_keys:\n  - {key: ek-a, tenant: a}\n"
     path.write_text(with_engine)
     gateway = Gateway(tmp_path, api_keys=path, admin_key="sk-admin")
     engine = None
     try:
         engine = Engine(tmp_path, gateway, "e1", ["m"], key="ek-a", tenant="a")
-        rewrite(path, "keys:\n  - {key: sk-admin, admin: true}\n")
+        rewrite(path, "keys:\n  - {key: sk-admin, admin: cluster}\n")
         wait_until(lambda: "e1" not in gateway.engines("a"), "the engine to be removed", [gateway.child])
         assert "its key was removed or changed in the key file" in gateway.child.output()
         rewrite(path, with_engine)  # and back: the agent's next dial is admitted again

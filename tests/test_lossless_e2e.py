@@ -364,8 +364,8 @@ def exchange_stack(stack: tuple[RecordingRuntime, Gateway], tmp_path_factory: py
         b = Gateway(logs, name="gateway-b",
                     extra=["--peers", f"127.0.0.1:{a.internal_port}", "--status-interval", "0.2"])
         engine = Engine(logs, b, "engine-on-b", [MODEL], runtime="openai", upstream=runtime.url)
-        a.wait_for_engine("engine-on-b", children=[b.child, engine.child])
-        assert a.engines()["engine-on-b"]["locality"] == "remote"
+        a.wait_for_engine(b.remote_engine_id("engine-on-b"), children=[b.child, engine.child])
+        assert a.engines()[b.remote_engine_id("engine-on-b")]["locality"] == "remote"
         yield runtime, a
     finally:
         for child in (engine, b, a):

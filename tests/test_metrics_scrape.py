@@ -89,7 +89,7 @@ def test_the_request_log_names_the_peer_gateway_and_engine_that_served_a_request
                                 and e.get("log_logger") is not None for e in logs.events))
     served_here = [e for e in logs.events if e.get("event") == "request"]
     [line] = served_here
-    assert (line["engine_id"], line["gateway"], line["status"], line["model"]) == ("builtin-echo", "b", 200, "echo")
+    assert (line["engine_id"], line["gateway"], line["status"], line["model"]) == ("builtin-echo-b@b", "b", 200, "echo")
     assert line["queued_seconds"] is not None and line["time_to_first_token_seconds"] is not None
     samples = yield threads.deferToThread(scrape, a)
     assert samples[("infx_exchanged_tasks_total", (("direction", "out"),))] == 1

@@ -128,6 +128,6 @@ def test_an_unreachable_gateway_is_logged_once_then_the_recovery_with_its_count(
     # Once the gateway answers, one line says how often it had failed.
     [summary] = [line for line in logs.matching("connect failed") if "now stopped" in line]
     assert "happened" in summary
-    assert logs.matching("engine e1: stream 2 accepted by the gateway") or logs.matching("accepted by the gateway")
+    assert logs.matching("engine e1: connected to the gateway (stream ")
     # Nor does each dial announce its factory.
     assert not logs.matching("Starting factory <infx.transport.client._ChannelFactory")

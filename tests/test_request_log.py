@@ -49,7 +49,7 @@ class SlowTokens:
     def models(self, tenant: str) -> list[str]:
         return ["slow"]
 
-    def status(self) -> dict[str, Any]:
+    def status(self, tenant: str | None = None) -> dict[str, Any]:
         return {}
 
     def submit(self, submission: Any, sink: Any) -> Any:

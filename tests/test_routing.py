@@ -59,6 +59,32 @@ def test_two_gateways_with_the_same_engines_send_a_conversation_to_the_same_engi
         assert a.send(conversation(n))[1] == b.send(conversation(n))[1]
 
 
+def test_gateways_that_name_each_others_engines_with_the_pod_still_agree_on_every_home():
+    """A peer's engine is named id@pod here (protocol.sender.peer_engine_id); the ring hashes
+    the id it reports, so a's e0..e3 and b's e4..e7 have the same points at a and at b."""
+    drivers = {}
+    for name, mine in (("a", ENGINES[:4]), ("b", ENGINES[4:])):
+        processor = Processor(ProcessorConfig(routing=RoutingConfig(policy=RoutingPolicy.AFFINITY)))
+        for engine_id in ENGINES:
+            status = engine_status(engine_id, "m")
+            if engine_id in mine:
+                processor.update_engine(("route", engine_id), "t", status, Locality.LOCAL, 0.0)
+            else:
+                holder = "b" if name == "a" else "a"
+                processor.update_engine_as(("peer", holder), EngineKey("t", f"{engine_id}@{holder}"), status,
+                                           Locality.REMOTE, 0.0)
+        drivers[name] = processor
+
+    def reported(processor, n):
+        sent = one(processor.submit(now=0.0, task_id=f"task-{n}", tenant_id="t", request=chat(), origin="o",
+                                    hints=conversation(n)), SendTask)
+        return sent.task.engine_id
+
+    homes = [reported(drivers["a"], n) for n in range(40)]
+    assert homes == [reported(drivers["b"], n) for n in range(40)]
+    assert len(set(homes)) >= 6
+
+
 def test_the_same_choice_holds_when_loads_differ_a_little():
     a, b = Driver(gateway()), Driver(gateway())
     # Gateway a has a dozen more tasks running than b, spread over the engines.

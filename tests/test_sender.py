@@ -27,7 +27,7 @@ from protocol.processor_types import (
 )
 from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import Receiver, ReceiverConfig
-from protocol.sender import Sender
+from protocol.sender import Sender, peer_engine_id
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 
 T0 = 10.0
@@ -62,9 +62,9 @@ def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_repo
     s = Sender(p)
     s.message_received(report("pod-b", ("t", "e1", True), ("u", "e2", True)), T0)
     assert s.pod_name == "pod-b"
-    assert s.engines == {EngineKey("t", "e1"), EngineKey("u", "e2")}
+    assert s.engines == {EngineKey("t", "e1@pod-b"), EngineKey("u", "e2@pod-b")}
     assert p.engine_counts() == {("t", Locality.REMOTE): 1, ("u", Locality.REMOTE): 1}
-    assert p.engine("t", "e1").route is s
+    assert p.engine("t", peer_engine_id("e1", "pod-b")).route is s
 
 
 def test_tasks_for_the_peer_engines_are_forwarded_with_their_tenant_id():
@@ -91,8 +91,9 @@ def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
     s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")  # goes to e1 (fewest in flight, then id)
     effects = s.message_received(report("pod-b", ("t", "e2", True)), T0)
-    assert [(e.engine.engine_id, e.task.id) for e in only(effects, SendTask)] == [("e2", "a#2")]
-    assert s.engines == {EngineKey("t", "e2")}
+    assert [(e.engine.engine_id, e.task.engine_id, e.task.id) for e in only(effects, SendTask)] == [
+        ("e2@pod-b", "e2", "a#2")]
+    assert s.engines == {EngineKey("t", "e2@pod-b")}
 
 
 def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks():
@@ -101,7 +102,7 @@ def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks()
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     submit(p, "a")
     s.message_received(report("pod-b", ("t", "e1", False)), T0)
-    assert p.engine("t", "e1").in_flight == 1
+    assert p.engine("t", "e1@pod-b").in_flight == 1
     assert not only(submit(p, "b"), SendTask)
 
 
@@ -117,15 +118,31 @@ def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_o
     assert p.engine_counts() == {("t", Locality.LOCAL): 1}
 
 
-def test_a_peer_cannot_take_over_a_local_engine_or_another_peer_s_engine():
-    p = Processor()
+def test_engines_of_one_id_here_and_at_two_peers_are_three_engines_each_reached_by_the_id_it_reports():
+    """Issue 22 item 2: every gateway's built-in engine is builtin-echo, and operators reuse
+    --engine-id. Each peer's engine is named with its pod here: none shadows another."""
+    p = Processor(ProcessorConfig(max_in_flight_per_engine=1))
     p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
     first, second = Sender(p), Sender(p)
-    first.message_received(report("pod-b", ("t", "e2", True)), T0)
-    second.message_received(report("pod-c", ("t", "e1", True), ("t", "e2", True)), T0)
-    assert p.engine("t", "e1").locality is Locality.LOCAL and p.engine("t", "e2").route is first
-    second.message_received(report("pod-c"), T0)  # forgetting them must not remove them either
-    assert p.engine("t", "e1") is not None and p.engine("t", "e2") is not None
+    first.message_received(report("pod-b", ("t", "e1", True)), T0)
+    second.message_received(report("pod-c", ("t", "e1", True)), T0)
+    assert {name: p.engine("t", name).route for name in ("e1", "e1@pod-b", "e1@pod-c")} == {
+        "e1": "engine:e1", "e1@pod-b": first, "e1@pod-c": second}
+    assert p.engine_counts() == {("t", Locality.LOCAL): 1, ("t", Locality.REMOTE): 2}
+    sends = [one(submit(p, f"task-{n}"), SendTask) for n in range(3)]
+    assert sorted((send.engine.engine_id, send.task.engine_id) for send in sends) == [
+        ("e1", "e1"), ("e1@pod-b", "e1"), ("e1@pod-c", "e1")]
+    second.message_received(report("pod-c"), T0)  # pod-c's removal takes only its own
+    assert p.engine("t", "e1") is not None and p.engine("t", "e1@pod-b") is not None
+    assert p.engine("t", "e1@pod-c") is None
+
+
+def test_a_peer_that_renames_itself_on_its_stream_breaks_the_protocol():
+    """Its engines are named with its pod here: a new name on the same stream would orphan them."""
+    s = Sender(Processor())
+    s.message_received(report("pod-b", ("t", "e1", True)), T0)
+    with pytest.raises(RemoteProtocolError, match="now calls itself 'pod-x'"):
+        s.message_received(report("pod-x", ("t", "e1", True)), T0)
 
 
 def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler():
@@ -158,53 +175,65 @@ def removed(effects: list[object]) -> tuple[EngineKey, ...]:
     return one(effects, EnginesRemoved).engines
 
 
-def test_an_engine_a_peer_reported_while_it_was_attached_here_is_registered_once_the_local_one_goes():
+def test_an_engine_a_peer_reports_while_its_old_stream_here_lingers_is_reached_through_the_peer_at_once():
     """F1: e0 is attached here and also reports through pod-c (it reconnected there while its
-    old stream here lingers). When the old stream ends, pod-c's earlier report is the only
-    word of where e0 is: pod-c will not report again, since nothing changed on its side."""
+    old stream here lingers). Named with pod-c's pod, pod-c's e0 is registered at once and
+    stays when the old stream ends."""
     p = Processor(ProcessorConfig(queue_timeout=30))
     p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
     s = Sender(p)
+    s.message_received(report("pod-c", ("t", "e0", True)), T0)
+    assert s.engines == {EngineKey("t", "e0@pod-c")} and p.engine("t", "e0@pod-c").route is s
+    assert s.engines_removed(removed(p.close_route("engine:e0", "stream ended", T0)), T0) == []
+    assert p.engine("t", "e0") is None and p.engine("t", "e0@pod-c").route is s
+    assert [(e.route, e.task.engine_id) for e in only(submit(p, "a"), SendTask)] == [(s, "e0")]
+
+
+def test_a_peer_engine_whose_name_here_a_local_engine_took_is_registered_once_the_local_one_goes():
+    """A name here can still be taken (a local engine named e0@pod-c): the peer's engine waits
+    for it, from the report pod-c will not repeat, since nothing changed on its side."""
+    p = Processor(ProcessorConfig(queue_timeout=30))
+    p.update_engine("engine:x", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
+    s = Sender(p)
     assert s.message_received(report("pod-c", ("t", "e0", True)), T0) == []
-    assert p.engine("t", "e0").locality is Locality.LOCAL and s.engines == frozenset()
-    gone = removed(p.close_route("engine:e0", "stream ended", T0))
-    assert p.engine("t", "e0") is None
+    assert p.engine("t", "e0@pod-c").locality is Locality.LOCAL and s.engines == frozenset()
+    gone = removed(p.close_route("engine:x", "stream ended", T0))
     submit(p, "a")  # waits: no engine for m yet
     effects = s.engines_removed(gone, T0)
-    assert p.engine("t", "e0").route is s and p.engine("t", "e0").locality is Locality.REMOTE
-    assert s.engines == {EngineKey("t", "e0")}
-    assert [(e.route, e.task.id) for e in only(effects, SendTask)] == [(s, "a")]
+    assert p.engine("t", "e0@pod-c").route is s and s.engines == {EngineKey("t", "e0@pod-c")}
+    assert [(e.route, e.task.engine_id, e.task.id) for e in only(effects, SendTask)] == [(s, "e0", "a")]
 
 
-def test_an_engine_shadowed_by_another_peers_registration_is_registered_once_that_one_goes():
+def test_an_engine_that_moved_between_peers_is_reached_where_it_is_whichever_report_came_first():
     """The engine moved from pod-b to pod-c, and pod-c's report came first."""
     p = Processor()
     b, c = Sender(p), Sender(p)
     b.message_received(report("pod-b", ("t", "e0", True)), T0)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
-    assert p.engine("t", "e0").route is b
+    assert p.engine("t", "e0@pod-b").route is b and p.engine("t", "e0@pod-c").route is c
     gone = removed(b.message_received(report("pod-b"), T0))
-    assert c.engines_removed(gone, T0) == [] and p.engine("t", "e0").route is c
+    assert c.engines_removed(gone, T0) == [] and p.engine("t", "e0@pod-c").route is c
+    assert p.engine("t", "e0@pod-b") is None
 
 
-def test_when_the_shadowing_registration_comes_back_and_goes_again_the_peer_report_still_counts():
-    """The inverse case: pod-c's registration is overridden by a local attach (no new report
-    from pod-c), then the local stream ends: e0 is pod-c's again, from its last report."""
+def test_when_the_local_engine_that_took_a_peer_engines_name_comes_and_goes_again_the_peer_report_still_counts():
+    """The inverse case: pod-c's registration is overridden by a local attach under its name
+    (no new report from pod-c), then the local stream ends: the name is pod-c's again."""
     p = Processor()
     c = Sender(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
-    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
-    assert p.engine("t", "e0").route == "engine:e0"
-    c.engines_removed(removed(p.close_route("engine:e0", "stream ended", T0)), T0)
-    assert p.engine("t", "e0").route is c
+    p.update_engine("engine:x", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
+    assert p.engine("t", "e0@pod-c").route == "engine:x"
+    c.engines_removed(removed(p.close_route("engine:x", "stream ended", T0)), T0)
+    assert p.engine("t", "e0@pod-c").route is c
     c.message_received(report("pod-c"), T0)  # and pod-c's own removal still works
-    assert p.engine("t", "e0") is None
+    assert p.engine("t", "e0@pod-c") is None
 
 
 def test_a_sender_registers_only_what_its_peer_still_reports_and_nothing_once_closed():
     p = Processor()
-    p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
-    p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
+    p.update_engine("engine:e0", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
+    p.update_engine("engine:e1", "t", engine_status("e1@pod-d", "m"), Locality.LOCAL, T0)
     c, d = Sender(p), Sender(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
     c.message_received(report("pod-c"), T0)  # pod-c no longer has e0
@@ -222,7 +251,7 @@ def test_an_engine_that_reconnected_to_a_peer_is_reached_through_it_once_its_old
     a.engine_joins("eb")
     assert a.p.engine("t", "eb").locality is Locality.LOCAL
     a.dispatch(a.p.close_route("engine:eb", "old stream ended", network.now))
-    assert a.p.engine("t", "eb").locality is Locality.REMOTE
+    assert a.p.engine("t", "eb") is None and a.p.engine("t", "eb@pod-b").locality is Locality.REMOTE
     a.request("task-1")
     assert [t.id for t in b.engine_inbox["eb"]] == ["task-1"]
 
@@ -363,7 +392,7 @@ def net() -> tuple[Network, Gateway, Gateway]:
 
 def test_a_task_runs_end_to_end_through_the_peer_and_its_results_come_back_in_order(net):
     network, a, b = net
-    assert a.p.engine("t", "eb").locality is Locality.REMOTE
+    assert a.p.engine("t", "eb@pod-b").locality is Locality.REMOTE
     a.request("task-1", request=chat(stream=True), deadline=T0 + 20)
     forwarded = b.engine_inbox["eb"][-1]
     assert forwarded.id == "task-1" and forwarded.timeout_seconds == 20
@@ -383,7 +412,7 @@ def test_a_peer_that_cannot_run_a_task_answers_503_at_once_and_the_origin_retrie
     assert a.p.task_state("task-1") is TaskState.WAITING and a.p.counters.attempt_failures == {"runtime_busy": 1}
     network.links[0][0].local_engines_changed(network.now)  # B's report catches up
     network.pump()
-    assert a.p.engine("t", "eb") is None
+    assert a.p.engine("t", "eb@pod-b") is None
     a.engine_joins("ea")
     assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
 
@@ -406,7 +435,7 @@ def test_a_targeted_task_whose_engine_fails_on_the_peer_comes_back_as_a_503_the_
     a.request("task-1")
     a.engine_joins("ea")
     b.dispatch(b.p.remove_engine("t", "eb", "crashed", network.now))
-    assert a.p.engine("t", "eb") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
+    assert a.p.engine("t", "eb@pod-b") is None and a.p.task_state("task-1") is TaskState.RETRY_PENDING
     network.tick(RETRY_DELAY)
     assert [t.id for t in a.engine_inbox["ea"]] == ["task-1#2"]  # the retry's own wire id
     a.engine_says("ea", http("task-1#2", body=b"ok"))
@@ -429,7 +458,7 @@ def test_a_shutting_down_peer_gets_no_new_tasks_and_finishes_the_ones_it_has(net
     a.request("task-1")
     receiver.shutdown(network.now)
     network.pump()
-    assert a.p.engine("t", "eb").routable is False
+    assert a.p.engine("t", "eb@pod-b").routable is False
     a.request("task-2")
     assert a.p.task_state("task-2") is TaskState.WAITING
     assert not receiver.drained
@@ -448,7 +477,7 @@ def test_when_the_peer_stream_ends_both_sides_clean_up(net):
     b.dispatch(receiver.closed(network.now))
     assert a.failed["task-1"].status == 502  # lost after its response started: no retry
     assert b.engine_inbox["eb"][-1].request.cancel_task.task_id == "task-1"
-    assert a.p.engine("t", "eb") is None and not b.p.has_task("task-1")
+    assert a.p.engine("t", "eb@pod-b") is None and not b.p.has_task("task-1")
 
 
 def test_an_adapter_can_name_its_own_object_as_the_route_of_the_peer_engines():
@@ -456,12 +485,12 @@ def test_an_adapter_can_name_its_own_object_as_the_route_of_the_peer_engines():
     stream = object()
     s = Sender(p, route=stream)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
-    assert p.engine("t", "e1").route is stream
+    assert p.engine("t", "e1@pod-b").route is stream
     send = one(submit(p, "a"), SendTask)
     assert send.route is stream and send.task.id == "a"
     assert one(s.message_received(result_msg(http("a")), T0), DeliverResult).last
     s.closed(T0)
-    assert p.engine("t", "e1") is None
+    assert p.engine("t", "e1@pod-b") is None
 
 
 # --- two gateways, random interleavings -------------------------------------------------
@@ -567,11 +596,11 @@ def test_a_draining_peers_engines_get_no_new_tasks_whatever_readiness_they_repor
     p = Processor(ProcessorConfig(queue_timeout=5))
     s = Sender(p)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
-    assert not s.peer_draining and p.engine("t", "e1").routable
+    assert not s.peer_draining and p.engine("t", "e1@pod-b").routable
     draining = report("pod-b", ("t", "e1", True))
     draining.server_status.draining = True
     s.message_received(draining, T0)
-    assert s.peer_draining and not p.engine("t", "e1").routable
+    assert s.peer_draining and not p.engine("t", "e1@pod-b").routable
     assert not only(submit(p, "a"), SendTask)
     # The peer came back (a new process under the same name, not draining): routable again.
     assert only(s.message_received(report("pod-b", ("t", "e1", True)), T0), SendTask)

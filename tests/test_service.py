@@ -12,7 +12,7 @@ import pytest_twisted
 from twisted.internet import reactor, task, threads
 
 from infx.config import build_config
-from infx.service import build_gateway
+from infx.service import build_gateway, builtin_engine_id
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_builtin_echo_engine_answers_chat_streamed_and_not(running_gateway):
     assert (yield threads.deferToThread(streamed)) == "hello infx world"
     status = gateway.dispatcher.status()
     assert status["tasks"] == 0
-    assert list(status["tenants"]["default"]["engines"]) == ["builtin-echo"]
+    assert list(status["tenants"]["default"]["engines"]) == [builtin_engine_id(gateway.pod_name)]
 
 
 @pytest_twisted.inlineCallbacks
@@ -123,7 +123,7 @@ def test_heartbeats_keep_answering_engines_and_remove_silent_ones(running_gatewa
         assert code == grpc.StatusCode.UNAVAILABLE
         assert any(t.request.WhichOneof("request") == "heartbeat" for t in received)
         engines = gateway.dispatcher.status()["tenants"]["default"]["engines"]
-        assert "silent" not in engines and "builtin-echo" in engines
+        assert "silent" not in engines and builtin_engine_id(gateway.pod_name) in engines
         reply = yield threads.deferToThread(chat, base, model="echo")
         assert reply.choices[0].message.content == "hello infx world"
     finally:
@@ -149,7 +149,7 @@ def test_the_builtin_echo_engine_serves_the_echo_tenant_reached_with_that_tenant
     assert reply.choices[0].message.content == "hi"
     with pytest.raises(openai.NotFoundError):
         yield threads.deferToThread(chat_as, "sk-default")
-    assert list(gateway.dispatcher.status()["tenants"]["team-a"]["engines"]) == ["builtin-echo"]
+    assert list(gateway.dispatcher.status()["tenants"]["team-a"]["engines"]) == [builtin_engine_id(gateway.pod_name)]
 
 
 def test_an_echo_tenant_other_than_default_needs_a_key_file():

@@ -199,10 +199,11 @@ def test_a_sender_registers_deltas_and_removes_what_a_delta_lists_as_gone():
 
     send(("e1", True, 0), ("e2", True, 0), ("e3", True, 0), force=True)
     send(("e1", True, 0), ("e2", False, 0), ("e3", True, 0))
-    view = processor.engine("t", "e2")
+    view = processor.engine("t", "e2@gw")
     assert view is not None and not view.routable and view.locality is Locality.REMOTE
     send(("e1", True, 0), ("e2", False, 0))
-    assert processor.engine("t", "e3") is None and sender.engines == {EngineKey("t", "e1"), EngineKey("t", "e2")}
+    assert processor.engine("t", "e3@gw") is None
+    assert sender.engines == {EngineKey("t", "e1@gw"), EngineKey("t", "e2@gw")}
 
 
 # --- the receiver: coalesced load counts on a stepped clock ---------------------------------------
@@ -291,7 +292,7 @@ def test_a_sender_fed_deltas_registers_what_a_sender_fed_snapshots_does(steps, d
                 sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
         views = [processor.status()["tenants"] for _, processor in sides]
         assert views[0] == views[1]
-        assert sorted(views[0].get("t", {}).get("engines", {})) == sorted(engines)
+        assert sorted(views[0].get("t", {}).get("engines", {})) == sorted(f"{e}@gw" for e in engines)
 
 
 def test_an_engine_without_an_id_in_a_peers_report_is_a_protocol_error() -> None:

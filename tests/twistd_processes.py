@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from infx.cli import EXIT_CANNOT_LISTEN
+from infx.service import builtin_engine_id
+from protocol.sender import peer_engine_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
@@ -119,22 +121,25 @@ class Gateway:
     """``twistd -n infx`` on free loopback ports (HTTP API, engine-facing and peer-facing gRPC)."""
 
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
-                 extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None) -> None:
-        """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would.
+                 extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None,
+                 ports: tuple[int, int, int] | None = None) -> None:
+        """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would;
+        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them).
 
         Free ports are picked here and bound by the child a second or two later; another
         process may take one meanwhile (other suites share the machine). A child that exits
         saying so is started again on new ports, at most :data:`PORT_RACE_RETRIES` times."""
         self.admin_key = admin_key
+        if same_ports_as is not None:
+            ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
         for attempt in range(PORT_RACE_RETRIES + 1):
-            ports: tuple[int, int, int]
-            if same_ports_as is not None:
-                ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
+            if ports is None:
+                picked = (free_port(), free_port(), free_port())
             else:
-                ports = (free_port(), free_port(), free_port())
-            self.http_port: int = ports[0]
-            self.worker_port: int = ports[1]
-            self.internal_port: int = ports[2]
+                picked = ports
+            self.http_port: int = picked[0]
+            self.worker_port: int = picked[1]
+            self.internal_port: int = picked[2]
             args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
                     "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
                     "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1", *extra]
@@ -146,7 +151,7 @@ class Gateway:
                 return
             except ChildDied:
                 taken = self.child.process.returncode == EXIT_CANNOT_LISTEN and "is already in use" in self.child.output()
-                if not taken or same_ports_as is not None or attempt == PORT_RACE_RETRIES:
+                if not taken or ports is not None or attempt == PORT_RACE_RETRIES:
                     raise
                 self.child.log_path.rename(log_dir / f"{name}.port-taken-{attempt}.log")
 
@@ -162,6 +167,20 @@ class Gateway:
     @property
     def worker_address(self) -> str:
         return f"127.0.0.1:{self.worker_port}"
+
+    @property
+    def pod_name(self) -> str:
+        """How the gateway names itself to its peers: without POD_NAME, its internal endpoint's address."""
+        return f"127.0.0.1:{self.internal_port}"
+
+    @property
+    def builtin_engine_id(self) -> str:
+        """The id of its built-in echo engine (``--echo-models``)."""
+        return builtin_engine_id(self.pod_name)
+
+    def remote_engine_id(self, engine_id: str) -> str:
+        """What the engine ``engine_id`` attached to this gateway is named at its peers."""
+        return peer_engine_id(engine_id, self.pod_name)
 
     def readyz(self) -> int:
         return http_get(self.url + "/readyz")[0]

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities")
+    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance")
     class Model(_message.Message):
         __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips")
         class StatusDetails(_message.Message):
@@ -56,9 +56,11 @@ class EngineStatus(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     INFX_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    INFX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
     cluster_id: str
     infx_capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    infx_instance: str
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ...) -> None: ...

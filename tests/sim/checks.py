@@ -177,7 +177,7 @@ class StepChecks:
             gateway = cluster.gateways[names[index % width]]
             if not engine.up or engine.current is None or not gateway.alive:
                 return False
-            view = gateway.processor.engine(engine.tenant, engine.engine_id)
+            view = gateway.processor.engine(engine.tenant, engine.name_at(gateway.name))
             return view is None or not view.routable
         index -= pairs
         gateway = cluster.gateways[names[index // width]]

@@ -319,7 +319,7 @@ class Cluster:
             for gateway in self.gateways.values():
                 if not gateway.alive:
                     continue
-                view = gateway.processor.engine(engine.tenant, engine.engine_id)
+                view = gateway.processor.engine(engine.tenant, engine.name_at(gateway.name))
                 if view is None or not view.routable:
                     missing.append(f"{gateway.name} cannot route to {engine.name}")
         for gateway in self.gateways.values():
@@ -345,7 +345,7 @@ class Cluster:
             attached = engine.gateway_of.get(engine.current) if engine.current is not None else None
             views = []
             for gateway in self.gateways.values():
-                view = gateway.processor.engine(engine.tenant, engine.engine_id) if gateway.alive else None
+                view = gateway.processor.engine(engine.tenant, engine.name_at(gateway.name)) if gateway.alive else None
                 views.append(f"{gateway.name}:" + ("-" if view is None else
                              f"{view.locality.value}{'' if view.routable else '(not routable)'}"))
             parts.append(f"{engine.name}@{attached} {engine.core.state.value} [{' '.join(views)}]")

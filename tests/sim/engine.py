@@ -39,6 +39,7 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import is_streaming
+from protocol.sender import peer_engine_id
 from tests.sim.gateway import PROCESS_TASKS, engine_key
 from tests.sim.wire import GrpcEnd
 
@@ -129,6 +130,8 @@ class EngineNode:
         self.name = f"{tenant}/{engine_id}"
         self.max_concurrency = max_concurrency
         self.ready_override = True
+        #: Processes started for this engine so far: each draws its own instance token.
+        self.processes = 0
         self.core = self._new_core()
         self.runtime = ScriptedRuntime(self)
         # core stream id -> (connection, gRPC stream id)
@@ -144,9 +147,19 @@ class EngineNode:
         #: The process is gone (crashed) until ``restart``: nothing of it runs.
         self.crashed = False
 
+    def name_at(self, gateway: str) -> str:
+        """What ``gateway`` names this engine now: its id where it is attached, else its id scoped
+        by the gateway it is attached to (``protocol.sender.peer_engine_id``)."""
+        attached = self.gateway_of.get(self.current) if self.current is not None else None
+        return self.engine_id if attached in (None, gateway) else peer_engine_id(self.engine_id, attached)
+
     def _new_core(self) -> EngineAgentCore:
+        # A restarted process is another instance: while its old stream lingers (half-open), the
+        # gateway refuses it and probes the old one (protocol/processor.py, engine identity).
+        self.processes += 1
         return EngineAgentCore(AgentConfig(
             engine_id=self.engine_id, models=self.models, max_concurrency=self.max_concurrency,
+            instance=f"{self.name}#{self.processes}",
             status_interval=10.0, status_min_interval=0.1, reconnect_initial=0.3, reconnect_max=3.0,
             go_away_linger=2.0,
         ))

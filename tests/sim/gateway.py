@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
-from protocol.gateway_core import PEER_ACCEPT_METADATA, GatewayCore
+from protocol.gateway_core import GatewayCore
 from protocol.gateway_effects import (
     PEER_LEARNING_SECONDS,
     CancelDial,
@@ -276,7 +276,8 @@ class PeerDial:
             self.gateway.cluster.ledger.checks += 1
             engine = processor.engine(entry.tenant_id, entry.engine_status.engine_id)
             if engine is None or engine.locality is not Locality.LOCAL:
-                where = "unknown" if engine is None else engine.locality.value
+                # A peer's engine is named with its pod there: an advertised one is unknown by its id.
+                where = "not attached" if engine is None else engine.locality.value
                 self.gateway.cluster.ledger.fail(
                     NO_LOOP, f"{self.gateway.name} advertised engine {entry.engine_status.engine_id!r} "
                     f"({entry.tenant_id}) to {self.peer}, but it is {where} there")
@@ -515,10 +516,10 @@ class Gateway:
         elif event.method == PROCESS_TASKS_INTERNAL:
             stream = PeerSenderStream(self, end, event.stream_id)
             self.calls[(end, event.stream_id)] = stream
-            self.run(lambda now: self.core.peer_stream_opened(stream, now))
+            self.run(lambda now: self.core.peer_stream_opened(stream, None, now))
             if not stream.closed:
                 # Headers at once: they tell the peer's receiver the stream is accepted.
-                end.conn.send_initial_metadata(event.stream_id, PEER_ACCEPT_METADATA)
+                end.conn.send_initial_metadata(event.stream_id, self.core.accept_metadata)
         else:
             end.conn.send_status(event.stream_id, StatusCode.UNIMPLEMENTED, f"Method not found: {event.method}")
 

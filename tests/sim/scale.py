@@ -194,7 +194,7 @@ class ScaleRun:
                 return False  # no engine stops in this phase: one not attached is reconnecting
             attached = engine.gateway_of.get(engine.current)
             for gateway in live:
-                view = gateway.processor.engine(engine.tenant, engine.engine_id)
+                view = gateway.processor.engine(engine.tenant, engine.name_at(gateway.name))
                 if view is None or not view.routable:
                     return False
                 if (view.locality is Locality.LOCAL) != (gateway.name == attached):

@@ -66,7 +66,7 @@ def start_gateway(log_dir: Path, stuck_timeout: str) -> tuple[Gateway, Target]:
     extra = ["--echo-models", "m", "--echo-token-delay", "0", "--internal-secret", secret,
              "--route-stuck-timeout", stuck_timeout, "--queue-timeout", "5"]
     gateway = Gateway(log_dir, api_keys=keys, admin_key=client_key, extra=extra)
-    gateway.wait_for_engine("builtin-echo")
+    gateway.wait_for_engine(gateway.builtin_engine_id)
     return gateway, Target("127.0.0.1", gateway.http_port, gateway.worker_port, gateway.internal_port,
                            engine_key=engine_key, client_key=client_key, internal_secret=secret)
 
