@@ -81,6 +81,7 @@ from protocol.grpc_metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 __all__ = [
     "PROCESS_TASKS_INTERNAL",
@@ -100,13 +101,16 @@ class ExchangerConfig:
     """How this gateway's peer streams are authenticated and named in logs.
 
     ``pod_name`` names this gateway; ``secret``, when set, is required of
-    peers as ``authorization: Bearer <secret>`` and presented to them. What
-    the core needs (status interval, redial backoff) is in its
+    peers as ``authorization: Bearer <secret>`` and presented to them;
+    ``max_queued_bytes`` is what a peer's stream may hold queued before it
+    refuses tasks (see :class:`~infx.dispatcher.StreamSendGate`). What the
+    core needs (status interval, redial backoff) is in its
     :class:`~protocol.gateway_effects.CoreConfig`.
     """
 
     pod_name: str
     secret: str | None = None
+    max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -124,7 +128,8 @@ class PeerStream:
     it drains again.
     """
 
-    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None) -> None:
+    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None,
+                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         #: The peer's pod name, from its first report.
         self.pod_name = ""
@@ -133,12 +138,20 @@ class PeerStream:
         self._reading: Deferred[None] | None = None
         self._handling = False
         self._on_drained = on_drained
-        self._gate = StreamSendGate(call, self._drained)
+        self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
 
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
             return SendOutcome.GONE
-        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id))
+        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id), task.id)
+
+    def withdraw_task(self, wire_id: str) -> bool:
+        return not self.closed and self._gate.withdraw(wire_id)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes queued for the peer that it has not taken yet."""
+        return self._gate.queued_bytes
 
     def _drained(self) -> None:
         if not self.closed and self._on_drained is not None:
@@ -444,7 +457,7 @@ class Exchanger:
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         call.authenticated()
         core = self.dispatcher.core
-        stream = PeerStream(call, self.dispatcher.route_writable)
+        stream = PeerStream(call, self.dispatcher.route_writable, self.config.max_queued_bytes)
         self.streams.add(stream)
         self.dispatcher.run(lambda now: core.peer_stream_opened(stream, now))
         if not stream.closed:
