@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from infx.gateway_site import MAX_PIPELINED_REQUESTS
 from tests.twistd_processes import Gateway
 from tools.bench import attacks
 from tools.bench.attacks import CANCEL, ENHANCE_YOUR_CALM, LegitimateClient, Outcome, Target, Wire
@@ -182,6 +183,15 @@ def test_a_100_gib_content_length_gets_413_and_the_connection_closes(under_attac
 
 def test_http_slowloris_does_not_disturb_the_legitimate_client(under_attack):
     under_attack(attacks.http_slowloris)
+
+
+def test_pipelined_gets_whose_answers_are_not_read_get_a_few_answers_and_a_close(under_attack):
+    """Issue #22 item 6: 5,000 GETs pipelined on one connection that reads none of the answers
+    were all answered (one after the other, before any other connection was served). The
+    gateway answers a run of MAX_PIPELINED_REQUESTS, the last with ``Connection: close``."""
+    outcome = under_attack(attacks.http_pipeline_flood)
+    assert outcome.http_statuses == {200: MAX_PIPELINED_REQUESTS}, outcome.summary()
+    assert outcome.closed == 1, outcome.summary()
 
 
 # --- what held before issue #13, kept ---------------------------------------------------

@@ -40,6 +40,8 @@ PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalServic
 SINK_MODEL = "sink"
 #: Seconds a well-behaved peer's send may wait for the gateway to read (generous: a loaded machine).
 SEND_TIMEOUT = 10.0
+#: Seconds without a byte from the gateway after which the pipelining attacker takes it as done.
+QUIET = 0.5
 #: Seconds an attack waits, once it stopped, for the gateway to end a connection it ought to end
 #: (generous: a loaded machine; the wait ends as soon as the connection does).
 CLOSE_WAIT = 10.0
@@ -563,6 +565,49 @@ def http_huge_content_length(target: Target, seconds: float) -> Outcome:
                          b"x" * MiB)
 
 
+def http_pipeline_flood(target: Target, seconds: float, requests: int = 5000, path: str = "/v1/models") -> Outcome:
+    """``requests`` GETs pipelined on one connection that reads none of the answers while the
+    gateway writes them. Once no answer came for ``QUIET`` seconds (the gateway is done with
+    them, or waits for them to be read), or after ``seconds``, what came is read and each
+    answer's status counted; the connection counts as closed if the gateway closed it."""
+    import fcntl
+    import termios
+
+    outcome = Outcome(f"HTTP {requests} pipelined GETs, answers unread")
+    started = time.monotonic()
+    wire = Wire(target.host, target.http_port, outcome, send_timeout=seconds)
+    head = f"GET {path} HTTP/1.1\r\nHost: {target.host}\r\n{_auth_header(target)}\r\n".encode()
+    wire.send(head * requests)  # what the gateway does not read within ``seconds`` is dropped
+
+    def unread() -> int:
+        return int.from_bytes(fcntl.ioctl(wire.sock.fileno(), termios.FIONREAD, b"\0" * 4), "little")
+
+    last, since = -1, time.monotonic()
+    while (now := time.monotonic()) < started + seconds:
+        if (queued := unread()) != last:
+            last, since = queued, now
+        elif now - since >= QUIET:
+            break
+        time.sleep(0.02)
+    data = b""
+    wire.sock.settimeout(QUIET)
+    while True:
+        try:
+            chunk = wire.sock.recv(1 << 20)
+        except socket.timeout:
+            break
+        except OSError:  # reset once our unread requests met its close: what came before was read
+            chunk = b""
+        if not chunk:
+            wire._lost()
+            break
+        data += chunk
+    for answer in data.split(b"HTTP/1.1 ")[1:]:
+        outcome.http_statuses[int(answer[:3])] += 1
+    wire.close()
+    return outcome
+
+
 def _endless_body(target: Target, seconds: float, name: str, framing: str, chunk: bytes) -> Outcome:
     """A chat POST whose body (framed by the ``framing`` header) is ``chunk`` sent again and again."""
     outcome = Outcome(name)
@@ -799,6 +844,7 @@ def catalogue(ports: tuple[str, ...] = ("worker", "internal")) -> list[tuple[str
         ("endless-chunked", "http", http_endless_chunked),
         ("content-length-100gib", "http", http_huge_content_length),
         ("http-slowloris", "http", http_slowloris),
+        ("http-pipeline-flood", "http", http_pipeline_flood),
     ]
     return entries
 
