@@ -137,7 +137,8 @@ class GatewayChannel(http.HTTPChannel):
     _turn: IDelayedCall | None = None
 
     def requestDone(self, request: http.Request) -> None:
-        waiting = bool(self._dataBuffer or self._buffer)
+        # (A body that ended exactly with its request leaves an empty piece in _dataBuffer.)
+        waiting = any(self._dataBuffer) or bool(self._buffer)
         if waiting and self.persistent:
             # Hold the parser (the rest stays buffered) before Twisted replays the buffered bytes.
             self.paused = True

@@ -33,6 +33,9 @@ class Answers(resource.Resource):
             return server.NOT_DONE_YET
         return b"answer " + request.path
 
+    def render_POST(self, request: server.Request) -> bytes:
+        return b"posted " + request.content.read()
+
     def finish_later(self) -> None:
         for request in self.later:
             request.write(b"answer " + request.path)
@@ -135,6 +138,19 @@ def test_a_client_that_waits_for_each_answer_is_never_capped():
     for n in range(3 * MAX_PIPELINED_REQUESTS):
         link.send(f"/now/{n}")
         link.turns(1)
+    assert len(link.answers()) == 3 * MAX_PIPELINED_REQUESTS
+    assert not any(link.closes()) and not link.transport.disconnecting
+
+
+def test_a_client_that_posts_bodies_and_waits_for_each_answer_is_never_capped():
+    """A body that ends exactly where its request does leaves nothing waiting behind it."""
+    link = Connection()
+    for n in range(3 * MAX_PIPELINED_REQUESTS):
+        body = b"body %d" % n
+        link.protocol.dataReceived(b"POST /now/%d HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n%s"
+                                   % (n, len(body), body))
+        link.turns(1)
+    assert link.answers()[-1] == b"posted body %d" % (3 * MAX_PIPELINED_REQUESTS - 1)
     assert len(link.answers()) == 3 * MAX_PIPELINED_REQUESTS
     assert not any(link.closes()) and not link.transport.disconnecting
 
