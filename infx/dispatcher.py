@@ -49,7 +49,6 @@ from protocol.gateway_effects import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor import Processor
-from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.processor_types import (
     CancelTaskOnEngine,
     CloseEngine,
@@ -60,6 +59,7 @@ from protocol.processor_types import (
     SendTask,
     TaskQueued,
 )
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 log = Logger()
 

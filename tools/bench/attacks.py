@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 import hpack
 
@@ -692,9 +693,15 @@ class H2Peer:
         self._flush()
 
     def open_window(self, stream_id: int, size: int) -> None:
-        """Let the gateway send ``size`` more bytes on ``stream_id`` (and on the connection)."""
+        """Let the gateway send ``size`` more bytes on ``stream_id`` (and on the connection),
+        unless the stream has ended (then nothing more comes on it)."""
+        if self.gone or stream_id in self.ended:
+            return
         self.conn.increment_flow_control_window(size)
-        self.conn.increment_flow_control_window(size, stream_id=stream_id)
+        try:
+            self.conn.increment_flow_control_window(size, stream_id=stream_id)
+        except h2.exceptions.StreamClosedError:
+            self.ended.add(stream_id)
         self._flush()
 
     def window(self, stream_id: int) -> int:
