@@ -459,7 +459,6 @@ class GrpcConnection(ReceivingConnection):
             first = PREFIX.pack(flag, len(data)) + data
             call.pending.append(first)
         call.pending_bytes += 5 + len(data)
-        call.drain_owed = False
         if key is not None:
             if call.queued_by_key is None or call.key_by_part is None:
                 call.queued_by_key, call.key_by_part = {}, {}

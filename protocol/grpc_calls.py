@@ -370,9 +370,10 @@ class ConnectionCore:
                 self._write_status(call, end)
                 return
         if call.drain_owed:
-            # Emptied by withdrawals: drained once the peer takes bytes again, not before (a
-            # peer that reads nothing must not look like one that drains).
-            if h2conn.local_flow_control_window(stream_id) <= 0:
+            # Emptied by withdrawals: drained once the peer takes bytes again (it just took
+            # some, or its window is open), not before: a peer that reads nothing must not
+            # look like one that drains.
+            if not handed and h2conn.local_flow_control_window(stream_id) <= 0:
                 return
             call.drain_owed = False
         self._events.append(SendBufferDrained(stream_id))

@@ -149,7 +149,8 @@ class CallState:
         self.queued_by_key: dict[Hashable, bytes] | None = None
         self.key_by_part: dict[int, Hashable] | None = None
         # The queue was emptied by withdrawing messages, not by the peer
-        # reading: SendBufferDrained waits until the peer's window is open.
+        # reading: SendBufferDrained waits until the peer takes bytes again
+        # (messages queued since are handed over, or its window is open).
         self.drain_owed = False
         self.unacked = 0
         self.remote_closed = False
