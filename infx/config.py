@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.routing import RoutingConfig, RoutingPolicy
 from protocol.routing_hints import HintsConfig
 
@@ -123,6 +124,10 @@ class GatewayConfig:
     #: Seconds an engine's or peer's stream may stay blocked (not reading what it is sent)
     #: before it is closed and its tasks fail over; a blocked stream gets no new tasks.
     route_stuck_timeout: float | None = 30.0
+    #: Bytes of tasks an engine's or peer's stream may hold queued (not yet taken by its
+    #: flow-control window) before it refuses more; a task whose request ended is taken
+    #: back from the queue unsent.
+    route_max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;

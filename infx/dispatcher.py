@@ -62,12 +62,9 @@ from protocol.processor_types import (
     SendTask,
     TaskQueued,
 )
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 log = Logger()
-
-#: Bytes a route's stream may hold queued (not yet taken by its peer's flow control) before
-#: it refuses further tasks, which the processor then routes elsewhere.
-MAX_ROUTE_QUEUED_BYTES = 4 * 1024 * 1024
 
 
 class SendOutcome(enum.Enum):
@@ -85,6 +82,10 @@ class EngineRoute(Protocol):
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         """Queue ``task`` for sending, or say why not; a route that answers BLOCKED
         calls :meth:`Dispatcher.route_writable` once its stream drains."""
+
+    def withdraw_task(self, wire_id: str) -> bool:
+        """Take the task sent as ``wire_id`` back if it still waits whole in the stream's
+        queue (its engine never sees it); whether it did."""
 
     def close(self, reason: str) -> None:
         """End the route (the processor gave up on its engine)."""
@@ -106,6 +107,9 @@ class StreamSendGate:
     flow-control window is shut, or the transport is paused): the gate is blocked
     until it fires, and while blocked refuses a task once ``max_queued_bytes`` are
     queued, so a peer that never reads holds at most that much (plus one task).
+    Each task is queued under its wire id, so that one whose request ended can be
+    withdrawn while none of it went out (:meth:`withdraw`): what a peer that reads
+    nothing holds drops to nothing once the requests sent its way have ended.
     """
 
     def __init__(self, call: Any, on_drained: Callable[[], None],
@@ -115,10 +119,10 @@ class StreamSendGate:
         self.max_queued_bytes = max_queued_bytes
         self.blocked = False
 
-    def send(self, message: Any) -> SendOutcome:
+    def send(self, message: Any, wire_id: str) -> SendOutcome:
         if self.blocked and self.call.buffered_amount >= self.max_queued_bytes:
             return SendOutcome.REFUSED
-        sent = self.call.send(message)
+        sent = self.call.send(message, key=wire_id)
         if sent.called and not self.blocked:
             sent.addErrback(lambda _: None)
             return SendOutcome.SENT
@@ -129,6 +133,16 @@ class StreamSendGate:
             # An error means the call ended: the route's close reports that, not a drain.
             sent.addCallbacks(self._drained, lambda _: None)
         return SendOutcome.BLOCKED
+
+    def withdraw(self, wire_id: str) -> bool:
+        """Take the task sent as ``wire_id`` back if none of it went out; whether it did.
+        The gate stays blocked: only the peer reading again unblocks it."""
+        return bool(self.call.withdraw(wire_id))
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes queued on the stream that its peer has not taken yet."""
+        return int(self.call.buffered_amount)
 
     def _drained(self, _: object) -> None:
         self.blocked = False
@@ -227,10 +241,14 @@ class Dispatcher:
             origin = effect.origin  # type: ignore[assignment]
             origin.request_failed(effect)
         elif isinstance(effect, CancelTaskOnEngine):
+            route = effect.route  # type: ignore[assignment]
+            if route.withdraw_task(effect.cancelled_task_id):
+                # Its engine never saw the task: neither the task nor a cancel goes out.
+                self.metrics.withdrawn_tasks.inc()
+                self._perform_later(self.core.cancel_unsent(route, effect.task.id, self.clock.seconds()))
             # Best effort: a cancel the route refuses is dropped, but a stream it shows
             # to be blocked is blocked for tasks too.
-            route = effect.route  # type: ignore[assignment]
-            if route.send_task(effect.task, effect.engine.tenant_id) is SendOutcome.BLOCKED:
+            elif route.send_task(effect.task, effect.engine.tenant_id) is SendOutcome.BLOCKED:
                 self._blocked(route)
         elif isinstance(effect, CloseEngine):
             route = effect.route  # type: ignore[assignment]

@@ -84,6 +84,7 @@ from protocol.grpc_metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 __all__ = [
     "PROCESS_TASKS_INTERNAL",
@@ -106,7 +107,9 @@ class ExchangerConfig:
     peers as ``authorization: Bearer <secret>`` and presented to them;
     ``peer_port``, the port of this gateway's internal server, goes in the
     headers of every stream it dials, so that a peer that does not dial it
-    dials it back (:mod:`protocol.dial_backs`). What the core needs (status
+    dials it back (:mod:`protocol.dial_backs`); ``max_queued_bytes`` is what
+    a peer's stream may hold queued before it refuses tasks (see
+    :class:`~infx.dispatcher.StreamSendGate`). What the core needs (status
     interval, redial backoff) is in its
     :class:`~protocol.gateway_effects.CoreConfig`.
     """
@@ -114,6 +117,7 @@ class ExchangerConfig:
     pod_name: str
     secret: str | None = None
     peer_port: int | None = None
+    max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -131,7 +135,8 @@ class PeerStream:
     it drains again.
     """
 
-    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None) -> None:
+    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None,
+                 max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         #: The peer's pod name, from its first report.
         self.pod_name = ""
@@ -140,12 +145,20 @@ class PeerStream:
         self._reading: Deferred[None] | None = None
         self._handling = False
         self._on_drained = on_drained
-        self._gate = StreamSendGate(call, self._drained)
+        self._gate = StreamSendGate(call, self._drained, max_queued_bytes)
 
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
             return SendOutcome.GONE
-        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id))
+        return self._gate.send(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id=tenant_id), task.id)
+
+    def withdraw_task(self, wire_id: str) -> bool:
+        return not self.closed and self._gate.withdraw(wire_id)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes queued for the peer that it has not taken yet."""
+        return self._gate.queued_bytes
 
     def _drained(self) -> None:
         if not self.closed and self._on_drained is not None:
@@ -459,7 +472,7 @@ class Exchanger:
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         call.authenticated()
         core = self.dispatcher.core
-        stream = PeerStream(call, self.dispatcher.route_writable)
+        stream = PeerStream(call, self.dispatcher.route_writable, self.config.max_queued_bytes)
         self.streams.add(stream)
         dial_back = dial_back_address(call.metadata, str(call.peer).rsplit(":", 1)[0])
         self.dispatcher.run(lambda now: core.peer_stream_opened(stream, dial_back, now))

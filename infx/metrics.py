@@ -74,6 +74,8 @@ PROCESSOR_LABELLED_COUNTERS = {
 
 GaugeSource = Callable[[], Iterable[tuple[str, tuple[str, ...], int]]]
 CounterSource = Callable[[], Any]
+#: (route kind, bytes queued on one route) for every open route.
+RouteQueueSource = Callable[[], Iterable[tuple[str, int]]]
 
 
 def version() -> str:
@@ -114,12 +116,35 @@ class _ProcessorMetrics(Collector):
             yield family
 
 
+class _RouteQueues(Collector):
+    """Reads the bytes queued on engine and peer streams at scrape time."""
+
+    def __init__(self, source: RouteQueueSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "infx_route_queued_bytes",
+            "Bytes of tasks queued on engine (route=engine) and peer (route=peer) streams that they have not "
+            "taken yet.", labels=["route"])
+        totals: Tally[str] = Tally({"engine": 0, "peer": 0})
+        for route, queued in self.source():
+            totals[route] += queued
+        for route, queued in sorted(totals.items()):
+            family.add_metric([route], queued)
+        yield family
+
+
 class GatewayMetrics:
     """Request, task, engine and exchange metrics of the gateway."""
 
     def watch(self, gauges: GaugeSource, counters: CounterSource) -> None:
         """Export the processor's queued/in-flight/engine counts and its counters, read at each scrape."""
         self.registry.register(_ProcessorMetrics(gauges, counters))
+
+    def watch_route_queues(self, source: RouteQueueSource) -> None:
+        """Export the bytes queued on each kind of route (``engine``, ``peer``), read at each scrape."""
+        self.registry.register(_RouteQueues(source))
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, looked up once per label set (``labels()`` validates and locks
@@ -168,6 +193,11 @@ class GatewayMetrics:
         self.exchanged = Counter(
             "infx_exchanged_tasks", "Tasks sent to a peer gateway (out) or received from one (in).",
             ["direction"], registry=registry,
+        )
+        self.withdrawn_tasks = Counter(
+            "infx_route_withdrawn_tasks",
+            "Tasks taken back unsent from an engine's or peer's stream: their request ended before it read them.",
+            registry=registry,
         )
         self.slow_clients = Counter(
             "infx_slow_client_aborts", "Streams ended because the client read too slowly.", registry=registry,

@@ -186,12 +186,14 @@ class GatewayService(service.MultiService):
             require_authentication=True,
         )
         self.worker_server = GrpcServer(reactor, grpc_config)
-        self.workers = WorkerService(self.dispatcher, keys)
+        self.workers = WorkerService(self.dispatcher, keys, config.route_max_queued_bytes)
         self.workers.register(self.worker_server)
         self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server)
         self.worker_grpc.setServiceParent(self)
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
         self._build_exchange(self.pod_name)
+        self.metrics.watch_route_queues(lambda: [("engine", stream.queued_bytes) for stream in self.workers.streams]
+                                        + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
 
@@ -366,7 +368,8 @@ class GatewayService(service.MultiService):
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
-            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port()),
+            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port(),
+                            max_queued_bytes=config.route_max_queued_bytes),
             self._peer_source, self._peer_channel,
         )
         self.exchanger.register(self.internal_server)

@@ -112,6 +112,9 @@ class Options(VersionOption, usage.Options):
         ["route-stuck-timeout", None, None,
          "Seconds an engine or peer may leave its stream unread before it is closed and its tasks "
          f"fail over [default: {_DEFAULTS.route_stuck_timeout:g}]."],
+        ["route-max-queued-bytes", None, None,
+         "Bytes of tasks an engine's or peer's stream may hold unread before it takes no more; "
+         f"a task whose request ended is taken back unsent [default: {_DEFAULTS.route_max_queued_bytes}]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,

@@ -13,12 +13,13 @@ from typing import Any, Callable
 from twisted.logger import Logger
 
 from infx.auth import KeyStore
-from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES, Dispatcher, SendOutcome, StreamSendGate
+from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
 from protocol.processor_types import Locality
 from protocol.repeats import RepeatSuppressor
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 log = Logger()
 
@@ -58,7 +59,15 @@ class EngineStream:
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         if self.closed:
             return SendOutcome.GONE
-        return self._gate.send(worker_pb2.ProcessTasksResponse(new_task=task))
+        return self._gate.send(worker_pb2.ProcessTasksResponse(new_task=task), task.id)
+
+    def withdraw_task(self, wire_id: str) -> bool:
+        return not self.closed and self._gate.withdraw(wire_id)
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes queued for the engine that it has not taken yet."""
+        return self._gate.queued_bytes
 
     def _drained(self) -> None:
         if not self.closed and self._on_drained is not None:

@@ -313,6 +313,15 @@ class GatewayCore:
         self._absorb(self.processor.dispatch_failed(wire_id, "engine stream closed", route=route, now=now), now, out)
         return self._after(now, out)
 
+    def cancel_unsent(self, route: Route, cancel_wire_id: str, now: float) -> list[CoreEffect]:
+        """The task a ``CancelTaskOnEngine`` stops was taken back from its route's queue
+        before any of it was sent, so the cancel (``cancel_wire_id``) is not sent either:
+        no answer to it will come."""
+        out: list[CoreEffect] = []
+        self._absorb(self.processor.dispatch_failed(cancel_wire_id, "its task was withdrawn unsent",
+                                                    route=route, now=now), now, out)
+        return self._after(now, out)
+
     def task_refused(self, route: Route, wire_id: str, now: float) -> list[CoreEffect]:
         """A route at its cap of queued bytes did not take a ``SendTask``: routed again at once
         (an HTTP request's wait in the queue goes on)."""

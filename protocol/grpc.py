@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import struct
 import zlib
+from collections.abc import Hashable
 
 import h2.exceptions
 
@@ -416,12 +417,16 @@ class GrpcConnection(ReceivingConnection):
         trailers = checked_metadata(trailers)
         self._queue_status(call, StatusCode(code), message, trailers)
 
-    def send_message(self, stream_id: int, data: bytes, *, compress: bool = False) -> None:
+    def send_message(self, stream_id: int, data: bytes, *, compress: bool = False,
+                     key: Hashable | None = None) -> None:
         """Send one message.  It is handed to HTTP/2 at the next
         :meth:`data_to_send` (so a burst of messages shares DATA frames) and
         stays queued while flow control forbids sending.
 
         ``compress`` compresses with the call's encoding when it has one.
+        ``key`` (unique among the call's queued messages) lets
+        :meth:`withdraw_message` take the message back while none of it was
+        handed to HTTP/2.
         Raises :class:`MessageTooLarge` over ``max_send_message_length``.
         """
         if self._ended_unseen(stream_id):
@@ -433,6 +438,8 @@ class GrpcConnection(ReceivingConnection):
         if limit is not None and len(data) > limit:
             raise MessageTooLarge(
                 f"message of {len(data)} bytes is over the send limit of {limit}")
+        if key is not None and call.queued_by_key is not None and key in call.queued_by_key:
+            raise LocalProtocolError(f"a message keyed {key!r} is queued on stream {stream_id} already")
         if call.phase is Phase.WAITING_HEADERS and not self._client:
             self._send_response_headers(call, (), None)
         flag = 0
@@ -443,13 +450,49 @@ class GrpcConnection(ReceivingConnection):
         # DATA frames, which is most of the cost for small messages.  A large
         # payload stays a separate (immutable) buffer that is written by
         # reference, never joined with its prefix.
+        first: bytes
         if len(data) >= DIRECT_DATA_MIN:
-            call.pending.append(PREFIX.pack(flag, len(data)))
+            first = PREFIX.pack(flag, len(data))
+            call.pending.append(first)
             call.pending.append(data if type(data) is bytes else bytes(data))
         else:
-            call.pending.append(PREFIX.pack(flag, len(data)) + data)
+            first = PREFIX.pack(flag, len(data)) + data
+            call.pending.append(first)
         call.pending_bytes += 5 + len(data)
+        if key is not None:
+            if call.queued_by_key is None or call.key_by_part is None:
+                call.queued_by_key, call.key_by_part = {}, {}
+            call.queued_by_key[key] = first
+            call.key_by_part[id(first)] = key
         self._dirty[stream_id] = call
+
+    def withdraw_message(self, stream_id: int, key: Hashable) -> bool:
+        """Take back the message queued with ``key``, if none of its bytes went to
+        HTTP/2 yet; whether it did (False for an unknown key, a message handed over
+        in whole or in part, or a call that ended).
+
+        A queue emptied this way is not a drained one: SendBufferDrained follows
+        only once the peer's window for the call is open (it may read again).
+        """
+        call = self._calls.get(stream_id)
+        if call is None or call.queued_by_key is None or call.key_by_part is None:
+            return False
+        first = call.queued_by_key.pop(key, None)
+        if first is None:
+            return False
+        del call.key_by_part[id(first)]
+        pending = call.pending
+        index = next(i for i, part in enumerate(pending) if part is first)
+        # A large message is its prefix and then its payload (see send_message); the prefix
+        # of any other message is joined with its payload.
+        count = 2 if len(first) == PREFIX.size and PREFIX.unpack(first)[1] else 1
+        for _ in range(count):
+            call.pending_bytes -= len(pending[index])
+            del pending[index]
+        if not pending:
+            call.drain_owed = True
+            self._dirty[stream_id] = call
+        return True
 
     def buffered_amount(self, stream_id: int) -> int:
         """Bytes of this call's messages not yet handed to HTTP/2 (queued

@@ -140,7 +140,7 @@ class ConnectionCore:
             dirty = self._dirty
             self._dirty = {}
             for call in dirty.values():
-                if call.pending and call.stream_id in self._calls:
+                if (call.pending or call.drain_owed) and call.stream_id in self._calls:
                     self._flush(call)
 
     def _send_response_headers(self, call: CallState, metadata: Metadata,
@@ -239,8 +239,7 @@ class ConnectionCore:
         if self._calls.pop(call.stream_id, None) is None:
             return
         self._drop_partial(call)
-        call.pending.clear()
-        call.pending_bytes = 0
+        call.clear_queue()
         returned = call.unacked + self._acks.pop(call.stream_id, 0)
         if returned:
             self._h2.acknowledge_received_data(returned, call.stream_id)
@@ -278,8 +277,7 @@ class ConnectionCore:
             self._reset_quietly(call.stream_id, ERR.CANCEL)
             self._end_call(call, code, message, (), cause)
             return
-        call.pending.clear()
-        call.pending_bytes = 0
+        call.clear_queue()
         call.pending_end = None
         self._events.append(CallEnded(call.stream_id, code, message, (), cause))
         self._just_ended.add(call.stream_id)
@@ -308,14 +306,16 @@ class ConnectionCore:
             # The peer closed the stream in the input being processed (e.g.
             # a trailers-only rejection arriving with a window update); its
             # event ends the call, so what was queued is dropped.
-            call.pending.clear()
-            call.pending_bytes = 0
+            call.clear_queue()
             call.pending_end = None
 
     def _flush_stream(self, call: CallState) -> None:
         h2conn = self._h2
         stream_id = call.stream_id
         pending = call.pending
+        # A message handed to HTTP/2, even in part, can no longer be withdrawn.
+        key_by_part = call.key_by_part
+        handed = False
         while pending:
             window = h2conn.local_flow_control_window(stream_id)
             if window <= 0:
@@ -334,6 +334,8 @@ class ConnectionCore:
                     # (:meth:`_reassemble`).
                     break
                 room = limit - size
+                if key_by_part:
+                    self._unkey(call, part)
                 if len(part) > room:
                     view = part if isinstance(part, memoryview) else memoryview(part)
                     parts.append(view[:room])
@@ -346,6 +348,7 @@ class ConnectionCore:
                 if large:
                     break
             call.pending_bytes -= size
+            handed = True
             if size >= DIRECT_DATA_MIN:
                 h2conn.send_data_parts(stream_id, parts, size)
             else:
@@ -356,7 +359,8 @@ class ConnectionCore:
                     call.pending_end = None
                 h2conn.send_data(stream_id, parts[0] if len(parts) == 1 else b"".join(parts),
                                  end_stream=end_here)
-        self._sent_frames()
+        if handed:
+            self._sent_frames()
         end = call.pending_end
         if end is not None:
             call.pending_end = None
@@ -365,9 +369,25 @@ class ConnectionCore:
             elif isinstance(end, list):
                 self._write_status(call, end)
                 return
+        if call.drain_owed:
+            # Emptied by withdrawals: drained once the peer takes bytes again (it just took
+            # some, or its window is open), not before: a peer that reads nothing must not
+            # look like one that drains.
+            if not handed and h2conn.local_flow_control_window(stream_id) <= 0:
+                return
+            call.drain_owed = False
         self._events.append(SendBufferDrained(stream_id))
+
+    @staticmethod
+    def _unkey(call: CallState, part: bytes | memoryview) -> None:
+        """``part`` goes to HTTP/2 (in whole or in part): its message, if keyed, is no longer
+        withdrawable."""
+        assert call.key_by_part is not None and call.queued_by_key is not None
+        key = call.key_by_part.pop(id(part), None)
+        if key is not None:
+            del call.queued_by_key[key]
 
     def _flush_all(self) -> None:
         for call in list(self._calls.values()):
-            if call.pending and call.stream_id in self._calls:
+            if (call.pending or call.drain_owed) and call.stream_id in self._calls:
                 self._flush(call)

@@ -247,7 +247,7 @@ class ReceivingConnection(ConnectionCore):
             self._flush_all()
         else:
             call = self._calls.get(stream_id)
-            if call is not None and call.pending:
+            if call is not None and (call.pending or call.drain_owed):
                 self._flush(call)
 
     def _on_settings_changed(self, event: h2.events.RemoteSettingsChanged, now: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections import deque
+from collections.abc import Hashable
 
 import h2.errors
 
@@ -116,7 +117,7 @@ class CallState:
         "accept_encodings", "buf", "parts", "have", "need", "msg_flag", "in_body",
         "discarding",
         "pending", "pending_bytes", "pending_end", "unacked", "remote_closed",
-        "local_closed", "window_announced",
+        "local_closed", "window_announced", "queued_by_key", "key_by_part", "drain_owed",
     )
 
     def __init__(self, stream_id: int, deadline: float | None) -> None:
@@ -141,12 +142,29 @@ class CallState:
         self.pending: deque[bytes | memoryview] = deque()
         self.pending_bytes = 0
         self.pending_end: list[tuple[bytes, bytes]] | bool | None = None
+        # Messages queued with a key (``send_message(key=...)``) and none of
+        # whose bytes went to HTTP/2 yet: key -> the message's first queued
+        # buffer, and that buffer's id -> key (the send path forgets a key as
+        # it hands the buffer over). None until a keyed message is queued.
+        self.queued_by_key: dict[Hashable, bytes] | None = None
+        self.key_by_part: dict[int, Hashable] | None = None
+        # The queue was emptied by withdrawing messages, not by the peer
+        # reading: SendBufferDrained waits until the peer takes bytes again
+        # (messages queued since are handed over, or its window is open).
+        self.drain_owed = False
         self.unacked = 0
         self.remote_closed = False
         self.local_closed = False
         # grpc-core opens each stream's window by the 5 bytes of the first
         # message prefix it will read: one tiny WINDOW_UPDATE that is no flood.
         self.window_announced = False
+
+    def clear_queue(self) -> None:
+        """Drop every queued message (the call ended, or was reset)."""
+        self.pending.clear()
+        self.pending_bytes = 0
+        self.queued_by_key = self.key_by_part = None
+        self.drain_owed = False
 
 
 def header_map(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from protocol.processor_types import Route
 
-__all__ = ["RouteFlow"]
+__all__ = ["MAX_ROUTE_QUEUED_BYTES", "RouteFlow"]
+
+#: Bytes of tasks a route's stream may hold queued (not yet taken by its peer's flow
+#: control) before it refuses further tasks, which are then routed elsewhere; one task
+#: more may be queued past it. The default of ``--route-max-queued-bytes``.
+MAX_ROUTE_QUEUED_BYTES = 4 * 1024 * 1024
 
 
 class RouteFlow:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from infx.gateway_site import MAX_PIPELINED_REQUESTS
 from tests.twistd_processes import Gateway
 from tools.bench import attacks
 from tools.bench.attacks import CANCEL, ENHANCE_YOUR_CALM, LegitimateClient, Outcome, Target, Wire
@@ -124,6 +125,52 @@ def test_a_zero_window_engine_or_peer_is_closed_and_its_tasks_end(under_attack, 
     assert gateway.wait_until_idle()["tasks"] == 0
 
 
+@pytest.fixture(scope="module")
+def patient_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """A gateway as the module's, but that closes no stuck stream within a test: what it
+    holds for a peer that reads nothing is what it queued, not what a reset freed."""
+    log_dir = tmp_path_factory.mktemp("patient")
+    keys = log_dir / "keys.yaml"
+    keys.write_text(f"keys:\n  - key: {CLIENT_KEY}\n    tenant: default\n    admin: true\n"
+                    f"engine_keys:\n  - key: {ENGINE_KEY}\n    tenant: default\n")
+    extra = ["--echo-models", "m", "--echo-token-delay", "0", "--internal-secret", INTERNAL_SECRET,
+             "--route-stuck-timeout", "600"]
+    gw = Gateway(Path(log_dir), api_keys=keys, admin_key=CLIENT_KEY, extra=extra)
+    try:
+        gw.wait_for_engine("builtin-echo")
+        yield gw
+    finally:
+        gw.stop()
+
+
+@pytest.mark.parametrize("which", GRPC_PORTS)
+def test_a_zero_window_peer_holds_nothing_once_the_requests_sent_its_way_ended(patient_gateway: Gateway,
+                                                                              which: str):
+    """Issue #22 item 6: 16 requests of 1 MiB for a model only an engine (or peer) that keeps
+    its window at zero serves end 504 at their timeout; by then their tasks have left its
+    stream's queue unsent, so the gateway holds nothing for it while it stays connected."""
+    target = Target("127.0.0.1", patient_gateway.http_port, patient_gateway.worker_port,
+                    patient_gateway.internal_port, engine_key=ENGINE_KEY, client_key=CLIENT_KEY,
+                    internal_secret=INTERNAL_SECRET)
+    client = LegitimateClient(target)
+    client.start()
+    started = time.monotonic()
+    try:
+        # Held open far past the requests' timeout: the read comes once they all ended (ceiling, not pace).
+        outcome = attacks.zero_window_engine(target, which, 30.0, tasks=16, request_timeout=1.0)
+    finally:
+        client.stop()
+    patient_gateway.child.check_alive()
+    stats = client.stats(started)
+    assert stats.calls > 0 and stats.failures == 0, stats.notes
+    assert outcome.http_statuses == {504: 16}, outcome.summary()
+    # Opening its window then, it gets none of their tasks: before, the task on the stream
+    # stayed queued until the stream was closed, and went out if the peer read at last.
+    assert outcome.tasks_after_end == 0, outcome.summary()
+    # Less than one task is queued on engine (or peer) streams then.
+    assert outcome.queued_after_end is not None and outcome.queued_after_end < 64 * 1024, outcome.summary()
+
+
 def test_an_endless_chunked_body_gets_413_and_the_connection_closes(under_attack):
     outcome = under_attack(attacks.http_endless_chunked)
     assert outcome.http_statuses == {413: 1} and outcome.closed == 1, outcome.summary()
@@ -136,6 +183,15 @@ def test_a_100_gib_content_length_gets_413_and_the_connection_closes(under_attac
 
 def test_http_slowloris_does_not_disturb_the_legitimate_client(under_attack):
     under_attack(attacks.http_slowloris)
+
+
+def test_pipelined_gets_whose_answers_are_not_read_get_a_few_answers_and_a_close(under_attack):
+    """Issue #22 item 6: 5,000 GETs pipelined on one connection that reads none of the answers
+    were all answered (one after the other, before any other connection was served). The
+    gateway answers a run of MAX_PIPELINED_REQUESTS, the last with ``Connection: close``."""
+    outcome = under_attack(attacks.http_pipeline_flood)
+    assert outcome.http_statuses == {200: MAX_PIPELINED_REQUESTS}, outcome.summary()
+    assert outcome.closed == 1, outcome.summary()
 
 
 # --- what held before issue #13, kept ---------------------------------------------------

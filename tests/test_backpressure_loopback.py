@@ -19,7 +19,7 @@ import pytest_twisted
 from twisted.internet import reactor, task, threads
 
 from infx.config import build_config
-from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES
+from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
 from infx.service import GatewayService, build_gateway, builtin_engine_id
 from protocol.pb import status_pb2, worker_pb2
 from tools.bench.attacks import H2Peer, Outcome, Target, grpc_message, request_headers
@@ -101,3 +101,103 @@ def test_an_engine_that_never_reads_holds_a_bounded_queue_and_its_task_fails_ove
     assert gateway.processor.engine("default", "sink") is None
     peer_done.set()
     yield hostile
+
+
+def post_sink(port: int, content: str, timeout: float) -> int:
+    """A chat request for the model only the hostile engine serves, ending after ``timeout`` seconds."""
+    import http.client
+
+    body = json.dumps({"model": "sink", "messages": [{"role": "user", "content": content}]})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", "/v1/chat/completions", body,
+                           {"Content-Type": "application/json", "x-request-timeout": str(timeout)})
+        response = connection.getresponse()
+        response.read()
+        return response.status
+    finally:
+        connection.close()
+
+
+def tasks_in(data: bytes) -> list[worker_pb2.Task]:
+    """The tasks of the whole gRPC messages in ``data`` (a ProcessTasks response stream)."""
+    tasks = []
+    while len(data) >= 5:
+        length = int.from_bytes(data[1:5], "big")
+        if len(data) < 5 + length:
+            break
+        tasks.append(worker_pb2.ProcessTasksResponse.FromString(bytes(data[5:5 + length])).new_task)
+        data = data[5 + length:]
+    return tasks
+
+
+@pytest.fixture
+def patient_gateway() -> Iterator[GatewayService]:
+    """A gateway that closes no stuck stream during the test: what it holds is what it queued."""
+    config = build_config({"echo_models": "m", "echo_token_delay": 0, "route_stuck_timeout": 600}, LOOPBACK_OPTIONS)
+    service = build_gateway(reactor, config)
+    service.startService()
+    yield service
+    pytest_twisted.blockon(service.stopService())
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_zero_window_engine_holds_nothing_once_its_requests_ended_and_never_gets_their_tasks(
+        patient_gateway: GatewayService):
+    """Issue #22 item 6: requests sent to an engine that keeps its window at zero end (504 at
+    their deadline) and their tasks leave its queue unsent, so that nothing stays queued for it;
+    when it opens its window at last it gets none of them, counts as draining again, and the
+    next request's task is what it reads."""
+    gateway = patient_gateway
+    worker_port = gateway.worker_grpc.port.getHost().port
+    http_port = gateway.http.port.getHost().port
+    target = Target("127.0.0.1", http_port, worker_port, 0)
+    outcome = Outcome("zero-window engine")
+    window_opened = threading.Event()
+    peer_done = threading.Event()
+    stream_id: list[int] = []
+    received: dict[int, bytearray] = {}
+
+    def hostile_engine() -> None:
+        peer = H2Peer(target, worker_port, outcome, initial_window=0)
+        stream_id.append(peer.open(request_headers(target, "worker")))
+        status = status_pb2.EngineStatus(engine_id="zero-window", ready=True, models=[
+            status_pb2.EngineStatus.Model(id="sink", is_ready=True)])
+        peer.send_data(stream_id[0], grpc_message(
+            worker_pb2.ProcessTasksRequest(engine_status=status).SerializeToString()))
+        opened = False
+        while not peer_done.is_set() and not peer.gone:
+            if window_opened.is_set() and not opened:
+                opened = True
+                peer.open_window(stream_id[0], 64 * TASK_BYTES)
+            peer.pump(0.05)
+        received.update(peer.received)
+        peer.close()
+
+    hostile = threads.deferToThread(hostile_engine)
+    yield from until(lambda: gateway.processor.engine("default", "zero-window"), "the hostile engine to register")
+    (stream,) = [s for s in gateway.workers.streams if gateway.processor.engine("default", "zero-window").route is s]
+    expired = [threads.deferToThread(post_sink, http_port, f"expired {n} " + "x" * TASK_BYTES, 1.0) for n in range(8)]
+    most_queued = 0
+    while not all(reply.called for reply in expired):
+        most_queued = max(most_queued, stream.queued_bytes)
+        yield task.deferLater(reactor, 0.01, lambda: None)
+    assert [reply.result for reply in expired] == [504] * 8
+    assert most_queued >= TASK_BYTES  # a task did wait on the stream
+    assert stream.queued_bytes == 0 and not stream.closed
+    assert gateway.registry.get_sample_value("infx_route_withdrawn_tasks_total") >= 1
+    assert gateway.processor.engine("default", "zero-window").route is stream
+
+    # Open now, the window lets the stream drain: the fresh request's task goes out (at once,
+    # or from the queue once the gateway heard of the window), and the engine never answers it.
+    window_opened.set()
+    fresh = threads.deferToThread(post_sink, http_port, "fresh " + "y" * 1000, 5.0)
+    yield from until(lambda: fresh.called, "the fresh request to end")
+    assert fresh.result == 504
+    peer_done.set()
+    yield hostile
+    got = tasks_in(received.get(stream_id[0], bytearray()))
+    work = [t for t in got if t.request.WhichOneof("request") != "cancel_task"]
+    assert len(work) == 1 and b"fresh" in work[0].SerializeToString(), [t.id for t in got]
+    # Its cancel (after its 504) went out too: the engine had read the task.
+    assert [t.request.cancel_task.task_id for t in got if t not in work] == [work[0].id]

@@ -177,3 +177,54 @@ def test_an_engine_stuck_past_the_timeout_is_reset_and_its_tasks_fail_over():
     link.pump()
     assert sorted(link.origin.failed) == sorted(ids)
     assert {effect.status for effect in link.origin.failed.values()} == {503}
+
+
+def test_a_task_whose_request_ended_while_queued_whole_is_withdrawn_and_no_cancel_follows():
+    """The client of the task on the engine's queue goes away: the task leaves the queue
+    unsent, so the engine, reading at last, gets neither it nor a cancel for it, only the
+    task that was waiting; the engine counted as blocked until it read."""
+    link = Link()
+    stream_id = link.register_engine()
+    first, second = link.submit(2)
+    assert link.states([first, second]) == [TaskState.DISPATCHED, TaskState.WAITING]
+    link.dispatcher.perform(link.processor.cancel(first, link.clock.seconds()))
+    link.pump()
+    assert link.stream.queued_bytes == 0
+    assert link.dispatcher.metrics.registry.get_sample_value("infx_route_withdrawn_tasks_total") == 1
+    # Withdrawing is not reading: the route takes no task until the engine opens its window.
+    assert link.states([second]) == [TaskState.WAITING]
+    link.client.increment_flow_control_window(1 << 30)
+    link.client.increment_flow_control_window(1 << 30, stream_id=stream_id)
+    link.pump()
+    assert link.states([second]) == [TaskState.DISPATCHED]
+    data = b"".join(e.data for e in link.events if isinstance(e, h2.events.DataReceived))
+    sent = []
+    while data:
+        length = int.from_bytes(data[1:5], "big")
+        sent.append(worker_pb2.ProcessTasksResponse.FromString(data[5:5 + length]).new_task)
+        data = data[5 + length:]
+    assert [task_.id for task_ in sent] == [second]
+
+
+def test_a_task_past_its_deadline_on_the_queue_is_withdrawn_and_the_stream_is_still_closed_when_stuck():
+    """The task waiting whole on a zero-window engine's queue ends 504 at its deadline and
+    leaves the queue; the engine still reads nothing, so its stream is reset once stuck."""
+    link = Link(stuck_timeout=5.0)
+    stream_id = link.register_engine()
+    chat = chat_pb2.CreateChatCompletionRequest(model="m")
+    chat.messages.add(role="user").content.add(type="text", text="x" * TASK_BYTES)
+    link.dispatcher.perform(link.processor.submit(
+        task_id="late", tenant_id="default", request=worker_pb2.TaskRequest(chat_completion=chat),
+        origin=link.origin, now=link.clock.seconds(), deadline=link.clock.seconds() + 2))
+    link.pump()
+    assert link.stream.queued_bytes > TASK_BYTES
+    link.clock.advance(2)
+    link.pump()
+    assert link.origin.failed["late"].status == 504
+    assert link.stream.queued_bytes == 0
+    link.clock.advance(3.1)
+    link.pump()
+    # Nothing is queued any more, so the status is not stuck behind it: UNAVAILABLE, not a reset.
+    (trailers,) = [e for e in link.events if isinstance(e, h2.events.TrailersReceived)]
+    assert trailers.stream_id == stream_id and dict(trailers.headers)["grpc-status"] == "14"
+    assert link.processor.engine("default", "z") is None

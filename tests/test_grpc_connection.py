@@ -193,11 +193,11 @@ def test_zero_length_messages_are_messages():
 class RawClient:
     """A bare h2 client, to send exactly the frames a test wants."""
 
-    def __init__(self, server: GrpcConnection, now: float = 0.0) -> None:
+    def __init__(self, server: GrpcConnection, now: float = 0.0, initial_window: int = 2**24) -> None:
         self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
                                                                       header_encoding=None))
         self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**24,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window,
             h2.settings.SettingCodes.MAX_FRAME_SIZE: 2**24 - 1})
         self.h2.max_inbound_frame_size = 2**24 - 1
         self.h2.initiate_connection()
@@ -705,6 +705,149 @@ def test_status_waits_behind_queued_messages():
             link.client.acknowledge(sid, e.flow_controlled_length)
         link.pump()
     assert ended(link).status == StatusCode.OK
+
+
+# -- withdrawing queued messages --------------------------------------------------------
+
+
+def stream_data(raw: RawClient, sid: int) -> bytes:
+    """Every DATA byte the raw client received on ``sid``."""
+    return b"".join(e.data for e in raw.events if isinstance(e, h2.events.DataReceived) and e.stream_id == sid)
+
+
+def messages_in(data: bytes) -> list[bytes]:
+    """The gRPC messages of a stream's DATA bytes (the whole of each)."""
+    out = []
+    while data:
+        _, length = struct.unpack(">BI", data[:5])
+        assert len(data) >= 5 + length, "a message cut short"
+        out.append(data[5:5 + length])
+        data = data[5 + length:]
+    return out
+
+
+def zero_window_stream() -> tuple[GrpcConnection, RawClient, int]:
+    """A server call whose client opened no stream window: what the server sends stays queued."""
+    server = GrpcConnection(GrpcConfig(client_side=False))
+    raw = RawClient(server, initial_window=0)
+    sid = raw.request()
+    return server, raw, sid
+
+
+def test_a_queued_message_is_withdrawn_whole_and_its_bytes_are_never_sent():
+    """A message none of whose bytes went to HTTP/2 is taken back by its key: the
+    peer later receives the others, whole and in order, and never a byte of it."""
+    server, raw, sid = zero_window_stream()
+    small, large, last = b"s" * 100, b"L" * (1 << 20), b"t" * 10
+    server.send_message(sid, small, key="small")
+    server.send_message(sid, large, key="large")
+    server.send_message(sid, last, key="last")
+    raw.exchange()
+    assert server.buffered_amount(sid) == 3 * 5 + 100 + (1 << 20) + 10
+    assert server.withdraw_message(sid, "large")
+    assert server.buffered_amount(sid) == 2 * 5 + 100 + 10
+    assert not server.withdraw_message(sid, "large")  # once
+    raw.h2.increment_flow_control_window(1 << 21, stream_id=sid)
+    raw.exchange()
+    assert messages_in(stream_data(raw, sid)) == [small, last]
+    assert server.buffered_amount(sid) == 0
+
+
+def test_a_message_handed_to_http2_even_in_part_is_not_withdrawn_and_arrives_whole():
+    server, raw, sid = zero_window_stream()
+    message = b"m" * 100_000
+    server.send_message(sid, message, key="task")
+    raw.h2.increment_flow_control_window(1000, stream_id=sid)
+    raw.exchange()
+    assert 0 < len(stream_data(raw, sid)) < len(message)
+    assert not server.withdraw_message(sid, "task")
+    raw.h2.increment_flow_control_window(1 << 20, stream_id=sid)
+    raw.exchange()
+    assert messages_in(stream_data(raw, sid)) == [message]
+    # Its key was let go when it was handed over: the key may name a new message.
+    server.send_message(sid, b"again", key="task")
+    assert server.withdraw_message(sid, "task")
+
+
+def test_keys_are_unique_among_queued_messages():
+    server, raw, sid = zero_window_stream()
+    server.send_message(sid, b"a", key=1)
+    with pytest.raises(LocalProtocolError):
+        server.send_message(sid, b"b", key=1)
+    assert not server.withdraw_message(sid, 2) and not server.withdraw_message(sid + 2, 1)
+    server.send_message(sid, b"c")  # unkeyed messages are never withdrawn
+    assert server.withdraw_message(sid, 1) and server.buffered_amount(sid) == 6
+
+
+def test_a_queue_emptied_by_withdrawal_drains_when_the_peer_opens_its_window_not_before():
+    """Withdrawing is not the peer reading: a sender waiting for the queue to drain
+    hears of it only once the peer takes bytes again."""
+    server, raw, sid = zero_window_stream()
+    server.send_message(sid, b"x" * 200_000, key="task")
+    raw.exchange()
+    assert server.withdraw_message(sid, "task")
+    raw.exchange()
+    assert server.buffered_amount(sid) == 0
+    assert not [e for e in server.take_events() + raw.server_events if isinstance(e, SendBufferDrained)]
+    raw.h2.increment_flow_control_window(1, stream_id=sid)
+    raw.exchange()
+    drained = [e for e in server.take_events() + raw.server_events if isinstance(e, SendBufferDrained)]
+    assert [e.stream_id for e in drained] == [sid]
+    assert stream_data(raw, sid) == b""
+
+
+def test_a_withdrawal_before_the_next_write_sends_nothing_and_drains_at_once():
+    server = GrpcConnection(GrpcConfig(client_side=False))
+    raw = RawClient(server)
+    sid = raw.request()
+    server.send_message(sid, b"x" * 10, key="task")
+    assert server.withdraw_message(sid, "task")
+    raw.exchange()
+    drained = [e for e in server.take_events() + raw.server_events if isinstance(e, SendBufferDrained)]
+    assert [e.stream_id for e in drained] == [sid]
+    assert stream_data(raw, sid) == b""
+
+
+def test_a_status_queued_behind_withdrawn_messages_goes_out_at_once():
+    server, raw, sid = zero_window_stream()
+    server.send_message(sid, b"x" * 100, key="task")
+    server.send_status(sid, StatusCode.OK)
+    raw.exchange()
+    assert not any(isinstance(e, h2.events.StreamEnded) for e in raw.events)
+    assert server.withdraw_message(sid, "task")
+    raw.exchange()
+    (trailers,) = [e for e in raw.events if isinstance(e, h2.events.TrailersReceived)]
+    assert dict(trailers.headers)[b"grpc-status"] == b"0"
+    assert stream_data(raw, sid) == b""
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(["send", "withdraw", "open"]), st.integers(0, 150_000)),
+                min_size=1, max_size=30))
+def test_whatever_is_withdrawn_the_peer_gets_exactly_the_rest_whole_and_in_order(steps):
+    """Sends of any size, withdrawals of any queued key and window openings of any
+    size, interleaved: the peer receives every message that was not withdrawn, whole
+    and in order, and withdrawal succeeds only for a message of which it got nothing."""
+    server, raw, sid = zero_window_stream()
+    sent: dict[int, bytes] = {}
+    withdrawn: set[int] = set()
+    for n, (step, size) in enumerate(steps):
+        if step == "send":
+            sent[n] = bytes([n % 251]) * size
+            server.send_message(sid, sent[n], key=n)
+        elif step == "withdraw" and sent:
+            key = list(sent)[size % len(sent)]
+            before = len(stream_data(raw, sid))
+            if server.withdraw_message(sid, key):
+                withdrawn.add(key)
+            assert len(stream_data(raw, sid)) == before
+        elif step == "open":
+            raw.h2.increment_flow_control_window(size + 1, stream_id=sid)
+        raw.exchange()
+    raw.h2.increment_flow_control_window(1 << 23, stream_id=sid)
+    raw.exchange()
+    assert messages_in(stream_data(raw, sid)) == [m for k, m in sent.items() if k not in withdrawn]
+    assert server.buffered_amount(sid) == 0
 
 
 # -- GOAWAY, keepalive, pings -------------------------------------------------------

@@ -73,6 +73,9 @@ class EchoEngine:
             self.stack.clock.callLater(due, self.stack.dispatcher.result_received, self, result)
         return SendOutcome.SENT
 
+    def withdraw_task(self, wire_id: str) -> bool:
+        return False  # a task sent here is never left queued
+
     def close(self, reason: str) -> None:
         self.closed = True
 

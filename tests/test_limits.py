@@ -439,6 +439,9 @@ class _AgentRoute:
         self.most_held = max(self.most_held, self.core.in_progress)
         return SendOutcome.SENT
 
+    def withdraw_task(self, wire_id: str) -> bool:
+        return False  # a task sent here is taken by the agent at once
+
     def close(self, reason: str) -> None:
         raise AssertionError(f"the gateway closed the agent's stream: {reason}")
 

@@ -95,6 +95,21 @@ def test_the_request_log_names_the_peer_gateway_and_engine_that_served_a_request
     assert samples[("infx_exchanged_tasks_total", (("direction", "out"),))] == 1
 
 
+def test_bytes_queued_on_routes_are_summed_per_kind_and_both_kinds_always_shown() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from infx.metrics import GatewayMetrics
+
+    registry = CollectorRegistry()
+    queues: list[tuple[str, int]] = []
+    GatewayMetrics(registry).watch_route_queues(lambda: queues)
+    assert registry.get_sample_value("infx_route_queued_bytes", {"route": "engine"}) == 0
+    assert registry.get_sample_value("infx_route_queued_bytes", {"route": "peer"}) == 0
+    queues[:] = [("engine", 100), ("peer", 7), ("engine", 5)]
+    assert registry.get_sample_value("infx_route_queued_bytes", {"route": "engine"}) == 105
+    assert registry.get_sample_value("infx_route_queued_bytes", {"route": "peer"}) == 7
+
+
 def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() -> None:
     import re
     from pathlib import Path
@@ -107,6 +122,7 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry)
     metrics.watch(lambda: [], lambda: Processor().counters)
+    metrics.watch_route_queues(lambda: [])
     exported = set()
     for family in registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))

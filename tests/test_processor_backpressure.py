@@ -8,12 +8,17 @@ past ``route_stuck_timeout`` is closed with its tasks failing over.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.gateway_core import GatewayCore
+from protocol.gateway_effects import CoreConfig
 from protocol.processor import Processor, TaskState
 from protocol.processor_types import (
+    CancelTaskOnEngine,
     CloseRoute,
     EnginesRemoved,
     FailRequest,
@@ -296,3 +301,18 @@ def test_no_task_is_ever_sent_on_a_blocked_route_and_every_task_ends_or_is_live(
             perform(p.handle_timeout(now))
     for task_id in accepted:
         assert ended.count(task_id) == (0 if p.has_task(task_id) else 1)
+
+
+def test_a_cancel_left_unsent_because_its_task_was_withdrawn_is_forgotten():
+    """The adapter took the task back from its route's queue instead of sending the cancel:
+    the cancel is reported not sent, so the processor awaits no answer to it (an engine's
+    reply with its id would be ignored as for any ended task) and holds nothing for it."""
+    p = make()
+    join(p, "e1", "m")
+    assert sent(submit(p, "a")) == [("a", "e1")]
+    (cancel,) = only(p.cancel("a", T0 + 1), CancelTaskOnEngine)
+    assert cancel.cancelled_task_id == "a"
+    core = GatewayCore(p, CoreConfig(pod_name="gw"), random.Random(0))
+    assert core.cancel_unsent("route-e1", cancel.task.id, T0 + 1) == []
+    p.receive_result("route-e1", http(cancel.task.id, 501), T0 + 2)
+    assert p.counters.results_ignored == 1

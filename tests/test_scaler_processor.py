@@ -61,6 +61,9 @@ class Route:
         self.sent.append(task)
         return SendOutcome.SENT
 
+    def withdraw_task(self, wire_id: str) -> bool:
+        return False  # a task sent here is never left queued
+
     def close(self, reason: str) -> None:
         pass
 

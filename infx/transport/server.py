@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,13 +148,16 @@ class ServerCall(CallBase):
         self._headers_sent = True
         self._protocol.flush()
 
-    def send(self, message: Any, *, compress: bool | None = None) -> Deferred[None]:
+    def send(self, message: Any, *, compress: bool | None = None,
+             key: Hashable | None = None) -> Deferred[None]:
         """Send a response message; the Deferred fires when the call can take
         more (already fired unless buffers are full).
 
         ``compress``: None compresses iff :meth:`set_compression` was used;
         True compresses (choosing gzip if the client accepts it and headers
         are not out yet); False sends this message uncompressed.
+        ``key`` lets :meth:`withdraw` take the message back while it waits
+        whole in the send queue.
         """
         if self._ended is not None:
             return fail(self._ended)
@@ -170,11 +173,23 @@ class ServerCall(CallBase):
             self._headers_sent = True
         try:
             data = self._serializer(message)
-            self._conn.send_message(self.stream_id, data, compress=compress)
+            self._conn.send_message(self.stream_id, data, compress=compress, key=key)
         except MessageTooLarge as exc:
             self.abort(exc.code, str(exc))
             return fail(GrpcError(exc.code, str(exc)))
         return self._sent()
+
+    def withdraw(self, key: Hashable) -> bool:
+        """Take back the message sent with ``key`` if none of it went out yet (the
+        peer never sees it); whether it did. A send() waiting for the queue to drain
+        still waits for the peer to take bytes again."""
+        if self._ended is not None or self._finished:
+            return False
+        withdrawn: bool = self._conn.withdraw_message(self.stream_id, key)
+        if withdrawn:
+            # A status queued behind it may go out now.
+            self._protocol.schedule_flush()
+        return withdrawn
 
     def set_trailing_metadata(self, metadata: Metadata) -> None:
         """Metadata to send with the final status."""

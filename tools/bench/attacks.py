@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.settings
 import hpack
 
@@ -40,6 +41,8 @@ PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalServic
 SINK_MODEL = "sink"
 #: Seconds a well-behaved peer's send may wait for the gateway to read (generous: a loaded machine).
 SEND_TIMEOUT = 10.0
+#: Seconds without a byte from the gateway after which the pipelining attacker takes it as done.
+QUIET = 0.5
 #: Seconds an attack waits, once it stopped, for the gateway to end a connection it ought to end
 #: (generous: a loaded machine; the wait ends as soon as the connection does).
 CLOSE_WAIT = 10.0
@@ -80,6 +83,11 @@ class Outcome:
     closed: int = 0
     connections: int = 0
     sent: int = 0
+    #: Bytes the gateway still held queued for a zero-window peer once every request sent
+    #: its way had ended (its ``infx_route_queued_bytes``), read while the peer was connected.
+    queued_after_end: int | None = None
+    #: Tasks (not cancels) the peer got once it opened its window after they had all ended.
+    tasks_after_end: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def merge(self, other: Outcome) -> None:
@@ -91,6 +99,10 @@ class Outcome:
         self.closed += other.closed
         self.connections += other.connections
         self.sent += other.sent
+        if other.queued_after_end is not None:
+            self.queued_after_end = max(self.queued_after_end or 0, other.queued_after_end)
+        if other.tasks_after_end is not None:
+            self.tasks_after_end = (self.tasks_after_end or 0) + other.tasks_after_end
         self.notes += other.notes
 
     def summary(self) -> str:
@@ -103,6 +115,10 @@ class Outcome:
             parts.append("grpc-status " + ",".join(f"{s}x{n}" for s, n in sorted(self.grpc_statuses.items())))
         if self.http_statuses:
             parts.append("HTTP " + ",".join(f"{s}x{n}" for s, n in sorted(self.http_statuses.items())))
+        if self.queued_after_end is not None:
+            parts.append(f"{self.queued_after_end} B queued once its requests ended")
+        if self.tasks_after_end is not None:
+            parts.append(f"{self.tasks_after_end} of their tasks sent when it read")
         parts.append(f"closed {self.closed}/{self.connections}")
         return "; ".join(parts + self.notes)
 
@@ -462,10 +478,18 @@ def h2_slowloris(target: Target, which: str, seconds: float, connections: int = 
     return outcome
 
 
-def zero_window_engine(target: Target, which: str, seconds: float, tasks: int = 64, task_size: int = MiB) -> Outcome:
+def zero_window_engine(target: Target, which: str, seconds: float, tasks: int = 64, task_size: int = MiB,
+                       request_timeout: float | None = None) -> Outcome:
     """An authenticated engine (or peer) that serves ``SINK_MODEL`` and opens no flow-control
-    window, while ``tasks`` requests of ``task_size`` bytes are sent its way over HTTP."""
-    outcome = Outcome(f"zero-window {'engine' if which == 'worker' else 'peer'}, {tasks} x {task_size // MiB} MiB tasks")
+    window, while ``tasks`` requests of ``task_size`` bytes are sent its way over HTTP.
+
+    With ``request_timeout``, the requests say so (``x-request-timeout``) and end at it while
+    the peer is still connected; once they all have, what the gateway still holds queued for
+    such peers (``infx_route_queued_bytes``) is read into ``outcome.queued_after_end`` and the
+    peer leaves (at ``seconds`` at the latest)."""
+    expiring = "" if request_timeout is None else f", ending after {request_timeout:g} s"
+    outcome = Outcome(f"zero-window {'engine' if which == 'worker' else 'peer'}, "
+                      f"{tasks} x {task_size // MiB} MiB tasks{expiring}")
     peer = H2Peer(target, target.grpc_port(which), outcome, initial_window=0)
     stream_id = peer.open(request_headers(target, which))
     if which == "worker":
@@ -481,17 +505,53 @@ def zero_window_engine(target: Target, which: str, seconds: float, tasks: int = 
     peer.send_data(stream_id, grpc_message(message))
     peer.pump(0.5)
     content = "x" * task_size
-    threads = [threading.Thread(target=_post_chat, args=(target, SINK_MODEL, content, outcome, seconds + 30), daemon=True)
+    threads = [threading.Thread(target=_post_chat, args=(target, SINK_MODEL, content, outcome, seconds + 30,
+                                                         request_timeout), daemon=True)
                for _ in range(tasks)]
     for thread in threads:
         thread.start()
     going = _for(seconds)
     while going() and not peer.gone:
         peer.pump(0.1)
+        if request_timeout is not None and not any(thread.is_alive() for thread in threads):
+            outcome.queued_after_end = route_queued_bytes(target, "engine" if which == "worker" else "peer")
+            # Reading at last: whatever of the ended requests' tasks comes now was still queued.
+            peer.open_window(stream_id, 2 * tasks * (task_size + 1024))
+            peer.pump(1.0)
+            outcome.tasks_after_end = len(tasks_sent(peer.received.get(stream_id, b""), which))
+            break
     peer.close()
     for thread in threads:
         thread.join(1.0)
     return outcome
+
+
+def route_queued_bytes(target: Target, route: str) -> int | None:
+    """The gateway's ``infx_route_queued_bytes{route=...}`` from its /metrics (None if it has none)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{target.host}:{target.http_port}/metrics", timeout=SEND_TIMEOUT) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(f'infx_route_queued_bytes{{route="{route}"}} '):
+                return int(float(line.split()[-1]))
+    return None
+
+
+def tasks_sent(data: bytes | bytearray, which: str) -> list[worker_pb2.Task]:
+    """The tasks (not cancels) among the whole messages the gateway sent on a ProcessTasks
+    (``worker``) or ProcessTasksInternal stream."""
+    tasks = []
+    while len(data) >= 5:
+        length = int.from_bytes(data[1:5], "big")
+        if len(data) < 5 + length:
+            break
+        message = bytes(data[5:5 + length])
+        data = data[5 + length:]
+        response = (worker_pb2.ProcessTasksResponse if which == "worker"
+                    else internal_pb2.ProcessTasksInternalResponse).FromString(message)
+        if response.new_task.request.WhichOneof("request") != "cancel_task":
+            tasks.append(response.new_task)
+    return tasks
 
 
 def http_endless_chunked(target: Target, seconds: float) -> Outcome:
@@ -504,6 +564,49 @@ def http_huge_content_length(target: Target, seconds: float) -> Outcome:
     """``Content-Length: 100 GiB``, then body bytes for as long as the gateway takes them."""
     return _endless_body(target, seconds, "HTTP Content-Length: 100 GiB", f"Content-Length: {100 << 30}",
                          b"x" * MiB)
+
+
+def http_pipeline_flood(target: Target, seconds: float, requests: int = 5000, path: str = "/v1/models") -> Outcome:
+    """``requests`` GETs pipelined on one connection that reads none of the answers while the
+    gateway writes them. Once no answer came for ``QUIET`` seconds (the gateway is done with
+    them, or waits for them to be read), or after ``seconds``, what came is read and each
+    answer's status counted; the connection counts as closed if the gateway closed it."""
+    import fcntl
+    import termios
+
+    outcome = Outcome(f"HTTP {requests} pipelined GETs, answers unread")
+    started = time.monotonic()
+    wire = Wire(target.host, target.http_port, outcome, send_timeout=seconds)
+    head = f"GET {path} HTTP/1.1\r\nHost: {target.host}\r\n{_auth_header(target)}\r\n".encode()
+    wire.send(head * requests)  # what the gateway does not read within ``seconds`` is dropped
+
+    def unread() -> int:
+        return int.from_bytes(fcntl.ioctl(wire.sock.fileno(), termios.FIONREAD, b"\0" * 4), "little")
+
+    last, since = -1, time.monotonic()
+    while (now := time.monotonic()) < started + seconds:
+        if (queued := unread()) != last:
+            last, since = queued, now
+        elif now - since >= QUIET:
+            break
+        time.sleep(0.02)
+    data = b""
+    wire.sock.settimeout(QUIET)
+    while True:
+        try:
+            chunk = wire.sock.recv(1 << 20)
+        except socket.timeout:
+            break
+        except OSError:  # reset once our unread requests met its close: what came before was read
+            chunk = b""
+        if not chunk:
+            wire._lost()
+            break
+        data += chunk
+    for answer in data.split(b"HTTP/1.1 ")[1:]:
+        outcome.http_statuses[int(answer[:3])] += 1
+    wire.close()
+    return outcome
 
 
 def _endless_body(target: Target, seconds: float, name: str, framing: str, chunk: bytes) -> Outcome:
@@ -567,6 +670,8 @@ class H2Peer:
         #: A send failed: the gateway closed, reset, or stopped reading; send no more.
         self.send_failed = False
         self.ended: set[int] = set()
+        #: DATA received on each stream (what the window let through).
+        self.received: dict[int, bytearray] = {}
         self._flush()
         self.pump(0.2)
 
@@ -585,6 +690,18 @@ class H2Peer:
             self.ended.add(stream_id)
             self.outcome.notes.append(type(e).__name__)
             return
+        self._flush()
+
+    def open_window(self, stream_id: int, size: int) -> None:
+        """Let the gateway send ``size`` more bytes on ``stream_id`` (and on the connection),
+        unless the stream has ended (then nothing more comes on it)."""
+        if self.gone or stream_id in self.ended:
+            return
+        self.conn.increment_flow_control_window(size)
+        try:
+            self.conn.increment_flow_control_window(size, stream_id=stream_id)
+        except h2.exceptions.StreamClosedError:
+            self.ended.add(stream_id)
         self._flush()
 
     def window(self, stream_id: int) -> int:
@@ -618,7 +735,9 @@ class H2Peer:
         self.sock.close()
 
     def _event(self, event: object) -> None:
-        if isinstance(event, h2.events.ConnectionTerminated):
+        if isinstance(event, h2.events.DataReceived):
+            self.received.setdefault(event.stream_id, bytearray()).extend(event.data)
+        elif isinstance(event, h2.events.ConnectionTerminated):
             self.outcome.goaway = int(event.error_code)
         elif isinstance(event, h2.events.StreamReset):
             self.outcome.resets[int(event.error_code)] += 1
@@ -676,7 +795,8 @@ def _auth_header(target: Target) -> str:
     return f"Authorization: Bearer {target.client_key}\r\n" if target.client_key else ""
 
 
-def _post_chat(target: Target, model: str, content: str, outcome: Outcome, timeout: float) -> None:
+def _post_chat(target: Target, model: str, content: str, outcome: Outcome, timeout: float,
+               request_timeout: float | None = None) -> None:
     import http.client
     import json
 
@@ -684,6 +804,8 @@ def _post_chat(target: Target, model: str, content: str, outcome: Outcome, timeo
     headers = {"Content-Type": "application/json"}
     if target.client_key:
         headers["Authorization"] = f"Bearer {target.client_key}"
+    if request_timeout is not None:
+        headers["x-request-timeout"] = f"{request_timeout:g}"
     connection = http.client.HTTPConnection(target.host, target.http_port, timeout=timeout)
     try:
         connection.request("POST", "/v1/chat/completions", body, headers)
@@ -717,6 +839,7 @@ def catalogue(ports: tuple[str, ...] = ("worker", "internal")) -> list[tuple[str
             ("continuation-flood", which, on(continuation_flood)),
             ("half-headers-x8", which, on(half_headers)),
             ("zero-window", which, on(zero_window_engine)),
+            ("zero-window-expiring", which, on(zero_window_engine, request_timeout=1.0)),
             ("partial-hoard", which, on(partial_message_hoard)),
             ("churn", which, on(connection_churn)),
             ("hpack-bomb", which, on(hpack_bomb)),
@@ -728,6 +851,7 @@ def catalogue(ports: tuple[str, ...] = ("worker", "internal")) -> list[tuple[str
         ("endless-chunked", "http", http_endless_chunked),
         ("content-length-100gib", "http", http_huge_content_length),
         ("http-slowloris", "http", http_slowloris),
+        ("http-pipeline-flood", "http", http_pipeline_flood),
     ]
     return entries
 
