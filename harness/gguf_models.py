@@ -11,10 +11,11 @@ sets that cost:
 - :data:`TINY` (2 layers of width 64, 256-token context) loads in about half
   a second and decodes at thousands of tokens a second: for tests.
 - :data:`BENCH` (7 layers of width 384, feed-forward 1152, 8 heads; 13.4 M
-  parameters, 16,384-token context) costs ``llama-server`` about 0.57 s of
-  CPU time to prefill 1,000 tokens on one thread of the 2-core machines the
-  suite runs on (``tools/bench/llama_prefill.py``; its wall time was 0.85 to
-  1.5 s while five other jobs shared the machine): a prompt the cache holds
+  parameters, 16,384-token context): ``llama-server`` prefills 1,000 tokens
+  on one thread in about 0.58 s (0.56 s of CPU) on the 2-core machines the
+  suite runs on, measured by ``tools/bench/llama_prefill.py`` (median of 5,
+  load average 1.7; with five other jobs on the machine the CPU time stayed
+  0.57 s and the wall time grew to 0.85-1.5 s): a prompt the cache holds
   then shows in time to first token.
 """
 
