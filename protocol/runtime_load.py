@@ -28,7 +28,8 @@ After ``stale_after`` scrapes in a row fail, the load is withdrawn
 rather than trust numbers that no longer describe the runtime.
 
 A prefix-cache hit rate from counters (vLLM's hits and queries in tokens,
-llama.cpp's per-slot cached prompt tokens) is the ratio of their increase
+llama.cpp's cached and computed prompt tokens, else the cached prompt tokens
+of each task its slots show) is the ratio of their increase
 over the last ``hit_rate_window`` seconds; with no query in that window the
 last rate stands (it describes the traffic this cache last saw). A counter
 that goes down means the runtime restarted: its history starts over.

@@ -19,11 +19,18 @@ vLLM       ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
            the adapters in use (its value is a timestamp: the newest sample wins).
 llama.cpp  ``llamacpp:requests_processing``, ``llamacpp:requests_deferred``,
            ``llamacpp:kv_cache_usage_ratio`` (gone from current builds, read when
-           there) on ``/metrics`` (``--metrics``); ``GET /slots`` lists the slots,
-           each with ``is_processing`` and, for its current or last task,
-           ``id_task``, ``n_prompt_tokens`` and ``n_prompt_tokens_cache``: prompt
-           tokens served from the slot's cache, which is how the prefix-cache hit
-           rate is learnt from llama.cpp (it has no counter for it).
+           there) on ``/metrics`` (``--metrics``), and the prefix-cache counters
+           in tokens ``llamacpp:prompt_tokens_cached_total`` (served from the
+           cache) and ``llamacpp:prompt_tokens_total`` (computed, the cached ones
+           excluded: queries are their sum; older builds lack the first and give
+           no counters). ``GET /slots`` lists the slots, each with
+           ``is_processing`` and ``id_task``, ``n_prompt_tokens`` (what the
+           slot's context holds, generated tokens included),
+           ``n_prompt_tokens_processed`` and ``n_prompt_tokens_cache`` of its
+           current or last task; the server zeroes the statistics when a task
+           ends, so only running slots' tasks are read, each prompt being
+           cached + computed once computing began. Those snapshots are how a
+           server without the counters gives a hit rate.
 SGLang     ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
            ``sglang:token_usage`` (KV pool use, 0..1), ``sglang:cache_hit_rate``
            (0..1, the runtime's own recent rate).
@@ -39,6 +46,7 @@ import json
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from protocol.errors import RemoteProtocolError
 
@@ -104,7 +112,10 @@ _VLLM = {
     "vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total",
     "vllm:gpu_prefix_cache_hit_rate", "vllm:lora_requests_info",
 }
-_LLAMACPP = {"llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio"}
+_LLAMACPP = {
+    "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:kv_cache_usage_ratio",
+    "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
+}
 _SGLANG = {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate"}
 WANTED = frozenset(_VLLM | _LLAMACPP | _SGLANG)
 
@@ -220,11 +231,16 @@ def reading_from_metrics(text: str) -> LoadReading | None:
             prefix_hit_rate=_fraction(_max(samples, "sglang:cache_hit_rate")),
         )
     if names & _LLAMACPP:
+        cached = _sum(samples, "llamacpp:prompt_tokens_cached_total")
+        computed = _sum(samples, "llamacpp:prompt_tokens_total")
+        queries = None if cached is None or computed is None else cached + computed
         return LoadReading(
             source="llama.cpp",
             running=_count(_sum(samples, "llamacpp:requests_processing")),
             waiting=_count(_sum(samples, "llamacpp:requests_deferred")),
             kv_cache_usage=_fraction(_max(samples, "llamacpp:kv_cache_usage_ratio")),
+            prefix_hits=None if queries is None else cached,
+            prefix_queries=queries,
         )
     return None
 
@@ -261,11 +277,21 @@ def parse_slots(body: bytes) -> tuple[int, tuple[SlotTask, ...]]:
     for slot in slots:
         if not isinstance(slot.get("is_processing"), bool) or not isinstance(slot.get("id"), int):
             raise MetricsFormatError("a /slots entry lacks 'id' or a boolean 'is_processing'")
-        processing += slot["is_processing"]
+        if not slot["is_processing"]:
+            continue  # an idle slot's statistics were zeroed when its task ended
+        processing += 1
         task, prompt, cached = slot.get("id_task"), slot.get("n_prompt_tokens"), slot.get("n_prompt_tokens_cache")
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in (task, prompt, cached)):
-            tasks.append(SlotTask(slot["id"], task, max(0, prompt), max(0, min(cached, prompt))))
+        computed = slot.get("n_prompt_tokens_processed")
+        if not all(_is_int(v) for v in (task, prompt, cached)):
+            continue
+        if _is_int(computed) and computed > 0:
+            prompt = cached + computed  # n_prompt_tokens also counts what was generated since
+        tasks.append(SlotTask(slot["id"], task, max(0, prompt), max(0, min(cached, prompt))))
     return processing, tuple(tasks)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def reading_from_slots(body: bytes, metrics: LoadReading | None) -> LoadReading:
@@ -278,5 +304,6 @@ def reading_from_slots(body: bytes, metrics: LoadReading | None) -> LoadReading:
         return LoadReading(source="llama.cpp", running=processing, waiting=0, slot_tasks=tasks)
     return LoadReading(
         source="llama.cpp", running=processing, waiting=metrics.waiting,
-        kv_cache_usage=metrics.kv_cache_usage, slot_tasks=tasks,
+        kv_cache_usage=metrics.kv_cache_usage, prefix_hits=metrics.prefix_hits,
+        prefix_queries=metrics.prefix_queries, slot_tasks=tasks,
     )

@@ -3,7 +3,7 @@
 :func:`run_policy` starts, for one ``--routing-policy``, ``engines``
 llama-cpp-python servers (``python -m llama_cpp.server --cache true``: its
 RAM prompt cache on) serving a random-weight model
-(:func:`tests.llama_runtime.write_tiny_model`), one ``twistd infx-engine
+(:func:`harness.gguf_models.write_model`), one ``twistd infx-engine
 --runtime openai`` beside each, attached to two ``twistd infx`` gateways in
 turn, which are each other's ``--peers`` (each sees every engine).
 ``conversations`` clients talk at once, each with its own long system
@@ -148,6 +148,8 @@ class Workload:
     turns: int = 4
     system_bytes: int = 600
     max_tokens: int = 8
+    #: The servers' context window, tokens (the model's, or less): conversations outgrow the tiny model's.
+    context: int = 2048
 
 
 def run_policy(policy: str, args: Workload, model: Path, logs: Path) -> PolicyResult:
@@ -158,7 +160,7 @@ def run_policy(policy: str, args: Workload, model: Path, logs: Path) -> PolicyRe
     children: list[Any] = []
     result = PolicyResult(policy)
     try:
-        servers = [LlamaServer(model, logs, name=f"llama-{i}", embedding=False, extra=[
+        servers = [LlamaServer(model, logs, name=f"llama-{i}", embedding=False, context=args.context, extra=[
             "--cache", "true", "--verbose", "true"]) for i in range(args.engines)]
         children += servers
         # Each gateway dials the other (a peer sees the engines of those that dial it), so the

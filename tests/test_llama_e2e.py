@@ -1,5 +1,5 @@
 """End to end against a real runtime: ``twistd infx`` and ``twistd infx-engine --runtime openai`` in front
-of llama.cpp (llama-cpp-python's server, a tiny model made by :mod:`tests.llama_runtime`).
+of llama.cpp (llama-cpp-python's server, the tiny model of :mod:`harness.gguf_models`).
 
 Request by request, the answer through infx must equal the runtime's own
 answer to the same request with the same seed: status, JSON body (ids and
@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.llama_runtime import LlamaServer, write_tiny_model
+from harness.gguf_models import write_model
+from tests.llama_runtime import LlamaServer
 from tests.twistd_processes import Engine, Gateway, free_port, wait_until
 
 KEYS = """
@@ -81,7 +82,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def model(logs: Path) -> Path:
-    return write_tiny_model(logs / "tiny.gguf")
+    return write_model(logs / "tiny.gguf")
 
 
 @pytest.fixture(scope="module")

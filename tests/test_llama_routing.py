@@ -15,10 +15,12 @@ import pytest
 
 pytest.importorskip("tests.llama_runtime", reason="needs the llama.cpp runtime helpers (tests/llama_runtime.py)")
 
-from tests import llama_runtime  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from harness.gguf_models import TINY, write_model  # noqa: E402
 from tests.llama_routing import PolicyResult, Workload, run_policy  # noqa: E402
 
-WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4)
+WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4, context=1024)
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +30,11 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def results(logs: Path) -> dict[str, PolicyResult]:
-    # Conversations need a longer context than the tiny model's 256 tokens (bytes are tokens);
-    # the model and its servers read it when they are made, and the other tests' stays as it was.
+    # Conversations need a longer context than the tiny model's 256 tokens (bytes are tokens).
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(llama_runtime, "CONTEXT_LENGTH", 1024)
         # The servers' access log (stdout) must reach their log file before they are killed.
         patch.setenv("PYTHONUNBUFFERED", "1")
-        model = llama_runtime.write_tiny_model(logs / "tiny.gguf")
+        model = write_model(logs / "tiny.gguf", replace(TINY, context_length=WORKLOAD.context))
         return {policy: run_policy(policy, WORKLOAD, model, logs / policy)
                 for policy in ("affinity", "least_in_progress")}
 

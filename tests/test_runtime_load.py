@@ -198,6 +198,23 @@ def test_llamacpp_metrics_bring_in_slots_and_the_hit_rate_counts_each_task_once(
     assert load.prefix_cache_hit_rate == pytest.approx(0.9)
 
 
+def test_llamacpps_own_cache_counters_give_the_hit_rate_rather_than_its_slots():
+    """Counters see every task; the slots only those running when scraped."""
+    d = Driver(LoadConfig(report_min_interval=0.0))
+
+    def metrics(cached, computed):
+        return ScrapeAnswer(200, (f"llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n"
+                                  f"llamacpp:prompt_tokens_cached_total {cached}\n"
+                                  f"llamacpp:prompt_tokens_total {computed}\n").encode())
+
+    d.answer(metrics=metrics(0, 0))
+    d.tick(1.0)
+    d.answer(metrics=metrics(100, 300), slots=slots((7, 100, 0), processing=1))
+    d.tick(2.0)
+    [load] = loads(d.answer(metrics=metrics(400, 400), slots=slots((7, 100, 0), processing=1)))
+    assert load.prefix_cache_hit_rate == pytest.approx(0.5)
+
+
 def test_llamacpp_without_metrics_is_read_from_its_slots_alone():
     d = Driver(LoadConfig(report_min_interval=0.0))
     d.answer(metrics=ScrapeAnswer(501, b"This server does not support metrics endpoint."))

@@ -1,6 +1,7 @@
 """Parsers of the runtimes' own load signals (vLLM, llama.cpp, SGLang), on bodies shaped like theirs."""
 
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -149,11 +150,11 @@ def _slot(slot_id, processing, task=None, prompt=None, cached=None):
     return slot
 
 
-def test_llamacpp_slots_count_what_runs_and_keep_each_slots_cache_use():
+def test_llamacpp_slots_count_what_runs_and_keep_each_running_slots_cache_use():
     body = json.dumps([_slot(0, True, 12, 100, 80), _slot(1, False, 9, 50, 0), _slot(2, False)]).encode()
     processing, tasks = parse_slots(body)
     assert processing == 1
-    assert tasks == (SlotTask(0, 12, 100, 80), SlotTask(1, 9, 50, 0))
+    assert tasks == (SlotTask(0, 12, 100, 80),)
 
 
 def test_slots_merge_with_the_metrics_deferred_count():
@@ -193,3 +194,44 @@ def test_any_slots_body_is_read_or_a_format_error(body):
     except MetricsFormatError:
         return
     assert processing >= 0 and all(0 <= t.cached_tokens <= t.prompt_tokens for t in tasks)
+
+
+# --- llama-server itself (llama-cpp-python 0.3.36's vendored llama.cpp), bodies scraped from a live server ---
+# Two slots busy and two requests deferred; one slot's prompt shared 500 tokens with the slot's cache.
+# See harness/llama_server.py for what each field means.
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def test_a_live_llama_server_scrape_gives_its_counts_and_its_own_prefix_cache_counters():
+    reading = reading_from_metrics((DATA / "llama_server_metrics_busy.txt").read_text())
+    assert (reading.source, reading.running, reading.waiting, reading.kv_cache_usage) == ("llama.cpp", 2, 2, None)
+    # prompt_tokens_total counts computed tokens only, so the queries are computed + cached.
+    assert (reading.prefix_hits, reading.prefix_queries) == (500, 2800)
+
+
+def test_llamacpp_without_the_cached_counter_gives_no_prefix_counters():
+    """Older builds export prompt_tokens_total alone: no hit rate can be made of it."""
+    reading = reading_from_metrics(LLAMACPP)
+    assert (reading.prefix_hits, reading.prefix_queries) == (None, None)
+
+
+def test_live_busy_slots_give_each_tasks_prompt_as_cached_plus_computed():
+    """While generating, n_prompt_tokens also counts the tokens generated so far."""
+    processing, tasks = parse_slots((DATA / "llama_server_slots_busy.json").read_bytes())
+    assert processing == 2
+    assert tasks == (SlotTask(0, 44, 1100, 0), SlotTask(1, 42, 1100, 500))
+
+
+def test_idle_slots_keep_their_last_task_id_but_not_its_statistics_so_they_count_no_task():
+    """llama-server zeroes a slot's statistics when its task ends: a hit rate read from them would
+    count every finished task as a full miss."""
+    body = (DATA / "llama_server_slots_idle.json").read_bytes()
+    assert all(slot["id_task"] > 0 and slot["n_prompt_tokens_cache"] == 0 for slot in json.loads(body))
+    assert parse_slots(body) == (0, ())
+
+
+def test_slots_carry_the_metrics_prefix_counters():
+    metrics = reading_from_metrics((DATA / "llama_server_metrics_busy.txt").read_text())
+    reading = reading_from_slots((DATA / "llama_server_slots_busy.json").read_bytes(), metrics)
+    assert (reading.running, reading.waiting, reading.prefix_hits, reading.prefix_queries) == (2, 2, 500, 2800)

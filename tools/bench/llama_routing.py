@@ -3,7 +3,7 @@ multi-turn conversations; prefix-cache reuse and time to first token per routing
 
 The cluster and what is measured are :mod:`tests.llama_routing`'s (the same
 run, smaller, is ``tests/test_llama_routing.py``). Each policy gets a fresh
-cluster; the model is the random-weight llama of :mod:`tests.llama_runtime`,
+cluster; the model is a random-weight llama of :mod:`harness.gguf_models`,
 made larger here (``--width``, ``--layers``, ``--context``) so that prefill
 costs enough to show in the time to first token. Timings vary with the
 machine and its load: this is a benchmark, not a test. Needs the test
@@ -23,9 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests import llama_runtime  # noqa: E402
+from harness.gguf_models import ModelShape, write_model  # noqa: E402
 from tests.llama_routing import Workload, run_policy  # noqa: E402
-from tests.llama_runtime import write_tiny_model  # noqa: E402
 
 
 def main() -> None:
@@ -42,13 +41,13 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="one JSON line per policy instead of a table")
     parser.add_argument("--logs", help="keep the processes' logs in this directory")
     args = parser.parse_args()
-    llama_runtime.CONTEXT_LENGTH, llama_runtime.EMBEDDING_WIDTH = args.context, args.width
-    llama_runtime.LAYERS, llama_runtime.FEED_FORWARD = args.layers, 2 * args.width
+    shape = ModelShape("infx-routing-bench", context_length=args.context, width=args.width, layers=args.layers,
+                       heads=2, feed_forward=2 * args.width)
     with tempfile.TemporaryDirectory(prefix="infx-llama-routing-") as scratch:
         tmp = args.logs or scratch
-        model = write_tiny_model(Path(tmp) / "model.gguf")
+        model = write_model(Path(tmp) / "model.gguf", shape)
         workload = Workload(engines=args.engines, conversations=args.conversations, turns=args.turns,
-                            system_bytes=args.system_bytes, max_tokens=args.max_tokens)
+                            system_bytes=args.system_bytes, max_tokens=args.max_tokens, context=args.context)
         rows = [run_policy(p, workload, model, Path(tmp) / p).row() for p in args.policies.split(",")]
     if args.json:
         for row in rows:
