@@ -137,7 +137,7 @@ def patient_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gatewa
              "--route-stuck-timeout", "600"]
     gw = Gateway(Path(log_dir), api_keys=keys, admin_key=CLIENT_KEY, extra=extra)
     try:
-        gw.wait_for_engine("builtin-echo")
+        gw.wait_for_engine(gw.builtin_engine_id)
         yield gw
     finally:
         gw.stop()
