@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -150,3 +152,28 @@ def test_echo_server_streams_one_event_per_word_then_done() -> None:
     assert len(events) == 3 + 3 and events[-1] == b"data: [DONE]"
     words = [json.loads(e[len(b"data: "):])["choices"][0]["delta"].get("content") for e in events[1:-2]]
     assert words == ["a ", "b ", "c"]
+
+
+def test_cpu_reading_covers_every_thread_and_child_process_of_a_watched_process() -> None:
+    """A router works on its worker threads: the main thread's schedstat alone would read it as idle."""
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        threads = http_load.process_sched(os.getpid())
+        assert threads is not None
+        assert {os.getpid(), worker.native_id, child.pid} <= set(threads)
+        assert all(ran >= 0 and waited >= 0 for ran, waited in threads.values())
+    finally:
+        stop.set()
+        worker.join()
+        child.communicate(b"")
+    assert http_load.process_sched(child.pid) is None  # gone: unreadable, not zero
+
+
+def test_cpu_span_counts_threads_born_in_the_window_whole_and_ignores_those_that_ended() -> None:
+    start = {1: (10.0, 1.0), 2: (5.0, 0.5)}
+    end = {1: (12.5, 1.25), 3: (0.75, 0.25)}  # thread 2 ended, thread 3 began
+    assert http_load.sched_span(start, end) == (3.25, 0.5)
+    assert http_load.sched_span(None, end) is None and http_load.sched_span(start, None) is None
