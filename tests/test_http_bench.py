@@ -10,11 +10,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
+from typing import IO, Iterator
+
+import pytest
 
 from protocol.echo import EchoConfig, echo_task
 from protocol.openai_requests import parse_chat_completion
@@ -152,6 +156,85 @@ def test_echo_server_streams_one_event_per_word_then_done() -> None:
     assert len(events) == 3 + 3 and events[-1] == b"data: [DONE]"
     words = [json.loads(e[len(b"data: "):])["choices"][0]["delta"].get("content") for e in events[1:-2]]
     assert words == ["a ", "b ", "c"]
+
+
+@pytest.fixture
+def starlette_runtime() -> Iterator[int]:
+    process = subprocess.Popen([sys.executable, str(BENCH / "starlette_runtime.py")], cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    stdout: IO[bytes] = process.stdout  # type: ignore[assignment]
+    try:
+        yield int(stdout.readline())
+    finally:
+        stdin: IO[bytes] = process.stdin  # type: ignore[assignment]
+        stdin.close()
+        assert process.wait(timeout=30) == 0
+        stdout.close()
+
+
+def _exchange(port: int, request: bytes) -> bytes:
+    """One request on a fresh connection that the server closes after answering; the raw answer."""
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        connection.sendall(request)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    return answer
+
+
+def _post(port: int, body: dict[str, object]) -> tuple[bytes, bytes]:
+    data = json.dumps(body).encode()
+    head, _, rest = _exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+                              ).partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _without_id(body: bytes) -> dict[str, object]:
+    answer = json.loads(body)
+    answer.pop("id")
+    answer.pop("created")
+    return answer
+
+
+def test_starlette_runtime_answers_what_the_echo_server_answers(starlette_runtime: int) -> None:
+    request = {"model": "echo", "messages": [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hello there"}]}
+    head, body = _post(starlette_runtime, request)
+    assert head.startswith(b"HTTP/1.1 200") and b"content-type: application/json" in head.lower()
+    assert _without_id(body) == _without_id(http_echo_server.chat_answer(request, 1)[1])
+    health = _exchange(starlette_runtime, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    models = _exchange(starlette_runtime, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert health.startswith(b"HTTP/1.1 200")
+    assert [m["id"] for m in json.loads(models.partition(b"\r\n\r\n")[2])["data"]] == ["echo"]
+    bad = _exchange(starlette_runtime, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Content-Length: 5\r\n\r\n{nope")
+    assert bad.startswith(b"HTTP/1.1 400") and b"bad JSON" in bad
+
+
+def test_starlette_runtime_streams_each_word_in_its_own_chunk_as_real_runtimes_do(starlette_runtime: int) -> None:
+    request = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "a b c d"}]}
+    head, body = _post(starlette_runtime, request)
+    assert b"transfer-encoding: chunked" in head.lower() and b"text/event-stream" in head.lower()
+    chunks = []
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        chunks.append(body[:size])
+        body = body[size + 2:]
+    expected = http_echo_server.chat_events(request, 1)
+    assert len(chunks) == len(expected) == 4 + 3
+    assert [_without_id(c[len(b"data: "):]) for c in chunks[:-1]] == [
+        _without_id(e[len(b"data: "):]) for e in expected[:-1]]
+    assert chunks[-1] == expected[-1] == b"data: [DONE]\n\n"
+
+
+def test_echo_server_answers_health_checks_as_the_routers_need() -> None:
+    protocol = http_echo_server.EchoProtocol()
+    assert protocol._answer(b"GET", b"/health", b"", False).startswith(b"HTTP/1.1 200 OK\r\n")
+    assert protocol._answer(b"GET", b"/other", b"", False).startswith(b"HTTP/1.1 404")
 
 
 def test_cpu_reading_covers_every_thread_and_child_process_of_a_watched_process() -> None:
