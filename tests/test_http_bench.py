@@ -1,8 +1,11 @@
 """tools/bench/http_bench.py: one JSON row per case from a real run, and the pieces it trusts.
 
 The load generator's response reader decides what counts as a finished
-request and a relayed event, and the echo server is the baseline the
-gateway is compared with, so both are pinned down here too.
+request and a relayed event, its CPU reading what each target costs, and
+the two runtimes are the baselines the gateways are compared with, so all
+are pinned down here too. The peers (LiteLLM, sglang-router,
+vllm-router) are never installed by the suite: only the command lines
+``peers.py`` starts them with are checked.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from types import ModuleType
 from typing import IO, Iterator
 
 import pytest
+import yaml
 
 from protocol.echo import EchoConfig, echo_task
 from protocol.openai_requests import parse_chat_completion
@@ -26,8 +30,9 @@ from protocol.pb import worker_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "tools" / "bench"
-NON_STREAM_CASES = {f"{target}_c{c}" for target in ("direct", "agent", "builtin") for c in (1, 32)}
-STREAM_CASES = {"direct_stream", "agent_stream", "builtin_stream"}
+TARGETS = ("direct-echo", "direct-starlette", "agent-echo", "agent-starlette", "builtin")
+NON_STREAM_CASES = {f"{target}_c{c}" for target in TARGETS for c in (1, 32)}
+STREAM_CASES = {f"{target}_stream" for target in TARGETS}
 
 
 def _load(name: str) -> ModuleType:
@@ -41,6 +46,7 @@ def _load(name: str) -> ModuleType:
 
 http_load = _load("http_load")
 http_echo_server = _load("http_echo_server")
+peers = _load("peers")
 
 
 def _number(value: object) -> bool:
@@ -67,7 +73,8 @@ def test_quick_json_run_reports_every_case_with_rates_latencies_and_ratios_to_di
             assert "events_per_s" not in row and row["rps"] > 0, row
             assert 0 < row["p50_ms"] <= row["p99_ms"], row
             assert row["concurrency"] == int(row["case"].rsplit("_c", 1)[1]), row
-        if row["target"] != "direct" and row["case"] not in STREAM_CASES:
+        assert row["kind"] == row["target"].split("-")[0], row
+        if row["kind"] != "direct" and row["case"] not in STREAM_CASES:
             assert row["rps_ratio"] > 0 and row["p50_ratio"] > 0, row
             assert isinstance(row["p50_overhead_ms"], float), row
         assert _number(row["client_cpu"]), row
@@ -156,6 +163,62 @@ def test_echo_server_streams_one_event_per_word_then_done() -> None:
     assert len(events) == 3 + 3 and events[-1] == b"data: [DONE]"
     words = [json.loads(e[len(b"data: "):])["choices"][0]["delta"].get("content") for e in events[1:-2]]
     assert words == ["a ", "b ", "c"]
+
+
+def test_sglang_router_command_line_is_its_module_launcher_on_loopback_with_its_metrics_port_beside() -> None:
+    argv = peers.sglang_router_argv(Path("/v/bin"), 3000, 3001, ["http://127.0.0.1:8000", "http://127.0.0.1:8001"],
+                                    "cache_aware")
+    assert argv == ["/v/bin/python", "-m", "sglang_router.launch_router",
+                    "--host", "127.0.0.1", "--port", "3000",
+                    "--worker-urls", "http://127.0.0.1:8000", "http://127.0.0.1:8001",
+                    "--policy", "cache_aware",
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", "3001",
+                    "--worker-startup-check-interval", "1"]
+
+
+def test_vllm_router_command_line_names_its_policy_workers_and_loopback_ports() -> None:
+    argv = peers.vllm_router_argv(Path("/v/bin"), 3000, 3001, ["http://127.0.0.1:8000"], "consistent_hash")
+    assert argv == ["/v/bin/vllm-router", "--host", "127.0.0.1", "--port", "3000",
+                    "--worker-urls", "http://127.0.0.1:8000", "--policy", "consistent_hash",
+                    "--prometheus-host", "127.0.0.1", "--prometheus-port", "3001",
+                    "--worker-startup-check-interval", "1"]
+    assert peers.SESSION_HEADER == "x-session-id"
+
+
+@pytest.mark.parametrize("build, policy, urls, complaint", [
+    (peers.sglang_router_argv, "consistent_hash", ["http://a:1"], "one of round_robin, cache_aware, power_of_two"),
+    (peers.vllm_router_argv, "power_of_two", ["http://a:1"], "one of round_robin, cache_aware, consistent_hash"),
+    (peers.sglang_router_argv, "power_of_two", ["http://a:1"], "fewer than 2 workers"),
+    (peers.vllm_router_argv, "round_robin", [], "at least one runtime URL"),
+    (peers.sglang_router_argv, "round_robin", ["127.0.0.1:8000"], "http:// or https://: 127.0.0.1:8000"),
+])
+def test_a_router_command_line_refuses_what_the_router_would_refuse_or_misread(build, policy, urls,
+                                                                              complaint) -> None:
+    with pytest.raises(ValueError, match=complaint):
+        build(Path("/v/bin"), 3000, 3001, urls, policy)
+
+
+def test_litellm_serves_the_model_from_every_runtime_under_one_name_without_telemetry() -> None:
+    config = yaml.safe_load(peers.litellm_config("echo", ["http://127.0.0.1:8000/", "http://127.0.0.1:8001"]))
+    assert config == {
+        "model_list": [
+            {"model_name": "echo", "litellm_params": {"model": "openai/echo", "api_key": "none",
+                                                      "api_base": "http://127.0.0.1:8000/v1"}},
+            {"model_name": "echo", "litellm_params": {"model": "openai/echo", "api_key": "none",
+                                                      "api_base": "http://127.0.0.1:8001/v1"}},
+        ],
+        "litellm_settings": {"telemetry": False},
+    }
+    assert peers.litellm_argv(Path("/v/bin"), Path("/tmp/l.yaml"), 3000) == [
+        "/v/bin/litellm", "--config", "/tmp/l.yaml", "--host", "127.0.0.1", "--port", "3000", "--num_workers", "1"]
+    assert peers.LITELLM_ENV["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+
+
+def test_every_peer_is_pinned_to_one_release_in_a_venv_git_ignores() -> None:
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    for package in (peers.LITELLM, peers.SGLANG_ROUTER, peers.VLLM_ROUTER):
+        assert package.requirement.endswith(f"=={package.version}"), package
+        assert f"{package.venv.relative_to(ROOT)}/" in ignored, package
 
 
 @pytest.fixture
