@@ -7,7 +7,7 @@ installs or starts them), started as a subprocess on a free loopback port
 in front of a list of OpenAI-compatible runtimes given by URL, waited for
 until it answers a chat completion, and stopped with SIGTERM (then
 SIGKILL after 15 s; :class:`bench_processes.Child`). Idle, both routers
-exit within 0.2 s of SIGTERM with status 0. Every port they open is on
+exit within a quarter second of SIGTERM with status 0. Every port they open is on
 127.0.0.1: the routers' Prometheus listeners cannot be turned off (both
 default to port 29000, sglang-router's on 0.0.0.0), so each gets a free
 loopback port of its own.
