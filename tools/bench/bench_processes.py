@@ -1,7 +1,7 @@
 """The processes a loopback benchmark starts: ports, children that die with it, waiting for a model.
 
-Shared by ``http_bench.py`` and ``open_streams.py`` (each runs as a script
-with this directory on ``sys.path``).
+Shared by ``http_bench.py``, ``open_streams.py`` and ``peers.py`` (each
+runs as a script with this directory on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -94,3 +94,27 @@ def wait_for_model(port: int, model: str, children: list[Child], timeout: float 
             pass
         time.sleep(0.1)
     raise BenchError(f"no engine serving {model!r} on port {port} after {timeout:g} s")
+
+
+def wait_until_answers(port: int, model: str, children: list[Child], timeout: float = 60.0) -> None:
+    """Until a chat completion for ``model`` on ``port`` answers 200: the whole path serves, not just its port."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ready?"}]})
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        for child in children:
+            if child.process.poll() is not None:
+                raise BenchError(f"{child.name} exited with {child.process.returncode}: {child.log_tail()}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            answer = response.read()
+            connection.close()
+            if response.status == 200:
+                return
+            last = f"HTTP {response.status}: {answer[:200]!r}"
+        except OSError as error:
+            last = str(error)
+        time.sleep(0.1)
+    raise BenchError(f"no chat completion for {model!r} on port {port} after {timeout:g} s ({last})")

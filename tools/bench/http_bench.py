@@ -1,48 +1,55 @@
 #!/usr/bin/env python
-"""Benchmark the HTTP gateway against a runtime with no gateway, over loopback.
+"""Benchmark infx's HTTP gateway beside the gateways users pick instead, in front of the same runtime, over loopback.
 
-Three targets serve the same non-streaming chat requests:
+Two runtimes (``--runtimes``) answer the same chat completions with the
+same bytes:
 
-- ``direct`` (a): the lean echo server of ``http_echo_server.py``, alone
-  (the baseline: a runtime with no gateway);
-- ``agent`` (b): ``twistd infx`` plus ``twistd infx-engine --runtime openai``
-  pointed at that echo server (the real deployment shape);
-- ``builtin`` (c): ``twistd infx --echo-models`` (the built-in echo engine,
-  which runs inside the gateway's process);
-- ``litellm`` (d), with ``--litellm``: the LiteLLM proxy (one worker) in front
-  of the same echo server, the alternative issue #16 compares with. It is
-  installed once, pinned, into its own venv (``tools/bench/.venv-litellm``,
-  not in git) and started with its cost map read locally and telemetry off.
+- ``echo``: the lean echo server of ``http_echo_server.py`` (raw asyncio,
+  one ``write`` per answer, a whole stream at once);
+- ``starlette``: ``starlette_runtime.py``, an OpenAI-compatible Starlette
+  app on uvicorn, which streams one chunk per word as vLLM, SGLang and
+  llama-cpp-python do: a runtime like the ones users run.
 
-Each is measured at concurrency 1 (latency) and 32 (requests/s and
-latency). Streamed answers (server-sent events/s) are relayed by (c), as
-issue #5 asks, and by (b), whose echo server sends each stream at once: the
-built-in engine paces its tokens (10 ms apart) and runs at most 32 tasks,
-so (c) cannot offer more than about 3,200 events/s whatever the gateway
-does, while (b) is limited only by the processes on the path. The CPU time
-the server (gateway or echo server) and the engine agent used inside each
-measured window is read from ``/proc``: ``per_server_cpu_s`` (requests or
-events per CPU second of the server process) is what one fully busy core
-would do, a figure that holds up when other work shares the machine, and
-``server_cpu_wait`` is the share of the window the server was runnable but
-waited for a CPU (high means the machine, not the server, set the pace).
-Every process is separate: echo server, gateways, engine agent and the load
-generator (``http_load.py``, raw asyncio keep-alive connections, a new
-process per measurement). Targets alternate in a rotating order within
-each repetition so that machine noise hits all alike; medians of
-``--repeats`` are reported, with the ratios to (a).
+In front of each runtime, the targets (``--targets``):
 
-    .venv/bin/python tools/bench/http_bench.py               # table
-    .venv/bin/python tools/bench/http_bench.py --json        # one JSON object per case
-    .venv/bin/python tools/bench/http_bench.py --quick       # smoke run
-    .venv/bin/python tools/bench/http_bench.py --profile DIR # + cProfile of both gateways
-    .venv/bin/python tools/bench/http_bench.py --cases agent_c32,builtin_c32  # a subset
-    .venv/bin/python tools/bench/http_bench.py --litellm     # + (d), installed on first use
+- ``direct``: the runtime alone (the baseline);
+- ``agent``: ``twistd infx`` + ``twistd infx-engine --runtime openai``
+  pointed at the runtime (infx's dial-in deployment);
+- ``litellm``: the LiteLLM proxy (one worker);
+- ``sglang``: sglang-router, round_robin;
+- ``vllm``: vllm-router, round_robin;
 
-The non-streaming request carries an empty user message: the built-in echo
-engine waits ``token_delay`` (10 ms, not settable through ``twistd infx``)
-per echoed word, which would swamp what is measured. The streamed request
-echoes ``STREAM_WORDS`` words (``STREAM_WORDS`` + 3 events per stream).
+and once, with no runtime, ``builtin``: ``twistd infx --echo-models``
+(the built-in echo engine inside the gateway's process; its ratios are to
+``direct-echo``, whose answers it matches). The peers (LiteLLM and the
+routers) are pinned releases installed on first use into ignored venvs by
+``peers.py``, which documents their command lines; they run only when
+named in ``--targets``.
+
+Each target is measured with non-streaming chat at concurrency 1
+(latency) and 32 (requests/s), and with streams of ``STREAM_WORDS`` words
+(``STREAM_WORDS`` + 3 events each) at ``--stream-concurrency`` (relayed
+events/s). The CPU time every process of the target used inside each
+measured window (every thread of the gateway and agent, the proxy or the
+router; the runtime's for ``direct``) is read from ``/proc``: CPU per
+request or event is the figure that holds up when other work shares the
+machine, which wall-clock rates do not, and ``server_cpu_wait`` is the
+share of the window the target's first process was runnable but waited
+for a CPU (high means the machine, not the target, set the pace). Every
+process is separate, the load generator too (``http_load.py``, raw
+asyncio keep-alive connections, a new process per measurement). Targets
+alternate in a rotating order within each repetition so that machine
+noise hits all alike; medians of ``--repeats`` are reported.
+
+    .venv/bin/python tools/bench/http_bench.py                      # infx beside the runtimes
+    .venv/bin/python tools/bench/http_bench.py --targets all        # + LiteLLM and both routers
+    .venv/bin/python tools/bench/http_bench.py --json               # one JSON object per case
+    .venv/bin/python tools/bench/http_bench.py --quick              # smoke run
+    .venv/bin/python tools/bench/http_bench.py --profile DIR --cases agent-starlette_c1  # + cProfile
+
+The non-streaming request is a system prompt and a one-word user message
+(sglang-router refuses an empty one with 400), answered with that word;
+the built-in echo engine runs with ``--echo-token-delay 0``.
 """
 
 from __future__ import annotations
@@ -64,31 +71,56 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 
 from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
+from peers import LITELLM, SGLANG_ROUTER, VLLM_ROUTER, Peer, start_litellm, start_sglang_router  # noqa: E402
+from peers import start_vllm_router  # noqa: E402
 
 MODEL = "echo"
-STREAM_WORDS = 100
-# Targets of issue #5.
-MAX_OVERHEAD_P50_MS = 2.0
-MIN_RPS = 1000.0
-MIN_EVENTS_PER_S = 10000.0
-# Targets of issue #16 ("Up"), for (b): CPU of gateway and agent together per request, relayed
-# events/s, and latency added at c=1.
-MAX_CPU_MS_PER_REQUEST = 0.5
-MIN_RELAYED_EVENTS_PER_S = 40000.0
-MAX_OVERHEAD_C1_MS = 0.6
+#: Words per streamed answer and streams at once: issue #25's measure of relayed events.
+STREAM_WORDS = 64
+STREAM_CONCURRENCY = 8
 #: Seconds a measured window with nothing in it yet may stay open for its first answer
 #: (``http_load.py --patience``): on a loaded machine a slow figure, not a failed run.
 PATIENCE_S = 30.0
+#: Issue #25: the dial-in path's CPU per request at c=32 that it measured (ms), to be cut to 0.6x.
+ISSUE_25_DIAL_IN_CPU_MS = 1.75
 
-TARGETS = {
-    "direct": "(a) echo server alone",
-    "agent": "(b) gateway + infx-engine (openai runtime) + echo server",
-    "builtin": "(c) gateway + built-in echo engine",
-    "litellm": "(d) LiteLLM proxy (1 worker) + echo server",
+RUNTIMES = {
+    "echo": "http_echo_server.py: raw asyncio, one write per answer",
+    "starlette": "starlette_runtime.py: Starlette on uvicorn, one chunk per streamed word",
 }
-#: The LiteLLM release (d) runs: pinned, so that figures compare across runs.
-LITELLM_VERSION = "1.81.13"
-LITELLM_VENV = HERE / ".venv-litellm"
+KINDS = {
+    "direct": "the runtime alone",
+    "agent": "twistd infx + twistd infx-engine --runtime openai",
+    "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
+    "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
+    "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
+    "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
+}
+DEFAULT_KINDS = ("direct", "agent", "builtin")
+ROUTER_KINDS = ("sglang", "vllm")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What serves the OpenAI API on ``port``: a kind of gateway (or none) in front of a runtime.
+
+    ``pids`` are the processes whose CPU it is charged with (the runtime's only for ``direct``).
+    """
+
+    name: str
+    kind: str
+    runtime: str | None
+    port: int
+    pids: tuple[int, ...]
+
+
+def target_name(kind: str, runtime: str | None) -> str:
+    return kind if runtime is None else f"{kind}-{runtime}"
+
+
+def baseline(target: Target) -> str:
+    """The target whose latency and rate this one's are compared with: the runtime it fronts, alone."""
+    return target_name("direct", target.runtime or "echo")
 
 
 @dataclass(frozen=True)
@@ -101,7 +133,7 @@ class Case:
     stream: bool
 
 
-def cases(stream_concurrency: int, targets: tuple[str, ...] = ("direct", "agent", "builtin")) -> list[Case]:
+def cases(targets: list[str], stream_concurrency: int) -> list[Case]:
     out = [Case(f"{target}_c{c}", target, c, False) for c in (1, 32) for target in targets]
     out += [Case(f"{target}_stream", target, stream_concurrency, True) for target in targets]
     return out
@@ -113,27 +145,25 @@ def request_body(stream: bool) -> bytes:
         messages = [{"role": "user", "content": words}]
     else:
         messages = [{"role": "system", "content": "You are a terse assistant; answer in as few words as you can."},
-                    {"role": "user", "content": ""}]
+                    {"role": "user", "content": "Hello"}]
     return json.dumps({"model": MODEL, "stream": stream, "messages": messages}).encode()
 
 
-class EchoServer(Child):
-    """``http_echo_server.py``; it reports its port on stdout and exits when stdin closes."""
+class RuntimeServer(Child):
+    """A runtime script of this directory; it reports its port on stdout and exits when stdin closes."""
 
-    def __init__(self, logs: Path) -> None:
-        super().__init__("echo-server", [sys.executable, str(HERE / "http_echo_server.py")], logs,
+    SCRIPTS = {"echo": "http_echo_server.py", "starlette": "starlette_runtime.py"}
+
+    def __init__(self, runtime: str, logs: Path) -> None:
+        super().__init__(f"runtime-{runtime}", [sys.executable, str(HERE / self.SCRIPTS[runtime])], logs,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
         line = stdout.readline().strip()
         if not line.isdigit():
             self.stop()
-            raise BenchError(f"echo server did not start: {self.log_tail()}")
+            raise BenchError(f"{runtime} runtime did not start: {self.log_tail()}")
         self.port = int(line)
-
-    def stop(self) -> None:
-        stdin: IO[bytes] = self.process.stdin  # type: ignore[assignment]
-        stdin.close()
-        super().stop()
+        self.url = f"http://127.0.0.1:{self.port}"
 
 
 def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) -> Child:
@@ -145,89 +175,72 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) 
     return Child(name, argv + plugin_args, logs)
 
 
-def litellm_venv() -> Path:
-    """The ``litellm`` command of the pinned LiteLLM proxy, installed into its venv on first use."""
-    command = LITELLM_VENV / "bin" / "litellm"
-    python = LITELLM_VENV / "bin" / "python"
-    version = [str(python), "-c", "import importlib.metadata as m; print(m.version('litellm'))"]
-    if command.exists() and subprocess.run(version, capture_output=True, text=True).stdout.strip() == LITELLM_VERSION:
-        return command
-    print(f"installing litellm[proxy]=={LITELLM_VERSION} into {LITELLM_VENV} (once)", file=sys.stderr)
-    steps = [[sys.executable, "-m", "venv", str(LITELLM_VENV)],
-             [str(python), "-m", "pip", "install", "-q", f"litellm[proxy]=={LITELLM_VERSION}"]]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise BenchError(f"could not install LiteLLM ({' '.join(step[-2:])}): {done.stderr.strip()[-1500:]}")
-    return command
+def gateway_args(http: int, worker: int) -> list[str]:
+    # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
+    return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
+            "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
+            "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
 
 
-def litellm_proxy(echo_port: int, logs: Path) -> tuple[Child, int]:
-    """The LiteLLM proxy, one worker, serving MODEL from the echo server; (child, port)."""
-    command = litellm_venv()
-    config = logs / "litellm.yaml"
-    config.write_text(
-        "model_list:\n"
-        f"  - model_name: {MODEL}\n"
-        "    litellm_params:\n"
-        f"      model: openai/{MODEL}\n"
-        f"      api_base: http://127.0.0.1:{echo_port}/v1\n"
-        "      api_key: none\n"
-        "litellm_settings:\n"
-        "  telemetry: false\n")
-    port = free_port()
-    # The cost map is read from the package, not fetched: the bench stays on loopback.
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"}
-    child = Child("litellm", [str(command), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                              "--num_workers", "1"], logs, env=env)
-    return child, port
+class Processes:
+    """Starts the runtimes and every target in front of them; ``targets`` in a fixed order."""
 
-
-class Targets:
-    """Starts the targets' processes; ``ports`` maps each target to its HTTP port."""
-
-    def __init__(self, logs: Path, profile: Path | None, litellm: bool = False) -> None:
+    def __init__(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str]) -> None:
         self.children: list[Child] = []
+        self.peers: list[Peer] = []
+        self.targets: list[Target] = []
         try:
-            echo = EchoServer(logs)
-            self.children.append(echo)
-            agent_http, agent_grpc, builtin_http, builtin_grpc = (free_port() for _ in range(4))
-
-            def gateway_args(http: int, worker: int) -> list[str]:
-                # Every port explicit and on loopback: two gateways run side by side (and beside other tests).
-                return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
-                        "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-                        "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
-
-            agent_gateway = twistd("gateway-agent", gateway_args(agent_http, agent_grpc), logs, profile)
-            self.children.append(agent_gateway)
-            builtin_gateway = twistd("gateway-builtin", [*gateway_args(builtin_http, builtin_grpc),
-                                                         "--echo-models", MODEL, "--echo-token-delay", "0"],
-                              logs, profile)
-            self.children.append(builtin_gateway)
-            engine = twistd("engine-agent", [
-                "infx-engine", "--server", f"127.0.0.1:{agent_grpc}", "--runtime", "openai",
-                "--upstream", f"http://127.0.0.1:{echo.port}", "--models", MODEL,
-                "--max-concurrency", "64", "--grace", "1"], logs, profile)
-            self.children.append(engine)
-            wait_for_model(agent_http, MODEL, [agent_gateway, engine])
-            wait_for_model(builtin_http, MODEL, [builtin_gateway])
-            self.ports = {"direct": echo.port, "agent": agent_http, "builtin": builtin_http}
-            #: Processes whose CPU time each measurement reports: the server first, then the engine agent.
-            self.pids = {"direct": (echo.process.pid,), "agent": (agent_gateway.process.pid, engine.process.pid),
-                         "builtin": (builtin_gateway.process.pid,)}
-            if litellm:
-                proxy, proxy_port = litellm_proxy(echo.port, logs)
-                self.children.append(proxy)
-                wait_for_model(proxy_port, MODEL, [proxy], timeout=180)
-                self.ports["litellm"] = proxy_port
-                self.pids["litellm"] = (proxy.process.pid,)
+            self._start(logs, profile, runtimes, kinds)
         except BaseException:
             self.stop()
             raise
 
+    def _start(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str]) -> None:
+        waits: list[tuple[int, list[Child]]] = []
+        for runtime in runtimes:
+            server = RuntimeServer(runtime, logs)
+            self.children.append(server)
+            if "direct" in kinds:
+                self._add("direct", runtime, server.port, server.process.pid)
+            if "agent" in kinds:
+                http, grpc = free_port(), free_port()
+                gateway = twistd(f"gateway-agent-{runtime}", gateway_args(http, grpc), logs, profile)
+                self.children.append(gateway)
+                engine = twistd(f"engine-agent-{runtime}", [
+                    "infx-engine", "--server", f"127.0.0.1:{grpc}", "--runtime", "openai",
+                    "--upstream", server.url, "--models", MODEL, "--max-concurrency", "64", "--grace", "1"],
+                    logs, profile)
+                self.children.append(engine)
+                waits.append((http, [gateway, engine]))
+                self._add("agent", runtime, http, gateway.process.pid, engine.process.pid)
+        if "builtin" in kinds:
+            http = free_port()
+            gateway = twistd("gateway-builtin", [*gateway_args(http, free_port()),
+                                                 "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+            self.children.append(gateway)
+            waits.append((http, [gateway]))
+            self._add("builtin", None, http, gateway.process.pid)
+        for port, children in waits:
+            wait_for_model(port, MODEL, children)
+        starters: dict[str, Callable[[RuntimeServer], Peer]] = {
+            "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
+            "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),
+            "vllm": lambda s: start_vllm_router([s.url], "round_robin", MODEL, logs, name=f"vllm-{s.name}"),
+        }
+        servers = [child for child in self.children if isinstance(child, RuntimeServer)]
+        for kind in (k for k in starters if k in kinds):
+            for server in servers:
+                peer = starters[kind](server)
+                self.peers.append(peer)
+                self._add(kind, server.name.removeprefix("runtime-"), peer.port, peer.pid)
+
+    def _add(self, kind: str, runtime: str | None, port: int, *pids: int) -> None:
+        self.targets.append(Target(target_name(kind, runtime), kind, runtime, port, pids))
+
     def stop(self) -> None:
-        # Gateways first: the engine agent then sees a clean go-away.
+        for peer in self.peers:
+            peer.stop()
+        # Gateways first: the engine agents then see a clean go-away.
         for child in sorted(self.children, key=lambda c: not c.name.startswith("gateway")):
             child.stop()
 
@@ -250,17 +263,17 @@ def run_load(port: int, body_file: Path, concurrency: int, duration: float, warm
     return result
 
 
-def measure(all_cases: list[Case], targets: Targets, bodies: dict[bool, Path], repeats: int,
+def measure(all_cases: list[Case], targets: list[Target], bodies: dict[bool, Path], repeats: int,
             duration: float, warmup: float) -> dict[str, list[dict[str, Any]]]:
     """Runs per case; a failed run is reported on stderr and left out."""
     runs: dict[str, list[dict[str, Any]]] = {}
-    ports = targets.ports
-    names = [name for name in TARGETS if name in ports]
-    for target in names:  # warm every target up once before anything is measured
+    by_name = {target.name: target for target in targets}
+    names = [target.name for target in targets if any(case.target == target.name for case in all_cases)]
+    for name in names:  # warm every target up once before anything is measured
         try:
-            run_load(ports[target], bodies[False], 32, warmup, 0.0, need_progress=False)
+            run_load(by_name[name].port, bodies[False], 32, warmup, 0.0, need_progress=False)
         except (BenchError, subprocess.TimeoutExpired) as error:
-            print(f"error: warming up {target}: {error}", file=sys.stderr)
+            print(f"error: warming up {name}: {error}", file=sys.stderr)
     for repeat in range(repeats):
         order = names[repeat % len(names):] + names[:repeat % len(names)]
         groups: dict[tuple[int, bool], list[Case]] = {}
@@ -268,9 +281,10 @@ def measure(all_cases: list[Case], targets: Targets, bodies: dict[bool, Path], r
             groups.setdefault((case.concurrency, case.stream), []).append(case)
         for group in groups.values():
             for case in sorted(group, key=lambda c: order.index(c.target)):
+                target = by_name[case.target]
                 try:
-                    result = run_load(ports[case.target], bodies[case.stream], case.concurrency, duration, warmup,
-                                      targets.pids[case.target])
+                    result = run_load(target.port, bodies[case.stream], case.concurrency, duration, warmup,
+                                      target.pids)
                 except (BenchError, subprocess.TimeoutExpired) as error:
                     print(f"error: {case.name}: {error}", file=sys.stderr)
                     continue
@@ -278,8 +292,10 @@ def measure(all_cases: list[Case], targets: Targets, bodies: dict[bool, Path], r
     return runs
 
 
-def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per case: medians of its runs, CPU shares, and for gateway targets the ratios to ``direct``."""
+def summarise(all_cases: list[Case], targets: list[Target],
+              runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per case: medians of its runs, CPU shares, and for gateways the ratios to their runtime alone."""
+    by_name = {target.name: target for target in targets}
 
     def median(name: str, value: Callable[[dict[str, Any]], float | None]) -> float | None:
         values = [v for v in map(value, runs.get(name, [])) if v is not None]
@@ -298,18 +314,20 @@ def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> l
         return rate
 
     def all_cpu_ms(done: str) -> Callable[[dict[str, Any]], float | None]:
-        """CPU milliseconds of every watched process (server and engine agent) per request or event."""
+        """CPU milliseconds of every watched process (e.g. gateway and engine agent) per request or event."""
         def cost(run: dict[str, Any]) -> float | None:
             seconds = run["watched_cpu_s"]
             if not seconds or None in seconds or not run[done]:
                 return None
-            return 1000.0 * sum(seconds) / run[done]
+            cost_ms: float = 1000.0 * sum(seconds) / run[done]
+            return cost_ms
         return cost
 
     rows = []
     for case in all_cases:
-        name = case.name
-        row: dict[str, Any] = {"case": name, "target": case.target, "concurrency": case.concurrency}
+        name, target = case.name, by_name[case.target]
+        row: dict[str, Any] = {"case": name, "target": target.name, "kind": target.kind, "runtime": target.runtime,
+                               "concurrency": case.concurrency}
         rate, done = ("events_per_s", "events") if case.stream else ("rps", "requests")
         row[rate] = median(name, lambda r: r[rate])
         row["p50_ms"] = median(name, lambda r: r["p50_ms"])
@@ -318,12 +336,12 @@ def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> l
         row["client_cpu"] = median(name, lambda r: r["cpu_s"] / r["seconds"])
         row["server_cpu"] = median(name, watched(0))
         row["server_cpu_wait"] = median(name, watched(0, "watched_wait_s"))
-        if case.target == "agent":
+        if target.kind == "agent":
             row["engine_cpu"] = median(name, watched(1))
         row["per_server_cpu_s"] = median(name, per_cpu_s(done))
         row["cpu_ms_per_" + ("event" if case.stream else "request")] = median(name, all_cpu_ms(done))
-        if not case.stream and case.target != "direct":
-            base = f"direct_c{case.concurrency}"
+        if not case.stream and target.kind != "direct":
+            base = f"{baseline(target)}_c{case.concurrency}"
             base_rps, base_p50 = median(base, lambda r: r["rps"]), median(base, lambda r: r["p50_ms"])
             rps, p50 = row["rps"], row["p50_ms"]
             row["rps_ratio"] = rps / base_rps if rps is not None and base_rps else None
@@ -333,48 +351,80 @@ def summarise(all_cases: list[Case], runs: dict[str, list[dict[str, Any]]]) -> l
     return rows
 
 
-def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+def overview(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue #25's columns, one row per target: c=1 p50 added, c=32 req/s, relayed events/s, CPU per request."""
     by_case = {row["case"]: row for row in rows}
-
-    def check(label: str, value: float | None, ok: bool, unit: str) -> str:
-        if value is None:
-            return f"{label}: not measured"
-        return f"{label}: {value:,.2f} {unit} -> {'met' if ok else 'MISSED'}"
-
     out = []
-    for case, who in (("builtin_c1", "gateway (+ in-process echo engine)"), ("agent_c1", "gateway + engine agent")):
-        overhead = by_case.get(case, {}).get("p50_overhead_ms")
-        out.append(check(f"p50 overhead at c=1, {who}, target <= {MAX_OVERHEAD_P50_MS:g} ms", overhead,
-                         overhead is not None and overhead <= MAX_OVERHEAD_P50_MS, "ms"))
-    for case in ("builtin_c32", "agent_c32"):
-        for key, what in (("rps", "requests/s"), ("per_server_cpu_s", "requests per gateway CPU second")):
-            rps = by_case.get(case, {}).get(key)
-            out.append(check(f"{case} {what}, target >= {MIN_RPS:,.0f}", rps, rps is not None and rps >= MIN_RPS,
-                             "req/s"))
-    for case in ("builtin_stream", "agent_stream"):
-        for key, what in (("events_per_s", "relayed events/s"), ("per_server_cpu_s",
-                                                                 "events per gateway CPU second")):
-            value = by_case.get(case, {}).get(key)
-            out.append(check(f"{case} {what}, target >= {MIN_EVENTS_PER_S:,.0f}", value,
-                             value is not None and value >= MIN_EVENTS_PER_S, "events/s"))
-    cpu = by_case.get("agent_c32", {}).get("cpu_ms_per_request")
-    out.append(check(f"#16: agent_c32 CPU per request, gateway + agent, target <= {MAX_CPU_MS_PER_REQUEST:g} ms",
-                     cpu, cpu is not None and cpu <= MAX_CPU_MS_PER_REQUEST, "ms"))
-    events = by_case.get("agent_stream", {}).get("events_per_s")
-    out.append(check(f"#16: agent_stream relayed events/s, target >= {MIN_RELAYED_EVENTS_PER_S:,.0f}", events,
-                     events is not None and events >= MIN_RELAYED_EVENTS_PER_S, "events/s"))
-    overhead = by_case.get("agent_c1", {}).get("p50_overhead_ms")
-    out.append(check(f"#16: agent_c1 p50 added to direct, target <= {MAX_OVERHEAD_C1_MS:g} ms", overhead,
-                     overhead is not None and overhead <= MAX_OVERHEAD_C1_MS, "ms"))
+    for target in dict.fromkeys(row["target"] for row in rows):
+        c1, c32, stream = (by_case.get(f"{target}_{suffix}", {}) for suffix in ("c1", "c32", "stream"))
+        first = c1 or c32 or stream
+        out.append({"target": target, "kind": first["kind"], "runtime": first["runtime"],
+                    "c1_p50_added_ms": c1.get("p50_overhead_ms"), "c32_rps": c32.get("rps"),
+                    "events_per_s": stream.get("events_per_s"), "c32_cpu_ms_per_request": c32.get("cpu_ms_per_request"),
+                    "c1_cpu_ms_per_request": c1.get("cpu_ms_per_request")})
     return out
 
 
-def report_table(rows: list[dict[str, Any]], repeats: int, duration: float) -> None:
-    def fmt(value: float | None, spec: str = ",.1f") -> str:
-        return "-" if value is None else format(value, spec)
+def verdicts(rows: list[dict[str, Any]]) -> list[str]:
+    """Issue #25's comparisons, per runtime: infx's dial-in path against the best Rust router measured beside it."""
+    out = []
+    for runtime in dict.fromkeys(row["runtime"] for row in rows if row["runtime"]):
+        mine = [row for row in rows if row["runtime"] == runtime]
+        agent = next((row for row in mine if row["kind"] == "agent"), None)
+        routers = [row for row in mine if row["kind"] in ROUTER_KINDS]
+        if agent is None:
+            continue
+        cpu = agent["c32_cpu_ms_per_request"]
+        if cpu is not None:
+            out.append(f"#25 [{runtime}] dial-in path CPU per request at c=32: {cpu:.3f} ms; target <= 0.6 x "
+                       f"{ISSUE_25_DIAL_IN_CPU_MS:g} ms = {0.6 * ISSUE_25_DIAL_IN_CPU_MS:.2f} ms "
+                       f"-> {'met' if cpu <= 0.6 * ISSUE_25_DIAL_IN_CPU_MS else 'MISSED'}")
+        for key, what in (("c32_cpu_ms_per_request", "CPU per request at c=32"), ("c1_p50_added_ms", "c=1 p50 added")):
+            measured = [(row[key], row["target"]) for row in routers if row[key] is not None]
+            if not measured or agent[key] is None:
+                continue
+            best, who = min(measured)
+            out.append(f"#25 [{runtime}] {what}: best Rust router {best:.3f} ms ({who}); infx dial-in path "
+                       f"{agent[key]:.3f} ms = {agent[key] / best:.1f}x (target for infx by URL: <= 2x)")
+        for key, what in (("c32_rps", "requests/s at c=32"), ("events_per_s", "relayed events/s")):
+            measured = [(row[key], row["target"]) for row in routers if row[key] is not None]
+            if not measured or agent[key] is None:
+                continue
+            best, who = max(measured)
+            out.append(f"#25 [{runtime}] {what}: best Rust router {best:,.0f} ({who}); infx dial-in path "
+                       f"{agent[key]:,.0f} = {agent[key] / best:.2f}x (target with --workers 2: >= 0.8x)")
+    return out
 
-    header = ["case", "conc", "req/s | events/s", "p50 ms", "p99 ms", "x direct req/s", "x direct p50",
-              "p50 overhead ms", "per server cpu-s", "cpu ms per req|ev", "cpu: server", "engine", "client",
+
+def fmt(value: float | None, spec: str = ",.1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_table(table: list[list[str]]) -> None:
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
+
+
+def report_table(rows: list[dict[str, Any]], repeats: int, duration: float, stream_concurrency: int) -> None:
+    print(f"medians of {repeats} x {duration:g} s, loopback, every process separate, {os.cpu_count()} cores, "
+          f"streams of {STREAM_WORDS} words at c={stream_concurrency}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
+    print("runtimes: " + "; ".join(f"{name}: {meaning}" for name, meaning in RUNTIMES.items()
+                                   if any(row["runtime"] == name for row in rows)))
+    print("targets: " + "; ".join(f"{kind}: {meaning}" for kind, meaning in KINDS.items()
+                                  if any(row["kind"] == kind for row in rows)))
+    table = [["target", "c=1 p50 added ms", "c=32 req/s", "relayed events/s", "CPU ms/request c=32",
+              "CPU ms/request c=1"]]
+    summary = overview(rows)
+    for row in summary:
+        table.append([row["target"], fmt(row["c1_p50_added_ms"], ".3f"), fmt(row["c32_rps"], ",.0f"),
+                      fmt(row["events_per_s"], ",.0f"), fmt(row["c32_cpu_ms_per_request"], ".3f"),
+                      fmt(row["c1_cpu_ms_per_request"], ".3f")])
+    print_table(table)
+    print()
+    header = ["case", "conc", "req/s | events/s", "p50 ms", "p99 ms", "x runtime req/s", "x runtime p50",
+              "p50 added ms", "per server cpu-s", "cpu ms per req|ev", "cpu: server", "engine", "client",
               "server waited"]
     table = [header]
     for row in rows:
@@ -388,15 +438,8 @@ def report_table(rows: list[dict[str, Any]], repeats: int, duration: float) -> N
             fmt(row["server_cpu"], ".0%"), fmt(row.get("engine_cpu"), ".0%"), fmt(row["client_cpu"], ".0%"),
             fmt(row["server_cpu_wait"], ".0%"),
         ])
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    print(f"medians of {repeats} x {duration:g} s, loopback, every process separate, {os.cpu_count()} cores, "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end")
-    for target, meaning in TARGETS.items():
-        if any(row["target"] == target for row in rows):
-            print(f"  {target}: {meaning}")
-    for r in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(r, widths)).rstrip())
-    for line in verdicts(rows):
+    print_table(table)
+    for line in verdicts(summary):
         print(line)
 
 
@@ -409,6 +452,14 @@ def report_profiles(profile: Path, top: int = 25) -> None:
         stats.sort_stats("tottime").print_stats(top)
 
 
+def names(parser: argparse.ArgumentParser, value: str, known: dict[str, str], what: str) -> list[str]:
+    wanted = list(known) if value == "all" else value.split(",")
+    unknown = sorted(set(wanted) - set(known))
+    if unknown:
+        parser.error(f"unknown {what}: {', '.join(unknown)}; known: {', '.join(known)} or all")
+    return [name for name in known if name in wanted]
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per case")
@@ -416,20 +467,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--duration", type=float, help="measured seconds per run (default 3, quick 0.3)")
     parser.add_argument("--warmup", type=float, help="unmeasured seconds before each run (default 1, quick 0.1)")
     parser.add_argument("--repeats", type=int, help="repetitions; medians are reported (default 3, quick 1)")
-    parser.add_argument("--stream-concurrency", type=int, default=32,
-                        help="concurrent streams in the stream cases (default 32, the engines' task limit)")
+    parser.add_argument("--stream-concurrency", type=int, default=STREAM_CONCURRENCY,
+                        help=f"concurrent streams in the stream cases (default {STREAM_CONCURRENCY})")
+    parser.add_argument("--runtimes", default="all", help=f"comma-separated of {', '.join(RUNTIMES)} (default all)")
+    parser.add_argument("--targets", default=",".join(DEFAULT_KINDS),
+                        help=f"comma-separated of {', '.join(KINDS)}, or all (default {','.join(DEFAULT_KINDS)}); "
+                        "litellm, sglang and vllm are installed on first use into ignored venvs (peers.py)")
     parser.add_argument("--cases", help="comma-separated subset of the case names (default: all)")
-    parser.add_argument("--profile", type=Path, help="directory for cProfile stats of both gateways and the "
-                        "engine agent; their top functions are printed on stderr at the end")
-    parser.add_argument("--litellm", action="store_true",
-                        help=f"also run (d), the LiteLLM proxy {LITELLM_VERSION} (installed once into "
-                        f"{LITELLM_VENV.relative_to(ROOT)})")
+    parser.add_argument("--profile", type=Path, help="directory for cProfile stats of the gateways and engine "
+                        "agents; their top functions are printed on stderr at the end")
     options = parser.parse_args(argv)
     duration = options.duration if options.duration is not None else (0.3 if options.quick else 3.0)
     warmup = options.warmup if options.warmup is not None else (0.1 if options.quick else 1.0)
     repeats = options.repeats if options.repeats is not None else (1 if options.quick else 3)
-    all_cases = cases(options.stream_concurrency,
-                      ("direct", "agent", "builtin", "litellm") if options.litellm else ("direct", "agent", "builtin"))
+    runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
+    kinds = names(parser, options.targets, KINDS, "targets")
+    target_names = [target_name(kind, None if kind == "builtin" else runtime)
+                    for kind in kinds for runtime in (runtimes if kind != "builtin" else [None])]
+    all_cases = cases(target_names, options.stream_concurrency)
     if options.cases:
         wanted = options.cases.split(",")
         unknown = sorted(set(wanted) - {case.name for case in all_cases})
@@ -446,21 +501,22 @@ def main(argv: list[str]) -> int:
         for stream in (False, True):
             bodies[stream] = logs / f"body-{'stream' if stream else 'whole'}.json"
             bodies[stream].write_bytes(request_body(stream))
+        needed_kinds = {kind for kind in kinds if any(c.target.startswith(kind) for c in all_cases)}
         try:
-            targets = Targets(logs, options.profile, options.litellm)
+            processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds])
         except BenchError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         try:
-            runs = measure(all_cases, targets, bodies, repeats, duration, warmup)
+            runs = measure(all_cases, processes.targets, bodies, repeats, duration, warmup)
         finally:
-            targets.stop()
-    rows = summarise(all_cases, runs)
+            processes.stop()
+    rows = summarise(all_cases, processes.targets, runs)
     if options.json:
         for row in rows:
             print(json.dumps(row))
     else:
-        report_table(rows, repeats, duration)
+        report_table(rows, repeats, duration, options.stream_concurrency)
     if options.profile is not None:
         report_profiles(options.profile)
     return 0 if all(row["runs"] == repeats for row in rows) else 1

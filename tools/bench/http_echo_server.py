@@ -5,10 +5,13 @@ It answers ``POST /v1/chat/completions`` the way infx's built-in echo
 runtime does (the last user message's text, echoed back; usage counts
 whitespace-separated words), with ``stream: true`` as server-sent events
 sent at once (no token delay: the runtime should never be what a benchmark
-waits for). HTTP/1.1 keep-alive on raw asyncio, one ``write`` per
-response, no framework: it must stay much faster than what it is compared
-with. Only what the benchmark sends is supported (``Content-Length``
-bodies, no pipelining guarantees beyond in-order answers).
+waits for), and ``GET /health`` with 200, which the routers of
+``peers.py`` check before they send a worker anything. HTTP/1.1
+keep-alive on raw asyncio, one ``write`` per response, no framework: it
+must stay much faster than what it is compared with. Only what the
+benchmark sends is supported (``Content-Length`` bodies, no pipelining
+guarantees beyond in-order answers). ``starlette_runtime.py`` serves the
+same answers the way real runtimes do.
 
     python tools/bench/http_echo_server.py [--port N]
 
@@ -27,6 +30,7 @@ import time
 from typing import Any
 
 CHAT_PATH = b"/v1/chat/completions"
+HEALTH_PATH = b"/health"
 MAX_HEAD = 64 * 1024
 _PIECE = re.compile(r"\S+\s*")
 
@@ -42,6 +46,37 @@ def _text(message: Any) -> str:
 
 def chat_answer(request: Any, counter: int) -> tuple[bytes, bytes]:
     """The response's content type and body for one chat completion request."""
+    if request.get("stream"):
+        return b"text/event-stream", b"".join(chat_events(request, counter))
+    return b"application/json", chat_body(request, counter)
+
+
+def chat_body(request: Any, counter: int) -> bytes:
+    """The JSON body of a non-streamed answer to ``request``."""
+    common, pieces, usage = _echo(request, counter)
+    body = {**common, "object": "chat.completion", "choices": [{
+        "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
+        "logprobs": None, "finish_reason": "stop"}], "usage": usage}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def chat_events(request: Any, counter: int) -> list[bytes]:
+    """The server-sent events of a streamed answer to ``request``: the role, one per word, the stop, ``[DONE]``."""
+    common, pieces, _ = _echo(request, counter)
+
+    def event(delta: dict[str, Any], reason: str | None = None) -> bytes:
+        chunk = {**common, "object": "chat.completion.chunk",
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+
+    events = [event({"role": "assistant", "content": ""})]
+    events += [event({"content": piece}) for piece in pieces]
+    events += [event({}, "stop"), b"data: [DONE]\n\n"]
+    return events
+
+
+def _echo(request: Any, counter: int) -> tuple[dict[str, Any], list[str], dict[str, int]]:
+    """What both answer forms share: the common fields, the echoed pieces and the usage."""
     messages = request.get("messages") or []
     user = [_text(m) for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     text = user[-1] if user else ""
@@ -53,21 +88,7 @@ def chat_answer(request: Any, counter: int) -> tuple[bytes, bytes]:
              "total_tokens": prompt_tokens + len(pieces)}
     model = str(request.get("model", ""))
     common = {"id": f"chatcmpl-echo{counter}", "created": int(time.time()), "model": model}
-    if not request.get("stream"):
-        body = {**common, "object": "chat.completion", "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(pieces)},
-            "logprobs": None, "finish_reason": "stop"}], "usage": usage}
-        return b"application/json", json.dumps(body, separators=(",", ":")).encode()
-
-    def event(delta: dict[str, Any], reason: str | None = None) -> bytes:
-        chunk = {**common, "object": "chat.completion.chunk",
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-        return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
-
-    events = [event({"role": "assistant", "content": ""})]
-    events += [event({"content": piece}) for piece in pieces]
-    events += [event({}, "stop"), b"data: [DONE]\n\n"]
-    return b"text/event-stream", b"".join(events)
+    return common, pieces, usage
 
 
 def _response(status: bytes, content_type: bytes, body: bytes, close: bool) -> bytes:
@@ -123,6 +144,8 @@ class EchoProtocol(asyncio.Protocol):
                 self.transport = None
 
     def _answer(self, method: bytes, path: bytes, body: bytes, close: bool) -> bytes:
+        if method == b"GET" and path.split(b"?")[0] == HEALTH_PATH:
+            return _response(b"200 OK", b"application/json", b"{}", close)
         if path.split(b"?")[0] != CHAT_PATH:
             return _response(b"404 Not Found", b"application/json", b'{"error":{"message":"not found"}}', close)
         if method != b"POST":

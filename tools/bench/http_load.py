@@ -23,10 +23,11 @@ prints one JSON object: ``requests``, ``errors``, ``seconds``, ``rps``,
 ``events``, ``events_per_s``, ``p50_ms``, ``p99_ms``, ``cpu_s`` (this
 process's CPU time in the window, to show whether the client was the limit)
 and, for each ``--watch-pid`` process, ``watched_cpu_s`` and
-``watched_wait_s``: the seconds it ran on a CPU and the seconds it was
-runnable but waited for one, in the window (from ``/proc/PID/schedstat``;
-null where that is unavailable). They tell how busy the gateway's one core
-was, and whether other work on the machine held it back.
+``watched_wait_s``: the seconds it (every thread of it and of its child
+processes) ran on a CPU and the seconds it was runnable but waited for
+one, in the window (from ``/proc/PID/task/TID/schedstat``; null where
+that is unavailable). They tell how busy the gateway's one core was, and
+whether other work on the machine held it back.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -232,14 +234,44 @@ def percentile(sorted_values: list[float], fraction: float) -> float | None:
     return sorted_values[rank]
 
 
-def process_sched(pid: int) -> tuple[float, float] | None:
-    """Seconds ``pid`` has run on a CPU and waited for one so far (Linux ``/proc/PID/schedstat``), or None."""
-    try:
-        with open(f"/proc/{pid}/schedstat", "rb") as f:
-            ran, waited = f.read().split()[:2]
-    except (OSError, ValueError):
+def process_sched(pid: int) -> dict[int, tuple[float, float]] | None:
+    """Seconds each thread of ``pid`` and of its descendants has run on a CPU and waited for one so far,
+    by thread id (Linux ``/proc/PID/task/TID/schedstat``), or None if ``pid`` cannot be read.
+
+    Every thread counts: a Rust router does its work on worker threads, which
+    ``/proc/PID/schedstat`` (the main thread alone) would miss.
+    """
+    threads: dict[int, tuple[float, float]] = {}
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            tids = [int(tid) for tid in os.listdir(f"/proc/{current}/task")]
+        except (OSError, ValueError):
+            if current == pid:
+                return None
+            continue  # a descendant that exited meanwhile
+        for tid in tids:
+            try:
+                with open(f"/proc/{current}/task/{tid}/schedstat", "rb") as f:
+                    ran, waited = f.read().split()[:2]
+                with open(f"/proc/{current}/task/{tid}/children", "rb") as f:
+                    pending += [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue  # a thread that exited meanwhile
+            threads[tid] = (int(ran) / 1e9, int(waited) / 1e9)
+    return threads
+
+
+def sched_span(start: dict[int, tuple[float, float]] | None,
+               end: dict[int, tuple[float, float]] | None) -> tuple[float, float] | None:
+    """CPU and wait seconds between two :func:`process_sched` readings; a thread born between them counts whole
+    (a thread that ended between them is lost, so a watched process should keep its threads)."""
+    if start is None or end is None:
         return None
-    return int(ran) / 1e9, int(waited) / 1e9
+    ran = sum(r - start.get(tid, (0.0, 0.0))[0] for tid, (r, _) in end.items())
+    waited = sum(w - start.get(tid, (0.0, 0.0))[1] for tid, (_, w) in end.items())
+    return ran, waited
 
 
 def build_request(port: int, body: bytes, path: str = "/v1/chat/completions") -> bytes:
@@ -275,8 +307,7 @@ async def run(port: int, body: bytes, concurrency: int, duration: float, warmup:
             pass
     cpu = time.process_time() - cpu_start
     watched_end = [process_sched(pid) for pid in watch]
-    spans = [None if a is None or b is None else (b[0] - a[0], b[1] - a[1])
-             for a, b in zip(watched_start, watched_end)]
+    spans = [sched_span(a, b) for a, b in zip(watched_start, watched_end)]
     stopped.set()
     for connection in connections:
         connection.close()
