@@ -77,7 +77,7 @@ from protocol.gateway_effects import (
     SendOnDial,
 )
 from protocol.grpc import StatusCode
-from protocol.grpc_metadata import Metadata
+from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor

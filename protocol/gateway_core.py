@@ -98,7 +98,7 @@ from protocol.processor_types import (
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.sender import Sender
 from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
-from protocol.grpc_metadata import Metadata
+from protocol.grpc.metadata import Metadata
 
 __all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
 

@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from protocol.grpc_metadata import Metadata
+from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor_types import EngineKey, RemoteProtocolError
 

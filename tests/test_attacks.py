@@ -11,7 +11,7 @@ back (generously bounded). No latency is asserted: timing is measured by
 ``tools/bench/attack_bench.py``.
 
 Several attacks are answered by the connection budgets of the gRPC machine
-(``protocol/h2_budgets.py``, issue #13 part A): those tests are marked
+(``protocol/grpc/h2_budgets.py``, issue #13 part A): those tests are marked
 ``needs_budgets`` and skipped in a tree without them.
 """
 
@@ -40,7 +40,7 @@ SECONDS = 1.5
 RSS_SLACK = 160 * 1024 * 1024
 FRAME_SIZE_ERROR, REFUSED_STREAM = 0x6, 0x7
 GRPC_PORTS = ["worker", "internal"]
-needs_budgets = pytest.mark.skipif(importlib.util.find_spec("protocol.h2_budgets") is None,
+needs_budgets = pytest.mark.skipif(importlib.util.find_spec("protocol.grpc.h2_budgets") is None,
                                    reason="needs the gRPC connection budgets (issue #13 part A)")
 
 

@@ -1,4 +1,4 @@
-"""protocol.channel: a client channel's connectivity, redial backoff and
+"""protocol.grpc.channel: a client channel's connectivity, redial backoff and
 transparent-retry eligibility, on a hand-stepped clock with a seeded rng."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol.backoff import Backoff
-from protocol.channel import (
+from protocol.grpc.channel import (
     MAX_ATTEMPTS,
     RETRY_BUFFER_LIMIT,
     AttachWaiting,
@@ -24,7 +24,7 @@ from protocol.channel import (
     ReleaseRetryBuffer,
     RetryCall,
 )
-from protocol.grpc_metadata import StatusCode
+from protocol.grpc.metadata import StatusCode
 
 NO_JITTER = Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0)
 

@@ -29,7 +29,7 @@ ERROR_CLASSES = _error_classes()
 #: Neither kind by design: a base both kinds share, and a codec's value error that the gRPC
 #: machine turns into one kind or the other (InvalidMetadata for the caller, a status for the peer).
 #: Neither is raised to a caller as it is.
-NEITHER = {"protocol.processor_types.ProcessorError", "protocol.grpc_metadata.MetadataError"}
+NEITHER = {"protocol.processor_types.ProcessorError", "protocol.grpc.metadata.MetadataError"}
 
 
 def test_the_walk_finds_the_machines_errors():
@@ -65,8 +65,8 @@ def test_a_class_of_neither_kind_is_never_raised_as_it_is():
     root = Path(__file__).resolve().parent.parent / "protocol"
     raised = "".join(path.read_text() for path in root.rglob("*.py") if "pb" not in path.parts)
     assert "raise ProcessorError(" not in raised
-    from protocol.grpc_metadata import MetadataError, validate_metadata
-    from protocol.grpc_types import InvalidMetadata
+    from protocol.grpc.metadata import MetadataError, validate_metadata
+    from protocol.grpc.types import InvalidMetadata
 
     assert issubclass(InvalidMetadata, MetadataError) and issubclass(InvalidMetadata, LocalUsageError)
     with pytest.raises(MetadataError):

@@ -40,11 +40,11 @@ from protocol.grpc import (
     MessageReceived,
     StatusCode,
 )
-from protocol.h2_tuned import TunedFrameBuffer, TunedH2Connection
+from protocol.grpc.h2_tuned import TunedFrameBuffer, TunedH2Connection
 
 KiB = 1024
 MiB = 1024 * KiB
-BIG = 64 * KiB  # the direct path's threshold in protocol.h2_tuned
+BIG = 64 * KiB  # the direct path's threshold in protocol.grpc.h2_tuned
 FAST = settings(max_examples=25, deadline=None)
 SLOW = settings(max_examples=6, deadline=None)
 

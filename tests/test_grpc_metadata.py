@@ -5,7 +5,7 @@ import base64
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.grpc_metadata import (
+from protocol.grpc.metadata import (
     MetadataError,
     decode_binary_value,
     decode_grpc_message,

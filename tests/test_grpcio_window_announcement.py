@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 
 from protocol.grpc import StatusCode
-from protocol.h2_budgets import ENHANCE_YOUR_CALM
+from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM
 from tests.test_h2_budgets import Peer, message
 from tools.bench.attacks import DATA, END_STREAM, WINDOW_UPDATE, frame
 

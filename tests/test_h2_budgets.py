@@ -1,4 +1,4 @@
-"""Per-connection budgets of the pure gRPC machine (protocol/h2_budgets.py).
+"""Per-connection budgets of the pure gRPC machine (protocol/grpc/h2_budgets.py).
 
 Each budget is driven with raw frames from a hostile client, at least once
 fed one byte at a time, and with time stepped by hand: over a budget the
@@ -27,7 +27,7 @@ from protocol.grpc import (
     MessageReceived,
     StatusCode,
 )
-from protocol.h2_budgets import (
+from protocol.grpc.h2_budgets import (
     ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,

@@ -1,4 +1,4 @@
-"""The speed paths of ``protocol.h2_tuned`` for header blocks and received
+"""The speed paths of ``protocol.grpc.h2_tuned`` for header blocks and received
 frames: HPACK coding reused while the table is unchanged, received header
 lists checked once per connection, header frames serialised straight to
 bytes, and cheap reprs for the busy received frame kinds.
@@ -27,7 +27,7 @@ from hpack import HeaderTuple, NeverIndexedHeaderTuple
 from hyperframe.frame import ContinuationFrame, HeadersFrame
 from hypothesis import example, given, settings, strategies as st
 
-from protocol.h2_tuned import (
+from protocol.grpc.h2_tuned import (
     TunedH2Connection,
     _CachingDecoder,
     _CachingEncoder,

@@ -114,9 +114,16 @@ def test_protocol_package_imports_only_pure_modules_and_uses_no_clock_or_os_rand
 
 
 def test_the_check_reads_every_protocol_module():
-    names = {path.name for path in _protocol_sources()}
-    assert {"grpc.py", "processor.py", "engine_agent.py", "sse.py"} <= names
+    names = {path.relative_to(ROOT / "protocol").as_posix() for path in _protocol_sources()}
+    assert {"grpc/connection.py", "processor.py", "engine_agent.py", "sse.py"} <= names
     assert not any("pb" in path.parts[-2:-1] for path in _protocol_sources())
+
+
+def test_the_check_walks_every_subpackage_of_protocol_but_the_generated_messages():
+    packages = {path.parent for path in (ROOT / "protocol").rglob("__init__.py")}
+    walked = {path.parent for path in _protocol_sources()}
+    assert packages - walked == {ROOT / "protocol" / "pb", ROOT / "protocol" / "pb" / "grpc_testing"}
+    assert ROOT / "protocol" / "grpc" in walked
 
 
 @pytest.mark.parametrize("source", [

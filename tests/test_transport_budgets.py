@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.grpc import ConnectionBudgets, GrpcConfig
-from protocol.h2_budgets import ENHANCE_YOUR_CALM
+from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM
 from tools.fuzz.drivers import PREFACE, SETTINGS, WINDOW_UPDATE, raw_frame
 
 # Window updates big enough to be real work (tiny ones are a budget of their own).

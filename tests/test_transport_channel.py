@@ -1,4 +1,4 @@
-"""GrpcChannel performs protocol.channel's effects: dials when the machine
+"""GrpcChannel performs protocol.grpc.channel's effects: dials when the machine
 says so, on a hand-stepped Clock (no real time, no sockets)."""
 
 from __future__ import annotations

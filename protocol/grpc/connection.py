@@ -2,7 +2,7 @@
 
 Rules this file keeps: no sockets, no threads, no reactor, no clock reads.
 Bytes go in through :meth:`GrpcConnection.receive_data`, events come out as
-frozen dataclasses (``protocol/grpc_types.py``), bytes to write come out of
+frozen dataclasses (``protocol/grpc/types.py``), bytes to write come out of
 :meth:`GrpcConnection.data_to_send`; commands are methods.  Time is the
 ``now`` argument (any monotonic float, in seconds); the machine says when it
 must be woken through :meth:`GrpcConnection.next_deadline` and the caller
@@ -26,7 +26,7 @@ import zlib
 
 import h2.exceptions
 
-from protocol.grpc_metadata import (
+from protocol.grpc.metadata import (
     Metadata,
     MetadataError,
     MetadataValue,
@@ -37,8 +37,8 @@ from protocol.grpc_metadata import (
     encode_metadata,
     encode_timeout,
 )
-from protocol.grpc_receive import ReceivingConnection
-from protocol.grpc_types import (
+from protocol.grpc.receive import ReceivingConnection
+from protocol.grpc.types import (
     GOAWAY_ACK_TIMEOUT,
     CallEnded,
     CallLimitReached,
@@ -57,7 +57,7 @@ from protocol.grpc_types import (
     ResponseHeadersReceived,
     SendBufferDrained,
 )
-from protocol.grpc_wire import (
+from protocol.grpc.wire import (
     ACCEPT_ENCODING,
     ERR,
     PREFIX,
@@ -68,8 +68,8 @@ from protocol.grpc_wire import (
     status_for_http,
     status_for_reset,
 )
-from protocol.h2_budgets import ConnectionBudgets, TokenBucket
-from protocol.h2_tuned import DIRECT_DATA_MIN
+from protocol.grpc.h2_budgets import ConnectionBudgets, TokenBucket
+from protocol.grpc.h2_tuned import DIRECT_DATA_MIN
 
 __all__ = [
     "CallEnded", "CallLimitReached", "CallStarted", "ConnectionBudgets", "ConnectionTerminated",

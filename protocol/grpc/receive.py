@@ -17,15 +17,15 @@ from typing import Any
 import h2.events
 import h2.settings
 
-from protocol.grpc_calls import ConnectionCore
-from protocol.grpc_metadata import (
+from protocol.grpc.calls import ConnectionCore
+from protocol.grpc.metadata import (
     MetadataError,
     StatusCode,
     decode_metadata,
     decode_timeout,
     encode_grpc_message,
 )
-from protocol.grpc_types import (
+from protocol.grpc.types import (
     CallStarted,
     EndCause,
     GoAwayReceived,
@@ -34,7 +34,7 @@ from protocol.grpc_types import (
     PingAcknowledged,
     ResponseHeadersReceived,
 )
-from protocol.grpc_wire import (
+from protocol.grpc.wire import (
     ACCEPT_ENCODING,
     ERR,
     PIECE_MIN,
@@ -50,7 +50,7 @@ from protocol.grpc_wire import (
     status_for_http,
     status_for_reset,
 )
-from protocol.h2_budgets import ENHANCE_YOUR_CALM, BudgetExceeded
+from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM, BudgetExceeded
 
 __all__ = ["ReceivingConnection"]
 

@@ -6,7 +6,7 @@ received byte stream *before* h2 parses anything, so a frame that is over a
 budget is refused as soon as its header arrives and never buffered; it also
 says where to stop so that one call feeds at most a bounded number of frames
 to h2 (fairness between connections).  :class:`TokenBucket` is the rate
-limit the budgets share.  :class:`GrpcConnection` (``protocol/grpc.py``)
+limit the budgets share.  :class:`GrpcConnection` (``protocol/grpc/connection.py``)
 owns one scanner and turns a :class:`BudgetExceeded` into a GOAWAY with
 its error code.
 

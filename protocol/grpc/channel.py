@@ -36,7 +36,7 @@ from typing import Generic, TypeVar
 
 from protocol.backoff import GRPC_CONNECTION_BACKOFF, Backoff
 from protocol.errors import LocalUsageError
-from protocol.grpc_metadata import StatusCode
+from protocol.grpc.metadata import StatusCode
 
 __all__ = [
     "AttachWaiting", "CancelConnect", "ChannelEffect", "ChannelMachine", "ChannelState",

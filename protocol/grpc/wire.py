@@ -15,14 +15,14 @@ from collections import deque
 import h2.errors
 
 from protocol.errors import RemoteProtocolError
-from protocol.grpc_metadata import (
+from protocol.grpc.metadata import (
     Metadata,
     MetadataError,
     StatusCode,
     decode_grpc_message,
     validate_metadata,
 )
-from protocol.grpc_types import InvalidMetadata
+from protocol.grpc.types import InvalidMetadata
 
 __all__ = [
     "ACCEPT_ENCODING", "CallFailed", "CallState", "ERR", "HTTP_STATUS", "PIECE_MIN", "PREFIX",

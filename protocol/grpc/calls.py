@@ -5,7 +5,7 @@ this is the part of :class:`protocol.grpc.GrpcConnection` every other part
 stands on: the h2 machine and its settings, the budgets, the calls by
 stream, ending and forgetting calls, and handing queued messages and
 statuses to HTTP/2 as flow control allows.  Received frames are handled in
-:mod:`protocol.grpc_receive`, the public commands in :mod:`protocol.grpc`.
+:mod:`protocol.grpc.receive`, the public commands in :mod:`protocol.grpc`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import h2.config
 import h2.exceptions
 import h2.settings
 
-from protocol.grpc_metadata import Metadata, StatusCode, encode_grpc_message, encode_metadata
-from protocol.grpc_types import (
+from protocol.grpc.metadata import Metadata, StatusCode, encode_grpc_message, encode_metadata
+from protocol.grpc.types import (
     CallEnded,
     ConnectionTerminated,
     EndCause,
@@ -24,9 +24,9 @@ from protocol.grpc_types import (
     LocalProtocolError,
     SendBufferDrained,
 )
-from protocol.grpc_wire import ACCEPT_ENCODING, ERR, SUPPORTED_ENCODINGS, CallState, Phase
-from protocol.h2_budgets import BudgetExceeded, FrameScanner, TokenBucket
-from protocol.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
+from protocol.grpc.wire import ACCEPT_ENCODING, ERR, SUPPORTED_ENCODINGS, CallState, Phase
+from protocol.grpc.h2_budgets import BudgetExceeded, FrameScanner, TokenBucket
+from protocol.grpc.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
 __all__ = ["ConnectionCore"]
 
