@@ -46,7 +46,7 @@ from protocol.engine_agent import (
     StartTask,
     Stopped,
 )
-from protocol.openai_errors import UpstreamError
+from protocol.openai.errors import UpstreamError
 from protocol.pb import worker_pb2
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 from protocol.runtime_load import RuntimeLoad

@@ -7,7 +7,7 @@ names what went wrong. The resource tree is built by :func:`build_resource`
 so it can be mounted inside another Twisted application; the site that
 serves it, refusing oversized bodies early, is :mod:`infx.gateway_site`'s.
 
-The task carries the client's request verbatim (:mod:`protocol.openai_verbatim`)
+The task carries the client's request verbatim (:mod:`protocol.openai.verbatim`)
 beside its typed form, at the endpoint's own API path (wherever the tree is
 mounted) with the client's query string. An answer marked ``verbatim`` (the
 runtime's own, from infx's engine agent) reaches the client unchanged:
@@ -38,14 +38,17 @@ from infx.gateway_site import DEFAULT_MAX_BODY_SIZE
 from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
-from protocol import openai_completions, openai_requests, openai_verbatim, routing_hints
+from protocol import routing_hints
 from protocol.fair_queue import CriticalityRefused, requested_criticality
-from protocol.openai_errors import (
+from protocol.openai import completions as openai_completions
+from protocol.openai import requests as openai_requests
+from protocol.openai import verbatim as openai_verbatim
+from protocol.openai.errors import (
     InvalidRequestError, ModelNotFoundError, OpenAIError, error_event, error_json, reason_phrase,
 )
+from protocol.openai.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
 from protocol.pb import worker_pb2
 from protocol.ratelimit import RateLimiter
-from protocol.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
 
 log = Logger()
 

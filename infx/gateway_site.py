@@ -15,7 +15,7 @@ from typing import Any
 
 from twisted.web import resource, server
 
-from protocol.openai_errors import error_json, reason_phrase
+from protocol.openai.errors import error_json, reason_phrase
 
 
 #: What :class:`GatewayRequest` still reads (and drops) of a body it refused, after its 413 is

@@ -16,7 +16,7 @@ from twisted.logger import Logger
 
 from infx.metrics import OTHER_MODEL, GatewayMetrics
 from infx.tasks import ServedBy
-from protocol.openai_observe import StreamWatcher, Usage, usage_of_body
+from protocol.openai.observe import StreamWatcher, Usage, usage_of_body
 
 __all__ = ["RequestTrace"]
 

@@ -8,13 +8,13 @@ are stamped by the agent's core, so a runtime need not set them. A runtime
 must stop reporting once aborted (the agent drops stray results anyway).
 
 The ``openai`` runtime runs a task that carries the client's request
-verbatim (``TaskRequest.http_request``, see :mod:`protocol.task_forms`) as it
+verbatim (``TaskRequest.http_request``, see :mod:`protocol.openai.task_forms`) as it
 is: the client's method, path, body and headers (but hop-by-hop ones,
 ``Authorization``, ``Cookie``, ``Content-Length``, ``Host``, ``Accept-Encoding``
 and ``Expect``, which belong to this hop), and marks the answer ``verbatim_answer`` so that the
 gateway relays it unchanged; it announces this with
 :data:`CAPABILITIES`. A task with only the typed form (from a gateway that
-does not know the capability) is converted by :mod:`protocol.openai_runtime`.
+does not know the capability) is converted by :mod:`protocol.openai.runtime`.
 
 The ``openai`` runtime's upstream URL is the server's root
 (``http://127.0.0.1:8000``); a trailing ``/v1`` is accepted and dropped,
@@ -48,12 +48,12 @@ from zope.interface import implementer
 
 from infx.upstream_key import UpstreamKey
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
-from protocol.openai_runtime import RuntimeRequest, runtime_request
+from protocol.openai.errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
+from protocol.openai.runtime import RuntimeRequest, runtime_request
+from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
+from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
 from protocol.processor_types import is_streaming
-from protocol.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
-from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
 __all__ = [
     "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RuntimeUnavailable", "RunningTask",

@@ -35,17 +35,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.openai_errors import (
+from protocol.openai.errors import (
     InvalidRequestError,
     LocalUsageError,
     NotImplementedRequestError,
     OpenAIError,
     status_line,
 )
-from protocol.openai_json import JSONObject, decode_json_field
-from protocol.openai_requests import MAX_CHOICES
+from protocol.openai.json import JSONObject, decode_json_field
+from protocol.openai.requests import MAX_CHOICES
+from protocol.openai.sse import DONE_EVENT, encode_json
 from protocol.pb import chat_pb2, embeddings_pb2, tokenize_pb2, worker_pb2
-from protocol.sse import DONE_EVENT, encode_json
 
 _PIECE = re.compile(r"\S+\s*")
 

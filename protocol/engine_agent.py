@@ -61,9 +61,9 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
-from protocol.errors import LocalUsageError, RemoteProtocolError
-from protocol.openai_errors import error_json, status_line
 from protocol.backoff import Backoff
+from protocol.errors import LocalUsageError, RemoteProtocolError
+from protocol.openai.errors import error_json, status_line
 from protocol.pb import status_pb2, worker_pb2
 
 __all__ = [
@@ -108,7 +108,7 @@ class AgentConfig:
     ``go_away_linger``: a retired stream stays open at least this long, since
     the gateway may have sent tasks on it before it saw our 202.
     ``capabilities``: what the runtime understands beyond LLMariner's protocol,
-    reported as ``EngineStatus.infx_capabilities`` (see :mod:`protocol.task_forms`).
+    reported as ``EngineStatus.infx_capabilities`` (see :mod:`protocol.openai.task_forms`).
     ``wait_for_runtime``: models are not ready until ``runtime_changed`` says
     the runtime answers (without it they are always ready, as with the echo
     runtime); ``models`` may then be empty: the runtime's own list is served.

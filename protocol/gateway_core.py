@@ -79,7 +79,8 @@ from protocol.gateway_effects import (
     TaskReleased,
 )
 from protocol.grpc import StatusCode
-from protocol.openai_errors import ModelNotFoundError
+from protocol.grpc.metadata import Metadata
+from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor import Processor, TaskState
 from protocol.processor_types import (
@@ -98,7 +99,6 @@ from protocol.processor_types import (
 from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.sender import Sender
 from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
-from protocol.grpc.metadata import Metadata
 
 __all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
 

@@ -45,8 +45,8 @@ Task life cycle (``TaskState``; ending is leaving the table from any state)::
     RETRY_PENDING -> DISPATCHED | WAITING         retry delay over
 
 Routing: engines of the task's tenant only, and only those that can take the
-task's request (:func:`protocol.task_forms.eligible`; each gets the form it
-understands, :func:`protocol.task_forms.for_engine`), ready with the model
+task's request (:func:`protocol.openai.task_forms.eligible`; each gets the form it
+understands, :func:`protocol.openai.task_forms.for_engine`), ready with the model
 ready; engines that already failed this task last. Then the policy of
 ``config.routing`` (:mod:`protocol.routing`): ``affinity`` (infx's, for a task
 submitted with ``RoutingHints``: bounded-load consistent hashing refined by
@@ -88,9 +88,20 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from protocol import task_forms
 from protocol.fair_queue import Criticality, weight_problem
+from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
+from protocol.processor_routing import ProcessorRouting
+from protocol.processor_tables import (
+    _ON_ENGINE,
+    EngineView,
+    ProcessorCounters,
+    TaskOutcome,
+    TaskState,
+    _ControlKind,
+    _Engine,
+    _Task,
+)
 from protocol.processor_types import (
     BUSY_STATUSES,
     CancelTaskOnEngine,
@@ -114,17 +125,6 @@ from protocol.processor_types import (
     retry_after_seconds,
 )
 from protocol.routing_hints import RoutingHints
-from protocol.processor_routing import ProcessorRouting
-from protocol.processor_tables import (
-    _ON_ENGINE,
-    EngineView,
-    ProcessorCounters,
-    TaskOutcome,
-    TaskState,
-    _ControlKind,
-    _Engine,
-    _Task,
-)
 
 __all__ = [
     "CancelTaskOnEngine",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import itertools
 
-from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
 from protocol.fair_share import caller_message
+from protocol.openai import task_forms
 from protocol.pb import worker_pb2
 from protocol.processor_slots import ProcessorSlots
 from protocol.processor_tables import TaskState, _Engine, _Task

@@ -22,9 +22,9 @@ from enum import Enum
 from collections.abc import Iterable
 from typing import Any
 
-from protocol import task_forms
 from protocol.fair_queue import Criticality, HeldQueue
 from protocol.fair_share import FairShares
+from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.route_flow import RouteFlow

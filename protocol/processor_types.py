@@ -13,7 +13,7 @@ from enum import Enum
 from typing import Union
 
 from protocol import errors
-from protocol.openai_errors import error_event, error_json
+from protocol.openai.errors import error_event, error_json
 from protocol.pb import worker_pb2
 from protocol.routing import RoutingConfig
 

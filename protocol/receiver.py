@@ -51,10 +51,9 @@ from enum import Enum
 from typing import Union
 
 from protocol.fair_share import CallerRefused, forwarded_caller
-from protocol.openai_errors import status_line
+from protocol.openai.errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor import Processor
-from protocol.status_reports import LocalStatuses, ReportWriter
 from protocol.processor_types import (
     DeliverResult,
     Effect,
@@ -65,6 +64,7 @@ from protocol.processor_types import (
     RemoteProtocolError,
     sse_error_event,
 )
+from protocol.status_reports import LocalStatuses, ReportWriter
 
 __all__ = ["Receiver", "ReceiverConfig", "ReceiverOutput", "ReceiverState", "SendToPeer", "error_result"]
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from protocol.errors import LocalUsageError
-from protocol.openai_errors import error_body
+from protocol.openai.errors import error_body
 from protocol.scaling_labels import DeploymentKey
 
 __all__ = [

@@ -11,9 +11,9 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_completions import text_completion_event_data
-from protocol.openai_errors import LocalUsageError
-from protocol.openai_requests import (
+from protocol.openai.completions import text_completion_event_data
+from protocol.openai.errors import LocalUsageError
+from protocol.openai.requests import (
     parse_audio_transcription,
     parse_chat_completion,
     parse_completion,
@@ -21,8 +21,8 @@ from protocol.openai_requests import (
     parse_model_response,
     parse_tokenize,
 )
+from protocol.openai.sse import EventReceived, SSEParser
 from protocol.pb import worker_pb2
-from protocol.sse import EventReceived, SSEParser
 
 NOW = 1_700_000_000.75
 CONFIG = EchoConfig(token_delay=0.5)

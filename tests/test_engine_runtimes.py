@@ -474,7 +474,7 @@ def test_openai_sends_a_verbatim_multipart_body_with_the_clients_content_type(fa
 def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
     from infx.runtimes import CAPABILITIES
     from protocol.engine_agent import AgentConfig, EngineAgentCore
-    from protocol.task_forms import HTTP_REQUEST_CAPABILITY
+    from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 
     core = EngineAgentCore(AgentConfig(engine_id="e", models=("m",), capabilities=CAPABILITIES))
     assert list(core.engine_status().infx_capabilities) == [HTTP_REQUEST_CAPABILITY]

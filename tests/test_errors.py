@@ -52,7 +52,7 @@ def test_each_error_is_exactly_one_kind(cls):
 def test_the_bases_are_unrelated_and_subclasses_keep_their_names_and_meaning():
     assert not issubclass(LocalUsageError, RemoteProtocolError)
     assert not issubclass(RemoteProtocolError, LocalUsageError)
-    from protocol.openai_errors import InvalidRequestError
+    from protocol.openai.errors import InvalidRequestError
 
     error = InvalidRequestError("bad", param="model")
     assert isinstance(error, RemoteProtocolError) and error.status == 400

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from protocol.backoff import Backoff
 from protocol.gateway_core import PEER_ACCEPT_METADATA, Availability, DialState, GatewayCore
 from protocol.gateway_effects import (
     CancelDial,
@@ -33,9 +34,8 @@ from protocol.gateway_effects import (
     TaskReleased,
 )
 from protocol.grpc import StatusCode
-from protocol.openai_errors import ModelNotFoundError
+from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2
-from protocol.backoff import Backoff
 from protocol.processor import Processor
 from protocol.processor_types import (
     CancelTaskOnEngine,

@@ -24,7 +24,7 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from protocol.gateway_effects import CoreConfig
-from protocol.openai_errors import ModelNotFoundError
+from protocol.openai.errors import ModelNotFoundError
 from protocol.processor import Processor
 from protocol.processor_types import ProcessorConfig
 

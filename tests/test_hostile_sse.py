@@ -1,11 +1,11 @@
 """Hostile server-sent events from runtimes, on both sides of the wire.
 
-Engine side: :class:`~protocol.sse.SSEBlockSplitter` cuts a runtime's stream
+Engine side: :class:`~protocol.openai.sse.SSEBlockSplitter` cuts a runtime's stream
 into the events ``ServerSentEvent.data`` carries. Gateway side:
 :class:`~infx.gateway.CompletionTransform` turns chat events back into legacy
 completion events. Fed any bytes (lone CRs, NULs, invalid UTF-8, no blank
 lines, JSON that is not a chunk), each gives events or the runtime's 502
-(:class:`~protocol.openai_errors.UpstreamError`), never anything else, and the
+(:class:`~protocol.openai.errors.UpstreamError`), never anything else, and the
 splitter's output does not depend on how the bytes were cut.
 """
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from infx.gateway import CompletionTransform
-from protocol.sse import SSEBlockSplitter
-from protocol.openai_errors import UpstreamError
+from protocol.openai.errors import UpstreamError
+from protocol.openai.sse import SSEBlockSplitter
 from tools.fuzz.drivers import check_runtime_answer
 
 FEW = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_requests import parse_chat_completion
+from protocol.openai.requests import parse_chat_completion
 from protocol.pb import worker_pb2
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,11 +15,11 @@ except ImportError:  # pragma: no cover
     import httpx
 
 from protocol.echo import EchoConfig, echo_task
-from protocol.openai_completions import text_completion_body, text_completion_event_data
-from protocol.openai_errors import OpenAIError
-from protocol.openai_requests import parse_chat_completion, parse_completion, parse_embedding
+from protocol.openai.completions import text_completion_body, text_completion_event_data
+from protocol.openai.errors import OpenAIError
+from protocol.openai.requests import parse_chat_completion, parse_completion, parse_embedding
+from protocol.openai.sse import EventReceived, SSEParser, encode_event
 from protocol.pb import worker_pb2
-from protocol.sse import EventReceived, SSEParser, encode_event
 
 PARSERS = {"/v1/chat/completions": parse_chat_completion, "/v1/completions": parse_completion,
            "/v1/embeddings": parse_embedding}

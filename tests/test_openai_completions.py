@@ -5,13 +5,13 @@ import json
 import pytest
 from openai.types import Completion
 
-from protocol.openai_completions import (
+from protocol.openai.completions import (
     text_completion_body,
     text_completion_chunk_from_chat,
     text_completion_event_data,
     text_completion_from_chat,
 )
-from protocol.openai_errors import UpstreamError
+from protocol.openai.errors import UpstreamError
 
 CHAT = {
     "id": "chatcmpl-1", "object": "chat.completion", "created": 1700000000, "model": "m",

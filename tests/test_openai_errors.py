@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, strategies as st
 
-from protocol.openai_errors import (
+from protocol.openai.errors import (
     InvalidRequestError,
     ModelNotFoundError,
     NotImplementedRequestError,
@@ -22,7 +22,7 @@ from protocol.openai_errors import (
     reason_phrase,
     status_line,
 )
-from protocol.sse import EventReceived, SSEParser
+from protocol.openai.sse import EventReceived, SSEParser
 
 
 @pytest.mark.parametrize(("status", "kind"), [
@@ -138,18 +138,18 @@ def _vocabulary_spelled_elsewhere(name: str, source: str) -> list[str]:
         if isinstance(node, ast.Dict) and any(
             isinstance(k, ast.Constant) and k.value == "error" and isinstance(v, ast.Dict)
             for k, v in zip(node.keys, node.values)
-        ) and name != "protocol/openai_errors.py":
+        ) and name != "protocol/openai/errors.py":
             found.append(f"{where}: an error body built by hand")
         elif isinstance(node, ast.Constant) and id(node) not in docstrings:
             text = node.value.decode("latin-1") if isinstance(node.value, bytes) else node.value
             if isinstance(text, str):
-                if '{"error"' in text and name != "protocol/openai_errors.py":
+                if '{"error"' in text and name != "protocol/openai/errors.py":
                     found.append(f"{where}: an error body spelled as text")
-                if "[DONE]" in text and name != "protocol/sse.py":
-                    found.append(f"{where}: [DONE] spelled outside protocol/sse.py")
+                if "[DONE]" in text and name != "protocol/openai/sse.py":
+                    found.append(f"{where}: [DONE] spelled outside protocol/openai/sse.py")
         elif (isinstance(node, ast.Name) and node.id == "HTTPStatus" or isinstance(node, ast.Attribute)
-              and node.attr in ("HTTPStatus", "RESPONSES")) and name != "protocol/openai_errors.py":
-            found.append(f"{where}: a status phrase looked up outside protocol/openai_errors.py")
+              and node.attr in ("HTTPStatus", "RESPONSES")) and name != "protocol/openai/errors.py":
+            found.append(f"{where}: a status phrase looked up outside protocol/openai/errors.py")
     return found
 
 

@@ -5,8 +5,8 @@ import json
 
 from hypothesis import given, settings, strategies as st
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.openai_requests import (
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.requests import (
     parse_audio_transcription,
     parse_chat_completion,
     parse_completion,
@@ -14,7 +14,7 @@ from protocol.openai_requests import (
     parse_model_response,
     parse_tokenize,
 )
-from protocol.openai_runtime import runtime_request
+from protocol.openai.runtime import runtime_request
 
 SETTINGS = settings(max_examples=150, deadline=None)
 PARSERS = [parse_chat_completion, parse_completion, parse_embedding, parse_model_response, parse_tokenize]

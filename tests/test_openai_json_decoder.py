@@ -1,4 +1,4 @@
-"""protocol.openai_json reads JSON with one shared decoder: the same outcome as json.loads, always."""
+"""protocol.openai.json reads JSON with one shared decoder: the same outcome as json.loads, always."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.openai_json import _loads, _reject_constant
+from protocol.openai.json import _loads, _reject_constant
 
 json_texts = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),

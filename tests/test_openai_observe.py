@@ -5,7 +5,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.openai_observe import StreamWatcher, Usage, carries_output, usage_of, usage_of_body
+from protocol.openai.observe import StreamWatcher, Usage, carries_output, usage_of, usage_of_body
 
 
 def event(obj) -> bytes:
@@ -96,7 +96,7 @@ def test_any_bytes_in_a_stream_are_read_without_raising(data):
 
 def reference_watch(chunks: list[bytes]) -> tuple[list[bool], Usage | None]:
     """What the watcher must find: every event parsed and decoded, none skipped."""
-    from protocol.sse import DONE_DATA, EventReceived, SSEParser
+    from protocol.openai.sse import DONE_DATA, EventReceived, SSEParser
 
     parser, seen, usage, firsts = SSEParser(), False, None, []
     for chunk in chunks:

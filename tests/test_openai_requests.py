@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.openai_requests import (
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.requests import (
     parse_audio_transcription,
     parse_chat_completion,
     parse_completion,

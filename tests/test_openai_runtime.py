@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from protocol.openai_errors import InvalidRequestError, LocalUsageError
-from protocol.openai_requests import parse_audio_transcription
-from protocol.openai_runtime import MultipartForm, runtime_request
+from protocol.openai.errors import InvalidRequestError, LocalUsageError
+from protocol.openai.requests import parse_audio_transcription
+from protocol.openai.runtime import MultipartForm, runtime_request
 from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
 
 

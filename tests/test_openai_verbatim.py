@@ -1,4 +1,4 @@
-"""The gateway keeps the client's request verbatim beside its typed form (protocol.openai_verbatim); pure."""
+"""The gateway keeps the client's request verbatim beside its typed form (protocol.openai.verbatim); pure."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.openai_requests import parse_chat_completion, parse_completion, parse_embedding
-from protocol.openai_verbatim import parse_form, parse_json
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.requests import parse_chat_completion, parse_completion, parse_embedding
+from protocol.openai.verbatim import parse_form, parse_json
 
 
 def test_a_request_the_typed_form_can_hold_carries_both_forms():

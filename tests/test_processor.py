@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.processor import Processor, TaskState
 from protocol.processor_types import (
     CancelTaskOnEngine,
@@ -21,7 +22,6 @@ from protocol.processor_types import (
     SendTask,
     TaskQueued,
 )
-from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 from tests.processor_helpers import audio, chat, embedding, engine_status, http, one, only, response, sse
 
 LOCAL, REMOTE = Locality.LOCAL, Locality.REMOTE

@@ -7,10 +7,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from protocol.openai import task_forms
 from protocol.processor import Processor
 from protocol.processor_tables import _Engine, _Task
 from protocol.processor_types import Locality, ProcessorConfig
-from protocol import task_forms
 from tests.processor_helpers import chat, engine_status
 
 T0 = 10.0

@@ -14,6 +14,7 @@ from collections import defaultdict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol.openai import task_forms
 from protocol.processor import Processor, TaskState
 from protocol.processor_types import (
     CancelTaskOnEngine,
@@ -24,7 +25,6 @@ from protocol.processor_types import (
     ProcessorConfig,
     SendTask,
 )
-from protocol import task_forms
 from tests.processor_helpers import chat, engine_status, http, sse
 
 ENGINES = ["e0", "e1", "e2"]

@@ -6,8 +6,9 @@ import re
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.sse import (
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.errors import LocalUsageError
+from protocol.openai.sse import (
     DONE_EVENT,
     EventReceived,
     EventTooLarge,
@@ -17,7 +18,6 @@ from protocol.sse import (
     encode_event,
     encode_json,
 )
-from protocol.openai_errors import LocalUsageError
 
 SETTINGS = settings(max_examples=200, deadline=None)
 

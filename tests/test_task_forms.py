@@ -1,8 +1,8 @@
-"""Which form of a request each engine gets (protocol.task_forms), alone and inside the processor."""
+"""Which form of a request each engine gets (protocol.openai.task_forms), alone and inside the processor."""
 
 from __future__ import annotations
 
-from protocol import task_forms
+from protocol.openai import task_forms
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor import FailRequest, Locality, Processor, ProcessorConfig, SendTask, TaskState
 from tests.processor_helpers import engine_status, one, only
@@ -126,8 +126,8 @@ def test_a_targeted_task_in_a_form_its_engine_cannot_take_is_refused_with_503():
 
 def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_answer_comes_back_marked():
     """Gateway A (sender) and gateway C (receiver, engine attached) back to back, as values."""
-    from protocol.processor import DeliverResult
     from protocol.pb import internal_pb2
+    from protocol.processor import DeliverResult
     from protocol.receiver import ReceiverConfig
     from protocol.sender import Sender
     from tests.receiver_helpers import BufferedReceiver

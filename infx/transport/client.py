@@ -33,18 +33,6 @@ from infx.deadline import DeadlineTimer
 from infx.transport.calls import CallBase, Deserializer, GrpcError, Serializer, Status, identity
 from infx.transport.connection import GrpcProtocol
 from protocol.backoff import GRPC_CONNECTION_BACKOFF, Backoff
-from protocol.grpc.channel import (
-    AttachWaiting,
-    CancelConnect,
-    ChannelEffect,
-    ChannelMachine,
-    ChannelState,
-    CloseConnection,
-    Connect,
-    FailCall,
-    ReleaseRetryBuffer,
-    RetryCall,
-)
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -59,6 +47,18 @@ from protocol.grpc import (
     ResponseHeadersReceived,
     SendBufferDrained,
     StatusCode,
+)
+from protocol.grpc.channel import (
+    AttachWaiting,
+    CancelConnect,
+    ChannelEffect,
+    ChannelMachine,
+    ChannelState,
+    CloseConnection,
+    Connect,
+    FailCall,
+    ReleaseRetryBuffer,
+    RetryCall,
 )
 
 __all__ = ["ChannelState", "ClientCall", "ClientProtocol", "GrpcChannel", "client_endpoint"]

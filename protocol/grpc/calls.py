@@ -14,6 +14,8 @@ import h2.config
 import h2.exceptions
 import h2.settings
 
+from protocol.grpc.h2_budgets import BudgetExceeded, FrameScanner, TokenBucket
+from protocol.grpc.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 from protocol.grpc.metadata import Metadata, StatusCode, encode_grpc_message, encode_metadata
 from protocol.grpc.types import (
     CallEnded,
@@ -25,8 +27,6 @@ from protocol.grpc.types import (
     SendBufferDrained,
 )
 from protocol.grpc.wire import ACCEPT_ENCODING, ERR, SUPPORTED_ENCODINGS, CallState, Phase
-from protocol.grpc.h2_budgets import BudgetExceeded, FrameScanner, TokenBucket
-from protocol.grpc.h2_tuned import DIRECT_DATA_MIN, TunedH2Connection
 
 __all__ = ["ConnectionCore"]
 

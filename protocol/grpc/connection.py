@@ -26,6 +26,8 @@ import zlib
 
 import h2.exceptions
 
+from protocol.grpc.h2_budgets import ConnectionBudgets, TokenBucket
+from protocol.grpc.h2_tuned import DIRECT_DATA_MIN
 from protocol.grpc.metadata import (
     Metadata,
     MetadataError,
@@ -68,8 +70,6 @@ from protocol.grpc.wire import (
     status_for_http,
     status_for_reset,
 )
-from protocol.grpc.h2_budgets import ConnectionBudgets, TokenBucket
-from protocol.grpc.h2_tuned import DIRECT_DATA_MIN
 
 __all__ = [
     "CallEnded", "CallLimitReached", "CallStarted", "ConnectionBudgets", "ConnectionTerminated",

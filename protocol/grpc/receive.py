@@ -18,6 +18,7 @@ import h2.events
 import h2.settings
 
 from protocol.grpc.calls import ConnectionCore
+from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM, BudgetExceeded
 from protocol.grpc.metadata import (
     MetadataError,
     StatusCode,
@@ -50,7 +51,6 @@ from protocol.grpc.wire import (
     status_for_http,
     status_for_reset,
 )
-from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM, BudgetExceeded
 
 __all__ = ["ReceivingConnection"]
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Union
 
 from protocol.errors import LocalUsageError
-from protocol.grpc.metadata import Metadata, MetadataError, StatusCode
 from protocol.grpc.h2_budgets import UNAUTHENTICATED_BUDGETS, ConnectionBudgets
+from protocol.grpc.metadata import Metadata, MetadataError, StatusCode
 
 __all__ = [
     "GOAWAY_ACK_TIMEOUT", "CallEnded", "CallLimitReached", "CallStarted", "ConnectionTerminated",

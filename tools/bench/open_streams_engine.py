@@ -51,9 +51,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from infx.runtimes import TaskSink  # noqa: E402
-from protocol.openai_runtime import runtime_request  # noqa: E402
+from protocol.openai.runtime import runtime_request  # noqa: E402
+from protocol.openai.sse import DONE_EVENT  # noqa: E402
 from protocol.pb import worker_pb2  # noqa: E402
-from protocol.sse import DONE_EVENT  # noqa: E402
 
 MODEL = "bench"
 #: Seconds between the runtime's looks at which tokens are due.
@@ -246,8 +246,8 @@ class LeanEngine:
         self._status_call = self.reactor.callLater(self.STATUS_INTERVAL, self._status)
 
     def _send_status(self) -> None:
+        from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
         from protocol.pb import status_pb2
-        from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
         model = status_pb2.EngineStatus.Model(id=MODEL, is_ready=self.ready, in_progress_task_count=len(self.running))
         status = status_pb2.EngineStatus(engine_id=self.engine_id, ready=self.ready, models=[model],
@@ -328,7 +328,7 @@ def main(argv: list[str]) -> int:
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.engine_agent import AgentConfig, EngineAgentCore
     from protocol.grpc import GrpcConfig
-    from protocol.task_forms import HTTP_REQUEST_CAPABILITY
+    from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 
     config = AgentConfig(engine_id=options.engine_id, models=(MODEL,), max_concurrency=options.max_concurrency,
                          max_queued=options.max_concurrency, capabilities=(HTTP_REQUEST_CAPABILITY,))

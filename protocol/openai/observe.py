@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.sse import DONE_DATA, EventReceived, SSEParser
+from protocol.openai.sse import DONE_DATA, EventReceived, SSEParser
 
 __all__ = ["StreamWatcher", "Usage", "carries_output", "usage_of", "usage_of_body"]
 

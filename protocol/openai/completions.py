@@ -2,12 +2,12 @@
 
 Rules this file keeps: a LLMariner engine has no completions request on its
 wire, so the gateway asks it for a chat completion instead (see
-:func:`protocol.openai_requests.parse_completion`) and rewrites each of its
+:func:`protocol.openai.requests.parse_completion`) and rewrites each of its
 answers here, whole bodies and streamed chunks alike; vLLM's extras that mean
 the same in both APIs (``stop_reason``, ``prompt_logprobs``) are kept. An infx
 engine gets ``/v1/completions`` itself and its answer is never converted. An
 answer that is not the chat JSON the API promises raises
-:class:`~protocol.openai_errors.UpstreamError` (HTTP 502); nothing else escapes.
+:class:`~protocol.openai.errors.UpstreamError` (HTTP 502); nothing else escapes.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from protocol.openai_errors import UpstreamError
-from protocol.openai_json import JSONObject
-from protocol.sse import DONE_DATA
+from protocol.openai.errors import UpstreamError
+from protocol.openai.json import JSONObject
+from protocol.openai.sse import DONE_DATA
 
 _DONE = DONE_DATA.encode("ascii")
 

@@ -14,7 +14,7 @@ each ``ServerSentEvent.data`` is one framed block (``data: {...}\\n\\n``) and
 the gateway concatenates them into its response body, so this parser reads
 that body as it would the runtime's own; an engine cuts the runtime's stream
 into those blocks with :class:`SSEBlockSplitter`, byte for byte. Error events
-(``data: {"error": ...}``) come from :mod:`protocol.openai_errors`.
+(``data: {"error": ...}``) come from :mod:`protocol.openai.errors`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.openai_errors import LocalUsageError, UpstreamError
+from protocol.openai.errors import LocalUsageError, UpstreamError
 
 DEFAULT_MAX_EVENT_SIZE = 16 * 1024 * 1024
 #: What the data of the last event of a chat or completions stream says; the one definition.

@@ -5,16 +5,16 @@ infx's agent uses this only for a task without the client's verbatim request
 the ``http-request`` capability, which the agent runs as it is); that is, a
 task from a gateway that only speaks LLMariner's typed protocol.
 
-Rules this file keeps: the exact reverse of :mod:`protocol.openai_requests`.
+Rules this file keeps: the exact reverse of :mod:`protocol.openai.requests`.
 A field is emitted only when the wire carries a non-zero value (proto3 has no
 "unset"), except ``temperature``/``top_p``, which follow ``is_*_set`` so that
 an explicit 0 reaches the runtime instead of its default of 1. A chat
 request's ``max_completion_tokens`` is also sent as ``max_tokens`` when that
 is unset, because Ollama reads only ``max_tokens`` (as LLMariner does). ``encoded_*``
 fields are decoded back into JSON. A corrupt encoded field raises
-:class:`~protocol.openai_errors.InvalidRequestError` (the engine answers
+:class:`~protocol.openai.errors.InvalidRequestError` (the engine answers
 400); handing over a task that is not a runtime request (heartbeat, go-away,
-cancel) raises :class:`~protocol.openai_errors.LocalUsageError`.
+cancel) raises :class:`~protocol.openai.errors.LocalUsageError`.
 
 Message content: a single text part becomes a plain string again, and
 anything else stays an array of parts. vLLM, Ollama, SGLang and llama.cpp
@@ -28,8 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.openai_errors import LocalUsageError
-from protocol.openai_json import JSONObject, decode_json_field
+from protocol.openai.errors import LocalUsageError
+from protocol.openai.json import JSONObject, decode_json_field
 from protocol.pb import (
     audio_pb2,
     chat_pb2,

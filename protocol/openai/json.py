@@ -1,7 +1,7 @@
 """Typed reads of untrusted JSON and the ``encoded_*`` field codec; pure, no I/O.
 
 Every reader either returns a value of the promised Python type or raises
-:class:`~protocol.openai_errors.InvalidRequestError` naming the offending
+:class:`~protocol.openai.errors.InvalidRequestError` naming the offending
 parameter, whatever the input: random types, non-finite numbers, lone
 surrogates, nesting too deep for the parser. Nothing else escapes.
 
@@ -20,7 +20,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from protocol.openai_errors import InvalidRequestError
+from protocol.openai.errors import InvalidRequestError
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1

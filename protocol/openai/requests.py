@@ -1,14 +1,14 @@
 """Gateway direction: OpenAI request JSON -> LLMariner's typed ``TaskRequest``; pure, no I/O.
 
 This is the form a LLMariner engine takes. infx's own engines get the
-client's request verbatim instead (:mod:`protocol.openai_verbatim`, which
+client's request verbatim instead (:mod:`protocol.openai.verbatim`, which
 calls these parsers for the typed form beside it); what follows limits only
 what LLMariner engines receive, and the README lists it.
 
 Rules this file keeps: every parser takes the client's bytes (or its
 already parsed JSON object, or form fields) and returns a
 :class:`ParsedRequest` or raises
-:class:`~protocol.openai_errors.InvalidRequestError` (HTTP 400 with an
+:class:`~protocol.openai.errors.InvalidRequestError` (HTTP 400 with an
 OpenAI error body) -- no other exception, whatever the input. Members the
 typed messages have no field for are dropped (the verbatim form keeps them).
 Values the wire cannot carry faithfully are rejected rather than silently
@@ -29,8 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.openai_json import (
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.json import (
     JSONObject,
     as_bool,
     as_int,
@@ -77,7 +77,7 @@ class ParsedRequest:
     ``stream_options.include_usage``; the gateway may ask the engine for
     usage anyway (for metrics) and drop the usage chunk when this is false.
     ``typed_error`` says why ``request`` holds no typed form (only the
-    client's verbatim request, see :mod:`protocol.openai_verbatim`): the
+    client's verbatim request, see :mod:`protocol.openai.verbatim`): the
     400 to answer when no engine can take the verbatim form. ``body_json``
     is a JSON endpoint's body as decoded once, for whatever else reads it
     (routing hints), never changed.
@@ -301,7 +301,7 @@ def parse_completion(body: bytes | str | JSONObject) -> ParsedRequest:
     give, so it is rejected, as are token-id prompts, ``echo``, ``suffix``,
     ``best_of`` > 1 and ``logprobs`` (the chat API's logprobs have another
     shape). ``max_tokens`` defaults to the legacy API's 16. The gateway
-    turns the answer back with :mod:`protocol.openai_completions`.
+    turns the answer back with :mod:`protocol.openai.completions`.
     """
     obj = _object(body)
     req = ChatRequest()
@@ -578,7 +578,7 @@ def parse_tokenize(body: bytes | str | JSONObject) -> ParsedRequest:
 
 
 def _object(body: bytes | str | JSONObject) -> JSONObject:
-    """The request's JSON object; the gateway may have parsed it already (see :mod:`protocol.openai_verbatim`)."""
+    """The request's JSON object; the gateway may have parsed it already (see :mod:`protocol.openai.verbatim`)."""
     return body if isinstance(body, dict) else loads_object(body)
 
 

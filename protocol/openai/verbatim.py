@@ -8,10 +8,10 @@ relay the answer) -- and refuses nothing else: whether ``seed: 2**40``, a
 body travels byte for byte in ``TaskRequest.http_request`` (path and body;
 the headers travel in ``Task.header``), for engines that run it verbatim.
 
-Beside it goes the typed conversion of :mod:`protocol.openai_requests`, for
+Beside it goes the typed conversion of :mod:`protocol.openai.requests`, for
 LLMariner engines. When that conversion refuses the request, the typed form
 holds only the routing fields, ``typed_request_incomplete`` says why, and
-only infx engines may serve it (:mod:`protocol.task_forms`); the refusal is
+only infx engines may serve it (:mod:`protocol.openai.task_forms`); the refusal is
 kept in ``ParsedRequest.typed_error`` so that the gateway can answer it as
 before when no such engine serves the model.
 """
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from protocol.openai_errors import InvalidRequestError
-from protocol.openai_json import (
+from protocol.openai.errors import InvalidRequestError
+from protocol.openai.json import (
     JSONObject,
     as_bool,
     as_nonempty_str,
@@ -31,10 +31,10 @@ from protocol.openai_json import (
     optional,
     required,
 )
-from protocol.openai_requests import ParsedRequest, parse_audio_transcription
-from protocol.task_forms import STREAMABLE_KINDS, routing_fields
+from protocol.openai.requests import ParsedRequest, parse_audio_transcription
+from protocol.openai.task_forms import STREAMABLE_KINDS, routing_fields
 
-#: An endpoint's typed conversion (:mod:`protocol.openai_requests`), given the parsed JSON object.
+#: An endpoint's typed conversion (:mod:`protocol.openai.requests`), given the parsed JSON object.
 TypedParser = Callable[[JSONObject], ParsedRequest]
 
 
