@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from protocol.routing import RoutingConfig, RoutingPolicy
-from protocol.routing_hints import HintsConfig
+from protocol.routing.hints import HintsConfig
+from protocol.routing.router import RoutingConfig, RoutingPolicy
 
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()
@@ -89,9 +89,9 @@ class GatewayConfig:
     fair_reserve: int = 2
     #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
-    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
+    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing.router`.
     routing_policy: str = "affinity"
-    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.RoutingConfig`):
+    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.router.RoutingConfig`):
     #: the bounded-load factor (> 1: no engine above it times the mean load, plus one)...
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...

@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.gateway_core import Availability
 from protocol.fair_queue import Criticality
+from protocol.gateway_core import Availability
 from protocol.pb import worker_pb2
-from protocol.routing_hints import RoutingHints
+from protocol.routing.hints import RoutingHints
 
 __all__ = ["Availability", "ResultSink", "ServedBy", "Submission", "TaskHandle", "TaskRunner"]
 

@@ -48,7 +48,7 @@ Routing: engines of the task's tenant only, and only those that can take the
 task's request (:func:`protocol.openai.task_forms.eligible`; each gets the form it
 understands, :func:`protocol.openai.task_forms.for_engine`), ready with the model
 ready; engines that already failed this task last. Then the policy of
-``config.routing`` (:mod:`protocol.routing`): ``affinity`` (infx's, for a task
+``config.routing`` (:mod:`protocol.routing.router`): ``affinity`` (infx's, for a task
 submitted with ``RoutingHints``: bounded-load consistent hashing refined by
 prefix, session and adapter affinity), ``round_robin``, or
 ``least_in_progress`` (LLMariner's, and the rule for tasks without hints):
@@ -124,7 +124,7 @@ from protocol.processor_types import (
     model_of,
     retry_after_seconds,
 )
-from protocol.routing_hints import RoutingHints
+from protocol.routing.hints import RoutingHints
 
 __all__ = [
     "CancelTaskOnEngine",
@@ -179,7 +179,7 @@ class Processor(ProcessorRouting):
         there or not ready, so that a forwarding peer can retry elsewhere.
         ``criticality``, ``flow`` and ``weight`` place it in its model's queue
         should it wait (see the module docstring).
-        ``hints`` (:func:`protocol.routing_hints.hints_from_json`) let the
+        ``hints`` (:func:`protocol.routing.hints.hints_from_json`) let the
         affinity policy route by prefix, session and adapter.
         """
         if task_id in self._tasks or task_id in self._control:

@@ -22,7 +22,7 @@ from protocol.pb import worker_pb2
 from protocol.processor_slots import ProcessorSlots
 from protocol.processor_tables import TaskState, _Engine, _Task
 from protocol.processor_types import Effect, Locality, SendTask, TaskQueued
-from protocol.routing import RoutingPolicy
+from protocol.routing.router import RoutingPolicy
 
 __all__ = ["ProcessorRouting"]
 
@@ -141,7 +141,7 @@ class ProcessorRouting(ProcessorSlots):
             engine_id=engine.key.engine_id,
             timeout_seconds=max(1, int(task.deadline - now)),
         )
-        # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing_spills.py,
+        # A spill's tip, and the caller, go to a peer's engine's gateway (protocol/routing/spills.py,
         # fair_share.py), never to an engine.
         wire.request.infx_prefix_tip = tip
         remote = engine.locality is Locality.REMOTE

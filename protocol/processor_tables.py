@@ -28,8 +28,8 @@ from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.route_flow import RouteFlow
-from protocol.routing import Router
-from protocol.routing_hints import RoutingHints
+from protocol.routing.hints import RoutingHints
+from protocol.routing.router import Router
 
 __all__ = ["EngineView", "ProcessorCounters", "ProcessorTables", "TaskOutcome", "TaskState"]
 

@@ -15,7 +15,7 @@ from typing import Union
 from protocol import errors
 from protocol.openai.errors import error_event, error_json
 from protocol.pb import worker_pb2
-from protocol.routing import RoutingConfig
+from protocol.routing.router import RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The
@@ -131,7 +131,7 @@ class ProcessorConfig:
         once with 429 and ``busy_retry_after`` when its model's queue already
         holds this many tasks (0: sheddable tasks never wait behind full
         engines). They are also the first refused when the whole queue is full.
-    routing: the routing policy and its weights (:mod:`protocol.routing`).
+    routing: the routing policy and its weights (:mod:`protocol.routing.router`).
     route_stuck_timeout: seconds a route (an engine's or a peer's stream) may
         stay blocked (its adapter reported it not draining, and no drain since)
         before the processor closes it with ``CloseRoute``; its tasks fail over

@@ -15,7 +15,7 @@ from protocol.gateway_core import GatewayCore
 from protocol.gateway_effects import OpenDial, SendOnDial
 from protocol.processor_types import Locality
 from protocol.receiver import ReceiverState
-from protocol.routing_hints import RoutingHints
+from protocol.routing.hints import RoutingHints
 from protocol.status_reports import LocalStatuses
 from tests.processor_helpers import chat, engine_status, one, only
 from tests.test_gateway_core import T0, Net, core

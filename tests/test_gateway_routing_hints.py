@@ -37,7 +37,7 @@ def test_a_session_header_names_the_session(gateway_factory):  # noqa: F811
 
 @pytest_twisted.inlineCallbacks
 def test_the_gateway_cuts_prompts_as_its_hints_config_says(gateway_factory):  # noqa: F811
-    from protocol.routing_hints import HintsConfig
+    from protocol.routing.hints import HintsConfig
 
     runner, gateway, base = yield gateway_factory()
     messages = [SYSTEM, {"role": "user", "content": "What is a brig?"}]

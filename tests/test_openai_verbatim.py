@@ -90,7 +90,7 @@ def test_hostile_bodies_travel_verbatim_or_end_in_a_400_for_every_endpoint(data)
 
 
 def test_a_json_body_is_decoded_once_and_kept_for_the_routing_hints():
-    from protocol import routing_hints
+    from protocol.routing import hints as routing_hints
 
     body = json.dumps({"model": "m", "messages": [{"role": "system", "content": "s" * 300},
                                                    {"role": "user", "content": "hi"}], "user": "u1"}).encode()

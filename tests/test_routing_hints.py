@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.routing_hints import HintsConfig, hints_from_json
+from protocol.routing.hints import HintsConfig, hints_from_json
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
 SHORT_SYSTEM = {"role": "system", "content": "Be brief."}

@@ -1,12 +1,12 @@
-"""Spilled conversations known alike by every gateway (protocol/routing_spills.py): a turn that
+"""Spilled conversations known alike by every gateway (protocol/routing/spills.py): a turn that
 bounded load moved off its ring home is told to the engine's gateway on the forwarded task, which
 reports it with the engine's status, so another gateway sends the next turn where it is cached."""
 
 from protocol.pb import status_pb2
 from protocol.processor import Processor, ProcessorConfig, SendTask
 from protocol.processor_types import EngineKey, Locality
-from protocol.routing import RoutingConfig
-from protocol.routing_spills import SpilledTips
+from protocol.routing.router import RoutingConfig
+from protocol.routing.spills import SpilledTips
 from tests.processor_helpers import chat, engine_status, one
 from tests.test_routing import ENGINES, conversation
 

@@ -9,7 +9,7 @@ gateway routes to a peer's engine is forwarded as the exchange does it: the
 engine's gateway takes it as a targeted task (as its receiver does) and
 dispatches it, and results go back the same way. A request goes to a random
 gateway (as behind a load balancer), with routing hints computed by the
-gateway's own :func:`~protocol.routing_hints.hints_from_json`. The ``oracle`` routes each
+gateway's own :func:`~protocol.routing.hints.hints_from_json`. The ``oracle`` routes each
 request to the engine whose real cache holds most of its prompt, within the
 same load bound, as a targeted task. Time is simulated; nothing sleeps.
 """
@@ -28,8 +28,8 @@ from protocol.fair_share import forwarded_caller
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.receiver import error_result
-from protocol.routing import RoutingConfig, RoutingPolicy
-from protocol.routing_hints import HintsConfig, hints_from_json
+from protocol.routing.hints import HintsConfig, hints_from_json
+from protocol.routing.router import RoutingConfig, RoutingPolicy
 from tests.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
 from tests.sim.routing.workloads import Request, make
 

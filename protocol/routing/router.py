@@ -11,7 +11,7 @@ Policies (``RoutingConfig.policy``):
 ``affinity`` (infx's)
     Bounded-load consistent hashing, refined by what this gateway learned.
     Every engine of a (tenant, model) has ``ring_points`` points on a hash
-    ring; a request's home key (:mod:`protocol.routing_hints`) lands on the
+    ring; a request's home key (:mod:`protocol.routing.hints`) lands on the
     ring and the first engine clockwise *with room* is its home. Room is the
     bounded-load rule: an engine's load must stay below the capacity
     ``max(ceil(load_factor * (total load + 1) / engines), min_capacity)``, so
@@ -22,7 +22,7 @@ Policies (``RoutingConfig.policy``):
     replica has the same home while that engine has room: no central
     service. Where bounded load moved a turn off its home, the engine's
     gateway reports the spill to every peer with the engine's status
-    (:mod:`protocol.routing_spills`), so the next turn follows it from any
+    (:mod:`protocol.routing.spills`), so the next turn follows it from any
     gateway. The home, the next ``spare_candidates`` engines with room on
     the ring, the engines this gateway's prefix index or the spilled tips
     say hold the longest prefix of the request, the engine of the request's
@@ -64,8 +64,8 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from protocol.pb import status_pb2
-from protocol.routing_hints import RoutingHints
-from protocol.routing_spills import SpilledTips
+from protocol.routing.hints import RoutingHints
+from protocol.routing.spills import SpilledTips
 
 if TYPE_CHECKING:  # processor_types holds RoutingConfig in ProcessorConfig
     from protocol.processor_types import EngineKey
@@ -101,7 +101,7 @@ class RoutingConfig:
         per-engine cap shrinks to ``index_blocks_total // engines``.
     sessions: sessions whose last engine is remembered (LRU).
     spilled_tips: spilled prompts remembered per local engine and reported
-        to peers with its status (:mod:`protocol.routing_spills`; 0: none
+        to peers with its status (:mod:`protocol.routing.spills`; 0: none
         shared, each gateway knows only its own spills).
     """
 
@@ -343,7 +343,7 @@ class Router:
     def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0) -> int:
         """A task was dispatched to ``key``: count it, and remember its prefix and session there.
 
-        A prompt routed off its ring home is a spill (:mod:`protocol.routing_spills`): its tip
+        A prompt routed off its ring home is a spill (:mod:`protocol.routing.spills`): its tip
         is recorded here when ``key`` is local, else returned, to be carried on the forwarded
         task (``TaskRequest.infx_prefix_tip``) to the engine's gateway. ``forwarded_tip`` is
         such a tip on a task a peer forwarded. Returns the tip to carry, or 0.

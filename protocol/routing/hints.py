@@ -15,7 +15,7 @@ turn of a conversation, which repeats the earlier messages, shares every
 full block of the turn before. Only the first ``max_blocks`` are hashed.
 
 Home key: what every gateway hashes onto the same engine (see
-:mod:`protocol.routing`). A system prompt of at least one block is worth
+:mod:`protocol.routing.router`). A system prompt of at least one block is worth
 sharing between users, so it is the key; otherwise the session (``user`` or
 a session header), else the opening of the conversation (system and first
 user message), so all turns of one conversation share it.
