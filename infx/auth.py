@@ -23,7 +23,7 @@ a member given twice are errors, at start and when the file is read again
 
 ``criticality`` is the most a key's requests may claim (and their default;
 the ``x-infx-criticality`` header may lower it, see
-:func:`protocol.fair_queue.requested_criticality`); ``weight`` is the key's
+:func:`protocol.processor.fair_queue.requested_criticality`); ``weight`` is the key's
 share when requests wait for an engine: keys with the same ``name`` share
 one turn, as one caller.
 
@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 import yaml
 
-from protocol.fair_queue import Criticality, parse_criticality, weight_problem
+from protocol.processor.fair_queue import Criticality, parse_criticality, weight_problem
 from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"

@@ -85,7 +85,7 @@ class GatewayConfig:
     #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
     shed_waiting_threshold: int = 0
     #: With max_in_flight_per_engine: each engine's last free slots, kept for the caller holding
-    #: the fewest (protocol/fair_share.py), so that another caller's burst cannot take them all.
+    #: the fewest (protocol/processor/fair_share.py), so that another caller's burst cannot take them all.
     fair_reserve: int = 2
     #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``

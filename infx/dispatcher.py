@@ -48,8 +48,8 @@ from protocol.gateway_effects import (
     TaskReleased,
 )
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,

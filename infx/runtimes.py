@@ -53,7 +53,7 @@ from protocol.openai.runtime import RuntimeRequest, runtime_request
 from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
-from protocol.processor_types import is_streaming
+from protocol.processor.types import is_streaming
 
 __all__ = [
     "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RuntimeUnavailable", "RunningTask",

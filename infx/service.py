@@ -36,8 +36,8 @@ from infx.workers import WorkerService
 from protocol.gateway_effects import PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
-from protocol.processor import Processor
-from protocol.processor_types import ProcessorConfig
+from protocol.processor.core import Processor
+from protocol.processor.types import ProcessorConfig
 from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.fair_queue import Criticality
 from protocol.gateway_core import Availability
 from protocol.pb import worker_pb2
+from protocol.processor.fair_queue import Criticality
 from protocol.routing.hints import RoutingHints
 
 __all__ = ["Availability", "ResultSink", "ServedBy", "Submission", "TaskHandle", "TaskRunner"]
@@ -35,7 +35,7 @@ class Submission:
     timeout: float | None = None
     #: Correlates logs and the engine's work with the client's request.
     request_id: str = ""
-    #: Its place should it wait for an engine (see :mod:`protocol.fair_queue`): how much it
+    #: Its place should it wait for an engine (see :mod:`protocol.processor.fair_queue`): how much it
     #: matters, which caller it is one of, and that caller's share.
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""

@@ -17,7 +17,7 @@ from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES, Dispatcher, SendOutcome, Str
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
-from protocol.processor_types import Locality
+from protocol.processor.types import Locality
 from protocol.repeats import RepeatSuppressor
 
 log = Logger()

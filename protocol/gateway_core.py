@@ -82,8 +82,8 @@ from protocol.grpc import StatusCode
 from protocol.grpc.metadata import Metadata
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     CloseEngine,
     CloseRoute,
     DeliverResult,

@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Union
 
+from protocol.backoff import Backoff
 from protocol.grpc import StatusCode
 from protocol.pb import internal_pb2
-from protocol.backoff import Backoff
-from protocol.processor_types import Effect, ProcessorUsageError
+from protocol.processor.types import Effect, ProcessorUsageError
 
 __all__ = [
     "PEER_LEARNING_SECONDS",

@@ -3,7 +3,7 @@
 No I/O, no clock reads; time comes in as ``now``. It reports this gateway's
 *local* engines only (never remote ones, so reports cannot loop between
 gateways) with their real readiness, runs the tasks the peer forwards through
-the local :class:`~protocol.processor.Processor` as tasks targeted at the
+the local :class:`~protocol.processor.core.Processor` as tasks targeted at the
 named local engine, and relays their results back in order. A forwarded task
 that cannot run here is answered at once with an error ``TaskResult`` (an
 ``HttpResponse`` of 503 with a reason) so that the peer retries elsewhere
@@ -50,11 +50,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
-from protocol.fair_share import CallerRefused, forwarded_caller
 from protocol.openai.errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.fair_share import CallerRefused, forwarded_caller
+from protocol.processor.types import (
     DeliverResult,
     Effect,
     FailRequest,

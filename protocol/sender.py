@@ -2,7 +2,7 @@
 
 No I/O, no clock reads; time comes in as ``now``. The peer (its receiver)
 reports the engines attached to it; the sender registers them in the local
-:class:`~protocol.processor.Processor` as remote engines (tenant from the
+:class:`~protocol.processor.core.Processor` as remote engines (tenant from the
 report) whose route is the sender, or the object the adapter names as its
 route. It removes those that disappear from a report and all of them when the
 stream ends (their in-flight tasks fail over as the processor specifies). An
@@ -37,9 +37,8 @@ Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
 from __future__ import annotations
 
 from protocol.pb import internal_pb2, status_pb2
-from protocol.processor import Processor
-from protocol.status_reports import ReportReader
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     Effect,
     EngineKey,
     Locality,
@@ -47,6 +46,7 @@ from protocol.processor_types import (
     RemoteProtocolError,
     Route,
 )
+from protocol.status_reports import ReportReader
 
 __all__ = ["Sender"]
 

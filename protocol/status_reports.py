@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, status_pb2
-from protocol.processor_types import EngineKey, RemoteProtocolError
+from protocol.processor.types import EngineKey, RemoteProtocolError
 
 __all__ = [
     "STATUS_DELTA_HEADER",

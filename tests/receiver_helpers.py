@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 from protocol.pb import internal_pb2
-from protocol.processor_types import DeliverResult, Effect, FailRequest
+from protocol.processor.types import DeliverResult, Effect, FailRequest
 from protocol.receiver import Receiver, ReceiverOutput, SendToPeer
 
 

@@ -27,8 +27,8 @@ from infx.metrics import GatewayMetrics
 from infx.transport import GrpcServer
 from infx.workers import PROCESS_TASKS, EngineStream, WorkerService
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
-from protocol.processor import Processor, ProcessorConfig, TaskState
-from protocol.processor_types import DeliverResult, FailRequest
+from protocol.processor.core import Processor, ProcessorConfig, TaskState
+from protocol.processor.types import DeliverResult, FailRequest
 
 CAP = 256 * 1024
 TASK_BYTES = 100 * 1024

@@ -13,8 +13,8 @@ from twisted.internet import threads
 from infx.auth import KeyFileError, KeyStore
 from infx.config import ConfigError, build_config
 from protocol.echo import echo_task
-from protocol.fair_queue import Criticality, CriticalityRefused, requested_criticality
-from protocol.processor import ProcessorConfig
+from protocol.processor.core import ProcessorConfig
+from protocol.processor.fair_queue import Criticality, CriticalityRefused, requested_criticality
 from tests.test_gateway import gateway_factory, raw  # noqa: F401 (gateway_factory is a fixture)
 from tests.test_hostile_gateway import CHAT, ECHO, JSON, Stack
 

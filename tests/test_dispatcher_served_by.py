@@ -13,8 +13,8 @@ from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
 from infx.tasks import Submission
 from protocol.gateway_effects import CoreConfig
-from protocol.processor import Processor
-from protocol.processor_types import Locality, ProcessorConfig
+from protocol.processor.core import Processor
+from protocol.processor.types import Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status, http
 from tests.test_scaler_processor import Route, Sink
 

@@ -15,12 +15,12 @@ from twisted.internet import defer, reactor, task, threads
 from infx.config import build_config
 from infx.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
-from protocol.gateway_core import DialState
-from tests.scaler_fakes import InMemoryServiceQuery
 from infx.service import GatewayService
 from protocol.backoff import Backoff
+from protocol.gateway_core import DialState
 from protocol.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
-from protocol.processor_types import Locality
+from protocol.processor.types import Locality
+from tests.scaler_fakes import InMemoryServiceQuery
 
 LOOPBACK = "tcp:0:interface=127.0.0.1"
 
@@ -259,7 +259,7 @@ def clocked_exchanger(connect: Callable[[PeerAddress], Any], backoff: Backoff, s
     from infx.dispatcher import Dispatcher
     from infx.metrics import GatewayMetrics
     from protocol.gateway_effects import CoreConfig
-    from protocol.processor import Processor
+    from protocol.processor.core import Processor
 
     clock = task.Clock()
     dispatcher = Dispatcher(clock, Processor(), GatewayMetrics(CollectorRegistry()),

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.fair_queue import Criticality, FairQueueUsageError, HeldQueue, parse_criticality
+from protocol.processor.fair_queue import Criticality, FairQueueUsageError, HeldQueue, parse_criticality
 
 CRITICAL, STANDARD, SHEDDABLE = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 

@@ -36,8 +36,8 @@ from protocol.gateway_effects import (
 from protocol.grpc import StatusCode
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     CancelTaskOnEngine,
     DeliverResult,
     FailRequest,

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from protocol.gateway_core import GatewayCore
 from protocol.gateway_effects import OpenDial, SendOnDial
-from protocol.processor_types import Locality
+from protocol.processor.types import Locality
 from protocol.receiver import ReceiverState
 from protocol.routing.hints import RoutingHints
 from protocol.status_reports import LocalStatuses

@@ -25,8 +25,8 @@ from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from protocol.gateway_effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError
-from protocol.processor import Processor
-from protocol.processor_types import ProcessorConfig
+from protocol.processor.core import Processor
+from protocol.processor.types import ProcessorConfig
 
 LEARNING_SECONDS = 5.0
 TENANT = "default"  # the tenant of every request while API keys are off

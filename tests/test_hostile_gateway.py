@@ -1,7 +1,7 @@
 """Hostile HTTP clients and hostile engines against the whole gateway stack, in process.
 
 The stack is the real one (twisted.web site, :class:`~infx.gateway.Gateway`,
-:class:`~infx.dispatcher.Dispatcher`, :class:`~protocol.processor.Processor`)
+:class:`~infx.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
 on a :class:`~twisted.internet.task.Clock`, with HTTP over a StringTransport
 and an in-memory engine route that answers tasks with the real echo runtime
 core (:func:`protocol.echo.echo_task`), or with whatever a test makes it send.
@@ -34,7 +34,7 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from protocol.echo import EchoConfig, echo_task
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor import Locality, Processor, ProcessorConfig
+from protocol.processor.core import Locality, Processor, ProcessorConfig
 from tools.fuzz.drivers import HypothesisSource, RandomSource, Source, json_body
 
 FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

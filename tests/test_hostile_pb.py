@@ -31,8 +31,8 @@ from infx.transport import GrpcServer
 from infx.workers import PROCESS_TASKS, WorkerService
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     DeliverResult,
     FailRequest,
     Locality,
@@ -40,9 +40,9 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import ReceiverConfig
 from protocol.sender import Sender
+from tests.receiver_helpers import BufferedReceiver
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -41,6 +41,7 @@ from infx.auth import KeyStore
 from infx.dispatcher import SendOutcome
 from infx.gateway_site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
+from protocol.echo import echo_task
 from protocol.engine_agent import AgentConfig, EngineAgentCore, SendResult, StartTask
 from protocol.grpc import (
     CallEnded,
@@ -53,9 +54,8 @@ from protocol.grpc import (
     MessageReceived,
     StatusCode,
 )
-from protocol.echo import echo_task
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor import Locality, ProcessorConfig
+from protocol.processor.core import Locality, ProcessorConfig
 from tests.test_hostile_gateway import CHAT, ECHO, JSON, EchoEngine, Stack, assert_well_behaved_request_works
 from tests.test_hostile_grpc import RawClient, prefixed
 

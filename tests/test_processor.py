@@ -7,8 +7,8 @@ import json
 import pytest
 
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,

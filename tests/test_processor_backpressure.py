@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.route_flow import RouteFlow
+from protocol.processor.types import (
     CloseRoute,
     EnginesRemoved,
     FailRequest,
@@ -23,7 +24,6 @@ from protocol.processor_types import (
     SendTask,
     TaskQueued,
 )
-from protocol.route_flow import RouteFlow
 from tests.processor_helpers import chat, engine_status, http, one, only
 
 LOCAL = Locality.LOCAL

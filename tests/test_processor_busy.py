@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from protocol.pb import worker_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     DeliverResult,
     FailRequest,
     Locality,

@@ -4,7 +4,7 @@ instead of waiting out the grace period."""
 
 from __future__ import annotations
 
-from protocol.processor_types import FailRequest, SendTask, TaskQueued
+from protocol.processor.types import FailRequest, SendTask, TaskQueued
 from tests.processor_helpers import chat, http, one, only
 from tests.test_processor import LOCAL, REMOTE, T0, join, make, sent_to, submit
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.fair_queue import Criticality
-from protocol.fair_share import CallerRefused, caller_message, forwarded_caller
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.fair_queue import Criticality
+from protocol.processor.fair_share import CallerRefused, caller_message, forwarded_caller
+from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
 from tests.processor_helpers import chat, engine_status, http, only
 
 T0 = 1000.0

@@ -12,10 +12,10 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.fair_queue import Criticality
 from protocol.pb import status_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import DeliverResult, EngineKey, FailRequest, Locality, ProcessorConfig
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.fair_queue import Criticality
+from protocol.processor.types import DeliverResult, EngineKey, FailRequest, Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status, http
 
 T0 = 1000.0

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.fair_queue import Criticality
-from protocol.processor import Processor
-from protocol.processor_types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
+from protocol.processor.core import Processor
+from protocol.processor.fair_queue import Criticality
+from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
 from tests.processor_helpers import chat, engine_status, http, only
 
 T0 = 1000.0

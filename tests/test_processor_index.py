@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.openai import task_forms
-from protocol.processor import Processor
-from protocol.processor_tables import _Engine, _Task
-from protocol.processor_types import Locality, ProcessorConfig
+from protocol.processor.core import Processor
+from protocol.processor.tables import _Engine, _Task
+from protocol.processor.types import Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status
 
 T0 = 10.0

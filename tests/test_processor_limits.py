@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     DeliverResult,
     FailRequest,
     Locality,

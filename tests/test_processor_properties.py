@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.openai import task_forms
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     CancelTaskOnEngine,
     DeliverResult,
     FailRequest,
@@ -19,9 +19,9 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import ReceiverConfig, ReceiverState
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
+from tests.receiver_helpers import BufferedReceiver
 
 T0 = 50.0
 

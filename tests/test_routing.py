@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.pb import status_pb2
-from protocol.processor import Processor, ProcessorConfig, SendTask
-from protocol.processor_types import EngineKey, Locality
+from protocol.processor.core import Processor, ProcessorConfig, SendTask
+from protocol.processor.types import EngineKey, Locality
 from protocol.routing.hints import RoutingHints, hints_from_json
 from protocol.routing.router import PrefixIndex, RoutingConfig, RoutingPolicy
 from tests.processor_helpers import chat, engine_status, http, one

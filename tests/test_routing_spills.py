@@ -3,8 +3,8 @@ bounded load moved off its ring home is told to the engine's gateway on the forw
 reports it with the engine's status, so another gateway sends the next turn where it is cached."""
 
 from protocol.pb import status_pb2
-from protocol.processor import Processor, ProcessorConfig, SendTask
-from protocol.processor_types import EngineKey, Locality
+from protocol.processor.core import Processor, ProcessorConfig, SendTask
+from protocol.processor.types import EngineKey, Locality
 from protocol.routing.router import RoutingConfig
 from protocol.routing.spills import SpilledTips
 from tests.processor_helpers import chat, engine_status, one

@@ -17,12 +17,12 @@ from twisted.internet import defer, reactor, task
 
 from infx.dispatcher import Dispatcher, SendOutcome
 from infx.metrics import GatewayMetrics
-from infx.tasks import Availability
 from infx.scaler import InferenceScaler, ProcessorLink
 from infx.scaler_kube import KubernetesEvents, KubernetesServiceQuery
+from infx.tasks import Availability
 from infx.tasks import Submission
-from protocol.processor import Processor
-from protocol.processor_types import Locality, ProcessorConfig
+from protocol.processor.core import Processor
+from protocol.processor.types import Locality, ProcessorConfig
 from protocol.scaling import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
 from tests.kubeapi import EVENTS, FakeKubeAPI
 from tests.processor_helpers import chat, engine_status, http

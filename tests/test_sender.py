@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import (
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import (
     CancelTaskOnEngine,
     DeliverResult,
     EngineKey,
@@ -25,10 +25,10 @@ from protocol.processor_types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.receiver_helpers import BufferedReceiver
 from protocol.receiver import Receiver, ReceiverConfig
 from protocol.sender import Sender
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
+from tests.receiver_helpers import BufferedReceiver
 
 T0 = 10.0
 RETRY_DELAY = 1.0

@@ -16,8 +16,8 @@ import pytest
 from protocol.gateway_core import GatewayCore
 from protocol.gateway_effects import SendOnDial
 from protocol.pb import status_pb2
-from protocol.processor import Processor, TaskState
-from protocol.processor_types import EnginesRemoved
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import EnginesRemoved
 from tests.sim import SimConfig, run_seed
 from tests.sim.__main__ import main
 from tests.sim.invariants import (

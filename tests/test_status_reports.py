@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.pb import internal_pb2, status_pb2
-from protocol.processor import Processor
-from protocol.processor_types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
+from protocol.processor.core import Processor
+from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
 from protocol.receiver import ReceiverConfig, ReceiverState
 from protocol.sender import Sender
 from protocol.status_reports import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protocol.openai import task_forms
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
-from protocol.processor import FailRequest, Locality, Processor, ProcessorConfig, SendTask, TaskState
+from protocol.processor.core import FailRequest, Locality, Processor, ProcessorConfig, SendTask, TaskState
 from tests.processor_helpers import engine_status, one, only
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"seed":0,"top_k":5}'
@@ -127,7 +127,7 @@ def test_a_targeted_task_in_a_form_its_engine_cannot_take_is_refused_with_503():
 def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_answer_comes_back_marked():
     """Gateway A (sender) and gateway C (receiver, engine attached) back to back, as values."""
     from protocol.pb import internal_pb2
-    from protocol.processor import DeliverResult
+    from protocol.processor.core import DeliverResult
     from protocol.receiver import ReceiverConfig
     from protocol.sender import Sender
     from tests.receiver_helpers import BufferedReceiver

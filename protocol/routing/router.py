@@ -67,8 +67,8 @@ from protocol.pb import status_pb2
 from protocol.routing.hints import RoutingHints
 from protocol.routing.spills import SpilledTips
 
-if TYPE_CHECKING:  # processor_types holds RoutingConfig in ProcessorConfig
-    from protocol.processor_types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
+    from protocol.processor.types import EngineKey
 
 __all__ = ["PrefixIndex", "Router", "RoutingConfig", "RoutingPolicy", "reported_load"]
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol.pb import chat_pb2, worker_pb2
-from protocol.processor_types import ProcessorConfig
+from protocol.processor.types import ProcessorConfig
 from tests.sim.checks import StepChecks
 from tests.sim.engine import EngineNode
 from tests.sim.faults import Faults

@@ -38,7 +38,7 @@ from protocol.grpc import (
     ResponseHeadersReceived,
 )
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor_types import is_streaming
+from protocol.processor.types import is_streaming
 from tests.sim.gateway import PROCESS_TASKS, engine_key
 from tests.sim.wire import GrpcEnd
 

@@ -41,8 +41,8 @@ from protocol.grpc import (
     StatusCode,
 )
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.processor import Processor
-from protocol.processor_types import (
+from protocol.processor.core import Processor
+from protocol.processor.types import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.processor_types import Locality
+from protocol.processor.types import Locality
 from tests.sim.cluster import Cluster, SimConfig
 from tests.sim.engine import EngineNode
 from tests.sim.gateway import STATUS_INTERVAL

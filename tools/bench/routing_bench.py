@@ -23,7 +23,7 @@ import time
 import tracemalloc
 
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
-from protocol.processor import Locality, Processor, ProcessorConfig, SendTask
+from protocol.processor.core import Locality, Processor, ProcessorConfig, SendTask
 from protocol.routing.hints import RoutingHints, hints_from_json
 
 

@@ -12,7 +12,7 @@ import argparse
 import statistics
 import sys
 
-from protocol.processor_types import ProcessorConfig
+from protocol.processor.types import ProcessorConfig
 from tests.sim.routing.run import POLICIES, Result, simulate
 from tests.sim.routing.runtime import RuntimeSpec
 from tests.sim.routing.workloads import WORKLOADS

@@ -2,7 +2,7 @@
 
 No I/O, no clock reads: every input is a method call that takes ``now`` (in
 seconds, on any monotonic scale the caller likes) and returns the effects the
-caller must perform, in order, as values (see :mod:`protocol.processor_types`).
+caller must perform, in order, as values (see :mod:`protocol.processor.types`).
 ``next_deadline()`` says when to call ``handle_timeout(now)``. Everything that
 changes a task's state lives here, and every accepted task ends exactly once:
 with a ``DeliverResult(last=True)``, a ``FailRequest``, or the caller's own
@@ -55,13 +55,13 @@ prefix, session and adapter affinity), ``round_robin``, or
 local before remote, then fewest in-flight tasks, then engine id (so the
 choice is deterministic).
 
-Backpressure (:mod:`protocol.route_flow`): an engine whose route is blocked
+Backpressure (:mod:`protocol.processor.route_flow`): an engine whose route is blocked
 (not draining) counts as full, so its tasks go elsewhere or wait; a task the
 route refused at its queue cap is routed again at once, with no retry counted;
 a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
-Caps, fair queues and shedding: see :mod:`protocol.processor_slots`; routing, dispatch and
-the waiting tasks that take freed slots: :mod:`protocol.processor_routing`.
+Caps, fair queues and shedding: see :mod:`protocol.processor.slots`; routing, dispatch and
+the waiting tasks that take freed slots: :mod:`protocol.processor.routing`.
 
 Draining (``drain``, on shutdown): local engines are told to go away, and a
 task that would wait (no routable engine, local or a peer's, serves its
@@ -88,11 +88,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping, Sequence
 
-from protocol.fair_queue import Criticality, weight_problem
 from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor_routing import ProcessorRouting
-from protocol.processor_tables import (
+from protocol.processor.fair_queue import Criticality, weight_problem
+from protocol.processor.routing import ProcessorRouting
+from protocol.processor.tables import (
     _ON_ENGINE,
     EngineView,
     ProcessorCounters,
@@ -102,7 +102,7 @@ from protocol.processor_tables import (
     _Engine,
     _Task,
 )
-from protocol.processor_types import (
+from protocol.processor.types import (
     BUSY_STATUSES,
     CancelTaskOnEngine,
     CloseEngine,

@@ -1,6 +1,6 @@
 """The processor's tables: task and engine records, their states, and the queries over them.
 
-No I/O, no clock reads. Split from :mod:`protocol.processor` (which holds every
+No I/O, no clock reads. Split from :mod:`protocol.processor.core` (which holds every
 input and transition) so that each file keeps to one concern: this one owns
 what the processor knows (tasks by id, engines by key and by tenant, the
 waiting queues, the timer heap, counters) and answers questions about it
@@ -22,12 +22,12 @@ from enum import Enum
 from collections.abc import Iterable
 from typing import Any
 
-from protocol.fair_queue import Criticality, HeldQueue
-from protocol.fair_share import FairShares
 from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor_types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
-from protocol.route_flow import RouteFlow
+from protocol.processor.fair_queue import Criticality, HeldQueue
+from protocol.processor.fair_share import FairShares
+from protocol.processor.route_flow import RouteFlow
+from protocol.processor.types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
 from protocol.routing.hints import RoutingHints
 from protocol.routing.router import Router
 
@@ -121,7 +121,7 @@ class _Task:
         """Times the task went back for another dispatch, whatever the cause (a lost
         engine, a failed send, a busy runtime): what logs and metrics call its retries."""
         return self.retries + self.busy_returns
-    # Its place in a held queue (see ``protocol.fair_queue``).
+    # Its place in a held queue (see ``protocol.processor.fair_queue``).
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
     weight: float = 1.0
@@ -185,7 +185,7 @@ _NO_MODELS: dict[str, dict[EngineKey, _Engine]] = {}
 
 class ProcessorTables:
     """What the processor knows, and the read-only queries over it (the base of
-    :class:`~protocol.processor.Processor`)."""
+    :class:`~protocol.processor.core.Processor`)."""
 
     def __init__(self, config: ProcessorConfig | None = None) -> None:
         self.config = config or ProcessorConfig()

@@ -12,7 +12,7 @@ an engine. Its order:
 2. **Within a band, the flow holding the fewest engine slots per weight**
    (a flow is one caller sharing the tenant's engines: an API key, or the
    name several keys share; ``served`` tells the queue how many slots each
-   holds, :class:`protocol.fair_share.FairShares`). Fairness by slots held
+   holds, :class:`protocol.processor.fair_share.FairShares`). Fairness by slots held
    rather than by slots granted: a caller whose requests run long or come
    often gets the slots it needs up to its share, and one that bursts 1,000
    requests takes a freed slot only while it holds no more than the others.

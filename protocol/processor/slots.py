@@ -1,9 +1,9 @@
 """Engine slots and how a task lets go of one: the in-flight cap and its fair reserve, the held
 queues (a model's, and a peer's tasks per engine), and a task's end; pure (the base of
-:class:`~protocol.processor.Processor`).
+:class:`~protocol.processor.core.Processor`).
 
 A task holds a slot from its dispatch until it leaves its engine, counted for its caller
-(:class:`protocol.fair_share.FairShares`); every way a task ends, fails or waits passes here,
+(:class:`protocol.processor.fair_share.FairShares`); every way a task ends, fails or waits passes here,
 so the counts of slots held and of tasks waiting cannot drift from the tasks themselves.
 
 Caps (``ProcessorConfig``): an engine holding ``max_in_flight_per_engine``
@@ -16,12 +16,12 @@ peer's task (targeted) that finds its engine full waits in that engine's
 queue here, at the engine's gateway, which every task for the engine passes
 through (a sheddable one is refused with 503 instead, so that the peer tries
 elsewhere); it fails with 503 when the engine leaves routing or its
-``queue_timeout`` runs out. Each queue is a :class:`protocol.fair_queue.HeldQueue`:
+``queue_timeout`` runs out. Each queue is a :class:`protocol.processor.fair_queue.HeldQueue`:
 critical tasks first, then standard, then sheddable, and within each the
 caller (``flow``, weighted; a peer's task carries its caller) holding the
 fewest slots of the model's engines first. The last ``fair_reserve`` slots of
 an engine go only to a task of such a caller, or a critical one
-(:mod:`protocol.fair_share`); one the head of the queue may not take goes to
+(:mod:`protocol.processor.fair_share`); one the head of the queue may not take goes to
 the head of a lower band that may, rather than stay idle while both wait.
 
 Shedding: a ``sheddable`` task that would wait while every engine serving its
@@ -38,16 +38,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from protocol.fair_queue import Criticality, HeldQueue
 from protocol.pb import worker_pb2
-from protocol.processor_tables import ProcessorTables, TaskOutcome, TaskState, _ON_ENGINE, _ControlKind, _Engine, _Task
-from protocol.processor_types import CancelTaskOnEngine, DeliverResult, Effect, EngineKey, FailRequest
+from protocol.processor.fair_queue import Criticality, HeldQueue
+from protocol.processor.tables import ProcessorTables, TaskOutcome, TaskState, _ON_ENGINE, _ControlKind, _Engine, _Task
+from protocol.processor.types import CancelTaskOnEngine, DeliverResult, Effect, EngineKey, FailRequest
 
 __all__ = ["ProcessorSlots"]
 
 
 class ProcessorSlots(ProcessorTables):
-    """The slot and queue bookkeeping of :class:`~protocol.processor.Processor`."""
+    """The slot and queue bookkeeping of :class:`~protocol.processor.core.Processor`."""
 
     def _hold(self, now: float, task: _Task, queue: HeldQueue) -> None:
         """``task`` waits in ``queue`` for a slot, for at most ``queue_timeout``."""

@@ -2,7 +2,7 @@
 
 No I/O, no clock reads, no mutable state: everything here is a frozen value or
 a pure function of its arguments. The machine that produces these values is
-:mod:`protocol.processor`; the Twisted layer performs the effects.
+:mod:`protocol.processor.core`; the Twisted layer performs the effects.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class ProcessorConfig:
     fair_reserve: with ``max_in_flight_per_engine``, the last free slots of
         each engine (at most the cap less one) that only a task of the caller
         holding the fewest slots per weight on its model, or a critical task,
-        may take (:mod:`protocol.fair_share`): a caller's burst leaves them
+        may take (:mod:`protocol.processor.fair_share`): a caller's burst leaves them
         for the others' next requests, which then start at once on the engine
         that holds their cache. 0: none.
     max_tasks_per_tenant: live tasks (waiting, retrying or on an engine) one

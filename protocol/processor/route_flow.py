@@ -12,7 +12,7 @@ taken for a stuck one.
 
 from __future__ import annotations
 
-from protocol.processor_types import Route
+from protocol.processor.types import Route
 
 __all__ = ["RouteFlow"]
 

@@ -4,7 +4,7 @@ forwarded task carries; pure.
 Rules this file keeps: no I/O, no clock, no randomness.
 
 A *flow* is one caller sharing a tenant's engines for one model (see
-:mod:`protocol.fair_queue`). With an in-flight cap per engine, fairness is
+:mod:`protocol.processor.fair_queue`). With an in-flight cap per engine, fairness is
 by slots held: the held queue serves the flow that holds the fewest slots
 per weight first, and the last ``reserve`` free slots of an engine go only
 to such a flow (or to a critical task). A flow that fills every engine in a
@@ -29,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.errors import RemoteProtocolError
-from protocol.fair_queue import Criticality, weight_problem
 from protocol.pb import worker_pb2
+from protocol.processor.fair_queue import Criticality, weight_problem
 
 __all__ = ["CallerRefused", "FairShares", "caller_message", "forwarded_caller"]
 

@@ -1,10 +1,10 @@
 """Where a task goes: routing to an engine, dispatch, and the waiting tasks that take the
-slots freed or opened during an input; pure (the base of :class:`~protocol.processor.Processor`).
+slots freed or opened during an input; pure (the base of :class:`~protocol.processor.core.Processor`).
 
-Split from :mod:`protocol.processor` (which holds every input) so that each file keeps to one
+Split from :mod:`protocol.processor.core` (which holds every input) so that each file keeps to one
 concern. Routing (``_pick``): the task's tenant's engines that serve its model and can take its
 request, by ``config.routing``'s policy, skipping those full, busy or blocked
-(:mod:`protocol.processor_slots`). A task no engine can take now waits in its model's held
+(:mod:`protocol.processor.slots`). A task no engine can take now waits in its model's held
 queue (``_route``), or is shed, refused or failed. Waiting tasks get a slot when one frees on an
 engine (``_dispatch_waiting``: peers' tasks held for it and this gateway's for its models, in
 their callers' turn) or when a change of slots held lets a waiting caller take an engine's
@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import itertools
 
-from protocol.fair_queue import Criticality, HeldQueue
-from protocol.fair_share import caller_message
 from protocol.openai import task_forms
 from protocol.pb import worker_pb2
-from protocol.processor_slots import ProcessorSlots
-from protocol.processor_tables import TaskState, _Engine, _Task
-from protocol.processor_types import Effect, Locality, SendTask, TaskQueued
+from protocol.processor.fair_queue import Criticality, HeldQueue
+from protocol.processor.fair_share import caller_message
+from protocol.processor.slots import ProcessorSlots
+from protocol.processor.tables import TaskState, _Engine, _Task
+from protocol.processor.types import Effect, Locality, SendTask, TaskQueued
 from protocol.routing.router import RoutingPolicy
 
 __all__ = ["ProcessorRouting"]
 
 
 class ProcessorRouting(ProcessorSlots):
-    """Routing and dispatch of :class:`~protocol.processor.Processor`."""
+    """Routing and dispatch of :class:`~protocol.processor.core.Processor`."""
 
     def _route(self, now: float, task: _Task, effects: list[Effect]) -> None:
         engine = self._pick(task)
