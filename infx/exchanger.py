@@ -27,7 +27,7 @@ The four data flows, from this gateway's point of view:
   answer with ``x-infx-status-delta: 1`` in their headers, so an infx peer
   reports only what changed; a LLMariner peer ignores the header and a
   LLMariner server sends none (full snapshots, see
-  :mod:`protocol.status_reports`).
+  :mod:`protocol.exchange.status_reports`).
 - New task scheduling: HTTP handler -> local processor, which picks a local
   engine (preferred) or a remote one; for a remote engine the task goes to
   the ``PeerStream`` of the peer that reported it, with its tenant id -> the

@@ -17,11 +17,11 @@ What it decides:
   register engines its peer reported meanwhile; a result or failure of a task
   a peer forwarded goes to that stream's receiver and leaves as one
   :class:`SendOnDial` (core -> adapter once).
-- *Peers that dial us* (a :class:`~protocol.sender.Sender` per accepted
+- *Peers that dial us* (a :class:`~protocol.exchange.sender.Sender` per accepted
   stream, made on its first report): a newer stream from the same pod
   replaces the older one; a task result before any ``ServerStatus`` ends the
   stream with FAILED_PRECONDITION, a malformed message with INVALID_ARGUMENT.
-- *Peers we dial* (a :class:`~protocol.receiver.Receiver` per stream): one
+- *Peers we dial* (a :class:`~protocol.exchange.receiver.Receiver` per stream): one
   stream per wanted peer at its current address, redialled after a jittered
   backoff that grows while the peer does not accept (with
   ``redial_when_dialled_in``, at once when that peer dials us: it is back);
@@ -30,7 +30,7 @@ What it decides:
   :data:`PEER_ACCEPT_METADATA` in its headers (infx reads status deltas);
   a dial whose peer answered so gets deltas after its first full report,
   any other (a LLMariner peer) full snapshots only
-  (:mod:`protocol.status_reports`).
+  (:mod:`protocol.exchange.status_reports`).
 - *Accounting*: requests accepted from clients per model (reported to peers,
   and to the scaler as started/finished), and which models are gone (listed
   recently, 503) rather than unknown (404) on the clock; at start-up, until
@@ -40,7 +40,7 @@ What it decides:
   its redial) is re-read only after that receiver took an input or the redial
   changed, and kept in a heap, so :meth:`next_deadline` does not ask every
   peer; the local engines every receiver reports are one
-  :class:`~protocol.status_reports.LocalStatuses`, refreshed once per change
+  :class:`~protocol.exchange.status_reports.LocalStatuses`, refreshed once per change
   (``LocalEnginesChanged``, or a ``SendTask``: it may record a spilled tip).
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
   queue for an engine the model is served (:class:`ModelServed`), when it ends
@@ -57,6 +57,9 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from protocol.due_times import DueTimes
+from protocol.exchange.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
+from protocol.exchange.sender import Sender
+from protocol.exchange.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 from protocol.gateway_effects import (
     CancelDial,
     CoreConfig,
@@ -96,9 +99,6 @@ from protocol.processor.types import (
     SendTask,
     TaskQueued,
 )
-from protocol.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
-from protocol.sender import Sender
-from protocol.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 
 __all__ = ["PEER_ACCEPT_METADATA", "Availability", "DialState", "DialledPeer", "GatewayCore"]
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+from protocol.exchange.receiver import Receiver, ReceiverOutput, SendToPeer
 from protocol.pb import internal_pb2
 from protocol.processor.types import DeliverResult, Effect, FailRequest
-from protocol.receiver import Receiver, ReceiverOutput, SendToPeer
 
 
 class BufferedReceiver(Receiver):

@@ -15,9 +15,9 @@ import pytest_twisted
 from twisted.internet import threads
 
 from infx.exchanger import PROCESS_TASKS_INTERNAL
+from protocol.exchange.status_reports import STATUS_DELTA_HEADER
 from protocol.pb import internal_pb2
 from protocol.processor.types import Locality
-from protocol.status_reports import STATUS_DELTA_HEADER
 from tests.processor_helpers import engine_status
 from tests.test_exchanger import base_url, chat, engines, gateways, internal_address, until  # noqa: F401
 

@@ -11,12 +11,12 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from protocol.exchange.receiver import ReceiverState
+from protocol.exchange.status_reports import LocalStatuses
 from protocol.gateway_core import GatewayCore
 from protocol.gateway_effects import OpenDial, SendOnDial
 from protocol.processor.types import Locality
-from protocol.receiver import ReceiverState
 from protocol.routing.hints import RoutingHints
-from protocol.status_reports import LocalStatuses
 from tests.processor_helpers import chat, engine_status, one, only
 from tests.test_gateway_core import T0, Net, core
 

@@ -3,8 +3,8 @@
 Random bytes and mutated valid messages go where the wire puts them:
 ``ProcessTasksRequest`` (``EngineStatus``, ``TaskResult``) into the worker
 service and the processor, ``ProcessTasksInternalRequest`` (``ServerStatus``,
-``TaskResult``) into a :class:`~protocol.sender.Sender`,
-``ProcessTasksInternalResponse`` into a :class:`~protocol.receiver.Receiver`.
+``TaskResult``) into a :class:`~protocol.exchange.sender.Sender`,
+``ProcessTasksInternalResponse`` into a :class:`~protocol.exchange.receiver.Receiver`.
 
 What each must end in: a message that does not decode ends its stream with
 INTERNAL; one that decodes but breaks the protocol raises the documented
@@ -29,6 +29,8 @@ from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcServer
 from infx.workers import PROCESS_TASKS, WorkerService
+from protocol.exchange.receiver import ReceiverConfig
+from protocol.exchange.sender import Sender
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor
@@ -40,8 +42,6 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from protocol.receiver import ReceiverConfig
-from protocol.sender import Sender
 from tests.receiver_helpers import BufferedReceiver
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from protocol.exchange.receiver import ReceiverConfig, ReceiverState
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
 from protocol.processor.types import (
@@ -19,7 +20,6 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from protocol.receiver import ReceiverConfig, ReceiverState
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 from tests.receiver_helpers import BufferedReceiver
 

@@ -10,6 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol.exchange.receiver import Receiver, ReceiverConfig
+from protocol.exchange.sender import Sender
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.types import (
@@ -25,8 +27,6 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from protocol.receiver import Receiver, ReceiverConfig
-from protocol.sender import Sender
 from tests.processor_helpers import chat, engine_status, http, one, only, sse
 from tests.receiver_helpers import BufferedReceiver
 

@@ -8,12 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.pb import internal_pb2, status_pb2
-from protocol.processor.core import Processor
-from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
-from protocol.receiver import ReceiverConfig, ReceiverState
-from protocol.sender import Sender
-from protocol.status_reports import (
+from protocol.exchange.receiver import ReceiverConfig, ReceiverState
+from protocol.exchange.sender import Sender
+from protocol.exchange.status_reports import (
     STATUS_DELTA_METADATA,
     LocalStatuses,
     ReportReader,
@@ -21,6 +18,9 @@ from protocol.status_reports import (
     offers_deltas,
     shape_of,
 )
+from protocol.pb import internal_pb2, status_pb2
+from protocol.processor.core import Processor
+from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
 from tests.processor_helpers import engine_status
 from tests.receiver_helpers import BufferedReceiver
 

@@ -126,10 +126,10 @@ def test_a_targeted_task_in_a_form_its_engine_cannot_take_is_refused_with_503():
 
 def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_answer_comes_back_marked():
     """Gateway A (sender) and gateway C (receiver, engine attached) back to back, as values."""
+    from protocol.exchange.receiver import ReceiverConfig
+    from protocol.exchange.sender import Sender
     from protocol.pb import internal_pb2
     from protocol.processor.core import DeliverResult
-    from protocol.receiver import ReceiverConfig
-    from protocol.sender import Sender
     from tests.receiver_helpers import BufferedReceiver
 
     a, c = _processor(), _processor()

@@ -17,7 +17,7 @@ get no new tasks from here whatever readiness they report. The per-model request
 the peer's last report are kept in :attr:`Sender.requests_started` for the
 autoscaler (a LLMariner peer sends none).
 
-Reports are read by a :class:`~protocol.status_reports.ReportReader`: a full
+Reports are read by a :class:`~protocol.exchange.status_reports.ReportReader`: a full
 snapshot replaces what the peer reported before; a delta (from an infx peer
 this side's headers offered them to) adds or replaces the engines it carries
 and removes those it lists. A report out of sequence is a protocol error,
@@ -36,6 +36,7 @@ Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
 
 from __future__ import annotations
 
+from protocol.exchange.status_reports import ReportReader
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
 from protocol.processor.types import (
@@ -46,7 +47,6 @@ from protocol.processor.types import (
     RemoteProtocolError,
     Route,
 )
-from protocol.status_reports import ReportReader
 
 __all__ = ["Sender"]
 

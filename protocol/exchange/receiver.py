@@ -15,7 +15,7 @@ in): only one gateway runs the autoscaler, and it must see the requests that
 arrive here too. A change of those counts alone goes out at the next periodic
 check.
 
-Reports (:mod:`protocol.status_reports`): a full snapshot when the stream
+Reports (:mod:`protocol.exchange.status_reports`): a full snapshot when the stream
 opens; after ``deltas_offered`` (the peer's headers said it reads deltas),
 only what changed. A change of load counts alone (in-progress tasks, the
 runtime's load figures) is coalesced: it goes out with the next report, at
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Union
 
+from protocol.exchange.status_reports import LocalStatuses, ReportWriter
 from protocol.openai.errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
@@ -64,7 +65,6 @@ from protocol.processor.types import (
     RemoteProtocolError,
     sse_error_event,
 )
-from protocol.status_reports import LocalStatuses, ReportWriter
 
 __all__ = ["Receiver", "ReceiverConfig", "ReceiverOutput", "ReceiverState", "SendToPeer", "error_result"]
 
