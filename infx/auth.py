@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 import yaml
 
+from protocol.gateway.ratelimit import RateLimit
 from protocol.processor.fair_queue import Criticality, parse_criticality, weight_problem
-from protocol.ratelimit import RateLimit
 
 DEFAULT_TENANT = "default"
 

@@ -1,6 +1,6 @@
 """The gateway core's Twisted owner: feeds it inputs, performs its effects, arms its timer.
 
-The core (:mod:`protocol.gateway_core`, which owns the processor, the peer
+The core (:mod:`protocol.gateway.core`, which owns the processor, the peer
 senders and receivers, request accounting and the scaler's signals) decides;
 this module acts. It is the one place that calls the core, so every input is
 followed by performing the returned effects in order and re-arming the single
@@ -26,8 +26,8 @@ from twisted.logger import Logger
 from infx.deadline import DeadlineTimer
 from infx.metrics import OTHER_MODEL, GatewayMetrics
 from infx.tasks import Availability, ResultSink, ServedBy, Submission, TaskHandle
-from protocol.gateway_core import GatewayCore
-from protocol.gateway_effects import (
+from protocol.gateway.core import GatewayCore
+from protocol.gateway.effects import (
     CancelDial,
     CoreConfig,
     CoreEffect,
@@ -143,7 +143,7 @@ SCALER_EFFECTS = (TaskQueued, ModelServed, TaskReleased, ReportLoad)
 
 
 class Dispatcher:
-    """Owns one :class:`~protocol.gateway_core.GatewayCore` on a reactor; the gateway's TaskRunner."""
+    """Owns one :class:`~protocol.gateway.core.GatewayCore` on a reactor; the gateway's TaskRunner."""
 
     def __init__(self, clock: IReactorTime, processor: Processor, metrics: GatewayMetrics,
                  task_ids: Callable[[], str] | None = None, config: CoreConfig | None = None,

@@ -1,7 +1,7 @@
 """The task exchanger: gateway replicas lend each other their engines over ``ProcessTasksInternal``.
 
 Rules this file keeps: no decisions. The pure gateway core
-(:mod:`protocol.gateway_core`, through the :class:`~infx.dispatcher.Dispatcher`,
+(:mod:`protocol.gateway.core`, through the :class:`~infx.dispatcher.Dispatcher`,
 its one caller) decides which peers to dial, when to redial, which stream
 replaces which, what to report and what to refuse; this file maps gRPC calls
 to the core's inputs and performs its peer effects (open, write, half-close,
@@ -13,7 +13,7 @@ Every gateway runs both halves. It *serves* ``ProcessTasksInternal`` on its
 internal port: each peer that dials in gets a :class:`PeerStream`, which the
 core gives a pure ``Sender`` on its first ``ServerStatus`` (the peer's
 engines become remote engines whose route is that stream). And it *dials*
-every live peer pod: for each :class:`~protocol.gateway_effects.Dial` the
+every live peer pod: for each :class:`~protocol.gateway.effects.Dial` the
 core asks for, a :class:`DialStream` opens the call, feeds the core what the
 peer forwards, and reports when the stream ends.
 
@@ -61,8 +61,8 @@ from twisted.logger import Logger
 from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
-from protocol.gateway_core import PEER_ACCEPT_METADATA, DialledPeer
-from protocol.gateway_effects import (
+from protocol.gateway.core import PEER_ACCEPT_METADATA, DialledPeer
+from protocol.gateway.effects import (
     CancelDial,
     CoreEffect,
     Dial,
@@ -102,7 +102,7 @@ class ExchangerConfig:
     ``pod_name`` names this gateway; ``secret``, when set, is required of
     peers as ``authorization: Bearer <secret>`` and presented to them. What
     the core needs (status interval, redial backoff) is in its
-    :class:`~protocol.gateway_effects.CoreConfig`.
+    :class:`~protocol.gateway.effects.CoreConfig`.
     """
 
     pod_name: str
@@ -201,7 +201,7 @@ class _ClosedHere(Exception):
 
 
 class DialStream:
-    """The gRPC call of one :class:`~protocol.gateway_effects.Dial`: what the peer forwards goes
+    """The gRPC call of one :class:`~protocol.gateway.effects.Dial`: what the peer forwards goes
     to the core, and the core hears when the peer accepted the stream and when it ended."""
 
     def __init__(self, exchanger: Exchanger, dial: Dial, channel: GrpcChannel) -> None:

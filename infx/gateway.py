@@ -38,6 +38,7 @@ from infx.gateway_site import DEFAULT_MAX_BODY_SIZE
 from infx.metrics import GatewayMetrics
 from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
+from protocol.gateway.ratelimit import RateLimiter
 from protocol.openai import completions as openai_completions
 from protocol.openai import requests as openai_requests
 from protocol.openai import verbatim as openai_verbatim
@@ -47,7 +48,6 @@ from protocol.openai.errors import (
 from protocol.openai.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
 from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import CriticalityRefused, requested_criticality
-from protocol.ratelimit import RateLimiter
 from protocol.routing import hints as routing_hints
 
 log = Logger()

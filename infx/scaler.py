@@ -378,7 +378,7 @@ class ProcessorLink:
 
     def perform(self, effect: Any) -> None:
         """One of the core's scaler signals."""
-        from protocol.gateway_effects import ModelServed, ReportLoad, TaskReleased
+        from protocol.gateway.effects import ModelServed, ReportLoad, TaskReleased
         from protocol.processor.types import TaskQueued
 
         if isinstance(effect, TaskQueued):

@@ -33,7 +33,7 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
-from protocol.gateway_effects import PEER_LEARNING_SECONDS, CoreConfig
+from protocol.gateway.effects import PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor.core import Processor

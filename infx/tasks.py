@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from protocol.gateway_core import Availability
+from protocol.gateway.core import Availability
 from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import Criticality
 from protocol.routing.hints import RoutingHints

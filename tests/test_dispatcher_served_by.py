@@ -12,7 +12,7 @@ from twisted.internet import task
 from infx.dispatcher import Dispatcher
 from infx.metrics import GatewayMetrics
 from infx.tasks import Submission
-from protocol.gateway_effects import CoreConfig
+from protocol.gateway.effects import CoreConfig
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
 from tests.processor_helpers import chat, engine_status, http

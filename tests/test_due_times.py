@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.due_times import DueTimes
+from protocol.gateway.due_times import DueTimes
 
 
 def test_a_due_time_moved_earlier_later_or_cleared_is_what_counts():

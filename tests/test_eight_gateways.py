@@ -185,7 +185,7 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     assert {o.kind for o in to_victim} <= {"ok", "connection"}, _summary(to_victim)
     assert any(o.kind == "connection" for o in to_victim)
     # The restarted gateway serves every model from the moment it listens: none is refused as
-    # unknown while its peers' first reports are on their way (see LEARNING in protocol/gateway_core.py).
+    # unknown while its peers' first reports are on their way (see LEARNING in protocol/gateway/core.py).
     assert all(o.kind == "ok" for o in to_victim if o.started > ready_at), _summary(to_victim)
     # Exactly one answer per request: each live gateway counted one 200 per request its clients
     # sent (none answered twice, none dropped), and no task is left anywhere.

@@ -17,7 +17,7 @@ from infx.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
 from infx.service import GatewayService
 from protocol.backoff import Backoff
-from protocol.gateway_core import DialState
+from protocol.gateway.core import DialState
 from protocol.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.processor.types import Locality
 from tests.scaler_fakes import InMemoryServiceQuery
@@ -258,7 +258,7 @@ def clocked_exchanger(connect: Callable[[PeerAddress], Any], backoff: Backoff, s
 
     from infx.dispatcher import Dispatcher
     from infx.metrics import GatewayMetrics
-    from protocol.gateway_effects import CoreConfig
+    from protocol.gateway.effects import CoreConfig
     from protocol.processor.core import Processor
 
     clock = task.Clock()

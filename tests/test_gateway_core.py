@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from protocol.backoff import Backoff
-from protocol.gateway_core import PEER_ACCEPT_METADATA, Availability, DialState, GatewayCore
-from protocol.gateway_effects import (
+from protocol.gateway.core import PEER_ACCEPT_METADATA, Availability, DialState, GatewayCore
+from protocol.gateway.effects import (
     CancelDial,
     CoreConfig,
     Dial,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from protocol.exchange.receiver import ReceiverState
 from protocol.exchange.status_reports import LocalStatuses
-from protocol.gateway_core import GatewayCore
-from protocol.gateway_effects import OpenDial, SendOnDial
+from protocol.gateway.core import GatewayCore
+from protocol.gateway.effects import OpenDial, SendOnDial
 from protocol.processor.types import Locality
 from protocol.routing.hints import RoutingHints
 from tests.processor_helpers import chat, engine_status, one, only

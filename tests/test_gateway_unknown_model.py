@@ -23,7 +23,7 @@ from infx.gateway import Gateway, build_resource
 from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
-from protocol.gateway_effects import CoreConfig
+from protocol.gateway.effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError
 from protocol.processor.core import Processor
 from protocol.processor.types import ProcessorConfig

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.ratelimit import RateLimit, RateLimiter, TokenBucket
+from protocol.gateway.ratelimit import RateLimit, RateLimiter, TokenBucket
 
 
 def test_burst_is_allowed_then_refused_with_retry_after():

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from protocol.gateway_core import GatewayCore
-from protocol.gateway_effects import SendOnDial
+from protocol.gateway.core import GatewayCore
+from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.types import EnginesRemoved
@@ -153,7 +153,7 @@ def test_a_deadline_that_never_fires_is_reported(monkeypatch):
     assert "still in flight" in result.violation.detail
 
 
-# --- bugs planted in the production glue (protocol/gateway_core.py), which the sim drives ---------
+# --- bugs planted in the production glue (protocol/gateway/core.py), which the sim drives ---------
 
 
 def test_a_forwarded_result_relayed_twice_by_the_core_is_caught(monkeypatch):

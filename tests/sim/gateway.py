@@ -1,7 +1,7 @@
 """A simulated gateway: the production gateway core behind the real gRPC machines, on simulated links.
 
 Rules this file keeps: no decisions. Every one is the production
-:class:`~protocol.gateway_core.GatewayCore`'s (which owns the processor, the
+:class:`~protocol.gateway.core.GatewayCore`'s (which owns the processor, the
 peer senders and receivers); this file maps gRPC events on the links to the
 core's inputs and performs the I/O effects it returns, in order, the way
 ``infx/dispatcher.py``, ``infx/workers.py`` and ``infx/exchanger.py`` do on a
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
-from protocol.gateway_core import PEER_ACCEPT_METADATA, GatewayCore
-from protocol.gateway_effects import (
+from protocol.gateway.core import PEER_ACCEPT_METADATA, GatewayCore
+from protocol.gateway.effects import (
     PEER_LEARNING_SECONDS,
     CancelDial,
     CoreConfig,
@@ -203,7 +203,7 @@ class PeerSenderStream:
 
 class PeerDial:
     """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchanger.DialStream``),
-    for whichever :class:`~protocol.gateway_effects.Dial` the core has current."""
+    for whichever :class:`~protocol.gateway.effects.Dial` the core has current."""
 
     def __init__(self, gateway: Gateway, peer: str) -> None:
         self.gateway = gateway

@@ -5,7 +5,7 @@ argument, never defaulted), no randomness but the ``random.Random`` passed in.
 Every decision that joins the pure machines lives here, so the Twisted
 adapters (``infx/dispatcher.py``, ``infx/workers.py``, ``infx/exchanger.py``)
 and the simulation (``tests/sim/``) drive this same object and only perform
-what it returns: I/O effects (:mod:`protocol.gateway_effects`, plus the
+what it returns: I/O effects (:mod:`protocol.gateway.effects`, plus the
 processor's own ``SendTask``/``CancelTaskOnEngine``/``CloseEngine``/
 ``CloseRoute``/``DeliverResult``/``FailRequest``/``TaskQueued``), in order.
 It wakes through ``next_deadline()`` / ``handle_timeout(now)``.
@@ -56,11 +56,11 @@ import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from protocol.due_times import DueTimes
 from protocol.exchange.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
 from protocol.exchange.sender import Sender
 from protocol.exchange.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
-from protocol.gateway_effects import (
+from protocol.gateway.due_times import DueTimes
+from protocol.gateway.effects import (
     CancelDial,
     CoreConfig,
     CoreEffect,

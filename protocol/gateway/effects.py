@@ -1,4 +1,4 @@
-"""What the gateway core (:mod:`protocol.gateway_core`) asks its adapters to do, and its configuration.
+"""What the gateway core (:mod:`protocol.gateway.core`) asks its adapters to do, and its configuration.
 
 No I/O: every class here is a frozen value. The core returns these, together
 with the processor's own I/O effects that it passes through unchanged
