@@ -1,4 +1,4 @@
-"""The engine agent on Twisted: performs the effects of :class:`protocol.engine_agent.EngineAgentCore`.
+"""The engine agent on Twisted: performs the effects of :class:`protocol.agent.core.EngineAgentCore`.
 
 Rules this file keeps: no bookkeeping of its own beyond handles (which call
 object is stream 3, which runtime handle is task "t-1"); every decision
@@ -33,7 +33,7 @@ from twisted.python.failure import Failure
 from infx.deadline import DeadlineTimer
 from infx.runtimes import Runtime, RunningTask, _error_result
 from infx.transport import ClientCall, GrpcChannel
-from protocol.engine_agent import (
+from protocol.agent.core import (
     AbortTask,
     AgentState,
     CloseStream,
@@ -46,10 +46,10 @@ from protocol.engine_agent import (
     StartTask,
     Stopped,
 )
+from protocol.agent.runtime_load import RuntimeLoad
 from protocol.openai.errors import UpstreamError
 from protocol.pb import worker_pb2
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
-from protocol.runtime_load import RuntimeLoad
 
 __all__ = ["PROCESS_TASKS", "EngineAgent"]
 

@@ -29,9 +29,9 @@ from twisted.internet.defer import Deferred
 from twisted.python import usage
 
 from infx.cli import VersionOption, one_line_errors
-from protocol.echo import EchoConfig
-from protocol.engine_agent import AgentConfig, AgentUsageError
-from protocol.runtime_load import LoadConfig, LoadUsageError
+from protocol.agent.core import AgentConfig, AgentUsageError
+from protocol.agent.echo import EchoConfig
+from protocol.agent.runtime_load import LoadConfig, LoadUsageError
 
 MiB = 1024 * 1024
 
@@ -206,16 +206,16 @@ def makeService(options: Options) -> IService:
     from twisted.web.client import Agent, HTTPConnectionPool
 
     from infx.engine import EngineAgent
-    from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
-    from infx.runtime_watch import RuntimeWatch, check_pool
     from infx.runtime_load_watch import RuntimeLoadWatch, scrape_pool
+    from infx.runtime_watch import RuntimeWatch, check_pool
+    from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime, runtime_agent
     from infx.transport import GrpcChannel, client_endpoint
     from infx.upstream_key import UpstreamKey
-    from protocol.engine_agent import EngineAgentCore
+    from protocol.agent.core import EngineAgentCore
+    from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
+    from protocol.agent.runtime_load import RuntimeLoadMonitor
     from protocol.grpc import GrpcConfig
-    from protocol.runtime_health import HealthConfig, RuntimeHealth
-    from protocol.runtime_load import RuntimeLoadMonitor
 
     top = MultiService()
     runtime: Runtime

@@ -1,10 +1,10 @@
-"""The runtime's load on Twisted: performs :class:`protocol.runtime_load.RuntimeLoadMonitor`'s effects.
+"""The runtime's load on Twisted: performs :class:`protocol.agent.runtime_load.RuntimeLoadMonitor`'s effects.
 
 Every decision (when, which paths, what a body means, when a change is worth
 telling the gateway) is the pure monitor's; this service GETs the paths on
 the ``openai`` runtime's server (with the runtime's credentials, through
 ``authorize``), hands the answers back, arms one timer from
-``next_deadline()``, and passes each :class:`~protocol.runtime_load.LoadChanged`
+``next_deadline()``, and passes each :class:`~protocol.agent.runtime_load.LoadChanged`
 to ``changed``. Scrapes use a pool of their own, so that they never wait
 behind busy task connections, and quiet, so that a scrape a second does not
 log a connection factory's start and stop each time.
@@ -25,7 +25,7 @@ from twisted.web.iweb import IAgent, IResponse
 
 from infx.deadline import DeadlineTimer
 from infx.side_http import CappedBody, quiet_pool
-from protocol.runtime_load import (
+from protocol.agent.runtime_load import (
     LoadChanged,
     LoadEffect,
     RuntimeLoad,
@@ -33,7 +33,7 @@ from protocol.runtime_load import (
     ScrapeAnswer,
     ScrapeRuntime,
 )
-from protocol.runtime_metrics import MAX_BODY
+from protocol.agent.runtime_metrics import MAX_BODY
 
 __all__ = ["RuntimeLoadWatch", "scrape_pool"]
 

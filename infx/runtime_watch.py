@@ -1,4 +1,4 @@
-"""The runtime's health check on Twisted: performs :class:`protocol.runtime_health.RuntimeHealth`'s effects.
+"""The runtime's health check on Twisted: performs :class:`protocol.agent.runtime_health.RuntimeHealth`'s effects.
 
 Every decision (when, which path, what an answer means) is the pure
 machine's; this service GETs the path on the ``openai`` runtime's server
@@ -22,9 +22,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
 from infx.deadline import DeadlineTimer
-from infx.side_http import CappedBody, quiet_pool
 from infx.runtimes import OpenAIRuntime
-from protocol.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
+from infx.side_http import CappedBody, quiet_pool
+from protocol.agent.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
 
 __all__ = ["MAX_CHECK_BODY", "RuntimeWatch", "check_pool"]
 

@@ -47,7 +47,7 @@ from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResp
 from zope.interface import implementer
 
 from infx.upstream_key import UpstreamKey
-from protocol.echo import EchoConfig, echo_task
+from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
 from protocol.openai.runtime import RuntimeRequest, runtime_request
 from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
@@ -153,7 +153,7 @@ class _EchoTask:
             self._arm()
 
     def _send(self, result: worker_pb2.TaskResult) -> None:
-        # protocol.echo marks "data: [DONE]" itself as the last event; LLMariner's
+        # protocol.agent.echo marks "data: [DONE]" itself as the last event; LLMariner's
         # engines (and the openai runtime here) relay [DONE] as an ordinary event
         # and end with an empty last event, so the echo runtime does the same.
         event = result.server_sent_event
@@ -171,7 +171,7 @@ class _EchoTask:
 
 
 class EchoRuntime:
-    """The built-in deterministic runtime (see :mod:`protocol.echo`), timed by ``clock``."""
+    """The built-in deterministic runtime (see :mod:`protocol.agent.echo`), timed by ``clock``."""
 
     def __init__(self, clock: IReactorTime, config: EchoConfig = EchoConfig()) -> None:
         self._clock = clock

@@ -225,8 +225,8 @@ class GatewayService(service.MultiService):
         from infx.engine import EngineAgent
         from infx.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
-        from protocol.echo import EchoConfig
-        from protocol.engine_agent import AgentConfig, EngineAgentCore
+        from protocol.agent.core import AgentConfig, EngineAgentCore
+        from protocol.agent.echo import EchoConfig
 
         key = secrets.token_urlsafe(24)
         if self.keys.enabled:

@@ -12,7 +12,7 @@ from twisted.internet import threads
 
 from infx.auth import KeyFileError, KeyStore
 from infx.config import ConfigError, build_config
-from protocol.echo import echo_task
+from protocol.agent.echo import echo_task
 from protocol.processor.core import ProcessorConfig
 from protocol.processor.fair_queue import Criticality, CriticalityRefused, requested_criticality
 from tests.test_gateway import gateway_factory, raw  # noqa: F401 (gateway_factory is a fixture)

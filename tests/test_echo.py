@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from protocol.echo import EchoConfig, echo_task
+from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.completions import text_completion_event_data
 from protocol.openai.errors import LocalUsageError
 from protocol.openai.requests import (

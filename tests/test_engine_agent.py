@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.engine_agent import (
+from protocol.agent.core import (
     AbortTask,
     AgentConfig,
     AgentState,

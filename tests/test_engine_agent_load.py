@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from protocol.engine_agent import AgentConfig, EngineAgentCore, SendStatus
+from protocol.agent.core import AgentConfig, EngineAgentCore, SendStatus
+from protocol.agent.runtime_load import RuntimeLoad
 from protocol.pb import status_pb2
-from protocol.runtime_load import RuntimeLoad
 
 
 def running_agent() -> EngineAgentCore:

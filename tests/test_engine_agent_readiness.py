@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.engine_agent import AgentConfig, AgentUsageError, EngineAgentCore, SendStatus
+from protocol.agent.core import AgentConfig, AgentUsageError, EngineAgentCore, SendStatus
 
 
 def config(**overrides: object) -> AgentConfig:

@@ -17,8 +17,8 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from infx.engine import PROCESS_TASKS, EngineAgent
 from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, client_endpoint, listen_grpc
-from protocol.echo import EchoConfig
-from protocol.engine_agent import AgentConfig, EngineAgentCore
+from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.echo import EchoConfig
 from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
 
 TIMEOUT = 10.0

@@ -15,7 +15,7 @@ from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from infx.runtimes import EchoRuntime, OpenAIRuntime, upstream_root
-from protocol.echo import EchoConfig
+from protocol.agent.echo import EchoConfig
 from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, worker_pb2
 
 
@@ -473,7 +473,7 @@ def test_openai_sends_a_verbatim_multipart_body_with_the_clients_content_type(fa
 
 def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
     from infx.runtimes import CAPABILITIES
-    from protocol.engine_agent import AgentConfig, EngineAgentCore
+    from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 
     core = EngineAgentCore(AgentConfig(engine_id="e", models=("m",), capabilities=CAPABILITIES))

@@ -80,8 +80,8 @@ def team_engine(gateway: GatewayService, token_delay: float) -> Any:
     from infx.engine import EngineAgent
     from infx.runtimes import EchoRuntime
     from infx.transport import GrpcChannel, client_endpoint
-    from protocol.echo import EchoConfig
-    from protocol.engine_agent import AgentConfig, EngineAgentCore
+    from protocol.agent.core import AgentConfig, EngineAgentCore
+    from protocol.agent.echo import EchoConfig
 
     worker = gateway.worker_grpc.port.getHost().port
     engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="e-team", models=("m",))),

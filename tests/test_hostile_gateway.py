@@ -4,7 +4,7 @@ The stack is the real one (twisted.web site, :class:`~infx.gateway.Gateway`,
 :class:`~infx.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
 on a :class:`~twisted.internet.task.Clock`, with HTTP over a StringTransport
 and an in-memory engine route that answers tasks with the real echo runtime
-core (:func:`protocol.echo.echo_task`), or with whatever a test makes it send.
+core (:func:`protocol.agent.echo.echo_task`), or with whatever a test makes it send.
 
 Every hostile input must end in a complete HTTP response: 2xx, or a 4xx/5xx
 with an OpenAI error body (``{"error": {"message": ...}}``); never an
@@ -32,7 +32,7 @@ from infx.dispatcher import Dispatcher, SendOutcome
 from infx.gateway import Gateway, build_resource
 from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
-from protocol.echo import EchoConfig, echo_task
+from protocol.agent.echo import EchoConfig, echo_task
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Locality, Processor, ProcessorConfig
 from tools.fuzz.drivers import HypothesisSource, RandomSource, Source, json_body

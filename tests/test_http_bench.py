@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from protocol.echo import EchoConfig, echo_task
+from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.requests import parse_chat_completion
 from protocol.pb import worker_pb2
 

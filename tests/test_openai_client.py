@@ -14,7 +14,7 @@ try:  # the openai client's HTTP library: httpx2 from openai 3, httpx before
 except ImportError:  # pragma: no cover
     import httpx
 
-from protocol.echo import EchoConfig, echo_task
+from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.completions import text_completion_body, text_completion_event_data
 from protocol.openai.errors import OpenAIError
 from protocol.openai.requests import parse_chat_completion, parse_completion, parse_embedding

@@ -115,7 +115,7 @@ def test_protocol_package_imports_only_pure_modules_and_uses_no_clock_or_os_rand
 
 def test_the_check_reads_every_protocol_module():
     names = {path.relative_to(ROOT / "protocol").as_posix() for path in _protocol_sources()}
-    assert {"grpc/connection.py", "processor/core.py", "engine_agent.py", "openai/sse.py"} <= names
+    assert {"grpc/connection.py", "processor/core.py", "agent/core.py", "openai/sse.py"} <= names
     assert not any("pb" in path.parts[-2:-1] for path in _protocol_sources())
 
 

@@ -13,8 +13,8 @@ from twisted.logger import formatEvent, globalLogPublisher
 from infx.engine import PROCESS_TASKS, EngineAgent
 from infx.runtimes import EchoRuntime
 from infx.transport import CallKind, GrpcChannel, GrpcError, GrpcServer, ServerCall, client_endpoint, listen_grpc
-from protocol.echo import EchoConfig
-from protocol.engine_agent import AgentConfig, EngineAgentCore
+from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.echo import EchoConfig
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
 

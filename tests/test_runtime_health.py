@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.runtime_health import (
+from protocol.agent.runtime_health import (
     CheckRuntime,
     HealthConfig,
     HealthState,

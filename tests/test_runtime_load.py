@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from protocol.runtime_load import (
+from protocol.agent.runtime_load import (
     LoadChanged,
     LoadConfig,
     LoadSource,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocol.runtime_load import RuntimeLoad
-from protocol.runtime_metrics import (
+from protocol.agent.runtime_load import RuntimeLoad
+from protocol.agent.runtime_metrics import (
     WANTED,
     MetricsFormatError,
     SlotTask,

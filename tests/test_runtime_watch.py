@@ -20,7 +20,7 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from infx.runtime_watch import RuntimeWatch
 from infx.runtimes import OpenAIRuntime
 from infx.upstream_key import UpstreamKey, UpstreamKeyError, read_key_file
-from protocol.runtime_health import HealthConfig, RuntimeHealth
+from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
 from tests.test_engine_runtimes import Sink
 from tests.test_engine_runtimes import chat_task as _chat_task
 

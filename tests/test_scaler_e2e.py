@@ -20,8 +20,8 @@ from infx.runtimes import EchoRuntime
 from infx.service import GatewayService
 from infx.tap import Options
 from infx.transport import GrpcChannel, client_endpoint
-from protocol.echo import EchoConfig
-from protocol.engine_agent import AgentConfig, EngineAgentCore
+from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.echo import EchoConfig
 from protocol.grpc import GrpcConfig
 from tests.kubeapi import EVENTS, FakeKubeAPI, write_kubeconfig
 

@@ -1,4 +1,4 @@
-"""A simulated engine: the real :class:`~protocol.engine_agent.EngineAgentCore` with a scripted runtime.
+"""A simulated engine: the real :class:`~protocol.agent.core.EngineAgentCore` with a scripted runtime.
 
 Rules this file keeps: the core decides everything; this file performs its
 effects in order the way ``infx/engine.py`` does (one gRPC connection per
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
-from protocol.engine_agent import (
+from protocol.agent.core import (
     AbortTask,
     AgentConfig,
     AgentState,

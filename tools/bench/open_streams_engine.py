@@ -269,7 +269,7 @@ class LeanEngine:
         self._read(call)
 
     def _task(self, task: worker_pb2.Task) -> None:
-        from protocol.engine_agent import control_response
+        from protocol.agent.core import control_response
 
         kind = task.request.WhichOneof("request")
         if kind in ("heartbeat", "go_away"):
@@ -326,7 +326,7 @@ def main(argv: list[str]) -> int:
 
     from infx.engine import EngineAgent
     from infx.transport import GrpcChannel, client_endpoint
-    from protocol.engine_agent import AgentConfig, EngineAgentCore
+    from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.grpc import GrpcConfig
     from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 

@@ -38,13 +38,13 @@ client's response. Either way the runtime stops working for nobody. Results of a
 runtime may still be unwinding after an abort.
 
 Models are ready while the runtime is (``runtime_changed``, from the health
-check of :mod:`protocol.runtime_health`): with ``wait_for_runtime`` they are
+check of :mod:`protocol.agent.runtime_health`): with ``wait_for_runtime`` they are
 reported not ready until the runtime first answers, and again whenever it
 stops answering, so that the gateway holds their requests in its queue
 instead of sending them here. With no ``models`` configured, the models are
 those the runtime lists. Readiness changes are reported at once.
 The runtime's own load (``runtime_load_changed``, from the monitor of
-:mod:`protocol.runtime_load`, which already coalesces it) goes out with every
+:mod:`protocol.agent.runtime_load`, which already coalesces it) goes out with every
 model's status as ``runtime_load``; with none, the field is absent and the
 gateway routes by in-progress counts alone.
 

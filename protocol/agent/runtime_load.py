@@ -6,7 +6,7 @@ dataclasses; ``next_deadline()`` says when to call ``handle_timeout(now)``. The 
 :class:`ScrapeRuntime` (HTTP GETs of its paths on the runtime, with the
 runtime's credentials) and reports the answers with its ``scrape_id``; the
 answers to a scrape that was abandoned (it timed out) are ignored. Parsing is
-:mod:`protocol.runtime_metrics`'.
+:mod:`protocol.agent.runtime_metrics`'.
 
 Which paths (``LoadSource``)::
 
@@ -42,14 +42,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from protocol.errors import LocalUsageError
-from protocol.pb import status_pb2
-from protocol.runtime_metrics import (
+from protocol.agent.runtime_metrics import (
     LoadReading,
     MetricsFormatError,
     reading_from_metrics,
     reading_from_slots,
 )
+from protocol.errors import LocalUsageError
+from protocol.pb import status_pb2
 
 __all__ = [
     "LoadChanged", "LoadConfig", "LoadEffect", "LoadSource", "LoadUsageError", "RuntimeLoad",
