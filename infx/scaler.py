@@ -1,10 +1,10 @@
-"""The scaler on Twisted: performs :mod:`protocol.scaling`'s decisions against Kubernetes.
+"""The scaler on Twisted: performs :mod:`protocol.scaling.scaler`'s decisions against Kubernetes.
 
 Scale engine deployments from zero when a request arrives (without losing
 it), autoscale them from load measured in this process and reported by the
 other gateways (started requests in the exchanger's status reports, tasks in
 progress in the engines'), and take them to zero when idle. Every decision
-is made by the pure :class:`protocol.scaling.Scaler`; :class:`InferenceScaler`
+is made by the pure :class:`protocol.scaling.scaler.Scaler`; :class:`InferenceScaler`
 owns its one timer (the machine's deadline, autoscaler ticks included, on an
 injected clock), performs its scale writes and Events and keeps its metrics.
 A held request ends available, or with a 503 and ``Retry-After``; never with
@@ -41,7 +41,7 @@ from infx.scaler_kube import (
 )
 from infx.scaler_lease import LeaseElector
 from infx.scaler_watch import ScalerWatches
-from protocol.scaling import (
+from protocol.scaling.scaler import (
     ColdStartFinished,
     DeploymentKey,
     Effect,

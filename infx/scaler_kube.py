@@ -3,7 +3,7 @@
 Each blocking call of the official client runs in the reactor's thread pool
 and comes back as a Deferred; API errors are mapped to :class:`ScaleConflict`
 (409: re-read and decide again) and :class:`KubernetesAPIError`. No decision
-is made here: :mod:`protocol.scaling` decides, :mod:`infx.scaler` performs.
+is made here: :mod:`protocol.scaling.scaler` decides, :mod:`infx.scaler` performs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any, Protocol, TypeVar
 from twisted.internet import defer, threads
 from twisted.internet.interfaces import IReactorTime
 
-from protocol.scaling import PostEvent
-from protocol.scaling_lease import micro_time
+from protocol.scaling.lease import micro_time
+from protocol.scaling.scaler import PostEvent
 
 __all__ = [
     "EventRecorder", "KubernetesAPIError", "KubernetesEvents", "KubernetesLease", "KubernetesServiceQuery",

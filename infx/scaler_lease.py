@@ -1,7 +1,7 @@
 """Leader election for the scaler's autoscaler: one Lease, acquired or renewed on a schedule.
 
-The decisions are :mod:`protocol.scaling_lease`'s (``decide_lease``,
-``release_lease``, and :class:`~protocol.scaling_lease.RenewSchedule` for
+The decisions are :mod:`protocol.scaling.lease`'s (``decide_lease``,
+``release_lease``, and :class:`~protocol.scaling.lease.RenewSchedule` for
 when the next round is due); this module performs them against a
 :class:`~infx.scaler_kube.LeaseStore` and keeps one timer at the schedule's
 deadline on the injected clock.
@@ -18,7 +18,7 @@ from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
 from infx.scaler_kube import LeaseStore, ScaleConflict
-from protocol.scaling_lease import RenewSchedule, RoundDue, decide_lease, release_lease
+from protocol.scaling.lease import RenewSchedule, RoundDue, decide_lease, release_lease
 
 __all__ = ["LeaseElector"]
 

@@ -18,7 +18,7 @@ from twisted.internet import defer
 from infx.kube import InformerConfig, KubeInformer, ThreadingClock
 from protocol.backoff import Backoff
 from protocol.informer import WATCH_BACKOFF, Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
-from protocol.scaling import SCALABLE_LABEL
+from protocol.scaling.scaler import SCALABLE_LABEL
 
 __all__ = ["ScalerWatches", "kube_object", "object_key", "object_version"]
 

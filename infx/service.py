@@ -38,7 +38,7 @@ from protocol.grpc import GrpcConfig
 from protocol.peers import PeerAddress, PeerChange
 from protocol.processor.core import Processor
 from protocol.processor.types import ProcessorConfig
-from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
+from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
 

@@ -14,7 +14,7 @@ from typing import Any
 from twisted.internet import defer
 
 from infx.scaler_kube import KubernetesAPIError, ScaleConflict, ScaleRecord
-from protocol.scaling import DeploymentKey, PostEvent
+from protocol.scaling.scaler import DeploymentKey, PostEvent
 
 
 class InMemoryServiceQuery:

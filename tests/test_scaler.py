@@ -11,7 +11,7 @@ from twisted.internet import defer, task
 from infx.scaler import InferenceScaler
 from infx.scaler_kube import ScaleConflict
 from infx.scaler_lease import LeaseElector
-from protocol.scaling import (
+from protocol.scaling.scaler import (
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,

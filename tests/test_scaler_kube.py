@@ -18,7 +18,7 @@ from twisted.internet import defer, reactor, task
 from infx.scaler import InferenceScaler, kubernetes_scaler
 from infx.scaler_kube import KubernetesEvents, KubernetesLease, KubernetesServiceQuery, ScaleConflict
 from infx.scaler_lease import LeaseElector
-from protocol.scaling import (
+from protocol.scaling.scaler import (
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,
     SCALABLE_LABEL,

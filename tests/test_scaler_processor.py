@@ -23,7 +23,7 @@ from infx.tasks import Availability
 from infx.tasks import Submission
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
-from protocol.scaling import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
+from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
 from tests.kubeapi import EVENTS, FakeKubeAPI
 from tests.processor_helpers import chat, engine_status, http
 from tests.scaler_fakes import InMemoryServiceQuery

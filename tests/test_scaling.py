@@ -5,7 +5,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling import (
+from protocol.scaling.scaler import (
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,

@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling import (
+from protocol.scaling.scaler import (
     DEFAULT_MAX_REPLICAS,
     DEFAULT_MIN_REPLICAS,
     DEFAULT_SCALING_FACTOR,

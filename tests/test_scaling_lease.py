@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.scaling_lease import (
+from protocol.scaling.lease import (
     RenewSchedule,
     RoundDue,
     decide_lease,

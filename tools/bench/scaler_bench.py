@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from twisted.internet import defer, task  # noqa: E402
 
 from infx.scaler import InferenceScaler  # noqa: E402
-from tests.scaler_fakes import InMemoryServiceQuery  # noqa: E402
-from protocol.scaling import (  # noqa: E402
+from protocol.scaling.scaler import (  # noqa: E402
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,
@@ -33,6 +32,7 @@ from protocol.scaling import (  # noqa: E402
     ScaleWrite,
     deployment_snapshot,
 )
+from tests.scaler_fakes import InMemoryServiceQuery  # noqa: E402
 
 
 def deployment(i: int, replicas: int) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """The autoscaler's arithmetic: load per model, and one deployment's desired replicas per tick.
 
 Rules this file keeps: no I/O, no clock reads (``now`` comes in, last); no
-effects: :class:`protocol.scaling.Scaler` turns a changed desired count into
-a :class:`~protocol.scaling_types.ScaleWrite`. Load is started requests per
+effects: :class:`protocol.scaling.scaler.Scaler` turns a changed desired count into
+a :class:`~protocol.scaling.types.ScaleWrite`. Load is started requests per
 second (``rps``) or in-flight plus held (``capacity``), averaged over a
 stable and a panic window; a burst (panic) only scales up; scale-down waits
 out its window, takes the highest recommendation seen in it, and halves at
@@ -15,8 +15,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from protocol.scaling_labels import ScalingSettings
-from protocol.scaling_types import ScalerConfig, ScaleWrite
+from protocol.scaling.labels import ScalingSettings
+from protocol.scaling.types import ScalerConfig, ScaleWrite
 
 __all__ = ["Autoscale", "Load"]
 

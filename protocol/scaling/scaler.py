@@ -36,10 +36,10 @@ What it decides, and how it improves on OpenModelZ:
   rewritten; a new deployment generation lifts the block.
 
 :class:`Scaler` composes three sub-machines, each with a record and a file of
-its own per deployment: :class:`~protocol.scaling_coldstart.ColdStart`,
-:class:`~protocol.scaling_crash.CrashGuard` and
-:class:`~protocol.scaling_autoscale.Autoscale`. Its vocabulary (effects,
-errors, config) is :mod:`protocol.scaling_types`, re-exported here.
+its own per deployment: :class:`~protocol.scaling.coldstart.ColdStart`,
+:class:`~protocol.scaling.crash.CrashGuard` and
+:class:`~protocol.scaling.autoscale.Autoscale`. Its vocabulary (effects,
+errors, config) is :mod:`protocol.scaling.types`, re-exported here.
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ import math
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from protocol.scaling_autoscale import Autoscale, Load
-from protocol.scaling_coldstart import ColdStart, ColdStartPhase, Hold, cold_start_target
-from protocol.scaling_crash import CrashGuard, PodCrashes, selects
+from protocol.scaling.autoscale import Autoscale, Load
+from protocol.scaling.coldstart import ColdStart, ColdStartPhase, Hold, cold_start_target
+from protocol.scaling.crash import CrashGuard, PodCrashes, selects
 
-from protocol.scaling_labels import (
+from protocol.scaling.labels import (
     CRASH_WAITING_REASONS,
     DEFAULT_MAX_REPLICAS,
     DEFAULT_MIN_REPLICAS,
@@ -85,7 +85,7 @@ from protocol.scaling_labels import (
     parse_scaling_labels,
     pod_crash_reason,
 )
-from protocol.scaling_types import (
+from protocol.scaling.types import (
     ColdStartFinished,
     Effect,
     FailHeld,

@@ -2,9 +2,9 @@
 
 Rules this file keeps: every effect is a frozen dataclass the Twisted layer
 performs; :class:`ScalingLocalError` is the caller's misuse (the cluster's
-misbehaviour is :class:`~protocol.scaling_labels.ScalingRemoteError`); an
+misbehaviour is :class:`~protocol.scaling.labels.ScalingRemoteError`); an
 error answered to a client carries its HTTP status, message and
-``Retry-After``. Shared by :mod:`protocol.scaling` and its sub-machines.
+``Retry-After``. Shared by :mod:`protocol.scaling.scaler` and its sub-machines.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Union
 
 from protocol.errors import LocalUsageError
 from protocol.openai.errors import error_body
-from protocol.scaling_labels import DeploymentKey
+from protocol.scaling.labels import DeploymentKey
 
 __all__ = [
     "ColdStartFinished", "Effect", "FailHeld", "HoldResolved", "PostEvent", "ScaleError", "ScaleReason",

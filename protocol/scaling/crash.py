@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from protocol.scaling_labels import DeploymentKey, DeploymentSnapshot
+from protocol.scaling.labels import DeploymentKey, DeploymentSnapshot
 
 __all__ = ["CrashGuard", "PodCrashes", "selects"]
 

@@ -2,9 +2,9 @@
 
 Rules this file keeps: no I/O, no clock reads (``now`` comes in, last); the
 phase moves only along :data:`PHASE_TRANSITIONS` (anything else is
-:class:`~protocol.scaling_types.ScalingLocalError`). The first held request
-begins one cold start and one :class:`~protocol.scaling_types.ScaleWrite`;
-every further request joins it. :class:`protocol.scaling.Scaler` decides
+:class:`~protocol.scaling.types.ScalingLocalError`). The first held request
+begins one cold start and one :class:`~protocol.scaling.types.ScaleWrite`;
+every further request joins it. :class:`protocol.scaling.scaler.Scaler` decides
 when; this record keeps what a cold start is, so no other part of the
 scaler touches its fields.
 """
@@ -16,8 +16,8 @@ import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from protocol.scaling_labels import DeploymentKey, ScalingSettings
-from protocol.scaling_types import ScaleReason, ScaleWrite, ScalingLocalError
+from protocol.scaling.labels import DeploymentKey, ScalingSettings
+from protocol.scaling.types import ScaleReason, ScaleWrite, ScalingLocalError
 
 __all__ = ["ColdStart", "ColdStartPhase", "Hold", "PHASE_TRANSITIONS", "cold_start_target"]
 
