@@ -61,6 +61,7 @@ from twisted.logger import Logger
 from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
+from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.core import PEER_ACCEPT_METADATA, DialledPeer
 from protocol.gateway.effects import (
     CancelDial,
@@ -79,7 +80,6 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.peers import PeerAddress, PeerChange
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 
 __all__ = [

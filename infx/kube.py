@@ -1,6 +1,6 @@
 """The Kubernetes informer's one adapter, and peer discovery on it (pods watched, or a static list).
 
-The Twisted side of :mod:`protocol.informer` and :mod:`protocol.peers`.
+The Twisted side of :mod:`protocol.discovery.informer` and :mod:`protocol.discovery.peers`.
 :class:`KubeInformer` is the one adapter of the pure list-then-watch machine
 (peer discovery and the scaler both use it): the official ``kubernetes``
 client blocks, so each of its requests runs in the informer's own one-thread
@@ -34,7 +34,7 @@ from twisted.python.threadpool import ThreadPool
 from infx.config import ConfigError
 from infx.deadline import DeadlineTimer
 from protocol.backoff import Backoff
-from protocol.informer import (
+from protocol.discovery.informer import (
     WATCH_BACKOFF,
     CacheEvent,
     Effect,
@@ -48,7 +48,7 @@ from protocol.informer import (
     object_mapping,
     parse_watch_event,
 )
-from protocol.peers import (
+from protocol.discovery.peers import (
     PeerAdded,
     PeerAddress,
     PeerChange,
@@ -207,12 +207,12 @@ def _one_line(error: BaseException) -> str:
 
 
 class KubeInformer(Generic[T]):
-    """Drives one :class:`~protocol.informer.Informer` against the API server with the official client.
+    """Drives one :class:`~protocol.discovery.informer.Informer` against the API server with the official client.
 
     ``list_call`` is a ``list_namespaced_*`` method of a client API object
     (``CoreV1Api.list_namespaced_pod``, ``AppsV1Api.list_namespaced_deployment``);
     ``decode`` reads one object of the collection as JSON (raising
-    :class:`~protocol.informer.MalformedWatchObject` on garbage). The
+    :class:`~protocol.discovery.informer.MalformedWatchObject` on garbage). The
     blocking calls run in this informer's own one-thread pool (never the
     reactor's shared pool, which a long watch would starve); watch events come
     back with ``callFromThread``, and ``on_events`` gets the cache's changes on
@@ -420,7 +420,7 @@ class PodWatcher:
     """Keeps ``on_change`` told of the live peer pods: a pod :class:`KubeInformer` and a :class:`PeerSet`.
 
     ``api`` is a ``kubernetes.client.CoreV1Api``. ``on_change`` runs on the
-    reactor thread, once per :data:`~protocol.peers.PeerChange`; after
+    reactor thread, once per :data:`~protocol.discovery.peers.PeerChange`; after
     :meth:`stop` it is never called again. ``rng`` jitters the backoff.
     """
 

@@ -1,7 +1,7 @@
 """What the scaler watches: scalable deployments and the pods of a namespace, through two informers.
 
 Each is an :class:`infx.kube.KubeInformer` (the one adapter of
-:class:`protocol.informer.Informer`) over raw JSON objects; their cache
+:class:`protocol.discovery.informer.Informer`) over raw JSON objects; their cache
 changes become :class:`~infx.scaler.InferenceScaler` observations: a
 deployment added or modified is observed, one deleted is forgotten, and every
 pod change rechecks the crash loops of the deployments that select it.
@@ -17,7 +17,7 @@ from twisted.internet import defer
 
 from infx.kube import InformerConfig, KubeInformer, ThreadingClock
 from protocol.backoff import Backoff
-from protocol.informer import WATCH_BACKOFF, Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
+from protocol.discovery.informer import WATCH_BACKOFF, Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 from protocol.scaling.scaler import SCALABLE_LABEL
 
 __all__ = ["ScalerWatches", "kube_object", "object_key", "object_version"]

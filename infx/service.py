@@ -33,9 +33,9 @@ from infx.gateway_site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService
+from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.effects import PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
-from protocol.peers import PeerAddress, PeerChange
 from protocol.processor.core import Processor
 from protocol.processor.types import ProcessorConfig
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig

@@ -228,7 +228,7 @@ def test_three_gateways_with_kube_keep_one_receiver_per_live_peer_through_churn_
     over real HTTP with the official client."""
     from infx.service import GatewayService
     from infx.tap import Options
-    from protocol.peers import PeerAddress
+    from protocol.discovery.peers import PeerAddress
     from tests.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
 
     api = FakeKubeAPI(reactor).start()

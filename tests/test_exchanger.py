@@ -17,8 +17,8 @@ from infx.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
 from infx.service import GatewayService
 from protocol.backoff import Backoff
+from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.gateway.core import DialState
-from protocol.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.processor.types import Locality
 from tests.scaler_fakes import InMemoryServiceQuery
 

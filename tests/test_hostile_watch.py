@@ -23,7 +23,7 @@ from twisted.logger import globalLogPublisher
 
 from infx.kube import PodWatcher, PodWatcherConfig
 from protocol.backoff import Backoff
-from protocol.informer import (
+from protocol.discovery.informer import (
     BookmarkReceived,
     MalformedWatchObject,
     ObjectDeleted,
@@ -31,7 +31,7 @@ from protocol.informer import (
     WatchErrorReceived,
     parse_watch_event,
 )
-from protocol.peers import PeerSet, desired_peer, pod_state
+from protocol.discovery.peers import PeerSet, desired_peer, pod_state
 from tests.kubeapi import FakeKubeAPI
 
 FEW = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""protocol.informer: the list-then-watch loop, its cache, and its effects, on a clock stepped by hand."""
+"""protocol.discovery.informer: the list-then-watch loop, its cache, and its effects, on a clock stepped by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from protocol.backoff import Backoff
-from protocol.informer import (
+from protocol.discovery.informer import (
     Added,
     BookmarkReceived,
     Deleted,
@@ -29,7 +29,7 @@ from protocol.informer import (
     WatchRequested,
     parse_watch_event,
 )
-from protocol.peers import PeerAdded, PeerAddress, PeerRemoved, PodState, pod_key, pod_state, pod_version
+from protocol.discovery.peers import PeerAdded, PeerAddress, PeerRemoved, PodState, pod_key, pod_state, pod_version
 from tests.test_peers import NAMES, PORT, Discovery, apply, desired, live, pod_json, pod_states
 
 NO_JITTER = Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0)

@@ -16,8 +16,8 @@ from twisted.internet import defer, reactor, task
 
 from infx.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
 from protocol.backoff import Backoff
-from protocol.informer import InformerState
-from protocol.peers import (
+from protocol.discovery.informer import InformerState
+from protocol.discovery.peers import (
     InvalidPeerAddress,
     PeerAdded,
     PeerAddress,

@@ -1,4 +1,4 @@
-"""protocol.peers: which pods are peers, and the peer set's changes as a pod informer feeds it."""
+"""protocol.discovery.peers: which pods are peers, and the peer set's changes as a pod informer feeds it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.backoff import Backoff
-from protocol.informer import (
+from protocol.discovery.informer import (
     Effect,
     Informer,
     InformerState,
@@ -20,7 +20,7 @@ from protocol.informer import (
     ObjectUpdated,
     WatchRequested,
 )
-from protocol.peers import (
+from protocol.discovery.peers import (
     InvalidPeerAddress,
     PeerAdded,
     PeerAddress,

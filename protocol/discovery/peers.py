@@ -3,7 +3,7 @@
 Rules this file keeps: no I/O, no threads, no clock reads. Pods arrive as
 already-decoded JSON objects (the dicts the Kubernetes API sends); everything
 that decides "this pod is a peer at that address" lives here. The
-list-then-watch loop that delivers the pods is :class:`protocol.informer.Informer`;
+list-then-watch loop that delivers the pods is :class:`protocol.discovery.informer.Informer`;
 the Twisted adapter (``infx/kube.py``) only moves bytes and threads.
 
 :class:`PeerSet` turns the informer's cache events (or pod snapshots and pod
@@ -19,8 +19,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from protocol.discovery.informer import Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 from protocol.errors import LocalUsageError
-from protocol.informer import Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 
 __all__ = [
     "InvalidPeerAddress",
@@ -200,7 +200,7 @@ class PeerSet:
         return self._set(name, None)
 
     def cache_changed(self, event: CacheEvent[PodState]) -> list[PeerChange]:
-        """One change of the pod informer's cache (a :class:`~protocol.informer.Synced` changes nothing)."""
+        """One change of the pod informer's cache (a :class:`~protocol.discovery.informer.Synced` changes nothing)."""
         if isinstance(event, (Added, Modified)):
             return self.pod_updated(event.obj)
         if isinstance(event, Deleted):
