@@ -28,8 +28,8 @@ from infx.auth import KeyStore, Principal
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
 from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
 from infx.workers import WorkerService

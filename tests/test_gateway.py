@@ -18,8 +18,8 @@ from twisted.internet import reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.auth import KeyStore
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from protocol.pb import worker_pb2

@@ -2,7 +2,7 @@
 
 ``GatewayService.http_resource`` is meant to be mounted inside another
 Twisted application. There the requests are plain ``server.Request`` objects,
-not :class:`~infx.gateway_site.GatewayRequest`: chat requests must still work, and
+not :class:`~infx.http.site.GatewayRequest`: chat requests must still work, and
 the body limit must still hold (the host site buffers the body; the handler
 refuses it with 413).
 """

@@ -19,8 +19,8 @@ from twisted.internet import defer, reactor, task, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.dispatcher import Dispatcher
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.metrics import GatewayMetrics
 from infx.tasks import Availability
 from protocol.gateway.effects import CoreConfig

@@ -1,6 +1,6 @@
 """Hostile HTTP clients and hostile engines against the whole gateway stack, in process.
 
-The stack is the real one (twisted.web site, :class:`~infx.gateway.Gateway`,
+The stack is the real one (twisted.web site, :class:`~infx.http.api.Gateway`,
 :class:`~infx.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
 on a :class:`~twisted.internet.task.Clock`, with HTTP over a StringTransport
 and an in-memory engine route that answers tasks with the real echo runtime
@@ -29,8 +29,8 @@ from twisted.python.failure import Failure
 
 from infx.auth import KeyStore
 from infx.dispatcher import Dispatcher, SendOutcome
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.metrics import GatewayMetrics
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.pb import status_pb2, worker_pb2

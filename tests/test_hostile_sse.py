@@ -2,7 +2,7 @@
 
 Engine side: :class:`~protocol.openai.sse.SSEBlockSplitter` cuts a runtime's stream
 into the events ``ServerSentEvent.data`` carries. Gateway side:
-:class:`~infx.gateway.CompletionTransform` turns chat events back into legacy
+:class:`~infx.http.api.CompletionTransform` turns chat events back into legacy
 completion events. Fed any bytes (lone CRs, NULs, invalid UTF-8, no blank
 lines, JSON that is not a chunk), each gives events or the runtime's 502
 (:class:`~protocol.openai.errors.UpstreamError`), never anything else, and the
@@ -16,7 +16,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from infx.gateway import CompletionTransform
+from infx.http.api import CompletionTransform
 from protocol.openai.errors import UpstreamError
 from protocol.openai.sse import SSEBlockSplitter
 from tools.fuzz.drivers import check_runtime_answer

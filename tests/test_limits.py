@@ -39,7 +39,7 @@ from twisted.internet.testing import StringTransport
 
 from infx.auth import KeyStore
 from infx.dispatcher import SendOutcome
-from infx.gateway_site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
+from infx.http.site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore, SendResult, StartTask
 from protocol.agent.echo import echo_task

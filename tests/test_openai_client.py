@@ -26,7 +26,7 @@ PARSERS = {"/v1/chat/completions": parse_chat_completion, "/v1/completions": par
 
 
 def gateway(request: httpx.Request) -> httpx.Response:
-    """A gateway in miniature: what infx/gateway.py does around these pure functions."""
+    """A gateway in miniature: what infx/http/api.py does around these pure functions."""
     legacy = request.url.path == "/v1/completions"
     try:
         parsed = PARSERS[request.url.path](request.content)

@@ -148,7 +148,7 @@ def test_the_check_walks_every_subpackage_of_protocol_but_the_generated_messages
     "from twisted.internet import reactor",
     "import twisted.internet.task",
     "import infx",
-    "from infx.gateway import Gateway",
+    "from infx.http.api import Gateway",
     "import infx.transport as transport",
     "import datetime\ndatetime.datetime.now()",
     "from datetime import datetime\ndatetime.now()",

@@ -15,8 +15,8 @@ from twisted.internet import reactor, task, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.auth import KeyStore
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.metrics import OTHER_MODEL, GatewayMetrics
 from infx.tasks import Availability, ServedBy
 from protocol.pb import worker_pb2

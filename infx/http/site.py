@@ -1,6 +1,6 @@
 """The gateway's HTTP site: a request body over the limit is refused with 413 before any resource runs.
 
-:class:`GatewaySite` serves the resource tree of :func:`infx.gateway.build_resource`
+:class:`GatewaySite` serves the resource tree of :func:`infx.http.api.build_resource`
 with :class:`GatewayRequest`, which answers an oversized body (a ``Content-Length``
 over the limit, or a chunked body that grows past it) with an OpenAI-style 413 as
 soon as it is known and closes the connection after a small drain allowance, so
@@ -110,4 +110,4 @@ class GatewaySite(server.Site):
         self.max_body_size = max_body_size
 
     def log(self, request: server.Request) -> None:
-        """No access log line of twisted.web's: each request's line is :mod:`infx.request_log`'s."""
+        """No access log line of twisted.web's: each request's line is :mod:`infx.http.request_log`'s."""

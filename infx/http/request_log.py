@@ -1,6 +1,6 @@
 """One API request's trace: what the gateway learns as it serves it, ending in one log line and its metrics.
 
-The HTTP handler (:mod:`infx.gateway`) makes a :class:`RequestTrace` per
+The HTTP handler (:mod:`infx.http.api`) makes a :class:`RequestTrace` per
 request and tells it, in small calls, who asked (request id, tenant), for
 what (endpoint, model), what came back (the first output token, usage) and
 how it ended (status); the task machinery says who served it
@@ -20,7 +20,7 @@ from protocol.openai.observe import StreamWatcher, Usage, usage_of_body
 
 __all__ = ["RequestTrace"]
 
-log = Logger()
+log = Logger(namespace="infx.request_log")
 
 
 class RequestTrace:

@@ -5,7 +5,7 @@ and ends in exactly one response: the engine's answer, relayed (SSE events
 verbatim, flushed one by one), or an OpenAI-style error with the status that
 names what went wrong. The resource tree is built by :func:`build_resource`
 so it can be mounted inside another Twisted application; the site that
-serves it, refusing oversized bodies early, is :mod:`infx.gateway_site`'s.
+serves it, refusing oversized bodies early, is :mod:`infx.http.site`'s.
 
 The task carries the client's request verbatim (:mod:`protocol.openai.verbatim`)
 beside its typed form, at the endpoint's own API path (wherever the tree is
@@ -34,9 +34,9 @@ from twisted.web import resource, server
 from zope.interface import implementer
 
 from infx.auth import KeyStore, Principal
-from infx.gateway_site import DEFAULT_MAX_BODY_SIZE
+from infx.http.request_log import RequestTrace
+from infx.http.site import DEFAULT_MAX_BODY_SIZE
 from infx.metrics import GatewayMetrics
-from infx.request_log import RequestTrace
 from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol.gateway.ratelimit import RateLimiter
 from protocol.openai import completions as openai_completions
@@ -50,7 +50,7 @@ from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import CriticalityRefused, requested_criticality
 from protocol.routing import hints as routing_hints
 
-log = Logger()
+log = Logger(namespace="infx.gateway")
 
 #: Hop-by-hop and credential headers never travel to engines.
 NOT_FORWARDED = frozenset(
@@ -710,7 +710,7 @@ class _Tree(resource.Resource):
 
 
 def build_resource(gateway: Gateway) -> resource.Resource:
-    """The gateway's resource tree, to serve with :class:`~infx.gateway_site.GatewaySite` or mount elsewhere."""
+    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere."""
     root = _Tree()
     v1 = _Tree()
     root.putChild(b"v1", v1)
