@@ -47,7 +47,7 @@ class GatewayConfig:
     peer_port: int | None = None
     #: ``key=value`` label selecting the gateway's own pods.
     pod_label: str = "app=infx"
-    #: YAML file of API keys (see :mod:`infx.auth`); none means auth is off.
+    #: YAML file of API keys (see :mod:`infx.gateway.auth`); none means auth is off.
     api_keys: str | None = None
     #: Shared secret peers present as ``authorization: Bearer ...``; none means no peer auth.
     internal_secret: str | None = None

@@ -1,7 +1,7 @@
 """The task exchanger: gateway replicas lend each other their engines over ``ProcessTasksInternal``.
 
 Rules this file keeps: no decisions. The pure gateway core
-(:mod:`protocol.gateway.core`, through the :class:`~infx.dispatcher.Dispatcher`,
+(:mod:`protocol.gateway.core`, through the :class:`~infx.gateway.dispatcher.Dispatcher`,
 its one caller) decides which peers to dial, when to redial, which stream
 replaces which, what to report and what to refuse; this file maps gRPC calls
 to the core's inputs and performs its peer effects (open, write, half-close,
@@ -58,7 +58,7 @@ from twisted.python.failure import Failure
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from infx.dispatcher import Dispatcher, SendOutcome, StreamSendGate
+from infx.gateway.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.discovery.peers import PeerAddress, PeerChange
@@ -120,7 +120,7 @@ class PeerStream:
     """One accepted ``ProcessTasksInternal`` stream: the route of the engines its peer reports.
 
     A peer that stops reading blocks the route (see
-    :class:`~infx.dispatcher.StreamSendGate`); ``on_drained`` is called when
+    :class:`~infx.gateway.dispatcher.StreamSendGate`); ``on_drained`` is called when
     it drains again.
     """
 

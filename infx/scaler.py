@@ -343,7 +343,7 @@ class InferenceScaler:
 
 class ProcessorLink:
     """Joins an :class:`InferenceScaler` to the gateway core's scaler signals (through the
-    :class:`infx.dispatcher.Dispatcher`, which hands this link those effects).
+    :class:`infx.gateway.dispatcher.Dispatcher`, which hands this link those effects).
 
     - ``TaskQueued`` (a task waits because no ready engine serves its model; the
       core passes each task once): the model is gone whatever the scaler last

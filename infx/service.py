@@ -24,15 +24,15 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.auth import KeyStore, Principal
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
-from infx.dispatcher import Dispatcher
 from infx.exchanger import Exchanger, ExchangerConfig
+from infx.gateway.auth import KeyStore, Principal
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.workers import WorkerService
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
-from infx.metrics import GatewayMetrics
 from infx.transport import GrpcChannel, GrpcServer
-from infx.workers import WorkerService
 from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.effects import PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
@@ -142,7 +142,7 @@ class GatewayService(service.MultiService):
         self.metrics = GatewayMetrics(self.registry)
         self.key_reload: Any = None
         if config.api_keys:
-            from infx.key_reload import watched_key_store
+            from infx.gateway.key_reload import watched_key_store
 
             keys, self.key_reload = watched_key_store(reactor, config.api_keys)
             self.key_reload.setServiceParent(self)

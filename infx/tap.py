@@ -11,9 +11,9 @@ from typing import Any
 from twisted.application.service import IService
 from twisted.python import usage
 
-from infx.auth import KeyFileError, KeyStore
 from infx.cli import VersionOption, one_line_errors, service_or_exit
 from infx.config import ConfigError, GatewayConfig, build_config, load_yaml
+from infx.gateway.auth import KeyFileError, KeyStore
 
 _DEFAULTS = GatewayConfig()
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from infx.auth import ANONYMOUS, KeyFileError, KeyStore
+from infx.gateway.auth import ANONYMOUS, KeyFileError, KeyStore
 
 
 def test_without_keys_everyone_is_the_default_tenant():
@@ -51,7 +51,7 @@ def test_malformed_key_files_are_refused(data, message):
 
 # --- the strict schema (pure: text in, tables out) -------------------------------------------------
 
-from infx.auth import KeyTables, key_fingerprint, parse_key_file  # noqa: E402
+from infx.gateway.auth import KeyTables, key_fingerprint, parse_key_file  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_a_key_file_without_keys_keeps_auth_on_and_refuses_everyone():
 
 
 def test_replacing_the_tables_revokes_removed_keys_and_keeps_the_builtin_engine_key():
-    from infx.auth import Principal
+    from infx.gateway.auth import Principal
 
     store = KeyStore(parse_key_file("keys:\n  - {key: sk-a}\n  - {key: sk-b}\n"))
     store.add_engine_key("ek-builtin", Principal(tenant="default", key_id="builtin-echo"))

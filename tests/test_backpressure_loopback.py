@@ -19,7 +19,7 @@ import pytest_twisted
 from twisted.internet import reactor, task, threads
 
 from infx.config import build_config
-from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES
+from infx.gateway.dispatcher import MAX_ROUTE_QUEUED_BYTES
 from infx.service import GatewayService, build_gateway
 from protocol.pb import status_pb2, worker_pb2
 from tools.bench.attacks import H2Peer, Outcome, Target, grpc_message, request_headers

@@ -21,11 +21,11 @@ from twisted.internet import task
 from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 
-from infx.auth import KeyStore
-from infx.dispatcher import Dispatcher
-from infx.metrics import GatewayMetrics
+from infx.gateway.auth import KeyStore
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.workers import PROCESS_TASKS, EngineStream, WorkerService
 from infx.transport import GrpcServer
-from infx.workers import PROCESS_TASKS, EngineStream, WorkerService
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor, ProcessorConfig, TaskState
 from protocol.processor.types import DeliverResult, FailRequest

@@ -10,8 +10,8 @@ from prometheus_client import generate_latest
 import pytest_twisted
 from twisted.internet import threads
 
-from infx.auth import KeyFileError, KeyStore
 from infx.config import ConfigError, build_config
+from infx.gateway.auth import KeyFileError, KeyStore
 from protocol.agent.echo import echo_task
 from protocol.processor.core import ProcessorConfig
 from protocol.processor.fair_queue import Criticality, CriticalityRefused, requested_criticality

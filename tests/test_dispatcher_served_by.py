@@ -9,9 +9,9 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from twisted.internet import task
 
-from infx.dispatcher import Dispatcher
-from infx.metrics import GatewayMetrics
-from infx.tasks import Submission
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.tasks import Submission
 from protocol.gateway.effects import CoreConfig
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig

@@ -256,8 +256,8 @@ def clocked_exchanger(connect: Callable[[PeerAddress], Any], backoff: Backoff, s
     """An exchanger over its own dispatcher and core on a ``task.Clock``, with a FakePods source."""
     from prometheus_client import CollectorRegistry
 
-    from infx.dispatcher import Dispatcher
-    from infx.metrics import GatewayMetrics
+    from infx.gateway.dispatcher import Dispatcher
+    from infx.gateway.metrics import GatewayMetrics
     from protocol.gateway.effects import CoreConfig
     from protocol.processor.core import Processor
 

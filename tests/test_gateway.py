@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry
 from twisted.internet import reactor, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from infx.auth import KeyStore
+from infx.gateway.auth import KeyStore
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.tasks import Availability
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
-from infx.metrics import GatewayMetrics
-from infx.tasks import Availability
 from protocol.pb import worker_pb2
 
 

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from infx.dispatcher import Dispatcher
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.tasks import Availability
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
-from infx.metrics import GatewayMetrics
-from infx.tasks import Availability
 from protocol.gateway.effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError
 from protocol.processor.core import Processor

@@ -1,7 +1,7 @@
 """Hostile HTTP clients and hostile engines against the whole gateway stack, in process.
 
 The stack is the real one (twisted.web site, :class:`~infx.http.api.Gateway`,
-:class:`~infx.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
+:class:`~infx.gateway.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
 on a :class:`~twisted.internet.task.Clock`, with HTTP over a StringTransport
 and an in-memory engine route that answers tasks with the real echo runtime
 core (:func:`protocol.agent.echo.echo_task`), or with whatever a test makes it send.
@@ -27,11 +27,11 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from infx.auth import KeyStore
-from infx.dispatcher import Dispatcher, SendOutcome
+from infx.gateway.auth import KeyStore
+from infx.gateway.dispatcher import Dispatcher, SendOutcome
+from infx.gateway.metrics import GatewayMetrics
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
-from infx.metrics import GatewayMetrics
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Locality, Processor, ProcessorConfig

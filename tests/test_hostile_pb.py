@@ -24,11 +24,11 @@ from prometheus_client import CollectorRegistry
 from twisted.internet import task
 from twisted.internet.testing import StringTransport
 
-from infx.auth import KeyStore
-from infx.dispatcher import Dispatcher
-from infx.metrics import GatewayMetrics
+from infx.gateway.auth import KeyStore
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.workers import PROCESS_TASKS, WorkerService
 from infx.transport import GrpcServer
-from infx.workers import PROCESS_TASKS, WorkerService
 from protocol.exchange.receiver import ReceiverConfig
 from protocol.exchange.sender import Sender
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode

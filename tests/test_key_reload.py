@@ -13,8 +13,8 @@ import pytest
 from twisted.internet.task import Clock
 from twisted.logger import globalLogPublisher
 
-from infx.auth import KeyFileError
-from infx.key_reload import CHECK_INTERVAL, KeyFileReload, watched_key_store
+from infx.gateway.auth import KeyFileError
+from infx.gateway.key_reload import CHECK_INTERVAL, KeyFileReload, watched_key_store
 
 ALICE_AND_BOB = "keys:\n  - {key: sk-alice, tenant: a}\n  - {key: sk-bob, tenant: b}\n"
 BOB_ONLY = "keys:\n  - {key: sk-bob, tenant: b}\n"
@@ -131,7 +131,7 @@ def test_a_bad_file_at_start_is_an_error_and_reloading_needs_a_file(tmp_path):
     path.write_text("keys:\n  - {key: sk-a, rate_limit: 5}\n")
     with pytest.raises(KeyFileError, match="rate_limit must be a mapping"):
         watched_key_store(Clock(), str(path))
-    from infx.auth import KeyStore
+    from infx.gateway.auth import KeyStore
 
     with pytest.raises(ValueError):
         KeyFileReload(Clock(), KeyStore.disabled(), None)

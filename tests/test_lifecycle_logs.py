@@ -12,7 +12,7 @@ import pytest_twisted
 from twisted.internet import threads
 from twisted.logger import LogLevel
 
-from infx.auth import KeyStore
+from infx.gateway.auth import KeyStore
 from infx.service import GatewayService
 from tests.llmariner_engine import LLMarinerEngine
 from tests.test_exchanger import gateways, internal_address, until  # noqa: F401  (fixture)

@@ -37,8 +37,8 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.testing import StringTransport
 
-from infx.auth import KeyStore
-from infx.dispatcher import SendOutcome
+from infx.gateway.auth import KeyStore
+from infx.gateway.dispatcher import SendOutcome
 from infx.http.site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore, SendResult, StartTask

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from infx.metrics import GatewayMetrics
+from infx.gateway.metrics import GatewayMetrics
 
 
 def test_a_child_is_found_once_per_metric_and_label_set_and_counts_into_the_series() -> None:

@@ -14,7 +14,7 @@ import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import threads
 
-from infx.metrics import OTHER_MODEL, version
+from infx.gateway.metrics import OTHER_MODEL, version
 from protocol.processor.types import Locality
 from tests.test_exchanger import base_url, engines, gateways, internal_address, until  # noqa: F401
 from tests.test_gateway import raw
@@ -101,7 +101,7 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
 
     from prometheus_client import CollectorRegistry
 
-    from infx.metrics import GatewayMetrics
+    from infx.gateway.metrics import GatewayMetrics
     from protocol.processor.core import Processor
 
     registry = CollectorRegistry()

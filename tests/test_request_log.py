@@ -14,11 +14,11 @@ from prometheus_client import CollectorRegistry
 from twisted.internet import reactor, task, threads
 from twisted.internet.endpoints import TCP4ServerEndpoint
 
-from infx.auth import KeyStore
+from infx.gateway.auth import KeyStore
+from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
+from infx.gateway.tasks import Availability, ServedBy
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
-from infx.metrics import OTHER_MODEL, GatewayMetrics
-from infx.tasks import Availability, ServedBy
 from protocol.pb import worker_pb2
 from tests.test_gateway import raw
 from tests.test_repeated_failure_logs import LogLines

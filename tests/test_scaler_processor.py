@@ -15,12 +15,12 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
-from infx.dispatcher import Dispatcher, SendOutcome
-from infx.metrics import GatewayMetrics
+from infx.gateway.dispatcher import Dispatcher, SendOutcome
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.tasks import Availability
+from infx.gateway.tasks import Submission
 from infx.scaler import InferenceScaler, ProcessorLink
 from infx.scaler_kube import KubernetesEvents, KubernetesServiceQuery
-from infx.tasks import Availability
-from infx.tasks import Submission
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
 from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey

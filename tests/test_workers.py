@@ -1,4 +1,4 @@
-"""The worker service (``infx.workers``) in-process on the reactor, against grpcio engines on threads.
+"""The worker service (``infx.gateway.workers``) in-process on the reactor, against grpcio engines on threads.
 
 The gateway is the real service tree from :func:`infx.service.build_gateway`
 on loopback ports; engines are :class:`tests.llmariner_engine.LLMarinerEngine`

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (twisted.web), plus health, readiness and metrics.
 
-Each API request becomes one task through a :class:`~infx.tasks.TaskRunner`
+Each API request becomes one task through a :class:`~infx.gateway.tasks.TaskRunner`
 and ends in exactly one response: the engine's answer, relayed (SSE events
 verbatim, flushed one by one), or an OpenAI-style error with the status that
 names what went wrong. The resource tree is built by :func:`build_resource`
@@ -33,11 +33,11 @@ from twisted.logger import Logger
 from twisted.web import resource, server
 from zope.interface import implementer
 
-from infx.auth import KeyStore, Principal
+from infx.gateway.auth import KeyStore, Principal
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.tasks import Availability, Submission, TaskHandle, TaskRunner
 from infx.http.request_log import RequestTrace
 from infx.http.site import DEFAULT_MAX_BODY_SIZE
-from infx.metrics import GatewayMetrics
-from infx.tasks import Availability, Submission, TaskHandle, TaskRunner
 from protocol.gateway.ratelimit import RateLimiter
 from protocol.openai import completions as openai_completions
 from protocol.openai import requests as openai_requests
@@ -242,7 +242,7 @@ class ApiCall:
                 self.handle.cancel()
             self._record(499)
 
-    # -- result sink (see infx.tasks.ResultSink)
+    # -- result sink (see infx.gateway.tasks.ResultSink)
 
     def response_received(self, response: worker_pb2.HttpResponse, verbatim: bool = False) -> None:
         if self.finished:

@@ -4,7 +4,7 @@ The HTTP handler (:mod:`infx.http.api`) makes a :class:`RequestTrace` per
 request and tells it, in small calls, who asked (request id, tenant), for
 what (endpoint, model), what came back (the first output token, usage) and
 how it ended (status); the task machinery says who served it
-(:class:`~infx.tasks.ServedBy`: engine, gateway, retries, queue wait). :meth:`finish`
+(:class:`~infx.gateway.tasks.ServedBy`: engine, gateway, retries, queue wait). :meth:`finish`
 runs once, whatever the path to the end, and writes the request's metrics
 and its structured ``request`` log line (twisted.logger named fields plus a
 readable text).
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from twisted.logger import Logger
 
-from infx.metrics import OTHER_MODEL, GatewayMetrics
-from infx.tasks import ServedBy
+from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
+from infx.gateway.tasks import ServedBy
 from protocol.openai.observe import StreamWatcher, Usage, usage_of_body
 
 __all__ = ["RequestTrace"]

@@ -4,7 +4,7 @@ Rules this file keeps: no decisions. Every one is the production
 :class:`~protocol.gateway.core.GatewayCore`'s (which owns the processor, the
 peer senders and receivers); this file maps gRPC events on the links to the
 core's inputs and performs the I/O effects it returns, in order, the way
-``infx/dispatcher.py``, ``infx/workers.py`` and ``infx/exchanger.py`` do on a
+``infx/gateway/dispatcher.py``, ``infx/gateway/workers.py`` and ``infx/exchanger.py`` do on a
 reactor. After every input the gateway flushes: gRPC events are handled,
 bytes go to the links (of the connections the input touched), and the core's
 one timer is re-armed from its ``next_deadline()``. Along the way it reports
@@ -88,7 +88,7 @@ def _metadata_value(metadata: tuple[tuple[str, object], ...], name: str) -> str 
 
 
 class EngineStream:
-    """One engine's ProcessTasks stream on this gateway: its route (as ``infx.workers.EngineStream``)."""
+    """One engine's ProcessTasks stream on this gateway: its route (as ``infx.gateway.workers.EngineStream``)."""
 
     def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int, tenant: str) -> None:
         self.gateway = gateway
@@ -370,7 +370,7 @@ class Gateway:
         self.run(lambda now: self.core.peers_changed({peer: peer for peer in peers}, now))
         self.flush()
 
-    # -- performing the core's effects (infx.dispatcher.Dispatcher, infx.exchanger.Exchanger) ----
+    # -- performing the core's effects (infx.gateway.dispatcher.Dispatcher, infx.exchanger.Exchanger) ----
 
     def run(self, step: Callable[[float], list[Any]]) -> None:
         """Run one core input now and perform what it returns."""

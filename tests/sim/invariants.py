@@ -76,7 +76,7 @@ class ClientRequest:
     #: Virtual time of the first result (the gateway sets it; for latencies).
     first_result_at: float | None = None
 
-    # -- the origin interface the gateway's dispatcher calls (as infx.dispatcher.HttpOrigin) --
+    # -- the origin interface the gateway's dispatcher calls (as infx.gateway.dispatcher.HttpOrigin) --
 
     def result_delivered(self, effect: DeliverResult) -> None:
         self._check_live("a result")

@@ -24,8 +24,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
-from infx.metrics import OTHER_MODEL, GatewayMetrics
-from infx.tasks import Availability, ResultSink, ServedBy, Submission, TaskHandle
+from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
+from infx.gateway.tasks import Availability, ResultSink, ServedBy, Submission, TaskHandle
 from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import (
     CancelDial,
@@ -60,7 +60,7 @@ from protocol.processor.types import (
     TaskQueued,
 )
 
-log = Logger()
+log = Logger(namespace="infx.dispatcher")
 
 #: Bytes a route's stream may hold queued (not yet taken by its peer's flow control) before
 #: it refuses further tasks, which the processor then routes elsewhere.

@@ -1,6 +1,6 @@
 """Reads the API key file again when it changes, so that a revoked key stops working within seconds.
 
-Twisted side; the parsing is :func:`infx.auth.parse_key_file`. Every
+Twisted side; the parsing is :func:`infx.gateway.auth.parse_key_file`. Every
 :data:`CHECK_INTERVAL` seconds on the clock passed in, the file is
 ``stat``-ed, following symlinks: an in-place rewrite changes its size or
 mtime, and a Kubernetes Secret update (which swaps the ``..data`` symlink
@@ -20,9 +20,9 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from infx.auth import KeyFileError, KeyStore, read_key_file
+from infx.gateway.auth import KeyFileError, KeyStore, read_key_file
 
-log = Logger()
+log = Logger(namespace="infx.key_reload")
 
 #: Seconds between checks of the key file (the TLS files are checked every 30 s; a revoked key is more urgent).
 CHECK_INTERVAL = 2.0
@@ -91,7 +91,7 @@ class KeyFileReload(Service):
 
 
 def watched_key_store(clock: IReactorTime, path: str, interval: float = CHECK_INTERVAL) -> tuple[KeyStore, KeyFileReload]:
-    """The keys of ``path`` and the service that reloads them; raises :class:`~infx.auth.KeyFileError`."""
+    """The keys of ``path`` and the service that reloads them; raises :class:`~infx.gateway.auth.KeyFileError`."""
     signature = file_signature(path)  # before the read: a change during it is seen at the first check
     store = KeyStore.from_file(path)
     return store, KeyFileReload(clock, store, signature, interval)

@@ -12,15 +12,15 @@ from typing import Any, Callable
 
 from twisted.logger import Logger
 
-from infx.auth import KeyStore
-from infx.dispatcher import MAX_ROUTE_QUEUED_BYTES, Dispatcher, SendOutcome, StreamSendGate
+from infx.gateway.auth import KeyStore
+from infx.gateway.dispatcher import MAX_ROUTE_QUEUED_BYTES, Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
 from protocol.processor.types import Locality
 from protocol.repeats import RepeatSuppressor
 
-log = Logger()
+log = Logger(namespace="infx.workers")
 
 PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks"
 
@@ -37,7 +37,7 @@ class EngineStream:
 
     Sends go through the call one at a time in order (the transport queues
     them), so the stream has a single writer by construction. An engine that
-    stops reading blocks the route (see :class:`~infx.dispatcher.StreamSendGate`);
+    stops reading blocks the route (see :class:`~infx.gateway.dispatcher.StreamSendGate`);
     ``on_drained`` is called when it drains again.
     """
 

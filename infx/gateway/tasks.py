@@ -2,7 +2,7 @@
 
 The gateway turns a request into a :class:`Submission` and hands it, with a
 :class:`ResultSink`, to a :class:`TaskRunner`; the runner (the processor's
-Twisted owner, :mod:`infx.dispatcher`) calls the sink back exactly once with
+Twisted owner, :mod:`infx.gateway.dispatcher`) calls the sink back exactly once with
 ``completed`` or ``failed``, after any number of results. Keeping this
 boundary small lets the gateway be tested against a scripted runner and the
 runner against a scripted sink.

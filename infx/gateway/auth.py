@@ -19,7 +19,7 @@ The schema is strict, because a typo here is a security mistake: an unknown
 member (``tenat:``), an ``admin`` that is not a YAML boolean (``"false"`` is a
 string), a malformed ``rate_limit``, a key listed twice or a YAML mapping with
 a member given twice are errors, at start and when the file is read again
-(:mod:`infx.key_reload`). :func:`parse_key_file` is pure: text in, tables out.
+(:mod:`infx.gateway.key_reload`). :func:`parse_key_file` is pure: text in, tables out.
 
 ``criticality`` is the most a key's requests may claim (and their default;
 the ``x-infx-criticality`` header may lower it, see
