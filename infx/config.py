@@ -114,7 +114,7 @@ class GatewayConfig:
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
-    #: with the key and CA below, peers speak mutual TLS (see :mod:`infx.peer_tls`).
+    #: with the key and CA below, peers speak mutual TLS (see :mod:`infx.exchange.peer_tls`).
     internal_tls_cert: str | None = None
     #: PEM private key of ``internal_tls_cert``.
     internal_tls_key: str | None = None
@@ -387,7 +387,7 @@ def routing_config(config: GatewayConfig) -> tuple[RoutingConfig, HintsConfig]:
 
 
 def internal_tls(config: GatewayConfig) -> Any:
-    """The loaded :class:`~infx.peer_tls.PeerCredentials` when mutual TLS between peers is
+    """The loaded :class:`~infx.exchange.peer_tls.PeerCredentials` when mutual TLS between peers is
     configured, else None; all three files or none, each readable and parseable."""
     paths = {"--internal-tls-cert": config.internal_tls_cert, "--internal-tls-key": config.internal_tls_key,
              "--internal-tls-ca": config.internal_tls_ca}
@@ -399,7 +399,7 @@ def internal_tls(config: GatewayConfig) -> Any:
         raise ConfigError(f"{', '.join(given)} needs {missing} too: peer TLS takes a certificate, its key and a CA")
     if config.internal_grpc.startswith("ssl:"):
         raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
-    from infx.peer_tls import PeerCredentials
+    from infx.exchange.peer_tls import PeerCredentials
 
     return PeerCredentials.from_files(str(config.internal_tls_cert), str(config.internal_tls_key),
                                       str(config.internal_tls_ca))

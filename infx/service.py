@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
-from infx.exchanger import Exchanger, ExchangerConfig
+from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
@@ -329,7 +329,7 @@ class GatewayService(service.MultiService):
         yield defer.maybeDeferred(service.MultiService.stopService, self)
 
 
-    # --- task exchange between gateway replicas (infx/exchanger.py) ----------
+    # --- task exchange between gateway replicas (infx/exchange/exchanger.py) ----------
 
     def _build_exchange(self, pod_name: str) -> None:
         """The internal gRPC server on ``internal_grpc`` and the exchanger; peers are dialled once it listens."""
@@ -352,7 +352,7 @@ class GatewayService(service.MultiService):
         self.peer_tls: Any = None
         listening_factory: Any = self.internal_server
         if credentials is not None:
-            from infx.peer_tls import PeerTLS
+            from infx.exchange.peer_tls import PeerTLS
 
             self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)

@@ -17,7 +17,7 @@ from infx.gateway.auth import KeyFileError, KeyStore
 
 _DEFAULTS = GatewayConfig()
 
-# Task exchange between gateway replicas (infx/exchanger.py).
+# Task exchange between gateway replicas (infx/exchange/exchanger.py).
 _FLAGS: list[list[str | None]] = [
     ["kube", None, "Discover peer gateways by watching this namespace's pods (POD_NAME, NAMESPACE, "
                    "in-cluster config or KUBECONFIG); exclusive with --peers."],

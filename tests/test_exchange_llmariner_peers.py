@@ -14,7 +14,7 @@ import grpc
 import pytest_twisted
 from twisted.internet import threads
 
-from infx.exchanger import PROCESS_TASKS_INTERNAL
+from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
 from protocol.exchange.status_reports import STATUS_DELTA_HEADER
 from protocol.pb import internal_pb2
 from protocol.processor.types import Locality

@@ -13,7 +13,7 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
-from infx.exchanger import Exchanger, ExchangerConfig
+from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.scaler import InferenceScaler
 from infx.service import GatewayService
 from protocol.backoff import Backoff
@@ -383,7 +383,7 @@ def test_an_unreachable_peer_is_redialled_after_jittered_exponential_delays_up_t
 
 @pytest_twisted.inlineCallbacks
 def test_a_peer_that_sends_results_before_any_status_or_an_empty_message_is_cut_off(gateways):
-    from infx.exchanger import PROCESS_TASKS_INTERNAL
+    from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.grpc import StatusCode
     from protocol.pb import internal_pb2, worker_pb2
@@ -413,7 +413,7 @@ def test_a_peer_that_sends_results_before_any_status_or_an_empty_message_is_cut_
 
 @pytest_twisted.inlineCallbacks
 def test_a_peer_that_forwards_a_task_without_an_id_is_cut_off_and_redialled(gateways):
-    from infx.exchanger import PROCESS_TASKS_INTERNAL
+    from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
     from infx.transport import CallKind, GrpcServer, listen_grpc
     from protocol.grpc import GrpcConfig
     from protocol.pb import internal_pb2

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 
-from infx.exchanger import PeerStream
+from infx.exchange.exchanger import PeerStream
 from infx.transport.calls import GrpcError
 from protocol.grpc import StatusCode
 from tests.test_transport_read_each import ScriptedCall

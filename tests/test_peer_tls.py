@@ -36,9 +36,9 @@ from twisted.logger import formatEvent, globalLogPublisher
 from twisted.python import usage
 from zope.interface import implementer
 
-from infx import peer_tls
 from infx.config import ConfigError, build_config
-from infx.peer_tls import CHECK_INTERVAL, PeerCredentials, PeerTLS
+from infx.exchange import peer_tls
+from infx.exchange.peer_tls import CHECK_INTERVAL, PeerCredentials, PeerTLS
 from infx.service import GatewayService
 from infx.tap import Options
 from protocol.processor.types import Locality

@@ -4,7 +4,7 @@ Rules this file keeps: no decisions. Every one is the production
 :class:`~protocol.gateway.core.GatewayCore`'s (which owns the processor, the
 peer senders and receivers); this file maps gRPC events on the links to the
 core's inputs and performs the I/O effects it returns, in order, the way
-``infx/gateway/dispatcher.py``, ``infx/gateway/workers.py`` and ``infx/exchanger.py`` do on a
+``infx/gateway/dispatcher.py``, ``infx/gateway/workers.py`` and ``infx/exchange/exchanger.py`` do on a
 reactor. After every input the gateway flushes: gRPC events are handled,
 bytes go to the links (of the connections the input touched), and the core's
 one timer is re-armed from its ``next_deadline()``. Along the way it reports
@@ -151,7 +151,7 @@ class EngineStream:
 
 
 class PeerSenderStream:
-    """A peer's ProcessTasksInternal stream accepted here (``infx.exchanger.PeerStream``): the route
+    """A peer's ProcessTasksInternal stream accepted here (``infx.exchange.exchanger.PeerStream``): the route
     of the engines the peer reports (the core gives it a sender on its first report)."""
 
     def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int) -> None:
@@ -202,7 +202,7 @@ class PeerSenderStream:
 
 
 class PeerDial:
-    """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchanger.DialStream``),
+    """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchange.exchanger.DialStream``),
     for whichever :class:`~protocol.gateway.effects.Dial` the core has current."""
 
     def __init__(self, gateway: Gateway, peer: str) -> None:
@@ -370,7 +370,7 @@ class Gateway:
         self.run(lambda now: self.core.peers_changed({peer: peer for peer in peers}, now))
         self.flush()
 
-    # -- performing the core's effects (infx.gateway.dispatcher.Dispatcher, infx.exchanger.Exchanger) ----
+    # -- performing the core's effects (infx.gateway.dispatcher.Dispatcher, infx.exchange.exchanger.Exchanger) ----
 
     def run(self, step: Callable[[float], list[Any]]) -> None:
         """Run one core input now and perform what it returns."""

@@ -49,7 +49,7 @@ from zope.interface import implementer
 
 from infx.config import ConfigError
 
-log = Logger()
+log = Logger(namespace="infx.peer_tls")
 
 #: ALPN protocol of gRPC; a peer that offers no overlap fails the handshake.
 ALPN_H2 = b"h2"

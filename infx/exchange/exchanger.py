@@ -90,7 +90,7 @@ __all__ = [
     "PeerStream",
 ]
 
-log = Logger()
+log = Logger(namespace="infx.exchanger")
 
 PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalService/ProcessTasksInternal"
 
