@@ -1,6 +1,6 @@
 """What the scaler watches: scalable deployments and the pods of a namespace, through two informers.
 
-Each is an :class:`infx.kube.KubeInformer` (the one adapter of
+Each is an :class:`infx.discovery.kube.KubeInformer` (the one adapter of
 :class:`protocol.discovery.informer.Informer`) over raw JSON objects; their cache
 changes become :class:`~infx.scaler.InferenceScaler` observations: a
 deployment added or modified is observed, one deleted is forgotten, and every
@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from twisted.internet import defer
 
-from infx.kube import InformerConfig, KubeInformer, ThreadingClock
+from infx.discovery.kube import InformerConfig, KubeInformer, ThreadingClock
 from protocol.backoff import Backoff
 from protocol.discovery.informer import WATCH_BACKOFF, Added, CacheEvent, Deleted, MalformedWatchObject, Modified, object_mapping
 from protocol.scaling.scaler import SCALABLE_LABEL

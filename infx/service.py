@@ -197,7 +197,7 @@ class GatewayService(service.MultiService):
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
         import random
 
-        from infx.kube import PodWatcherConfig, kube_api_client
+        from infx.discovery.kube import PodWatcherConfig, kube_api_client
         from infx.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
@@ -376,7 +376,7 @@ class GatewayService(service.MultiService):
 
     def _peer_source(self, on_change: Callable[[PeerChange], None]) -> Any:
         """Static ``--peers``, or with ``--kube`` the pod watcher (in-cluster config or ``KUBECONFIG``)."""
-        from infx.kube import StaticPeers
+        from infx.discovery.kube import StaticPeers
 
         if not self.config.kube:
             return StaticPeers(self.config.peers, on_change)
@@ -384,7 +384,7 @@ class GatewayService(service.MultiService):
 
         from kubernetes import client
 
-        from infx.kube import PodWatcher, PodWatcherConfig, kube_api_client
+        from infx.discovery.kube import PodWatcher, PodWatcherConfig, kube_api_client
 
         watcher_config = PodWatcherConfig.from_environment(self.config.pod_label, self.config.effective_peer_port,
                                                            environ=self.environ)

@@ -21,7 +21,7 @@ from kubernetes import client
 from twisted.internet import defer, reactor, task
 from twisted.logger import globalLogPublisher
 
-from infx.kube import PodWatcher, PodWatcherConfig
+from infx.discovery.kube import PodWatcher, PodWatcherConfig
 from protocol.backoff import Backoff
 from protocol.discovery.informer import (
     BookmarkReceived,

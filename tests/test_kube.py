@@ -1,4 +1,4 @@
-"""infx.kube: the pod watcher against the fake API server, with the official client over real HTTP.
+"""infx.discovery.kube: the pod watcher against the fake API server, with the official client over real HTTP.
 
 Waits poll the watcher's state with a deadline (a failure guard, not a timing
 assertion); nothing sleeps for a fixed time.
@@ -14,7 +14,7 @@ import pytest_twisted
 from kubernetes import client
 from twisted.internet import defer, reactor, task
 
-from infx.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
+from infx.discovery.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
 from protocol.backoff import Backoff
 from protocol.discovery.informer import InformerState
 from protocol.discovery.peers import (

@@ -41,7 +41,7 @@ The four data flows, from this gateway's point of view:
   (its scaler), which count the increases as started requests; only one
   gateway runs the autoscaler, and it must see every gateway's requests.
 
-Peers come from a :class:`~infx.kube.PeerSource` (``--peers`` or the pod
+Peers come from a :class:`~infx.discovery.kube.PeerSource` (``--peers`` or the pod
 watcher of ``--kube``); every change hands the core the live peers, and the
 core keeps exactly one stream per live peer at its current address.
 """
@@ -58,8 +58,8 @@ from twisted.python.failure import Failure
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from infx.discovery.kube import PeerSource
 from infx.gateway.dispatcher import Dispatcher, SendOutcome, StreamSendGate
-from infx.kube import PeerSource
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.core import PEER_ACCEPT_METADATA, DialledPeer

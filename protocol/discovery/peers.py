@@ -4,7 +4,7 @@ Rules this file keeps: no I/O, no threads, no clock reads. Pods arrive as
 already-decoded JSON objects (the dicts the Kubernetes API sends); everything
 that decides "this pod is a peer at that address" lives here. The
 list-then-watch loop that delivers the pods is :class:`protocol.discovery.informer.Informer`;
-the Twisted adapter (``infx/kube.py``) only moves bytes and threads.
+the Twisted adapter (``infx/discovery/kube.py``) only moves bytes and threads.
 
 :class:`PeerSet` turns the informer's cache events (or pod snapshots and pod
 events, in any order) into :class:`PeerAdded` / :class:`PeerAddressChanged` /

@@ -72,7 +72,7 @@ __all__ = [
     "kube_api_client",
 ]
 
-log = Logger()
+log = Logger(namespace="infx.kube")
 
 T = TypeVar("T")
 
