@@ -222,8 +222,8 @@ class GatewayService(service.MultiService):
         ``tools/run`` shows is what a real deployment does. It starts once
         the worker port listens and stops first on shutdown.
         """
-        from infx.engine import EngineAgent
-        from infx.runtimes import EchoRuntime
+        from infx.agent.engine import EngineAgent
+        from infx.agent.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
         from protocol.agent.core import AgentConfig, EngineAgentCore
         from protocol.agent.echo import EchoConfig

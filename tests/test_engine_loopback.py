@@ -14,8 +14,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from infx.engine import PROCESS_TASKS, EngineAgent
-from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime
+from infx.agent.engine import PROCESS_TASKS, EngineAgent
+from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, client_endpoint, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig

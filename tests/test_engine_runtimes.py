@@ -14,7 +14,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from infx.runtimes import EchoRuntime, OpenAIRuntime, upstream_root
+from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, upstream_root
 from protocol.agent.echo import EchoConfig
 from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, worker_pb2
 
@@ -472,7 +472,7 @@ def test_openai_sends_a_verbatim_multipart_body_with_the_clients_content_type(fa
 
 
 def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
-    from infx.runtimes import CAPABILITIES
+    from infx.agent.runtimes import CAPABILITIES
     from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 

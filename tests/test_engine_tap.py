@@ -15,7 +15,7 @@ from twisted.application.service import MultiService
 from twisted.internet import defer, protocol, reactor
 from twisted.python import usage
 
-from infx.engine import EngineAgent
+from infx.agent.engine import EngineAgent
 from infx.engine_tap import Options, makeService, parse_host_port
 from protocol.pb import worker_pb2
 from tests.test_engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
@@ -111,7 +111,7 @@ def test_upstream_key_comes_from_a_file_or_the_environment(monkeypatch: pytest.M
 
 
 def test_the_openai_tree_watches_its_runtime_and_tells_the_agent(tmp_path: Path) -> None:
-    from infx.runtime_watch import RuntimeWatch
+    from infx.agent.runtime_watch import RuntimeWatch
 
     key_file = tmp_path / "key"
     key_file.write_text("sk-1")

@@ -77,8 +77,8 @@ def key_file(tmp_path: Any, keys: list[dict[str, Any]]) -> Any:
 
 def team_engine(gateway: GatewayService, token_delay: float) -> Any:
     """An echo engine of tenant ``team`` serving ``m``, started and attached to ``gateway``."""
-    from infx.engine import EngineAgent
-    from infx.runtimes import EchoRuntime
+    from infx.agent.engine import EngineAgent
+    from infx.agent.runtimes import EchoRuntime
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.agent.echo import EchoConfig

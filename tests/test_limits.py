@@ -425,7 +425,7 @@ def test_a_task_past_the_agents_queue_bound_is_retried_by_the_gateway_on_another
 
 class _AgentRoute:
     """An engine stream served by the real engine agent core, its runtime the echo core,
-    on the stack's clock (what :class:`infx.engine.EngineAgent` does over gRPC)."""
+    on the stack's clock (what :class:`infx.agent.engine.EngineAgent` does over gRPC)."""
 
     def __init__(self, stack: Stack, config: AgentConfig) -> None:
         self.stack = stack

@@ -10,8 +10,8 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 from twisted.logger import formatEvent, globalLogPublisher
 
-from infx.engine import PROCESS_TASKS, EngineAgent
-from infx.runtimes import EchoRuntime
+from infx.agent.engine import PROCESS_TASKS, EngineAgent
+from infx.agent.runtimes import EchoRuntime
 from infx.transport import CallKind, GrpcChannel, GrpcError, GrpcServer, ServerCall, client_endpoint, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig

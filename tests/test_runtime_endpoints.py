@@ -1,4 +1,4 @@
-"""The engine agent dials its runtime through endpoints built once (infx.runtimes.RuntimeEndpoints)."""
+"""The engine agent dials its runtime through endpoints built once (infx.agent.runtimes.RuntimeEndpoints)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from twisted.web import resource, server
 from twisted.web.client import URI, HTTPConnectionPool, readBody
 from twisted.web.error import SchemeNotSupported
 
-from infx.runtimes import RuntimeEndpoints, runtime_agent
+from infx.agent.runtimes import RuntimeEndpoints, runtime_agent
 
 
 class Hello(resource.Resource):

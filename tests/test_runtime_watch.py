@@ -17,9 +17,9 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from infx.runtime_watch import RuntimeWatch
-from infx.runtimes import OpenAIRuntime
-from infx.upstream_key import UpstreamKey, UpstreamKeyError, read_key_file
+from infx.agent.runtime_watch import RuntimeWatch
+from infx.agent.runtimes import OpenAIRuntime
+from infx.agent.upstream_key import UpstreamKey, UpstreamKeyError, read_key_file
 from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
 from tests.test_engine_runtimes import Sink
 from tests.test_engine_runtimes import chat_task as _chat_task

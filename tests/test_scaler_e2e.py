@@ -15,8 +15,8 @@ import openai
 import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
-from infx.engine import EngineAgent
-from infx.runtimes import EchoRuntime
+from infx.agent.engine import EngineAgent
+from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
 from infx.tap import Options
 from infx.transport import GrpcChannel, client_endpoint

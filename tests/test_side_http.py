@@ -1,4 +1,4 @@
-"""infx.side_http.CappedBody: a body within its cap arrives whole; past it, the transfer
+"""infx.agent.side_http.CappedBody: a body within its cap arrives whole; past it, the transfer
 stops and the answer is truncated (health checks) or fails (load scrapes)."""
 
 from twisted.internet.defer import Deferred
@@ -6,7 +6,7 @@ from twisted.python.failure import Failure
 from twisted.internet.testing import StringTransport
 from twisted.web.client import ResponseDone, ResponseFailed
 
-from infx.side_http import CappedBody
+from infx.agent.side_http import CappedBody
 
 
 def _read(chunks, limit, truncate, end=ResponseDone()):

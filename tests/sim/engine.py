@@ -1,7 +1,7 @@
 """A simulated engine: the real :class:`~protocol.agent.core.EngineAgentCore` with a scripted runtime.
 
 Rules this file keeps: the core decides everything; this file performs its
-effects in order the way ``infx/engine.py`` does (one gRPC connection per
+effects in order the way ``infx/agent/engine.py`` does (one gRPC connection per
 ``OpenStream(new_connection=True)``, a connection closed once its streams
 have ended, results of unknown streams dropped). The runtime is scripted:
 echo-like results whose content names their task and index (so a result
@@ -204,7 +204,7 @@ class EngineNode:
             self._send(stream, worker_pb2.ProcessTasksRequest(engine_status=self.core.engine_status()))
         self.flush()
 
-    # -- effects (infx.engine.EngineAgent._perform) ------------------------------------------
+    # -- effects (infx.agent.engine.EngineAgent._perform) ------------------------------------------
 
     def perform(self, effects: list[Effect]) -> None:
         self.cluster.checks.engine_touched(self)

@@ -9,7 +9,7 @@ engine side is :class:`LeanEngine`: status once a second, control tasks
 answered, every task handed to :class:`PacedRuntime`, results sent as they
 come, and nothing else, so that the engine costs little next to the
 gateway it loads. ``--agent`` runs infx's own engine agent
-(:class:`infx.engine.EngineAgent`) instead, for what it costs itself: its
+(:class:`infx.agent.engine.EngineAgent`) instead, for what it costs itself: its
 pure core scans every task in flight to compute its next deadline after
 each result, which does not scale to thousands of streams per engine.
 :class:`PacedRuntime` answers a streaming chat request itself:
@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infx.runtimes import TaskSink  # noqa: E402
+from infx.agent.runtimes import TaskSink  # noqa: E402
 from protocol.openai.runtime import runtime_request  # noqa: E402
 from protocol.openai.sse import DONE_EVENT  # noqa: E402
 from protocol.pb import worker_pb2  # noqa: E402
@@ -187,7 +187,7 @@ class LeanEngine:
     STATUS_INTERVAL = 1.0
 
     def __init__(self, reactor: Any, port: int, engine_id: str, runtime: PacedRuntime) -> None:
-        from infx.engine import PROCESS_TASKS
+        from infx.agent.engine import PROCESS_TASKS
         from infx.transport import GrpcChannel, client_endpoint
         from protocol.grpc import GrpcConfig
 
@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
 
     from twisted.internet import reactor
 
-    from infx.engine import EngineAgent
+    from infx.agent.engine import EngineAgent
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.grpc import GrpcConfig

@@ -30,8 +30,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from infx.agent.runtimes import Runtime, RunningTask, _error_result
 from infx.deadline import DeadlineTimer
-from infx.runtimes import Runtime, RunningTask, _error_result
 from infx.transport import ClientCall, GrpcChannel
 from protocol.agent.core import (
     AbortTask,
@@ -55,7 +55,7 @@ __all__ = ["PROCESS_TASKS", "EngineAgent"]
 
 PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks"
 
-log = Logger()
+log = Logger(namespace="infx.engine")
 
 
 @dataclass
@@ -154,11 +154,11 @@ class EngineAgent(Service):
         return stopped
 
     def runtime_changed(self, ready: bool, models: tuple[str, ...]) -> None:
-        """The runtime's health check changed its verdict (:mod:`infx.runtime_watch`)."""
+        """The runtime's health check changed its verdict (:mod:`infx.agent.runtime_watch`)."""
         self._run(self.core.runtime_changed(ready, models, self.clock.seconds()))
 
     def runtime_load_changed(self, load: RuntimeLoad | None) -> None:
-        """The runtime's own load changed enough to report (:mod:`infx.runtime_load_watch`)."""
+        """The runtime's own load changed enough to report (:mod:`infx.agent.runtime_load_watch`)."""
         self._run(self.core.runtime_load_changed(None if load is None else load.to_pb(), self.clock.seconds()))
 
     # -- effects ------------------------------------------------------------------

@@ -46,7 +46,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
-from infx.upstream_key import UpstreamKey
+from infx.agent.upstream_key import UpstreamKey
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
 from protocol.openai.runtime import RuntimeRequest, runtime_request
@@ -60,7 +60,7 @@ __all__ = [
     "TaskSink", "runtime_agent", "upstream_root",
 ]
 
-log = Logger()
+log = Logger(namespace="infx.runtimes")
 
 
 class TaskSink(Protocol):

@@ -23,8 +23,8 @@ from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
+from infx.agent.side_http import CappedBody, quiet_pool
 from infx.deadline import DeadlineTimer
-from infx.side_http import CappedBody, quiet_pool
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadEffect,
@@ -37,7 +37,7 @@ from protocol.agent.runtime_metrics import MAX_BODY
 
 __all__ = ["RuntimeLoadWatch", "scrape_pool"]
 
-log = Logger()
+log = Logger(namespace="infx.runtime_load_watch")
 
 
 def scrape_pool(clock: IReactorTime) -> HTTPConnectionPool:

@@ -20,7 +20,7 @@ from twisted.logger import Logger
 
 __all__ = ["CHECK_INTERVAL", "UpstreamKey", "UpstreamKeyError", "read_key_file"]
 
-log = Logger()
+log = Logger(namespace="infx.upstream_key")
 
 #: Seconds between rereads of the key file, on the clock passed in.
 CHECK_INTERVAL = 10.0

@@ -5,7 +5,7 @@ machine's; this service GETs the path on the ``openai`` runtime's server
 (with its credentials), reports the outcome, arms one timer from
 ``next_deadline()``, and tells the engine agent when readiness changes.
 A task that could not reach the runtime triggers a check at once, through
-:attr:`infx.runtimes.OpenAIRuntime.on_unreachable`.
+:attr:`infx.agent.runtimes.OpenAIRuntime.on_unreachable`.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent, IResponse
 
+from infx.agent.runtimes import OpenAIRuntime
+from infx.agent.side_http import CappedBody, quiet_pool
 from infx.deadline import DeadlineTimer
-from infx.runtimes import OpenAIRuntime
-from infx.side_http import CappedBody, quiet_pool
 from protocol.agent.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
 
 __all__ = ["MAX_CHECK_BODY", "RuntimeWatch", "check_pool"]
 
-log = Logger()
+log = Logger(namespace="infx.runtime_watch")
 
 #: A model list larger than this is not read (a check is not worth a large buffer).
 MAX_CHECK_BODY = 1024 * 1024
