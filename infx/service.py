@@ -191,14 +191,14 @@ class GatewayService(service.MultiService):
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
 
-    # --- scaling engine deployments (infx/scaler.py) -------------------------
+    # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 
     def _build_scaler(self) -> Any:
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
         import random
 
         from infx.discovery.kube import PodWatcherConfig, kube_api_client
-        from infx.scaler import ProcessorLink, kubernetes_scaler
+        from infx.scaling.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace

@@ -2,7 +2,7 @@
 
 It keeps the Scale subresource's rules that the scaler relies on: every
 write bumps the resourceVersion and the generation, and a replace at a stale
-resourceVersion is a 409 (:class:`~infx.scaler_kube.ScaleConflict`).
+resourceVersion is a 409 (:class:`~infx.scaling.kube.ScaleConflict`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 
 from twisted.internet import defer
 
-from infx.scaler_kube import KubernetesAPIError, ScaleConflict, ScaleRecord
+from infx.scaling.kube import KubernetesAPIError, ScaleConflict, ScaleRecord
 from protocol.scaling.scaler import DeploymentKey, PostEvent
 
 
 class InMemoryServiceQuery:
     """Deployments held in memory with resourceVersions, behaving like the scale subresource.
 
-    Also an :class:`~infx.scaler_kube.EventRecorder` (events land in
+    Also an :class:`~infx.scaling.kube.EventRecorder` (events land in
     ``events``), so a test can run the scaler with no Kubernetes at all.
     ``on_change(deployment)`` is called after every write, as a watch would.
     """

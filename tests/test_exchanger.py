@@ -14,7 +14,7 @@ from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
-from infx.scaler import InferenceScaler
+from infx.scaling.scaler import InferenceScaler
 from infx.service import GatewayService
 from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved

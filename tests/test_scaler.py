@@ -1,4 +1,4 @@
-"""infx.scaler on a task.Clock with the in-memory ServiceQuery: holds, writes, ticks, leases."""
+"""infx.scaling.scaler on a task.Clock with the in-memory ServiceQuery: holds, writes, ticks, leases."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, task
 
-from infx.scaler import InferenceScaler
-from infx.scaler_kube import ScaleConflict
-from infx.scaler_lease import LeaseElector
+from infx.scaling.kube import ScaleConflict
+from infx.scaling.lease import LeaseElector
+from infx.scaling.scaler import InferenceScaler
 from protocol.scaling.scaler import (
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,

@@ -1,4 +1,4 @@
-"""infx.scaler against the fake Kubernetes API server, with the official client over real HTTP.
+"""infx.scaling.scaler against the fake Kubernetes API server, with the official client over real HTTP.
 
 Scale writes are compare-and-set on the Scale subresource; several gateways
 racing still make one write; Events and the Lease land in the API server.
@@ -15,9 +15,9 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
-from infx.scaler import InferenceScaler, kubernetes_scaler
-from infx.scaler_kube import KubernetesEvents, KubernetesLease, KubernetesServiceQuery, ScaleConflict
-from infx.scaler_lease import LeaseElector
+from infx.scaling.kube import KubernetesEvents, KubernetesLease, KubernetesServiceQuery, ScaleConflict
+from infx.scaling.lease import LeaseElector
+from infx.scaling.scaler import InferenceScaler, kubernetes_scaler
 from protocol.scaling.scaler import (
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,

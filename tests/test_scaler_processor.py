@@ -19,8 +19,8 @@ from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
 from infx.gateway.tasks import Submission
-from infx.scaler import InferenceScaler, ProcessorLink
-from infx.scaler_kube import KubernetesEvents, KubernetesServiceQuery
+from infx.scaling.kube import KubernetesEvents, KubernetesServiceQuery
+from infx.scaling.scaler import InferenceScaler, ProcessorLink
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
 from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey

@@ -135,7 +135,7 @@ class Scaler:
     """Every scaling decision for the deployments one gateway knows about.
 
     Inputs are method calls taking ``now``; each returns the effects to
-    perform, in order. The Twisted side (``infx.scaler``) feeds it the
+    perform, in order. The Twisted side (``infx.scaling.scaler``) feeds it the
     deployment and pod watches, engine readiness, request counters and the
     request counts peer gateways report, whether it holds the leader lease
     (:meth:`lead`), and calls :meth:`handle_timeout` at :meth:`next_deadline`,

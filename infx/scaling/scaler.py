@@ -11,8 +11,8 @@ A held request ends available, or with a 503 and ``Retry-After``; never with
 a blind forward.
 
 The rest lives next door: the Kubernetes adapters (Scale, Events, Lease) in
-:mod:`infx.scaler_kube`, leader election in :mod:`infx.scaler_lease`, the
-deployment and pod informers in :mod:`infx.scaler_watch`.
+:mod:`infx.scaling.kube`, leader election in :mod:`infx.scaling.lease`, the
+deployment and pod informers in :mod:`infx.scaling.watch`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
-from infx.scaler_kube import (
+from infx.scaling.kube import (
     EventRecorder,
     KubernetesAPIError,
     KubernetesEvents,
@@ -39,8 +39,8 @@ from infx.scaler_kube import (
     ScaleConflict,
     ServiceQuery,
 )
-from infx.scaler_lease import LeaseElector
-from infx.scaler_watch import ScalerWatches
+from infx.scaling.lease import LeaseElector
+from infx.scaling.watch import ScalerWatches
 from protocol.scaling.scaler import (
     ColdStartFinished,
     DeploymentKey,
@@ -123,8 +123,6 @@ class InferenceScaler:
     startup timeouts, retries and the autoscaler's ticks) are one timer.
     """
 
-    log = Logger()
-
     def __init__(
         self,
         clock: IReactorTime,
@@ -136,6 +134,8 @@ class InferenceScaler:
         fail_held: Callable[[str, ScaleError], None] | None = None,
         leader: bool = True,
     ) -> None:
+        # The namespace operators know, from before infx/scaling/ (a class-level Logger would take the new path).
+        self.log = Logger(namespace="infx.scaler.InferenceScaler", source=self)
         self.clock = clock
         self.service_query = service_query
         self.events = events

@@ -3,7 +3,7 @@
 The decisions are :mod:`protocol.scaling.lease`'s (``decide_lease``,
 ``release_lease``, and :class:`~protocol.scaling.lease.RenewSchedule` for
 when the next round is due); this module performs them against a
-:class:`~infx.scaler_kube.LeaseStore` and keeps one timer at the schedule's
+:class:`~infx.scaling.kube.LeaseStore` and keeps one timer at the schedule's
 deadline on the injected clock.
 """
 
@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from infx.deadline import DeadlineTimer
-from infx.scaler_kube import LeaseStore, ScaleConflict
+from infx.scaling.kube import LeaseStore, ScaleConflict
 from protocol.scaling.lease import RenewSchedule, RoundDue, decide_lease, release_lease
 
 __all__ = ["LeaseElector"]
@@ -32,11 +32,11 @@ class LeaseElector:
     every change.
     """
 
-    log = Logger()
-
     def __init__(self, clock: IReactorTime, store: LeaseStore, identity: str, name: str = "infx-scaler",
                  duration: float = 15.0, renew_interval: float = 5.0,
                  on_change: Callable[[bool], None] | None = None) -> None:
+        # The namespace operators know, from before infx/scaling/ (a class-level Logger would take the new path).
+        self.log = Logger(namespace="infx.scaler_lease.LeaseElector", source=self)
         self.clock = clock
         self.store = store
         self.identity = identity

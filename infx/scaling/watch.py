@@ -2,7 +2,7 @@
 
 Each is an :class:`infx.discovery.kube.KubeInformer` (the one adapter of
 :class:`protocol.discovery.informer.Informer`) over raw JSON objects; their cache
-changes become :class:`~infx.scaler.InferenceScaler` observations: a
+changes become :class:`~infx.scaling.scaler.InferenceScaler` observations: a
 deployment added or modified is observed, one deleted is forgotten, and every
 pod change rechecks the crash loops of the deployments that select it.
 """
@@ -24,7 +24,7 @@ __all__ = ["ScalerWatches", "kube_object", "object_key", "object_version"]
 
 
 class Observer(Protocol):
-    """The observations :class:`ScalerWatches` makes (an :class:`~infx.scaler.InferenceScaler`)."""
+    """The observations :class:`ScalerWatches` makes (an :class:`~infx.scaling.scaler.InferenceScaler`)."""
 
     def observe_deployment(self, deployment: Mapping[str, Any]) -> None: ...
 

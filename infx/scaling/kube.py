@@ -3,7 +3,7 @@
 Each blocking call of the official client runs in the reactor's thread pool
 and comes back as a Deferred; API errors are mapped to :class:`ScaleConflict`
 (409: re-read and decide again) and :class:`KubernetesAPIError`. No decision
-is made here: :mod:`protocol.scaling.scaler` decides, :mod:`infx.scaler` performs.
+is made here: :mod:`protocol.scaling.scaler` decides, :mod:`infx.scaling.scaler` performs.
 """
 
 from __future__ import annotations
