@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.twistd_processes import Gateway
+from harness.twistd_processes import Gateway
 from tools.bench import attacks
 from tools.bench.attacks import CANCEL, ENHANCE_YOUR_CALM, LegitimateClient, Outcome, Target, Wire
 

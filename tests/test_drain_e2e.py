@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 
-from tests.twistd_processes import Engine, Gateway, wait_until
+from harness.twistd_processes import Engine, Gateway, wait_until
 
 WORDS = " ".join(f"w{i}" for i in range(100))
 

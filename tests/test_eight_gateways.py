@@ -1,6 +1,6 @@
 """Issue #16's real-process check: 8 ``twistd infx`` gateways, 16 engines, one killed and restarted.
 
-The cluster (:mod:`tests.eight_gateways`): a full mesh of static peers with an internal secret;
+The cluster (:mod:`harness.eight_gateways`): a full mesh of static peers with an internal secret;
 four models, each on four engines attached to four different gateways, so every gateway serves
 half the models only through the exchange. With steady traffic from every gateway, one gateway is
 SIGKILLed and restarted on its ports: every request to a live gateway ends in one whole, right
@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.eight_gateways import (
+from harness.eight_gateways import (
     ALL_ENGINES,
     ENGINES_PER_GATEWAY,
     MODELS,
@@ -34,7 +34,7 @@ from tests.eight_gateways import (
     engine_model,
     prompt,
 )
-from tests.twistd_processes import wait_until
+from harness.twistd_processes import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

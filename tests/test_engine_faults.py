@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.twistd_processes import Engine, Gateway, wait_until
+from harness.twistd_processes import Engine, Gateway, wait_until
 
 
 @pytest.fixture(scope="module")

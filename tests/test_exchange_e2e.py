@@ -226,10 +226,10 @@ def test_three_gateways_with_kube_keep_one_receiver_per_live_peer_through_churn_
     """In one process (so every receiver can be inspected), built from ``twistd infx --kube``
     options, each gateway reading its own POD_NAME; the pod watchers talk to the test API server
     over real HTTP with the official client."""
+    from harness.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
     from infx.service import GatewayService
     from infx.tap import Options
     from protocol.discovery.peers import PeerAddress
-    from tests.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
 
     api = FakeKubeAPI(reactor).start()
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", api.url)

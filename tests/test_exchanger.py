@@ -12,6 +12,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
+from harness.scaler_fakes import InMemoryServiceQuery
 from infx.config import build_config
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.scaling.scaler import InferenceScaler
@@ -20,7 +21,6 @@ from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.gateway.core import DialState
 from protocol.processor.types import Locality
-from tests.scaler_fakes import InMemoryServiceQuery
 
 LOOPBACK = "tcp:0:interface=127.0.0.1"
 
@@ -198,7 +198,7 @@ def test_requests_a_peer_accepted_reach_this_gateways_scaler_as_started_requests
 
 @pytest_twisted.inlineCallbacks
 def test_an_engine_two_peers_report_is_reached_through_the_second_once_the_first_goes(gateways):
-    """F1 of tests/sim/FINDINGS.md over real sockets: b and c both report an engine named
+    """F1 of harness/sim/FINDINGS.md over real sockets: b and c both report an engine named
     builtin-echo; a registers b's (first) and skips c's. When b stops, a registers c's from
     c's last report, though c has nothing new to report."""
     a = yield gateways("a")

@@ -2,7 +2,7 @@
 
 One gateway with an API key file serves two engine processes: the built-in
 ``echo`` runtime, and the ``openai`` runtime pointed at
-:class:`tests.fake_openai_server.FakeOpenAIServer`. The shutdown test runs
+:class:`harness.fake_openai_server.FakeOpenAIServer`. The shutdown test runs
 its own gateway, since it ends it with SIGTERM.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.fake_openai_server import FakeOpenAIServer
-from tests.llmariner_engine import LLMarinerEngine
-from tests.twistd_processes import Engine, Gateway, wait_until
+from harness.fake_openai_server import FakeOpenAIServer
+from harness.llmariner_engine import LLMarinerEngine
+from harness.twistd_processes import Engine, Gateway, wait_until
 
 KEYS = """
 keys:

@@ -21,6 +21,7 @@ from kubernetes import client
 from twisted.internet import defer, reactor, task
 from twisted.logger import globalLogPublisher
 
+from harness.kubeapi import FakeKubeAPI
 from infx.discovery.kube import PodWatcher, PodWatcherConfig
 from protocol.backoff import Backoff
 from protocol.discovery.informer import (
@@ -32,7 +33,6 @@ from protocol.discovery.informer import (
     parse_watch_event,
 )
 from protocol.discovery.peers import PeerSet, desired_peer, pod_state
-from tests.kubeapi import FakeKubeAPI
 
 FEW = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -139,7 +139,7 @@ def test_a_bad_file_at_start_is_an_error_and_reloading_needs_a_file(tmp_path):
 
 def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
     """A real ``twistd infx``: the key works, is removed from the file, and is refused seconds later."""
-    from tests.twistd_processes import Gateway, http_get, wait_until
+    from harness.twistd_processes import Gateway, http_get, wait_until
 
     path = tmp_path / "keys.yaml"
     path.write_text(ALICE_AND_BOB)
@@ -158,7 +158,7 @@ def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
 
 
 def test_an_engine_whose_key_is_removed_loses_its_stream_and_cannot_dial_again(tmp_path):
-    from tests.twistd_processes import Engine, Gateway, wait_until
+    from harness.twistd_processes import Engine, Gateway, wait_until
 
     path = tmp_path / "keys.yaml"
     with_engine = "keys:\n  - {key: sk-admin, admin: true}\nengine_keys:\n  - {key: ek-a, tenant: a}\n"

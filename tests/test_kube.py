@@ -14,6 +14,7 @@ import pytest_twisted
 from kubernetes import client
 from twisted.internet import defer, reactor, task
 
+from harness.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
 from infx.discovery.kube import PeerSourceService, PodWatcher, PodWatcherConfig, StaticPeers, kube_api_client
 from protocol.backoff import Backoff
 from protocol.discovery.informer import InformerState
@@ -25,7 +26,6 @@ from protocol.discovery.peers import (
     PeerChange,
     PeerRemoved,
 )
-from tests.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
 
 APP = {"app": "infx"}
 PORT = 8083

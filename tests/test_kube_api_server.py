@@ -15,8 +15,8 @@ from kubernetes.client.rest import ApiException
 from twisted.internet import defer, reactor, threads
 from urllib3.exceptions import HTTPError
 
-from tests.kubeapi import EVENTS, PODS, FakeKubeAPI, write_kubeconfig
-from tests.kubeapi.store import ApiError, json_patch, label_selector, merge_patch
+from harness.kubeapi import EVENTS, PODS, FakeKubeAPI, write_kubeconfig
+from harness.kubeapi.store import ApiError, json_patch, label_selector, merge_patch
 
 APP = {"app": "infx"}
 WATCH_TIMEOUT = 5  # a safety net: every watch here ends well before it

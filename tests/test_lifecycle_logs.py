@@ -12,9 +12,9 @@ import pytest_twisted
 from twisted.internet import threads
 from twisted.logger import LogLevel
 
+from harness.llmariner_engine import LLMarinerEngine
 from infx.gateway.auth import KeyStore
 from infx.service import GatewayService
-from tests.llmariner_engine import LLMarinerEngine
 from tests.test_exchanger import gateways, internal_address, until  # noqa: F401  (fixture)
 from tests.test_repeated_failure_logs import LogLines
 
@@ -94,7 +94,7 @@ def test_peer_connected_and_gone_lines_name_the_pod(gateways) -> Steps:  # noqa:
 
 @pytest_twisted.inlineCallbacks
 def test_a_peer_that_is_not_there_is_one_line_however_often_it_is_redialled(gateways) -> Steps:  # noqa: F811
-    from tests.twistd_processes import free_port
+    from harness.twistd_processes import free_port
 
     address = f"127.0.0.1:{free_port()}"
     with LogLines() as logs:

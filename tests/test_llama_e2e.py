@@ -1,5 +1,5 @@
 """End to end against a real runtime: ``twistd infx`` and ``twistd infx-engine --runtime openai`` in front
-of llama.cpp (llama-cpp-python's server, a tiny model made by :mod:`tests.llama_runtime`).
+of llama.cpp (llama-cpp-python's server, a tiny model made by :mod:`harness.llama_runtime`).
 
 Request by request, the answer through infx must equal the runtime's own
 answer to the same request with the same seed: status, JSON body (ids and
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from tests.llama_runtime import LlamaServer, write_tiny_model
-from tests.twistd_processes import Engine, Gateway, free_port, wait_until
+from harness.llama_runtime import LlamaServer, write_tiny_model
+from harness.twistd_processes import Engine, Gateway, free_port, wait_until
 
 KEYS = """
 keys:

@@ -1,8 +1,8 @@
 """Real runtimes (issue #17): the same conversations through two gateways to three llama.cpp servers,
 routed by infx's affinity policy and by LLMariner's least-in-progress; the runtimes' own logs say how
-much of each prompt their prefix cache served (see :mod:`tests.llama_routing`).
+much of each prompt their prefix cache served (see :mod:`harness.llama_routing`).
 
-Needs the llama.cpp runtime helpers (``tests/llama_runtime.py``) and the
+Needs the llama.cpp runtime helpers (``harness/llama_runtime.py``) and the
 routing policies (``--routing-policy``); it is skipped where the first is
 missing.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tests.llama_runtime", reason="needs the llama.cpp runtime helpers (tests/llama_runtime.py)")
+pytest.importorskip("harness.llama_runtime", reason="needs the llama.cpp runtime helpers (harness/llama_runtime.py)")
 
-from tests import llama_runtime  # noqa: E402
-from tests.llama_routing import PolicyResult, Workload, run_policy  # noqa: E402
+from harness import llama_runtime  # noqa: E402
+from harness.llama_routing import PolicyResult, Workload, run_policy  # noqa: E402
 
 WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4)
 

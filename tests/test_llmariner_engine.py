@@ -1,7 +1,7 @@
 """A LLMariner engine (grpcio, infx's own protos) against the real ``twistd infx`` gateway.
 
 The gateway runs as a child process with an API key file (two tenants and an
-engine key); the engine is :class:`tests.llmariner_engine.LLMarinerEngine`
+engine key); the engine is :class:`harness.llmariner_engine.LLMarinerEngine`
 in this process, and the clients are the official ``openai`` client. Each
 test proves one part of the wire contract: registration, tasks as LLMariner
 engines receive them, results as they send them, and what infx does when an
@@ -18,9 +18,9 @@ import grpc
 import openai
 import pytest
 
+from harness.llmariner_engine import Answer, LLMarinerEngine, Payload, http_response, last_event, runtime_answer, sse
+from harness.twistd_processes import Gateway, wait_until
 from protocol.pb import worker_pb2
-from tests.llmariner_engine import Answer, LLMarinerEngine, Payload, http_response, last_event, runtime_answer, sse
-from tests.twistd_processes import Gateway, wait_until
 
 KEYS = """
 keys:

@@ -23,8 +23,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.recording_runtime import Answer, Recorded, RecordingRuntime
-from tests.twistd_processes import Engine, Gateway
+from harness.recording_runtime import Answer, Recorded, RecordingRuntime
+from harness.twistd_processes import Engine, Gateway
 
 MODEL = "m"
 HELLO = [{"role": "user", "content": "hi"}]
@@ -388,7 +388,7 @@ def test_a_request_served_by_a_peer_gateways_engine_is_as_lossless_as_a_local_on
 
 @pytest.fixture(scope="module")
 def llmariner_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gateway, Any]]:
-    from tests.llmariner_engine import LLMarinerEngine
+    from harness.llmariner_engine import LLMarinerEngine
 
     logs = tmp_path_factory.mktemp("lossless-llmariner")
     gateway = Gateway(logs)

@@ -119,7 +119,7 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
 
 def test_a_twistd_gateways_metrics_stay_bounded_under_random_model_names(tmp_path) -> None:
     """The issue's case on a real ``twistd infx`` process: 30 random names in 404s add no series."""
-    from tests.twistd_processes import Gateway, http_get
+    from harness.twistd_processes import Gateway, http_get
 
     gateway = Gateway(tmp_path, extra=["--echo-models", "echo"])
     try:

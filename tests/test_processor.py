@@ -636,7 +636,7 @@ def test_misuse_raises_a_local_error():
         ProcessorConfig(max_retries=-1, queue_timeout=-1)
 
 
-# --- attempts: findings F2 and F3 of the cluster simulation (tests/sim/FINDINGS.md) ----
+# --- attempts: findings F2 and F3 of the cluster simulation (harness/sim/FINDINGS.md) ----
 
 
 def test_a_retry_over_the_same_peer_route_has_its_own_wire_id_and_late_answers_to_the_first_are_ignored():

@@ -1,10 +1,10 @@
-"""Small seeds of the routing simulation (tests/sim/routing): the direction of the issue's
+"""Small seeds of the routing simulation (harness/sim/routing): the direction of the issue's
 targets, robustly, and determinism. The full table is ``tools/routing_sim --check``."""
 
 import pytest
 
-from tests.sim.routing.run import simulate
-from tests.sim.routing.runtime import RuntimeSpec
+from harness.sim.routing.run import simulate
+from harness.sim.routing.runtime import RuntimeSpec
 
 # A quarter of the clients on half the engines, each with a third of the full run's cache, so
 # that the caches stay under pressure (with the full cache every engine soon holds every prompt
@@ -71,7 +71,7 @@ def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed():
     import subprocess
     import sys
 
-    code = ("from tests.sim.routing.run import simulate; "
+    code = ("from harness.sim.routing.run import simulate; "
             "r = simulate('shared-prefix', 'affinity', 3, 4, duration=6.0, warmup=1.0, scale=0.05, engines=3); "
             "print(r.requests, r.cached_tokens, r.output_tokens, sorted(r.load_samples.items()))")
     outputs = {

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, task
 
+from harness.scaler_fakes import InMemoryServiceQuery
 from infx.scaling.kube import ScaleConflict
 from infx.scaling.lease import LeaseElector
 from infx.scaling.scaler import InferenceScaler
@@ -24,7 +25,6 @@ from protocol.scaling.scaler import (
     HoldResolved,
     ScalingLocalError,
 )
-from tests.scaler_fakes import InMemoryServiceQuery
 
 KEY = DeploymentKey("ml", "llama")
 

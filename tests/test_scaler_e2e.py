@@ -15,6 +15,7 @@ import openai
 import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
+from harness.kubeapi import EVENTS, FakeKubeAPI, write_kubeconfig
 from infx.agent.engine import EngineAgent
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
@@ -23,7 +24,6 @@ from infx.transport import GrpcChannel, client_endpoint
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig
 from protocol.grpc import GrpcConfig
-from tests.kubeapi import EVENTS, FakeKubeAPI, write_kubeconfig
 
 
 def free_port() -> int:

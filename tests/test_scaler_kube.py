@@ -15,6 +15,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
+from harness.kubeapi import DEPLOYMENTS, EVENTS, PODS, FakeKubeAPI
 from infx.scaling.kube import KubernetesEvents, KubernetesLease, KubernetesServiceQuery, ScaleConflict
 from infx.scaling.lease import LeaseElector
 from infx.scaling.scaler import InferenceScaler, kubernetes_scaler
@@ -26,7 +27,6 @@ from protocol.scaling.scaler import (
     DeploymentKey,
     HoldResolved,
 )
-from tests.kubeapi import DEPLOYMENTS, EVENTS, PODS, FakeKubeAPI
 
 KEY = DeploymentKey("default", "llama")
 LABELS = {"app": "llama", SCALABLE_LABEL: "true", MIN_SCALE_LABEL: "0"}

@@ -15,6 +15,8 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 from twisted.internet import defer, reactor, task
 
+from harness.kubeapi import EVENTS, FakeKubeAPI
+from harness.scaler_fakes import InMemoryServiceQuery
 from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
@@ -24,9 +26,7 @@ from infx.scaling.scaler import InferenceScaler, ProcessorLink
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
 from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
-from tests.kubeapi import EVENTS, FakeKubeAPI
 from tests.processor_helpers import chat, engine_status, http
-from tests.scaler_fakes import InMemoryServiceQuery
 
 KEY = DeploymentKey("default", "llama")
 LABELS = {"app": "llama", SCALABLE_LABEL: "true", MIN_SCALE_LABEL: "0"}

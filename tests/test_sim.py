@@ -1,4 +1,4 @@
-"""The whole cluster in memory (tests/sim): seeded runs hold every invariant, a seed
+"""The whole cluster in memory (harness/sim): seeded runs hold every invariant, a seed
 replays exactly, and a bug planted in the processor or in the production gateway
 core (the glue the sim drives) is reported with the invariant it breaks and a
 command that replays it."""
@@ -13,14 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.gateway.core import GatewayCore
-from protocol.gateway.effects import SendOnDial
-from protocol.pb import status_pb2
-from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import EnginesRemoved
-from tests.sim import SimConfig, run_seed
-from tests.sim.__main__ import main
-from tests.sim.invariants import (
+from harness.sim import SimConfig, run_seed
+from harness.sim.__main__ import main
+from harness.sim.invariants import (
     CONVERGENCE,
     DEADLINE,
     LIVENESS,
@@ -29,7 +24,12 @@ from tests.sim.invariants import (
     TENANT,
     ClientRequest,
 )
-from tests.sim.scale import report
+from harness.sim.scale import report
+from protocol.gateway.core import GatewayCore
+from protocol.gateway.effects import SendOnDial
+from protocol.pb import status_pb2
+from protocol.processor.core import Processor, TaskState
+from protocol.processor.types import EnginesRemoved
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE_STEPS = 500
@@ -39,7 +39,7 @@ SUITE_STEPS = 500
 def test_seeded_cluster_run_with_faults_holds_every_invariant(seed):
     """Faults, load, heal, converge, probe, drain: nothing ends twice or out of order, no
     tenant leak, no loop, every gateway learns every up engine (F1), probes succeed after
-    the faults stop (F2), memory is freed (F3); see tests/sim/FINDINGS.md."""
+    the faults stop (F2), memory is freed (F3); see harness/sim/FINDINGS.md."""
     result = run_seed(seed, SimConfig(steps=SUITE_STEPS))
     assert result.ok, result.describe()
     assert result.stats["requests"] > 0 and result.stats["invariant_checks"] > 0
@@ -208,7 +208,7 @@ def test_a_seed_replays_identically_in_other_processes_whatever_their_hash_seed(
     assert digests == {local}
 
 
-# --- incremental invariants (tests/sim/checks.py) against the full recomputation ----------------
+# --- incremental invariants (harness/sim/checks.py) against the full recomputation ----------------
 
 
 @pytest.mark.parametrize("seed, config", [

@@ -278,7 +278,7 @@ def _free_privileged_ports(count: int) -> list[int]:
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="binding below 1024 needs root")
 def test_twistd_u_g_binds_ports_below_1024_then_serves_as_the_unprivileged_user(tmp_path):
-    from tests.twistd_processes import TwistdChild, http_get, wait_until
+    from harness.twistd_processes import TwistdChild, http_get, wait_until
 
     http, worker, internal = _free_privileged_ports(3)
     child = TwistdChild("privileged", ["-u", "65534", "-g", "65534", "infx", "--http", loopback(http),

@@ -1,4 +1,4 @@
-"""The real-process helpers of :mod:`tests.twistd_processes` themselves."""
+"""The real-process helpers of :mod:`harness.twistd_processes` themselves."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import twistd_processes
-from tests.twistd_processes import ChildDied, Gateway
+from harness import twistd_processes
+from harness.twistd_processes import ChildDied, Gateway
 
 
 def test_a_gateway_whose_port_was_taken_before_it_could_bind_starts_again_on_new_ports(tmp_path: Path, monkeypatch):

@@ -1,7 +1,7 @@
 """The worker service (``infx.gateway.workers``) in-process on the reactor, against grpcio engines on threads.
 
 The gateway is the real service tree from :func:`infx.service.build_gateway`
-on loopback ports; engines are :class:`tests.llmariner_engine.LLMarinerEngine`
+on loopback ports; engines are :class:`harness.llmariner_engine.LLMarinerEngine`
 (grpcio, blocking) and the clients are the ``openai`` client, both run with
 ``deferToThread`` so the reactor keeps serving them. Being in-process, the
 tests read the processor's own state and counters.
@@ -18,10 +18,10 @@ import pytest
 import pytest_twisted
 from twisted.internet import reactor, task, threads
 
+from harness.llmariner_engine import LLMarinerEngine, http_response
 from infx.config import build_config
 from infx.service import GatewayService, build_gateway
 from protocol.pb import worker_pb2
-from tests.llmariner_engine import LLMarinerEngine, http_response
 
 StartEngine = Callable[..., LLMarinerEngine]
 Steps = Generator[Any, Any, None]

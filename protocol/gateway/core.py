@@ -4,7 +4,7 @@ Rules this file keeps: no I/O, no clock reads (``now`` is every input's last
 argument, never defaulted), no randomness but the ``random.Random`` passed in.
 Every decision that joins the pure machines lives here, so the Twisted
 adapters (``infx/gateway/dispatcher.py``, ``infx/gateway/workers.py``, ``infx/exchange/exchanger.py``)
-and the simulation (``tests/sim/``) drive this same object and only perform
+and the simulation (``harness/sim/``) drive this same object and only perform
 what it returns: I/O effects (:mod:`protocol.gateway.effects`, plus the
 processor's own ``SendTask``/``CancelTaskOnEngine``/``CloseEngine``/
 ``CloseRoute``/``DeliverResult``/``FailRequest``/``TaskQueued``), in order.

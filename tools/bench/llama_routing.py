@@ -1,9 +1,9 @@
 """Real-runtime routing benchmark (issue #17): llama.cpp servers behind engine agents, two gateways,
 multi-turn conversations; prefix-cache reuse and time to first token per routing policy.
 
-The cluster and what is measured are :mod:`tests.llama_routing`'s (the same
+The cluster and what is measured are :mod:`harness.llama_routing`'s (the same
 run, smaller, is ``tests/test_llama_routing.py``). Each policy gets a fresh
-cluster; the model is the random-weight llama of :mod:`tests.llama_runtime`,
+cluster; the model is the random-weight llama of :mod:`harness.llama_runtime`,
 made larger here (``--width``, ``--layers``, ``--context``) so that prefill
 costs enough to show in the time to first token. Timings vary with the
 machine and its load: this is a benchmark, not a test. Needs the test
@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests import llama_runtime  # noqa: E402
-from tests.llama_routing import Workload, run_policy  # noqa: E402
-from tests.llama_runtime import write_tiny_model  # noqa: E402
+from harness import llama_runtime  # noqa: E402
+from harness.llama_routing import Workload, run_policy  # noqa: E402
+from harness.llama_runtime import write_tiny_model  # noqa: E402
 
 
 def main() -> None:

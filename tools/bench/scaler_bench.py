@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from twisted.internet import defer, task  # noqa: E402
 
+from harness.scaler_fakes import InMemoryServiceQuery  # noqa: E402
 from infx.scaling.scaler import InferenceScaler  # noqa: E402
 from protocol.scaling.scaler import (  # noqa: E402
     MAX_SCALE_LABEL,
@@ -32,7 +33,6 @@ from protocol.scaling.scaler import (  # noqa: E402
     ScaleWrite,
     deployment_snapshot,
 )
-from tests.scaler_fakes import InMemoryServiceQuery  # noqa: E402
 
 
 def deployment(i: int, replicas: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ its own, so that tests in any process can drive it:
 - ``POST /_rec/script`` appends answers (JSON list), ``GET /_rec/requests``
   returns the recorded requests, ``POST /_rec/reset`` forgets both.
 
-Run ``python -m tests.recording_runtime PORT_FILE``; :class:`RecordingRuntime`
+Run ``python -m harness.recording_runtime PORT_FILE``; :class:`RecordingRuntime`
 starts it, and the helpers below script it and read what it recorded.
 """
 
@@ -76,7 +76,7 @@ class RecordingRuntime:
         port_file = log_dir / "recording-runtime.port"
         self._log = open(log_dir / "recording-runtime.log", "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.recording_runtime", str(port_file)],
+            [sys.executable, "-m", "harness.recording_runtime", str(port_file)],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 20

@@ -17,7 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from tests.sim.scheduler import Scheduler
+    from harness.sim.scheduler import Scheduler
 
 
 class LinkEnd(Protocol):

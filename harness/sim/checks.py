@@ -33,12 +33,12 @@ import heapq
 from itertools import count
 from typing import TYPE_CHECKING
 
-from tests.sim.invariants import DEADLINE, MEMORY, TICK, ClientRequest
+from harness.sim.invariants import DEADLINE, MEMORY, TICK, ClientRequest
 
 if TYPE_CHECKING:
-    from tests.sim.cluster import Cluster
-    from tests.sim.engine import EngineNode
-    from tests.sim.gateway import Gateway, PeerDial
+    from harness.sim.cluster import Cluster
+    from harness.sim.engine import EngineNode
+    from harness.sim.gateway import Gateway, PeerDial
 
 
 class StepChecks:

@@ -32,7 +32,7 @@ from twisted.internet.task import LoopingCall
 from twisted.protocols.policies import WrappingFactory
 from twisted.web import resource, server
 
-from tests.kubeapi.store import (
+from harness.kubeapi.store import (
     DEPLOYMENTS,
     LEASES,
     PODS,
@@ -163,7 +163,7 @@ class FakeKubeAPI:
     watch events):
 
     - lifecycle: ``start()`` (returns self), ``url``, ``client_configuration()``,
-      ``stop()`` (Deferred); ``tests.kubeapi.write_kubeconfig(path, url, token=)``.
+      ``stop()`` (Deferred); ``harness.kubeapi.write_kubeconfig(path, url, token=)``.
     - any resource (``PODS``, ``DEPLOYMENTS``, ``EVENTS``, ``CORE_EVENTS``,
       ``LEASES``): ``create(res, obj)``, ``get(res, name)``, ``list(res)``,
       ``update(res, name, mutate)``, ``delete(res, name)``; ``namespace=``

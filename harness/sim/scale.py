@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.sim.cluster import Cluster, SimConfig
+from harness.sim.engine import EngineNode
+from harness.sim.gateway import STATUS_INTERVAL
+from harness.sim.invariants import ClientRequest
 from protocol.processor.types import Locality
-from tests.sim.cluster import Cluster, SimConfig
-from tests.sim.engine import EngineNode
-from tests.sim.gateway import STATUS_INTERVAL
-from tests.sim.invariants import ClientRequest
 
 SIZES = (3, 10, 25, 50)
 ENGINES_PER_GATEWAY = 10

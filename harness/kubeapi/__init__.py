@@ -1,4 +1,4 @@
-"""A fake Kubernetes API server for tests; see :mod:`tests.kubeapi.server` for what it serves.
+"""A fake Kubernetes API server for tests; see :mod:`harness.kubeapi.server` for what it serves.
 
 Typical use in a pytest-twisted test::
 
@@ -10,9 +10,9 @@ Typical use in a pytest-twisted test::
     yield api.stop()
 """
 
-from tests.kubeapi.kubeconfig import write_kubeconfig
-from tests.kubeapi.server import FakeKubeAPI, RecordedRequest, scale_of
-from tests.kubeapi.store import (
+from harness.kubeapi.kubeconfig import write_kubeconfig
+from harness.kubeapi.server import FakeKubeAPI, RecordedRequest, scale_of
+from harness.kubeapi.store import (
     CORE_EVENTS,
     DEPLOYMENTS,
     EVENTS,

@@ -1,14 +1,14 @@
 """The whole cluster in one process: N gateways, M engines, clients, faults, one clock, one seed.
 
 Rules this file keeps: everything random comes from one ``random.Random(seed)``
-and everything timed from one :class:`~tests.sim.scheduler.Scheduler`, so a
+and everything timed from one :class:`~harness.sim.scheduler.Scheduler`, so a
 seed replays exactly. A run has five phases: *faults* (``steps`` scheduler
 steps with clients submitting and faults injected), *heal* (faults stop,
 dead gateways restart, every request in flight must end), *converge* (every
 live gateway must come to route to every up engine), *probe* (one gateway at
 a time asks for every model an engine of the tenant serves, and each request
 must succeed), *drain* (every count of live tasks must be back to zero).
-Invariants are checked after every step, incrementally (:mod:`tests.sim.checks`).
+Invariants are checked after every step, incrementally (:mod:`harness.sim.checks`).
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from protocol.pb import chat_pb2, worker_pb2
-from protocol.processor.types import ProcessorConfig
-from tests.sim.checks import StepChecks
-from tests.sim.engine import EngineNode
-from tests.sim.faults import Faults
-from tests.sim.gateway import Gateway
-from tests.sim.invariants import (
+from harness.sim.checks import StepChecks
+from harness.sim.engine import EngineNode
+from harness.sim.faults import Faults
+from harness.sim.gateway import Gateway
+from harness.sim.invariants import (
     CONVERGENCE,
     ENDS_ONCE,
     LIVENESS,
@@ -37,8 +35,10 @@ from tests.sim.invariants import (
     InvariantViolated,
     Ledger,
 )
-from tests.sim.link import Link
-from tests.sim.scheduler import Scheduler
+from harness.sim.link import Link
+from harness.sim.scheduler import Scheduler
+from protocol.pb import chat_pb2, worker_pb2
+from protocol.processor.types import ProcessorConfig
 
 
 @dataclass(frozen=True)

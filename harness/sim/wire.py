@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 from protocol.grpc import ConnectionTerminated, Event, GrpcConfig, GrpcConnection
 
 if TYPE_CHECKING:
-    from tests.sim.link import Link
-    from tests.sim.scheduler import Scheduler
+    from harness.sim.link import Link
+    from harness.sim.scheduler import Scheduler
 
 
 class GrpcEnd:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.twistd_processes import ChildDied, free_port, http_get, wait_until
+from harness.twistd_processes import ChildDied, free_port, http_get, wait_until
 
 #: The model's context window in tokens: small, so that a context-length error is cheap to provoke.
 CONTEXT_LENGTH = 256

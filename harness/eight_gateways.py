@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.twistd_processes import TwistdChild, http_get, wait_until
+from harness.twistd_processes import TwistdChild, http_get, wait_until
 
 GATEWAYS = 8
 ENGINES_PER_GATEWAY = 2

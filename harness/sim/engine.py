@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from harness.sim.gateway import PROCESS_TASKS, engine_key
+from harness.sim.wire import GrpcEnd
 from protocol.agent.core import (
     AbortTask,
     AgentConfig,
@@ -39,11 +41,9 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.types import is_streaming
-from tests.sim.gateway import PROCESS_TASKS, engine_key
-from tests.sim.wire import GrpcEnd
 
 if TYPE_CHECKING:
-    from tests.sim.cluster import Cluster
+    from harness.sim.cluster import Cluster
 
 ENGINE_GRPC = GrpcConfig(client_side=True, keepalive_interval=5.0, keepalive_timeout=4.0)
 

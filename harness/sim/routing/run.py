@@ -24,14 +24,14 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
+from harness.sim.routing.workloads import Request, make
 from protocol.exchange.receiver import error_result
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.processor.fair_share import forwarded_caller
 from protocol.routing.hints import HintsConfig, hints_from_json
 from protocol.routing.router import RoutingConfig, RoutingPolicy
-from tests.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
-from tests.sim.routing.workloads import Request, make
 
 POLICIES = ("round_robin", "least_in_progress", "affinity", "oracle")
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Union
 
+from harness.sim.invariants import NO_LOOP, ClientRequest
+from harness.sim.link import Link
+from harness.sim.wire import GrpcEnd
 from protocol.gateway.core import PEER_ACCEPT_METADATA, GatewayCore
 from protocol.gateway.effects import (
     PEER_LEARNING_SECONDS,
@@ -53,12 +56,9 @@ from protocol.processor.types import (
     SendTask,
     TaskQueued,
 )
-from tests.sim.invariants import NO_LOOP, ClientRequest
-from tests.sim.link import Link
-from tests.sim.wire import GrpcEnd
 
 if TYPE_CHECKING:
-    from tests.sim.cluster import Cluster
+    from harness.sim.cluster import Cluster
 
 PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks"
 PROCESS_TASKS_INTERNAL = "/llmariner.inference.server.v1.InferenceInternalService/ProcessTasksInternal"

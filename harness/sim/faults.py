@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from tests.sim.link import LinkState
+from harness.sim.link import LinkState
 
 if TYPE_CHECKING:
-    from tests.sim.cluster import Cluster
-    from tests.sim.gateway import PeerDial
+    from harness.sim.cluster import Cluster
+    from harness.sim.gateway import PeerDial
 
 KINDS = (
     "engine_disconnect",

@@ -1,4 +1,4 @@
-"""``python -m tests.sim.routing`` (``tools/routing_sim``): the side-by-side routing table.
+"""``python -m harness.sim.routing`` (``tools/routing_sim``): the side-by-side routing table.
 
 Every workload, policy and gateway count on the same seeds; figures are means
 over the seeds. ``--check`` also prints the issue's targets and exits 1 if one is missed
@@ -12,10 +12,10 @@ import argparse
 import statistics
 import sys
 
+from harness.sim.routing.run import POLICIES, Result, simulate
+from harness.sim.routing.runtime import RuntimeSpec
+from harness.sim.routing.workloads import WORKLOADS
 from protocol.processor.types import ProcessorConfig
-from tests.sim.routing.run import POLICIES, Result, simulate
-from tests.sim.routing.runtime import RuntimeSpec
-from tests.sim.routing.workloads import WORKLOADS
 
 
 def _row(results: list[Result]) -> dict[str, float]:

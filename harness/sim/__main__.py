@@ -1,11 +1,11 @@
-"""``python -m tests.sim``: run a campaign of seeds, or replay one (``tools/sim`` wraps this).
+"""``python -m harness.sim``: run a campaign of seeds, or replay one (``tools/sim`` wraps this).
 
     tools/sim --seeds 1000            seeds 0..999, summary at the end
     tools/sim --seed 17 --steps 500   replay one seed, with its violation if any
     tools/sim --seeds 200 --jobs 2    the campaign on two processes
     tools/sim --gateways 50 --engines 500 --seeds 5
                                       a campaign at scale (shape and load options)
-    tools/sim --report                the scale table (tests/sim/scale.py)
+    tools/sim --report                the scale table (harness/sim/scale.py)
 
 Exit status 1 if any seed violated an invariant; each failing seed prints
 the command that replays it.
@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 
-from tests.sim.cluster import SimConfig, SimResult, run_seed
+from harness.sim.cluster import SimConfig, SimResult, run_seed
 
 
 def _run(args: tuple[int, SimConfig]) -> SimResult:
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the scale table (3, 10, 25, 50 gateways) instead of a campaign")
     options = parser.parse_args(argv)
     if options.report:
-        from tests.sim.scale import main as report
+        from harness.sim.scale import main as report
 
         return report()
     config = dataclasses.replace(

@@ -3,7 +3,7 @@
 :func:`run_policy` starts, for one ``--routing-policy``, ``engines``
 llama-cpp-python servers (``python -m llama_cpp.server --cache true``: its
 RAM prompt cache on) serving a random-weight model
-(:func:`tests.llama_runtime.write_tiny_model`), one ``twistd infx-engine
+(:func:`harness.llama_runtime.write_tiny_model`), one ``twistd infx-engine
 --runtime openai`` beside each, attached to two ``twistd infx`` gateways in
 turn, which are each other's ``--peers`` (each sees every engine).
 ``conversations`` clients talk at once, each with its own long system
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.llama_runtime import LlamaServer
-from tests.twistd_processes import Engine, Gateway, free_port, wait_until
+from harness.llama_runtime import LlamaServer
+from harness.twistd_processes import Engine, Gateway, free_port, wait_until
 
 PREFIX_MATCH = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")

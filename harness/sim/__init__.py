@@ -12,7 +12,7 @@ Public API: :func:`run_seed`, :class:`SimConfig`, :class:`SimResult`,
 :class:`InvariantViolated`, :data:`INVARIANTS`.
 """
 
-from tests.sim.cluster import Cluster, SimConfig, SimResult, run_seed
-from tests.sim.invariants import INVARIANTS, InvariantViolated
+from harness.sim.cluster import Cluster, SimConfig, SimResult, run_seed
+from harness.sim.invariants import INVARIANTS, InvariantViolated
 
 __all__ = ["INVARIANTS", "Cluster", "InvariantViolated", "SimConfig", "SimResult", "run_seed"]

@@ -1,0 +1,1 @@
+"""Real processes, runtimes, fakes and the simulation that tests and tools share; never imported by infx."""
