@@ -15,8 +15,8 @@ from infx.gateway.auth import KeyFileError, KeyStore
 from protocol.agent.echo import echo_task
 from protocol.processor.core import ProcessorConfig
 from protocol.processor.fair_queue import Criticality, CriticalityRefused, requested_criticality
-from tests.test_gateway import gateway_factory, raw  # noqa: F401 (gateway_factory is a fixture)
-from tests.test_hostile_gateway import CHAT, ECHO, JSON, Stack
+from tests.support.hostile import CHAT, ECHO, JSON, Stack
+from tests.support.http_api import gateway_factory, raw  # noqa: F401 (gateway_factory is a fixture)
 
 CRITICAL, STANDARD, SHEDDABLE = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE
 

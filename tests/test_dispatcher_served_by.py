@@ -15,8 +15,8 @@ from infx.gateway.tasks import Submission
 from protocol.gateway.effects import CoreConfig
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
-from tests.processor_helpers import chat, engine_status, http
-from tests.test_scaler_processor import Route, Sink
+from tests.support.processor import chat, engine_status, http
+from tests.support.scaler_processor import Route, Sink
 
 
 class PeerRoute(Route):

@@ -18,7 +18,7 @@ from twisted.python import usage
 from infx.agent.engine import EngineAgent
 from infx.engine_tap import Options, makeService, parse_host_port
 from protocol.pb import worker_pb2
-from tests.test_engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
+from tests.support.engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 

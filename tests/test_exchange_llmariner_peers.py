@@ -18,8 +18,8 @@ from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
 from protocol.exchange.status_reports import STATUS_DELTA_HEADER
 from protocol.pb import internal_pb2
 from protocol.processor.types import Locality
-from tests.processor_helpers import engine_status
-from tests.test_exchanger import base_url, chat, engines, gateways, internal_address, until  # noqa: F401
+from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until  # noqa: F401
+from tests.support.processor import engine_status
 
 SERVICE = "llmariner.inference.server.v1.InferenceInternalService"
 

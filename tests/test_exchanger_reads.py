@@ -13,7 +13,7 @@ from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from infx.exchange.exchanger import PeerStream
 from infx.transport.calls import GrpcError
 from protocol.grpc import StatusCode
-from tests.test_transport_read_each import ScriptedCall
+from tests.support.transport import ScriptedCall
 
 
 class ScriptedServerCall(ScriptedCall):

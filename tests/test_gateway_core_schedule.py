@@ -17,8 +17,8 @@ from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import OpenDial, SendOnDial
 from protocol.processor.types import Locality
 from protocol.routing.hints import RoutingHints
-from tests.processor_helpers import chat, engine_status, one, only
-from tests.test_gateway_core import T0, Net, core
+from tests.support.gateway_core import T0, Net, core
+from tests.support.processor import chat, engine_status, one, only
 
 _LIVE = (ReceiverState.OPEN, ReceiverState.DRAINING)
 

@@ -3,7 +3,7 @@
 import pytest_twisted
 from twisted.internet import threads
 
-from tests.test_gateway import client, gateway_factory  # noqa: F401 (the fixture)
+from tests.support.http_api import client, gateway_factory  # noqa: F401 (the fixture)
 
 SYSTEM = {"role": "system", "content": "You answer questions about ships. " * 20}
 

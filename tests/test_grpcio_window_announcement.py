@@ -15,7 +15,7 @@ import struct
 
 from protocol.grpc import StatusCode
 from protocol.grpc.h2_budgets import ENHANCE_YOUR_CALM
-from tests.test_h2_budgets import Peer, message
+from tests.support.h2_peer import Peer, message
 from tools.bench.attacks import DATA, END_STREAM, WINDOW_UPDATE, frame
 
 

@@ -35,15 +35,20 @@ from protocol.grpc.h2_budgets import (
     TokenBucket,
     max_header_block_size,
 )
+from tests.support.h2_peer import ACK, END_HEADERS, END_STREAM, Peer, REQUEST, message
 from tools.fuzz.drivers import (
-    CONTINUATION, DATA, HEADERS, PING, PREFACE, RST_STREAM, SETTINGS, WINDOW_UPDATE, raw_frame,
+    CONTINUATION,
+    DATA,
+    HEADERS,
+    PING,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    raw_frame,
 )
 
-END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 GOAWAY = 0x7
 CANCEL = 0x8
-REQUEST = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/s/M"),
-           (b":authority", b"x"), (b"te", b"trailers"), (b"content-type", b"application/grpc")]
 HYPO = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -67,45 +72,6 @@ def goaway_of(conn: GrpcConnection) -> tuple[int, int, bytes] | None:
             last, code = struct.unpack(">II", payload[:8])
             return last & 0x7FFF_FFFF, code, payload[8:]
     return None
-
-
-class Peer:
-    """A hostile client: raw frames with a real HPACK encoder, fed to a server machine."""
-
-    def __init__(self, **config: object) -> None:
-        self.server = GrpcConnection(GrpcConfig(client_side=False, **config))  # type: ignore[arg-type]
-        self.server.initiate(0)
-        self.server.data_to_send()
-        self.encoder = Encoder()
-        self.events: list[object] = []
-        self.next_sid = 1
-        self.feed(PREFACE + raw_frame(SETTINGS, 0, 0, b""))
-
-    def feed(self, data: bytes, now: float = 0, chunk: int | None = None) -> list[object]:
-        """Give ``data`` to the server (``chunk`` bytes per call), and what it held back."""
-        got: list[object] = []
-        step = chunk or max(1, len(data))
-        for i in range(0, len(data), step):
-            got += self.server.receive_data(data[i:i + step], now)
-            while self.server.has_pending_input:
-                got += self.server.receive_pending(now)
-        self.events += got
-        return got
-
-    def headers(self, sid: int | None = None, end_stream: bool = False,
-                extra: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes]:
-        if sid is None:
-            sid, self.next_sid = self.next_sid, self.next_sid + 2
-        block = self.encoder.encode(REQUEST + (extra or []))
-        flags = END_HEADERS | (END_STREAM if end_stream else 0)
-        return sid, raw_frame(HEADERS, flags, sid, block)
-
-    def terminated(self) -> list[ConnectionTerminated]:
-        return [e for e in self.events if isinstance(e, ConnectionTerminated)]
-
-
-def message(payload: bytes) -> bytes:
-    return struct.pack(">BI", 0, len(payload)) + payload
 
 
 # -- the token bucket -----------------------------------------------------------------

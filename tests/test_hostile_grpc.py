@@ -37,6 +37,7 @@ from protocol.grpc import (
     MessageReceived,
     StatusCode,
 )
+from tests.support.hostile import RawClient, prefixed
 from tools.fuzz.drivers import (
     DATA,
     HEADERS,
@@ -53,10 +54,6 @@ from tools.fuzz.drivers import (
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def prefixed(data: bytes, flag: int = 0) -> bytes:
-    return struct.pack(">BI", flag, len(data)) + data
 
 
 # -- random hostile peers (the atheris drivers, under Hypothesis) --------------------
@@ -102,56 +99,6 @@ def test_random_bytes_after_the_preface_end_in_goaway_or_are_ignored(garbage, ch
 
 
 # -- a hostile call next to a well-behaved one ----------------------------------------
-
-
-class RawClient:
-    """A bare h2 client (outbound header validation off) to send exactly what a test wants."""
-
-    def __init__(self, server: GrpcConnection) -> None:
-        self.h2 = h2.connection.H2Connection(h2.config.H2Configuration(
-            client_side=True, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False))
-        self.h2.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
-        self.h2.initiate_connection()
-        self.h2.increment_flow_control_window(2**30)
-        self.server = server
-        self.server.initiate(0)
-        self.events: list[object] = []
-        self.server_events: list[object] = []
-        self.exchange()
-
-    def exchange(self, chunk: int | None = None) -> None:
-        for _ in range(1000):
-            a = self.h2.data_to_send()
-            b = self.server.data_to_send()
-            if not a and not b:
-                return
-            step = chunk or max(1, len(a))
-            for i in range(0, len(a), step):
-                self.server_events.extend(self.server.receive_data(a[i:i + step], 0))
-            if b:
-                self.events.extend(self.h2.receive_data(b))
-        raise AssertionError("link never went quiet")
-
-    def request(self, extra: list[tuple[bytes, bytes]] = (), *, method: bytes = b"POST",
-                content_type: bytes = b"application/grpc", end_stream: bool = False) -> int:
-        sid = self.h2.get_next_available_stream_id()
-        headers = [(b":method", method), (b":scheme", b"http"), (b":path", b"/s/M"),
-                   (b":authority", b"x"), (b"te", b"trailers"),
-                   (b"content-type", content_type)] + list(extra)
-        self.h2.send_headers(sid, headers, end_stream=end_stream)
-        return sid
-
-    def status_of(self, sid: int) -> bytes | None:
-        """grpc-status the server sent on ``sid`` (trailers or trailers-only)."""
-        for event in self.events:
-            if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)) \
-                    and event.stream_id == sid:
-                headers = dict(event.headers)
-                if b"grpc-status" in headers:
-                    return headers[b"grpc-status"]
-        return None
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.receiver_helpers import BufferedReceiver
+from tests.support.receiver import BufferedReceiver
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -30,7 +30,7 @@ from protocol.discovery.informer import (
     parse_watch_event,
 )
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerRemoved, PodState, pod_key, pod_state, pod_version
-from tests.test_peers import NAMES, PORT, Discovery, apply, desired, live, pod_json, pod_states
+from tests.support.peers import NAMES, PORT, Discovery, apply, desired, live, pod_json, pod_states
 
 NO_JITTER = Backoff(initial=1.0, factor=2.0, cap=5.0, jitter=0.0)
 

@@ -1,6 +1,6 @@
 """infx's gRPC stack interoperates with grpcio on every standard interop case and infx's extras.
 
-Both directions, each case parametrized: grpcio's client (tests/interop_grpcio.py)
+Both directions, each case parametrized: grpcio's client (tests/support/interop_grpcio.py)
 against ``tools/interop_server.py`` run as a subprocess, and
 ``tools/interop_client.py`` run as a subprocess against grpcio's TestService.
 Two more sets tell failures apart: grpcio against grpcio (a bug in the
@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb.grpc_testing import messages_pb2
-from tests.interop_grpcio import CASES, GRPCIO_CASES, MiB, SERVICE, GrpcioInteropServer, GrpcioTestService, run_case
-from tests.interop_infx_duplex import duplex_request
-from tests.interop_sniffer import CompressionSniffer
+from tests.support.interop_grpcio import CASES, GRPCIO_CASES, MiB, SERVICE, GrpcioInteropServer, GrpcioTestService, run_case
+from tests.support.interop_infx_duplex import duplex_request
+from tests.support.interop_sniffer import CompressionSniffer
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTDATA = ROOT / "tools" / "interop_testdata"
@@ -276,7 +276,7 @@ def test_infx_client_and_grpcio_server_carry_messages_of_any_size(
 ) -> None:
     """The same exchange from infx's client (in a subprocess) against grpcio's TestService."""
     result = subprocess.run(
-        [sys.executable, "-m", "tests.interop_infx_duplex", str(grpcio_server.port), json.dumps(exchanges)],
+        [sys.executable, "-m", "tests.support.interop_infx_duplex", str(grpcio_server.port), json.dumps(exchanges)],
         cwd=ROOT, capture_output=True, text=True, timeout=CLIENT_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr

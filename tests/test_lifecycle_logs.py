@@ -15,8 +15,8 @@ from twisted.logger import LogLevel
 from harness.llmariner_engine import LLMarinerEngine
 from infx.gateway.auth import KeyStore
 from infx.service import GatewayService
-from tests.test_exchanger import gateways, internal_address, until  # noqa: F401  (fixture)
-from tests.test_repeated_failure_logs import LogLines
+from tests.support.exchange import gateways, internal_address, until  # noqa: F401  (fixture)
+from tests.support.logs import LogLines
 
 Steps = Generator[Any, Any, None]
 

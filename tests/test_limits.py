@@ -56,8 +56,16 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Locality, ProcessorConfig
-from tests.test_hostile_gateway import CHAT, ECHO, JSON, EchoEngine, Stack, assert_well_behaved_request_works
-from tests.test_hostile_grpc import RawClient, prefixed
+from tests.support.hostile import (
+    CHAT,
+    ECHO,
+    JSON,
+    EchoEngine,
+    RawClient,
+    Stack,
+    assert_well_behaved_request_works,
+    prefixed,
+)
 
 # -- HTTP request body and headers ------------------------------------------------------
 

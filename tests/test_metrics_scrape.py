@@ -16,9 +16,9 @@ from twisted.internet import threads
 
 from infx.gateway.metrics import OTHER_MODEL, version
 from protocol.processor.types import Locality
-from tests.test_exchanger import base_url, engines, gateways, internal_address, until  # noqa: F401
-from tests.test_gateway import raw
-from tests.test_repeated_failure_logs import LogLines
+from tests.support.exchange import base_url, engines, gateways, internal_address, until  # noqa: F401
+from tests.support.http_api import raw
+from tests.support.logs import LogLines
 
 Steps = Generator[Any, Any, None]
 

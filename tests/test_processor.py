@@ -7,7 +7,7 @@ import json
 import pytest
 
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
-from protocol.processor.core import Processor, TaskState
+from protocol.processor.core import TaskState
 from protocol.processor.types import (
     CancelTaskOnEngine,
     CloseEngine,
@@ -15,40 +15,30 @@ from protocol.processor.types import (
     EngineKey,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
     ProcessorConfig,
     ProcessorUsageError,
     SendTask,
     TaskQueued,
 )
-from tests.processor_helpers import audio, chat, embedding, engine_status, http, one, only, response, sse
-
-LOCAL, REMOTE = Locality.LOCAL, Locality.REMOTE
-T0 = 1000.0
-
-
-def make(**config: object) -> Processor:
-    return Processor(ProcessorConfig(**config))  # type: ignore[arg-type]
-
-
-def join(p: Processor, engine_id: str, *models: str, tenant: str = "t", locality: Locality = LOCAL,
-         route: object = None, now: float = T0, ready: bool = True, loading: tuple[str, ...] = ()) -> list[object]:
-    return list(p.update_engine(
-        route or f"route-{engine_id}",
-        tenant,
-        engine_status(engine_id, *models, ready=ready, loading=loading),
-        locality,
-        now,
-    ))
-
-
-def submit(p: Processor, task_id: str, request=None, now: float = T0, tenant: str = "t", **kw: object) -> list[object]:
-    return list(p.submit(task_id=task_id, tenant_id=tenant, request=request or chat(), origin="client", **kw, now=now))
-
-
-def sent_to(effects: list[object]) -> list[str]:
-    return [e.engine.engine_id for e in only(effects, SendTask)]
+from tests.support.processor import (
+    LOCAL,
+    REMOTE,
+    T0,
+    audio,
+    chat,
+    embedding,
+    engine_status,
+    http,
+    join,
+    make,
+    one,
+    only,
+    response,
+    sent_to,
+    sse,
+    submit,
+)
 
 
 # --- engines ---------------------------------------------------------------

@@ -24,7 +24,7 @@ from protocol.processor.types import (
     SendTask,
     TaskQueued,
 )
-from tests.processor_helpers import chat, engine_status, http, one, only
+from tests.support.processor import chat, engine_status, http, one, only
 
 LOCAL = Locality.LOCAL
 REMOTE = Locality.REMOTE

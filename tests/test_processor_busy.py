@@ -23,7 +23,7 @@ from protocol.processor.types import (
     TaskQueued,
     retry_after_seconds,
 )
-from tests.processor_helpers import chat, engine_status, http, one, only
+from tests.support.processor import chat, engine_status, http, one, only
 
 T0 = 1000.0
 

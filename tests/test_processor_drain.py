@@ -5,8 +5,7 @@ instead of waiting out the grace period."""
 from __future__ import annotations
 
 from protocol.processor.types import FailRequest, SendTask, TaskQueued
-from tests.processor_helpers import chat, http, one, only
-from tests.test_processor import LOCAL, REMOTE, T0, join, make, sent_to, submit
+from tests.support.processor import LOCAL, REMOTE, T0, chat, http, join, make, one, only, sent_to, submit
 
 
 def test_during_a_drain_a_new_task_goes_to_a_peers_engine_not_to_a_local_one_told_to_go_away():

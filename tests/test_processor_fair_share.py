@@ -14,7 +14,7 @@ from protocol.processor.core import Processor, TaskState
 from protocol.processor.fair_queue import Criticality
 from protocol.processor.fair_share import CallerRefused, caller_message, forwarded_caller
 from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
-from tests.processor_helpers import chat, engine_status, http, only
+from tests.support.processor import chat, engine_status, http, only
 
 T0 = 1000.0
 CRITICAL, STANDARD, SHEDDABLE = Criticality.CRITICAL, Criticality.STANDARD, Criticality.SHEDDABLE

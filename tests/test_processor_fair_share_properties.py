@@ -16,7 +16,7 @@ from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.fair_queue import Criticality
 from protocol.processor.types import DeliverResult, EngineKey, FailRequest, Locality, ProcessorConfig
-from tests.processor_helpers import chat, engine_status, http
+from tests.support.processor import chat, engine_status, http
 
 T0 = 1000.0
 LOCAL_ENGINES = ("e1", "e2")

@@ -11,7 +11,7 @@ from protocol.openai import task_forms
 from protocol.processor.core import Processor
 from protocol.processor.tables import _Engine, _Task
 from protocol.processor.types import Locality, ProcessorConfig
-from tests.processor_helpers import chat, engine_status
+from tests.support.processor import chat, engine_status
 
 T0 = 10.0
 TENANTS = ("t1", "t2")

@@ -16,7 +16,7 @@ from protocol.processor.types import (
     SendTask,
     TaskQueued,
 )
-from tests.processor_helpers import chat, engine_status, http, one, only, sse
+from tests.support.processor import chat, engine_status, http, one, only, sse
 
 LOCAL = Locality.LOCAL
 T0 = 1000.0

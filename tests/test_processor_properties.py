@@ -25,7 +25,7 @@ from protocol.processor.types import (
     ProcessorConfig,
     SendTask,
 )
-from tests.processor_helpers import chat, engine_status, http, sse
+from tests.support.processor import chat, engine_status, http, sse
 
 ENGINES = ["e0", "e1", "e2"]
 MODELS = ["m0", "m1"]

@@ -20,8 +20,8 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.processor_helpers import chat, engine_status, http, one, only, sse
-from tests.receiver_helpers import BufferedReceiver
+from tests.support.processor import chat, engine_status, http, one, only, sse
+from tests.support.receiver import BufferedReceiver
 
 T0 = 50.0
 

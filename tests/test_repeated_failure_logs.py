@@ -8,36 +8,23 @@ from typing import Any
 
 import pytest_twisted
 from twisted.internet import defer, reactor, task
-from twisted.logger import formatEvent, globalLogPublisher
 
 from infx.agent.engine import PROCESS_TASKS, EngineAgent
 from infx.agent.runtimes import EchoRuntime
-from infx.transport import CallKind, GrpcChannel, GrpcError, GrpcServer, ServerCall, client_endpoint, listen_grpc
+from infx.transport import (
+    CallKind,
+    GrpcChannel,
+    GrpcError,
+    GrpcServer,
+    ServerCall,
+    client_endpoint,
+    listen_grpc,
+)
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
-
-
-class LogLines:
-    """Every log event of the infx modules while it is open, formatted."""
-
-    def __init__(self) -> None:
-        self.events: list[dict[str, Any]] = []
-
-    def __enter__(self) -> LogLines:
-        globalLogPublisher.addObserver(self._observe)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        globalLogPublisher.removeObserver(self._observe)
-
-    def _observe(self, event: dict[str, Any]) -> None:
-        if str(event.get("log_namespace", "")).startswith("infx."):
-            self.events.append(event)
-
-    def matching(self, text: str) -> list[str]:
-        return [line for line in (formatEvent(e) for e in self.events) if text in line]
+from tests.support.logs import LogLines
 
 
 def agent_for(port: int, dials: list[int] | None = None) -> EngineAgent:

@@ -20,8 +20,8 @@ from infx.gateway.tasks import Availability, ServedBy
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
-from tests.test_gateway import raw
-from tests.test_repeated_failure_logs import LogLines
+from tests.support.http_api import raw
+from tests.support.logs import LogLines
 
 SSE = {"Content-Type": worker_pb2.HeaderValue(values=["text/event-stream"])}
 

@@ -12,19 +12,10 @@ from protocol.processor.core import Processor, ProcessorConfig, SendTask
 from protocol.processor.types import EngineKey, Locality
 from protocol.routing.hints import RoutingHints, hints_from_json
 from protocol.routing.router import PrefixIndex, RoutingConfig, RoutingPolicy
-from tests.processor_helpers import chat, engine_status, http, one
+from tests.support.processor import chat, engine_status, http, one
+from tests.support.routing import ENGINES, conversation
 
-ENGINES = [f"e{i}" for i in range(8)]
 C = RoutingConfig().load_factor
-
-
-def conversation(n, turns=1, user_words=60):
-    messages = [{"role": "system", "content": "Be brief."}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"conversation {n} turn {t} " * user_words})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {n}.{t} " * user_words})
-    return hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}), {})
 
 
 def gateway(policy=RoutingPolicy.AFFINITY, local=(), **routing):

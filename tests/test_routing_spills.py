@@ -7,8 +7,8 @@ from protocol.processor.core import Processor, ProcessorConfig, SendTask
 from protocol.processor.types import EngineKey, Locality
 from protocol.routing.router import RoutingConfig
 from protocol.routing.spills import SpilledTips
-from tests.processor_helpers import chat, engine_status, one
-from tests.test_routing import ENGINES, conversation
+from tests.support.processor import chat, engine_status, one
+from tests.support.routing import ENGINES, conversation
 
 
 def gateway(local: bool, **routing) -> Processor:

@@ -15,7 +15,7 @@ from twisted.web.client import Agent
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
 from infx.engine_tap import Options, makeService
 from protocol.agent.runtime_load import LoadConfig, LoadSource, RuntimeLoad, RuntimeLoadMonitor
-from tests.test_engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
+from tests.support.engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
 
 class FakeRuntime(resource.Resource):

@@ -21,8 +21,7 @@ from infx.agent.runtime_watch import RuntimeWatch
 from infx.agent.runtimes import OpenAIRuntime
 from infx.agent.upstream_key import UpstreamKey, UpstreamKeyError, read_key_file
 from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
-from tests.test_engine_runtimes import Sink
-from tests.test_engine_runtimes import chat_task as _chat_task
+from tests.support.runtimes import Sink, chat_task as _chat_task
 
 
 class Runtime(resource.Resource):

@@ -17,7 +17,7 @@ from twisted.internet import defer, reactor, task
 
 from harness.kubeapi import EVENTS, FakeKubeAPI
 from harness.scaler_fakes import InMemoryServiceQuery
-from infx.gateway.dispatcher import Dispatcher, SendOutcome
+from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
 from infx.gateway.tasks import Submission
@@ -26,42 +26,11 @@ from infx.scaling.scaler import InferenceScaler, ProcessorLink
 from protocol.processor.core import Processor
 from protocol.processor.types import Locality, ProcessorConfig
 from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
-from tests.processor_helpers import chat, engine_status, http
+from tests.support.processor import chat, engine_status, http
+from tests.support.scaler_processor import Route, Sink
 
 KEY = DeploymentKey("default", "llama")
 LABELS = {"app": "llama", SCALABLE_LABEL: "true", MIN_SCALE_LABEL: "0"}
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.status: int | None = None
-        self.failure: tuple[int, str, float | None] | None = None
-
-    def response_received(self, response: Any, verbatim: bool = False) -> None:
-        self.status = response.status_code
-
-    def event_received(self, data: bytes) -> None:
-        pass
-
-    def completed(self) -> None:
-        pass
-
-    def failed(self, status: int, message: str, retry_after: float | None) -> None:
-        self.failure = (status, message, retry_after)
-
-
-class Route:
-    """An engine stream: records tasks sent to it."""
-
-    def __init__(self) -> None:
-        self.sent: list[Any] = []
-
-    def send_task(self, task: Any, tenant_id: str) -> SendOutcome:
-        self.sent.append(task)
-        return SendOutcome.SENT
-
-    def close(self, reason: str) -> None:
-        pass
 
 
 @defer.inlineCallbacks

@@ -27,8 +27,8 @@ from protocol.processor.types import (
     RemoteProtocolError,
     SendTask,
 )
-from tests.processor_helpers import chat, engine_status, http, one, only, sse
-from tests.receiver_helpers import BufferedReceiver
+from tests.support.processor import chat, engine_status, http, one, only, sse
+from tests.support.receiver import BufferedReceiver
 
 T0 = 10.0
 RETRY_DELAY = 1.0

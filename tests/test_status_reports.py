@@ -21,8 +21,8 @@ from protocol.exchange.status_reports import (
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
 from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
-from tests.processor_helpers import engine_status
-from tests.receiver_helpers import BufferedReceiver
+from tests.support.processor import engine_status
+from tests.support.receiver import BufferedReceiver
 
 T0 = 100.0
 

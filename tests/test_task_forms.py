@@ -5,7 +5,7 @@ from __future__ import annotations
 from protocol.openai import task_forms
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import FailRequest, Locality, Processor, ProcessorConfig, SendTask, TaskState
-from tests.processor_helpers import engine_status, one, only
+from tests.support.processor import engine_status, one, only
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"seed":0,"top_k":5}'
 
@@ -130,7 +130,7 @@ def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_
     from protocol.exchange.sender import Sender
     from protocol.pb import internal_pb2
     from protocol.processor.core import DeliverResult
-    from tests.receiver_helpers import BufferedReceiver
+    from tests.support.receiver import BufferedReceiver
 
     a, c = _processor(), _processor()
     c.update_engine("engine-stream", "t", capable("engine-on-c", "m"), Locality.LOCAL, 0)

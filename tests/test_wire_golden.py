@@ -12,7 +12,7 @@ from protocol.pb import (
     status_pb2,
     worker_pb2,
 )
-from tests.wire_bytes import I64, boolean, double, ld, tag, uint
+from tests.support.wire_bytes import I64, boolean, double, ld, tag, uint
 
 
 def encode(message) -> bytes:

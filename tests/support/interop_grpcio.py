@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from protocol.pb.grpc_testing import empty_pb2, messages_pb2
-from tests.interop_sniffer import CompressionSniffer
+from tests.support.interop_sniffer import CompressionSniffer
 
 SERVICE = "grpc.testing.TestService"
 ECHO_INITIAL = "x-grpc-test-echo-initial"

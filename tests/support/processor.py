@@ -6,6 +6,8 @@ from collections.abc import Iterable
 from typing import TypeVar
 
 from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, model_response_pb2, status_pb2, worker_pb2
+from protocol.processor.core import Processor
+from protocol.processor.types import Locality, ProcessorConfig, SendTask
 
 E = TypeVar("E")
 
@@ -59,3 +61,32 @@ def one(effects: Iterable[object], kind: type[E]) -> E:
     found = only(effects, kind)
     assert len(found) == 1, f"expected one {kind.__name__} in {list(effects)}"
     return found[0]
+
+
+LOCAL, REMOTE = Locality.LOCAL, Locality.REMOTE
+
+
+T0 = 1000.0
+
+
+def make(**config: object) -> Processor:
+    return Processor(ProcessorConfig(**config))  # type: ignore[arg-type]
+
+
+def join(p: Processor, engine_id: str, *models: str, tenant: str = "t", locality: Locality = LOCAL,
+         route: object = None, now: float = T0, ready: bool = True, loading: tuple[str, ...] = ()) -> list[object]:
+    return list(p.update_engine(
+        route or f"route-{engine_id}",
+        tenant,
+        engine_status(engine_id, *models, ready=ready, loading=loading),
+        locality,
+        now,
+    ))
+
+
+def submit(p: Processor, task_id: str, request=None, now: float = T0, tenant: str = "t", **kw: object) -> list[object]:
+    return list(p.submit(task_id=task_id, tenant_id=tenant, request=request or chat(), origin="client", **kw, now=now))
+
+
+def sent_to(effects: list[object]) -> list[str]:
+    return [e.engine.engine_id for e in only(effects, SendTask)]

@@ -1,6 +1,6 @@
 """Run one FullDuplexCall exchange on infx's client and print the response sizes (a subprocess helper).
 
-    python -m tests.interop_infx_duplex PORT '[[request_size, response_size], ...]'
+    python -m tests.support.interop_infx_duplex PORT '[[request_size, response_size], ...]'
 
 The Hypothesis size test drives infx's client from a separate process because
 its examples run synchronously while infx's client needs a running reactor.
@@ -17,7 +17,7 @@ from twisted.internet.defer import Deferred
 
 from infx.transport import GrpcChannel, client_endpoint
 from protocol.pb.grpc_testing import messages_pb2
-from tests.interop_grpcio import SERVICE
+from tests.support.interop_grpcio import SERVICE
 
 
 def duplex_request(request_size: int, response_size: int) -> messages_pb2.StreamingOutputCallRequest:
