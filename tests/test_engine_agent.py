@@ -530,24 +530,6 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
     assert stopped == 1 and not live and not open_streams and agent.held_streams == ()
 
 
-def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None:
-    from twisted.python import usage
-
-    from infx.engine_tap import Options
-
-    def parse(*extra: str) -> AgentConfig:
-        options = Options()
-        options.parseOptions(["--server", "gw:1", "--models", "m", "--max-concurrency", "2", *extra])
-        agent_config: AgentConfig = options["agent-config"]
-        return agent_config
-
-    assert parse().queue_limit == 8
-    assert parse("--max-queued", "0").queue_limit == 0
-    for bad in ("-1", "many"):
-        with pytest.raises(usage.UsageError, match="--max-queued"):
-            parse("--max-queued", bad)
-
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["chat", "embed", "finish", "cancel", "tick", "lose"]),
                           st.integers(0, 5), st.sampled_from([0.0, 0.5, 1.0, 3.0])), max_size=60))

@@ -17,6 +17,7 @@ from twisted.python import usage
 
 from infx.agent.engine import EngineAgent
 from infx.engine_tap import Options, makeService, parse_host_port
+from protocol.agent.core import AgentConfig
 from protocol.pb import worker_pb2
 from tests.support.engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
@@ -76,6 +77,24 @@ def test_key_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_bad_options_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(usage.UsageError):
         parse(*argv)
+
+
+def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None:
+    from twisted.python import usage
+
+    from infx.engine_tap import Options
+
+    def parse(*extra: str) -> AgentConfig:
+        options = Options()
+        options.parseOptions(["--server", "gw:1", "--models", "m", "--max-concurrency", "2", *extra])
+        agent_config: AgentConfig = options["agent-config"]
+        return agent_config
+
+    assert parse().queue_limit == 8
+    assert parse("--max-queued", "0").queue_limit == 0
+    for bad in ("-1", "many"):
+        with pytest.raises(usage.UsageError, match="--max-queued"):
+            parse("--max-queued", bad)
 
 
 @pytest.mark.parametrize("runtime", [["--runtime", "echo"], ["--runtime", "openai", "--upstream", "http://h:8000/v1"]])
