@@ -2,7 +2,7 @@
 
 The worker service serves one engine whose HTTP/2 client (``h2``, fed by hand)
 opens no flow-control window. What the pure processor decides
-(``tests/test_processor_backpressure.py``) is checked here through the real
+(``tests/protocol/processor/test_backpressure.py``) is checked here through the real
 adapter: the engine stream's send backpressure blocks the route, its queued
 bytes stay under the cap, a window update lets the waiting tasks go, and a
 route stuck past the timeout is reset with its tasks failing over.

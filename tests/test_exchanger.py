@@ -67,7 +67,7 @@ def test_engine_of_a_peer_serves_requests_arriving_here_and_is_never_re_advertis
     assert (yield threads.deferToThread(streamed)) == "hello infx world"
     # a dials c, but reports only its local engines (none): b's engine does not travel on.
     # (That no later report carries it either, status interval after status interval, is
-    # pinned on a hand-stepped clock in tests/test_gateway_core.py.)
+    # pinned on a hand-stepped clock in tests/protocol/gateway/test_core.py.)
     yield until(lambda: [s.pod_name for s in c.exchanger.streams] == ["a"])
     assert engines(c) == {}
     assert engines(b) == {("default", Locality.LOCAL): 1}
@@ -457,7 +457,7 @@ def test_the_pod_name_defaults_to_pod_name_else_the_internal_listen_address():
 def test_a_forwarded_task_holds_its_slot_at_the_engines_gateway_for_its_caller(gateways, tmp_path):
     """The caller crosses the exchange with the task: the engine's gateway counts the slot for
     the key's name, as fairness by slots held needs (weight and criticality ride along too:
-    tests/test_receiver.py, tests/test_processor_fair_share.py)."""
+    tests/protocol/exchange/test_receiver.py, tests/protocol/processor/test_fair_share.py)."""
     keys = key_file(tmp_path, [{"key": "sk-app", "tenant": "team", "name": "app", "weight": 3,
                                 "criticality": "critical"}])
     a = yield gateways("a", api_keys=str(keys), max_in_flight_per_engine=4)

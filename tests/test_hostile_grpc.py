@@ -1,6 +1,6 @@
 """Hostile peers against the pure gRPC machine and its Twisted adapter.
 
-What tests/test_grpc_connection.py pins down call by call, this suite throws
+What tests/protocol/grpc/test_connection.py pins down call by call, this suite throws
 at the machine in bulk: random frames, splits, lengths, flags, header blocks
 and timing from a peer that breaks HTTP/2 and gRPC in every way the drivers in
 tools/fuzz/drivers.py know (the same drivers the atheris target runs). Every

@@ -49,4 +49,4 @@ def test_infx_and_protocol_never_import_tests_harness_or_tools():
 
 
 def test_the_checks_see_an_import_of_a_test_module():
-    assert any(module == "tests.support.processor" for _, module in _imports(ROOT / "tests" / "test_processor.py"))
+    assert any(module == "tests.support.processor" for _, module in _imports(ROOT / "tests" / "protocol" / "processor" / "test_processor.py"))

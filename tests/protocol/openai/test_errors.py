@@ -116,7 +116,7 @@ def test_status_line_takes_any_code(status):
 def _sources():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]
     for folder in ("protocol", "infx"):
         for path in sorted((root / folder).rglob("*.py")):
             if "pb" not in path.relative_to(root / folder).parts:

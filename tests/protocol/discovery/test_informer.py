@@ -194,7 +194,7 @@ def test_a_list_without_a_resource_version_is_a_remote_violation() -> None:
 @settings(max_examples=100, deadline=None)
 @given(st.integers(1, 12), st.integers(0, 2**32))
 def test_the_informer_waits_the_one_backoff_rule_with_a_draw_from_its_rng(failures: int, seed: int) -> None:
-    # The rule itself (cap, jitter band) is tested in tests/test_backoff.py.
+    # The rule itself (cap, jitter band) is tested in tests/protocol/test_backoff.py.
     backoff = Backoff(initial=0.5, factor=2.0, cap=30.0, jitter=0.5)
     machine = Informer(pod_key, pod_version, backoff, random.Random(seed))
     draws = random.Random(seed)
