@@ -5,7 +5,7 @@ gRPC connection does not need.
 Everything here leans on h2 4.4 internals (``_receive_frame``, the frame
 dispatch table, stream state machines), so each adjustment is small, says
 what it replaces, and is held to h2's own behaviour by
-``tests/test_grpc_bigframes.py`` and ``tests/protocol/grpc/test_h2_tuned.py``.
+``tests/infx/transport/test_bigframes.py`` and ``tests/protocol/grpc/test_h2_tuned.py``.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
     exported = set()
     for family in registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     table = readme[readme.index("### Metrics, logs and draining"):readme.index("### Embedding the gateway")]
     documented = set(re.findall(r"`(infx_[a-z_]+)`", table))
     # The scaler's metrics (--scaler) have their own registry owner, infx/scaling/scaler.py.

@@ -21,7 +21,7 @@ from protocol.agent.core import AgentConfig
 from protocol.pb import worker_pb2
 from tests.support.engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> Options:
