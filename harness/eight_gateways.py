@@ -1,6 +1,6 @@
 """Eight real ``twistd infx`` gateways in a full mesh of static peers, sixteen ``infx-engine`` agents.
 
-The cluster of issue #16's real-process check, shared by ``tests/test_eight_gateways.py`` and
+The cluster of issue #16's real-process check, shared by ``tests/e2e/test_eight_gateways.py`` and
 ``tools/bench/eight_gateways.py``. Each gateway listens on its own loopback address (127.0.0.2 to
 127.0.0.9 where the machine routes them, else 127.0.0.1) on ports the kernel picked, dials the
 seven others with the internal secret, and has two echo engines attached: four models, each

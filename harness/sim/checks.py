@@ -7,7 +7,7 @@ incremental check looks only at what can have changed since the last step
 step touched), and when it sees a violation it runs the full check, so both
 modes report the same violation with the same words. ``SimConfig.full_checks``
 (``tools/sim --full-checks``) runs the full check after every step instead:
-tests/test_sim.py runs seeds both ways and compares.
+tests/sim/test_sim.py runs seeds both ways and compares.
 
 What each invariant needs:
 

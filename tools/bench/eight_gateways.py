@@ -1,6 +1,6 @@
 """Eight gateways, sixteen engines: exchange latency, requests lost and convergence after a restart.
 
-The cluster of ``tests/test_eight_gateways.py`` (:mod:`harness.eight_gateways`): 8 ``twistd infx``
+The cluster of ``tests/e2e/test_eight_gateways.py`` (:mod:`harness.eight_gateways`): 8 ``twistd infx``
 gateways on loopback in a full mesh of static peers, 16 echo engines (no token delay), 4 models
 each on 4 engines of 4 gateways. It measures, in one run:
 

@@ -2,7 +2,7 @@
 multi-turn conversations; prefix-cache reuse and time to first token per routing policy.
 
 The cluster and what is measured are :mod:`harness.llama_routing`'s (the same
-run, smaller, is ``tests/test_llama_routing.py``). Each policy gets a fresh
+run, smaller, is ``tests/e2e/test_llama_routing.py``). Each policy gets a fresh
 cluster; the model is the random-weight llama of :mod:`harness.llama_runtime`,
 made larger here (``--width``, ``--layers``, ``--context``) so that prefill
 costs enough to show in the time to first token. Timings vary with the

@@ -295,7 +295,7 @@ def test_a_sender_fed_deltas_registers_what_a_sender_fed_snapshots_does(steps, d
 
 
 def test_an_engine_without_an_id_in_a_peers_report_is_a_protocol_error() -> None:
-    """Found by tests/test_hostile_pb.py: it reached the processor as a caller's misuse."""
+    """Found by tests/hostile/test_pb.py: it reached the processor as a caller's misuse."""
     report = internal_pb2.ServerStatus(pod_name="peer")
     report.engine_statuses.add(engine_status=status_pb2.EngineStatus(ready=True), tenant_id="t")
     with pytest.raises(RemoteProtocolError, match="without an engine_id"):

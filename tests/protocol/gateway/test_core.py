@@ -261,7 +261,7 @@ def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded
 
 def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
     """A restarted peer dials us first; the backoff its outage grew must not delay its learning
-    of our engines (found by tests/test_eight_gateways.py)."""
+    of our engines (found by tests/e2e/test_eight_gateways.py)."""
     a = core("a", redial_backoff=Backoff(initial=8.0, factor=2.0, cap=30.0, jitter=0.0), redial_when_dialled_in=True)
     first = one(a.peers_changed({"b": "b:1"}, T0), OpenDial).dial
     a.dial_closed(first, T0)  # b is down
@@ -285,7 +285,7 @@ def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
 
 
 def test_at_start_up_a_model_only_a_peer_serves_waits_for_its_report_instead_of_404():
-    """Found by tests/test_eight_gateways.py: a restarted gateway answered 404 for the models
+    """Found by tests/e2e/test_eight_gateways.py: a restarted gateway answered 404 for the models
     its peers serve in the moment before their first reports arrived."""
     net = Net("a", "b")
     net.cores["a"] = a = core("a", learn_peers_within=5.0)

@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench"
 sys.path.insert(0, str(BENCH))
 

@@ -25,7 +25,7 @@ from infx.cli import EXIT_CANNOT_LISTEN, EXIT_USAGE, ExitIfCannotListen
 from infx.config import build_config
 from infx.service import GatewayService, ListenFailed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
 
 

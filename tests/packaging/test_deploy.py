@@ -22,7 +22,7 @@ from twisted.python import usage
 
 from infx import engine_tap, tap
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 #: The newest schema kubernetes-validate ships; manifests must be valid there, strictly.

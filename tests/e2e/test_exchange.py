@@ -27,7 +27,7 @@ import pytest
 import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 STATUS_INTERVAL = 1.0

@@ -34,7 +34,7 @@ from tests.support.interop_grpcio import CASES, GRPCIO_CASES, MiB, SERVICE, Grpc
 from tests.support.interop_infx_duplex import duplex_request
 from tests.support.interop_sniffer import CompressionSniffer
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TESTDATA = ROOT / "tools" / "interop_testdata"
 SERVER_START_TIMEOUT = 20.0
 CLIENT_TIMEOUT = 30.0

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent.parent / "tools" / "bench" / "processor_bench.py"
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench" / "processor_bench.py"
 
 
 def test_the_processor_bench_runs_every_scenario_and_prints_json_lines():

@@ -31,7 +31,7 @@ from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.types import EnginesRemoved
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUITE_STEPS = 500
 
 

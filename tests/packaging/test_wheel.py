@@ -7,7 +7,7 @@ import sysconfig
 import venv
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wheel_installs_packages_and_plugins(tmp_path):

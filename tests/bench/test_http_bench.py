@@ -18,7 +18,7 @@ from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.requests import parse_chat_completion
 from protocol.pb import worker_pb2
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench"
 NON_STREAM_CASES = {f"{target}_c{c}" for target in ("direct", "agent", "builtin") for c in (1, 32)}
 STREAM_CASES = {"direct_stream", "agent_stream", "builtin_stream"}
