@@ -24,7 +24,11 @@ sys.path.insert(0, str(BENCH))
 
 import open_streams_clients as clients  # noqa: E402
 
+#: The client's checks run in process; the one real run says e2e.
+pytestmark = pytest.mark.loopback
 
+
+@pytest.mark.e2e
 def test_a_small_run_through_a_real_gateway_relays_every_token_in_order() -> None:
     process = subprocess.run(
         [sys.executable, str(BENCH / "open_streams.py"), "--streams", "200", "--engines", "1", "--clients", "2",

@@ -157,6 +157,7 @@ class _Output(protocol.ProcessProtocol):
         self.ended.callback((reason.value.exitCode, reason.value.signal))
 
 
+@pytest.mark.e2e
 @pytest_twisted.inlineCallbacks
 def test_twistd_infx_engine_registers_answers_and_reports_not_ready_on_sigterm(gateway):  # noqa: F811
     gw, port = gateway

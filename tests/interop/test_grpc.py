@@ -34,6 +34,9 @@ from tests.support.interop_grpcio import CASES, GRPCIO_CASES, MiB, SERVICE, Grpc
 from tests.support.interop_infx_duplex import duplex_request
 from tests.support.interop_sniffer import CompressionSniffer
 
+#: Both peers run as child processes (tools/interop_server.py, tools/interop_client.py).
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTDATA = ROOT / "tools" / "interop_testdata"
 SERVER_START_TIMEOUT = 20.0

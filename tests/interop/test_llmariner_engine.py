@@ -22,6 +22,9 @@ from harness.llmariner_engine import Answer, LLMarinerEngine, Payload, http_resp
 from harness.twistd_processes import Gateway, wait_until
 from protocol.pb import worker_pb2
 
+#: The gateway runs as a real twistd child process.
+pytestmark = pytest.mark.e2e
+
 KEYS = """
 keys:
   - {key: sk-team-a, tenant: team-a, admin: true}

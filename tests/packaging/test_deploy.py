@@ -22,6 +22,9 @@ from twisted.python import usage
 
 from infx import engine_tap, tap
 
+#: The manifests are checked in process; the one test that starts the gateway says e2e.
+pytestmark = pytest.mark.loopback
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
@@ -162,6 +165,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.e2e
 def test_the_dockerfile_command_starts_the_gateway_in_the_venv():
     cmd = next(yaml.safe_load(rest) for instruction, rest in _dockerfile() if instruction == "CMD")
     assert cmd[0] == "twistd"

@@ -66,6 +66,7 @@ def test_a_seed_replays_exactly():
     assert a.requests > 0
 
 
+@pytest.mark.e2e
 def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed():
     import os
     import subprocess

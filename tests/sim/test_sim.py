@@ -196,6 +196,7 @@ def test_the_campaign_command_fails_and_prints_the_replay_of_each_failing_seed(m
         assert f"replay: tools/sim --seed {seed} --steps 300" in out
 
 
+@pytest.mark.e2e
 def test_a_seed_replays_identically_in_other_processes_whatever_their_hash_seed():
     """Nothing in the cluster may depend on set order of strings (PYTHONHASHSEED)."""
     digests = set()

@@ -137,6 +137,7 @@ def test_a_bad_file_at_start_is_an_error_and_reloading_needs_a_file(tmp_path):
         KeyFileReload(Clock(), KeyStore.disabled(), None)
 
 
+@pytest.mark.e2e
 def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
     """A real ``twistd infx``: the key works, is removed from the file, and is refused seconds later."""
     from harness.twistd_processes import Gateway, http_get, wait_until
@@ -157,6 +158,7 @@ def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
         gateway.stop()
 
 
+@pytest.mark.e2e
 def test_an_engine_whose_key_is_removed_loses_its_stream_and_cannot_dial_again(tmp_path):
     from harness.twistd_processes import Engine, Gateway, wait_until
 

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Generator
 from typing import Any
 
+import pytest
 import openai
 import pytest_twisted
 from prometheus_client.parser import text_string_to_metric_families
@@ -117,6 +118,7 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
     assert {name for name in documented if not name.startswith("infx_scaler_")} == exported
 
 
+@pytest.mark.e2e
 def test_a_twistd_gateways_metrics_stay_bounded_under_random_model_names(tmp_path) -> None:
     """The issue's case on a real ``twistd infx`` process: 30 random names in 404s add no series."""
     from harness.twistd_processes import Gateway, http_get
