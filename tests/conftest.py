@@ -9,8 +9,8 @@
 - ``slow``: beside its tier, a test that takes long (``-m "not slow"`` leaves it out).
 
 The folder gives the tier (``FOLDER_TIERS``); where a folder holds more than one kind, a module's
-``pytestmark`` or a test's own mark says it, the closest mark winning. A folder in ``ONE_TIER``
-holds its tier only.
+``pytestmark`` or a test's own mark says it (one tier mark per test at most: ``-m`` matches every
+mark a test carries). A folder in ``ONE_TIER`` holds its tier only.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ FOLDER_TIERS = {
     "interop": "loopback",
     "hostile": "hostile",
     "sim": "loopback",
-    "bench": "e2e",
-    "packaging": "e2e",
-    "harness": "e2e",
+    "bench": "loopback",
+    "packaging": "loopback",
+    "harness": "loopback",
     "": "loopback",
 }
 #: Folders whose every test is the folder's tier: tools/test --fast collects tests/protocol/ alone.
@@ -40,15 +40,18 @@ ONE_TIER = frozenset({"protocol", "e2e", "hostile"})
 
 
 def tier_of(item: pytest.Item) -> str:
-    """The test's own (closest) tier mark, else its folder's tier."""
+    """The test's own tier mark (its module's or its own), else its folder's tier."""
     parts = Path(item.path).resolve().relative_to(TESTS).parts
     folder = parts[0] if len(parts) > 1 else ""
     if folder not in FOLDER_TIERS:
         raise pytest.UsageError(f"{item.nodeid}: tests/{folder}/ has no tier in tests/conftest.py FOLDER_TIERS")
-    own = next((mark.name for mark in item.iter_markers() if mark.name in TIERS), None)
-    if own is not None and own != FOLDER_TIERS[folder] and folder in ONE_TIER:
-        raise pytest.UsageError(f"{item.nodeid}: marked {own}, but tests/{folder}/ holds {FOLDER_TIERS[folder]} tests only")
-    return own or FOLDER_TIERS[folder]
+    own = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+    if len(own) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: marked with more than one tier ({', '.join(sorted(own))})")
+    tier = own.pop() if own else FOLDER_TIERS[folder]
+    if folder in ONE_TIER and tier != FOLDER_TIERS[folder]:
+        raise pytest.UsageError(f"{item.nodeid}: marked {tier}, but tests/{folder}/ holds {FOLDER_TIERS[folder]} tests only")
+    return tier
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+#: Runs tools/bench/grpc_bench.py as a child process.
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = {"unary": "round trips/s", "stream_1k": "messages/s", "stream_1m": "MB/s"}
 

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.requests import parse_chat_completion
 from protocol.pb import worker_pb2
@@ -41,6 +43,8 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_quick_json_run_reports_every_case_with_rates_latencies_and_ratios_to_direct() -> None:
     result = subprocess.run(
         [sys.executable, str(BENCH / "http_bench.py"), "--quick", "--json", "--duration", "0.25"],

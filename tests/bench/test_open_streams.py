@@ -24,10 +24,8 @@ sys.path.insert(0, str(BENCH))
 
 import open_streams_clients as clients  # noqa: E402
 
-#: The client's checks run in process; the one real run says e2e.
-pytestmark = pytest.mark.loopback
 
-
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_small_run_through_a_real_gateway_relays_every_token_in_order() -> None:
     process = subprocess.run(

@@ -6,6 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+#: Runs tools/bench/processor_bench.py as a child process.
+pytestmark = pytest.mark.e2e
+
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench" / "processor_bench.py"
 
 

@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+#: Runs tools/bench/status_traffic.py as a child process.
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench" / "status_traffic.py"
 

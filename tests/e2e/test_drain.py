@@ -10,6 +10,7 @@ import signal
 import urllib.request
 from pathlib import Path
 
+import pytest
 import openai
 
 from harness.twistd_processes import Engine, Gateway, wait_until
@@ -28,6 +29,7 @@ def post_chat(gateway: Gateway, model: str) -> tuple[int, dict[str, str], dict]:
         return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
 
 
+@pytest.mark.slow
 def test_a_draining_gateway_serves_new_requests_through_a_peer_or_refuses_them_at_once(tmp_path: Path) -> None:
     a = Gateway(tmp_path, name="a", extra=["--echo-models", "m,only-a", "--echo-token-delay", "0.05",
                                            "--grace-period", "60", "--status-interval", "0.5"])

@@ -36,7 +36,7 @@ from harness.eight_gateways import (
 )
 from harness.twistd_processes import wait_until
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 #: Gateway killed and restarted (g3 serves m3 and m0 locally).
 VICTIM = 3

@@ -177,6 +177,7 @@ def refused_status(base: str) -> int | None:
     return None
 
 
+@pytest.mark.slow
 def test_three_gateways_serve_through_c_survive_its_loss_and_drain_it_gracefully(cluster: Cluster):
     for name in ("a", "b", "c"):
         cluster.gateway(name)

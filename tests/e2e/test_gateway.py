@@ -19,6 +19,9 @@ from harness.fake_openai_server import FakeOpenAIServer
 from harness.llmariner_engine import LLMarinerEngine
 from harness.twistd_processes import Engine, Gateway, wait_until
 
+#: A gateway, its engines and a fake runtime start once per module (about 30 s on 2 busy cores).
+pytestmark = pytest.mark.slow
+
 KEYS = """
 keys:
   - {key: sk-admin, tenant: default, admin: true}

@@ -25,6 +25,9 @@ import pytest
 from harness.llama_runtime import LlamaServer, write_tiny_model
 from harness.twistd_processes import Engine, Gateway, free_port, wait_until
 
+#: A real llama.cpp server behind real twistd processes.
+pytestmark = pytest.mark.slow
+
 KEYS = """
 keys:
   - {key: sk-admin, tenant: default, admin: true}

@@ -18,6 +18,9 @@ pytest.importorskip("harness.llama_runtime", reason="needs the llama.cpp runtime
 from harness import llama_runtime  # noqa: E402
 from harness.llama_routing import PolicyResult, Workload, run_policy  # noqa: E402
 
+#: Real llama.cpp servers, one run per routing policy.
+pytestmark = pytest.mark.slow
+
 WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4)
 
 

@@ -18,9 +18,6 @@ from urllib3.exceptions import HTTPError
 from harness.kubeapi import EVENTS, PODS, FakeKubeAPI, write_kubeconfig
 from harness.kubeapi.store import ApiError, json_patch, label_selector, merge_patch
 
-#: The fake API server and the kubernetes client share this process.
-pytestmark = pytest.mark.loopback
-
 APP = {"app": "infx"}
 WATCH_TIMEOUT = 5  # a safety net: every watch here ends well before it
 

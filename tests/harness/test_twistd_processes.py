@@ -10,6 +10,9 @@ import pytest
 from harness import twistd_processes
 from harness.twistd_processes import ChildDied, Gateway
 
+#: Starts real twistd processes.
+pytestmark = pytest.mark.e2e
+
 
 def test_a_gateway_whose_port_was_taken_before_it_could_bind_starts_again_on_new_ports(tmp_path: Path, monkeypatch):
     """Another process may take a picked port before the child binds it: a new set of ports

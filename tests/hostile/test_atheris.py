@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TARGETS = ["grpc", "openai"]
 SECONDS = 4
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     importlib.util.find_spec("atheris") is None,
     reason="atheris is not installed (pip install atheris; a manylinux wheel exists for CPython 3.11)",
-)
+), pytest.mark.slow]
 
 
 def test_each_atheris_target_runs_without_a_finding(tmp_path):

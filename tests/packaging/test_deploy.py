@@ -22,9 +22,6 @@ from twisted.python import usage
 
 from infx import engine_tap, tap
 
-#: The manifests are checked in process; the one test that starts the gateway says e2e.
-pytestmark = pytest.mark.loopback
-
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))

@@ -7,6 +7,11 @@ import sysconfig
 import venv
 from pathlib import Path
 
+import pytest
+
+#: Builds a wheel and installs it into a fresh venv with pip, as child processes.
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -83,6 +83,7 @@ def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed():
     assert len(outputs) == 1 and outputs.pop().split()[0] != "0"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gateways", [1, 3])
 def test_a_bursty_tenant_leaves_the_others_time_to_first_token_within_one_and_a_half_times(gateways):
     """With engines capped at their batch, fairness by slots held and the reserve keep the steady

@@ -137,6 +137,7 @@ def test_a_bad_file_at_start_is_an_error_and_reloading_needs_a_file(tmp_path):
         KeyFileReload(Clock(), KeyStore.disabled(), None)
 
 
+@pytest.mark.slow
 @pytest.mark.e2e
 def test_a_running_gateway_stops_accepting_a_removed_key(tmp_path):
     """A real ``twistd infx``: the key works, is removed from the file, and is refused seconds later."""

@@ -434,6 +434,7 @@ def test_the_scanner_splits_only_at_frame_boundaries():
 # -- Hypothesis: legitimate traffic never trips, hostile traffic always does ----------------
 
 
+@pytest.mark.slow
 @HYPO
 @given(st.lists(st.tuples(st.integers(0, 300_000), st.booleans()), min_size=1, max_size=8),
        st.integers(1, 70_000), st.booleans())
