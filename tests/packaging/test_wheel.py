@@ -1,6 +1,7 @@
 """A non-editable wheel, installed into a fresh virtualenv, imports and registers its twistd plugins."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -15,10 +16,23 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _sources(tmp_path: Path) -> Path:
+    """What the Dockerfile copies, in a fresh folder: a build in the checkout would also pack
+    whatever an earlier build left in its build/ folder (a package dropped from setup.cfg too)."""
+    sources = tmp_path / "src"
+    for name in ("pyproject.toml", "setup.cfg", "README.md"):
+        sources.mkdir(exist_ok=True)
+        shutil.copy(ROOT / name, sources / name)
+    for name in ("infx", "protocol", "twisted"):
+        shutil.copytree(ROOT / name, sources / name, ignore=shutil.ignore_patterns("__pycache__", "dropin.cache"))
+    return sources
+
+
 def test_wheel_installs_packages_and_plugins(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels),
+         str(_sources(tmp_path))],
         check=True,
     )
     (wheel,) = wheels.glob("infx-*.whl")
@@ -46,6 +60,9 @@ def test_wheel_installs_packages_and_plugins(tmp_path):
     where = subprocess.run([str(python), "-c", probe], cwd=tmp_path, env=env, check=True, capture_output=True, text=True)
     assert where.stdout.strip().startswith(fresh_site), "imported from the source tree, not the wheel"
     assert Path(fresh_site, "protocol", "py.typed").exists() and Path(fresh_site, "infx", "py.typed").exists()
+    packages = {path.parent.relative_to(ROOT) for top in ("infx", "protocol") for path in (ROOT / top).rglob("__init__.py")}
+    assert [str(p) for p in sorted(packages) if not Path(fresh_site, p, "__init__.py").exists()] == []
+    assert not Path(fresh_site, "harness").exists() and not Path(fresh_site, "tests").exists()
     assert Path(fresh_site, "twisted", "plugins", "infx_plugin.py").exists()
 
     twistd = "import sys; from twisted.scripts.twistd import run; sys.argv[0] = 'twistd'; run()"
@@ -69,7 +86,7 @@ def test_after_the_install_step_of_the_dockerfile_twistd_has_no_plugin_cache_to_
     Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(wheels), str(ROOT)], check=True)
+                    str(wheels), str(_sources(tmp_path))], check=True)
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
                     *map(str, wheels.glob("infx-*.whl"))], check=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
