@@ -5,7 +5,7 @@ built (tests only locate it: ``tools/test`` builds it before pytest) on a free
 loopback port, ``-np SLOTS --metrics`` with one thread (``-t 1 -tb 1``) by
 default, serving a model from :mod:`harness.gguf_models`; it waits for
 ``/health`` to answer 200 and stops the server with SIGTERM (SIGKILL only if
-that does not end it). ``llama-cpp-python``'s server (``tests/llama_runtime.py``)
+that does not end it). ``llama-cpp-python``'s server (``harness/llama_runtime.py``)
 stays where a test needs what only it has.
 
 :class:`LoadGate` holds a server in its loading state for as long as a test
@@ -96,7 +96,7 @@ from typing import Any
 
 from harness.gguf_models import TINY
 from harness.llama_server_build import locate
-from tests.twistd_processes import ChildDied, free_port, http_get, wait_until
+from harness.twistd_processes import ChildDied, free_port, http_get, wait_until
 
 #: The body of every answer while the model loads.
 LOADING = {"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}

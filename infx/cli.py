@@ -110,8 +110,8 @@ def exit_after_shutdown(code: int) -> None:
 
 def service_or_exit(command: str, build: Callable[[], IService]) -> IService:
     """``build()``, turning a configuration error found while building into the one line."""
-    from infx.auth import KeyFileError
     from infx.config import ConfigError
+    from infx.gateway.auth import KeyFileError
 
     try:
         return build()

@@ -16,9 +16,9 @@ from typing import Any, Mapping
 
 import yaml
 
-from protocol.route_flow import MAX_ROUTE_QUEUED_BYTES
-from protocol.routing import RoutingConfig, RoutingPolicy
-from protocol.routing_hints import HintsConfig
+from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
+from protocol.routing.hints import HintsConfig
+from protocol.routing.router import RoutingConfig, RoutingPolicy
 
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()
@@ -52,7 +52,7 @@ class GatewayConfig:
     peer_port: int | None = None
     #: ``key=value`` label selecting the gateway's own pods.
     pod_label: str = "app=infx"
-    #: YAML file of API keys (see :mod:`infx.auth`); none means auth is off.
+    #: YAML file of API keys (see :mod:`infx.gateway.auth`); none means auth is off.
     api_keys: str | None = None
     #: Shared secret peers present as ``authorization: Bearer ...``; none means no peer auth.
     #: Given on the command line it shows in ``ps``: prefer ``internal_secret_file`` or the
@@ -73,7 +73,7 @@ class GatewayConfig:
     max_task_duration: float = 600.0
     #: Sends of one request to engines, in all, whatever failed (a lost engine, a busy or
     #: unreachable runtime, one that dropped the request); one a runtime read and dropped is
-    #: sent at most twice, a Responses request once (see :mod:`protocol.attempts`).
+    #: sent at most twice, a Responses request once (see :mod:`protocol.processor.attempts`).
     max_attempts: int = 3
     #: Largest accepted HTTP request body, in bytes.
     max_body_size: int = 32 * 1024 * 1024
@@ -98,13 +98,13 @@ class GatewayConfig:
     #: max_in_flight_per_engine gets 429 with Retry-After once this many wait already.
     shed_waiting_threshold: int = 0
     #: With max_in_flight_per_engine: each engine's last free slots, kept for the caller holding
-    #: the fewest (protocol/fair_share.py), so that another caller's burst cannot take them all.
+    #: the fewest (protocol/processor/fair_share.py), so that another caller's burst cannot take them all.
     fair_reserve: int = 2
     #: How tasks are routed among engines: ``affinity`` (prefix, session and adapter
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
-    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing`.
+    #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing.router`.
     routing_policy: str = "affinity"
-    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.RoutingConfig`):
+    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.router.RoutingConfig`):
     #: the bounded-load factor (> 1: no engine above it times the mean load, plus one)...
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...
@@ -131,7 +131,7 @@ class GatewayConfig:
     #: Seconds between unchanged status reports to peers.
     status_interval: float = 10.0
     #: PEM certificate (leaf first, then intermediates) this gateway presents to its peers;
-    #: with the key and CA below, peers speak mutual TLS (see :mod:`infx.peer_tls`).
+    #: with the key and CA below, peers speak mutual TLS (see :mod:`infx.exchange.peer_tls`).
     internal_tls_cert: str | None = None
     #: PEM private key of ``internal_tls_cert``.
     internal_tls_key: str | None = None
@@ -432,7 +432,7 @@ def routing_config(config: GatewayConfig) -> tuple[RoutingConfig, HintsConfig]:
 
 
 def internal_tls(config: GatewayConfig) -> Any:
-    """The loaded :class:`~infx.peer_tls.PeerCredentials` when mutual TLS between peers is
+    """The loaded :class:`~infx.exchange.peer_tls.PeerCredentials` when mutual TLS between peers is
     configured, else None; all three files or none, each readable and parseable."""
     paths = {"--internal-tls-cert": config.internal_tls_cert, "--internal-tls-key": config.internal_tls_key,
              "--internal-tls-ca": config.internal_tls_ca}
@@ -444,7 +444,7 @@ def internal_tls(config: GatewayConfig) -> Any:
         raise ConfigError(f"{', '.join(given)} needs {missing} too: peer TLS takes a certificate, its key and a CA")
     if config.internal_grpc.startswith("ssl:"):
         raise ConfigError("--internal-grpc: give a tcp: endpoint; --internal-tls-* add TLS with client certificates")
-    from infx.peer_tls import PeerCredentials
+    from infx.exchange.peer_tls import PeerCredentials
 
     return PeerCredentials.from_files(str(config.internal_tls_cert), str(config.internal_tls_key),
                                       str(config.internal_tls_ca))

@@ -3,15 +3,15 @@
 Every option is validated in ``Options.postOptions`` (a ``UsageError`` names
 the bad one); ``makeService`` only wires. ``--upstream`` is the runtime
 server's root URL (``http://127.0.0.1:8000``); a trailing ``/v1`` is
-accepted and dropped (see :mod:`infx.runtimes`).
+accepted and dropped (see :mod:`infx.agent.runtimes`).
 
 With ``--runtime openai`` the agent checks its runtime's health
-(:mod:`infx.runtime_watch`) and reports its models ready only while it
+(:mod:`infx.agent.runtime_watch`) and reports its models ready only while it
 answers; without ``--models`` it serves the models the runtime lists. The
 runtime's API key comes from ``--upstream-api-key-file`` (reread as it
-changes, see :mod:`infx.upstream_key`) or ``$INFX_UPSTREAM_API_KEY``.
+changes, see :mod:`infx.agent.upstream_key`) or ``$INFX_UPSTREAM_API_KEY``.
 With ``--runtime openai`` the agent also reads the runtime's own load
-(:mod:`infx.runtime_load_watch`) every ``--runtime-load-interval`` seconds
+(:mod:`infx.agent.runtime_load_watch`) every ``--runtime-load-interval`` seconds
 and reports it with its status.
 """
 
@@ -30,9 +30,9 @@ from twisted.internet.defer import Deferred
 from twisted.python import usage
 
 from infx.cli import VersionOption, one_line_errors
-from protocol.echo import EchoConfig
-from protocol.engine_agent import AgentConfig, AgentUsageError
-from protocol.runtime_load import LoadConfig, LoadUsageError
+from protocol.agent.core import AgentConfig, AgentUsageError
+from protocol.agent.echo import EchoConfig
+from protocol.agent.runtime_load import LoadConfig, LoadUsageError
 
 MiB = 1024 * 1024
 
@@ -169,7 +169,7 @@ class Options(VersionOption, usage.Options):
 
     def _upstream_key(self) -> None:
         """Check the runtime's key source now, so that a bad file fails at start with its option named."""
-        from infx.upstream_key import UpstreamKeyError, read_key_file
+        from infx.agent.upstream_key import UpstreamKeyError, read_key_file
 
         path = self["upstream-api-key-file"]
         env_key = os.environ.get("INFX_UPSTREAM_API_KEY", "").strip()
@@ -221,17 +221,17 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
     from twisted.web.client import Agent, HTTPConnectionPool
 
-    from infx.engine import EngineAgent
-    from infx.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
-    from infx.runtime_watch import RuntimeWatch, check_pool
-    from infx.runtime_load_watch import RuntimeLoadWatch, scrape_pool
-    from infx.runtimes import EchoRuntime, OpenAIRuntime, Runtime, runtime_agent
+    from infx.agent.engine import EngineAgent
+    from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
+    from infx.agent.runtime_watch import RuntimeWatch, check_pool
+    from infx.agent.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
+    from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime, runtime_agent
+    from infx.agent.upstream_key import UpstreamKey
     from infx.transport import GrpcChannel, client_endpoint
-    from infx.upstream_key import UpstreamKey
-    from protocol.engine_agent import EngineAgentCore
+    from protocol.agent.core import EngineAgentCore
+    from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
+    from protocol.agent.runtime_load import RuntimeLoadMonitor
     from protocol.grpc import GrpcConfig
-    from protocol.runtime_health import HealthConfig, RuntimeHealth
-    from protocol.runtime_load import RuntimeLoadMonitor
 
     top = MultiService()
     runtime: Runtime

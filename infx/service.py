@@ -24,21 +24,21 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.auth import KeyStore, Principal
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
-from infx.dispatcher import Dispatcher
-from infx.exchanger import Exchanger, ExchangerConfig
-from infx.gateway import Gateway, build_resource
-from infx.gateway_site import GatewaySite
-from infx.metrics import GatewayMetrics
+from infx.exchange.exchanger import Exchanger, ExchangerConfig
+from infx.gateway.auth import KeyStore, Principal
+from infx.gateway.dispatcher import Dispatcher
+from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.workers import WorkerService
+from infx.http.api import Gateway, build_resource
+from infx.http.site import GatewaySite
 from infx.transport import GrpcChannel, GrpcServer
-from infx.workers import WorkerService
-from protocol.gateway_effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
+from protocol.discovery.peers import PeerAddress, PeerChange
+from protocol.gateway.effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
-from protocol.peers import PeerAddress, PeerChange
-from protocol.processor import Processor
-from protocol.processor_types import ProcessorConfig
-from protocol.scaling import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
+from protocol.processor.core import Processor
+from protocol.processor.types import ProcessorConfig
+from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()
 
@@ -142,7 +142,7 @@ class GatewayService(service.MultiService):
         self.metrics = GatewayMetrics(self.registry)
         self.key_reload: Any = None
         if config.api_keys:
-            from infx.key_reload import watched_key_store
+            from infx.gateway.key_reload import watched_key_store
 
             keys, self.key_reload = watched_key_store(reactor, config.api_keys)
             self.key_reload.setServiceParent(self)
@@ -197,14 +197,14 @@ class GatewayService(service.MultiService):
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
 
-    # --- scaling engine deployments (infx/scaler.py) -------------------------
+    # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 
     def _build_scaler(self) -> Any:
         """``--scaler``: watch scalable deployments in this namespace and hold tasks through cold starts."""
         import random
 
-        from infx.kube import PodWatcherConfig, kube_api_client
-        from infx.scaler import ProcessorLink, kubernetes_scaler
+        from infx.discovery.kube import PodWatcherConfig, kube_api_client
+        from infx.scaling.scaler import ProcessorLink, kubernetes_scaler
 
         namespace = PodWatcherConfig.from_environment(
             self.config.pod_label, self.config.effective_peer_port, environ=self.environ).namespace
@@ -231,11 +231,11 @@ class GatewayService(service.MultiService):
         that does not scope engine ids by gateway (LLMariner's) must not take
         them for one engine.
         """
-        from infx.engine import EngineAgent
-        from infx.runtimes import EchoRuntime
+        from infx.agent.engine import EngineAgent
+        from infx.agent.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
-        from protocol.echo import EchoConfig
-        from protocol.engine_agent import AgentConfig, EngineAgentCore
+        from protocol.agent.core import AgentConfig, EngineAgentCore
+        from protocol.agent.echo import EchoConfig
 
         key = secrets.token_urlsafe(24)
         if self.keys.enabled:
@@ -355,7 +355,7 @@ class GatewayService(service.MultiService):
         yield defer.maybeDeferred(service.MultiService.stopService, self)
 
 
-    # --- task exchange between gateway replicas (infx/exchanger.py) ----------
+    # --- task exchange between gateway replicas (infx/exchange/exchanger.py) ----------
 
     def _build_exchange(self, pod_name: str) -> None:
         """The internal gRPC server on ``internal_grpc`` and the exchanger; peers are dialled once it listens."""
@@ -379,7 +379,7 @@ class GatewayService(service.MultiService):
         self.peer_tls: Any = None
         listening_factory: Any = self.internal_server
         if credentials is not None:
-            from infx.peer_tls import PeerTLS
+            from infx.exchange.peer_tls import PeerTLS
 
             self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
@@ -410,7 +410,7 @@ class GatewayService(service.MultiService):
 
     def _peer_source(self, on_change: Callable[[PeerChange], None]) -> Any:
         """Static ``--peers``, or with ``--kube`` the pod watcher (in-cluster config or ``KUBECONFIG``)."""
-        from infx.kube import StaticPeers
+        from infx.discovery.kube import StaticPeers
 
         if not self.config.kube:
             return StaticPeers(self.config.peers, on_change)
@@ -418,7 +418,7 @@ class GatewayService(service.MultiService):
 
         from kubernetes import client
 
-        from infx.kube import PodWatcher, PodWatcherConfig, kube_api_client
+        from infx.discovery.kube import PodWatcher, PodWatcherConfig, kube_api_client
 
         watcher_config = PodWatcherConfig.from_environment(self.config.pod_label, self.config.effective_peer_port,
                                                            environ=self.environ)

@@ -12,13 +12,13 @@ from typing import Any
 from twisted.application.service import IService
 from twisted.python import usage
 
-from infx.auth import KeyFileError, KeyStore
 from infx.cli import VersionOption, one_line_errors, service_or_exit
 from infx.config import ConfigError, GatewayConfig, build_config, load_yaml
+from infx.gateway.auth import KeyFileError, KeyStore
 
 _DEFAULTS = GatewayConfig()
 
-# Task exchange between gateway replicas (infx/exchanger.py).
+# Task exchange between gateway replicas (infx/exchange/exchanger.py).
 _FLAGS: list[list[str | None]] = [
     ["kube", None, "Discover peer gateways by watching this namespace's pods (POD_NAME, NAMESPACE, "
                    "in-cluster config or KUBECONFIG); exclusive with --peers."],
@@ -45,7 +45,7 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
      "PEM CA certificate(s) peers' certificates must chain to (their names and IPs are not checked)."],
 ]
 
-# The affinity policy's knobs (protocol/routing.py, protocol/routing_hints.py; README "Routing").
+# The affinity policy's knobs (protocol/routing/router.py, protocol/routing/hints.py; README "Routing").
 _ROUTING_PARAMETERS: list[list[Any]] = [
     ["routing-load-factor", None, None, "Bounded load: no engine takes a task by affinity above this times the "
      f"mean load, plus one (> 1) [default: {_DEFAULTS.routing_load_factor:g}]."],

@@ -5,7 +5,7 @@ The package keeps one concern per module: ``writes`` (the write path: one
 gathering write per batch), ``connection`` (the HTTP/2 connection adapter:
 reads, the timer, backpressure), ``calls`` (status, errors, what server and
 client calls share), ``server`` (methods, handlers, ``GrpcServer``) and
-``client`` (``GrpcChannel`` performing :class:`protocol.channel.ChannelMachine`'s
+``client`` (``GrpcChannel`` performing :class:`protocol.grpc.channel.ChannelMachine`'s
 effects, ``ClientCall``).  Everything public is importable from here.
 
 Backpressure: a call's ``send()`` returns an already-fired Deferred while

@@ -2,7 +2,7 @@
 
 Rules this file keeps: no protocol logic: the HTTP/2 and gRPC wire is
 :mod:`protocol.grpc`, connectivity, redial backoff and transparent-retry
-eligibility are :class:`protocol.channel.ChannelMachine`; this file performs
+eligibility are :class:`protocol.grpc.channel.ChannelMachine`; this file performs
 their effects (dial, attach streams, fail calls) and arms one ``callLater``
 per channel at the machine's ``next_deadline()``.  The reactor's clock and
 endpoints are passed in; (de)serialisation happens here.
@@ -33,18 +33,6 @@ from infx.deadline import DeadlineTimer
 from infx.transport.calls import CallBase, Deserializer, GrpcError, Serializer, Status, identity
 from infx.transport.connection import GrpcProtocol
 from protocol.backoff import GRPC_CONNECTION_BACKOFF, Backoff
-from protocol.channel import (
-    AttachWaiting,
-    CancelConnect,
-    ChannelEffect,
-    ChannelMachine,
-    ChannelState,
-    CloseConnection,
-    Connect,
-    FailCall,
-    ReleaseRetryBuffer,
-    RetryCall,
-)
 from protocol.grpc import (
     CallEnded,
     CallLimitReached,
@@ -59,6 +47,18 @@ from protocol.grpc import (
     ResponseHeadersReceived,
     SendBufferDrained,
     StatusCode,
+)
+from protocol.grpc.channel import (
+    AttachWaiting,
+    CancelConnect,
+    ChannelEffect,
+    ChannelMachine,
+    ChannelState,
+    CloseConnection,
+    Connect,
+    FailCall,
+    ReleaseRetryBuffer,
+    RetryCall,
 )
 
 __all__ = ["ChannelState", "ClientCall", "ClientProtocol", "GrpcChannel", "client_endpoint"]

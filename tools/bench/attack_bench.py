@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.twistd_processes import Gateway  # noqa: E402
+from harness.twistd_processes import Gateway  # noqa: E402
 from tools.bench import attacks  # noqa: E402
 from tools.bench.attacks import LegitimateClient, Outcome, Target  # noqa: E402
 

@@ -5,7 +5,7 @@ about ``seconds`` against one port of a running gateway, on loopback only,
 with blocking sockets (the callers run them on threads), and reports what the
 attacker saw: the GOAWAY error code, RST_STREAM codes, gRPC statuses, HTTP
 statuses, whether the gateway closed the connection. They make no judgement:
-``tests/test_attacks.py`` asserts on outcomes, ``tools/bench/attack_bench.py``
+``tests/hostile/test_attacks.py`` asserts on outcomes, ``tools/bench/attack_bench.py``
 measures a legitimate client meanwhile. Frames are built by hand where the
 attack needs a frame no well-behaved library would send, and with ``h2`` where
 it needs a well-behaved peer that merely never reads (a zero window).

@@ -1,6 +1,6 @@
 """Eight gateways, sixteen engines: exchange latency, requests lost and convergence after a restart.
 
-The cluster of ``tests/test_eight_gateways.py`` (:mod:`tests.eight_gateways`): 8 ``twistd infx``
+The cluster of ``tests/e2e/test_eight_gateways.py`` (:mod:`harness.eight_gateways`): 8 ``twistd infx``
 gateways on loopback in a full mesh of static peers, 16 echo engines (no token delay), 4 models
 each on 4 engines of 4 gateways. It measures, in one run:
 
@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.eight_gateways import (  # noqa: E402 (the checkout goes on the path first)
+from harness.eight_gateways import (  # noqa: E402 (the checkout goes on the path first)
     ALL_ENGINES,
     ENGINES_PER_GATEWAY,
     HOSTS,

@@ -1,8 +1,8 @@
 """Real-runtime routing benchmark (issue #17): llama.cpp servers behind engine agents, two gateways,
 multi-turn conversations; prefix-cache reuse and time to first token per routing policy.
 
-The cluster and what is measured are :mod:`tests.llama_routing`'s (the same
-run, smaller, is ``tests/test_llama_routing.py``). Each policy gets a fresh
+The cluster and what is measured are :mod:`harness.llama_routing`'s (the same
+run, smaller, is ``tests/e2e/test_llama_routing.py``). Each policy gets a fresh
 cluster; the model is a random-weight llama of :mod:`harness.gguf_models`,
 made larger here (``--width``, ``--layers``, ``--context``) so that prefill
 costs enough to show in the time to first token. Timings vary with the
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from harness.gguf_models import ModelShape, write_model  # noqa: E402
-from tests.llama_routing import Workload, run_policy  # noqa: E402
+from harness.llama_routing import Workload, run_policy  # noqa: E402
 
 
 def main() -> None:

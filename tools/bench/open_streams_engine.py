@@ -9,7 +9,7 @@ engine side is :class:`LeanEngine`: status once a second, control tasks
 answered, every task handed to :class:`PacedRuntime`, results sent as they
 come, and nothing else, so that the engine costs little next to the
 gateway it loads. ``--agent`` runs infx's own engine agent
-(:class:`infx.engine.EngineAgent`) instead, for what it costs itself: its
+(:class:`infx.agent.engine.EngineAgent`) instead, for what it costs itself: its
 pure core scans every task in flight to compute its next deadline after
 each result, which does not scale to thousands of streams per engine.
 :class:`PacedRuntime` answers a streaming chat request itself:
@@ -50,10 +50,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from infx.runtimes import TaskSink  # noqa: E402
-from protocol.openai_runtime import runtime_request  # noqa: E402
+from infx.agent.runtimes import TaskSink  # noqa: E402
+from protocol.openai.runtime import runtime_request  # noqa: E402
+from protocol.openai.sse import DONE_EVENT  # noqa: E402
 from protocol.pb import worker_pb2  # noqa: E402
-from protocol.sse import DONE_EVENT  # noqa: E402
 
 MODEL = "bench"
 #: Seconds between the runtime's looks at which tokens are due.
@@ -187,7 +187,7 @@ class LeanEngine:
     STATUS_INTERVAL = 1.0
 
     def __init__(self, reactor: Any, port: int, engine_id: str, runtime: PacedRuntime) -> None:
-        from infx.engine import PROCESS_TASKS
+        from infx.agent.engine import PROCESS_TASKS
         from infx.transport import GrpcChannel, client_endpoint
         from protocol.grpc import GrpcConfig
 
@@ -246,8 +246,8 @@ class LeanEngine:
         self._status_call = self.reactor.callLater(self.STATUS_INTERVAL, self._status)
 
     def _send_status(self) -> None:
+        from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
         from protocol.pb import status_pb2
-        from protocol.task_forms import HTTP_REQUEST_CAPABILITY
 
         model = status_pb2.EngineStatus.Model(id=MODEL, is_ready=self.ready, in_progress_task_count=len(self.running))
         status = status_pb2.EngineStatus(engine_id=self.engine_id, ready=self.ready, models=[model],
@@ -269,7 +269,7 @@ class LeanEngine:
         self._read(call)
 
     def _task(self, task: worker_pb2.Task) -> None:
-        from protocol.engine_agent import control_response
+        from protocol.agent.core import control_response
 
         kind = task.request.WhichOneof("request")
         if kind in ("heartbeat", "go_away"):
@@ -324,11 +324,11 @@ def main(argv: list[str]) -> int:
 
     from twisted.internet import reactor
 
-    from infx.engine import EngineAgent
+    from infx.agent.engine import EngineAgent
     from infx.transport import GrpcChannel, client_endpoint
-    from protocol.engine_agent import AgentConfig, EngineAgentCore
+    from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.grpc import GrpcConfig
-    from protocol.task_forms import HTTP_REQUEST_CAPABILITY
+    from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 
     config = AgentConfig(engine_id=options.engine_id, models=(MODEL,), max_concurrency=options.max_concurrency,
                          max_queued=options.max_concurrency, capabilities=(HTTP_REQUEST_CAPABILITY,))

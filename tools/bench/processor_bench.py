@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
-from protocol.processor import DeliverResult, Locality, Processor, ProcessorConfig, SendTask
+from protocol.processor.core import DeliverResult, Locality, Processor, ProcessorConfig, SendTask
 
 EVENTS_PER_STREAM = 8
 

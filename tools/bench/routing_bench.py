@@ -2,7 +2,7 @@
 
 The production ``Processor`` (affinity policy) with ``--engines`` engines of
 one model; ``--conversations`` conversations each send a first turn (with
-routing hints from :func:`protocol.routing_hints.hints_from_json`) that
+routing hints from :func:`protocol.routing.hints.hints_from_json`) that
 completes, which fills the prefix index and the session table. Then timed:
 ``--decisions`` next turns of random conversations, each ``submit`` (routing,
 dispatch, index update) plus the engine's answer, and ``Router.choose``
@@ -23,8 +23,8 @@ import time
 import tracemalloc
 
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
-from protocol.processor import Locality, Processor, ProcessorConfig, SendTask
-from protocol.routing_hints import RoutingHints, hints_from_json
+from protocol.processor.core import Locality, Processor, ProcessorConfig, SendTask
+from protocol.routing.hints import RoutingHints, hints_from_json
 
 
 def _hints(rng: random.Random, n: int, turn: int, words: int) -> RoutingHints:

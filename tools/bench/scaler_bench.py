@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from twisted.internet import defer, task  # noqa: E402
 
-from infx.scaler import InferenceScaler  # noqa: E402
-from tests.scaler_fakes import InMemoryServiceQuery  # noqa: E402
-from protocol.scaling import (  # noqa: E402
+from harness.scaler_fakes import InMemoryServiceQuery  # noqa: E402
+from infx.scaling.scaler import InferenceScaler  # noqa: E402
+from protocol.scaling.scaler import (  # noqa: E402
     MAX_SCALE_LABEL,
     MIN_SCALE_LABEL,
     MODELS_ANNOTATION,

@@ -1,4 +1,4 @@
-"""Status traffic between gateways, from the deterministic simulation (``tests/sim``).
+"""Status traffic between gateways, from the deterministic simulation (``harness/sim``).
 
 For each shape (gateways x engines) it runs the same seeds and counts the
 ``ServerStatus`` messages the gateways' internal servers received and their
@@ -18,7 +18,7 @@ import json
 import time
 from collections import Counter
 
-from tests.sim.cluster import SimConfig, run_seed
+from harness.sim.cluster import SimConfig, run_seed
 
 
 def measure(gateways: int, engines: int, seeds: int, steps: int) -> dict[str, object]:

@@ -52,18 +52,18 @@ from protocol.grpc import (
     SendBufferDrained,
     StatusCode,
 )
-from protocol.openai_completions import text_completion_body, text_completion_event_data
-from protocol.openai_errors import InvalidRequestError, UpstreamError
-from protocol.openai_requests import (
+from protocol.openai.completions import text_completion_body, text_completion_event_data
+from protocol.openai.errors import InvalidRequestError, UpstreamError
+from protocol.openai.requests import (
     parse_chat_completion,
     parse_completion,
     parse_embedding,
     parse_model_response,
     parse_tokenize,
 )
-from protocol.openai_runtime import runtime_request
-from protocol.openai_verbatim import parse_json
-from protocol.sse import EventReceived, SSEParser
+from protocol.openai.runtime import runtime_request
+from protocol.openai.sse import EventReceived, SSEParser
+from protocol.openai.verbatim import parse_json
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""atheris target: the pure gRPC machine (protocol/grpc.py) against a hostile peer.
+"""atheris target: the pure gRPC machine (protocol/grpc/connection.py) against a hostile peer.
 
 Each input plays one connection: the first byte picks the machine's role
 (server against a hostile client, or client against a hostile server), the

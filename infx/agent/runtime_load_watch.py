@@ -1,0 +1,149 @@
+"""The runtime's load on Twisted: performs :class:`protocol.agent.runtime_load.RuntimeLoadMonitor`'s effects.
+
+Every decision (when, which paths, what a body means, when a change is worth
+telling the gateway) is the pure monitor's; this service GETs the paths on
+the ``openai`` runtime's server (with the runtime's credentials, through
+``authorize``), hands the answers back, arms one timer from
+``next_deadline()``, and passes each :class:`~protocol.agent.runtime_load.LoadChanged`
+to ``changed``. Scrapes use a pool of their own, so that they never wait
+behind busy task connections, and quiet, so that a scrape a second does not
+log a connection factory's start and stop each time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import HTTPConnectionPool
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IResponse
+
+from infx.agent.side_http import CappedBody, quiet_pool
+from infx.deadline import DeadlineTimer
+from protocol.agent.runtime_load import (
+    LoadChanged,
+    LoadEffect,
+    RuntimeLoad,
+    RuntimeLoadMonitor,
+    ScrapeAnswer,
+    ScrapeRuntime,
+)
+from protocol.agent.runtime_metrics import MAX_BODY
+
+__all__ = ["RuntimeLoadWatch", "scrape_pool"]
+
+log = Logger(namespace="infx.runtime_load_watch")
+
+
+def scrape_pool(clock: IReactorTime) -> HTTPConnectionPool:
+    """Connections for the scrapes alone: two kept open (``/metrics`` and ``/slots``), quiet."""
+    return quiet_pool(clock, 2)
+
+
+class RuntimeLoadWatch(Service):
+    """Scrapes the runtime at ``root`` and calls ``changed(load)`` when its reported load changes.
+
+    ``authorize(headers)`` adds the runtime's credentials to each GET;
+    ``refused()`` is called when the runtime answers 401 (its key changed).
+    """
+
+    def __init__(self, clock: IReactorTime, monitor: RuntimeLoadMonitor, agent: IAgent, root: str,
+                 changed: Callable[[RuntimeLoad | None], None],
+                 authorize: Callable[[Headers], None] | None = None,
+                 refused: Callable[[], None] | None = None) -> None:
+        self.clock = clock
+        self.monitor = monitor
+        self.agent = agent
+        self.root = root.rstrip("/")
+        self.changed = changed
+        self.authorize = authorize
+        self.refused = refused
+        self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timeout(self.clock.seconds())))
+        self._pending: list[Deferred[object]] = []
+        self._reporting = False
+
+    def startService(self) -> None:
+        super().startService()
+        self._run(self.monitor.start(self.clock.seconds()))
+
+    def stopService(self) -> None:
+        super().stopService()
+        self._timer.cancel()
+        self._cancel_pending()
+
+    def _cancel_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for request in pending:
+            request.cancel()
+
+    def _run(self, effects: list[LoadEffect]) -> None:
+        for effect in effects:
+            if isinstance(effect, ScrapeRuntime):
+                self._scrape(effect)
+            elif isinstance(effect, LoadChanged):
+                if (effect.load is not None) != self._reporting:
+                    self._reporting = effect.load is not None
+                    if effect.load is not None:
+                        log.info("runtime at {url} reports its load ({source} metrics)", url=self.root,
+                                 source=effect.load.source)
+                    else:
+                        log.info("runtime at {url} no longer reports its load; routing counts tasks",
+                                 url=self.root)
+                self.changed(effect.load)
+        if self.running:
+            self._timer.arm(self.monitor.next_deadline())
+
+    def _scrape(self, scrape: ScrapeRuntime) -> None:
+        self._cancel_pending()  # the monitor abandoned the last one (timed out)
+        gets = [self._get(path) for path in scrape.paths]
+        mine = [get for get, _ in gets]
+        self._pending = mine
+        answers: dict[str, ScrapeAnswer] = {}
+
+        def collect(path: str) -> Callable[[ScrapeAnswer], None]:
+            def store(answer: ScrapeAnswer) -> None:
+                answers[path] = answer
+            return store
+
+        for (get, answered), path in zip(gets, scrape.paths):
+            answered.addCallback(collect(path))
+        everything: Deferred[object] = DeferredList([answered for _, answered in gets])
+
+        def done(_: object) -> None:
+            if self._pending is mine:
+                self._pending = []
+            if self.running:
+                self._run(self.monitor.scrape_done(scrape.scrape_id, answers, self.clock.seconds()))
+
+        everything.addCallback(done)
+
+    def _get(self, path: str) -> tuple[Deferred[object], Deferred[ScrapeAnswer]]:
+        """(the request, to cancel it; its answer, which never fails: a failure is ``status`` None)."""
+        headers = Headers({b"User-Agent": [b"infx-engine"]})
+        if self.authorize is not None:
+            self.authorize(headers)
+        request: Deferred[object] = self.agent.request(b"GET", (self.root + path).encode("ascii"), headers)
+        answered: Deferred[ScrapeAnswer] = Deferred()
+
+        def got(response: IResponse) -> Deferred[None]:
+            if response.code == 401 and self.refused is not None:
+                self.refused()  # the key may have been rotated: let the credentials reread it
+            body: Deferred[bytes] = Deferred()
+            response.deliverBody(CappedBody(body, MAX_BODY, truncate=False))
+            return body.addCallbacks(
+                lambda data: answered.callback(ScrapeAnswer(response.code, data)),
+                lambda failure: answered.callback(ScrapeAnswer(None)),
+            )
+
+        def failed(failure: Failure) -> None:
+            if not answered.called:
+                answered.callback(ScrapeAnswer(None))
+
+        request.addCallback(got)
+        request.addErrback(failed)
+        return request, answered

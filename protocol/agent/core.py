@@ -1,0 +1,707 @@
+"""The engine agent's bookkeeping: streams to the gateway, tasks in flight, status; pure.
+
+Rules this file keeps: no I/O, no clock reads, no randomness. Every input is
+a method call that takes ``now`` (seconds, any monotonic scale; always the
+last argument, never defaulted) and returns the effects the caller must
+perform, in order, as frozen dataclasses; ``next_deadline()`` says when to
+call ``handle_timeout(now)``. Jitter for the reconnect backoff is an
+argument the caller must give, so a simulation decides it. A closed stream
+is forgotten at once (its id stays known as closed, because ids only grow),
+so that reconnecting for days keeps the machine as small as on day one. Everything
+that changes which task runs, which stream a result goes to, and what the
+gateway is told about this engine lives here; running a task is the
+runtime's business (``StartTask`` / ``AbortTask``).
+
+Streams (``StreamState``)::
+
+    start / reconnect / go-away -> OPEN     the current stream; status reports go here
+    OPEN    -> RETIRING   go-away: answered 202, a new stream replaces it; its tasks finish here
+    OPEN | RETIRING -> CLOSED   the gateway ended it / it failed / it is retired and idle (then forgotten)
+
+Agent (``AgentState``)::
+
+    IDLE     -> RUNNING    start: the first stream opens
+    IDLE     -> STOPPED    shutdown before start
+    RUNNING  -> DRAINING   shutdown: ready=false, no new work, in-flight tasks finish
+    DRAINING -> STOPPED    all tasks done, or the grace period ran out (tasks aborted)
+
+Tasks: at most ``max_concurrency`` run at once; up to ``max_queued`` more
+wait in arrival order and count as in progress (the gateway routes by that
+count); one more is answered 503 at once, so that the gateway retries it on
+another engine instead of it waiting here without bound. A task lives
+until its runtime reports it finished, it is cancelled by the gateway, its
+stream goes away (nobody is left to read its results), or its
+``timeout_seconds`` (counted from its arrival) pass: then it is aborted. A
+task whose deadline passes before its first result is answered 504; one
+already streaming is only aborted, and the gateway's own deadline ends the
+client's response. Either way the runtime stops working for nobody. Results of a task that is no longer known are dropped, because a
+runtime may still be unwinding after an abort.
+
+Models are ready while the runtime is (``runtime_changed``, from the health
+check of :mod:`protocol.agent.runtime_health`): with ``wait_for_runtime`` they are
+reported not ready until the runtime first answers, and again whenever it
+stops answering, so that the gateway holds their requests in its queue
+instead of sending them here. With no ``models`` configured, the models are
+those the runtime lists. Readiness changes are reported at once.
+The runtime's own load (``runtime_load_changed``, from the monitor of
+:mod:`protocol.agent.runtime_load`, which already coalesces it) goes out with every
+model's status as ``runtime_load``; with none, the field is absent and the
+gateway routes by in-progress counts alone.
+
+Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
+(404 when the named task is unknown), an empty request 501 (as LLMariner's
+engine does, so a newer gateway can add kinds); runtime tasks that arrive
+while draining get 503 so that the gateway retries them on another engine.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from protocol.backoff import Backoff
+from protocol.errors import LocalUsageError, RemoteProtocolError
+from protocol.openai.errors import error_json, status_line
+from protocol.pb import status_pb2, worker_pb2
+
+__all__ = [
+    "AbortTask", "AgentConfig", "AgentState", "AgentUsageError", "CloseStream", "Effect",
+    "EngineAgentCore", "GatewayProtocolError", "OpenStream", "SendResult", "SendStatus",
+    "StartTask", "Stopped", "StreamState", "control_response",
+]
+
+RUNTIME_KINDS = frozenset(
+    {"chat_completion", "embedding", "audio_transcription", "model_response", "tokenize_request"}
+)
+
+
+class AgentUsageError(LocalUsageError):
+    """The caller drove the machine wrongly (unknown stream, start twice, bad config)."""
+
+
+class GatewayProtocolError(RemoteProtocolError):
+    """The gateway broke the protocol (e.g. reused the id of a task still in flight).
+
+    The offending task is dropped; the stream goes on.
+    """
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's settings.
+
+    ``engine_id``, ``models`` and ``cluster_id`` are what ``EngineStatus``
+    reports. ``max_concurrency``: tasks that run at once (more wait).
+    ``max_queued``: tasks that may wait for a slot; past it a task is answered
+    503. None means four times ``max_concurrency``: enough to keep the runtime
+    busy across the gateway's routing lag, few enough that a task does not sit
+    here for many task durations while another engine is free.
+    ``status_interval``: seconds between periodic reports on the current
+    stream (they also keep an idle stream alive through proxies).
+    ``status_min_interval``: in-progress counts change with every task, so
+    such changes are coalesced to at most one report per this many seconds;
+    readiness changes are reported at once. ``reconnect_initial`` /
+    ``reconnect_max`` / ``reconnect_multiplier``: exponential backoff between
+    attempts to open a stream, each delay scaled by ``1 ± reconnect_jitter``.
+    ``go_away_linger``: a retired stream stays open at least this long, since
+    the gateway may have sent tasks on it before it saw our 202.
+    ``capabilities``: what the runtime understands beyond LLMariner's protocol,
+    reported as ``EngineStatus.infx_capabilities`` (see :mod:`protocol.openai.task_forms`).
+    ``wait_for_runtime``: models are not ready until ``runtime_changed`` says
+    the runtime answers (without it they are always ready, as with the echo
+    runtime); ``models`` may then be empty: the runtime's own list is served.
+    ``instance``: a token drawn once per agent process (the adapter draws it),
+    sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
+    tells this process reconnecting from another process given the same
+    ``engine_id`` (which it refuses).
+    """
+
+    engine_id: str
+    models: tuple[str, ...]
+    cluster_id: str = ""
+    max_concurrency: int = 32
+    max_queued: int | None = None
+    status_interval: float = 10.0
+    status_min_interval: float = 0.1
+    reconnect_initial: float = 0.5
+    reconnect_max: float = 30.0
+    reconnect_multiplier: float = 2.0
+    reconnect_jitter: float = 0.2
+    go_away_linger: float = 5.0
+    capabilities: tuple[str, ...] = ()
+    wait_for_runtime: bool = False
+    instance: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise AgentUsageError("engine_id must not be empty")
+        if not self.models and not self.wait_for_runtime:
+            raise AgentUsageError("models must not be empty unless they come from the runtime (wait_for_runtime)")
+        if any(not m for m in self.models) or len(set(self.models)) != len(self.models):
+            raise AgentUsageError("models must be distinct, non-empty ids")
+        if self.max_concurrency < 1:
+            raise AgentUsageError("max_concurrency must be at least 1")
+        if self.max_queued is not None and self.max_queued < 0:
+            raise AgentUsageError("max_queued must be at least 0")
+        for name in ("status_interval", "reconnect_initial", "reconnect_max", "reconnect_multiplier"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise AgentUsageError(f"{name} must be a finite number > 0")
+        for name in ("status_min_interval", "go_away_linger"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise AgentUsageError(f"{name} must be a finite number >= 0")
+        if not 0 <= self.reconnect_jitter < 1:
+            raise AgentUsageError("reconnect_jitter must be in [0, 1)")
+        try:
+            self.reconnect_backoff  # built once here, so that bad settings fail now
+        except ValueError as exc:
+            raise AgentUsageError(f"reconnect backoff: {exc}") from None
+
+    @property
+    def reconnect_backoff(self) -> Backoff:
+        """The ``reconnect_*`` settings as the one redial rule (:mod:`protocol.backoff`)."""
+        return Backoff(initial=self.reconnect_initial, factor=self.reconnect_multiplier,
+                       cap=self.reconnect_max, jitter=self.reconnect_jitter)
+
+    @property
+    def queue_limit(self) -> int:
+        """Tasks that may wait for a slot: ``max_queued``, or its default."""
+        return 4 * self.max_concurrency if self.max_queued is None else self.max_queued
+
+
+# -- effects -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenStream:
+    """Open a ProcessTasks stream with this id; on a new connection when ``new_connection``
+    (after a go-away, so that a load balancer may pick another gateway replica)."""
+
+    stream_id: int
+    new_connection: bool
+
+
+@dataclass(frozen=True)
+class SendStatus:
+    """Send this ``EngineStatus`` on the stream."""
+
+    stream_id: int
+    status: status_pb2.EngineStatus
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Send this ``TaskResult`` on the stream (task id and result index already set)."""
+
+    stream_id: int
+    result: worker_pb2.TaskResult
+
+
+@dataclass(frozen=True)
+class StartTask:
+    """Run this task on the runtime; report with ``send_result`` and ``finish_task``."""
+
+    task: worker_pb2.Task
+
+
+@dataclass(frozen=True)
+class AbortTask:
+    """Stop the runtime's work on this task; whatever it still reports is dropped."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class CloseStream:
+    """Half-close the stream (we send nothing more on it); it is CLOSED here already."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The drain is over: every task ended and every stream is closed."""
+
+
+Effect = OpenStream | SendStatus | SendResult | StartTask | AbortTask | CloseStream | Stopped
+
+
+# -- state ---------------------------------------------------------------------------
+
+
+class AgentState(Enum):
+    """Life of the whole agent."""
+
+    IDLE = "idle"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class StreamState(Enum):
+    """Life of one ProcessTasks stream."""
+
+    OPEN = "open"
+    RETIRING = "retiring"
+    CLOSED = "closed"
+
+
+@dataclass
+class _Stream:
+    id: int
+    state: StreamState
+    tasks: dict[str, None] = field(default_factory=dict)  # ordered: aborted in arrival order
+    last_status: status_pb2.EngineStatus | None = None
+    last_status_at: float = -math.inf
+    linger_until: float = -math.inf
+
+
+@dataclass
+class _Task:
+    task: worker_pb2.Task
+    stream_id: int
+    model: str
+    deadline: float | None = None
+    running: bool = False
+    next_index: int = 0
+
+
+def control_response(task_id: str, status: int) -> worker_pb2.TaskResult:
+    """The single HttpResponse that answers a control task (heartbeat, go-away, cancel)."""
+    response = worker_pb2.HttpResponse(status_code=status, status=status_line(status))
+    return worker_pb2.TaskResult(task_id=task_id, http_response=response, result_index=0)
+
+
+def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskResult:
+    result = control_response(task_id, status)
+    result.http_response.header["Content-Type"].values.append("application/json")
+    result.http_response.body = error_json(status, message)
+    return result
+
+
+def _readiness(status: status_pb2.EngineStatus) -> tuple[bool, tuple[tuple[str, bool], ...]]:
+    """What of a status must reach the gateway without delay: which models it may route here."""
+    return status.ready, tuple((m.id, m.is_ready) for m in status.models)
+
+
+def task_model(task: worker_pb2.Task) -> str:
+    """The model a runtime task names ("" for control tasks)."""
+    kind = task.request.WhichOneof("request")
+    if kind not in RUNTIME_KINDS:
+        return ""
+    model: str = getattr(task.request, kind).model
+    return model
+
+
+class EngineAgentCore:
+    """The agent's state machine; see the module docstring for its rules."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.state = AgentState.IDLE
+        self._streams: dict[int, _Stream] = {}
+        self._current: int | None = None
+        self._next_stream_id = 1
+        self._tasks: dict[str, _Task] = {}
+        # Kept as tasks come and go, so that a result costs the same with 10 or 10,000 in flight:
+        self._queue: dict[str, None] = {}  # waiting for a slot, in arrival order
+        self._model_counts: dict[str, int] = {}  # tasks held, by model
+        self._deadlines: list[tuple[float, str]] = []  # a heap; entries of forgotten tasks linger
+        self._running = 0
+        self._reconnect_at: float | None = None
+        self._failures = 0
+        self._drain_deadline: float | None = None
+        self._runtime_ready = not config.wait_for_runtime
+        self._runtime_models: tuple[str, ...] = ()
+        self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
+        #: The last status built and what it was built from: asked for on every input, it
+        #: changes only when a count, the state or the runtime does.
+        self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
+
+    # -- inspection ---------------------------------------------------------------
+
+    @property
+    def current_stream(self) -> int | None:
+        """The stream that status reports and new tasks use (None while reconnecting)."""
+        return self._current
+
+    def stream_state(self, stream_id: int) -> StreamState:
+        """State of a stream this machine opened."""
+        stream = self._stream(stream_id)
+        return StreamState.CLOSED if stream is None else stream.state
+
+    @property
+    def held_streams(self) -> tuple[int, ...]:
+        """The streams the machine keeps (open or retiring): closed ones are forgotten."""
+        return tuple(self._streams)
+
+    @property
+    def in_progress(self) -> int:
+        """Tasks held: running plus waiting for a slot."""
+        return len(self._tasks)
+
+    @property
+    def queued(self) -> int:
+        """Tasks waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def running(self) -> int:
+        """Tasks running on the runtime now."""
+        return self._running
+
+    def task_stream(self, task_id: str) -> int | None:
+        """The stream a task's results go to (None if the task is not in flight)."""
+        task = self._tasks.get(task_id)
+        return None if task is None else task.stream_id
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models this engine serves: those configured, else those the runtime listed."""
+        return self.config.models or self._runtime_models
+
+    def engine_status(self) -> status_pb2.EngineStatus:
+        """What the gateway should know about this engine now (the same message while nothing changed:
+        callers never change it)."""
+        models = self.models
+        key = (self.state is AgentState.RUNNING, self._runtime_ready, models,
+               tuple(self._model_counts.get(m, 0) for m in models))
+        cached = self._status_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        counts = dict(zip(models, key[3]))
+        status = status_pb2.EngineStatus(
+            engine_id=self.config.engine_id,
+            ready=self.state is AgentState.RUNNING,
+            cluster_id=self.config.cluster_id,
+            infx_capabilities=self.config.capabilities,
+            infx_instance=self.config.instance,
+            models=[
+                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
+                for m, n in counts.items()
+            ],
+        )
+        if self._runtime_load is not None:
+            # One runtime serves all of this engine's models: its load is each one's.
+            for model in status.models:
+                model.runtime_load.CopyFrom(self._runtime_load)
+        self._status_cache = (key, status)
+        return status
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timeout`` must run next, or None."""
+        candidates: list[float] = []
+        if self._reconnect_at is not None:
+            candidates.append(self._reconnect_at)
+        if self._drain_deadline is not None:
+            candidates.append(self._drain_deadline)
+        current = self._streams.get(self._current) if self._current is not None else None
+        if current is not None:
+            candidates.append(self._status_due(current))
+        for stream in self._streams.values():
+            if stream.state is StreamState.RETIRING and not stream.tasks:
+                candidates.append(stream.linger_until)
+        task_deadline = self._earliest_task_deadline()
+        if task_deadline is not None:
+            candidates.append(task_deadline)
+        return min(candidates) if candidates else None
+
+    # -- commands -----------------------------------------------------------------
+
+    def start(self, now: float) -> list[Effect]:
+        """Begin: open the first stream."""
+        if self.state is not AgentState.IDLE:
+            raise AgentUsageError(f"start() in state {self.state.value}")
+        self.state = AgentState.RUNNING
+        effects: list[Effect] = []
+        self._open(now, False, effects)
+        return effects
+
+    def runtime_changed(self, ready: bool, models: tuple[str, ...], now: float) -> list[Effect]:
+        """The runtime started or stopped answering, or lists other ``models`` (``()``: none of its
+        own); the gateway is told at once."""
+        if any(not m for m in models) or len(set(models)) != len(models):
+            raise AgentUsageError("runtime models must be distinct, non-empty ids")
+        self._runtime_ready = ready
+        self._runtime_models = models
+        self._status_cache = None
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def runtime_load_changed(self, load: status_pb2.EngineStatus.RuntimeLoad | None, now: float) -> list[Effect]:
+        """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
+        self._runtime_load = load
+        self._status_cache = None
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def stream_confirmed(self, stream_id: int) -> None:
+        """The gateway answered on this stream (headers or a task): the backoff starts over."""
+        if self._stream(stream_id) is not None:
+            self._failures = 0
+
+    def task_received(self, stream_id: int, task: worker_pb2.Task, now: float) -> list[Effect]:
+        """A Task arrived on a stream.
+
+        A task on a stream we already closed is dropped: we half-closed it,
+        so it cannot be answered, and the gateway fails it over when the
+        stream ends. Raises :class:`GatewayProtocolError` (and changes nothing) when its
+        id is that of a task still in flight.
+        """
+        stream = self._stream(stream_id)
+        if stream is None:
+            return []
+        self.stream_confirmed(stream_id)
+        if task.id in self._tasks:
+            raise GatewayProtocolError(f"task id {task.id!r} is already in flight")
+        effects: list[Effect] = []
+        kind = task.request.WhichOneof("request")
+        if kind == "heartbeat":
+            effects.append(SendResult(stream_id, control_response(task.id, 200)))
+        elif kind == "go_away":
+            effects.append(SendResult(stream_id, control_response(task.id, 202)))
+            self._go_away(now, stream, effects)
+        elif kind == "cancel_task":
+            target = task.request.cancel_task.task_id
+            found = target in self._tasks
+            effects.append(SendResult(stream_id, control_response(task.id, 200 if found else 404)))
+            if found:
+                self._drop(target, effects)
+                self._start_waiting(effects)
+        elif kind in RUNTIME_KINDS:
+            if self.state is not AgentState.RUNNING:
+                effects.append(SendResult(stream_id, _error_response(task.id, 503, "The engine is shutting down.")))
+            elif self._running >= self.config.max_concurrency and len(self._queue) >= self.config.queue_limit:
+                message = f"The engine is at capacity ({self.config.queue_limit} tasks already wait)."
+                effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
+            else:
+                deadline = now + task.timeout_seconds if task.timeout_seconds > 0 else None
+                model = task_model(task)
+                self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
+                self._model_counts[model] = self._model_counts.get(model, 0) + 1
+                stream.tasks[task.id] = None
+                self._queue[task.id] = None
+                if deadline is not None:
+                    heapq.heappush(self._deadlines, (deadline, task.id))
+                self._start_waiting(effects)
+        else:
+            effects.append(SendResult(stream_id, _error_response(task.id, 501, f"Unknown task request {kind!r}.")))
+        self._report(now, effects)
+        return effects
+
+    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> list[Effect]:
+        """The runtime produced the task's next result; it goes to the task's stream.
+
+        The machine sets ``task_id`` and ``result_index`` (0, 1, 2, ...).
+        Results of a task no longer known (aborted) are dropped.
+        """
+        task = self._tasks.get(task_id)
+        if task is None:
+            return []
+        if not task.running:
+            raise AgentUsageError(f"result for task {task_id!r} before it started")
+        out = worker_pb2.TaskResult()
+        out.CopyFrom(result)
+        out.task_id = task_id
+        out.result_index = task.next_index
+        task.next_index += 1
+        return [SendResult(task.stream_id, out)]
+
+    def finish_task(self, task_id: str, now: float) -> list[Effect]:
+        """The runtime is done with the task (after its last result, or after failing)."""
+        task = self._tasks.get(task_id)
+        if task is None:
+            return []
+        if not task.running:
+            raise AgentUsageError(f"finish_task for task {task_id!r} that never started")
+        effects: list[Effect] = []
+        self._forget(task_id)
+        self._start_waiting(effects)
+        self._retire_idle(now, effects)
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def stream_closed(self, stream_id: int, jitter: float, now: float) -> list[Effect]:
+        """The stream ended (the gateway closed it, or it failed); its tasks are aborted.
+
+        ``jitter`` in [0, 1) places the reconnect delay within its band.
+        Reporting a stream that is already closed is harmless.
+        """
+        stream = self._stream(stream_id)
+        effects: list[Effect] = []
+        if stream is None:
+            return effects
+        for task_id in list(stream.tasks):
+            self._drop(task_id, effects)
+        self._close(stream)
+        self._start_waiting(effects)
+        if stream_id == self._current:
+            self._current = None
+            if self.state is AgentState.RUNNING:
+                self._schedule_reconnect(now, jitter)
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def shutdown(self, grace: float, now: float) -> list[Effect]:
+        """Stop taking work: report ready=false, let tasks finish for up to ``grace`` seconds."""
+        if self.state is AgentState.IDLE:
+            self.state = AgentState.STOPPED
+            return [Stopped()]
+        if self.state is not AgentState.RUNNING:
+            raise AgentUsageError(f"shutdown() in state {self.state.value}")
+        self.state = AgentState.DRAINING
+        self._reconnect_at = None
+        self._drain_deadline = now + max(grace, 0.0)
+        effects: list[Effect] = []
+        self._report(now, effects)
+        self._check_drained(effects)
+        return effects
+
+    def handle_timeout(self, now: float) -> list[Effect]:
+        """Time passed: expire tasks, reconnect, periodic status, retire idle streams, end the drain."""
+        effects: list[Effect] = []
+        if self._drain_deadline is not None and now >= self._drain_deadline:
+            for task_id in list(self._tasks):
+                self._drop(task_id, effects)
+            self._check_drained(effects)
+            return effects
+        expired: dict[str, _Task] = {}  # an id back in flight with its old deadline has two entries
+        while (due := self._earliest_task_deadline()) is not None and now >= due:
+            task_id = heapq.heappop(self._deadlines)[1]
+            expired[task_id] = self._tasks[task_id]
+        for task in expired.values():
+            if task.next_index == 0:
+                effects.append(SendResult(task.stream_id, _error_response(
+                    task.task.id, 504, "The task's deadline passed before the engine answered.")))
+            self._drop(task.task.id, effects)
+        if expired:
+            self._start_waiting(effects)
+            self._check_drained(effects)
+        if self._reconnect_at is not None and now >= self._reconnect_at:
+            self._reconnect_at = None
+            self._open(now, True, effects)
+        self._retire_idle(now, effects)
+        self._report(now, effects)
+        return effects
+
+    # -- internals ----------------------------------------------------------------
+
+    def _stream(self, stream_id: int) -> _Stream | None:
+        """The stream, or None once it is closed; ids this machine never gave out are misuse."""
+        if not 1 <= stream_id < self._next_stream_id:
+            raise AgentUsageError(f"unknown stream {stream_id}")
+        return self._streams.get(stream_id)
+
+    def _close(self, stream: _Stream) -> None:
+        """The stream is CLOSED: forget it (its id, below ``_next_stream_id``, reads as closed)."""
+        stream.state = StreamState.CLOSED
+        del self._streams[stream.id]
+
+    def _open(self, now: float, new_connection: bool, effects: list[Effect]) -> None:
+        stream = _Stream(id=self._next_stream_id, state=StreamState.OPEN)
+        self._next_stream_id += 1
+        self._streams[stream.id] = stream
+        self._current = stream.id
+        effects.append(OpenStream(stream.id, new_connection))
+        self._report(now, effects)
+
+    def _go_away(self, now: float, stream: _Stream, effects: list[Effect]) -> None:
+        if stream.state is not StreamState.OPEN:
+            return
+        stream.state = StreamState.RETIRING
+        stream.linger_until = now + self.config.go_away_linger
+        if stream.id == self._current:
+            self._current = None
+            if self.state is AgentState.RUNNING:
+                self._open(now, True, effects)
+
+    def _schedule_reconnect(self, now: float, jitter: float) -> None:
+        self._failures += 1
+        delay = self.config.reconnect_backoff.delay(self._failures, min(max(jitter, 0.0), 1.0))
+        self._reconnect_at = now + delay
+
+    def _start_waiting(self, effects: list[Effect]) -> None:
+        while self._queue and self._running < self.config.max_concurrency:
+            task_id = next(iter(self._queue))
+            del self._queue[task_id]
+            task = self._tasks[task_id]
+            task.running = True
+            self._running += 1
+            effects.append(StartTask(task.task))
+
+    def _drop(self, task_id: str, effects: list[Effect]) -> None:
+        task = self._tasks[task_id]
+        if task.running:
+            effects.append(AbortTask(task_id))
+        else:
+            del self._queue[task_id]
+        self._forget(task_id)
+
+    def _forget(self, task_id: str) -> None:
+        task = self._tasks.pop(task_id)
+        if task.running:
+            self._running -= 1
+        left = self._model_counts[task.model] - 1
+        if left:
+            self._model_counts[task.model] = left
+        else:
+            del self._model_counts[task.model]
+        stream = self._streams.get(task.stream_id)
+        if stream is not None:
+            stream.tasks.pop(task_id, None)
+
+    def _earliest_task_deadline(self) -> float | None:
+        """The soonest deadline of a task in flight; heap entries of tasks already gone are dropped
+        here (an id is never reused while in flight, but may come back later with another deadline)."""
+        while self._deadlines:
+            deadline, task_id = self._deadlines[0]
+            task = self._tasks.get(task_id)
+            if task is not None and task.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    def _retire_idle(self, now: float, effects: list[Effect]) -> None:
+        for stream in list(self._streams.values()):
+            if stream.state is StreamState.RETIRING and not stream.tasks and now >= stream.linger_until:
+                self._close(stream)
+                effects.append(CloseStream(stream.id))
+
+    def _status_due(self, stream: _Stream) -> float:
+        status = self.engine_status()
+        if status is stream.last_status:
+            # Nothing changed since it was sent (the status is rebuilt only on a change).
+            return stream.last_status_at + self.config.status_interval
+        if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
+            return stream.last_status_at if stream.last_status is not None else -math.inf
+        if status != stream.last_status:
+            return stream.last_status_at + self.config.status_min_interval
+        return stream.last_status_at + self.config.status_interval
+
+    def _report(self, now: float, effects: list[Effect]) -> None:
+        if self._current is None:
+            return
+        stream = self._streams[self._current]
+        if now >= self._status_due(stream):
+            status = self.engine_status()
+            stream.last_status = status
+            stream.last_status_at = now
+            effects.append(SendStatus(stream.id, status))
+
+    def _check_drained(self, effects: list[Effect]) -> None:
+        if self.state is not AgentState.DRAINING or self._tasks:
+            return
+        self.state = AgentState.STOPPED
+        self._drain_deadline = None
+        self._current = None
+        for stream in list(self._streams.values()):
+            self._close(stream)
+            effects.append(CloseStream(stream.id))
+        effects.append(Stopped())

@@ -1,0 +1,242 @@
+"""The runtime load monitor on a hand-stepped clock: which paths, when to scrape, what to report."""
+
+import json
+
+import pytest
+
+from protocol.agent.runtime_load import (
+    LoadChanged,
+    LoadConfig,
+    LoadSource,
+    LoadUsageError,
+    RuntimeLoad,
+    RuntimeLoadMonitor,
+    ScrapeAnswer,
+    ScrapeRuntime,
+)
+
+
+def vllm(running=0, waiting=0, kv=0.0, hits=0.0, queries=0.0):
+    return ScrapeAnswer(200, (
+        f'vllm:num_requests_running{{model_name="m"}} {running}\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
+        f'vllm:prefix_cache_hits_total{{model_name="m"}} {hits}\n'
+        f'vllm:prefix_cache_queries_total{{model_name="m"}} {queries}\n'
+    ).encode())
+
+
+def scrape_of(effects):
+    [scrape] = [e for e in effects if isinstance(e, ScrapeRuntime)]
+    return scrape
+
+
+def loads(effects):
+    return [e.load for e in effects if isinstance(e, LoadChanged)]
+
+
+class Driver:
+    """Steps a monitor: answers each scrape with what ``answer(path)`` gives."""
+
+    def __init__(self, config=None):
+        self.monitor = RuntimeLoadMonitor(config or LoadConfig(report_min_interval=2.0))
+        self.now = 0.0
+        self.scrape = scrape_of(self.monitor.start(self.now))
+
+    def answer(self, **by_path):
+        answers = {path: by_path[path.strip("/")] for path in self.scrape.paths if path.strip("/") in by_path}
+        effects = self.monitor.scrape_done(self.scrape.scrape_id, answers, self.now)
+        self.scrape = None
+        return effects
+
+    def tick(self, to):
+        self.now = to
+        effects = self.monitor.handle_timeout(self.now)
+        scrapes = [e for e in effects if isinstance(e, ScrapeRuntime)]
+        if scrapes:
+            self.scrape = scrapes[0]
+        return effects
+
+
+def test_the_first_reading_is_reported_at_once_with_the_wire_shape():
+    d = Driver()
+    assert d.scrape.paths == ("/metrics",)
+    [load] = loads(d.answer(metrics=vllm(running=3, waiting=1, kv=0.5)))
+    assert load == RuntimeLoad("vllm", 3, 1, kv_cache_usage=0.5)
+    pb = load.to_pb()
+    assert (pb.running_requests, pb.waiting_requests, pb.source) == (3, 1, "vllm")
+    assert pb.HasField("kv_cache_usage") and not pb.HasField("prefix_cache_hit_rate")
+    assert d.monitor.source is LoadSource.METRICS
+
+
+def test_scrapes_repeat_every_interval():
+    d = Driver()
+    d.answer(metrics=vllm())
+    assert d.monitor.next_deadline() == 1.0
+    assert d.tick(0.99) == []
+    assert d.tick(1.0)[0] == ScrapeRuntime(2, ("/metrics",))
+
+
+def test_changes_are_coalesced_to_one_report_per_min_interval():
+    d = Driver(LoadConfig(report_min_interval=3.0))
+    d.answer(metrics=vllm(running=1))
+    d.tick(1.0)
+    assert loads(d.answer(metrics=vllm(running=2))) == []  # too soon after the first report
+    d.tick(2.0)
+    assert loads(d.answer(metrics=vllm(running=4))) == []
+    assert d.monitor.next_deadline() == 3.0
+    [load] = loads(d.tick(3.0))  # the held-back report carries the newest reading
+    assert load.running == 4
+
+
+def test_small_changes_of_a_busy_runtime_are_not_reported():
+    d = Driver()
+    d.answer(metrics=vllm(running=40, kv=0.50))
+    for step, running in enumerate([42, 38, 43, 37], start=1):
+        d.tick(step * 3.0)
+        assert loads(d.answer(metrics=vllm(running=running, kv=0.52))) == []
+    d.tick(15.0)
+    [load] = loads(d.answer(metrics=vllm(running=44, kv=0.52)))  # 10 % of 40 moved
+    assert load.running == 44
+    d.tick(18.0)
+    [load] = loads(d.answer(metrics=vllm(running=44, kv=0.6)))  # KV use moved by 0.05 or more
+    assert load.kv_cache_usage == 0.6
+
+
+def test_a_change_that_reverts_before_its_report_is_due_is_not_sent():
+    d = Driver(LoadConfig(report_min_interval=3.0))
+    d.answer(metrics=vllm(running=1))
+    d.tick(1.0)
+    d.answer(metrics=vllm(running=5))
+    d.tick(2.0)
+    d.answer(metrics=vllm(running=1))
+    assert loads(d.tick(3.0)) == []
+
+
+def test_hit_rate_is_the_counters_increase_over_the_window():
+    d = Driver(LoadConfig(report_min_interval=0.0, hit_rate_window=10.0))
+    [first] = loads(d.answer(metrics=vllm(hits=1000, queries=10_000)))
+    assert first.prefix_cache_hit_rate is None  # one point makes no rate
+    d.tick(5.0)
+    [load] = loads(d.answer(metrics=vllm(hits=1800, queries=11_000)))
+    assert load.prefix_cache_hit_rate == pytest.approx(0.8)
+    d.tick(20.0)  # the first points left the window; the increase since 5 s is all hits
+    [load] = loads(d.answer(metrics=vllm(hits=2800, queries=12_000)))
+    assert load.prefix_cache_hit_rate == pytest.approx(1.0)
+    d.tick(40.0)  # no query since: the last rate stands
+    assert loads(d.answer(metrics=vllm(hits=2800, queries=12_000))) == []
+    assert d.monitor.reported.prefix_cache_hit_rate == pytest.approx(1.0)
+
+
+def test_counters_that_go_down_start_the_history_over():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    d.answer(metrics=vllm(hits=900, queries=1000))
+    d.tick(1.0)
+    d.answer(metrics=vllm(hits=950, queries=1100))  # 0.5
+    d.tick(2.0)
+    assert loads(d.answer(metrics=vllm(hits=0, queries=10))) == []  # restarted: no new rate yet
+    d.tick(3.0)
+    [load] = loads(d.answer(metrics=vllm(hits=10, queries=20)))
+    assert load.prefix_cache_hit_rate == pytest.approx(1.0)
+
+
+def test_load_is_withdrawn_after_stale_after_failed_scrapes():
+    d = Driver(LoadConfig(stale_after=3))
+    d.answer(metrics=vllm(running=2))
+    d.tick(1.0)
+    assert d.answer() == []  # connection failed
+    d.tick(2.0)
+    assert d.answer(metrics=ScrapeAnswer(500, b"oops")) == []
+    d.tick(3.0)
+    assert loads(d.answer(metrics=ScrapeAnswer(None))) == [None]
+    d.tick(4.0)
+    [load] = loads(d.answer(metrics=vllm(running=2)))
+    assert load.running == 2
+
+
+def test_a_scrape_that_takes_too_long_is_abandoned_and_its_late_answer_ignored():
+    d = Driver(LoadConfig(timeout=2.0, stale_after=1))
+    d.answer(metrics=vllm(running=2))
+    d.tick(1.0)
+    late = d.scrape
+    assert d.monitor.next_deadline() == 3.0
+    assert loads(d.tick(3.0)) == [None]
+    assert d.monitor.scrape_done(late.scrape_id, {"/metrics": vllm(running=9)}, 3.5) == []
+    assert d.monitor.next_deadline() == 4.0
+
+
+def test_a_runtime_with_neither_metrics_nor_slots_reports_nothing_and_is_asked_again_rarely():
+    d = Driver(LoadConfig(absent_interval=30.0))
+    assert d.answer(metrics=ScrapeAnswer(404, b"Not Found")) == []
+    d.tick(1.0)
+    assert d.scrape.paths == ("/slots",)
+    assert d.answer(slots=ScrapeAnswer(404)) == []
+    assert d.monitor.source is LoadSource.ABSENT
+    assert d.monitor.next_deadline() == 31.0
+    d.tick(31.0)
+    assert d.scrape.paths == ("/metrics",) and d.monitor.source is LoadSource.PROBING
+
+
+def slots(*tasks, processing=0):
+    body = [{"id": i, "is_processing": i < processing, "id_task": t, "n_prompt_tokens": p,
+             "n_prompt_tokens_cache": c} for i, (t, p, c) in enumerate(tasks)]
+    return ScrapeAnswer(200, json.dumps(body).encode())
+
+
+def test_llamacpp_metrics_bring_in_slots_and_the_hit_rate_counts_each_task_once():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    [load] = loads(d.answer(metrics=ScrapeAnswer(200, b"llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n")))
+    assert (load.source, load.running, load.waiting) == ("llama.cpp", 1, 2)
+    d.tick(1.0)
+    assert d.scrape.paths == ("/metrics", "/slots")
+    metrics = ScrapeAnswer(200, b"llamacpp:requests_processing 1\nllamacpp:requests_deferred 2\n")
+    d.answer(metrics=metrics, slots=slots((7, 100, 0), (8, 100, 50), processing=1))
+    d.tick(2.0)  # the same tasks again: nothing new counted; then task 9 on slot 0 hit 90 of 100
+    d.answer(metrics=metrics, slots=slots((7, 100, 0), (8, 100, 50), processing=1))
+    d.tick(3.0)
+    [load] = loads(d.answer(metrics=metrics, slots=slots((9, 100, 90), (8, 100, 50), processing=1)))
+    assert load.prefix_cache_hit_rate == pytest.approx(0.9)
+
+
+def test_llamacpps_own_cache_counters_give_the_hit_rate_rather_than_its_slots():
+    """Counters see every task; the slots only those running when scraped."""
+    d = Driver(LoadConfig(report_min_interval=0.0))
+
+    def metrics(cached, computed):
+        return ScrapeAnswer(200, (f"llamacpp:requests_processing 1\nllamacpp:requests_deferred 0\n"
+                                  f"llamacpp:prompt_tokens_cached_total {cached}\n"
+                                  f"llamacpp:prompt_tokens_total {computed}\n").encode())
+
+    d.answer(metrics=metrics(0, 0))
+    d.tick(1.0)
+    d.answer(metrics=metrics(100, 300), slots=slots((7, 100, 0), processing=1))
+    d.tick(2.0)
+    [load] = loads(d.answer(metrics=metrics(400, 400), slots=slots((7, 100, 0), processing=1)))
+    assert load.prefix_cache_hit_rate == pytest.approx(0.5)
+
+
+def test_llamacpp_without_metrics_is_read_from_its_slots_alone():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    d.answer(metrics=ScrapeAnswer(501, b"This server does not support metrics endpoint."))
+    d.tick(1.0)
+    [load] = loads(d.answer(slots=slots((1, 10, 0), processing=1)))
+    assert (load.source, load.running, load.waiting) == ("llama.cpp", 1, 0)
+    assert d.monitor.source is LoadSource.SLOTS
+
+
+def test_malformed_metrics_count_as_a_failed_scrape():
+    d = Driver(LoadConfig(stale_after=1))
+    d.answer(metrics=vllm(running=1))
+    d.tick(1.0)
+    assert loads(d.answer(metrics=ScrapeAnswer(200, b"vllm:num_requests_running{ 1\n"))) == [None]
+
+
+def test_start_twice_and_bad_config_are_usage_errors():
+    m = RuntimeLoadMonitor()
+    m.start(0.0)
+    with pytest.raises(LoadUsageError):
+        m.start(0.0)
+    with pytest.raises(LoadUsageError):
+        LoadConfig(interval=0)
+    with pytest.raises(LoadUsageError):
+        LoadConfig(stale_after=0)

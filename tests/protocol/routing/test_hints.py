@@ -1,0 +1,100 @@
+"""Routing hints: chained prefix blocks, home keys, sessions; bounded work; never raises."""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocol.routing.hints import HintsConfig, hints_from_json
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 40}
+SHORT_SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def chat(messages, **extra):
+    return json.dumps({"model": "llama", "messages": messages, **extra}).encode()
+
+
+def test_the_next_turn_shares_every_full_block_of_the_turn_before():
+    turn1 = [SHORT_SYSTEM, {"role": "user", "content": "Tell me about the sea. " * 30}]
+    turn2 = turn1 + [{"role": "assistant", "content": "The sea is large. " * 30}, {"role": "user", "content": "More."}]
+    first, second = hints_from_json("chat/completions", chat(turn1), {}), hints_from_json("chat/completions", chat(turn2), {})
+    assert len(first.blocks) >= 2
+    assert second.blocks[:len(first.blocks)] == first.blocks
+    assert len(second.blocks) > len(first.blocks)
+    assert first.home == second.home  # the opening (system + first user message) is the same
+
+
+def test_field_order_and_sampling_parameters_do_not_change_the_hints():
+    messages = [SYSTEM, {"role": "user", "content": "hi"}]
+    a = hints_from_json("chat/completions", chat(messages, temperature=0.2), {})
+    b = hints_from_json("chat/completions", json.dumps({"messages": messages, "stream": True, "model": "llama"}), {})
+    assert a == b
+
+
+def test_a_long_shared_system_prompt_is_the_home_key_of_every_user():
+    a = hints_from_json("chat/completions", chat([SYSTEM, {"role": "user", "content": "question one " * 40}]), {})
+    b = hints_from_json("chat/completions", chat([SYSTEM, {"role": "user", "content": "another thing " * 40}]), {})
+    assert a.home == b.home
+    assert a.blocks[:4] == b.blocks[:4] and a.blocks != b.blocks
+
+
+def test_without_a_long_system_prompt_conversations_have_their_own_home():
+    a = hints_from_json("chat/completions", chat([SHORT_SYSTEM, {"role": "user", "content": "question one"}]), {})
+    b = hints_from_json("chat/completions", chat([SHORT_SYSTEM, {"role": "user", "content": "another thing"}]), {})
+    assert a.home != b.home
+
+
+def test_session_from_the_user_field_or_a_header_keys_the_home():
+    body = chat([{"role": "user", "content": "hi"}], user="alice")
+    other = chat([{"role": "user", "content": "something else entirely"}], user="alice")
+    assert hints_from_json("chat/completions", body, {}).session == "alice"
+    assert hints_from_json("chat/completions", body, {}).home == hints_from_json("chat/completions", other, {}).home
+    by_header = hints_from_json("chat/completions", chat([{"role": "user", "content": "hi"}]), {"x-session-id": ["s-1"]})
+    assert by_header.session == "s-1"
+
+
+def test_the_model_seeds_the_chain_and_is_the_adapter():
+    messages = [SYSTEM, {"role": "user", "content": "hi"}]
+    base = hints_from_json("chat/completions", chat(messages), {})
+    lora = hints_from_json("chat/completions", json.dumps({"model": "llama-lora-sql", "messages": messages}), {})
+    assert lora.adapter == "llama-lora-sql"
+    assert not set(base.blocks) & set(lora.blocks)
+
+
+def test_legacy_prompt_and_responses_input_have_blocks():
+    prompt = hints_from_json("completions", json.dumps({"model": "m", "prompt": "x" * 1000}), {})
+    assert len(prompt.blocks) == 1000 // 256
+    responses = hints_from_json("responses", json.dumps({"model": "m", "instructions": "i" * 600, "input": "q"}), {})
+    assert len(responses.blocks) == 2
+
+
+def test_blocks_are_capped_however_long_the_prompt():
+    config = HintsConfig(block_bytes=64, max_blocks=8)
+    hints = hints_from_json("chat/completions", chat([{"role": "user", "content": "y" * 1_000_000}]), {}, config)
+    assert len(hints.blocks) == 8
+
+
+def test_no_hints_for_other_endpoints_or_unreadable_bodies():
+    assert hints_from_json("embeddings", json.dumps({"model": "m", "input": "x"}), {}) is None
+    assert hints_from_json("chat/completions", b"not json", {}) is None
+    assert hints_from_json("chat/completions", b"[1, 2]", {}) is None
+    assert hints_from_json("chat/completions", json.dumps({"model": "m"}), {}) is None
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(endpoint=st.sampled_from(["chat/completions", "completions", "responses"]),
+       body=st.dictionaries(st.sampled_from(["model", "messages", "prompt", "input", "instructions", "user"]),
+                            json_values, max_size=5))
+def test_any_json_object_gives_hints_or_none_and_never_raises(endpoint, body):
+    hints = hints_from_json(endpoint, json.dumps(body).encode(), {})
+    if hints is not None:
+        assert len(hints.blocks) <= HintsConfig().max_blocks
+        assert 0 <= hints.home < 2**64
