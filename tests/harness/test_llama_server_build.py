@@ -17,9 +17,6 @@ from pathlib import Path
 import pytest
 
 from harness.llama_server_build import (
-
-#: Runs the real llama-server binary.
-pytestmark = pytest.mark.e2e
     BINARY,
     CMAKE_ARGS,
     BuildSpec,
@@ -30,6 +27,9 @@ pytestmark = pytest.mark.e2e
     locate,
     pinned_version,
 )
+
+#: Runs the real llama-server binary.
+pytestmark = pytest.mark.e2e
 
 
 def test_the_server_is_built_from_the_same_llama_cpp_python_the_test_extra_installs():
