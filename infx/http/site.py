@@ -44,7 +44,7 @@ MAX_PIPELINED_REQUESTS = 16
 #: Told of a refusal the site made itself: the request's path, the status, the error code, a detail.
 RefusalHook = Callable[[bytes, int, str, str], None]
 
-log = Logger()
+log = Logger(namespace="infx.gateway_site")
 
 
 class GatewayRequest(server.Request):

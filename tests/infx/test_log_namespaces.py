@@ -21,6 +21,7 @@ NAMESPACES = {
     "infx/transport/server.py": "infx.transport.server",
     "infx/http/api.py": "infx.gateway",
     "infx/http/request_log.py": "infx.request_log",
+    "infx/http/site.py": "infx.gateway_site",
     "infx/gateway/dispatcher.py": "infx.dispatcher",
     "infx/gateway/key_reload.py": "infx.key_reload",
     "infx/gateway/workers.py": "infx.workers",
