@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from protocol.fair_queue import Criticality
@@ -151,6 +151,10 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops, st.sampled_from([0, 2]))
+# A holds the one slot it may (x2), B (holding none) waits with a sheddable task: the reserved slot
+# x1 frees went to B's x4 past A's standard x3, not to x3.
+@example([("submit", "A", CRITICAL)] * 3 + [("finish",), ("submit", "A", STANDARD), ("submit", "B", SHEDDABLE),
+          ("finish",)], 2)
 def test_every_task_ends_once_and_a_freed_slot_never_skips_a_more_critical_waiting_task(script, threshold):
     p = make(max_in_flight_per_engine=2, queue_timeout=30, max_waiting_tasks=6, shed_waiting_threshold=threshold)
     now, n = T0, 0
