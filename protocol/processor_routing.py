@@ -216,11 +216,8 @@ class ProcessorRouting(ProcessorSlots):
                     self._fail(task, 400, self._typed_form_missing(task), effects)
                 else:
                     # The head waits for an engine that takes its verbatim form; a task
-                    # behind it (in arrival order) may take this one's typed form now.
-                    task = next((t for t in map(self._tasks.__getitem__, queue)
-                                 if not t.request.typed_request_incomplete and self._pick(t) is not None),
-                                task)
-                    target = None if task.id == task_id else self._pick(task)
+                    # behind it may take this one's typed form now.
+                    task, target = self._typed_taker(queue, task)
                     if target is None:
                         break
                     self._unwait(task, served=True)
@@ -234,6 +231,20 @@ class ProcessorRouting(ProcessorSlots):
             self._unwait(task, served=True)
             self._dispatch(now, task, target, effects)
             queue = self._waiting.get(key)
+
+    def _typed_taker(self, queue: HeldQueue, head: _Task) -> tuple[_Task, _Engine | None]:
+        """While ``head`` waits for an engine that takes its verbatim form, the task with a typed
+        form that takes a free slot now, and its engine: the most critical (the oldest within a
+        band), on a reserved slot its caller may not take if a less critical one's may (as
+        :meth:`_reserve_wanted_below`); else (``head``, None)."""
+        typed = sorted((t for t in map(self._tasks.__getitem__, queue) if not t.request.typed_request_incomplete),
+                       key=lambda t: t.criticality.rank)
+        taker = next((t for t in typed if self._pick(t) is not None), None)
+        if taker is None:
+            return head, None
+        if typed[0].criticality.rank < taker.criticality.rank:
+            return typed[0], self._pick(typed[0], use_reserve=True)
+        return taker, self._pick(taker)
 
     def _reserve_wanted_below(self, queue: HeldQueue, key: tuple[str, str]) -> bool:
         """Whether the head of a lower criticality band than the queue's head may take the

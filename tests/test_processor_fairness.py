@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from protocol import task_forms
 from protocol.fair_queue import Criticality
 from protocol.processor import Processor
 from protocol.processor_types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
@@ -102,6 +103,28 @@ def test_sheddable_still_waits_for_a_model_no_engine_serves_yet():
     effects = list(p.submit(task_id="s", tenant_id="t", request=chat("other"), origin="client",
                             criticality=SHEDDABLE, now=T0))
     assert not only(effects, FailRequest) and p.waiting_task_ids("t", "other") == ["s"]
+
+
+@pytest.mark.parametrize("fair_reserve", [0, 1])
+def test_a_slot_the_verbatim_only_head_cannot_take_goes_to_the_most_critical_task_that_can(fair_reserve):
+    """The critical head has only its verbatim form, and only the full infx engine takes it: the
+    slot the LLMariner engine frees goes to the most critical task behind it, not the oldest one,
+    even where that one's caller may not take the reserved slot that the sheddable one's may."""
+    p = Processor(ProcessorConfig(max_in_flight_per_engine=2, fair_reserve=fair_reserve, queue_timeout=100,
+                                  shed_waiting_threshold=5))
+    infx = engine_status("infx", "m")
+    infx.infx_capabilities.append("http-request")
+    p.update_engine("route-infx", "t", infx, Locality.LOCAL, T0)
+    p.update_engine("route-llm", "t", engine_status("llm", "m"), Locality.LOCAL, T0)
+    assert sent(sum((submit(p, f"a{i}", "A") for i in range(4)), [])) == ["a0", "a1", "a2", "a3"]
+    verbatim = task_forms.routing_fields("chat_completion", "m", False)
+    verbatim.typed_request_incomplete = "the typed form refused it"
+    verbatim.http_request.body = b'{"model": "m"}'
+    held = p.submit(task_id="h", tenant_id="t", request=verbatim, origin="client", flow="H", criticality=CRITICAL,
+                    now=T0)
+    assert sent(held + submit(p, "s", "B", criticality=SHEDDABLE) + submit(p, "n", "A")) == []
+    assert sent(p.receive_result("route-llm", http("a1"), T0 + 1)) == ["n"]
+    assert p.waiting_task_ids("t", "m") == ["h", "s"]
 
 
 def test_a_full_queue_sheds_its_newest_sheddable_task_for_a_critical_or_standard_one():
