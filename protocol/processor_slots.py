@@ -69,10 +69,13 @@ class ProcessorSlots(ProcessorTables):
             return
         self._hold(now, task, self._waiting_on.setdefault(engine.key, {}).setdefault(task.model, HeldQueue()))
 
-    def _fail_waiting_on(self, key: EngineKey, reason: str, effects: list[Effect]) -> None:
-        """The engine peers' tasks wait for leaves routing: they fail (503) at once, so that
-        their gateways send them elsewhere."""
-        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue]:
+    def _fail_waiting_on(
+        self, key: EngineKey, reason: str, effects: list[Effect], which: Callable[[_Task], bool] = lambda task: True,
+    ) -> None:
+        """The engine peers' tasks wait for leaves routing, or can no longer take ``which`` of
+        them: they fail (503) at once, so that their gateways send them elsewhere."""
+        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue
+                        if which(self._tasks[t])]:
             message = f"engine {key.engine_id!r} {reason} while the task waited for a slot on it"
             self._fail(self._tasks[task_id], 503, message, effects, self.config.busy_retry_after)
 
