@@ -12,9 +12,10 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
-from twisted.web.client import Agent, HTTPConnectionPool
+
 
 from infx.agent.engine import EngineAgent
+from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import GrpcChannel, client_endpoint, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore
@@ -178,8 +179,9 @@ def test_openai_runtime_over_grpc_relays_the_stream_and_a_cancel_aborts_upstream
     gw, port = gateway
     slow = SlowRuntime()
     http_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server.Site(slow))
-    pool = HTTPConnectionPool(reactor)
-    runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool), f"http://127.0.0.1:{http_port.getHost().port}")
+    url = f"http://127.0.0.1:{http_port.getHost().port}"
+    client = RuntimeClient(reactor, url)
+    runtime = OpenAIRuntime(reactor, client, url)
     agent = make_agent(port, runtime)
     agent.startService()
     try:
@@ -196,7 +198,7 @@ def test_openai_runtime_over_grpc_relays_the_stream_and_a_cancel_aborts_upstream
         stopped = agent.stopService()
         gw.end_all()
         yield with_timeout(stopped)
-        yield pool.closeCachedConnections()
+        yield client.close()
         yield http_port.stopListening()
 
 
