@@ -164,6 +164,44 @@ def test_in_progress_counts_per_model_are_reported_coalesced_within_min_interval
     assert counts(status) == {"m1": 1, "m2": 2}
 
 
+def test_tasks_that_come_and_go_within_the_min_interval_build_no_status_until_a_report_is_due() -> None:
+    """Issue #25's profile: a fifth of the agent's CPU went to rebuilding and comparing its status
+    on every input. Counts that change between two reports cost two comparisons, no status."""
+    agent = running_agent()
+    built = 0
+    engine_status = agent.engine_status
+
+    def counting() -> object:
+        nonlocal built
+        built += 1
+        return engine_status()
+
+    agent.engine_status = counting  # type: ignore[method-assign]
+    statuses(agent.task_received(1, chat("first"), 1.0))  # a report at once: the counts changed
+    built = 0
+    for i in range(100):
+        now = 1.0 + i * 0.004
+        assert statuses(agent.task_received(1, chat(f"t{i}"), now)) == []
+        agent.send_result(f"t{i}", sse(b"", last=True))
+        assert statuses(agent.finish_task(f"t{i}", now)) == []
+        agent.next_deadline()
+    assert built == 0
+    assert agent.next_deadline() == 1.5
+    # Due now, the counts are those last reported (one task in flight): nothing new is sent.
+    assert statuses(agent.handle_timeout(1.5)) == [] and built == 1
+    assert agent.next_deadline() == 11.0, "the periodic report is next"
+
+
+def test_a_readiness_change_between_reports_is_reported_at_once() -> None:
+    agent = running_agent(wait_for_runtime=True, models=())
+    statuses(agent.task_received(1, heartbeat("h"), 1.0))
+    [status] = statuses(agent.runtime_changed(True, ("m9",), 1.1))
+    assert [(m.id, m.is_ready) for m in status.status.models] == [("m9", True)]
+    [status] = statuses(agent.runtime_changed(False, ("m9",), 1.2))
+    assert [(m.id, m.is_ready) for m in status.status.models] == [("m9", False)]
+    assert statuses(agent.runtime_changed(False, ("m9",), 1.3)) == [], "no change, no report"
+
+
 def test_results_go_to_the_tasks_stream_with_indexes_stamped_in_order() -> None:
     agent = running_agent()
     agent.task_received(1, chat("a"), 1.0)
