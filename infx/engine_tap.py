@@ -222,7 +222,7 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
     from twisted.web.client import Agent
 
-    from infx.agent.engine import EngineAgent
+    from infx.agent.engine import EngineAgent, GrpcLinks
     from infx.agent.runtime_client import RuntimeClient
     from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
     from infx.agent.runtime_watch import RuntimeWatch, check_pool
@@ -269,8 +269,8 @@ def makeService(options: Options) -> IService:
         return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
                            scheme="https" if tls else "http")
 
-    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime, connect,
-                        key=options["key"] or "", grace=options["grace"])
+    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime,
+                        GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
     agent.setServiceParent(top)
     if watch is not None:
         watch.changed = agent.runtime_changed

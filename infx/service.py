@@ -231,7 +231,7 @@ class GatewayService(service.MultiService):
         that does not scope engine ids by gateway (LLMariner's) must not take
         them for one engine.
         """
-        from infx.agent.engine import EngineAgent
+        from infx.agent.engine import EngineAgent, GrpcLinks
         from infx.agent.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
         from protocol.agent.core import AgentConfig, EngineAgentCore
@@ -250,8 +250,8 @@ class GatewayService(service.MultiService):
         core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
                                            models=self.config.echo_models, instance=secrets.token_hex(8)))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
-        return EngineAgent(self.reactor, core, runtime, connect,
-                           key=key, grace=self.config.grace_period)
+        return EngineAgent(self.reactor, core, runtime, GrpcLinks(self.reactor, connect, key=key),
+                           grace=self.config.grace_period)
 
     # --- start-up: all ports or none ----------------------------------------
 

@@ -14,7 +14,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
 
 
-from infx.agent.engine import EngineAgent
+from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import GrpcChannel, client_endpoint, listen_grpc
@@ -35,8 +35,9 @@ def make_agent(port: int, runtime: Runtime, *, grace: float = 5.0, **config: Any
     settings.update(config)
     return EngineAgent(
         reactor, EngineAgentCore(AgentConfig(**settings)), runtime,
-        lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port)),
-        key="engine-key", grace=grace,
+        GrpcLinks(reactor, lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port)),
+                  key="engine-key"),
+        grace=grace,
     )
 
 
