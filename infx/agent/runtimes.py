@@ -39,6 +39,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Callable
 from typing import Protocol
+from urllib.parse import urlsplit
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -213,7 +214,8 @@ class _OpenAITask:
             return
         self._stream = request.stream
         self._verbatim = request.verbatim
-        self._exchange = runtime.client.request(request.method, request.target, request.fields, request.body, self)
+        self._exchange = runtime.client.request(request.method, runtime.path_prefix + request.target, request.fields,
+                                                request.body, self)
 
     def _elapsed_ms(self) -> int:
         return int((self._clock.seconds() - self._started) * 1000)
@@ -358,6 +360,8 @@ class OpenAIRuntime:
         self.clock = clock
         self.client = client
         self.root = upstream_root(upstream)
+        #: A server mounted below its host's root (behind a proxy at ``/llama``) is asked there.
+        self.path_prefix = urlsplit(self.root).path.encode("ascii")
         self.max_event_size = max_event_size
         self.boundary = boundary
         self.credentials = credentials

@@ -308,6 +308,18 @@ def chunk(data: bytes) -> bytes:
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
+def test_a_runtime_mounted_below_its_hosts_root_is_asked_there() -> None:
+    reactor_ = MemoryReactorClock()
+    url = "http://proxy.test:8080/llama/v1"
+    client = RuntimeClient(reactor_, url, endpoint=TCP4ClientEndpoint(reactor_, "proxy.test", 8080))
+    OpenAIRuntime(reactor_, client, url).start(chat_task("x"), Sink())
+    _host, _port, factory, _timeout, _bind = reactor_.tcpClients.pop()
+    protocol = factory.buildProtocol(None)
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    assert transport.value().startswith(b"POST /llama/v1/chat/completions HTTP/1.1\r\nHost: proxy.test:8080\r\n")
+
+
 def test_nothing_is_relayed_after_an_abort_mid_stream_and_the_upstream_read_stops() -> None:
     upstream = MemoryUpstream()
     sink = Sink()
