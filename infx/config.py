@@ -13,9 +13,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import yaml
 
+from protocol.discovery.runtimes import RuntimeTarget
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.routing.hints import HintsConfig
 from protocol.routing.router import RoutingConfig, RoutingPolicy
@@ -139,6 +141,19 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
+    #: Runtimes this gateway serves itself, no engine agent in between (README "Runtimes by URL"):
+    #: each ``URL`` (its models: those it lists at ``/v1/models``) or ``URL=model,model``.
+    runtime_url: tuple[str, ...] = ()
+    #: ``key=value`` label of this namespace's pods that run a runtime to serve by URL.
+    runtime_pod_label: str | None = None
+    #: Port of the runtime on each pod ``runtime_pod_label`` selects.
+    runtime_port: int = 8000
+    #: Tenant whose callers the runtimes by URL serve.
+    runtime_tenant: str = "default"
+    #: Tasks each runtime by URL runs at once; up to four times as many more wait there in order.
+    runtime_max_concurrency: int = 32
+    #: File holding the runtimes' API key, sent as ``Authorization: Bearer`` (reread as it changes).
+    runtime_api_key_file: str | None = None
 
     @property
     def pod_label_pair(self) -> tuple[str, str]:
@@ -273,6 +288,53 @@ def _split_list(value: Any) -> tuple[str, ...]:
     raise ConfigError(f"expected a comma-separated string or a list, got {value!r}")
 
 
+def _runtime_urls(value: Any) -> tuple[str, ...]:
+    """``--runtime-url`` entries, each whole (``URL=model,model`` holds commas): one string, or a
+    list of strings or of ``{url: URL, models: [..]}`` mappings (the YAML forms)."""
+    entries = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for entry in entries:
+        if isinstance(entry, Mapping):
+            unknown = set(entry) - {"url", "models"}
+            if unknown or not isinstance(entry.get("url"), str):
+                raise ConfigError(f"--runtime-url: a mapping takes url (a string) and models, got {dict(entry)!r}")
+            models = entry.get("models") or ()
+            models = _split_list(models)
+            out.append(entry["url"] + ("=" + ",".join(models) if models else ""))
+        elif isinstance(entry, str) and entry.strip():
+            out.append(entry.strip())
+        else:
+            raise ConfigError(f"--runtime-url: expected URL or URL=model,model, got {entry!r}")
+    return tuple(out)
+
+
+def runtime_targets(config: GatewayConfig) -> tuple[RuntimeTarget, ...]:
+    """The runtimes of ``--runtime-url``; raises :class:`ConfigError` for an entry that is not
+    ``http(s)://HOST[:PORT][/PATH]`` with distinct model names, or a runtime given twice."""
+    targets: list[RuntimeTarget] = []
+    for entry in config.runtime_url:
+        url, sep, models_text = entry.partition("=")
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError(f"--runtime-url: {url!r} has no valid port") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment \
+                or parts.username or parts.password:
+            raise ConfigError(f"--runtime-url: expected http(s)://HOST[:PORT] (a trailing /v1 is dropped), "
+                              f"optionally =model,model; got {entry!r}")
+        models = tuple(m.strip() for m in models_text.split(",") if m.strip())
+        if sep and not models:
+            raise ConfigError(f"--runtime-url: {entry!r} names no model after '='")
+        if len(set(models)) != len(models):
+            raise ConfigError(f"--runtime-url: {entry!r} names a model twice")
+        root = url.rstrip("/").removesuffix("/v1")
+        if any(target.url == root for target in targets):
+            raise ConfigError(f"--runtime-url: {root} is given twice")
+        targets.append(RuntimeTarget(root, models))
+    return tuple(targets)
+
+
 def _coerce(name: str, kind: Any, value: Any) -> Any:
     option = "--" + name.replace("_", "-")
     try:
@@ -299,11 +361,15 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             return None if value in (None, "") else _coerce(name, "float", value)
         if kind == "int | None":
             return None if value is None else int(value)
+        if name == "runtime_url":
+            return _runtime_urls(value)
         if kind == "tuple[str, ...]":
             return _split_list(value)
         if kind == "str | None":
             return None if value in (None, "") else str(value)
         return str(value)
+    except ConfigError:
+        raise
     except ValueError:
         raise ConfigError(f"{option}: invalid value {value!r}") from None
 
@@ -387,6 +453,25 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     routing_config(config)  # raises ConfigError for a knob out of range
+    runtime_targets(config)  # raises ConfigError for an entry that is not a runtime's URL
+    if config.runtime_pod_label is not None:
+        key, sep, _ = config.runtime_pod_label.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--runtime-pod-label: expected key=value, got {config.runtime_pod_label!r}")
+    if not 0 < config.runtime_port <= 65535:
+        raise ConfigError(f"--runtime-port: {config.runtime_port} is out of range")
+    if not config.runtime_tenant:
+        raise ConfigError("--runtime-tenant: must be a non-empty tenant name")
+    if config.runtime_tenant != "default" and not config.api_keys:
+        raise ConfigError(f"--runtime-tenant {config.runtime_tenant!r} needs --api-keys: without a key file every "
+                          "caller is in the default tenant and could never reach it")
+    if config.runtime_api_key_file:
+        from infx.agent.upstream_key import UpstreamKeyError, read_key_file
+
+        try:
+            read_key_file(config.runtime_api_key_file)
+        except UpstreamKeyError as exc:
+            raise ConfigError(f"--runtime-api-key-file: {exc}") from None
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
@@ -451,4 +536,4 @@ def internal_tls(config: GatewayConfig) -> Any:
 
 
 __all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
-           "internal_tls", "routing_config"]
+           "internal_tls", "routing_config", "runtime_targets"]

@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from twisted.application.service import IService, MultiService, Service
+from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred
 from twisted.python import usage
 
@@ -222,7 +222,7 @@ def makeService(options: Options) -> IService:
     from twisted.internet import reactor
     from twisted.web.client import Agent
 
-    from infx.agent.engine import EngineAgent, GrpcLinks
+    from infx.agent.engine import AgentServices, EngineAgent, GrpcLinks
     from infx.agent.runtime_client import RuntimeClient
     from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
     from infx.agent.runtime_watch import RuntimeWatch, check_pool
@@ -235,7 +235,8 @@ def makeService(options: Options) -> IService:
     from protocol.agent.runtime_load import RuntimeLoadMonitor
     from protocol.grpc import GrpcConfig
 
-    top = MultiService()
+    # What the agent uses, stopped once it drained (AgentServices).
+    used: list[Service] = []
     runtime: Runtime
     agent_config = options["agent-config"]
     watch: RuntimeWatch | None = None
@@ -244,7 +245,7 @@ def makeService(options: Options) -> IService:
         # One kept-alive connection per running task at most (the core runs --max-concurrency).
         client = RuntimeClient(reactor, options["upstream"], connect_timeout=10,
                                max_idle=options["max-concurrency"])
-        _PoolCloser(client.close).setServiceParent(top)
+        used.append(_PoolCloser(client.close))
         credentials = None
         if options["upstream-api-key-file"]:
             credentials = UpstreamKey(reactor, path=options["upstream-api-key-file"])
@@ -255,7 +256,7 @@ def makeService(options: Options) -> IService:
                               down_interval=min(1.0, options["runtime-check-interval"]),
                               list_models=not options["models"])
         checks_pool = check_pool(reactor)
-        _PoolCloser(checks_pool.closeCachedConnections).setServiceParent(top)
+        used.append(_PoolCloser(checks_pool.closeCachedConnections))
         checks = Agent(reactor, pool=checks_pool, connectTimeout=5)
         watch = RuntimeWatch(reactor, RuntimeHealth(health), checks, runtime, lambda ready, models: None)
     else:
@@ -271,16 +272,18 @@ def makeService(options: Options) -> IService:
 
     agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime,
                         GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
-    agent.setServiceParent(top)
     if watch is not None:
         watch.changed = agent.runtime_changed
-        watch.setServiceParent(top)
+        used.append(watch)
     if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
         scrapes = scrape_pool(reactor)
-        _PoolCloser(scrapes.closeCachedConnections).setServiceParent(top)
-        RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
-                         Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
-                         agent.runtime_load_changed, authorize=runtime.authorize,
-                         refused=runtime.credentials.refused if runtime.credentials else None,
-                         ).setServiceParent(top)
+        used.append(_PoolCloser(scrapes.closeCachedConnections))
+        used.append(RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
+                                     Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
+                                     agent.runtime_load_changed, authorize=runtime.authorize,
+                                     refused=runtime.credentials.refused if runtime.credentials else None))
+    top = AgentServices(agent)
+    for service in used:
+        service.setServiceParent(top)
+    agent.setServiceParent(top)
     return top

@@ -24,11 +24,12 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
+from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config, runtime_targets
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.runtime_engines import RuntimeEngines, RuntimeSettings
 from infx.gateway.workers import WorkerService
 from infx.http.api import Gateway, build_resource
 from infx.http.site import GatewaySite
@@ -191,6 +192,7 @@ class GatewayService(service.MultiService):
         self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server)
         self.worker_grpc.setServiceParent(self)
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
+        self.runtime_engines = self._runtime_engines()
         self._build_exchange(self.pod_name)
         self.metrics.watch_route_queues(lambda: [("engine", stream.queued_bytes) for stream in self.workers.streams]
                                         + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
@@ -252,6 +254,32 @@ class GatewayService(service.MultiService):
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, GrpcLinks(self.reactor, connect, key=key),
                            grace=self.config.grace_period)
+
+    def _runtime_engines(self) -> RuntimeEngines:
+        """Runtimes this gateway serves itself, no agent in between (README "Runtimes by URL"):
+        ``--runtime-url``, and with ``--runtime-pod-label`` the pods of this namespace it picks."""
+        config = self.config
+        settings = RuntimeSettings(tenant=config.runtime_tenant, max_concurrency=config.runtime_max_concurrency,
+                                   api_key_file=config.runtime_api_key_file, grace=config.grace_period)
+        discover = None
+        if config.runtime_pod_label:
+            import random
+
+            from kubernetes import client
+
+            from infx.discovery.kube import PodWatcherConfig, RuntimePodWatcher, kube_api_client
+
+            label = config.runtime_pod_label
+            namespace = PodWatcherConfig.from_environment(label, config.runtime_port, environ=self.environ).namespace
+            api = client.CoreV1Api(kube_api_client(self.environ))
+
+            def discover(on_change: Callable[[Any], None]) -> RuntimePodWatcher:
+                # Seeded by the OS: replicas restarted together must not back off in step.
+                return RuntimePodWatcher(self.reactor, api, namespace, label, config.runtime_port, on_change,
+                                         random.SystemRandom())
+
+        return RuntimeEngines(self.reactor, self.dispatcher, self.pod_name, settings, runtime_targets(config),
+                              discover)
 
     # --- start-up: all ports or none ----------------------------------------
 
@@ -327,6 +355,7 @@ class GatewayService(service.MultiService):
         self.exchanger.start()
         if self.builtin_engine is not None:
             self.builtin_engine.startService()
+        self.runtime_engines.start()
         self.gateway.listening = True
 
     @defer.inlineCallbacks
@@ -334,6 +363,8 @@ class GatewayService(service.MultiService):
         """Graceful shutdown: unready, go-away to engines, drain within the grace period, stop."""
         self.gateway.shutting_down = True
         self.workers.accepting = False
+        # Before the dispatcher's drain, whose go-away would have them open new streams.
+        runtimes_drained = self.runtime_engines.drain()
         self.dispatcher.drain()
         exchange_drained = self.exchanger.drain()
         deadline = self.reactor.seconds() + self.config.grace_period
@@ -352,6 +383,7 @@ class GatewayService(service.MultiService):
         yield self.exchanger.stop()
         if self.builtin_engine is not None and self.builtin_engine.running:
             yield self.builtin_engine.stopService()
+        yield runtimes_drained
         yield defer.maybeDeferred(service.MultiService.stopService, self)
 
 

@@ -66,6 +66,23 @@ _ROUTING_PARAMETERS: list[list[Any]] = [
 ]
 
 
+# Runtimes served by URL from this process, no engine agent in between (infx/gateway/runtime_engines.py).
+_RUNTIME_PARAMETERS: list[list[Any]] = [
+    ["runtime-pod-label", None, None,
+     "key=value label of this namespace's pods that run a runtime to serve by URL (http://POD_IP:--runtime-port; "
+     "models from the pod's infx.io/models annotation, else from the runtime); needs a Kubernetes client config."],
+    ["runtime-port", None, None, f"Port of the runtime on each --runtime-pod-label pod [default: {_DEFAULTS.runtime_port}]."],
+    ["runtime-tenant", None, None,
+     f"Tenant whose callers the runtimes by URL serve (other than default needs --api-keys) "
+     f"[default: {_DEFAULTS.runtime_tenant}]."],
+    ["runtime-max-concurrency", None, None,
+     "Tasks each runtime by URL runs at once; up to four times as many more wait there "
+     f"[default: {_DEFAULTS.runtime_max_concurrency}]."],
+    ["runtime-api-key-file", None, None,
+     "File holding the runtimes' API key, sent as 'Authorization: Bearer KEY'; reread when it changes."],
+]
+
+
 class Options(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
@@ -118,9 +135,18 @@ class Options(VersionOption, usage.Options):
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,
+        *_RUNTIME_PARAMETERS,
     ]
 
     config_value: GatewayConfig
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["runtime-url"] = None
+
+    def opt_runtime_url(self, value: str) -> None:
+        """Serve the runtime at URL (models: what it lists) or URL=model,model with no agent; repeatable."""
+        self["runtime-url"] = [*(self["runtime-url"] or []), value]
 
     def postOptions(self) -> None:
         flags = {name: self[name] for name in self if name != "config"}

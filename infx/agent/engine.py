@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -55,7 +55,7 @@ from protocol.openai.errors import UpstreamError
 from protocol.pb import status_pb2, worker_pb2
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 
-__all__ = ["PROCESS_TASKS", "EngineAgent", "GatewayLink", "GatewayLinks", "GrpcLinks"]
+__all__ = ["PROCESS_TASKS", "AgentServices", "EngineAgent", "GatewayLink", "GatewayLinks", "GrpcLinks"]
 
 PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks"
 
@@ -265,6 +265,30 @@ class EngineAgent(Service):
         if stopped is not None:
             self._stopped = None
             ended.chainDeferred(stopped)
+
+
+class AgentServices(MultiService):
+    """An engine agent and the services it uses (its runtime's client, health check, load scrapes).
+
+    On stop the agent drains first (its tasks finish within its grace period, still using the
+    others), then the others stop: a ``MultiService`` would stop them all at once, closing the
+    runtime's connections under the tasks still running.
+    """
+
+    def __init__(self, agent: EngineAgent) -> None:
+        super().__init__()
+        self.agent = agent
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        drained: Deferred[Any] = maybeDeferred(self.agent.stopService) if self.agent.running else succeed(None)
+
+        def the_rest(_: Any) -> Deferred[None]:
+            others = [maybeDeferred(s.stopService) for s in reversed(list(self)) if s is not self.agent and s.running]
+            done: Deferred[Any] = DeferredList(others)
+            return done.addCallback(lambda _: None)
+
+        return drained.addBoth(the_rest)
 
 
 # -- streams over gRPC ----------------------------------------------------------------

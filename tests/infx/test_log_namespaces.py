@@ -25,6 +25,8 @@ NAMESPACES = {
     "infx/gateway/dispatcher.py": "infx.dispatcher",
     "infx/gateway/key_reload.py": "infx.key_reload",
     "infx/gateway/workers.py": "infx.workers",
+    "infx/gateway/in_process.py": "infx.gateway.in_process",
+    "infx/gateway/runtime_engines.py": "infx.gateway.runtime_engines",
     "infx/exchange/exchanger.py": "infx.exchanger",
     "infx/exchange/peer_tls.py": "infx.peer_tls",
     "infx/discovery/kube.py": "infx.kube",
