@@ -100,8 +100,16 @@ class _Sink:
     handle: RunningTask | None = field(default=None, repr=False)
 
     def send(self, result: worker_pb2.TaskResult) -> None:
-        if not self.ended:
-            self.agent._run(self.agent.core.send_result(self.task_id, result))
+        if self.ended:
+            return
+        agent = self.agent
+        effect = agent.core.send_result(self.task_id, result)
+        if effect is None:
+            return
+        if agent._running_effects:
+            agent._queue.append(effect)  # behind the effects being performed, in order
+        else:
+            agent._perform(effect)  # a result moves no deadline: the timer stays as armed
 
     def when_writable(self) -> Deferred[None] | None:
         return None if self.ended else self.agent._when_writable(self.task_id)
@@ -293,6 +301,28 @@ class AgentServices(MultiService):
 
 # -- streams over gRPC ----------------------------------------------------------------
 
+#: The key of ``ProcessTasksRequest.task_result`` (field 2, length-delimited) on the wire.
+_TASK_RESULT_KEY = b"\x12"
+
+
+def _result_request(result: worker_pb2.TaskResult) -> bytes:
+    """``ProcessTasksRequest(task_result=result)`` encoded, without first copying ``result`` (and its
+    body) into a wrapper message: a streamed answer sends one per event."""
+    body = result.SerializeToString()
+    size = len(body)
+    prefix = bytearray(_TASK_RESULT_KEY)
+    while size > 0x7F:
+        prefix.append((size & 0x7F) | 0x80)
+        size >>= 7
+    prefix.append(size)
+    return bytes(prefix) + body
+
+
+def _encode_request(message: worker_pb2.ProcessTasksRequest | bytes) -> bytes:
+    """What the stream sends: a status as its message, a result already encoded (:func:`_result_request`)."""
+    return message if type(message) is bytes else message.SerializeToString()
+
+
 
 @dataclass
 class _GrpcStream:
@@ -307,9 +337,9 @@ class _GrpcStream:
         self._send(worker_pb2.ProcessTasksRequest(engine_status=status))
 
     def send_result(self, result: worker_pb2.TaskResult) -> None:
-        self._send(worker_pb2.ProcessTasksRequest(task_result=result))
+        self._send(_result_request(result))
 
-    def _send(self, message: worker_pb2.ProcessTasksRequest) -> None:
+    def _send(self, message: worker_pb2.ProcessTasksRequest | bytes) -> None:
         sent = self.call.send(message)
         # A failed send shows up as the end of the stream on the read side.
         sent.addErrback(lambda _: None)
@@ -363,7 +393,7 @@ class GrpcLinks:
         self._channels[channel].streams += 1
         call = channel.stream(
             PROCESS_TASKS,
-            worker_pb2.ProcessTasksRequest.SerializeToString,
+            _encode_request,
             worker_pb2.ProcessTasksResponse.FromString,
             metadata=self._metadata,
         )

@@ -46,6 +46,7 @@ from twisted.internet.protocol import Protocol as TwistedProtocol
 from twisted.python.failure import Failure
 from twisted.web.client import BrowserLikePolicyForHTTPS
 
+from infx.transport.writes import write_buffers
 from protocol.agent.runtime_failures import RuntimeFailure
 
 __all__ = ["Exchange", "ResponseHandler", "RuntimeClient", "describe"]
@@ -137,7 +138,8 @@ class _Connection(TwistedProtocol):
         self.reason = b""
         self.fields = []
         data, exchange.data = exchange.data, []  # the body is not held for the answer's sake
-        self.transport.writeSequence(data)
+        # Straight to the socket when nothing waits in Twisted's buffer: no reactor turn, no poll.
+        write_buffers(self.transport, data)
 
     def usable(self) -> bool:
         """Whether this idle connection may carry a request: open, and nothing (an end, or

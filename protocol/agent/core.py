@@ -505,21 +505,22 @@ class EngineAgentCore:
         self._report(now, effects)
         return effects
 
-    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> list[Effect]:
+    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> SendResult | None:
         """The runtime produced the task's next result; it goes to the task's stream.
 
         The machine takes ``result`` over (a body is not copied) and sets its ``task_id`` and
-        ``result_index`` (0, 1, 2, ...). Results of a task no longer known (aborted) are dropped.
+        ``result_index`` (0, 1, 2, ...). A result of a task no longer known (aborted) is dropped
+        (None). The one effect, not a list: this runs per streamed event, and changes no deadline.
         """
         task = self._tasks.get(task_id)
         if task is None:
-            return []
+            return None
         if not task.running:
             raise AgentUsageError(f"result for task {task_id!r} before it started")
         result.task_id = task_id
         result.result_index = task.next_index
         task.next_index += 1
-        return [SendResult(task.stream_id, result)]
+        return SendResult(task.stream_id, result)
 
     def finish_task(self, task_id: str, now: float) -> list[Effect]:
         """The runtime is done with the task (after its last result, or after failing)."""

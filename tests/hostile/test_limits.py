@@ -466,7 +466,8 @@ class _AgentRoute:
                                                n == len(scheduled) - 1)
 
     def _result(self, task_id: str, result: worker_pb2.TaskResult, last: bool) -> None:
-        self._perform(self.core.send_result(task_id, result))
+        sent = self.core.send_result(task_id, result)
+        self._perform([sent] if sent is not None else [])
         if last:
             self._perform(self.core.finish_task(task_id, self.stack.clock.seconds()))
 

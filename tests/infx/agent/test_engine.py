@@ -239,3 +239,12 @@ def test_shutdown_aborts_tasks_still_running_when_the_grace_period_ends(gateway)
     assert not any(r.server_sent_event.is_last_event for r in stream.results["slow"])
     stream.end.callback(None)
     yield with_timeout(stopped)
+
+
+@pytest.mark.parametrize("size", [0, 5, 127, 128, 300, 70_000, 3_000_000])
+def test_a_result_is_encoded_as_the_process_tasks_request_that_wraps_it(size: int) -> None:
+    from infx.agent.engine import _result_request
+
+    result = worker_pb2.TaskResult(task_id="t", result_index=3,
+                                   http_response=worker_pb2.HttpResponse(status_code=200, body=b"x" * size))
+    assert _result_request(result) == worker_pb2.ProcessTasksRequest(task_result=result).SerializeToString()
