@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from infx.cli import EXIT_CANNOT_LISTEN
+from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import builtin_engine_id
 from protocol.exchange.sender import peer_engine_id
 
@@ -122,9 +123,12 @@ class Gateway:
 
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
                  extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None,
-                 ports: tuple[int, int, int] | None = None) -> None:
+                 ports: tuple[int, int, int] | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True) -> None:
         """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would;
-        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them).
+        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them);
+        ``env``: more environment for the child (``KUBECONFIG``, ``POD_NAME``); without ``wait``
+        the caller waits for ``/readyz`` itself (a test whose reactor serves the gateway's needs).
 
         Free ports are picked here and bound by the child a second or two later; another
         process may take one meanwhile (other suites share the machine). A child that exits
@@ -145,7 +149,9 @@ class Gateway:
                     "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1", *extra]
             if api_keys is not None:
                 args += ["--api-keys", str(api_keys)]
-            self.child = TwistdChild(name, args, log_dir)
+            self.child = TwistdChild(name, args, log_dir, env)
+            if not wait:
+                return
             try:
                 wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
                 return
@@ -177,6 +183,10 @@ class Gateway:
     def builtin_engine_id(self) -> str:
         """The id of its built-in echo engine (``--echo-models``)."""
         return builtin_engine_id(self.pod_name)
+
+    def runtime_engine_id(self, name: str) -> str:
+        """The id of its engine for the runtime by URL ``name`` (``HOST:PORT``, or a runtime pod's name)."""
+        return runtime_engine_id(name, self.pod_name)
 
     def remote_engine_id(self, engine_id: str) -> str:
         """What the engine ``engine_id`` attached to this gateway is named at its peers."""
