@@ -32,7 +32,7 @@ from protocol.pb import worker_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench"
-TARGETS = ("direct-echo", "direct-starlette", "agent-echo", "agent-starlette", "builtin")
+TARGETS = ("direct-echo", "direct-starlette", "agent-echo", "agent-starlette", "url-echo", "url-starlette", "builtin")
 NON_STREAM_CASES = {f"{target}_c{c}" for target in TARGETS for c in (1, 32)}
 STREAM_CASES = {f"{target}_stream" for target in TARGETS}
 
