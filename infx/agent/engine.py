@@ -149,7 +149,8 @@ class EngineAgent(Service):
         self._tasks: dict[str, _Sink] = {}
         self._queue: deque[Effect] = deque()
         self._running_effects = False
-        self._timer = DeadlineTimer(clock, self._on_timer)
+        # The core does only what is due when woken (handle_timeout), so an early wake-up is harmless.
+        self._timer = DeadlineTimer(clock, self._on_timer, early_ok=True)
         self._stopped: Deferred[None] | None = None
 
     @property
