@@ -52,6 +52,7 @@ from protocol.discovery.runtimes import (
     RuntimeChange,
     RuntimePod,
     RuntimeSet,
+    RuntimeTarget,
     runtime_pod,
     runtime_pod_key,
     runtime_pod_version,
@@ -495,6 +496,11 @@ class RuntimePodWatcher:
     @property
     def state(self) -> InformerState:
         return self._informer.state
+
+    @property
+    def targets(self) -> Mapping[str, RuntimeTarget]:
+        """The runtimes to serve now, by pod name."""
+        return self._runtimes.targets
 
     def start(self) -> None:
         self._informer.start()

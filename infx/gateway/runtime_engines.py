@@ -132,8 +132,8 @@ class RuntimeEngines:
         self.targets = targets
         #: Serving, by runtime name (``HOST:PORT`` of a static URL, or the pod's name).
         self.engines: dict[str, RuntimeEngine] = {}
-        #: Runtimes removed whose engines are still draining.
-        self._leaving: set[Deferred[None]] = set()
+        #: Runtimes removed whose engines are still draining, by name.
+        self._leaving: dict[str, Deferred[None]] = {}
         self._source = discover(self._discovered) if discover is not None else None
         self.running = False
 
@@ -154,7 +154,7 @@ class RuntimeEngines:
             stopping.append(self._source.stop())
         for name in list(self.engines):
             self._remove(name)
-        stopping.extend(self._leaving)
+        stopping.extend(self._leaving.values())
         if not stopping:
             return succeed(None)
         done: Deferred[Any] = DeferredList(stopping)
@@ -169,6 +169,12 @@ class RuntimeEngines:
             self._remove(change.name)
 
     def _add(self, name: str, target: RuntimeTarget) -> None:
+        leaving = self._leaving.get(name)
+        if leaving is not None:
+            # A pod served anew (its address or models changed): its new engine has the old one's id,
+            # which the processor would refuse while the old one drains.
+            leaving.addBoth(lambda result: (self._add_if_wanted(name, target), result)[1])
+            return
         engine = RuntimeEngine(self.reactor, self.dispatcher, target, runtime_engine_id(name, self.pod_name),
                                self.settings)
         self.engines[name] = engine
@@ -177,11 +183,22 @@ class RuntimeEngines:
                  event="runtime_added")
         engine.startService()
 
-    def _remove(self, name: str) -> Deferred[None]:
+    def _add_if_wanted(self, name: str, target: RuntimeTarget) -> None:
+        """Serve ``target`` as ``name`` once its old engine left, unless discovery moved on meanwhile."""
+        if self.running and name not in self.engines and self._source is not None \
+                and self._source.targets.get(name) == target:
+            self._add(name, target)
+
+    def _remove(self, name: str) -> None:
         engine = self.engines.pop(name)
         log.info("no longer serving the runtime at {url} (engine {engine_id}): it drains", url=engine.runtime.root,
                  engine_id=engine.engine_id, event="runtime_removed")
         stopped = engine.stopService()
-        self._leaving.add(stopped)
-        stopped.addBoth(lambda result: (self._leaving.discard(stopped), result)[1])
-        return stopped
+        self._leaving[name] = stopped
+
+        def left(result: Any) -> Any:
+            if self._leaving.get(name) is stopped:
+                del self._leaving[name]
+            return result
+
+        stopped.addBoth(left)

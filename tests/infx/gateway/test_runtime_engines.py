@@ -255,6 +255,23 @@ def test_a_runtime_pod_found_by_its_label_is_served_while_it_is_ready(tmp_path):
             model="annotated", messages=[{"role": "user", "content": "found"}]).choices[0].message.content)
         assert answer == "runtime: found"
         assert list(gateway.runtime_engines.engines) == ["vllm-0"], "other-0 is not labelled app=vllm"
+
+        def annotate(pod: dict) -> None:
+            pod["metadata"]["annotations"] = {"infx.io/models": "renamed"}
+
+        # Served anew under the same engine id once the old engine drained its request in flight (for the
+        # grace period): the new one is never refused as a clash with the old.
+        def hang() -> None:
+            with pytest.raises(openai.APIError):
+                client(gateway).chat.completions.create(model="annotated", messages=[{"role": "user", "content": "hang"}])
+
+        hanging = threads.deferToThread(hang)
+        yield until(lambda: len(runtime.chats) == 2, "the request in flight")
+        api.update(PODS, "vllm-0", annotate)
+        yield until(lambda: gateway.dispatcher.models("default") == ["renamed"] and engine_ready(gateway, engine_id),
+                    "the pod's runtime served with its new models")
+        assert gateway.processor.counters.engine_id_clashes == 0
+        yield hanging
         api.mark_terminating("vllm-0")
         yield until(lambda: engine_id not in gateway.dispatcher.status()["tenants"].get("default", {}).get(
             "engines", {}), "the engine to leave")
