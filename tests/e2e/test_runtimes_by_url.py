@@ -2,8 +2,8 @@
 runtimes, driven by the official ``openai`` client, with no engine agent process.
 
 - llama.cpp's own server (the tiny model, behind its API key): answers through infx equal the
-  server's own, chat and streamed chat and completions (:mod:`tests.e2e.test_llama_server`'s rules);
-- the recording runtime: the lossless suite's request shapes (:mod:`tests.e2e.test_lossless`), each
+  server's own, chat and streamed chat and completions (:mod:`tests.support.llama_answers`);
+- the recording runtime: the lossless suite's request shapes (:mod:`tests.support.lossless`), each
   sent straight to the runtime and through infx, must reach it and come back the same;
 - one model served by a runtime by URL and a dial-in agent together;
 - a peer gateway serving requests with another gateway's runtime by URL, through the exchange;
@@ -27,8 +27,8 @@ from harness.llama_server import LlamaCppServer
 from harness.recording_runtime import Answer, RecordingRuntime
 from harness.twistd_processes import Engine, Gateway
 from infx.gateway.runtime_engines import runtime_engine_id
-from tests.e2e.test_llama_server import messages, stable
-from tests.e2e.test_lossless import EXCHANGED, MODEL, RATE_LIMITED, SHAPES, Shape, _request_view, chat_answer, exchange
+from tests.support.llama_answers import messages, stable
+from tests.support.lossless import EXCHANGED, MODEL, RATE_LIMITED, SHAPES, Shape, chat_answer, exchange, request_view
 
 RUNTIME_KEY = "runtime-secret-by-url"
 
@@ -121,7 +121,7 @@ def test_by_url_the_runtime_gets_what_the_client_sent_and_the_client_what_the_ru
     runtime, gateway = recording_stack
     direct, via, received = exchange(runtime, gateway.base_url, shape)
     assert len(received) == 2, [r.path for r in received]
-    assert _request_view(received[1]) == _request_view(received[0])
+    assert request_view(received[1]) == request_view(received[0])
     assert received[1].header("x-request-id"), "the gateway names the request for the runtime"
     assert via == direct
     assert via.body == shape.answer.payload and via.status == shape.answer.status
@@ -138,7 +138,7 @@ def test_by_url_a_runtimes_429_reaches_the_client_unchanged_and_is_not_resent(tm
         for child in (gateway, runtime):
             if child is not None:
                 child.stop()
-    assert len(received) == 2 and _request_view(received[1]) == _request_view(received[0])
+    assert len(received) == 2 and request_view(received[1]) == request_view(received[0])
     assert via == direct and ("retry-after", "60") in via.headers
 
 
@@ -194,7 +194,7 @@ def test_a_peer_gateway_serves_requests_with_a_runtime_by_url_of_another_gateway
     by_url = a.engines()[b.remote_engine_id(b.runtime_engine_id(runtime.url.removeprefix("http://")))]
     assert by_url["locality"] == "remote"
     direct, via, received = exchange(runtime, a.base_url, shape)
-    assert len(received) == 2 and _request_view(received[1]) == _request_view(received[0])
+    assert len(received) == 2 and request_view(received[1]) == request_view(received[0])
     assert via == direct and via.body == shape.answer.payload
 
 
