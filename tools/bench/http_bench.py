@@ -17,6 +17,9 @@ In front of each runtime, the targets (``--targets``):
   pointed at the runtime (infx's dial-in deployment);
 - ``url``: ``twistd infx --runtime-url`` (the runtime served by URL: the
   engine agent runs inside the gateway's process, no gRPC hop);
+- ``base``: with ``--baseline DIR`` (another checkout of infx, e.g. made
+  with ``git worktree add DIR COMMIT``), that tree's dial-in path, as
+  ``agent`` but run from ``DIR``: before and after a change in one run;
 - ``litellm``: the LiteLLM proxy (one worker);
 - ``sglang``: sglang-router, round_robin;
 - ``vllm``: vllm-router, round_robin;
@@ -94,6 +97,7 @@ KINDS = {
     "direct": "the runtime alone",
     "agent": "twistd infx + twistd infx-engine --runtime openai",
     "url": "twistd infx --runtime-url (one process, no agent between)",
+    "base": "the dial-in path of the --baseline tree",
     "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
@@ -169,13 +173,15 @@ class RuntimeServer(Child):
         self.url = f"http://127.0.0.1:{self.port}"
 
 
-def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) -> Child:
+def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, tree: Path = ROOT) -> Child:
+    """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s)."""
     log = logs / f"{name}.twistd.log"
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
         argv += [f"--profile={profile / (name + '.prof')}", "--profiler=cprofile", "--savestats"]
-    return Child(name, argv + plugin_args, logs)
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
 
 
 def gateway_args(http: int, worker: int) -> list[str]:
@@ -188,10 +194,12 @@ def gateway_args(http: int, worker: int) -> list[str]:
 class Processes:
     """Starts the runtimes and every target in front of them; ``targets`` in a fixed order."""
 
-    def __init__(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str]) -> None:
+    def __init__(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str],
+                 baseline: Path | None = None) -> None:
         self.children: list[Child] = []
         self.peers: list[Peer] = []
         self.targets: list[Target] = []
+        self.baseline = baseline
         try:
             self._start(logs, profile, runtimes, kinds)
         except BaseException:
@@ -205,17 +213,19 @@ class Processes:
             self.children.append(server)
             if "direct" in kinds:
                 self._add("direct", runtime, server.port, server.process.pid)
-            if "agent" in kinds:
+            for kind, tree in (("agent", ROOT), ("base", self.baseline)):
+                if kind not in kinds or tree is None:
+                    continue
                 http, grpc = free_port(), free_port()
-                gateway = twistd(f"gateway-agent-{runtime}", gateway_args(http, grpc), logs, profile)
+                gateway = twistd(f"gateway-{kind}-{runtime}", gateway_args(http, grpc), logs, profile, tree)
                 self.children.append(gateway)
-                engine = twistd(f"engine-agent-{runtime}", [
+                engine = twistd(f"engine-{kind}-{runtime}", [
                     "infx-engine", "--server", f"127.0.0.1:{grpc}", "--runtime", "openai",
                     "--upstream", server.url, "--models", MODEL, "--max-concurrency", "64", "--grace", "1"],
-                    logs, profile)
+                    logs, profile, tree)
                 self.children.append(engine)
                 waits.append((http, [gateway, engine]))
-                self._add("agent", runtime, http, gateway.process.pid, engine.process.pid)
+                self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
             if "url" in kinds:
                 http = free_port()
                 gateway = twistd(f"gateway-url-{runtime}", [
@@ -347,7 +357,7 @@ def summarise(all_cases: list[Case], targets: list[Target],
         row["client_cpu"] = median(name, lambda r: r["cpu_s"] / r["seconds"])
         row["server_cpu"] = median(name, watched(0))
         row["server_cpu_wait"] = median(name, watched(0, "watched_wait_s"))
-        if target.kind == "agent":
+        if target.kind in ("agent", "base"):
             row["engine_cpu"] = median(name, watched(1))
         row["per_server_cpu_s"] = median(name, per_cpu_s(done))
         row["cpu_ms_per_" + ("event" if case.stream else "request")] = median(name, all_cpu_ms(done))
@@ -384,11 +394,17 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
         mine = [row for row in rows if row["runtime"] == runtime]
         routers = [row for row in mine if row["kind"] in ROUTER_KINDS]
         agent = next((row for row in mine if row["kind"] == "agent"), None)
+        base = next((row for row in mine if row["kind"] == "base"), None)
         if agent is not None and agent["c32_cpu_ms_per_request"] is not None:
             cpu = agent["c32_cpu_ms_per_request"]
             out.append(f"#25 [{runtime}] dial-in path CPU per request at c=32: {cpu:.3f} ms; target <= 0.6 x "
                        f"{ISSUE_25_DIAL_IN_CPU_MS:g} ms = {0.6 * ISSUE_25_DIAL_IN_CPU_MS:.2f} ms "
                        f"-> {'met' if cpu <= 0.6 * ISSUE_25_DIAL_IN_CPU_MS else 'MISSED'}")
+            for key, what in (("c32_cpu_ms_per_request", "c=32"), ("c1_cpu_ms_per_request", "c=1")):
+                if base is not None and base[key] and agent[key] is not None:
+                    out.append(f"#25 [{runtime}] dial-in path CPU per request at {what}: {agent[key]:.3f} ms, the "
+                               f"--baseline tree's {base[key]:.3f} ms = {agent[key] / base[key]:.2f}x "
+                               f"(target <= 0.6x) -> {'met' if agent[key] <= 0.6 * base[key] else 'MISSED'}")
         for kind, name in (("url", "infx by URL"), ("agent", "infx dial-in path")):
             row = next((r for r in mine if r["kind"] == kind), None)
             if row is None:
@@ -490,6 +506,8 @@ def main(argv: list[str]) -> int:
                         help=f"comma-separated of {', '.join(KINDS)}, or all (default {','.join(DEFAULT_KINDS)}); "
                         "litellm, sglang and vllm are installed on first use into ignored venvs (peers.py)")
     parser.add_argument("--cases", help="comma-separated subset of the case names (default: all)")
+    parser.add_argument("--baseline", type=Path, help="another checkout of infx (git worktree add DIR COMMIT): "
+                        "its dial-in path runs beside this tree's as target base (named in --targets, or all)")
     parser.add_argument("--profile", type=Path, help="directory for cProfile stats of the gateways and engine "
                         "agents; their top functions are printed on stderr at the end")
     options = parser.parse_args(argv)
@@ -498,6 +516,13 @@ def main(argv: list[str]) -> int:
     repeats = options.repeats if options.repeats is not None else (1 if options.quick else 3)
     runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
     kinds = names(parser, options.targets, KINDS, "targets")
+    if options.baseline is None:
+        kinds = [kind for kind in kinds if kind != "base"]
+    elif not (options.baseline / "infx" / "tap.py").is_file():
+        parser.error(f"--baseline {options.baseline}: not a checkout of infx (no infx/tap.py)")
+    else:
+        options.baseline = options.baseline.resolve()
+        kinds = kinds if "base" in kinds else [*kinds, "base"]
     target_names = [target_name(kind, None if kind == "builtin" else runtime)
                     for kind in kinds for runtime in (runtimes if kind != "builtin" else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
@@ -519,7 +544,8 @@ def main(argv: list[str]) -> int:
             bodies[stream].write_bytes(request_body(stream))
         needed_kinds = {kind for kind in kinds if any(c.target.startswith(kind) for c in all_cases)}
         try:
-            processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds])
+            processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds],
+                                  options.baseline)
         except BenchError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
