@@ -9,6 +9,8 @@ here, once, and raises :class:`ConfigError` with a message fit for a user.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +141,10 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
+    #: Gateway processes sharing the listening ports under one supervisor (``twistd infx``
+    #: itself); None: the cores this process may use (:func:`usable_cores`); 1: one process,
+    #: no supervisor. See :mod:`infx.supervisor` and docs/workers.md.
+    workers: int | None = None
 
     @property
     def pod_label_pair(self) -> tuple[str, str]:
@@ -387,6 +393,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     routing_config(config)  # raises ConfigError for a knob out of range
+    if config.workers is not None and not 1 <= config.workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS}, got {config.workers}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
@@ -395,6 +403,28 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
                           "give --peer-port when --internal-grpc listens on port 0")
     return config
+
+
+#: The most gateway processes one supervisor runs.
+MAX_WORKERS = 256
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, and no more than its cgroup's CPU quota
+    (a container limited to 2 CPUs on a 64-core node may run on every core, 2 at a time)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+def worker_count(config: GatewayConfig) -> int:
+    """How many gateway processes ``config`` asks for (``--workers``, else the usable cores)."""
+    return config.workers if config.workers is not None else min(usable_cores(), MAX_WORKERS)
 
 
 def routing_weights(text: str) -> dict[str, float]:
@@ -450,5 +480,5 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
+__all__ = ["ConfigError", "GatewayConfig", "usable_cores", "worker_count", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
            "internal_tls", "routing_config"]

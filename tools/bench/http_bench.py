@@ -21,7 +21,10 @@ In front of each runtime, the targets (``--targets``):
 
 and once, with no runtime, ``builtin``: ``twistd infx --echo-models``
 (the built-in echo engine inside the gateway's process; its ratios are to
-``direct-echo``, whose answers it matches). The peers (LiteLLM and the
+``direct-echo``, whose answers it matches), and ``workers``: the same with
+``--workers 2`` (each worker serves from its own built-in engine, as each
+serves runtimes by URL itself; every process's CPU is counted, the
+supervisor's too). Every other infx target runs ``--workers 1``. The peers (LiteLLM and the
 routers) are pinned releases installed on first use into ignored venvs by
 ``peers.py``, which documents their command lines; they run only when
 named in ``--targets``.
@@ -95,8 +98,11 @@ KINDS = {
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
     "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
+    "workers": "twistd infx --workers 2 --echo-models (a built-in echo engine in each worker, no runtime)",
 }
-DEFAULT_KINDS = ("direct", "agent", "builtin")
+DEFAULT_KINDS = ("direct", "agent", "builtin", "workers")
+#: Targets with no runtime behind them (compared with ``direct-echo``).
+RUNTIMELESS = ("builtin", "workers")
 ROUTER_KINDS = ("sglang", "vllm")
 
 
@@ -175,11 +181,28 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) 
     return Child(name, argv + plugin_args, logs)
 
 
-def gateway_args(http: int, worker: int) -> list[str]:
+def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
     # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
+    # With workers, each has its own internal port (the next ones): the kernel picks them here.
+    internal = free_port() if workers == 1 else 0
     return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-            "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
+            "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
+            "--workers", str(workers)]
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a supervisor's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
 
 
 class Processes:
@@ -220,8 +243,20 @@ class Processes:
             self.children.append(gateway)
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
+        supervisor = None
+        if "workers" in kinds:
+            http = free_port()
+            supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+            self.children.append(supervisor)
+            waits.append((http, [supervisor]))
         for port, children in waits:
             wait_for_model(port, MODEL, children)
+        if supervisor is not None:
+            workers = children_of(supervisor.process.pid)
+            if len(workers) != 2:
+                raise BenchError(f"--workers 2 runs {len(workers)} workers: {supervisor.log_tail()}")
+            self._add("workers", None, http, supervisor.process.pid, *workers)
         starters: dict[str, Callable[[RuntimeServer], Peer]] = {
             "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
             "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),
@@ -482,8 +517,8 @@ def main(argv: list[str]) -> int:
     repeats = options.repeats if options.repeats is not None else (1 if options.quick else 3)
     runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
     kinds = names(parser, options.targets, KINDS, "targets")
-    target_names = [target_name(kind, None if kind == "builtin" else runtime)
-                    for kind in kinds for runtime in (runtimes if kind != "builtin" else [None])]
+    target_names = [target_name(kind, None if kind in RUNTIMELESS else runtime)
+                    for kind in kinds for runtime in (runtimes if kind not in RUNTIMELESS else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
     if options.cases:
         wanted = options.cases.split(",")

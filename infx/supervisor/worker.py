@@ -1,0 +1,99 @@
+"""One worker process of ``twistd infx --workers N``: ``python -m infx.supervisor.worker``.
+
+It reads its config and role (:mod:`infx.supervisor.role`) as one JSON line on its
+standard input, builds the gateway on the sockets it inherited and runs it until
+SIGTERM (it drains, as ``twistd infx`` does) or until its standard input ends (the
+supervisor is gone: it drains too, rather than serve on unwatched). Its log events go
+to its standard output as JSON lines (twisted.logger's own format), which the
+supervisor publishes as its own with the worker's number, so they reach whatever
+twistd logs to (``-n``, ``--logfile``, ``--logger``); anything written to its
+standard error is relayed as text.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+#: The worker's exit code when a port it was given cannot be adopted.
+EXIT_CANNOT_LISTEN = 1
+
+
+class ParentWatch:
+    """Reads the worker's standard input; its end means the supervisor is gone."""
+
+    def __init__(self, reactor: Any, on_gone: Any) -> None:
+        from twisted.internet.abstract import FileDescriptor
+
+        watch = self
+
+        class _Reader(FileDescriptor):
+            def fileno(self) -> int:
+                return 0
+
+            def doRead(self) -> Any:
+                try:
+                    data = os.read(0, 4096)
+                except BlockingIOError:
+                    return None
+                except OSError:
+                    data = b""
+                if not data:
+                    reactor.removeReader(self)
+                    on_gone()
+                return None
+
+            def connectionLost(self, reason: Any) -> None:
+                pass
+
+        self.reader = _Reader(reactor)
+        os.set_blocking(0, False)
+        reactor.addReader(self.reader)
+        self.watch = watch
+
+
+def main() -> None:
+    line = sys.stdin.buffer.readline()
+    from infx.supervisor.role import decode
+
+    config, role = decode(line)
+    from twisted.internet import reactor
+    from twisted.logger import globalLogBeginner, jsonFileLogObserver
+
+    # One JSON event per line on stdout, flushed per event: the supervisor reads them as they come.
+    out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    globalLogBeginner.beginLoggingTo([jsonFileLogObserver(out, recordSeparator="")], redirectStandardIO=False)
+    from twisted.logger import Logger
+
+    log = Logger(namespace="infx.supervisor")
+    from infx.service import build_gateway
+
+    gateway = build_gateway(reactor, config, role=role)
+    exit_code = [0]
+
+    def cannot_listen(reason: Any) -> None:
+        exit_code[0] = EXIT_CANNOT_LISTEN
+        reactor.stop()
+
+    def supervisor_gone() -> None:
+        log.warn("the supervisor is gone: this worker drains and exits", event="supervisor_gone")
+        if reactor.running:
+            reactor.stop()
+
+    gateway.when_listening().addErrback(cannot_listen)
+    reactor.callWhenRunning(gateway.startService)
+    reactor.addSystemEventTrigger("before", "shutdown", gateway.stopService)
+    ParentWatch(reactor, supervisor_gone)
+    # SIGINT from a terminal reaches the whole process group: the supervisor drains its workers
+    # with SIGTERM, so a worker leaves SIGINT to it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gateway.privilegedStartService()
+    reactor.run()
+    out.flush()
+    os._exit(exit_code[0])
+
+
+if __name__ == "__main__":
+    main()
