@@ -41,7 +41,7 @@ from protocol.grpc import GrpcConfig
 from protocol.processor.core import Processor
 from protocol.processor.types import ProcessorConfig
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
-from protocol.supervisor.siblings import workers_header
+from protocol.supervisor.siblings import IN_EVERY_WORKER, workers_header
 
 log = Logger()
 
@@ -263,8 +263,10 @@ class GatewayService(service.MultiService):
             config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size)
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
-        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
-                                           models=self.config.echo_models, instance=secrets.token_hex(8)))
+        # Every worker runs one: a sibling's is not this worker's to serve (protocol/supervisor/siblings.py).
+        capabilities = (IN_EVERY_WORKER,) if self.role is not None else ()
+        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name), models=self.config.echo_models,
+                                           instance=secrets.token_hex(8), capabilities=capabilities))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)
@@ -410,14 +412,8 @@ class GatewayService(service.MultiService):
                                    max_queued_bytes=config.route_max_queued_bytes)
         return ExchangerConfig(pod_name=pod_name, secret=config.internal_secret,
                                peer_port=role.internal_ports[role.index], max_queued_bytes=config.route_max_queued_bytes,
-                               accept_metadata=(workers_header(role.internal_ports),), copies_of=self._copies_of)
-
-    def _copies_of(self, pod: str) -> frozenset[str]:
-        """The engines a sibling runs in its own process that this worker runs too: its reports of
-        them are dropped, so each worker serves them itself (:mod:`protocol.supervisor.siblings`)."""
-        if self.role is None or pod not in self.role.siblings or not self.config.echo_models:
-            return frozenset()
-        return frozenset({builtin_engine_id(pod)})
+                               accept_metadata=(workers_header(role.internal_ports),),
+                               siblings=frozenset(role.siblings))
 
     # --- a worker of twistd infx --workers N (infx/supervisor/) -----------------------------
 

@@ -165,12 +165,15 @@ def makeService(options: Options) -> IService:
     config = options.config_value
     workers = worker_count(config)
     if workers > 1:
-        return service_or_exit("infx", lambda: supervisor(reactor, config, workers, daemon))
+        # Workers write their lines to standard output themselves when that is where twistd logs text.
+        log_text = (twistd is None or (not daemon and twistd.get("logfile") in (None, "-")
+                                       and not twistd.get("logger") and not twistd.get("syslog")))
+        return service_or_exit("infx", lambda: supervisor(reactor, config, workers, daemon, log_text))
     return service_or_exit("infx", lambda: ExitIfCannotListen(
         reactor, build_gateway(reactor, config), daemon=daemon))
 
 
-def supervisor(reactor: Any, config: GatewayConfig, workers: int, daemon: bool) -> IService:
+def supervisor(reactor: Any, config: GatewayConfig, workers: int, daemon: bool, log_text: bool) -> IService:
     """``--workers N``: a supervisor of N gateway processes (:mod:`infx.supervisor`)."""
     from infx.service import default_pod_name
     from infx.supervisor.role import worker_pod_name
@@ -190,4 +193,4 @@ def supervisor(reactor: Any, config: GatewayConfig, workers: int, daemon: bool) 
             return worker_pod_name(os.environ["POD_NAME"], index)
         return default_pod_name(config, os.environ, internal_port)
 
-    return Supervisor(reactor, config, workers, pod_name, daemon=daemon)
+    return Supervisor(reactor, config, workers, pod_name, daemon=daemon, log_text=log_text)

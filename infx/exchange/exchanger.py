@@ -49,7 +49,7 @@ core keeps exactly one stream per live peer at its current address.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,7 +83,7 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
-from protocol.supervisor.siblings import without_engines
+from protocol.supervisor.siblings import SiblingCopies
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
@@ -112,9 +112,9 @@ class ExchangerConfig:
     is what a peer's stream may hold queued before it refuses tasks (see
     :class:`~infx.gateway.dispatcher.StreamSendGate`). A worker of
     ``twistd infx --workers N`` (:mod:`infx.supervisor`) adds ``accept_metadata`` to the
-    headers of the streams it accepts (its siblings' internal ports) and drops from a
-    peer's reports the engines ``copies_of(pod)`` names (a sibling's copies of engines it
-    runs itself; see :mod:`protocol.supervisor.siblings`). What the core needs
+    headers of the streams it accepts (its siblings' internal ports) and drops from the
+    reports of ``siblings`` (pod names) their copies of the engines every worker runs
+    itself (:class:`~protocol.supervisor.siblings.SiblingCopies`). What the core needs
     (status interval, redial backoff) is in its
     :class:`~protocol.gateway.effects.CoreConfig`.
     """
@@ -124,7 +124,7 @@ class ExchangerConfig:
     peer_port: int | None = None
     max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
     accept_metadata: tuple[tuple[str, str], ...] = ()
-    copies_of: Callable[[str], Collection[str]] | None = None
+    siblings: frozenset[str] = frozenset()
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -491,11 +491,12 @@ class Exchanger:
             # Headers now tell the peer's receiver the stream is accepted before any task flows,
             # that this side reads status deltas (a LLMariner receiver ignores that) and its pod.
             call.send_initial_metadata((*core.accept_metadata, *self.config.accept_metadata))
-        copies_of = self.config.copies_of
+        siblings, copies = self.config.siblings, SiblingCopies()
 
         def on_message(message: internal_pb2.ProcessTasksInternalRequest) -> None:
-            if copies_of is not None and message.WhichOneof("message") == "server_status":
-                message = without_engines(message, copies_of(message.server_status.pod_name))
+            if siblings and message.WhichOneof("message") == "server_status" \
+                    and message.server_status.pod_name in siblings:
+                message = copies.filter(message)
             self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
 
         try:

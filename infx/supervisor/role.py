@@ -19,7 +19,12 @@ from typing import Any
 
 from infx.config import GatewayConfig
 
-__all__ = ["WorkerRole", "config_from_json", "config_to_json", "worker_pod_name"]
+#: The worker's descriptor on which it tells its supervisor ``listening`` (a line); its listening
+#: sockets follow it.
+STATUS_FD = 3
+LISTENING = b"listening\n"
+
+__all__ = ["LISTENING", "STATUS_FD", "WorkerRole", "config_from_json", "config_to_json", "worker_pod_name"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,8 @@ class WorkerRole:
     worker's internal port (it goes in the accept headers, see
     :mod:`protocol.supervisor.siblings`), ``siblings`` maps each other worker's pod name
     to its internal ``[host, port]``, and ``metrics_ports`` lists every worker's private
-    metrics port by index.
+    metrics port by index. The worker tells its supervisor it listens by a line on
+    :data:`STATUS_FD`.
     """
 
     index: int
@@ -46,6 +52,9 @@ class WorkerRole:
     internal_ports: tuple[int, ...]
     siblings: dict[str, tuple[str, int]] = field(default_factory=dict)
     metrics_ports: tuple[int, ...] = ()
+    #: Write log lines as text to the inherited standard output (else JSON events to the
+    #: supervisor's pipe); see :mod:`infx.supervisor.logs`.
+    log_text: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -57,7 +66,7 @@ class WorkerRole:
                    families={str(k): int(v) for k, v in data["families"].items()},
                    internal_ports=tuple(int(p) for p in data["internal_ports"]),
                    siblings={str(k): (str(v[0]), int(v[1])) for k, v in data["siblings"].items()},
-                   metrics_ports=tuple(int(p) for p in data["metrics_ports"]))
+                   metrics_ports=tuple(int(p) for p in data["metrics_ports"]), log_text=bool(data["log_text"]))
 
 
 def worker_pod_name(pod_name: str, index: int) -> str:

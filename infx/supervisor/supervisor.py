@@ -27,7 +27,8 @@ from twisted.python.failure import Failure
 from infx.cli import EXIT_CANNOT_LISTEN
 from infx.config import ConfigError, GatewayConfig
 from infx.deadline import DeadlineTimer
-from infx.supervisor.role import WorkerRole, encode, worker_pod_name
+from infx.supervisor.logs import worker_system
+from infx.supervisor.role import LISTENING, STATUS_FD, WorkerRole, encode
 from infx.service import ListenFailed
 from infx.supervisor.sockets import ListenAddress, bind_group, bind_one, listen_address
 from protocol.supervisor.pool import (
@@ -54,7 +55,7 @@ class Supervisor(service.Service):
     def __init__(self, reactor: Any, config: GatewayConfig, workers: int,
                  pod_name: Callable[[int, int], str], environ: Mapping[str, str] | None = None,
                  publish: Callable[[dict[str, Any]], None] | None = None, rng: random.Random | None = None,
-                 daemon: bool = False) -> None:
+                 daemon: bool = False, log_text: bool = False) -> None:
         self.reactor = reactor
         self.config = config
         self.count = workers
@@ -63,6 +64,9 @@ class Supervisor(service.Service):
         self.publish = publish or globalLogPublisher
         self.rng = rng or random.SystemRandom()
         self.daemon = daemon
+        #: Workers write text lines to the supervisor's standard output themselves (twistd -n logging
+        #: there); else they send events to be published here (:mod:`infx.supervisor.logs`).
+        self.log_text = log_text
         self.pool = WorkerPool(PoolConfig(workers=workers, kill_after=config.grace_period + KILL_MARGIN))
         self._timer = DeadlineTimer(reactor, self._fire)
         self._sockets: dict[str, list[socket.socket]] = {}
@@ -179,11 +183,12 @@ class Supervisor(service.Service):
 
     def _spawn(self, index: int, attempt: int) -> None:
         fds = {name: sockets[index].fileno() for name, sockets in self._sockets.items()}
-        child_fds: dict[int, Any] = {0: "w", 1: "r", 2: "r"}
+        child_fds: dict[int, Any] = {0: "w", 1: 1 if self.log_text else "r", 2: 2 if self.log_text else "r",
+                                     STATUS_FD: "r"}
         role_fds: dict[str, int] = {}
         for offset, (name, fd) in enumerate(sorted(fds.items())):
-            child_fds[3 + offset] = fd
-            role_fds[name] = 3 + offset
+            child_fds[STATUS_FD + 1 + offset] = fd
+            role_fds[name] = STATUS_FD + 1 + offset
         families = {name: sockets[index].family for name, sockets in self._sockets.items()}
         host = _host(listen_address(self.config.internal_grpc, "--internal-grpc").interface)
         pods = [self.pod_name(port, i) for i, port in enumerate(self._internal_ports)]
@@ -192,7 +197,7 @@ class Supervisor(service.Service):
             families={name: int(family) for name, family in families.items()},
             internal_ports=self._internal_ports,
             siblings={pods[i]: (host, port) for i, port in enumerate(self._internal_ports) if i != index},
-            metrics_ports=self._metrics_ports)
+            metrics_ports=self._metrics_ports, log_text=self.log_text)
         process = WorkerProcess(self, index)
         self._processes[index] = process
         argv = [sys.executable, "-m", "infx.supervisor.worker"]
@@ -220,13 +225,11 @@ class Supervisor(service.Service):
     def worker_event(self, index: int, event: dict[str, Any]) -> None:
         """Publish one of worker ``index``'s log events as the supervisor's own."""
         event["worker"] = index
-        namespace = event.get("log_namespace", "-")
-        level = event.get("log_level")
-        level_name = getattr(level, "name", None) or "info"
-        event["log_system"] = f"worker-{index} {namespace}#{level_name}"
-        if event.get("event") == "listening":
-            self._perform(self.pool.listening(index, self.reactor.seconds()))
+        event["log_system"] = worker_system(index, event)
         self.publish(event)
+
+    def worker_listens(self, index: int) -> None:
+        self._perform(self.pool.listening(index, self.reactor.seconds()))
 
     def worker_text(self, index: int, line: str) -> None:
         """A line worker ``index`` wrote outside its log (its standard error, a crash before logging)."""
@@ -249,6 +252,10 @@ class WorkerProcess(protocol.ProcessProtocol):
         self._buffers = {1: b"", 2: b""}
 
     def childDataReceived(self, fd: int, data: bytes) -> None:
+        if fd == STATUS_FD:
+            if LISTENING in data:
+                self.supervisor.worker_listens(self.index)
+            return
         buffer = self._buffers.get(fd, b"") + data
         *lines, rest = buffer.split(b"\n")
         self._buffers[fd] = rest

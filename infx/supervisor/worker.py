@@ -3,11 +3,9 @@
 It reads its config and role (:mod:`infx.supervisor.role`) as one JSON line on its
 standard input, builds the gateway on the sockets it inherited and runs it until
 SIGTERM (it drains, as ``twistd infx`` does) or until its standard input ends (the
-supervisor is gone: it drains too, rather than serve on unwatched). Its log events go
-to its standard output as JSON lines (twisted.logger's own format), which the
-supervisor publishes as its own with the worker's number, so they reach whatever
-twistd logs to (``-n``, ``--logfile``, ``--logger``); anything written to its
-standard error is relayed as text.
+supervisor is gone: it drains too, rather than serve on unwatched). Once every port
+listens it says so on :data:`~infx.supervisor.role.STATUS_FD`. Its log goes where
+:mod:`infx.supervisor.logs` says.
 """
 
 from __future__ import annotations
@@ -62,12 +60,16 @@ def main() -> None:
     from twisted.internet import reactor
     from twisted.logger import globalLogBeginner, jsonFileLogObserver
 
-    # One JSON event per line on stdout, flushed per event: the supervisor reads them as they come.
+    from infx.supervisor.logs import text_observer
+    from infx.supervisor.role import LISTENING, STATUS_FD
+
+    # Line by line: each line is one write, whole, whichever way it goes.
     out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    globalLogBeginner.beginLoggingTo([jsonFileLogObserver(out, recordSeparator="")], redirectStandardIO=False)
+    observer = text_observer(out, role.index) if role.log_text else jsonFileLogObserver(out, recordSeparator="")
+    globalLogBeginner.beginLoggingTo([observer], redirectStandardIO=False)
     from twisted.logger import Logger
 
-    log = Logger(namespace="infx.supervisor")
+    log = Logger(namespace="infx.supervisor.worker")
     from infx.service import build_gateway
 
     gateway = build_gateway(reactor, config, role=role)
@@ -82,7 +84,10 @@ def main() -> None:
         if reactor.running:
             reactor.stop()
 
-    gateway.when_listening().addErrback(cannot_listen)
+    def listening(_: Any) -> None:
+        os.write(STATUS_FD, LISTENING)
+
+    gateway.when_listening().addCallbacks(listening, cannot_listen)
     reactor.callWhenRunning(gateway.startService)
     reactor.addSystemEventTrigger("before", "shutdown", gateway.stopService)
     ParentWatch(reactor, supervisor_gone)

@@ -11,9 +11,10 @@ worker lists the internal ports of all its supervisor's workers in its response 
 (:class:`WorkerPeers`). Siblings are dialled at the addresses the supervisor gave them.
 
 Engines a worker runs in its own process (the built-in echo engine; runtimes by URL) are
-run by every worker alike: a sibling's copy is dropped from what it reports
-(:func:`without_engines`), so each worker serves them itself and never forwards to a
-sibling what it can send straight to the runtime.
+run by every worker alike, and say so with the capability :data:`IN_EVERY_WORKER` in
+their status: a sibling's copy is dropped from what it reports (:class:`SiblingCopies`),
+so each worker serves them itself and never forwards to a sibling what it can send
+straight to the runtime. Other gateways get them from every worker, as any engine.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from collections.abc import Collection, Iterable, Mapping
 from protocol.discovery.peers import PeerAddress
 from protocol.pb import internal_pb2
 
-__all__ = ["WORKERS_HEADER", "WorkerPeers", "without_engines", "workers_header", "worker_ports"]
+__all__ = ["IN_EVERY_WORKER", "WORKERS_HEADER", "SiblingCopies", "WorkerPeers", "without_engines", "workers_header",
+           "worker_ports"]
+
+#: ``EngineStatus.infx_capabilities`` of an engine that every worker of a supervisor runs in its own
+#: process: a sibling's report of it is not registered.
+IN_EVERY_WORKER = "in-every-worker"
 
 #: Response-header key by which an accepting infx gateway lists the internal ports of every
 #: worker of its supervisor (``8083,8084``), itself included.
@@ -114,3 +120,26 @@ def without_engines(message: internal_pb2.ProcessTasksInternalRequest,
     del trimmed.removed_engines[:]
     trimmed.removed_engines.extend(removed)
     return kept
+
+
+class SiblingCopies:
+    """What one sibling's stream reports, less its copies of the engines every worker runs.
+
+    An engine whose status carries :data:`IN_EVERY_WORKER` is dropped, and so is its later
+    removal (a delta's ``removed_engines`` names ids only)."""
+
+    def __init__(self) -> None:
+        self._dropped: set[str] = set()
+
+    def filter(self, message: internal_pb2.ProcessTasksInternalRequest) -> internal_pb2.ProcessTasksInternalRequest:
+        if message.WhichOneof("message") != "server_status":
+            return message
+        status = message.server_status
+        copies = {e.engine_status.engine_id for e in status.engine_statuses
+                  if IN_EVERY_WORKER in e.engine_status.infx_capabilities}
+        removed = {r.engine_id for r in status.removed_engines if r.engine_id in self._dropped}
+        if not status.delta:
+            self._dropped = set()  # a full snapshot replaces everything reported before
+        self._dropped |= copies
+        self._dropped -= removed
+        return without_engines(message, copies | removed)

@@ -243,3 +243,77 @@ def test_one_worker_is_one_process_as_before(tmp_path):
         assert "[worker-" not in gateway.child.output() and "infx.supervisor" not in gateway.child.output()
     finally:
         gateway.stop()
+
+
+def test_a_daemonized_supervisor_writes_the_pidfile_logs_every_worker_to_its_logfile_and_stops_on_sigterm(tmp_path):
+    """twistd without -n: the supervisor is the daemon (its pid in the pidfile), the workers' events
+    reach its --logfile through it, and SIGTERM to that pid drains and ends them all."""
+    import subprocess
+
+    from harness.twistd_processes import TWISTD, ROOT, free_port
+
+    http, worker, internal = free_port(), free_port(), free_port()
+    pidfile, logfile = tmp_path / "infx.pid", tmp_path / "infx.log"
+    result = subprocess.run(
+        [TWISTD, f"--pidfile={pidfile}", "--logfile", str(logfile), "infx", "--workers", "2",
+         "--http", f"tcp:{http}:interface=127.0.0.1", "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
+         "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--echo-models", "echo"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr
+    pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), "the pidfile"))
+    try:
+        wait_until(lambda: "all 2 workers listen" in logfile.read_text(), "both workers to listen")
+        workers = children_of(pid)
+        assert len(workers) == 2
+        for i in range(10):
+            assert chat(http, request_id=f"daemon-{i}")[0] == 200
+        text = wait_until(lambda: (t := logfile.read_text()).count("infx.request_log#info] request daemon-") == 10
+                          and t, "the request lines in the logfile")
+        assert "[worker-0 infx.service#info] listening:" in text and "[worker-1 infx.service#info] listening:" in text
+        os.kill(pid, signal.SIGTERM)
+        wait_until(lambda: not Path(f"/proc/{pid}").exists() and not any(Path(f"/proc/{w}").exists()
+                                                                          for w in workers),
+                   "the supervisor and its workers to exit", timeout=40)
+        assert not pidfile.exists()
+    finally:
+        for p in [pid, *children_of(pid)]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_every_worker_of_a_peer_is_dialled_from_one_port_in_peers(tmp_path):
+    """A lists one port of B; B lists nothing. A's workers learn B's other worker from B's headers,
+    B's workers dial A's back: an engine on either worker of B serves requests at both workers of A."""
+    b = Gateway(tmp_path, workers=2, name="b")
+    a = None
+    engine = None
+    try:
+        a = Gateway(tmp_path, workers=2, name="a", extra=["--peers", f"127.0.0.1:{b.internal_port}"])
+        wait_until(lambda: all_listening(a) and all_listening(b), "both gateways' workers to listen",
+                   [a.child, b.child])
+        engine = TwistdChild("engine-gpu-0", ["infx-engine", "--server", b.worker_address, "--engine-id", "gpu-0",
+                                              "--runtime", "echo", "--models", "m", "--token-delay", "0"], tmp_path)
+
+        def probe() -> bool:
+            for i in range(6):
+                if chat(a.http_port, model="m", request_id=f"via-a-{time.monotonic_ns()}-{i}")[0] != 200:
+                    return False
+            return {w for rid, (w, _, _) in served(a).items() if rid.startswith("via-a-")} == {0, 1}
+
+        wait_until(probe, "both workers of a to serve b's engine", [a.child, b.child, engine], timeout=60)
+        b_pods = {b.worker_pod_name(0), b.worker_pod_name(1)}
+        for rid, (_, engine_id, pod) in served(a).items():
+            if rid.startswith("via-a-"):
+                assert pod in b_pods and engine_id == f"gpu-0@{pod}"
+        # Every worker of a dialled every worker of b (one of b's ports came from its headers).
+        said = a.child.output()
+        for worker in (0, 1):
+            for port in (b.internal_port, b.internal_port + 1):
+                assert re.search(rf"\[worker-{worker} infx\.exchanger#info\] peer \S+: connected at 127\.0\.0\.1:{port}",
+                                 said), (worker, port)
+    finally:
+        for child in (engine, a.child if a else None, b.child):
+            if child is not None:
+                child.stop()

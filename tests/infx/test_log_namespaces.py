@@ -35,6 +35,8 @@ NAMESPACES = {
     "infx/agent/upstream_key.py": "infx.upstream_key",
     "infx/scaling/scaler.py": "infx.scaler.InferenceScaler",
     "infx/scaling/lease.py": "infx.scaler_lease.LeaseElector",
+    "infx/supervisor/supervisor.py": "infx.supervisor",
+    "infx/supervisor/worker.py": "infx.supervisor.worker",
 }
 
 

@@ -100,7 +100,7 @@ KINDS = {
     "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
     "workers": "twistd infx --workers 2 --echo-models (a built-in echo engine in each worker, no runtime)",
 }
-DEFAULT_KINDS = ("direct", "agent", "builtin", "workers")
+DEFAULT_KINDS = ("direct", "agent", "builtin")
 #: Targets with no runtime behind them (compared with ``direct-echo``).
 RUNTIMELESS = ("builtin", "workers")
 ROUTER_KINDS = ("sglang", "vllm")
@@ -256,7 +256,8 @@ class Processes:
             workers = children_of(supervisor.process.pid)
             if len(workers) != 2:
                 raise BenchError(f"--workers 2 runs {len(workers)} workers: {supervisor.log_tail()}")
-            self._add("workers", None, http, supervisor.process.pid, *workers)
+            # Watched CPU counts a process's children: the supervisor's pid covers its workers.
+            self._add("workers", None, http, supervisor.process.pid)
         starters: dict[str, Callable[[RuntimeServer], Peer]] = {
             "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
             "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),

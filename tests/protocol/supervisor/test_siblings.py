@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from protocol.discovery.peers import PeerAddress
 from protocol.pb import internal_pb2, status_pb2
-from protocol.supervisor.siblings import WORKERS_HEADER, WorkerPeers, without_engines, worker_ports, workers_header
+from protocol.supervisor.siblings import (
+    IN_EVERY_WORKER, WORKERS_HEADER, SiblingCopies, WorkerPeers, without_engines, worker_ports, workers_header,
+)
 
 SIBLING = {"pod-w1": PeerAddress("127.0.0.1", 8084)}
 B = PeerAddress("10.0.0.2", 8083)
@@ -50,12 +52,17 @@ def test_what_was_learned_of_a_peer_goes_when_the_source_drops_or_moves_it():
     assert peers.peers == {}
 
 
-def _report(*engine_ids: str, removed: tuple[str, ...] = ()) -> internal_pb2.ProcessTasksInternalRequest:
+def _report(*engine_ids: str, removed: tuple[str, ...] = (), delta: bool = False,
+            copies: tuple[str, ...] = ()) -> internal_pb2.ProcessTasksInternalRequest:
     message = internal_pb2.ProcessTasksInternalRequest()
     status = message.server_status
     status.pod_name = "pod-w1"
+    status.delta = delta
     for engine_id in engine_ids:
-        status.engine_statuses.add(engine_status=status_pb2.EngineStatus(engine_id=engine_id), tenant_id="default")
+        capabilities = [IN_EVERY_WORKER] if engine_id in copies else []
+        status.engine_statuses.add(engine_status=status_pb2.EngineStatus(engine_id=engine_id,
+                                                                          infx_capabilities=capabilities),
+                                   tenant_id="default")
     for engine_id in removed:
         status.removed_engines.add(engine_id=engine_id, tenant_id="default")
     return message
@@ -71,3 +78,18 @@ def test_a_siblings_copies_are_dropped_from_its_reports_and_nothing_else():
     plain = _report("gpu-0")
     assert without_engines(plain, {"builtin-echo-pod-w1"}) is plain
     assert without_engines(plain, ()) is plain
+
+
+def test_a_siblings_engines_that_every_worker_runs_are_dropped_with_their_removal_and_no_other():
+    copies = SiblingCopies()
+    first = copies.filter(_report("echo-w1", "gpu-0", copies=("echo-w1",)))
+    assert [e.engine_status.engine_id for e in first.server_status.engine_statuses] == ["gpu-0"]
+    # A delta that removes both: the copy's removal goes with it, the dial-in engine's stays.
+    delta = copies.filter(_report(removed=("echo-w1", "gpu-0"), delta=True))
+    assert [r.engine_id for r in delta.server_status.removed_engines] == ["gpu-0"]
+    # Once removed, the id is no copy any more: an engine of that id without the capability counts.
+    again = copies.filter(_report("echo-w1", delta=True))
+    assert [e.engine_status.engine_id for e in again.server_status.engine_statuses] == ["echo-w1"]
+    task = internal_pb2.ProcessTasksInternalRequest()
+    task.task_result.task_id = "t1"
+    assert copies.filter(task) is task
