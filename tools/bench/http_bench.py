@@ -172,8 +172,10 @@ class RuntimeServer(Child):
         self.url = f"http://127.0.0.1:{self.port}"
 
 
-def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) -> Child:
-    log = logs / f"{name}.twistd.log"
+def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, log_to_stdout: bool = False) -> Child:
+    """``log_to_stdout``: twistd logs to its standard output (the Child's log file), as in a container;
+    there a supervisor's workers write their own lines (docs/workers.md)."""
+    log = "-" if log_to_stdout else logs / f"{name}.twistd.log"
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
@@ -247,7 +249,8 @@ class Processes:
         if "workers" in kinds:
             http = free_port()
             supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
-                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile,
+                                log_to_stdout=True)
             self.children.append(supervisor)
             waits.append((http, [supervisor]))
         for port, children in waits:
