@@ -141,6 +141,10 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
+    #: What serves the HTTP API on ``http``: ``httptools`` (:mod:`infx.http.lean`, the default; an
+    #: ``ssl:`` endpoint is served by twisted.web whatever this says, for HTTP/2 by ALPN) or
+    #: ``twisted`` (twisted.web's site, :mod:`infx.http.site`). Both serve the same API.
+    http_server: str = "httptools"
     #: Gateway processes sharing the listening ports under one supervisor (``twistd infx``
     #: itself); None: the cores this process may use (:func:`usable_cores`); 1: one process,
     #: no supervisor. See :mod:`infx.supervisor` and docs/workers.md.
@@ -393,6 +397,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     routing_config(config)  # raises ConfigError for a knob out of range
+    if config.http_server not in HTTP_SERVERS:
+        raise ConfigError(f"--http-server: expected one of {', '.join(HTTP_SERVERS)}, got {config.http_server!r}")
     if config.workers is not None and not 1 <= config.workers <= MAX_WORKERS:
         raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS}, got {config.workers}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
@@ -405,6 +411,8 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     return config
 
 
+#: The servers of the HTTP API (``--http-server``).
+HTTP_SERVERS = ("httptools", "twisted")
 #: The most gateway processes one supervisor runs.
 MAX_WORKERS = 256
 

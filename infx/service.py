@@ -31,6 +31,7 @@ from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.workers import WorkerService
 from infx.http.api import Gateway, build_resource, own_metrics_resource
+from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
 from infx.supervisor.peers import SiblingPeerSource
 from infx.supervisor.role import WorkerRole
@@ -185,8 +186,7 @@ class GatewayService(service.MultiService):
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
         self.http_resource = build_resource(self.gateway, self._metrics_of_every_worker() if role else None)
-        site = GatewaySite(self.http_resource, max_body_size=config.max_body_size,
-                           on_refused=self.gateway.refused_early)
+        site = self._http_site(config)
         self.http = ListeningService(reactor, "--http", config.http, site, self._adopted("http"))
         self.http.setServiceParent(self)
 
@@ -209,6 +209,15 @@ class GatewayService(service.MultiService):
                                         + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
+
+    def _http_site(self, config: GatewayConfig) -> Any:
+        """The server of the API on ``--http``: httptools' (:mod:`infx.http.lean`) or twisted.web's,
+        which also serves an ``ssl:`` endpoint (HTTP/2 by ALPN). One resource tree either way."""
+        if config.http_server == "httptools" and not config.http.startswith("ssl:"):
+            return LeanSite(self.http_resource, max_body_size=config.max_body_size,
+                            on_refused=self.gateway.refused_early, reactor=self.reactor)
+        return GatewaySite(self.http_resource, max_body_size=config.max_body_size,
+                           on_refused=self.gateway.refused_early)
 
     # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 

@@ -115,6 +115,9 @@ class Options(VersionOption, usage.Options):
         ["route-max-queued-bytes", None, None,
          "Bytes of tasks an engine's or peer's stream may hold unread before it takes no more; "
          f"a task whose request ended is taken back unsent [default: {_DEFAULTS.route_max_queued_bytes}]."],
+        ["http-server", None, None,
+         "What serves --http: httptools (its own HTTP/1.1 server, parsed in C) or twisted (twisted.web); an "
+         f"ssl: endpoint is always twisted.web's, for HTTP/2 [default: {_DEFAULTS.http_server}]."],
         ["workers", None, None,
          "Gateway processes sharing the listening ports under this one (docs/workers.md); 1: one process "
          "[default: the cores this process may use, its CPU affinity within its cgroup's quota]."],

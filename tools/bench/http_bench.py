@@ -24,7 +24,9 @@ and once, with no runtime, ``builtin``: ``twistd infx --echo-models``
 ``direct-echo``, whose answers it matches), and ``workers``: the same with
 ``--workers 2`` (each worker serves from its own built-in engine, as each
 serves runtimes by URL itself; every process's CPU is counted, the
-supervisor's too). Every other infx target runs ``--workers 1``. The peers (LiteLLM and the
+supervisor's too), and ``twistedweb``: ``builtin`` served by twisted.web's
+server (``--http-server twisted``) instead of the httptools one, to compare
+the two. Every other infx target runs ``--workers 1``. The peers (LiteLLM and the
 routers) are pinned releases installed on first use into ignored venvs by
 ``peers.py``, which documents their command lines; they run only when
 named in ``--targets``.
@@ -99,10 +101,11 @@ KINDS = {
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
     "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
     "workers": "twistd infx --workers 2 --echo-models (a built-in echo engine in each worker, no runtime)",
+    "twistedweb": "twistd infx --echo-models --http-server twisted (builtin, served by twisted.web's server)",
 }
 DEFAULT_KINDS = ("direct", "agent", "builtin")
 #: Targets with no runtime behind them (compared with ``direct-echo``).
-RUNTIMELESS = ("builtin", "workers")
+RUNTIMELESS = ("builtin", "workers", "twistedweb")
 ROUTER_KINDS = ("sglang", "vllm")
 
 
@@ -245,6 +248,13 @@ class Processes:
             self.children.append(gateway)
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
+        if "twistedweb" in kinds:
+            http = free_port()
+            gateway = twistd("gateway-twistedweb", [*gateway_args(http, free_port()), "--http-server", "twisted",
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+            self.children.append(gateway)
+            waits.append((http, [gateway]))
+            self._add("twistedweb", None, http, gateway.process.pid)
         supervisor = None
         if "workers" in kinds:
             http = free_port()
