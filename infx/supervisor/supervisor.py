@@ -118,9 +118,6 @@ class Supervisor(service.Service):
         self._sockets["metrics_private"] = [bind_one(loopback, "a worker's own metrics port") for _ in range(n)]
         self._internal_ports = tuple(s.getsockname()[1] for s in self._sockets["internal_grpc"])
         self._metrics_ports = tuple(s.getsockname()[1] for s in self._sockets["metrics_private"])
-        for sockets in self._sockets.values():
-            for sock in sockets:
-                sock.set_inheritable(True)
         http, engines = (self._sockets[name][0].getsockname() for name in ("http", "worker_grpc"))
         host = _host(internal.interface)
         log.info("{count} workers share the HTTP API's port {http} and the engines' port {engines}; their peer "
@@ -201,7 +198,15 @@ class Supervisor(service.Service):
         process = WorkerProcess(self, index)
         self._processes[index] = process
         argv = [sys.executable, "-m", "infx.supervisor.worker"]
-        self.reactor.spawnProcess(process, sys.executable, argv, env=self.environ, childFDs=child_fds)
+        # Its sockets are inheritable while it is spawned, and no other worker's ever is.
+        mine = [sockets[index] for sockets in self._sockets.values()]
+        for sock in mine:
+            sock.set_inheritable(True)
+        try:
+            self.reactor.spawnProcess(process, sys.executable, argv, env=self.environ, childFDs=child_fds)
+        finally:
+            for sock in mine:
+                sock.set_inheritable(False)
         process.transport.write(encode(self.config, role))
         if attempt == 1:
             log.info("worker {index} started (pid {pid}) as {pod}", index=index, pid=process.transport.pid,

@@ -19,37 +19,33 @@ from typing import Any
 EXIT_CANNOT_LISTEN = 1
 
 
-class ParentWatch:
-    """Reads the worker's standard input; its end means the supervisor is gone."""
+def watch_parent(reactor: Any, on_gone: Any) -> None:
+    """Read the worker's standard input, which the supervisor keeps open: its end means the
+    supervisor is gone, and ``on_gone`` is called."""
+    from twisted.internet.abstract import FileDescriptor
 
-    def __init__(self, reactor: Any, on_gone: Any) -> None:
-        from twisted.internet.abstract import FileDescriptor
+    class StandardInput(FileDescriptor):
+        def fileno(self) -> int:
+            return 0
 
-        watch = self
+        def doRead(self) -> None:
+            try:
+                data = os.read(0, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                reactor.removeReader(self)
+                on_gone()
 
-        class _Reader(FileDescriptor):
-            def fileno(self) -> int:
-                return 0
+        def connectionLost(self, reason: Any) -> None:
+            # epoll reports a pipe whose writer is gone as a hang-up, which the reactor hands here
+            # (not to doRead).
+            on_gone()
 
-            def doRead(self) -> Any:
-                try:
-                    data = os.read(0, 4096)
-                except BlockingIOError:
-                    return None
-                except OSError:
-                    data = b""
-                if not data:
-                    reactor.removeReader(self)
-                    on_gone()
-                return None
-
-            def connectionLost(self, reason: Any) -> None:
-                pass
-
-        self.reader = _Reader(reactor)
-        os.set_blocking(0, False)
-        reactor.addReader(self.reader)
-        self.watch = watch
+    os.set_blocking(0, False)
+    reactor.addReader(StandardInput(reactor))
 
 
 def main() -> None:
@@ -74,15 +70,18 @@ def main() -> None:
 
     gateway = build_gateway(reactor, config, role=role)
     exit_code = [0]
+    gone: list[bool] = []
 
     def cannot_listen(reason: Any) -> None:
         exit_code[0] = EXIT_CANNOT_LISTEN
         reactor.stop()
 
     def supervisor_gone() -> None:
+        if gone:
+            return
+        gone.append(True)
         log.warn("the supervisor is gone: this worker drains and exits", event="supervisor_gone")
-        if reactor.running:
-            reactor.stop()
+        reactor.callWhenRunning(reactor.stop)
 
     def listening(_: Any) -> None:
         os.write(STATUS_FD, LISTENING)
@@ -90,7 +89,7 @@ def main() -> None:
     gateway.when_listening().addCallbacks(listening, cannot_listen)
     reactor.callWhenRunning(gateway.startService)
     reactor.addSystemEventTrigger("before", "shutdown", gateway.stopService)
-    ParentWatch(reactor, supervisor_gone)
+    watch_parent(reactor, supervisor_gone)
     # SIGINT from a terminal reaches the whole process group: the supervisor drains its workers
     # with SIGTERM, so a worker leaves SIGINT to it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

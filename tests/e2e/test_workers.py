@@ -75,7 +75,12 @@ def children_of(pid: int) -> list[int]:
 
 
 def all_listening(gateway: Gateway) -> bool:
-    return "all 2 workers listen" in gateway.child.output()
+    """Both workers listen, and where they run the built-in echo engine, it serves (it connects
+    once its worker listens: a request before that is a 404, as with one process)."""
+    said = gateway.child.output()
+    echo = "--echo-models" in gateway.child.process.args
+    return "all 2 workers listen" in said and (not echo or all(
+        re.search(rf"\[worker-{i} infx\.workers#info\] engine builtin-echo-\S+ connected from", said) for i in (0, 1)))
 
 
 def test_connections_spread_over_the_workers_and_each_serves_from_its_own_engine(tmp_path):
@@ -262,7 +267,8 @@ def test_a_daemonized_supervisor_writes_the_pidfile_logs_every_worker_to_its_log
     assert result.returncode == 0, result.stderr
     pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), "the pidfile"))
     try:
-        wait_until(lambda: "all 2 workers listen" in logfile.read_text(), "both workers to listen")
+        wait_until(lambda: (t := logfile.read_text()).count("infx.workers#info] engine builtin-echo-") == 2
+                   and "all 2 workers listen" in t, "both workers to listen and serve echo")
         workers = children_of(pid)
         assert len(workers) == 2
         for i in range(10):
@@ -317,3 +323,32 @@ def test_every_worker_of_a_peer_is_dialled_from_one_port_in_peers(tmp_path):
         for child in (engine, a.child if a else None, b.child):
             if child is not None:
                 child.stop()
+
+
+def test_workers_whose_supervisor_is_killed_drain_and_exit(tmp_path):
+    """SIGKILL leaves the supervisor no word: its workers see their standard input end, drain
+    (an answer already under way is finished) and exit, rather than serve on unwatched."""
+    gateway = Gateway(tmp_path, workers=2, extra=["--echo-models", "echo", "--echo-token-delay", "0.05",
+                                                  "--grace-period", "10"])
+    workers: list[int] = []
+    try:
+        wait_until(lambda: all_listening(gateway), "both workers to listen", [gateway.child])
+        workers = children_of(gateway.child.process.pid)
+        answers: list[tuple[int, bytes]] = []
+        stream = threading.Thread(target=lambda: answers.append(
+            chat(gateway.http_port, text=" ".join(f"w{i}" for i in range(30)), stream=True)))
+        stream.start()
+        time.sleep(0.5)
+        gateway.child.kill()
+        stream.join(timeout=30)
+        assert answers and answers[0][0] == 200 and answers[0][1].rstrip().endswith(b"data: [DONE]")
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() and "zombie" not in
+                                   Path(f"/proc/{pid}/status").read_text().lower() for pid in workers),
+                   "the orphaned workers to exit", timeout=30)
+    finally:
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        gateway.stop()
