@@ -55,8 +55,8 @@ log = Logger(namespace="infx.gateway_site")
 #: twisted.web's limits on a request's head (``HTTPChannel.maxHeaders``, ``totalHeadersSize``).
 MAX_HEADERS = 500
 MAX_HEADER_BYTES = 16384
-#: Bytes handed to the parser at once: a pipelining client's many small requests are parsed a
-#: slice at a time, as the ones before them are answered.
+#: Bytes handed to the parser at once where a request starts: a pipelining client's many small
+#: requests are parsed a slice at a time, as the ones before them are answered (a body is fed whole).
 PARSE_SLICE = 4096
 BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\n\r\n"
 #: Methods llhttp parses as any request; the others are parsed as PUT (see LeanChannel._other_method).
@@ -321,9 +321,14 @@ class LeanChannel(protocol.Protocol):
     def _parse(self) -> None:
         """Feed the parser while nothing waits its turn (or a body is being read)."""
         while self._unparsed and not self._closing and (not self._waiting or self._incoming is not None):
-            if self._incoming is None and not self._real_method:
-                self._other_method()
-            piece, self._unparsed = self._unparsed[:PARSE_SLICE], self._unparsed[PARSE_SLICE:]
+            if self._incoming is None:
+                # A request starts here: a slice at a time, so that many small pipelined ones are
+                # parsed as the ones before them are answered.
+                if not self._real_method:
+                    self._other_method()
+                piece, self._unparsed = self._unparsed[:PARSE_SLICE], self._unparsed[PARSE_SLICE:]
+            else:
+                piece, self._unparsed = self._unparsed, b""  # the rest of a request: its body, whole
             try:
                 self.parser.feed_data(piece)
             except (httptools.HttpParserError, httptools.HttpParserUpgrade, _BadRequest):

@@ -22,6 +22,7 @@ NAMESPACES = {
     "infx/http/api.py": "infx.gateway",
     "infx/http/request_log.py": "infx.request_log",
     "infx/http/site.py": "infx.gateway_site",
+    "infx/http/lean.py": "infx.gateway_site",
     "infx/gateway/dispatcher.py": "infx.dispatcher",
     "infx/gateway/key_reload.py": "infx.key_reload",
     "infx/gateway/workers.py": "infx.workers",
