@@ -9,6 +9,8 @@ here, once, and raises :class:`ConfigError` with a message fit for a user.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +156,14 @@ class GatewayConfig:
     runtime_max_concurrency: int = 32
     #: File holding the runtimes' API key, sent as ``Authorization: Bearer`` (reread as it changes).
     runtime_api_key_file: str | None = None
+    #: What serves the HTTP API on ``http``: ``httptools`` (:mod:`infx.http.lean`, the default; an
+    #: ``ssl:`` endpoint is served by twisted.web whatever this says, for HTTP/2 by ALPN) or
+    #: ``twisted`` (twisted.web's site, :mod:`infx.http.site`). Both serve the same API.
+    http_server: str = "httptools"
+    #: Gateway processes sharing the listening ports under one supervisor (``twistd infx``
+    #: itself); None: the cores this process may use (:func:`usable_cores`); 1: one process,
+    #: no supervisor. See :mod:`infx.supervisor` and docs/workers.md.
+    workers: int | None = None
 
     @property
     def pod_label_pair(self) -> tuple[str, str]:
@@ -472,6 +482,10 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             read_key_file(config.runtime_api_key_file)
         except UpstreamKeyError as exc:
             raise ConfigError(f"--runtime-api-key-file: {exc}") from None
+    if config.http_server not in HTTP_SERVERS:
+        raise ConfigError(f"--http-server: expected one of {', '.join(HTTP_SERVERS)}, got {config.http_server!r}")
+    if config.workers is not None and not 1 <= config.workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS}, got {config.workers}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
@@ -480,6 +494,30 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
                           "give --peer-port when --internal-grpc listens on port 0")
     return config
+
+
+#: The servers of the HTTP API (``--http-server``).
+HTTP_SERVERS = ("httptools", "twisted")
+#: The most gateway processes one supervisor runs.
+MAX_WORKERS = 256
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, and no more than its cgroup's CPU quota
+    (a container limited to 2 CPUs on a 64-core node may run on every core, 2 at a time)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+def worker_count(config: GatewayConfig) -> int:
+    """How many gateway processes ``config`` asks for (``--workers``, else the usable cores)."""
+    return config.workers if config.workers is not None else min(usable_cores(), MAX_WORKERS)
 
 
 def routing_weights(text: str) -> dict[str, float]:
@@ -535,5 +573,5 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
-           "internal_tls", "routing_config", "runtime_targets"]
+__all__ = ["ConfigError", "GatewayConfig", "usable_cores", "worker_count", "build_config", "load_yaml", "yaml_problem",
+           "listen_endpoint", "host_port", "internal_tls", "routing_config", "runtime_targets"]

@@ -58,6 +58,9 @@ class RuntimeSettings:
     grace: float = 30.0
     health: HealthConfig = HealthConfig()
     load: LoadConfig | None = LoadConfig()
+    #: Capabilities beyond the runtime's own: under ``--workers`` every worker runs its runtimes by
+    #: URL and says so (``in-every-worker``), so none forwards to a sibling what it can send itself.
+    capabilities: tuple[str, ...] = ()
 
 
 def runtime_engine_id(name: str, pod_name: str) -> str:
@@ -89,7 +92,7 @@ class RuntimeEngine(AgentServices):
         self.runtime = OpenAIRuntime(reactor, client, target.url, credentials=credentials)
         core = EngineAgentCore(AgentConfig(
             engine_id=engine_id, models=target.models, max_concurrency=settings.max_concurrency,
-            wait_for_runtime=True, capabilities=CAPABILITIES, instance=secrets.token_hex(8)))
+            wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8)))
         super().__init__(EngineAgent(reactor, core, self.runtime,
                                      InProcessLinks(reactor, dispatcher, settings.tenant, self.runtime.root),
                                      grace=settings.grace))

@@ -260,3 +260,27 @@ def test_runtime_urls_come_from_repeated_flags_or_a_yaml_list_of_strings_and_map
 def test_a_runtime_option_that_cannot_work_is_refused_with_the_option_named(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(values, {})
+def test_workers_default_to_the_cores_the_process_may_use_within_its_cgroup_quota(tmp_path):
+    """--workers: given, it is taken (1 to 256); not given, the CPU affinity, capped by cgroup v2's
+    cpu.max quota (a container limited to 1.5 CPUs on a larger node gets 2, never more than its cores)."""
+    import os
+
+    from infx.config import ConfigError, build_config, usable_cores, worker_count
+
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cores(str(tmp_path / "absent")) == cores
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == cores
+    cpu_max.write_text("150000 100000\n")
+    assert usable_cores(str(cpu_max)) == min(cores, 2)
+    cpu_max.write_text("10000 100000\n")
+    assert usable_cores(str(cpu_max)) == 1
+    assert worker_count(build_config({}, {"workers": "3"})) == 3
+    assert worker_count(build_config({"workers": 1}, {})) == 1
+    assert 1 <= worker_count(build_config({}, {})) <= cores
+    for bad in ("0", "257", "two"):
+        with pytest.raises(ConfigError, match="--workers"):
+            build_config({}, {"workers": bad})
+    with pytest.raises(ConfigError, match="--http-server"):
+        build_config({}, {"http_server": "nginx"})

@@ -26,7 +26,12 @@ In front of each runtime, the targets (``--targets``):
 
 and once, with no runtime, ``builtin``: ``twistd infx --echo-models``
 (the built-in echo engine inside the gateway's process; its ratios are to
-``direct-echo``, whose answers it matches). The peers (LiteLLM and the
+``direct-echo``, whose answers it matches), and ``workers``: the same with
+``--workers 2`` (each worker serves from its own built-in engine, as each
+serves runtimes by URL itself; every process's CPU is counted, the
+supervisor's too), and ``twistedweb``: ``builtin`` served by twisted.web's
+server (``--http-server twisted``) instead of the httptools one, to compare
+the two. Every other infx target runs ``--workers 1``. The peers (LiteLLM and the
 routers) are pinned releases installed on first use into ignored venvs by
 ``peers.py``, which documents their command lines; they run only when
 named in ``--targets``.
@@ -102,8 +107,12 @@ KINDS = {
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
     "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
+    "workers": "twistd infx --workers 2 --echo-models (a built-in echo engine in each worker, no runtime)",
+    "twistedweb": "twistd infx --echo-models --http-server twisted (builtin, served by twisted.web's server)",
 }
 DEFAULT_KINDS = ("direct", "agent", "url", "builtin")
+#: Targets with no runtime behind them (compared with ``direct-echo``).
+RUNTIMELESS = ("builtin", "workers", "twistedweb")
 ROUTER_KINDS = ("sglang", "vllm")
 
 
@@ -173,9 +182,12 @@ class RuntimeServer(Child):
         self.url = f"http://127.0.0.1:{self.port}"
 
 
-def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, tree: Path = ROOT) -> Child:
-    """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s)."""
-    log = logs / f"{name}.twistd.log"
+def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, tree: Path = ROOT,
+           log_to_stdout: bool = False) -> Child:
+    """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s). ``log_to_stdout``:
+    twistd logs to its standard output (the Child's log file), as in a container; there a
+    supervisor's workers write their own lines (docs/workers.md)."""
+    log = "-" if log_to_stdout else logs / f"{name}.twistd.log"
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
@@ -184,11 +196,28 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
 
 
-def gateway_args(http: int, worker: int) -> list[str]:
+def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
     # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
+    # With workers, each has its own internal port (the next ones): the kernel picks them here.
+    internal = free_port() if workers == 1 else 0
     return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-            "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
+            "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
+            "--workers", str(workers)]
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a supervisor's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
 
 
 class Processes:
@@ -241,8 +270,29 @@ class Processes:
             self.children.append(gateway)
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
+        if "twistedweb" in kinds:
+            http = free_port()
+            gateway = twistd("gateway-twistedweb", [*gateway_args(http, free_port()), "--http-server", "twisted",
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+            self.children.append(gateway)
+            waits.append((http, [gateway]))
+            self._add("twistedweb", None, http, gateway.process.pid)
+        supervisor = None
+        if "workers" in kinds:
+            http = free_port()
+            supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile,
+                                log_to_stdout=True)
+            self.children.append(supervisor)
+            waits.append((http, [supervisor]))
         for port, children in waits:
             wait_for_model(port, MODEL, children)
+        if supervisor is not None:
+            workers = children_of(supervisor.process.pid)
+            if len(workers) != 2:
+                raise BenchError(f"--workers 2 runs {len(workers)} workers: {supervisor.log_tail()}")
+            # Watched CPU counts a process's children: the supervisor's pid covers its workers.
+            self._add("workers", None, http, supervisor.process.pid)
         starters: dict[str, Callable[[RuntimeServer], Peer]] = {
             "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
             "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),
@@ -523,8 +573,8 @@ def main(argv: list[str]) -> int:
     else:
         options.baseline = options.baseline.resolve()
         kinds = kinds if "base" in kinds else [*kinds, "base"]
-    target_names = [target_name(kind, None if kind == "builtin" else runtime)
-                    for kind in kinds for runtime in (runtimes if kind != "builtin" else [None])]
+    target_names = [target_name(kind, None if kind in RUNTIMELESS else runtime)
+                    for kind in kinds for runtime in (runtimes if kind not in RUNTIMELESS else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
     if options.cases:
         wanted = options.cases.split(",")
