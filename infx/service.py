@@ -24,6 +24,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+import infx
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
@@ -248,7 +249,8 @@ class GatewayService(service.MultiService):
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
         core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
-                                           models=self.config.echo_models, instance=secrets.token_hex(8)))
+                                           models=self.config.echo_models, instance=secrets.token_hex(8),
+                                           runtime_kind="echo", agent_version=infx.__version__))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         return EngineAgent(self.reactor, core, runtime, connect,
                            key=key, grace=self.config.grace_period)

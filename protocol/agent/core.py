@@ -116,6 +116,10 @@ class AgentConfig:
     sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
     tells this process reconnecting from another process given the same
     ``engine_id`` (which it refuses).
+    ``runtime_kind`` and ``agent_version``: what ``EngineStatus.infx_runtime``
+    says runs behind this engine (for operators; the kind gives way to the
+    runtime's own name once its load or :meth:`EngineAgentCore.runtime_identified`
+    tells it); both empty: no ``infx_runtime``.
     """
 
     engine_id: str
@@ -133,6 +137,8 @@ class AgentConfig:
     capabilities: tuple[str, ...] = ()
     wait_for_runtime: bool = False
     instance: str = ""
+    runtime_kind: str = ""
+    agent_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -317,6 +323,8 @@ class EngineAgentCore:
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
         self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
+        # (kind, version) the runtime told of itself ("" while unknown).
+        self._runtime_identity: tuple[str, str] = ("", "")
         #: The last status built and what it was built from: asked for on every input, it
         #: changes only when a count, the state or the runtime does.
         self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
@@ -388,6 +396,11 @@ class EngineAgentCore:
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
                 model.runtime_load.CopyFrom(self._runtime_load)
+        if self.config.runtime_kind or self.config.agent_version:
+            kind = (self._runtime_identity[0] or (self._runtime_load.source if self._runtime_load is not None else "")
+                    or self.config.runtime_kind)
+            status.infx_runtime.CopyFrom(status_pb2.EngineStatus.RuntimeInfo(
+                kind=kind, version=self._runtime_identity[1], agent_version=self.config.agent_version))
         self._status_cache = (key, status)
         return status
 
@@ -427,6 +440,16 @@ class EngineAgentCore:
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
         self._runtime_ready = ready
         self._runtime_models = models
+        self._status_cache = None
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def runtime_identified(self, kind: str, version: str, now: float) -> list[Effect]:
+        """The runtime said what it is and its version (either may be ""): the gateway is told."""
+        if (kind, version) == self._runtime_identity:
+            return []
+        self._runtime_identity = (kind, version)
         self._status_cache = None
         effects: list[Effect] = []
         self._report(now, effects)
