@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 from twisted.application import service
+from twisted.application.internet import TimerService
 from twisted.internet import defer
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.defer import Deferred
@@ -26,6 +27,7 @@ from twisted.python.failure import Failure
 
 import infx
 from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
+from infx.gateway.cluster_status import ClusterStatus, RequestJournal, StatusSources
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
@@ -196,7 +198,37 @@ class GatewayService(service.MultiService):
         self.metrics.watch_route_queues(lambda: [("engine", stream.queued_bytes) for stream in self.workers.streams]
                                         + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
         self.scaler: Any = self._build_scaler() if config.scaler else None
+        self._build_cluster_status(routing.policy.value)
         self._start_all_or_nothing()
+
+    # --- what operators see (infx/gateway/cluster_status.py, infx/http/admin.py) -------
+
+    def _build_cluster_status(self, routing_policy: str) -> None:
+        """The /admin/status document and the records it reads: every request that ends is
+        journalled, and the routing decisions are sampled into the timeline once a bucket."""
+        journal = RequestJournal()
+        gateway = self.gateway
+        self.cluster_status = ClusterStatus(self.reactor, StatusSources(
+            core=self.dispatcher.core,
+            gateway_of=self.dispatcher.gateway_of,
+            journal=journal,
+            version=infx.__version__,
+            started_at=self.reactor.seconds(),
+            address=lambda: _address(self.internal_grpc.port) if self.internal_grpc.port is not None else None,
+            ready=lambda: gateway.ready,
+            draining=lambda: gateway.shutting_down,
+            exchanger=self.exchanger,
+            scaler=self.scaler.scaler.machine if self.scaler is not None else None,
+            can_start=self.dispatcher.can_start,
+            in_flight=lambda: [(call.trace.tenant, call.trace.request_id, call) for call in gateway.active_calls],
+            max_in_flight_per_engine=self.config.max_in_flight_per_engine,
+            routing_policy=routing_policy,
+        ))
+        gateway.journal = journal
+        gateway.cluster_status = self.cluster_status
+        sampler = TimerService(journal.timeline.config.bucket_seconds, self.cluster_status.sample_routing)
+        sampler.clock = self.reactor
+        sampler.setServiceParent(self)
 
     # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 

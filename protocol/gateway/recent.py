@@ -52,8 +52,7 @@ class RequestRecord:
     #: For an error: its OpenAI code or type, and what broke in the words of the layer that saw it.
     error: str = ""
     detail: str = ""
-    #: This gateway, the gateway whose engine served it (this one or a peer), and that engine's id.
-    gateway: str = ""
+    #: The gateway whose engine served it (this one or a peer), and that engine's id there.
     served_by: str = ""
     engine_id: str = ""
     #: Sends to an engine after a failed one.

@@ -12,10 +12,9 @@ def record(request_id, status=200, tenant="t", error="", ended_at=1.0, **fields)
 
 def test_a_request_is_found_by_its_id_with_its_route():
     recent = RecentRequests()
-    recent.add(record("r1", gateway="gw-a", served_by="gw-b", engine_id="gpu-0@gw-b", retries=1, queued_seconds=0.2))
+    recent.add(record("r1", served_by="gw-b", engine_id="gpu-0@gw-b", retries=1, queued_seconds=0.2))
     found = recent.find("r1")
-    assert (found.gateway, found.served_by, found.engine_id, found.retries, found.queued_seconds) == \
-        ("gw-a", "gw-b", "gpu-0@gw-b", 1, 0.2)
+    assert (found.served_by, found.engine_id, found.retries, found.queued_seconds) == ("gw-b", "gpu-0@gw-b", 1, 0.2)
     assert recent.find("unknown") is None
 
 
