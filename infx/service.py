@@ -226,6 +226,11 @@ class GatewayService(service.MultiService):
         ))
         gateway.journal = journal
         gateway.cluster_status = self.cluster_status
+        self.metrics.watch_routing(self.processor.routing_decisions, self.dispatcher.model_label)
+        exchanger = self.exchanger
+        self.metrics.watch_status_traffic(lambda: [
+            *((peer, "in", t.reports_received, t.bytes_received) for peer, t in exchanger.reports_received.items()),
+            *((peer, "out", t.reports_sent, t.bytes_sent) for peer, t in exchanger.reports_sent.items())])
         sampler = TimerService(journal.timeline.config.bucket_seconds, self.cluster_status.sample_routing)
         sampler.clock = self.reactor
         sampler.setServiceParent(self)
