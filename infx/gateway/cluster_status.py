@@ -54,6 +54,8 @@ class RequestJournal:
     def ended(self, record: RequestRecord, model_label: str) -> None:
         """A request ended; ``model_label`` is its model as the metrics label it (bounded)."""
         self.recent.add(record)
+        if not record.model:
+            return  # refused before it named a model (no key, a bad body): no model's chart to count in
         self.timeline.request_ended(record.tenant or "-", model_label, record.status, record.first_token_seconds,
                                     record.tokens_in, record.tokens_out, record.ended_at)
 
