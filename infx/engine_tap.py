@@ -273,6 +273,7 @@ def makeService(options: Options) -> IService:
     agent.setServiceParent(top)
     if watch is not None:
         watch.changed = agent.runtime_changed
+        watch.identified = agent.runtime_identified
         watch.setServiceParent(top)
     if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
         scrapes = scrape_pool(reactor)
