@@ -154,6 +154,14 @@ def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(tmp_path: Path):
                              EchoRuntime(reactor, EchoConfig()), connect)
         engine.startService()
         assert (yield waiting) == "cold"
+
+        def cold_start_timed() -> bool:
+            return any(sample.name == "infx_scaler_cold_start_seconds_count" and sample.value
+                       for family in a.registry.collect() for sample in family.samples)
+
+        # The scaler times the cold start when it hears the model is served, which may come just after
+        # the held request's answer.
+        yield poll(cold_start_timed, "the cold start to be timed")
         yield poll(lambda: a.scaler.scaler.machine.desired(next(iter(a.scaler.scaler.machine.deployments())))
                    is not None, "the autoscaler's first tick")
         scraped = yield threads.deferToThread(
