@@ -73,12 +73,13 @@ class RecentRequests:
 
     def __init__(self, config: RecentConfig | None = None) -> None:
         self.config = config or RecentConfig()
-        self._ring: deque[RequestRecord] = deque()
-        self._failures: deque[RequestRecord] = deque()
-        # The newest record of each id still in either ring, and how many rings hold each record
-        # (by ``id()``: a record is alive while a ring holds it).
-        self._by_id: dict[str, RequestRecord] = {}
-        self._holders: Counter[int] = Counter()
+        # (sequence, record), oldest first: every record is numbered as it comes, so that which ring
+        # still holds a record is one comparison with the oldest number each ring holds.
+        self._ring: deque[tuple[int, RequestRecord]] = deque()
+        self._failures: deque[tuple[int, RequestRecord]] = deque()
+        self._sequence = 0
+        # The newest record of each id still in either ring, with its number.
+        self._by_id: dict[str, tuple[int, RequestRecord]] = {}
         #: Requests refused by their key's rate limit since start, per tenant.
         self.rate_limited: Counter[str] = Counter()
 
@@ -89,35 +90,38 @@ class RecentRequests:
         """``record``'s request ended: remember it, forgetting the oldest beyond the bounds."""
         if record.error == RATE_LIMITED:
             self.rate_limited[record.tenant] += 1
-        self._push(self._ring, record, self.config.requests)
-        if record.failed:
-            self._push(self._failures, record, self.config.failures)
+        self._sequence += 1
+        entry = (self._sequence, record)
         if record.request_id:
-            self._by_id[record.request_id] = record
+            self._by_id[record.request_id] = entry
+        self._ring.append(entry)
+        if len(self._ring) > self.config.requests:
+            self._forget(self._ring.popleft(), self._failures)
+        if record.failed:
+            self._failures.append(entry)
+            if len(self._failures) > self.config.failures:
+                self._forget(self._failures.popleft(), self._ring)
 
-    def _push(self, ring: deque[RequestRecord], record: RequestRecord, bound: int) -> None:
-        ring.append(record)
-        self._holders[id(record)] += 1
-        while len(ring) > bound:
-            old = ring.popleft()
-            self._holders[id(old)] -= 1
-            if self._holders[id(old)] > 0:
-                continue  # a failure still in the other ring
-            del self._holders[id(old)]
-            if self._by_id.get(old.request_id) is old:
-                del self._by_id[old.request_id]
+    def _forget(self, entry: tuple[int, RequestRecord], other: deque[tuple[int, RequestRecord]]) -> None:
+        """``entry`` left one ring: its id is forgotten unless the other ring still holds it (every
+        entry of a ring from its oldest on is still there) or a newer record took the id."""
+        sequence, record = entry
+        if other and other[0][0] <= sequence and (other is self._ring or record.failed):
+            return
+        if self._by_id.get(record.request_id) is entry:
+            del self._by_id[record.request_id]
 
     def find(self, request_id: str, tenant: str | None = None) -> RequestRecord | None:
         """The newest request of that id still remembered; with ``tenant``, only that tenant's."""
-        record = self._by_id.get(request_id)
-        if record is None or (tenant is not None and record.tenant != tenant):
+        entry = self._by_id.get(request_id)
+        if entry is None or (tenant is not None and entry[1].tenant != tenant):
             return None
-        return record
+        return entry[1]
 
     def failures(self, tenant: str | None = None, limit: int | None = None) -> list[RequestRecord]:
         """The last failures, newest first; with ``tenant``, that tenant's alone."""
         out: list[RequestRecord] = []
-        for record in reversed(self._failures):
+        for _, record in reversed(self._failures):
             if tenant is None or record.tenant == tenant:
                 out.append(record)
                 if limit is not None and len(out) >= limit:

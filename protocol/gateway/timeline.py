@@ -133,7 +133,7 @@ class Timeline:
 
 
 def _rate(count: int, width: float) -> float:
-    return round(count / width, 3)
+    return round(count / width, 3) if count else 0.0
 
 
 def _quantile(histogram: list[int], q: float) -> float | None:

@@ -69,9 +69,10 @@ def main() -> None:
     processor = build(args.engines, args.tenants, args.models, args.waiting)
     core = GatewayCore(processor, CoreConfig(pod_name="gw-a"), random.Random(1))
     journal = RequestJournal()
+    ended = [(record(n, rng), f"m{n % 30}") for n in range(args.requests)]
     started = time.perf_counter()
-    for n in range(args.requests):
-        journal.ended(record(n, rng), f"m{n % 30}")
+    for one, label in ended:
+        journal.ended(one, label)
     per_request_us = (time.perf_counter() - started) / args.requests * 1e6
     clock = Clock()
     clock.advance(args.requests * 0.01 + 1)
