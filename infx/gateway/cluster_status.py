@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -71,14 +71,6 @@ class RequestJournal:
         for (tenant, model), counts in grown.items():
             self.timeline.routed(tenant, model, counts, now)
         self.timeline.forget_idle(now)
-
-
-class InFlight(Protocol):
-    """A request being served now, as the HTTP API holds it (``infx.http.api.ApiCall``)."""
-
-    started_at: float
-    endpoint: str
-    model: str
 
 
 @dataclass
