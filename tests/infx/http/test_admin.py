@@ -24,11 +24,13 @@ keys:
 """
 
 
-@pytest.fixture
-def gateway(tmp_path: Path):
+@pytest.fixture(params=["httptools", "twisted"])
+def gateway(tmp_path: Path, request: pytest.FixtureRequest):
+    """A gateway on either of its HTTP servers: the operator's view reads the same request from both."""
     keys = tmp_path / "keys.yaml"
     keys.write_text(KEYS)
-    config = build_config({}, {"http": "tcp:0:interface=127.0.0.1", "worker_grpc": "tcp:0:interface=127.0.0.1",
+    config = build_config({}, {"http_server": request.param,
+                               "http": "tcp:0:interface=127.0.0.1", "worker_grpc": "tcp:0:interface=127.0.0.1",
                                "internal_grpc": "tcp:0:interface=127.0.0.1", "echo_models": "echo",
                                "echo_tenant": "team-a", "api_keys": str(keys)})
     service = GatewayService(reactor, config, pod_name="gw-test")
