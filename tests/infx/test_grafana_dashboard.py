@@ -21,7 +21,7 @@ from twisted.internet import defer, reactor, task, threads
 
 from harness.kubeapi import FakeKubeAPI, write_kubeconfig
 from harness.twistd_processes import free_port
-from infx.agent.engine import EngineAgent
+from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
 from infx.tap import Options
@@ -151,7 +151,7 @@ def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(tmp_path: Path):
                                GrpcConfig(client_side=True))
 
         engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="llama-0", models=("llama",))),
-                             EchoRuntime(reactor, EchoConfig()), connect)
+                             EchoRuntime(reactor, EchoConfig()), GrpcLinks(reactor, connect))
         engine.startService()
         assert (yield waiting) == "cold"
 
