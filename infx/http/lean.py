@@ -46,6 +46,7 @@ from zope.interface import implementer
 from infx.http.site import (
     DEFAULT_MAX_BODY_SIZE, MAX_PIPELINED_REQUESTS, REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS, RefusalHook,
 )
+from infx.transport.writes import write_buffers
 from protocol.openai.errors import error_json, reason_phrase
 
 __all__ = ["LeanRequest", "LeanSite"]
@@ -146,12 +147,14 @@ class LeanRequest:
             raise RuntimeError("Request.write called on a request after Request.finish was called.")
         if self._disconnected or self.channel is None:
             return
-        if not self.startedWriting:
-            self._write_head()
+        out = [] if self.startedWriting else [self._head()]
         if data and not self._no_body:
-            self.channel.write_body(data, self._chunked)
+            out += (b"%x\r\n" % len(data), data, b"\r\n") if self._chunked else (data,)
+        if out:
+            self.channel.send(out)
 
-    def _write_head(self) -> None:
+    def _head(self) -> bytes:
+        """The status line and headers: they leave with the first body bytes, in one write."""
         self.startedWriting = True
         headers = self.responseHeaders
         length = headers.getRawHeaders(b"content-length")
@@ -163,8 +166,12 @@ class LeanRequest:
             headers.setRawHeaders(b"transfer-encoding", [b"chunked"])
             self._chunked = True
         self._no_body = self.method == b"HEAD" or self.code in _NO_BODY_CODES
-        assert self.channel is not None
-        self.channel.write_head(self.clientproto, self.code, self.code_message, headers)
+        parts = [self.clientproto, b" %d " % self.code, self.code_message, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
 
     def finish(self) -> None:
         if self._disconnected or self.channel is None:
@@ -176,7 +183,7 @@ class LeanRequest:
         self.finished = True
         channel = self.channel
         if self._chunked:
-            channel.write_body(b"", True, last=True)
+            channel.send([b"0\r\n\r\n"])
         notifications, self._notifications = self._notifications, []
         for d in notifications:
             d.callback(None)
@@ -315,6 +322,11 @@ class LeanChannel(protocol.Protocol):
     # --- bytes in -------------------------------------------------------------------------
 
     def connectionMade(self) -> None:
+        # An answer's bytes go out as they are made (send): a chunked answer's last chunk, a
+        # separate small write, must not wait for the client's delayed ACK (Nagle, 40 ms).
+        set_no_delay = getattr(self.transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
         self.transport.registerProducer(self, True)
 
     def dataReceived(self, data: bytes) -> None:
@@ -486,21 +498,11 @@ class LeanChannel(protocol.Protocol):
 
     # --- bytes out --------------------------------------------------------------------------
 
-    def write_head(self, version: bytes, code: int, reason: bytes, headers: Headers) -> None:
-        parts = [version, b" %d " % code, reason, b"\r\n"]
-        for name, values in headers.getAllRawHeaders():
-            for value in values:
-                parts += (name, b": ", value, b"\r\n")
-        parts.append(b"\r\n")
-        self.transport.write(b"".join(parts))
-
-    def write_body(self, data: bytes, chunked: bool, last: bool = False) -> None:
-        if last:
-            self.transport.write(b"0\r\n\r\n")
-        elif chunked:
-            self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            self.transport.write(data)
+    def send(self, buffers: list[bytes]) -> None:
+        """Bytes of the answer, to the socket at once when nothing waits in Twisted's buffer: an
+        answer leaves in the reactor turn that made it, in one ``sendmsg``, rather than after
+        another poll (and the two ``epoll_ctl`` calls that arm and disarm it)."""
+        write_buffers(self.transport, buffers)
 
     def request_producer(self, producer: Any) -> None:
         self._producer = producer
