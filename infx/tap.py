@@ -186,6 +186,7 @@ def makeService(options: Options) -> IService:
 
     from infx.cli import ExitIfCannotListen
     from infx.service import build_gateway
+    from infx.text_log import TextLog
 
     from infx.config import worker_count
 
@@ -198,8 +199,8 @@ def makeService(options: Options) -> IService:
         log_text = (twistd is None or (not daemon and twistd.get("logfile") in (None, "-")
                                        and not twistd.get("logger") and not twistd.get("syslog")))
         return service_or_exit("infx", lambda: supervisor(reactor, config, workers, daemon, log_text))
-    return service_or_exit("infx", lambda: ExitIfCannotListen(
-        reactor, build_gateway(reactor, config), daemon=daemon))
+    return service_or_exit("infx", lambda: TextLog(ExitIfCannotListen(
+        reactor, build_gateway(reactor, config), daemon=daemon), twistd))
 
 
 def supervisor(reactor: Any, config: GatewayConfig, workers: int, daemon: bool, log_text: bool) -> IService:
