@@ -80,8 +80,12 @@ def _digest(data: bytes, key: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, key=key).digest(), "big")
 
 
+#: ``json.dumps`` with these arguments builds an encoder per call; one, made once, writes the same text.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "replace")
+    return _CANONICAL.encode(value).encode("utf-8", "replace")
 
 
 def _chain(model: bytes, text: bytes, config: HintsConfig) -> tuple[int, ...]:

@@ -98,3 +98,13 @@ def test_any_json_object_gives_hints_or_none_and_never_raises(endpoint, body):
     if hints is not None:
         assert len(hints.blocks) <= HintsConfig().max_blocks
         assert 0 <= hints.home < 2**64
+
+
+def test_the_canonical_text_is_json_dumps_with_sorted_keys_compact_and_unescaped():
+    # Every gateway (of any version) must cut the same prompt into the same blocks.
+    from protocol.routing.hints import _canonical
+
+    for value in ({"role": "user", "content": "héllo \u2028 \"q\" \\ \x01", "name": None},
+                  {"b": [1, 2.5, 1e-05, True], "a": {"z": "ü", "y": [{"t": "x"}]}}, "plain", 3, ["é", {}]):
+        assert _canonical(value) == json.dumps(value, sort_keys=True, separators=(",", ":"),
+                                               ensure_ascii=False).encode("utf-8", "replace")
