@@ -160,7 +160,10 @@ class ProcessorRouting(ProcessorSlots):
             wire.request.ClearField("infx_caller")
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
-        effects.append(SendTask(engine.route, engine.key, wire, self._router.take_choice(engine.key)))
+        choice = self._router.take_choice(engine.key)
+        if choice is None and task.target and self.config.routing.explain:
+            choice = RouteChoice(engine.key, "targeted", "named by the gateway that forwarded it")
+        effects.append(SendTask(engine.route, engine.key, wire, choice))
 
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id

@@ -289,7 +289,8 @@ class RouteChoice:
     """Why ``engine`` was chosen for a task: read by traces, never by routing.
 
     ``reason`` names what won: ``in turn`` (round robin), ``fewest in flight`` (least in
-    progress, or a task without routing hints), or for affinity what the engine had among
+    progress, or a task without routing hints), the forwarding gateway's choice (policy
+    ``targeted``: a peer's task runs on the engine it names), or for affinity what the engine had among
     ``home``, ``prefix``, ``session``, ``adapter`` (else ``load``: only its load set it apart),
     with ``fallback`` when only engines that had failed the task could take it. ``score`` is
     its affinity score among ``candidates`` scored; ``prefix_blocks`` of the request's
