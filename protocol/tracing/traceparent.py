@@ -108,8 +108,8 @@ def parse_tracestate(values: Sequence[str]) -> tuple[tuple[str, str], ...] | Non
                 return None
             seen.add(key)
             members.append((key, text))
-    if len(members) > MAX_TRACESTATE_MEMBERS:
-        return None
+            if len(members) > MAX_TRACESTATE_MEMBERS:
+                return None  # at once: a huge header costs no more than 33 members
     return tuple(members)
 
 
