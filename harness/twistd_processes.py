@@ -259,7 +259,11 @@ class Engine:
         # The key travels in the environment, as the option's help recommends.
         child_env = {"INFX_ENGINE_KEY": key} if key else {}
         self.child = TwistdChild(f"engine-{engine_id}", args, log_dir, {**child_env, **(env or {})})
-        gateway.wait_for_engine(engine_id, tenant, [self.child], models_ready=models_ready)
+        try:
+            gateway.wait_for_engine(engine_id, tenant, [self.child], models_ready=models_ready)
+        except BaseException:
+            self.child.stop()  # the caller never gets this object to stop: no process outlives the test
+            raise
 
     def stop(self) -> None:
         self.child.stop()

@@ -29,6 +29,7 @@ from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred
 from twisted.python import usage
 
+import infx
 from infx.cli import VersionOption, one_line_errors
 from protocol.agent.core import AgentConfig, AgentUsageError
 from protocol.agent.echo import EchoConfig
@@ -174,7 +175,7 @@ class Options(VersionOption, usage.Options):
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
-                instance=secrets.token_hex(8),
+                instance=secrets.token_hex(8), runtime_kind=self["runtime"], agent_version=infx.__version__,
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
             self["load-config"] = None
@@ -299,6 +300,7 @@ def makeService(options: Options) -> IService:
                         GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
     if watch is not None:
         watch.changed = agent.runtime_changed
+        watch.identified = agent.runtime_identified
         used.append(watch)
     if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
         scrapes = scrape_pool(reactor)

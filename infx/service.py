@@ -18,15 +18,18 @@ from typing import Any, Callable, Mapping
 
 from prometheus_client import CollectorRegistry
 from twisted.application import service
+from twisted.application.internet import TimerService
 from twisted.internet import defer
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+import infx
 from infx.config import (
     ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config, runtime_targets, tracing_config,
 )
+from infx.gateway.cluster_status import ClusterStatus, RequestJournal, StatusSources
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
@@ -214,6 +217,7 @@ class GatewayService(service.MultiService):
         self.metrics.watch_route_queues(lambda: [("engine", stream.queued_bytes) for stream in self.workers.streams]
                                         + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
         self.scaler: Any = self._build_scaler() if config.scaler else None
+        self._build_cluster_status(routing.policy.value)
         self._start_all_or_nothing()
 
     def _start_tracing(self) -> Any:
@@ -236,6 +240,39 @@ class GatewayService(service.MultiService):
                             on_refused=self.gateway.refused_early, reactor=self.reactor)
         return GatewaySite(self.http_resource, max_body_size=config.max_body_size,
                            on_refused=self.gateway.refused_early)
+    # --- what operators see (infx/gateway/cluster_status.py, infx/http/admin.py) -------
+
+    def _build_cluster_status(self, routing_policy: str) -> None:
+        """The /admin/status document and the records it reads: every request that ends is
+        journalled, and the routing decisions are sampled into the timeline once a bucket."""
+        journal = RequestJournal()
+        gateway = self.gateway
+        self.cluster_status = ClusterStatus(self.reactor, StatusSources(
+            core=self.dispatcher.core,
+            gateway_of=self.dispatcher.gateway_of,
+            journal=journal,
+            version=infx.__version__,
+            started_at=self.reactor.seconds(),
+            address=lambda: _address(self.internal_grpc.port) if self.internal_grpc.port is not None else None,
+            ready=lambda: gateway.ready,
+            draining=lambda: gateway.shutting_down,
+            exchanger=self.exchanger,
+            scaler=self.scaler.scaler.machine if self.scaler is not None else None,
+            can_start=self.dispatcher.can_start,
+            in_flight=lambda: [(call.trace.tenant, call.trace.request_id, call) for call in gateway.active_calls],
+            max_in_flight_per_engine=self.config.max_in_flight_per_engine,
+            routing_policy=routing_policy,
+        ))
+        gateway.journal = journal
+        gateway.cluster_status = self.cluster_status
+        self.metrics.watch_routing(self.processor.routing_decisions, self.dispatcher.model_label)
+        exchanger = self.exchanger
+        self.metrics.watch_status_traffic(lambda: [
+            *((peer, "in", t.reports_received, t.bytes_received) for peer, t in exchanger.reports_received.items()),
+            *((peer, "out", t.reports_sent, t.bytes_sent) for peer, t in exchanger.reports_sent.items())])
+        sampler = TimerService(journal.timeline.config.bucket_seconds, self.cluster_status.sample_routing)
+        sampler.clock = self.reactor
+        sampler.setServiceParent(self)
 
     # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 
@@ -293,7 +330,8 @@ class GatewayService(service.MultiService):
         # Every worker runs one: a sibling's is not this worker's to serve (protocol/supervisor/siblings.py).
         capabilities = (IN_EVERY_WORKER,) if self.role is not None else ()
         core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name), models=self.config.echo_models,
-                                           instance=secrets.token_hex(8), capabilities=capabilities))
+                                           instance=secrets.token_hex(8), capabilities=capabilities,
+                                           runtime_kind="echo", agent_version=infx.__version__))
         runtime: Any = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
         if self.tracing is not None:
             from infx.tracing.runtime import TracedRuntime

@@ -178,6 +178,10 @@ class EngineAgent(Service):
         """The runtime's health check changed its verdict (:mod:`infx.agent.runtime_watch`)."""
         self._run(self.core.runtime_changed(ready, models, self.clock.seconds()))
 
+    def runtime_identified(self, kind: str, version: str) -> None:
+        """The runtime said what it is (:mod:`protocol.agent.runtime_identity`)."""
+        self._run(self.core.runtime_identified(kind, version, self.clock.seconds()))
+
     def runtime_load_changed(self, load: RuntimeLoad | None) -> None:
         """The runtime's own load changed enough to report (:mod:`infx.agent.runtime_load_watch`)."""
         self._run(self.core.runtime_load_changed(None if load is None else load.to_pb(), self.clock.seconds()))

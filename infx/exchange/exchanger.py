@@ -93,6 +93,7 @@ __all__ = [
     "Exchanger",
     "ExchangerConfig",
     "PeerStream",
+    "StatusTraffic",
 ]
 
 log = Logger(namespace="infx.exchanger")
@@ -127,6 +128,18 @@ class ExchangerConfig:
     siblings: frozenset[str] = frozenset()
 
 
+@dataclass
+class StatusTraffic:
+    """Status reports exchanged with one peer since start (``ServerStatus`` messages and their
+    encoded bytes), and when its last report arrived (on the gateway's clock), for operators."""
+
+    reports_sent: int = 0
+    bytes_sent: int = 0
+    reports_received: int = 0
+    bytes_received: int = 0
+    last_report_at: float | None = None
+
+
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
 Connect = Callable[[PeerAddress], GrpcChannel]
 
@@ -145,8 +158,9 @@ class PeerStream:
     def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None,
                  max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
-        #: The peer's pod name, from its first report.
+        #: The peer's pod name, from its first report; whether its reports say it is draining.
         self.pod_name = ""
+        self.draining = False
         self.closed = False
         #: The read of :meth:`read_each`, and whether a message of it is being handled now.
         self._reading: Deferred[None] | None = None
@@ -324,6 +338,10 @@ class Exchanger:
         self._failures: dict[str, RepeatSuppressor] = {}
         #: A peer with the wrong secret redials forever: its refusal is logged once per host, then counted.
         self._refusals = RepeatSuppressor()
+        #: Status reports read from each peer, by the pod its reports name, and sent to each peer
+        #: we dial, by the name we dial it under (``DialledPeer.name``).
+        self.reports_received: dict[str, StatusTraffic] = {}
+        self.reports_sent: dict[str, StatusTraffic] = {}
 
     @property
     def receivers(self) -> Mapping[str, DialledPeer]:
@@ -422,6 +440,10 @@ class Exchanger:
             dialled = self.dials.get(effect.dial)
             if dialled is not None:
                 dialled.send(effect.message)
+                if effect.message.WhichOneof("message") == "server_status":
+                    sent = self.reports_sent.setdefault(effect.dial.name, StatusTraffic())
+                    sent.reports_sent += 1
+                    sent.bytes_sent += effect.message.ByteSize()
         elif isinstance(effect, HalfCloseDial):
             dialled = self.dials.get(effect.dial)
             if dialled is not None:
@@ -448,6 +470,8 @@ class Exchanger:
                      "back at: its engines serve here, this gateway's do not serve there; list it in --peers",
                      pod=effect.pod_name, event="peer_one_way")
         elif isinstance(effect, PeerDraining):
+            draining: PeerStream = effect.stream  # type: ignore[assignment]
+            draining.draining = True
             log.info("peer {pod} is draining: its engines take no new tasks from here", pod=effect.pod_name or "?",
                      event="peer_draining")
         elif isinstance(effect, PeerDisconnected):
@@ -494,9 +518,13 @@ class Exchanger:
         siblings, copies = self.config.siblings, SiblingCopies()
 
         def on_message(message: internal_pb2.ProcessTasksInternalRequest) -> None:
-            if siblings and message.WhichOneof("message") == "server_status" \
-                    and message.server_status.pod_name in siblings:
-                message = copies.filter(message)
+            if message.WhichOneof("message") == "server_status":
+                read = self.reports_received.setdefault(message.server_status.pod_name, StatusTraffic())
+                read.reports_received += 1
+                read.bytes_received += message.ByteSize()
+                read.last_report_at = self.clock.seconds()
+                if siblings and message.server_status.pod_name in siblings:
+                    message = copies.filter(message)
             self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
 
         try:

@@ -29,6 +29,7 @@ from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.logger import Logger
 from twisted.web.client import Agent
 
+import infx
 from infx.agent.engine import AgentServices, EngineAgent
 from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
@@ -95,7 +96,8 @@ class RuntimeEngine(AgentServices):
         self.runtime = OpenAIRuntime(reactor, client, target.url, credentials=credentials)
         core = EngineAgentCore(AgentConfig(
             engine_id=engine_id, models=target.models, max_concurrency=settings.max_concurrency,
-            wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8)))
+            wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8),
+            runtime_kind="openai", agent_version=infx.__version__))
         runtime: Runtime = self.runtime
         if settings.tracing is not None:
             from infx.tracing.runtime import TracedRuntime
@@ -109,8 +111,10 @@ class RuntimeEngine(AgentServices):
         _Closer(checks.closeCachedConnections).setServiceParent(self)
         health = HealthConfig(interval=settings.health.interval, down_interval=settings.health.down_interval,
                               timeout=settings.health.timeout, list_models=not target.models)
-        RuntimeWatch(reactor, RuntimeHealth(health), Agent(reactor, pool=checks, connectTimeout=5), self.runtime,
-                     self.agent.runtime_changed).setServiceParent(self)
+        watch = RuntimeWatch(reactor, RuntimeHealth(health), Agent(reactor, pool=checks, connectTimeout=5),
+                             self.runtime, self.agent.runtime_changed)
+        watch.identified = self.agent.runtime_identified
+        watch.setServiceParent(self)
         if settings.load is not None:
             scrapes = scrape_pool(reactor)
             _Closer(scrapes.closeCachedConnections).setServiceParent(self)

@@ -43,6 +43,7 @@ from zope.interface import implementer
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability, Submission, TaskHandle, TaskRunner
+from infx.http.admin import AdminTree
 from infx.http.request_log import RequestTrace
 from infx.http.site import DEFAULT_MAX_BODY_SIZE
 from protocol.gateway.ratelimit import RateLimiter
@@ -105,6 +106,11 @@ class Gateway:
         self.listening = False
         self.shutting_down = False
         self.active_calls: set[ApiCall] = set()
+        #: Where each request that ends is recorded for /admin/status (None: nowhere).
+        self.journal: Any = None
+        #: Builds the /admin/status document (:class:`~infx.gateway.cluster_status.ClusterStatus`);
+        #: None: the runner's own dump.
+        self.cluster_status: Any = None
         #: The tracer when tracing is on (:class:`infx.tracing.spans.Tracing`): a span per API request.
         self.tracing: Any = None
 
@@ -135,7 +141,7 @@ class Gateway:
                        detail: str = "") -> None:
         """One refused request's log line and metrics (see :class:`~infx.request_log.RequestTrace`)."""
         now = self.clock.seconds()
-        trace = RequestTrace(self.metrics, endpoint, now)
+        trace = RequestTrace(self.metrics, endpoint, now, self.journal)
         trace.request_id = request_id
         trace.tenant = tenant
         trace.failed(code, detail)
@@ -164,7 +170,7 @@ class ApiCall:
         self.endpoint = endpoint
         self.model = ""
         self.started_at = gateway.clock.seconds()
-        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at)
+        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at, gateway.journal)
         self.transform = transform
         self.handle: TaskHandle | None = None
         self.streaming = False
@@ -550,6 +556,7 @@ ENDPOINTS = {
     b"/v1/embeddings": "embeddings", b"/v1/responses": "responses", b"/v1/tokenize": "tokenize",
     b"/v1/audio/transcriptions": "audio/transcriptions", b"/v1/models": "models", b"/healthz": "healthz",
     b"/readyz": "readyz", b"/metrics": "metrics", b"/admin/status": "admin/status",
+    b"/admin/events": "admin/events",
 }
 
 
@@ -851,23 +858,6 @@ def own_metrics_resource(registry: Any) -> resource.Resource:
     return _OwnMetrics(registry)
 
 
-class _AdminStatus(_Route):
-    isLeaf = True
-    endpoint = "admin/status"
-
-    def render_GET(self, request: server.Request) -> bytes:
-        principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None or not principal.admin:
-            status = 401 if principal is None else 403
-            return self.gateway.refuse(request, self.endpoint, status, "An admin API key is required.",
-                                       code="invalid_api_key" if principal is None else "admin_key_required",
-                                       tenant=principal.tenant if principal is not None else "")
-        request.setHeader("content-type", "application/json")
-        # A tenant's admin sees its tenant; the cluster (every tenant) takes a key with admin: cluster.
-        status = self.gateway.runner.status(None if principal.cluster_admin else principal.tenant)
-        return json.dumps(status, sort_keys=True, default=str).encode()
-
-
 class _NotFound(_Route):
     """Any method on a path the gateway does not serve: an OpenAI-style 404."""
 
@@ -919,7 +909,5 @@ def build_resource(gateway: Gateway, metrics: MetricsSource | None = None) -> re
     root.putChild(b"healthz", _Health(gateway, "healthz", lambda: True))
     root.putChild(b"readyz", _Health(gateway, "readyz", lambda: gateway.ready))
     root.putChild(b"metrics", _Metrics(gateway, metrics))
-    admin = _Tree(gateway)
-    root.putChild(b"admin", admin)
-    admin.putChild(b"status", _AdminStatus(gateway))
+    root.putChild(b"admin", AdminTree(gateway))
     return root

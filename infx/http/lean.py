@@ -33,7 +33,7 @@ import time
 from collections import deque
 from io import BytesIO
 from typing import Any
-from urllib.parse import unquote_to_bytes
+from urllib.parse import parse_qs, unquote_to_bytes
 
 import httptools
 from twisted.internet import defer, interfaces, protocol
@@ -84,8 +84,8 @@ _date = _Date()
 
 class LeanRequest:
     """One request on a :class:`LeanChannel`: what the resource tree reads and calls of
-    twisted.web's ``Request`` (method, uri, path, headers, content; status, headers, write,
-    finish, notifyFinish, a producer; ``channel.transport``)."""
+    twisted.web's ``Request`` (method, uri, path, query arguments, headers, content; status,
+    headers, redirect, write, finish, notifyFinish, a producer; ``channel.transport``)."""
 
     defaultContentType: bytes | None = b"text/html"
 
@@ -116,6 +116,13 @@ class LeanRequest:
 
     # --- what handlers read --------------------------------------------------------------
 
+    @property
+    def args(self) -> dict[bytes, list[bytes]]:
+        """The query's arguments, as twisted.web parses them (blank values kept); parsed when
+        asked, since the API's own calls never read them."""
+        _, _, query = self.uri.partition(b"?")
+        return parse_qs(query, keep_blank_values=True)
+
     def getHeader(self, name: bytes | str) -> bytes | str | None:
         values = self.requestHeaders.getRawHeaders(name)
         return None if values is None else values[-1]
@@ -125,6 +132,11 @@ class LeanRequest:
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         self.code = code
         self.code_message = message if message is not None else http.RESPONSES.get(code, b"Unknown Status")
+
+    def redirect(self, url: bytes) -> None:
+        """Answers 302 to ``url``, as twisted.web's ``Request.redirect``."""
+        self.setResponseCode(http.FOUND)
+        self.setHeader(b"location", url)
 
     def setHeader(self, name: bytes | str, value: bytes | str) -> None:
         self.responseHeaders.setRawHeaders(name, [value])

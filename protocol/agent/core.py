@@ -116,6 +116,10 @@ class AgentConfig:
     sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
     tells this process reconnecting from another process given the same
     ``engine_id`` (which it refuses).
+    ``runtime_kind`` and ``agent_version``: what ``EngineStatus.infx_runtime``
+    says runs behind this engine (for operators; the kind gives way to the
+    runtime's own name once its load or :meth:`EngineAgentCore.runtime_identified`
+    tells it); both empty: no ``infx_runtime``.
     """
 
     engine_id: str
@@ -133,6 +137,8 @@ class AgentConfig:
     capabilities: tuple[str, ...] = ()
     wait_for_runtime: bool = False
     instance: str = ""
+    runtime_kind: str = ""
+    agent_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -316,13 +322,16 @@ class EngineAgentCore:
         self._runtime_models: tuple[str, ...] = ()
         self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
         #: What the status says is counted, not compared: ``_changes`` grows with every change of
-        #: it (a task's count, the state, the runtime, its load), ``_readiness`` with those that
-        #: must reach the gateway at once (which models it may route here). Deciding whether a
-        #: report is due then costs two comparisons of integers per input, and the status is
-        #: built only when one is (at most every ``status_min_interval`` while tasks come and go).
+        #: it (a task's count, the state, the runtime, its load, what the runtime said it is),
+        #: ``_readiness`` with those that must reach the gateway at once (which models it may route
+        #: here). Deciding whether a report is due then costs two comparisons of integers per input,
+        #: and the status is built only when one is (at most every ``status_min_interval`` while
+        #: tasks come and go).
         self._changes = 0
         self._readiness = 0
         self._status_cache: tuple[int, status_pb2.EngineStatus] | None = None
+        # (kind, version) the runtime told of itself ("" while unknown).
+        self._runtime_identity: tuple[str, str] = ("", "")
 
     # -- inspection ---------------------------------------------------------------
 
@@ -389,6 +398,11 @@ class EngineAgentCore:
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
                 model.runtime_load.CopyFrom(self._runtime_load)
+        if self.config.runtime_kind or self.config.agent_version:
+            kind = (self._runtime_identity[0] or (self._runtime_load.source if self._runtime_load is not None else "")
+                    or self.config.runtime_kind)
+            status.infx_runtime.CopyFrom(status_pb2.EngineStatus.RuntimeInfo(
+                kind=kind, version=self._runtime_identity[1], agent_version=self.config.agent_version))
         self._status_cache = (self._changes, status)
         return status
 
@@ -437,6 +451,16 @@ class EngineAgentCore:
             self._runtime_ready = ready
             self._runtime_models = models
             self._changed(readiness=True)
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def runtime_identified(self, kind: str, version: str, now: float) -> list[Effect]:
+        """The runtime said what it is and its version (either may be ""): the gateway is told."""
+        if (kind, version) == self._runtime_identity:
+            return []
+        self._runtime_identity = (kind, version)
+        self._changed()
         effects: list[Effect] = []
         self._report(now, effects)
         return effects

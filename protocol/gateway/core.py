@@ -539,6 +539,18 @@ class GatewayCore:
     def shutting_down(self) -> bool:
         return self._shutting_down
 
+    def models_gone(self, tenant_id: str, now: float) -> list[str]:
+        """The tenant's models no engine lists now that one listed within ``forget_models_after``
+        (their requests are answered 503, see :attr:`Availability.GONE`), sorted."""
+        listed = self.processor.known_models(tenant_id)
+        return sorted(model for (tenant, model), seen in self._recent_models.items()
+                      if tenant == tenant_id and model not in listed and now - seen < self.config.forget_models_after)
+
+    def learning(self, now: float) -> bool:
+        """Whether this gateway is still learning its peers' engines at start-up (a request for a
+        model nobody lists yet waits, see :attr:`Availability.LEARNING`)."""
+        return not self._learned and self._learning_until is not None and now < self._learning_until
+
     def _open(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
         peer.attempts += 1
         peer.accepted = peer.half_closed = False

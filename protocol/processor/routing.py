@@ -141,7 +141,8 @@ class ProcessorRouting(ProcessorSlots):
         task.holds_slot = True
         self._shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
         self._shares_changed(task)
-        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
+        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip,
+                                     forwarded=bool(task.target))
         self._set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,

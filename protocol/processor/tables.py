@@ -32,7 +32,7 @@ from protocol.processor.types import EngineKey, Locality, Origin, ProcessorConfi
 from protocol.routing.hints import RoutingHints
 from protocol.routing.router import Router
 
-__all__ = ["EngineView", "ProcessorCounters", "ProcessorTables", "TaskOutcome", "TaskState"]
+__all__ = ["EngineReport", "EngineView", "ProcessorCounters", "ProcessorTables", "TaskOutcome", "TaskState"]
 
 
 class TaskState(Enum):
@@ -157,6 +157,26 @@ class EngineView:
     locality: Locality
     routable: bool
     in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """One engine as the operator's view shows it: what it reported last (``status``, never
+    to be changed by the reader) and how this processor holds it."""
+
+    key: EngineKey
+    route: Route
+    locality: Locality
+    status: status_pb2.EngineStatus
+    routable: bool
+    draining: bool
+    #: Until when its runtime's busy answer keeps it out of routing (None: not busy).
+    busy_until: float | None
+    #: Tasks on it now, and peers' tasks waiting here for a slot on it.
+    tasks: tuple[str, ...]
+    waiting: tuple[str, ...]
+    #: The load routing counts for it (its tasks, or what it reported, whichever is more).
+    load: int
 
 
 @dataclass
@@ -291,6 +311,27 @@ class ProcessorTables:
         if engine is None:
             return None
         return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
+
+    def engine_reports(self, tenant: str | None = None) -> list[EngineReport]:
+        """Every engine (with ``tenant``, that tenant's), by tenant then name here."""
+        out = []
+        for tenant_id, engines in sorted(self._by_tenant.items()):
+            if tenant is not None and tenant_id != tenant:
+                continue
+            for _, e in sorted(engines.items()):
+                waiting = tuple(t for queue in self._waiting_on.get(e.key, {}).values() for t in queue)
+                out.append(EngineReport(e.key, e.route, e.locality, e.status, e.routable, e.draining, e.busy_until,
+                                        tuple(sorted(e.in_flight)), waiting, self._router.load(e.key)))
+        return out
+
+    def criticality_counts(self) -> dict[tuple[str, str], int]:
+        """Live tasks (waiting or on an engine) per (tenant, criticality)."""
+        return dict(Counter((t.tenant_id, t.criticality.value) for t in self._tasks.values()))
+
+    def routing_decisions(self) -> dict[tuple[str, str, str], int]:
+        """Tasks the routing policy placed since start, per (tenant, model, decision)
+        (:class:`~protocol.routing.router.RoutingDecision`)."""
+        return dict(self._router.decisions)
 
     def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""

@@ -58,7 +58,7 @@ from __future__ import annotations
 import hashlib
 import math
 from bisect import bisect_left
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -71,7 +71,8 @@ from protocol.routing.spills import SpilledTips
 if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
     from protocol.processor.types import EngineKey
 
-__all__ = ["PrefixIndex", "RouteChoice", "Router", "RoutingConfig", "RoutingPolicy", "reported_load"]
+__all__ = ["PrefixIndex", "RouteChoice", "Router", "RoutingConfig", "RoutingDecision", "RoutingPolicy",
+           "reported_load"]
 
 
 class RoutingPolicy(Enum):
@@ -80,6 +81,23 @@ class RoutingPolicy(Enum):
     AFFINITY = "affinity"
     LEAST_IN_PROGRESS = "least_in_progress"
     ROUND_ROBIN = "round_robin"
+
+
+class RoutingDecision(Enum):
+    """How a task this gateway routed was placed, as the operator page and metrics count it.
+
+    The affinity policy's three are exclusive: ``prefix_hit`` (the engine chosen was sent
+    the start of this prompt before, by this gateway or, as a spilled tip, by a peer: its
+    prefix cache likely holds it), else ``home`` (the prompt's ring home), else ``spill``
+    (bounded load moved it off its home, to an engine holding none of it). ``load``: placed
+    by load alone (no hints, or the ``least_in_progress`` or ``round_robin`` policy).
+    A task a peer forwarded was placed by that peer and is not counted here.
+    """
+
+    PREFIX_HIT = "prefix_hit"
+    HOME = "home"
+    SPILL = "spill"
+    LOAD = "load"
 
 
 @dataclass(frozen=True)
@@ -230,6 +248,11 @@ class PrefixIndex:
                 del self._holders[block]
             self.size -= 1
 
+    def holds(self, key: EngineKey, block: int) -> bool:
+        """Whether ``block`` was sent to ``key`` (and is still remembered)."""
+        lru = self._by_engine.get(key)
+        return lru is not None and block in lru
+
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: drop its entries."""
         if key in self._by_engine:
@@ -318,6 +341,8 @@ class Router:
         self._sessions: OrderedDict[tuple[str, str, str], EngineKey] = OrderedDict()
         # Adapter name -> engines that report it loaded.
         self._adapters: dict[str, dict[EngineKey, None]] = {}
+        #: Tasks placed since start per (tenant, model, :class:`RoutingDecision` value).
+        self.decisions: Counter[tuple[str, str, str]] = Counter()
         #: With ``config.explain``: why the last engine was chosen, until taken (:meth:`take_choice`).
         self.last_choice: RouteChoice | None = None
 
@@ -371,17 +396,21 @@ class Router:
         self.index.forget(key)
         self.spills.forget(key)
 
-    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0) -> int:
+    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0,
+                  forwarded: bool = False) -> int:
         """A task was dispatched to ``key``: count it, and remember its prefix and session there.
 
         A prompt routed off its ring home is a spill (:mod:`protocol.routing.spills`): its tip
         is recorded here when ``key`` is local, else returned, to be carried on the forwarded
         task (``TaskRequest.infx_prefix_tip``) to the engine's gateway. ``forwarded_tip`` is
-        such a tip on a task a peer forwarded. Returns the tip to carry, or 0.
+        such a tip on a task a peer forwarded (``forwarded``: a peer placed it, so it is not
+        counted in :attr:`decisions`). Returns the tip to carry, or 0.
         """
         member = self._members.get(key)
         if member is not None:
             self._set_load(member, member.own + 1, member.reported, member.since_report + 1)
+        if not forwarded:
+            self.decisions[(key.tenant_id, model, self._decision(key, model, hints).value)] += 1
         if hints is None or self.config.policy is not RoutingPolicy.AFFINITY:
             if forwarded_tip and member is not None and member.local:
                 self.spills.record(key, model, forwarded_tip)
@@ -401,6 +430,19 @@ class Router:
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
         return carried
+
+    def _decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
+        """How ``key`` was chosen for a prompt (read before the prompt is recorded there)."""
+        if hints is None or self.config.policy is not RoutingPolicy.AFFINITY:
+            return RoutingDecision.LOAD
+        if hints.blocks and (self.index.holds(key, hints.blocks[0]) or key in self.spills.depths(hints.blocks)):
+            return RoutingDecision.PREFIX_HIT
+        pool = self._pools.get((key.tenant_id, model))
+        if pool is None or key not in pool.members:
+            return RoutingDecision.HOME
+        ring = pool.ring if pool.ring is not None else self._build_ring(pool)
+        home = pool.ring_members[bisect_left(ring, hints.home) % len(ring)].key
+        return RoutingDecision.HOME if home == key else RoutingDecision.SPILL
 
     def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
         """Whether another gateway would not send this prompt's next turn to ``key`` by itself:

@@ -15,6 +15,7 @@ to read those reports as sent.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -25,10 +26,11 @@ import grpc
 import pytest
 from openai import OpenAI
 
+import infx
 from harness.gguf_models import write_model
 from harness.llama_server import LlamaCppServer, LoadGate
 from protocol.pb import status_pb2, worker_pb2
-from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, wait_until
+from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, http_get, wait_until
 from tests.support.llama_answers import messages, stable
 
 KEYS = """
@@ -86,6 +88,17 @@ def test_the_agent_serves_the_model_the_server_lists(stack):
     _, gateway = stack
     engine = gateway.engines()["llama-engine"]
     assert [(m["id"], m["ready"]) for m in engine["models"]] == [("tiny", True)]
+
+
+def test_the_gateway_names_the_runtime_and_its_version_as_the_server_states_them(stack):
+    """/admin/status shows the runtime's kind and version: what llama-server's /props says of its build."""
+    llama, gateway = stack
+    code, body = http_get(llama.url + "/props", {"Authorization": f"Bearer {RUNTIME_KEY}"})
+    assert code == 200
+    build = json.loads(body)["build_info"]
+    runtime = wait_until(lambda: (gateway.engines()["llama-engine"].get("runtime") or {}).get("version")
+                         and gateway.engines()["llama-engine"]["runtime"], "the runtime's version", [gateway.child])
+    assert runtime == {"kind": "llama.cpp", "version": build, "agent_version": infx.__version__}
 
 
 @pytest.mark.parametrize("extra", [
