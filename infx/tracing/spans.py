@@ -110,6 +110,8 @@ class Tracing:
             attributes["infx.engine.locality"] = locality.value
         if choice is not None:
             attributes["infx.routing.reason"] = choice.reason
+            if choice.decision:
+                attributes["infx.routing.decision"] = choice.decision
             attributes["infx.routing.candidates"] = choice.candidates
             if choice.score is not None:
                 attributes["infx.routing.score"] = choice.score

@@ -22,7 +22,7 @@ from protocol.processor.fair_share import caller_message
 from protocol.processor.slots import ProcessorSlots
 from protocol.processor.tables import TaskState, _Engine, _Task
 from protocol.processor.types import Effect, Locality, SendTask, TaskQueued
-from protocol.routing.router import RouteChoice, RoutingPolicy
+from protocol.routing.router import RouteChoice, RoutingDecision, RoutingPolicy
 
 __all__ = ["ProcessorRouting"]
 
@@ -112,7 +112,8 @@ class ProcessorRouting(ProcessorSlots):
             if best_rank is None or rank < best_rank:
                 best, best_rank = engine, rank
         if best is not None and not ignore_cap and self.config.routing.explain:
-            self._router.last_choice = RouteChoice(best.key, RoutingPolicy.LEAST_IN_PROGRESS.value, "fewest in flight")
+            self._router.last_choice = RouteChoice(best.key, RoutingPolicy.LEAST_IN_PROGRESS.value, "fewest in flight",
+                                                   decision=RoutingDecision.LOAD.value)
         if best is None and self.config.dynamic_model_loading:
             # Any engine may load the model: this one scan is over every engine of the tenant.
             for engine in self._by_tenant.get(task.tenant_id, {}).values():

@@ -317,7 +317,8 @@ class RouteChoice:
     ``home``, ``prefix``, ``session``, ``adapter`` (else ``load``: only its load set it apart),
     with ``fallback`` when only engines that had failed the task could take it. ``score`` is
     its affinity score among ``candidates`` scored; ``prefix_blocks`` of the request's
-    ``blocks`` were known cached on it.
+    ``blocks`` were known cached on it. ``decision`` is how the placement is counted
+    (:class:`RoutingDecision`'s value; empty for a peer's task, which that peer placed).
     """
 
     engine: EngineKey
@@ -327,6 +328,7 @@ class RouteChoice:
     candidates: int = 0
     prefix_blocks: int = 0
     blocks: int = 0
+    decision: str = ""
 
 
 class Router:
@@ -489,7 +491,8 @@ class Router:
         if hints is None or self.config.policy is RoutingPolicy.ROUND_ROBIN:
             key = self._in_turn(pool, avoid, blocked)
             if key is not None and self.config.explain:
-                self.last_choice = RouteChoice(key, RoutingPolicy.ROUND_ROBIN.value, "in turn")
+                self.last_choice = RouteChoice(key, RoutingPolicy.ROUND_ROBIN.value, "in turn",
+                                               decision=RoutingDecision.LOAD.value)
             return key
         chosen = self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=False)
         return chosen or self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=True)
@@ -591,12 +594,12 @@ class Router:
                 best, best_score = key, score
         if config.explain:
             self.last_choice = self._explain(best, best_score, home, depths.get(best, 0), blocks, session_engine,
-                                             hints, len(candidates), fallback)
+                                             hints, len(candidates), fallback, self._decision(best, model, hints))
         return best
 
     def _explain(self, best: EngineKey, score: float, home: EngineKey, depth: int, blocks: int,
                  session_engine: EngineKey | None, hints: RoutingHints, candidates: int,
-                 fallback: bool) -> RouteChoice:
+                 fallback: bool, decision: RoutingDecision) -> RouteChoice:
         had = [name for name, held in (("home", best == home), ("prefix", depth > 0),
                                        ("session", best == session_engine),
                                        ("adapter", bool(hints.adapter)
@@ -604,7 +607,7 @@ class Router:
         if fallback:
             had.append("fallback")
         return RouteChoice(best, RoutingPolicy.AFFINITY.value, ",".join(had) or "load", score, candidates, depth,
-                           blocks)
+                           blocks, decision.value)
 
     def take_choice(self, key: EngineKey) -> RouteChoice | None:
         """Why ``key`` was chosen, if it was the last choice (once: the choice is forgotten)."""

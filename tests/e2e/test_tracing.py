@@ -137,8 +137,10 @@ def test_one_trace_nests_gateway_peer_gateway_agent_and_runtime_call_under_the_c
         assert route_a.attributes["infx.routing.policy"] == "affinity"
         assert route_a.attributes["infx.routing.reason"] == "home" and route_a.attributes["infx.routing.candidates"] == 1
         assert isinstance(route_a.attributes["infx.routing.score"], float)
+        assert route_a.attributes["infx.routing.decision"] == "home"
         assert route_b.attributes["infx.routing.policy"] == "targeted"
         assert route_b.attributes["infx.routing.reason"] == "named by the gateway that forwarded it"
+        assert "infx.routing.decision" not in route_b.attributes
         agent = by_name["infx.agent.task"]
         assert child_of(agent, route_b) and agent.service == "infx-engine"
         call = by_name["infx.runtime.call"]

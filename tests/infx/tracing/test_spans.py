@@ -146,7 +146,7 @@ def routed(choice: RouteChoice | None, locality: Locality = Locality.REMOTE) -> 
 
 
 def test_a_routed_task_gets_a_span_with_why_and_its_headers_name_that_span():
-    choice = RouteChoice(EngineKey("t", "e1@peer"), "affinity", "home,prefix", 8.25, 3, 2, 4)
+    choice = RouteChoice(EngineKey("t", "e1@peer"), "affinity", "home,prefix", 8.25, 3, 2, 4, "prefix_hit")
     effect, spans = routed(choice)
     route = spans["infx.route"]
     assert route.parent.span_id == CALLER and route.context.trace_id == TRACE
@@ -154,7 +154,7 @@ def test_a_routed_task_gets_a_span_with_why_and_its_headers_name_that_span():
         "infx.task_id": "t1#2", "infx.gateway": "gw-a", "infx.engine_id": "e1@peer", "infx.engine.gateway": "peer",
         "infx.engine.locality": "remote", "infx.routing.policy": "affinity", "infx.routing.reason": "home,prefix",
         "infx.routing.candidates": 3, "infx.routing.score": 8.25, "infx.routing.prefix_blocks": 2,
-        "infx.routing.blocks": 4, "infx.attempt": 2}
+        "infx.routing.blocks": 4, "infx.routing.decision": "prefix_hit", "infx.attempt": 2}
     header = dict(effect.task.header)
     assert set(header) == {"traceparent", "x-request-id"}  # the other spelling replaced, not doubled
     assert parse_traceparent(header["traceparent"].values).span_id == route.context.span_id
