@@ -230,7 +230,7 @@ class GatewayService(service.MultiService):
 
         log.info("tracing: OTLP {protocol} to {endpoint}, sampling {ratio:g} of new traces",
                  protocol=traces.protocol, endpoint=traces.endpoint, ratio=traces.sample_ratio)
-        return start_tracing(traces, "infx-gateway", self.pod_name, self.reactor)
+        return start_tracing(traces, "infx-gateway", self.pod_name, self.reactor, self.metrics.trace_spans_lost.inc)
 
     def _http_site(self, config: GatewayConfig) -> Any:
         """The server of the API on ``--http``: httptools' (:mod:`infx.http.lean`) or twisted.web's,

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+from twisted.logger import Logger
 
 if TYPE_CHECKING:
     from infx.tracing.spans import Tracing
 
 __all__ = ["PROTOCOLS", "TracingConfig", "start_tracing", "tracing_problem"]
+
+log = Logger(namespace="infx.tracing")
 
 #: How spans are exported: OTLP over HTTP (protobuf bodies) or over gRPC, as the SDK offers.
 PROTOCOLS = ("http/protobuf", "grpc")
@@ -82,11 +87,19 @@ def _importable(module: str) -> bool:
         return False
 
 
-def start_tracing(config: TracingConfig, service: str, instance: str, reactor: Any) -> Tracing:
+def start_tracing(config: TracingConfig, service: str, instance: str, reactor: Any,
+                  on_lost: Callable[[int], None] = lambda count: None) -> Tracing:
     """The SDK's tracer provider exporting to ``config.endpoint``, as ``service`` (``infx-gateway``,
-    ``infx-engine``) instance ``instance``; what is still batched is exported when ``reactor`` has shut down."""
+    ``infx-engine``) instance ``instance``; what is still batched is exported when ``reactor`` has shut down.
+
+    Spans the exporter could not deliver are logged and given to ``on_lost`` (a count), on the reactor."""
     from infx.tracing.spans import Tracing
 
-    tracing = Tracing.exporting(config, service, instance)
+    def lost(count: int) -> None:
+        log.warn("tracing: {count} spans could not be exported to {endpoint} and are lost", count=count,
+                 endpoint=config.endpoint, event="trace_spans_lost")
+        on_lost(count)
+
+    tracing = Tracing.exporting(config, service, instance, lambda count: reactor.callFromThread(lost, count))
     reactor.addSystemEventTrigger("after", "shutdown", tracing.shutdown)
     return tracing

@@ -23,14 +23,15 @@ No span carries prompt or completion text unless ``record_content`` is set.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import (
     NonRecordingSpan, Span, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState, set_span_in_context,
@@ -59,12 +60,14 @@ class Tracing:
         self.record_content = record_content
 
     @classmethod
-    def exporting(cls, config: TracingConfig, service: str, instance: str) -> Tracing:
-        """A tracer whose spans are batched and exported to ``config.endpoint``."""
+    def exporting(cls, config: TracingConfig, service: str, instance: str,
+                  lost: Callable[[int], None] = lambda count: None) -> Tracing:
+        """A tracer whose spans are batched and exported to ``config.endpoint``; ``lost`` is told,
+        on the exporter's thread, how many spans a batch that could not be delivered held."""
         resource = Resource.create({"service.name": service, "service.instance.id": instance,
                                     "service.version": __version__})
         provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
-        provider.add_span_processor(BatchSpanProcessor(_exporter(config),
+        provider.add_span_processor(BatchSpanProcessor(ReportingExporter(_exporter(config), lost),
                                                        schedule_delay_millis=config.export_delay * 1000))
         return cls(provider, config.record_content)
 
@@ -194,6 +197,27 @@ class RequestSpan:
                 span.set_attribute("error.type", code)
             span.set_status(Status(StatusCode.ERROR, self.cause or code or str(status)))
         span.end()
+
+
+class ReportingExporter(SpanExporter):
+    """An exporter that reports each batch it could not deliver (after the OTLP exporter's own
+    retries): those spans are lost, and the operator should hear of it."""
+
+    def __init__(self, exporter: SpanExporter, lost: Callable[[int], None]) -> None:
+        self.exporter = exporter
+        self.lost = lost
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        result = self.exporter.export(spans)
+        if result is not SpanExportResult.SUCCESS:
+            self.lost(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
 
 
 def _context_headers(span: Span) -> dict[str, list[str]]:

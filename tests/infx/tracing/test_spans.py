@@ -9,14 +9,14 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import StatusCode
 from twisted.internet.task import Clock
 
 from infx.agent.runtimes import EchoRuntime
-from infx.tracing import TracingConfig, tracing_problem
+from infx.tracing import TracingConfig, start_tracing, tracing_problem
 from infx.tracing.runtime import TracedRuntime
 from infx.tracing.spans import MAX_CONTENT_BYTES, Tracing
 from protocol.agent.echo import EchoConfig
@@ -259,3 +259,37 @@ def test_otlp_over_grpc_reaches_a_collector():
         assert sorted(collector.names) == ["infx.queue", "infx.request"]
     finally:
         server.stop(0)
+
+
+class _Refusing(SpanExporter):
+    def export(self, spans):
+        return SpanExportResult.FAILURE
+
+
+class _Reactor:
+    """What start_tracing uses of the reactor: a shutdown trigger and calls from the exporter's thread."""
+
+    def __init__(self) -> None:
+        self.triggers: list = []
+        self.from_thread: list = []
+
+    def addSystemEventTrigger(self, phase, event, call):  # noqa: N802 (Twisted's name)
+        self.triggers.append((phase, event, call))
+
+    def callFromThread(self, call, *args):  # noqa: N802
+        self.from_thread.append((call, args))
+
+
+def test_spans_the_exporter_could_not_deliver_are_logged_and_counted_on_the_reactor(monkeypatch):
+    import infx.tracing.spans as spans_module
+
+    monkeypatch.setattr(spans_module, "_exporter", lambda config: _Refusing())
+    reactor, lost = _Reactor(), []
+    tracing = start_tracing(TracingConfig("http://127.0.0.1:9"), "infx-gateway", "gw-a", reactor, lost.append)
+    assert [(phase, event) for phase, event, _ in reactor.triggers] == [("after", "shutdown")]
+    served_request(tracing, {})
+    reactor.triggers[0][2]()  # the reactor shut down: what is batched is exported (and refused)
+    assert lost == [] and reactor.from_thread  # told from the exporter's thread, performed on the reactor's
+    for call, args in reactor.from_thread:
+        call(*args)
+    assert lost == [2]  # the request's span and its queue wait's
