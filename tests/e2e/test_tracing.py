@@ -160,7 +160,7 @@ def test_one_trace_nests_gateway_peer_gateway_agent_and_runtime_call_under_the_c
                 child.stop()
 
 
-def test_by_url_the_same_spans_nest_without_the_agent_process_and_errors_carry_the_clients_cause(
+def test_by_url_the_same_spans_nest_without_the_agent_process_errors_carry_the_clients_cause_and_bad_headers_start_anew(
         tmp_path: Path, receiver: OtlpReceiver, runtime: RecordingRuntime) -> None:
     gateway = Gateway(tmp_path, extra=["--runtime-url", f"{runtime.url}=m", *tracing(receiver)])
     try:
@@ -197,6 +197,17 @@ def test_by_url_the_same_spans_nest_without_the_agent_process_and_errors_carry_t
             span = by_name[name]
             assert (span.status_code, span.status_message) == (2, "the runtime is overloaded"), name
         assert by_name["infx.request"].attributes["http.response.status_code"] == 400
+
+        # A malformed traceparent is no error: the request is served, in a trace of its own.
+        receiver.reset()
+        runtime.reset()
+        runtime.script(ANSWER)
+        ask(gateway, {"traceparent": f"00-{TRACE_ID.upper()}-{CLIENT_SPAN}-01"})
+        by_name = spans_of_trace(receiver, BY_URL, [gateway.child])
+        assert by_name["infx.request"].parent_span_id == "" and by_name["infx.request"].trace_id != TRACE_ID
+        (received,) = runtime.requests()
+        assert parse_traceparent([received.header("traceparent") or ""]).span_id == int(
+            by_name["infx.runtime.call"].span_id, 16)
     finally:
         gateway.stop()
 
