@@ -36,8 +36,7 @@ class TracedRuntime:
 
     def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
         tracer = self.tracing.tracer
-        headers = {name: list(value.values) for name, value in task.header.items()}
-        agent = tracer.start_span("infx.agent.task", context=self.tracing.parent(headers), kind=SpanKind.SERVER,
+        agent = tracer.start_span("infx.agent.task", context=self.tracing.task_parent(task), kind=SpanKind.SERVER,
                                   attributes={"infx.task_id": task.id, "infx.engine_id": self.engine_id})
         spans = [agent]
         if self.url is not None:

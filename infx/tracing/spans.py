@@ -88,6 +88,11 @@ class Tracing:
                               trace_state=TraceState(list(members)))
         return set_span_in_context(NonRecordingSpan(context))
 
+    def task_parent(self, task: worker_pb2.Task) -> Context:
+        """The span a task's headers name (see :meth:`parent`)."""
+        return self.parent({name: list(value.values) for name, value in task.header.items()
+                            if name.lower() in (TRACEPARENT, TRACESTATE)})
+
     def request_started(self, headers: Mapping[str, Sequence[str]], endpoint: str, request_id: str) -> RequestSpan:
         """The span of a client's request, a child of the caller's span if its headers name one."""
         span = self.tracer.start_span("infx.request", context=self.parent(headers), kind=SpanKind.SERVER,
@@ -102,8 +107,6 @@ class Tracing:
 
         ``gateway`` is this gateway, ``engine_gateway`` the one the engine is attached to."""
         task = effect.task
-        headers = {name: list(value.values) for name, value in task.header.items()
-                   if name.lower() in (TRACEPARENT, TRACESTATE)}
         choice = effect.choice
         attributes: dict[str, Any] = {
             "infx.task_id": task.id, "infx.gateway": gateway, "infx.engine_id": effect.engine.engine_id,
@@ -124,7 +127,8 @@ class Tracing:
         attempt = task.id.rpartition("#")[2] if "#" in task.id else "1"
         attributes["infx.attempt"] = int(attempt) if attempt.isdigit() else 1
         kind = SpanKind.CLIENT if locality is Locality.REMOTE else SpanKind.INTERNAL
-        span = self.tracer.start_span("infx.route", context=self.parent(headers), kind=kind, attributes=attributes)
+        span = self.tracer.start_span("infx.route", context=self.task_parent(task), kind=kind,
+                                      attributes=attributes)
         set_task_context(task, span)
         span.end()
 
