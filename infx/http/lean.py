@@ -131,7 +131,7 @@ class LeanRequest:
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         self.code = code
-        self.code_message = message if message is not None else http.RESPONSES.get(code, b"Unknown Status")
+        self.code_message = message if message is not None else reason_phrase(code).encode()
 
     def redirect(self, url: bytes) -> None:
         """Answers 302 to ``url``, as twisted.web's ``Request.redirect``."""
