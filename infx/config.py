@@ -164,6 +164,15 @@ class GatewayConfig:
     #: itself); None: the cores this process may use (:func:`usable_cores`); 1: one process,
     #: no supervisor. See :mod:`infx.supervisor` and docs/workers.md.
     workers: int | None = None
+    #: OpenTelemetry traces (docs/tracing.md): the OTLP receiver's URL; None: no tracing, and no
+    #: opentelemetry module is loaded. Needs the ``otel`` extra.
+    otlp_traces_endpoint: str | None = None
+    #: ``http/protobuf`` or ``grpc`` (see :class:`infx.tracing.TracingConfig`).
+    otlp_traces_protocol: str = "http/protobuf"
+    #: Share of new traces recorded, 0 to 1; a caller's ``traceparent`` decides for its own.
+    trace_sample_ratio: float = 1.0
+    #: Put prompt and completion text (the request body, the answer) on the request's span.
+    trace_content: bool = False
 
     @property
     def pod_label_pair(self) -> tuple[str, str]:
@@ -287,7 +296,7 @@ def host_port(value: str, option: str) -> tuple[str, int]:
 
 #: Durations for which 0 is meaningful rather than a mistake.
 _ZERO_ALLOWED = frozenset({"echo_token_delay", "routing_index_blocks_per_engine", "routing_index_blocks",
-                           "routing_sessions", "routing_spilled_tips", "fair_reserve"})
+                           "routing_sessions", "routing_spilled_tips", "fair_reserve", "trace_sample_ratio"})
 
 
 def _split_list(value: Any) -> tuple[str, ...]:
@@ -488,6 +497,11 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS}, got {config.workers}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
+    from infx.tracing import tracing_problem
+
+    problem = tracing_problem(config.otlp_traces_endpoint, config.otlp_traces_protocol, config.trace_sample_ratio)
+    if problem:
+        raise ConfigError(problem)
     config = dataclasses.replace(config, **replaced)
     internal_tls(config)
     if config.kube and not 0 < config.effective_peer_port <= 65535:  # raises ConfigError if not derivable
@@ -513,6 +527,16 @@ def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
         return cores
     return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+def tracing_config(config: GatewayConfig) -> Any:
+    """The :class:`~infx.tracing.TracingConfig` of ``config``, or None when tracing is off."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    from infx.tracing import TracingConfig
+
+    return TracingConfig(config.otlp_traces_endpoint, config.otlp_traces_protocol, config.trace_sample_ratio,
+                         config.trace_content)
 
 
 def worker_count(config: GatewayConfig) -> int:
@@ -549,7 +573,8 @@ def routing_config(config: GatewayConfig) -> tuple[RoutingConfig, HintsConfig]:
         policy=RoutingPolicy(config.routing_policy), load_factor=config.routing_load_factor,
         min_capacity=config.routing_min_capacity, index_blocks_per_engine=config.routing_index_blocks_per_engine,
         index_blocks_total=config.routing_index_blocks, sessions=config.routing_sessions,
-        spilled_tips=config.routing_spilled_tips, **routing_weights(config.routing_weights),
+        spilled_tips=config.routing_spilled_tips, explain=config.otlp_traces_endpoint is not None,
+        **routing_weights(config.routing_weights),
     )
     return routing, HintsConfig(block_bytes=config.routing_block_bytes, max_blocks=config.routing_max_blocks)
 
@@ -574,4 +599,4 @@ def internal_tls(config: GatewayConfig) -> Any:
 
 
 __all__ = ["ConfigError", "GatewayConfig", "usable_cores", "worker_count", "build_config", "load_yaml", "yaml_problem",
-           "listen_endpoint", "host_port", "internal_tls", "routing_config", "runtime_targets"]
+           "listen_endpoint", "host_port", "internal_tls", "routing_config", "runtime_targets", "tracing_config"]

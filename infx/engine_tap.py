@@ -107,6 +107,12 @@ class Options(VersionOption, usage.Options):
          "/metrics and /slots), reported to the gateway for routing; 0 turns it off."],
         ["runtime-load-report-interval", None, "2",
          "openai runtime: least seconds between two status reports sent only because the load changed."],
+        ["otlp-traces-endpoint", None, None,
+         "Export OpenTelemetry traces (a span per task, one per request to the runtime, which gets its "
+         "traceparent) to this OTLP receiver; needs the otel extra (pip install 'infx[otel]') [default: no tracing]."],
+        ["otlp-traces-protocol", None, "http/protobuf", "http/protobuf or grpc."],
+        ["trace-sample-ratio", None, "1", "Share of new traces recorded, 0 to 1; a task's traceparent decides "
+         "for its own trace."],
     ]
 
     def postOptions(self) -> None:
@@ -142,6 +148,17 @@ class Options(VersionOption, usage.Options):
         self["runtime-check-interval"] = self._number("runtime-check-interval", float, minimum=0.0, strict=True)
         self["runtime-load-interval"] = self._number("runtime-load-interval", float, minimum=0.0)
         self["runtime-load-report-interval"] = self._number("runtime-load-report-interval", float, minimum=0.0)
+        self["trace-sample-ratio"] = self._number("trace-sample-ratio", float, minimum=0.0)
+        from infx.tracing import TracingConfig, tracing_problem
+
+        problem = tracing_problem(self["otlp-traces-endpoint"], self["otlp-traces-protocol"],
+                                  self["trace-sample-ratio"])
+        if problem:
+            raise usage.UsageError(problem)
+        self["tracing-config"] = None
+        if self["otlp-traces-endpoint"]:
+            self["tracing-config"] = TracingConfig(self["otlp-traces-endpoint"], self["otlp-traces-protocol"],
+                                                   self["trace-sample-ratio"])
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -271,7 +288,15 @@ def makeService(options: Options) -> IService:
         return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
                            scheme="https" if tls else "http")
 
-    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime,
+    served: Runtime = runtime
+    if options["tracing-config"] is not None:
+        from infx.tracing import start_tracing
+        from infx.tracing.runtime import TracedRuntime
+
+        tracing = start_tracing(options["tracing-config"], "infx-engine", options["engine-id"], reactor)
+        served = TracedRuntime(runtime, tracing, options["engine-id"],
+                               runtime.root if isinstance(runtime, OpenAIRuntime) else None)
+    agent = EngineAgent(reactor, EngineAgentCore(agent_config), served,
                         GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
     if watch is not None:
         watch.changed = agent.runtime_changed

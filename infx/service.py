@@ -26,7 +26,9 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 import infx
-from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config, runtime_targets
+from infx.config import (
+    ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config, runtime_targets, tracing_config,
+)
 from infx.gateway.cluster_status import ClusterStatus, RequestJournal, StatusSources
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
@@ -189,6 +191,8 @@ class GatewayService(service.MultiService):
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
+        self.tracing = self._start_tracing()
+        self.gateway.tracing = self.dispatcher.tracing = self.tracing
         self.http_resource = build_resource(self.gateway, self._metrics_of_every_worker() if role else None)
         site = self._http_site(config)
         self.http = ListeningService(reactor, "--http", config.http, site, self._adopted("http"))
@@ -215,6 +219,18 @@ class GatewayService(service.MultiService):
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._build_cluster_status(routing.policy.value)
         self._start_all_or_nothing()
+
+    def _start_tracing(self) -> Any:
+        """``--otlp-traces-endpoint``: this gateway's tracer (docs/tracing.md); else None, and no
+        opentelemetry module is imported."""
+        traces = tracing_config(self.config)
+        if traces is None:
+            return None
+        from infx.tracing import start_tracing
+
+        log.info("tracing: OTLP {protocol} to {endpoint}, sampling {ratio:g} of new traces",
+                 protocol=traces.protocol, endpoint=traces.endpoint, ratio=traces.sample_ratio)
+        return start_tracing(traces, "infx-gateway", self.pod_name, self.reactor, self.metrics.trace_spans_lost.inc)
 
     def _http_site(self, config: GatewayConfig) -> Any:
         """The server of the API on ``--http``: httptools' (:mod:`infx.http.lean`) or twisted.web's,
@@ -316,7 +332,11 @@ class GatewayService(service.MultiService):
         core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name), models=self.config.echo_models,
                                            instance=secrets.token_hex(8), capabilities=capabilities,
                                            runtime_kind="echo", agent_version=infx.__version__))
-        runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
+        runtime: Any = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
+        if self.tracing is not None:
+            from infx.tracing.runtime import TracedRuntime
+
+            runtime = TracedRuntime(runtime, self.tracing, core.config.engine_id, None)
         return EngineAgent(self.reactor, core, runtime, GrpcLinks(self.reactor, connect, key=key),
                            grace=self.config.grace_period)
 
@@ -326,6 +346,7 @@ class GatewayService(service.MultiService):
         config = self.config
         settings = RuntimeSettings(tenant=config.runtime_tenant, max_concurrency=config.runtime_max_concurrency,
                                    api_key_file=config.runtime_api_key_file, grace=config.grace_period,
+                                   tracing=self.tracing,
                                    capabilities=(IN_EVERY_WORKER,) if self.role is not None else ())
         discover = None
         if config.runtime_pod_label:

@@ -24,6 +24,17 @@ _FLAGS: list[list[str | None]] = [
                    "in-cluster config or KUBECONFIG); exclusive with --peers."],
     ["scaler", None, "Scale engine deployments labelled infx.io/scalable=true from zero and by load "
                      "(needs --kube)."],
+    ["trace-content", None, "With --otlp-traces-endpoint: put prompt and completion text (request body, "
+                            "answer; 16 KiB each at most) on the request's span; off, no span carries them."],
+]
+# OpenTelemetry traces (infx/tracing/, docs/tracing.md).
+_TRACING_PARAMETERS: list[list[Any]] = [
+    ["otlp-traces-endpoint", None, None,
+     "Export OpenTelemetry traces to this OTLP receiver (http/protobuf: http://collector:4318/v1/traces; grpc: "
+     "http://collector:4317); needs the otel extra (pip install 'infx[otel]') [default: no tracing]."],
+    ["otlp-traces-protocol", None, None, f"http/protobuf or grpc [default: {_DEFAULTS.otlp_traces_protocol}]."],
+    ["trace-sample-ratio", None, None, "Share of new traces recorded, 0 to 1; a client's traceparent decides "
+     f"for its own trace [default: {_DEFAULTS.trace_sample_ratio:g}]."],
 ]
 _EXCHANGE_PARAMETERS: list[list[Any]] = [
     ["internal-grpc", None, None,
@@ -142,6 +153,7 @@ class Options(VersionOption, usage.Options):
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,
         *_RUNTIME_PARAMETERS,
+        *_TRACING_PARAMETERS,
     ]
 
     config_value: GatewayConfig

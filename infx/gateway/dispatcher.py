@@ -191,6 +191,8 @@ class Dispatcher:
         #: Called with the model of each accepted HTTP request, and again when it ends (load for the scaler).
         self.on_request_started: list[Callable[[str], None]] = []
         self.on_request_finished: list[Callable[[str], None]] = []
+        #: The tracer when tracing is on (:class:`infx.tracing.spans.Tracing`): a span per task routed.
+        self.tracing: Any = None
 
     @property
     def pod_name(self) -> str:
@@ -219,6 +221,10 @@ class Dispatcher:
             engine = self.processor.engine(effect.engine.tenant_id, effect.engine.engine_id)
             if engine is not None and engine.locality is Locality.REMOTE:
                 self.metrics.exchanged.labels("out").inc()
+            if self.tracing is not None and not effect.task.id.startswith(self.processor.config.control_task_prefix):
+                self.tracing.task_routed(effect, self.pod_name, self.gateway_of(effect.route),
+                                         None if engine is None else engine.locality,
+                                         self.processor.config.routing.policy.value)
             outcome = route.send_task(effect.task, effect.engine.tenant_id)
             wire_id = effect.task.id
             now = self.clock.seconds()
@@ -321,7 +327,7 @@ class Dispatcher:
     def submit(self, submission: Submission, sink: ResultSink) -> TaskHandle:
         task_id = self._new_id()
         now = self.clock.seconds()
-        origin = HttpOrigin(self, task_id, submission.tenant, submission.model, sink, now)
+        origin = HttpOrigin(self, task_id, submission.tenant, submission.model, sink, now, submission.trace)
         deadline = None if submission.timeout is None else now + submission.timeout
         self.perform(self.core.submit(origin, task_id, submission.tenant, submission.model, submission.request,
                                       submission.headers, deadline, now, criticality=submission.criticality,
@@ -381,7 +387,7 @@ class HttpOrigin:
     """Turns the processor's effects for one HTTP request into ResultSink calls; its TaskHandle."""
 
     def __init__(self, dispatcher: Dispatcher, task_id: str, tenant: str, model: str, sink: ResultSink,
-                 submitted_at: float) -> None:
+                 submitted_at: float, trace: Any = None) -> None:
         self.dispatcher = dispatcher
         self.task_id = task_id
         self.tenant = tenant
@@ -390,11 +396,15 @@ class HttpOrigin:
         self.submitted_at = submitted_at
         self.served_by: ServedBy | None = ServedBy()
         self.ended = False
+        #: The request's span when tracing is on (:class:`infx.tracing.spans.RequestSpan`).
+        self.trace = trace
 
     def dispatched(self, now: float) -> None:
         """The first SendTask for this request is being performed: its wait in the queue ends."""
         served = self.served_by
         if served is not None and served.queued_seconds is None:
+            if self.trace is not None:
+                self.trace.dispatched()
             served.queued_seconds = now - self.submitted_at
             label = self.dispatcher.model_label(self.tenant, self.model)
             metrics = self.dispatcher.metrics

@@ -256,6 +256,10 @@ class GatewayMetrics:
         self.slow_clients = Counter(
             "infx_slow_client_aborts", "Streams ended because the client read too slowly.", registry=registry,
         )
+        self.trace_spans_lost = Counter(
+            "infx_trace_spans_lost", "Spans the OTLP exporter could not deliver, after its own retries "
+            "(--otlp-traces-endpoint unreachable or refusing them); docs/tracing.md.", registry=registry,
+        )
         build = Gauge("infx_build_info", "infx's version; the value is always 1.", ["version"], registry=registry)
         build.labels(version()).set(1)
         for direction in ("in", "out"):

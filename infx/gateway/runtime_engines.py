@@ -34,7 +34,7 @@ from infx.agent.engine import AgentServices, EngineAgent
 from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
 from infx.agent.runtime_watch import RuntimeWatch, check_pool
-from infx.agent.runtimes import CAPABILITIES, OpenAIRuntime
+from infx.agent.runtimes import CAPABILITIES, OpenAIRuntime, Runtime
 from infx.agent.upstream_key import UpstreamKey
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.in_process import InProcessLinks
@@ -62,6 +62,9 @@ class RuntimeSettings:
     #: Capabilities beyond the runtime's own: under ``--workers`` every worker runs its runtimes by
     #: URL and says so (``in-every-worker``), so none forwards to a sibling what it can send itself.
     capabilities: tuple[str, ...] = ()
+    #: The gateway's tracer when tracing is on (:class:`infx.tracing.spans.Tracing`): each task gets the
+    #: agent's spans, and the runtime's request its ``traceparent`` (:mod:`infx.tracing.runtime`).
+    tracing: Any = None
 
 
 def runtime_engine_id(name: str, pod_name: str) -> str:
@@ -95,7 +98,12 @@ class RuntimeEngine(AgentServices):
             engine_id=engine_id, models=target.models, max_concurrency=settings.max_concurrency,
             wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8),
             runtime_kind="openai", agent_version=infx.__version__))
-        super().__init__(EngineAgent(reactor, core, self.runtime,
+        runtime: Runtime = self.runtime
+        if settings.tracing is not None:
+            from infx.tracing.runtime import TracedRuntime
+
+            runtime = TracedRuntime(self.runtime, settings.tracing, engine_id, self.runtime.root)
+        super().__init__(EngineAgent(reactor, core, runtime,
                                      InProcessLinks(reactor, dispatcher, settings.tenant, self.runtime.root),
                                      grace=settings.grace))
         _Closer(client.close).setServiceParent(self)

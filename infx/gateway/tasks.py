@@ -42,6 +42,9 @@ class Submission:
     weight: float = 1.0
     #: Prefix blocks, session and adapter for the routing policy (None: route by load).
     routing_hints: RoutingHints | None = None
+    #: The request's span when tracing is on (:class:`infx.tracing.spans.RequestSpan`); its
+    #: queue wait ends when the task is first sent.
+    trace: Any = None
 
 
 @dataclass

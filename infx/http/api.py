@@ -111,6 +111,8 @@ class Gateway:
         #: Builds the /admin/status document (:class:`~infx.gateway.cluster_status.ClusterStatus`);
         #: None: the runner's own dump.
         self.cluster_status: Any = None
+        #: The tracer when tracing is on (:class:`infx.tracing.spans.Tracing`): a span per API request.
+        self.tracing: Any = None
 
     @property
     def ready(self) -> bool:
@@ -185,6 +187,8 @@ class ApiCall:
         self.submitted = False
         #: The answer is the runtime's own (see the module docstring): relay it unchanged.
         self.verbatim = False
+        #: This request's span when tracing is on (:class:`infx.tracing.spans.RequestSpan`).
+        self.span: Any = None
 
     # -- request side
 
@@ -193,6 +197,8 @@ class ApiCall:
         request_id = _header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
         self.trace.request_id = request_id
+        if self.gateway.tracing is not None:
+            self.span = self.gateway.tracing.request_started(_trace_headers(request), self.endpoint, request_id)
         # A GatewaySite refuses an oversized body before it gets here; another site
         # (the resource mounted in a plain twisted.web Site) has buffered it whole.
         if _body_size(request) > self.gateway.max_body_size:
@@ -251,7 +257,10 @@ class ApiCall:
             routing_hints=routing_hints.hints_from_json(
                 self.endpoint, body if parsed.body_json is None else parsed.body_json, submission_headers,
                 self.gateway.hints),
+            trace=self.span,
         )
+        if self.span is not None:
+            self.span.submitted(submission_headers, parsed.model, principal.tenant, body)
         self.gateway.active_calls.add(self)
         request.notifyFinish().addBoth(self._connection_done)
         # From here on an answer is written to the request, even one the
@@ -312,6 +321,8 @@ class ApiCall:
         if not self.streaming:
             body = bytes(response.body)
             self.trace.body(body)
+            if self.span is not None:
+                self.span.answered(body)
             if self.transform is not None:
                 try:
                     body = self.transform.whole(body)
@@ -346,6 +357,10 @@ class ApiCall:
         body = bytes(response.body)
         if status >= 400:
             self.trace.error_body(body)
+        if self.span is not None:
+            self.span.answered(body)
+            if status >= 400:
+                self.span.error_body(body)
         request.setHeader("content-length", str(len(body)))
         request.write(body)
         self._end(status)
@@ -354,6 +369,8 @@ class ApiCall:
         if self.finished or not self.sse_started:
             return
         self.trace.event(self.gateway.clock.seconds(), data)
+        if self.span is not None:
+            self.span.answered(data)
         if self.transform is not None and not self.verbatim:
             try:
                 data = self.transform.event(data)
@@ -393,6 +410,8 @@ class ApiCall:
         else:
             body, event = error_json(status, message, code=code), error_event(status, message, code=code)
         self.trace.failed(code or error_type_for(status), detail)
+        if self.span is not None:
+            self.span.failed(message)
         if self.sse_started:
             # The status line is gone: the error travels as the stream's last event.
             self._write_event(event)
@@ -473,6 +492,8 @@ class ApiCall:
 
     def _finish_error(self, status: int, body: bytes) -> int | bytes:
         self.trace.error_body(body)
+        if self.span is not None:
+            self.span.error_body(body)
         if not self.submitted:
             self.finished = True
             return self._respond_now(status, body)
@@ -484,6 +505,8 @@ class ApiCall:
 
     def _respond_now(self, status: int, body: bytes) -> bytes:
         self.trace.error_body(body)
+        if self.span is not None:
+            self.span.error_body(body)
         _set_status(self.request, status)
         self.request.setHeader("content-type", "application/json")
         self._record(status)
@@ -491,7 +514,10 @@ class ApiCall:
 
     def _record(self, status: int) -> None:
         self.status = status
-        self.trace.finish(self.gateway.clock.seconds(), status, self.handle.served_by if self.handle else None)
+        outcome = self.trace.finish(self.gateway.clock.seconds(), status,
+                                    self.handle.served_by if self.handle else None)
+        if self.span is not None and outcome is not None:
+            self.span.finish(outcome, self.trace.error)
 
 
 class CompletionTransform:
@@ -567,6 +593,12 @@ def _header(request: server.Request, name: str) -> str | None:
     if value is None:
         return None
     return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def _trace_headers(request: server.Request) -> dict[str, list[str]]:
+    """The caller's trace context headers, as the tracer reads them."""
+    return {name: [v.decode("latin-1") for v in request.requestHeaders.getRawHeaders(name.encode(), [])]
+            for name in ("traceparent", "tracestate")}
 
 
 def _forwarded_headers(request: server.Request, request_id: str) -> dict[str, list[str]]:

@@ -96,10 +96,11 @@ class RequestTrace:
         if self._stream.usage is not None:
             self.usage = self._stream.usage
 
-    def finish(self, now: float, status: int, served: ServedBy | None) -> None:
-        """The response ended with ``status`` (499: the client went first); later calls do nothing."""
+    def finish(self, now: float, status: int, served: ServedBy | None) -> int | None:
+        """The response ended with ``status`` (499: the client went first); later calls do nothing.
+        Returns the status logged (a stream's error event's, if it carried one), None when done already."""
         if self.finished:
-            return
+            return None
         self.finished = True
         stream_error = self._stream.error
         if stream_error is not None and status < 400:
@@ -130,6 +131,7 @@ class RequestTrace:
                 tokens_in=None if usage is None else usage.input_tokens,
                 tokens_out=None if usage is None else usage.output_tokens), self.model_label)
         self._log(status, seconds, served)
+        return status
 
     @property
     def _tenant_label(self) -> str:

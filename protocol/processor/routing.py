@@ -22,7 +22,7 @@ from protocol.processor.fair_share import caller_message
 from protocol.processor.slots import ProcessorSlots
 from protocol.processor.tables import TaskState, _Engine, _Task
 from protocol.processor.types import Effect, Locality, SendTask, TaskQueued
-from protocol.routing.router import RoutingPolicy
+from protocol.routing.router import RouteChoice, RoutingDecision, RoutingPolicy
 
 __all__ = ["ProcessorRouting"]
 
@@ -111,6 +111,9 @@ class ProcessorRouting(ProcessorSlots):
             )
             if best_rank is None or rank < best_rank:
                 best, best_rank = engine, rank
+        if best is not None and not ignore_cap and self.config.routing.explain:
+            self._router.last_choice = RouteChoice(best.key, RoutingPolicy.LEAST_IN_PROGRESS.value, "fewest in flight",
+                                                   decision=RoutingDecision.LOAD.value)
         if best is None and self.config.dynamic_model_loading:
             # Any engine may load the model: this one scan is over every engine of the tenant.
             for engine in self._by_tenant.get(task.tenant_id, {}).values():
@@ -159,7 +162,10 @@ class ProcessorRouting(ProcessorSlots):
             wire.request.ClearField("infx_caller")
         for name, values in task.header.items():
             wire.header[name].values.extend(values)
-        effects.append(SendTask(engine.route, engine.key, wire))
+        choice = self._router.take_choice(engine.key)
+        if choice is None and task.target and self.config.routing.explain:
+            choice = RouteChoice(engine.key, "targeted", "named by the gateway that forwarded it")
+        effects.append(SendTask(engine.route, engine.key, wire, choice))
 
     def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
         tenant_id = engine.key.tenant_id

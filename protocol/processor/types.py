@@ -15,7 +15,7 @@ from typing import Union
 from protocol import errors
 from protocol.openai.errors import error_event, error_json
 from protocol.pb import worker_pb2
-from protocol.routing.router import RoutingConfig
+from protocol.routing.router import RouteChoice, RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The
@@ -229,6 +229,8 @@ class SendTask:
     route: Route
     engine: EngineKey
     task: worker_pb2.Task
+    #: Why routing chose the engine, with ``RoutingConfig.explain`` (for traces); else None.
+    choice: RouteChoice | None = None
 
 
 @dataclass(frozen=True, slots=True)

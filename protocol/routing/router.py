@@ -71,7 +71,8 @@ from protocol.routing.spills import SpilledTips
 if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
     from protocol.processor.types import EngineKey
 
-__all__ = ["PrefixIndex", "Router", "RoutingConfig", "RoutingDecision", "RoutingPolicy", "reported_load"]
+__all__ = ["PrefixIndex", "RouteChoice", "Router", "RoutingConfig", "RoutingDecision", "RoutingPolicy",
+           "reported_load"]
 
 
 class RoutingPolicy(Enum):
@@ -121,6 +122,8 @@ class RoutingConfig:
     spilled_tips: spilled prompts remembered per local engine and reported
         to peers with its status (:mod:`protocol.routing.spills`; 0: none
         shared, each gateway knows only its own spills).
+    explain: keep why each engine was chosen (:class:`RouteChoice`, for
+        traces); off, routing keeps nothing but the choice.
     """
 
     policy: RoutingPolicy = RoutingPolicy.AFFINITY
@@ -138,6 +141,7 @@ class RoutingConfig:
     index_blocks_total: int = 250_000
     sessions: int = 100_000
     spilled_tips: int = 64
+    explain: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -303,6 +307,30 @@ class _Pool:
     turn: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class RouteChoice:
+    """Why ``engine`` was chosen for a task: read by traces, never by routing.
+
+    ``reason`` names what won: ``in turn`` (round robin), ``fewest in flight`` (least in
+    progress, or a task without routing hints), the forwarding gateway's choice (policy
+    ``targeted``: a peer's task runs on the engine it names), or for affinity what the engine had among
+    ``home``, ``prefix``, ``session``, ``adapter`` (else ``load``: only its load set it apart),
+    with ``fallback`` when only engines that had failed the task could take it. ``score`` is
+    its affinity score among ``candidates`` scored; ``prefix_blocks`` of the request's
+    ``blocks`` were known cached on it. ``decision`` is how the placement is counted
+    (:class:`RoutingDecision`'s value; empty for a peer's task, which that peer placed).
+    """
+
+    engine: EngineKey
+    policy: str
+    reason: str
+    score: float | None = None
+    candidates: int = 0
+    prefix_blocks: int = 0
+    blocks: int = 0
+    decision: str = ""
+
+
 class Router:
     """The routing state of one processor: pools, loads, prefix index, sessions."""
 
@@ -317,6 +345,8 @@ class Router:
         self._adapters: dict[str, dict[EngineKey, None]] = {}
         #: Tasks placed since start per (tenant, model, :class:`RoutingDecision` value).
         self.decisions: Counter[tuple[str, str, str]] = Counter()
+        #: With ``config.explain``: why the last engine was chosen, until taken (:meth:`take_choice`).
+        self.last_choice: RouteChoice | None = None
 
     # --- what the processor tells -------------------------------------------
 
@@ -459,7 +489,11 @@ class Router:
         if pool is None:
             return None
         if hints is None or self.config.policy is RoutingPolicy.ROUND_ROBIN:
-            return self._in_turn(pool, avoid, blocked)
+            key = self._in_turn(pool, avoid, blocked)
+            if key is not None and self.config.explain:
+                self.last_choice = RouteChoice(key, RoutingPolicy.ROUND_ROBIN.value, "in turn",
+                                               decision=RoutingDecision.LOAD.value)
+            return key
         chosen = self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=False)
         return chosen or self._affinity(tenant_id, model, pool, hints, avoid, blocked, fallback=True)
 
@@ -558,7 +592,27 @@ class Router:
                 score -= config.kv_weight * member.kv
             if score > best_score:
                 best, best_score = key, score
+        if config.explain:
+            self.last_choice = self._explain(best, best_score, home, depths.get(best, 0), blocks, session_engine,
+                                             hints, len(candidates), fallback, self._decision(best, model, hints))
         return best
+
+    def _explain(self, best: EngineKey, score: float, home: EngineKey, depth: int, blocks: int,
+                 session_engine: EngineKey | None, hints: RoutingHints, candidates: int,
+                 fallback: bool, decision: RoutingDecision) -> RouteChoice:
+        had = [name for name, held in (("home", best == home), ("prefix", depth > 0),
+                                       ("session", best == session_engine),
+                                       ("adapter", bool(hints.adapter)
+                                        and hints.adapter in self._members[best].adapters)) if held]
+        if fallback:
+            had.append("fallback")
+        return RouteChoice(best, RoutingPolicy.AFFINITY.value, ",".join(had) or "load", score, candidates, depth,
+                           blocks, decision.value)
+
+    def take_choice(self, key: EngineKey) -> RouteChoice | None:
+        """Why ``key`` was chosen, if it was the last choice (once: the choice is forgotten)."""
+        choice, self.last_choice = self.last_choice, None
+        return choice if choice is not None and choice.engine == key else None
 
     # --- what tools read ----------------------------------------------------
 

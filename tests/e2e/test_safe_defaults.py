@@ -39,7 +39,9 @@ def test_tools_run_listens_on_loopback_only_and_says_that_auth_is_off(tmp_path: 
                                     str(ports[1]), "--internal-grpc", str(ports[2])], stdout=out,
                                    stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
     try:
-        wait_until(lambda: process.poll() is None and "listening: HTTP API" in log.read_text(),
+        # Under --workers (the cores, by default) each worker says where it listens, in any order:
+        # the line that names the given internal port is worker 0's (or the single process's).
+        wait_until(lambda: process.poll() is None and f"peers on 127.0.0.1:{ports[2]}" in log.read_text(),
                    "tools/run's gateway to listen")
         said = log.read_text()
         assert "tools/run: listening on 127.0.0.1 only (auth is off); --interface 0.0.0.0 listens on every " \

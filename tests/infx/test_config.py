@@ -284,3 +284,46 @@ def test_workers_default_to_the_cores_the_process_may_use_within_its_cgroup_quot
             build_config({}, {"workers": bad})
     with pytest.raises(ConfigError, match="--http-server"):
         build_config({}, {"http_server": "nginx"})
+
+
+def test_tracing_is_off_by_default_and_its_options_come_from_flags_or_the_file(tmp_path):
+    from infx.config import routing_config, tracing_config
+    from infx.tap import Options
+    from infx.tracing import TracingConfig
+
+    assert tracing_config(build_config({}, {})) is None
+    assert not routing_config(build_config({}, {}))[0].explain
+    path = tmp_path / "infx.yaml"
+    path.write_text("otlp_traces_endpoint: http://collector:4317\notlp_traces_protocol: grpc\n"
+                    "trace_sample_ratio: 0.25\ntrace_content: true\n")
+    options = Options()
+    options.parseOptions(["--config", str(path), "--trace-sample-ratio", "0"])
+    config = options.config_value
+    assert tracing_config(config) == TracingConfig("http://collector:4317", "grpc", 0.0, True)
+    # Tracing asks routing to say why it chose each engine.
+    assert routing_config(config)[0].explain
+    options = Options()
+    options.parseOptions(["--otlp-traces-endpoint", "http://collector:4318/v1/traces", "--trace-content"])
+    assert tracing_config(options.config_value) == TracingConfig("http://collector:4318/v1/traces",
+                                                                 "http/protobuf", 1.0, True)
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"otlp_traces_endpoint": "collector:4318"}, "--otlp-traces-endpoint: expected an http(s) URL"),
+    ({"otlp_traces_endpoint": "http://c:4318", "otlp_traces_protocol": "thrift"}, "--otlp-traces-protocol"),
+    ({"otlp_traces_endpoint": "http://c:4318", "trace_sample_ratio": "1.5"}, "--trace-sample-ratio"),
+    ({"trace_sample_ratio": "-0.1"}, "--trace-sample-ratio"),
+])
+def test_bad_tracing_options_are_one_line_naming_the_option(flags, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        build_config({}, flags)
+
+
+def test_tracing_without_the_otel_extra_is_refused_naming_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("opentelemetry.sdk") else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the otel extra: pip install 'infx\[otel\]'"):
+        build_config({}, {"otlp_traces_endpoint": "http://collector:4318"})

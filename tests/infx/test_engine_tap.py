@@ -186,3 +186,17 @@ def test_twistd_infx_engine_registers_answers_and_reports_not_ready_on_sigterm(g
     finally:
         if process.pid is not None:
             process.signalProcess(signal.SIGKILL)
+
+
+def test_tracing_options_of_the_agent_are_checked_and_off_by_default() -> None:
+    from infx.tracing import TracingConfig
+
+    assert parse("--server", "gw:1", "--models", "m")["tracing-config"] is None
+    options = parse("--server", "gw:1", "--models", "m", "--otlp-traces-endpoint", "http://c:4317",
+                    "--otlp-traces-protocol", "grpc", "--trace-sample-ratio", "0.5")
+    assert options["tracing-config"] == TracingConfig("http://c:4317", "grpc", 0.5)
+    for bad, message in ((["--otlp-traces-endpoint", "c:4317"], "--otlp-traces-endpoint"),
+                         (["--otlp-traces-endpoint", "http://c", "--otlp-traces-protocol", "x"], "--otlp-traces-protocol"),
+                         (["--trace-sample-ratio", "2"], "--trace-sample-ratio")):
+        with pytest.raises(usage.UsageError, match=message):
+            parse("--server", "gw:1", "--models", "m", *bad)

@@ -40,6 +40,7 @@ NAMESPACES = {
     "infx/scaling/lease.py": "infx.scaler_lease.LeaseElector",
     "infx/supervisor/supervisor.py": "infx.supervisor",
     "infx/supervisor/worker.py": "infx.supervisor.worker",
+    "infx/tracing/__init__.py": "infx.tracing",
 }
 
 

@@ -253,3 +253,32 @@ def test_the_in_flight_cap_holds_under_affinity_and_a_freed_slot_takes_a_waiting
     assert processor.waiting_task_ids("t", "m") == ["x4"]
     freed = one(processor.receive_result(sent[0].route, http(sent[0].task.id), 0.0), SendTask)
     assert freed.task.id == "x4" and freed.engine == sent[0].engine
+
+
+def _sent(processor, task_id, hints):
+    return one(processor.submit(now=0.0, task_id=task_id, tenant_id="t", request=chat(), origin="o", hints=hints),
+               SendTask)
+
+
+def test_with_explain_each_send_says_why_its_engine_was_chosen():
+    """Traces read this (infx/tracing): the policy, what the engine had, its score among the candidates."""
+    processor = gateway(explain=True)
+    first = _sent(processor, "a", conversation(1, turns=1))
+    assert first.choice.engine == first.engine and first.choice.policy == "affinity"
+    assert first.choice.reason == "home" and first.choice.candidates >= 1 and first.choice.score is not None
+    assert first.choice.decision == "home"  # as the operator page counts it (RoutingDecision)
+    # The next turn shares the first's prefix: its engine is chosen for it (and is still its home).
+    second = _sent(processor, "b", conversation(1, turns=2))
+    assert second.engine == first.engine
+    assert second.choice.reason == "home,prefix" and 0 < second.choice.prefix_blocks <= second.choice.blocks
+    assert second.choice.decision == "prefix_hit"
+    turn = _sent(gateway(RoutingPolicy.ROUND_ROBIN, explain=True), "c", conversation(2))
+    assert (turn.choice.policy, turn.choice.reason, turn.choice.decision) == ("round_robin", "in turn", "load")
+    least = _sent(gateway(RoutingPolicy.LEAST_IN_PROGRESS, explain=True), "d", conversation(2))
+    assert (least.choice.policy, least.choice.reason, least.choice.decision) == (
+        "least_in_progress", "fewest in flight", "load")
+
+
+def test_without_explain_routing_keeps_no_reason():
+    for policy in RoutingPolicy:
+        assert _sent(gateway(policy), "a", conversation(1)).choice is None
