@@ -249,6 +249,7 @@ _SERVE_ONE = textwrap.dedent("""
     from twisted.web.client import Agent, readBody
     from twisted.web.http_headers import Headers
     from twisted.internet.defer import ensureDeferred
+    from infx.service import GatewayService
     from infx.tap import Options, makeService
 
     options = Options()
@@ -258,8 +259,14 @@ _SERVE_ONE = textwrap.dedent("""
     service = makeService(options)
     service.startService()
 
+    def gateway_in(top):
+        # The GatewayService, wherever twistd's wrappers (ExitIfCannotListen, TextLog) put it.
+        if isinstance(top, GatewayService):
+            return top
+        return next(filter(None, map(gateway_in, getattr(top, "services", []))), None)
+
     async def main():
-        gateway = service.gateway  # the GatewayService inside twistd's ExitIfCannotListen
+        gateway = gateway_in(service)
         while not gateway.gateway.ready or not gateway.dispatcher.models("default"):
             await task.deferLater(reactor, 0.05)
         port = gateway.http.port.getHost().port
