@@ -21,8 +21,7 @@ from protocol.processor.fair_queue import Criticality, HeldQueue
 from protocol.processor.fair_share import caller_message
 from protocol.processor.slots import ProcessorSlots
 from protocol.processor.tables import TaskState, _Engine, _Task
-from protocol.processor.types import Effect, Locality, SendTask, TaskQueued
-from protocol.routing.router import RoutingPolicy
+from protocol.processor.types import Effect, EngineKey, Locality, SendTask, TaskQueued
 
 __all__ = ["ProcessorRouting"]
 
@@ -80,45 +79,39 @@ class ProcessorRouting(ProcessorSlots):
         cap, its runtime's busy back-off or its blocked route."""
         return self._pick(task, ignore_cap=True) is not None
 
-    def _held_back(self, task: _Task, engine: _Engine, may_use_reserve: bool) -> bool:
-        """What the routing policy must not choose for ``task``: an engine that is full, busy
-        or blocked, or that cannot take the task's request in any form."""
-        return self._blocked(engine, False, may_use_reserve) or not task_forms.eligible(task.request, engine.status)
-
     def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
-        policy = self.config.routing.policy
+        """The engine for ``task`` by the routing policy, or None: every engine that serves its
+        model is full, busy or blocked, or cannot take its request in any form. With
+        ``ignore_cap``, the ``least_in_progress`` engine that could take it but for those."""
         reserve = ignore_cap or self._may_use_reserve(task)
-        if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
-                (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
-            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
-                                      lambda key: self._held_back(task, self._engines[key], reserve))
-            if key is not None or not self.config.dynamic_model_loading:
-                return None if key is None else self._engines[key]
+        engines, request = self._engines, task.request
+
+        def held_back(key: EngineKey) -> bool:
+            engine = engines[key]
+            return self._blocked(engine, ignore_cap, reserve) or not task_forms.eligible(request, engine.status)
+
+        if ignore_cap:
+            key = self._router.least_in_progress(task.tenant_id, task.model, task.avoid, held_back)
+        else:
+            key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid, held_back)
+            if key is None and self.config.dynamic_model_loading:
+                # Past the affinity policy's load bound: any engine with room, else one to load the model.
+                key = self._router.least_in_progress(task.tenant_id, task.model, task.avoid, held_back)
+        if key is not None:
+            return engines[key]
+        if not self.config.dynamic_model_loading:
+            return None
+        # Any engine may load the model: this one scan is over every engine of the tenant.
         best: _Engine | None = None
-        best_rank: tuple[bool, bool, int, str] | None = None
-        for engine in self._ready_engines(task.tenant_id, task.model):
+        best_rank: tuple[bool, int, str] | None = None
+        for engine in self._by_tenant.get(task.tenant_id, {}).values():
             if not engine.routable or self._blocked(engine, ignore_cap, reserve):
                 continue
-            if not task_forms.eligible(task.request, engine.status):
+            if not task_forms.eligible(request, engine.status):
                 continue
-            rank = (
-                engine.key.engine_id in task.avoid,
-                engine.locality is not Locality.LOCAL,
-                len(engine.in_flight),
-                engine.key.engine_id,
-            )
+            rank = (engine.key.engine_id in task.avoid, len(engine.ready_models), engine.key.engine_id)
             if best_rank is None or rank < best_rank:
                 best, best_rank = engine, rank
-        if best is None and self.config.dynamic_model_loading:
-            # Any engine may load the model: this one scan is over every engine of the tenant.
-            for engine in self._by_tenant.get(task.tenant_id, {}).values():
-                if not engine.routable or self._blocked(engine, ignore_cap, reserve):
-                    continue
-                if not task_forms.eligible(task.request, engine.status):
-                    continue
-                rank = (engine.key.engine_id in task.avoid, False, len(engine.ready_models), engine.key.engine_id)
-                if best_rank is None or rank < best_rank:
-                    best, best_rank = engine, rank
         return best
 
     def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:

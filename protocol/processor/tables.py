@@ -19,7 +19,6 @@ import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-from collections.abc import Iterable
 from typing import Any
 
 from protocol.openai import task_forms
@@ -178,8 +177,6 @@ class ProcessorCounters:
     shed: int = 0
     outcomes: Counter[str] = field(default_factory=Counter)
 
-_NO_ENGINES: dict[EngineKey, _Engine] = {}
-_NO_MODELS: dict[str, dict[EngineKey, _Engine]] = {}
 
 
 class ProcessorTables:
@@ -309,10 +306,6 @@ class ProcessorTables:
         return {model for model, engines in self._ready_for.get(tenant_id, {}).items()
                 if any(engine.routable for engine in engines.values())}
 
-    def _ready_engines(self, tenant_id: str, model_id: str) -> Iterable[_Engine]:
-        """The tenant's engines with the model ready (the engine itself may not be routable)."""
-        return self._ready_for.get(tenant_id, _NO_MODELS).get(model_id, _NO_ENGINES).values()
-
     def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
         """(tenant, status copy) of every local engine, with its real readiness."""
         out = []
@@ -320,7 +313,7 @@ class ProcessorTables:
             if engine.locality is Locality.LOCAL:
                 copy = status_pb2.EngineStatus()
                 copy.CopyFrom(engine.status)
-                self._router.spills.annotate(engine.key, copy)  # what peers learn of its spilled prompts
+                self._router.annotate(engine.key, copy)  # what peers learn of its spilled prompts
                 out.append((engine.key.tenant_id, copy))
         return out
 
