@@ -62,7 +62,7 @@ route refused at its queue cap is routed again at once, with no retry counted;
 a route blocked for ``route_stuck_timeout`` is closed and its tasks fail over.
 
 Caps, fair queues and shedding: see :mod:`protocol.processor.slots`; routing, dispatch and
-the waiting tasks that take freed slots: :mod:`protocol.processor.routing`.
+the waiting tasks that take freed slots: :mod:`protocol.processor.dispatcher`.
 
 Draining (``drain``, on shutdown): local engines are told to go away, and a
 task that would wait (no routable engine, local or a peer's, serves its
@@ -100,9 +100,9 @@ from collections.abc import Mapping, Sequence
 from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.attempts import AttemptFailure, failure_of
+from protocol.processor.dispatcher import ProcessorRouting
 from protocol.processor.fair_queue import Criticality, weight_problem
-from protocol.processor.routing import ProcessorRouting
-from protocol.processor.tables import (
+from protocol.processor.tasks import (
     _ON_ENGINE,
     EngineView,
     ProcessorCounters,

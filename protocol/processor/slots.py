@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import Criticality, HeldQueue
-from protocol.processor.tables import ProcessorTables, TaskOutcome, TaskState, _ON_ENGINE, _ControlKind, _Engine, _Task
+from protocol.processor.tasks import ProcessorTables, TaskOutcome, TaskState, _ON_ENGINE, _ControlKind, _Engine, _Task
 from protocol.processor.types import CancelTaskOnEngine, DeliverResult, Effect, EngineKey, FailRequest
 
 __all__ = ["ProcessorSlots"]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from protocol.openai import task_forms
 from protocol.processor.core import Processor
-from protocol.processor.tables import _Engine, _Task
+from protocol.processor.tasks import _Engine, _Task
 from protocol.processor.types import Locality, ProcessorConfig
 from tests.support.processor import chat, engine_status
 

@@ -20,7 +20,7 @@ from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import Criticality, HeldQueue
 from protocol.processor.fair_share import caller_message
 from protocol.processor.slots import ProcessorSlots
-from protocol.processor.tables import TaskState, _Engine, _Task
+from protocol.processor.tasks import TaskState, _Engine, _Task
 from protocol.processor.types import Effect, EngineKey, Locality, SendTask, TaskQueued
 
 __all__ = ["ProcessorRouting"]
