@@ -1,14 +1,18 @@
-"""Where a task goes: routing to an engine, dispatch, and the waiting tasks that take the
-slots freed or opened during an input; pure (the base of :class:`~protocol.processor.core.Processor`).
+"""Where a task goes: routing it to an engine, dispatch, and the waiting tasks that take the
+slots freed or opened during an input; pure, no I/O, no clock reads.
 
-Split from :mod:`protocol.processor.core` (which holds every input) so that each file keeps to one
-concern. Routing (``_pick``): the task's tenant's engines that serve its model and can take its
-request, by ``config.routing``'s policy, skipping those full, busy or blocked
-(:mod:`protocol.processor.slots`). A task no engine can take now waits in its model's held
-queue (``_route``), or is shed, refused or failed. Waiting tasks get a slot when one frees on an
-engine (``_dispatch_waiting``: peers' tasks held for it and this gateway's for its models, in
-their callers' turn) or when a change of slots held lets a waiting caller take an engine's
-reserved slots (``_refill``).
+Rules this file keeps: a task is sent to an engine only by :meth:`Dispatcher.dispatch`, and
+only to one routing chose (:meth:`Dispatcher.pick`: the task's tenant's engines that serve its
+model and can take its request, by the policy ``config.routing`` names, skipping those full,
+busy or blocked, see :mod:`protocol.processor.slots`). A task no engine can take now waits in
+its model's held queue (:meth:`Dispatcher.route`), or is shed, refused or failed. Waiting tasks
+get a slot when one frees on an engine (:meth:`Dispatcher.dispatch_waiting`: peers' tasks held
+for it and this gateway's for its models, in their callers' turn) or when a change of slots
+held lets a waiting caller take an engine's reserved slots; :meth:`Dispatcher.refill` does
+both before every input returns.
+
+Draining (``draining``, set by ``Processor.drain``): a task that would wait (no routable
+engine, local or a peer's, serves its model) fails at once with 503 and ``busy_retry_after``.
 """
 
 from __future__ import annotations
@@ -17,78 +21,118 @@ import itertools
 
 from protocol.openai import task_forms
 from protocol.pb import worker_pb2
+from protocol.processor.counters import ProcessorCounters
+from protocol.processor.endings import Endings
+from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.fair_queue import Criticality, HeldQueue
 from protocol.processor.fair_share import caller_message
-from protocol.processor.slots import ProcessorSlots
-from protocol.processor.tasks import TaskState, _Engine, _Task
-from protocol.processor.types import Effect, EngineKey, Locality, SendTask, TaskQueued
+from protocol.processor.slots import Slots
+from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
+from protocol.processor.types import Effect, EngineKey, Locality, ProcessorConfig, SendTask, TaskQueued
+from protocol.routing.router import Router
 
-__all__ = ["ProcessorRouting"]
+__all__ = ["Dispatcher"]
 
 
-class ProcessorRouting(ProcessorSlots):
-    """Routing and dispatch of :class:`~protocol.processor.core.Processor`."""
+class Dispatcher:
+    """Routes tasks to engines, and gives freed slots to waiting tasks."""
 
-    def _route(self, now: float, task: _Task, effects: list[Effect]) -> None:
-        engine = self._pick(task)
+    def __init__(self, config: ProcessorConfig, counters: ProcessorCounters, tasks: TaskTable,
+                 engines: EngineTable, slots: Slots, endings: Endings, router: Router) -> None:
+        self.config = config
+        self.counters = counters
+        self._tasks = tasks
+        self._engines = engines
+        self._slots = slots
+        self._endings = endings
+        self._router = router
+        #: Set by ``Processor.drain``: a task that would wait fails at once instead.
+        self.draining = False
+
+    def route(self, now: float, task: TaskRecord, effects: list[Effect]) -> None:
+        """Send ``task`` to the engine routing picks, or let it wait (or shed, refuse, fail it)."""
+        engine = self.pick(task)
         if engine is not None:
-            self._dispatch(now, task, engine, effects)
+            self.dispatch(now, task, engine, effects)
             return
-        if self._no_engine_takes_it(task):
-            self._fail(task, 400, self._typed_form_missing(task), effects)
+        slots, endings = self._slots, self._endings
+        if self.no_engine_takes_it(task):
+            endings.fail(task, 400, self._typed_form_missing(task), effects)
             return
         if self._should_shed(task):
-            self._shed(task, effects)
+            endings.shed(task, effects)
             return
-        if self._waiting_total >= self.config.max_waiting_tasks:
-            if not self._sheddable:
+        if slots.waiting_total >= self.config.max_waiting_tasks:
+            if not slots.sheddable:
                 if task.busy_reply is not None:
-                    self._deliver(task, task.busy_reply, True, effects)
+                    endings.deliver(task, task.busy_reply, True, effects)
                 else:
-                    self._fail(task, 503, "too many tasks waiting for an engine", effects,
-                               self.config.busy_retry_after)
+                    endings.fail(task, 503, "too many tasks waiting for an engine", effects,
+                                 self.config.busy_retry_after)
                 return
-            self._shed(self._tasks[next(reversed(self._sheddable))], effects)
-        if self.draining and self._pick(task, ignore_cap=True) is None:
-            self._refuse_draining(task, effects)
+            endings.shed(self._tasks[next(reversed(slots.sheddable))], effects)
+        if self.draining and self.pick(task, ignore_cap=True) is None:
+            endings.refuse_draining(task, effects)
             return
-        self._hold(now, task, self._waiting.setdefault((task.tenant_id, task.model), HeldQueue()))
+        slots.hold(now, task, slots.model_queue(task))
         if task.criticality is Criticality.SHEDDABLE:
-            self._sheddable[task.id] = None
-        if not self._served_but_full(task):
-            queued = len(self._waiting[(task.tenant_id, task.model)])
+            slots.sheddable[task.id] = None
+        if not self.served_but_full(task):
+            queued = len(slots.waiting[(task.tenant_id, task.model)])
             effects.append(TaskQueued(task.tenant_id, task.model, task.id, queued))
 
+    def wait_on_engine(self, now: float, task: TaskRecord, engine: EngineRecord, effects: list[Effect]) -> None:
+        """A peer's task for an engine at its cap waits for a slot on it, in its caller's turn
+        among every gateway's callers; a sheddable one, or one that finds the queue full, is
+        refused (503) so that the peer may try elsewhere."""
+        if task.criticality is Criticality.SHEDDABLE or self._slots.waiting_total >= self.config.max_waiting_tasks:
+            message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
+            self._endings.fail(task, 503, message, effects, self.config.busy_retry_after)
+            return
+        self._slots.hold(now, task, self._slots.engine_queue(engine, task.model))
+
     @staticmethod
-    def _typed_form_missing(task: _Task) -> str:
+    def _typed_form_missing(task: TaskRecord) -> str:
         return (f"no engine serving model {task.model!r} can take this request "
                 f"(it needs infx's engine agent): {task.request.typed_request_incomplete}")
 
-    def _should_shed(self, task: _Task) -> bool:
+    def no_engine_takes_it(self, task: TaskRecord) -> bool:
+        """Engines list the task's model, but none can take its request (only its verbatim form
+        exists and they are LLMariner engines): waiting would not help."""
+        return (
+            bool(task.request.typed_request_incomplete)
+            and self._engines.serves(task.tenant_id, task.model)
+            and not self._engines.takes_http_request(task.tenant_id, task.model)
+        )
+
+    def _should_shed(self, task: TaskRecord) -> bool:
         """Whether a task that is about to wait is sheddable and the engines are saturated."""
         if task.criticality is not Criticality.SHEDDABLE:
             return False
-        if self._waiting_total >= self.config.max_waiting_tasks:
+        if self._slots.waiting_total >= self.config.max_waiting_tasks:
             return True
-        queue = self._waiting.get((task.tenant_id, task.model))
+        queue = self._slots.waiting.get((task.tenant_id, task.model))
         held = len(queue) if queue is not None else 0
-        return held >= self.config.shed_waiting_threshold and self._served_but_full(task)
+        return held >= self.config.shed_waiting_threshold and self.served_but_full(task)
 
-    def _served_but_full(self, task: _Task) -> bool:
+    def served_but_full(self, task: TaskRecord) -> bool:
         """Whether the task waits only for room: an engine would take it but for its in-flight
         cap, its runtime's busy back-off or its blocked route."""
-        return self._pick(task, ignore_cap=True) is not None
+        return self.pick(task, ignore_cap=True) is not None
 
-    def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
+    def pick(self, task: TaskRecord, ignore_cap: bool = False) -> EngineRecord | None:
         """The engine for ``task`` by the routing policy, or None: every engine that serves its
         model is full, busy or blocked, or cannot take its request in any form. With
         ``ignore_cap``, the ``least_in_progress`` engine that could take it but for those."""
-        reserve = ignore_cap or self._may_use_reserve(task)
+        slots = self._slots
+        reserve = ignore_cap or slots.may_use_reserve(task)
         engines, request = self._engines, task.request
+        engine_of = engines.get
 
         def held_back(key: EngineKey) -> bool:
-            engine = engines[key]
-            return self._blocked(engine, ignore_cap, reserve) or not task_forms.eligible(request, engine.status)
+            engine = engine_of(key)
+            assert engine is not None  # the router knows only engines of the table
+            return slots.blocked(engine, ignore_cap, reserve) or not task_forms.eligible(request, engine.status)
 
         if ignore_cap:
             key = self._router.least_in_progress(task.tenant_id, task.model, task.avoid, held_back)
@@ -98,14 +142,14 @@ class ProcessorRouting(ProcessorSlots):
                 # Past the affinity policy's load bound: any engine with room, else one to load the model.
                 key = self._router.least_in_progress(task.tenant_id, task.model, task.avoid, held_back)
         if key is not None:
-            return engines[key]
+            return engine_of(key)
         if not self.config.dynamic_model_loading:
             return None
         # Any engine may load the model: this one scan is over every engine of the tenant.
-        best: _Engine | None = None
+        best: EngineRecord | None = None
         best_rank: tuple[bool, int, str] | None = None
-        for engine in self._by_tenant.get(task.tenant_id, {}).values():
-            if not engine.routable or self._blocked(engine, ignore_cap, reserve):
+        for engine in engines.of_tenant(task.tenant_id).values():
+            if not engine.routable or slots.blocked(engine, ignore_cap, reserve):
                 continue
             if not task_forms.eligible(request, engine.status):
                 continue
@@ -114,24 +158,20 @@ class ProcessorRouting(ProcessorSlots):
                 best, best_rank = engine, rank
         return best
 
-    def _dispatch(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
-        self._move(task, TaskState.DISPATCHED)
+    def dispatch(self, now: float, task: TaskRecord, engine: EngineRecord, effects: list[Effect]) -> None:
+        """Send a new attempt of ``task`` to ``engine`` (``SendTask``)."""
+        self._tasks.move(task, TaskState.DISPATCHED)
         task.engine = engine.key
         task.reported_engine_id = engine.status.engine_id
         task.route = engine.route
         task.next_index = 0
-        task.attempt += 1
         retried = task.attempts.sent()
         if retried is not None:
             self.counters.retries[retried.value] += 1
-        task.wire_id = self._attempt_id(task)
-        self._attempts[task.wire_id] = task
-        engine.in_flight.add(task.id)
-        task.holds_slot = True
-        self._shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
-        self._shares_changed(task)
+        self._tasks.attempt_sent(task)
+        self._slots.take(task, engine)
         tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
-        self._set_timer(task, task.deadline)
+        self._tasks.set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,
             request=task_forms.for_engine(task.request, engine.status),
@@ -151,117 +191,126 @@ class ProcessorRouting(ProcessorSlots):
             wire.header[name].values.extend(values)
         effects.append(SendTask(engine.route, engine.key, wire))
 
-    def _dispatch_waiting(self, now: float, engine: _Engine, effects: list[Effect]) -> None:
+    # --- waiting tasks take slots ----------------------------------------------------
+
+    def dispatch_waiting(self, now: float, engine: EngineRecord, effects: list[Effect]) -> None:
+        """``engine`` may have room: peers' tasks held for it, then this gateway's tasks waiting
+        for its models, take it in their turn."""
         tenant_id = engine.key.tenant_id
-        for model, targeted in list(self._waiting_on.get(engine.key, {}).items()):
+        for model, targeted in list(self._slots.waiting_on.get(engine.key, {}).items()):
             self._dispatch_targeted(now, engine, model, targeted, effects)
+        waiting = self._slots.waiting
         if self.config.dynamic_model_loading:
-            keys = [key for key in self._waiting if key[0] == tenant_id]
+            keys = [key for key in waiting if key[0] == tenant_id]
         else:
             # In the order the queues formed, not the frozenset's (hash-seeded) order, so that the
             # same inputs dispatch the same way in every process (the simulation replays seeds).
-            keys = [key for key in self._waiting if key[0] == tenant_id and key[1] in engine.ready_models]
+            keys = [key for key in waiting if key[0] == tenant_id and key[1] in engine.ready_models]
         for key in keys:
             self._dispatch_queue(now, key, effects)
 
     def _dispatch_targeted(
-        self, now: float, engine: _Engine, model: str, targeted: HeldQueue, effects: list[Effect],
+        self, now: float, engine: EngineRecord, model: str, targeted: HeldQueue, effects: list[Effect],
         before_local: bool = True,
     ) -> None:
         """Peers' tasks for ``model`` waiting for ``engine`` take its free slots, in their turn
         among this gateway's own tasks waiting for the model: a local task that comes first
         (more critical, or of a caller holding fewer slots per weight) goes first, wherever
         it finds room (``before_local``: unless the local ones just found none)."""
+        slots, tasks = self._slots, self._tasks
         key = (engine.key.tenant_id, model)
-        served = self._served_for(key)
+        served = slots.served_for(key)
         while targeted and (task_id := targeted.peek(served)) is not None:
-            task = self._tasks[task_id]
-            local = self._waiting.get(key) if before_local else None
+            task = tasks[task_id]
+            local = slots.waiting.get(key) if before_local else None
             first = None if local is None else local.peek(served)
-            if first is not None and self._comes_before(self._tasks[first], task):
-                target = self._pick(self._tasks[first])
+            if first is not None and self._comes_before(tasks[first], task):
+                target = self.pick(tasks[first])
                 if target is not None:
-                    self._unwait(self._tasks[first], served=True)
-                    self._dispatch(now, self._tasks[first], target, effects)
+                    slots.unwait(tasks[first], served=True)
+                    self.dispatch(now, tasks[first], target, effects)
                     continue
-            if self._full(engine, self._may_use_reserve(task)):
+            if slots.full(engine, slots.may_use_reserve(task)):
                 break  # the least served flow waits; nobody else may take the slot before it
-            self._unwait(task, served=True)
-            self._dispatch(now, task, engine, effects)
+            slots.unwait(task, served=True)
+            self.dispatch(now, task, engine, effects)
 
-    def _comes_before(self, task: _Task, other: _Task) -> bool:
+    def _comes_before(self, task: TaskRecord, other: TaskRecord) -> bool:
         """Whether ``task`` takes a slot before ``other`` (both waiting for its model): more
         critical, or as critical and of a caller holding fewer slots per weight."""
-        served = self._shares.served
+        served = self._slots.shares.served
         return (task.criticality.rank, served(task.tenant_id, task.model, task.flow)) < \
             (other.criticality.rank, served(other.tenant_id, other.model, other.flow))
 
     def _dispatch_queue(self, now: float, key: tuple[str, str], effects: list[Effect]) -> None:
         """Tasks waiting in the queue of (tenant, model) go to any engine with room, in their turn."""
-        queue = self._waiting.get(key)
-        while queue is not None and (task_id := queue.peek(self._served_for(key))) is not None:
-            task = self._tasks[task_id]
-            target = self._pick(task)
+        slots, tasks = self._slots, self._tasks
+        queue = slots.waiting.get(key)
+        while queue is not None and (task_id := queue.peek(slots.served_for(key))) is not None:
+            task = tasks[task_id]
+            target = self.pick(task)
             if target is None and task.request.typed_request_incomplete:
-                if self._no_engine_takes_it(task):
-                    self._fail(task, 400, self._typed_form_missing(task), effects)
+                if self.no_engine_takes_it(task):
+                    self._endings.fail(task, 400, self._typed_form_missing(task), effects)
                 else:
                     # The head waits for an engine that takes its verbatim form; a task
                     # behind it (in arrival order) may take this one's typed form now.
-                    task = next((t for t in map(self._tasks.__getitem__, queue)
-                                 if not t.request.typed_request_incomplete and self._pick(t) is not None),
+                    task = next((t for t in map(tasks.__getitem__, queue)
+                                 if not t.request.typed_request_incomplete and self.pick(t) is not None),
                                 task)
-                    target = None if task.id == task_id else self._pick(task)
+                    target = None if task.id == task_id else self.pick(task)
                     if target is None:
                         break
-                    self._unwait(task, served=True)
-                    self._dispatch(now, task, target, effects)
-                queue = self._waiting.get(key)
+                    slots.unwait(task, served=True)
+                    self.dispatch(now, task, target, effects)
+                queue = slots.waiting.get(key)
                 continue
-            if target is None and not self._may_use_reserve(task):
+            if target is None and not slots.may_use_reserve(task):
                 task, target = self._reserve_taker(queue, key, task)
             if target is None:
                 break
-            self._unwait(task, served=True)
-            self._dispatch(now, task, target, effects)
-            queue = self._waiting.get(key)
+            slots.unwait(task, served=True)
+            self.dispatch(now, task, target, effects)
+            queue = slots.waiting.get(key)
 
-    def _reserve_taker(self, queue: HeldQueue, key: tuple[str, str], head: _Task) -> tuple[_Task, _Engine | None]:
+    def _reserve_taker(self, queue: HeldQueue, key: tuple[str, str],
+                       head: TaskRecord) -> tuple[TaskRecord, EngineRecord | None]:
         """The head of a lower criticality band whose caller may take the reserved slots the
         head of the queue may not (it is the least served), and the engine it takes, rather
         than leave those slots idle while both wait; else (``head``, None)."""
-        for task_id in itertools.islice(queue.heads(self._served_for(key)), 1, None):
+        for task_id in itertools.islice(queue.heads(self._slots.served_for(key)), 1, None):
             task = self._tasks[task_id]
-            if self._may_use_reserve(task) and (target := self._pick(task)) is not None:
+            if self._slots.may_use_reserve(task) and (target := self.pick(task)) is not None:
                 return task, target
         return head, None
 
-    def _refill(self, now: float, effects: list[Effect]) -> None:
+    def refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap
         can keep a task waiting while an engine serves its model, so only then is there work),
         and retry those of a model whose slots held changed when that made a waiting caller
-        the least served, who may take an engine's reserved slots (``_reshuffled``)."""
-        while self._freed or self._reshuffled:
-            if self._freed:
-                freed = next(iter(self._freed))
-                del self._freed[freed]
+        the least served, who may take an engine's reserved slots (``Slots.reshuffled``)."""
+        slots = self._slots
+        while slots.freed or slots.reshuffled:
+            if slots.freed:
+                freed = next(iter(slots.freed))
+                del slots.freed[freed]
                 engine = self._engines.get(freed)
                 if engine is not None and engine.routable:
-                    self._dispatch_waiting(now, engine, effects)
+                    self.dispatch_waiting(now, engine, effects)
                 continue
-            key = next(iter(self._reshuffled))
-            del self._reshuffled[key]
-            takers = self._shares.least_served_waiting(*key)
-            before = self._reserve_takers.pop(key, frozenset())
+            key = next(iter(slots.reshuffled))
+            del slots.reshuffled[key]
+            takers = slots.shares.least_served_waiting(*key)
+            before = slots.reserve_takers.pop(key, frozenset())
             if takers:
-                self._reserve_takers[key] = takers
+                slots.reserve_takers[key] = takers
             if not takers - before:
                 continue  # no waiting caller may take a reserved slot it could not before
             tenant_id, model = key
             # This gateway's tasks first: then none of them can take a slot a peer's task may.
             self._dispatch_queue(now, key, effects)
-            for engine_key, queues in list(self._waiting_on.items()):
+            for engine_key, queues in list(slots.waiting_on.items()):
                 held = queues.get(model) if engine_key.tenant_id == tenant_id else None
                 engine = self._engines.get(engine_key)
-                if held is not None and engine is not None and engine.routable and not self._full(engine):
+                if held is not None and engine is not None and engine.routable and not slots.full(engine):
                     self._dispatch_targeted(now, engine, model, held, effects, before_local=False)

@@ -1,37 +1,45 @@
-"""The processor's tables: task and engine records, their states, and the queries over them.
+"""The task table: every live task's record, the task life cycle, attempts by wire id, and
+task timers; pure, no I/O, no clock reads.
 
-No I/O, no clock reads. Split from :mod:`protocol.processor.core` (which holds every
-input and transition) so that each file keeps to one concern: this one owns
-what the processor knows (tasks by id, engines by key and by tenant, the
-waiting queues, the timer heap, counters) and answers questions about it
-without changing it; the state table ``_TRANSITIONS`` is enforced by
-``_move``, the one place a task changes state.
+Rules this file keeps: a task changes state only through :meth:`TaskTable.move`, which
+enforces the transition table below (the one place the life cycle is drawn and kept); a task
+enters the table with :meth:`TaskTable.add` and leaves it with :meth:`TaskTable.end`, which is
+how every task ends, whatever its state. The table knows nothing of engines or queues: what a
+state means for them is the other parts' (:mod:`protocol.processor.slots`,
+:mod:`protocol.processor.endings`).
 
-Engines are also indexed by (tenant, model): those that list the model and
-those that have it ready, kept by ``_index`` (the one place an engine's model
-sets change), so that routing a task and asking whether a model is served
-cost the engines of that model, not every engine.
+Task life cycle (``TaskState``; ending is leaving the table from any state)::
+
+    submit -> WAITING | DISPATCHED
+    WAITING       -> DISPATCHED                   an engine for the model became ready
+    DISPATCHED    -> STREAMING                    first result delivered (no retries after)
+    DISPATCHED    -> RETRY_PENDING                the attempt failed and another may be made (see Attempts)
+    RETRY_PENDING -> DISPATCHED | WAITING         retry delay over (a busy runtime's task: at once)
+
+Attempts: each dispatch of a task is an attempt with its own wire id (the task
+id, then ``"{id}#2"``, ``"{id}#3"``...); results are matched to the current
+attempt only (:meth:`TaskTable.by_attempt`), so a late answer to an abandoned attempt is ignored.
+
+Timers: one live timer per task (its deadline, queue timeout or retry delay, whichever is
+next); superseded entries stay in the heap until they surface, and the heap is compacted
+when they outnumber the live tasks, so memory follows the live load.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Callable, Iterator, ValuesView
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
-from protocol.openai import task_forms
+from protocol.pb import worker_pb2
 from protocol.processor.attempts import Attempts
-from protocol.pb import status_pb2, worker_pb2
-from protocol.processor.fair_queue import Criticality, HeldQueue
-from protocol.processor.fair_share import FairShares
-from protocol.processor.route_flow import RouteFlow
-from protocol.processor.types import EngineKey, Locality, Origin, ProcessorConfig, ProcessorUsageError, Route, SendTask
+from protocol.processor.fair_queue import Criticality
+from protocol.processor.types import EngineKey, Origin, ProcessorUsageError, Route
 from protocol.routing.hints import RoutingHints
-from protocol.routing.router import Router
 
-__all__ = ["EngineView", "ProcessorCounters", "ProcessorTables", "TaskOutcome", "TaskState"]
+__all__ = ["ON_ENGINE", "TRANSITIONS", "TaskOutcome", "TaskRecord", "TaskState", "TaskTable"]
 
 
 class TaskState(Enum):
@@ -43,7 +51,8 @@ class TaskState(Enum):
     STREAMING = "streaming"
 
 
-_TRANSITIONS: dict[TaskState | None, frozenset[TaskState]] = {
+#: The task life cycle: the states each state may move to (None: not yet placed).
+TRANSITIONS: dict[TaskState | None, frozenset[TaskState]] = {
     None: frozenset({TaskState.WAITING, TaskState.DISPATCHED}),
     TaskState.WAITING: frozenset({TaskState.DISPATCHED}),
     TaskState.RETRY_PENDING: frozenset({TaskState.DISPATCHED, TaskState.WAITING}),
@@ -51,7 +60,8 @@ _TRANSITIONS: dict[TaskState | None, frozenset[TaskState]] = {
     TaskState.STREAMING: frozenset(),
 }
 
-_ON_ENGINE = (TaskState.DISPATCHED, TaskState.STREAMING)
+#: The states of a task that is on an engine (it holds a slot there, and results may come).
+ON_ENGINE = (TaskState.DISPATCHED, TaskState.STREAMING)
 
 
 class TaskOutcome(Enum):
@@ -62,27 +72,14 @@ class TaskOutcome(Enum):
     CANCELLED = "cancelled"  # the client went away
 
 
-class _ControlKind(Enum):
-    HEARTBEAT = "heartbeat"
-    GO_AWAY = "go_away"
-    CANCEL = "cancel"
-
-
-@dataclass(slots=True)
-class _Control:
-    """A task the processor sent on its own; its reply is consumed here."""
-
-    kind: _ControlKind
-    engine: EngineKey
-    route: Route
-
-
-#: What a streaming task holds in place of its request (see ``_Task.release_request``); never mutated.
+#: What a streaming task holds in place of its request (see ``TaskRecord.release_request``); never mutated.
 _RELEASED_REQUEST = worker_pb2.TaskRequest()
 
 
 @dataclass(slots=True)
-class _Task:
+class TaskRecord:
+    """What the processor knows of one live task."""
+
     id: str
     tenant_id: str
     model: str
@@ -95,27 +92,21 @@ class _Task:
     state: TaskState | None = None
     engine: EngineKey | None = None
     # The id that engine reports, which the attempt carries on its route (a peer's engine is
-    # named here with its gateway's pod, see ``update_engine_as``): its cancel carries it too.
+    # named here with its gateway's pod, see ``Processor.update_engine_as``): its cancel carries it too.
     reported_engine_id: str = ""
     route: Route = None
     avoid: set[str] = field(default_factory=set)
     next_index: int = 0
     unconsumed: int = 0
     timer_seq: int = 0
-    # Dispatches so far, and the id the current one carries on the wire (see ``_attempt_id``).
+    # Dispatches so far, and the id the current one carries on the wire (see ``TaskTable.attempt_sent``).
     attempt: int = 0
     wire_id: str = ""
     # The latest busy answer of a runtime (see "Busy runtimes"), and when the first came.
     busy_reply: worker_pb2.TaskResult | None = None
     busy_since: float | None = None
-    # Its sends to engines that failed, and the retries sent (``protocol.attempts``).
+    # Its sends to engines that failed, and the retries sent (``protocol.processor.attempts``).
     attempts: Attempts = field(default_factory=Attempts)
-
-    def release_request(self) -> None:
-        """The response has started: the task can never be dispatched again, so the request
-        (in both its forms, verbatim and typed) and its headers need not be held while it streams."""
-        self.request = _RELEASED_REQUEST
-        self.header = {}
     # Its place in a held queue (see ``protocol.processor.fair_queue``).
     criticality: Criticality = Criticality.STANDARD
     flow: str = ""
@@ -125,291 +116,108 @@ class _Task:
     # leaves the engine (the engine may be gone from the tables by then).
     holds_slot: bool = False
 
+    def release_request(self) -> None:
+        """The response has started: the task can never be dispatched again, so the request
+        (in both its forms, verbatim and typed) and its headers need not be held while it streams."""
+        self.request = _RELEASED_REQUEST
+        self.header = {}
 
-@dataclass(slots=True)
-class _Engine:
-    key: EngineKey
-    route: Route
-    locality: Locality
-    status: status_pb2.EngineStatus
-    ready_models: frozenset[str] = frozenset()
-    # Every model its status lists, ready or loading (kept with ``ready_models`` by ``_index``).
-    listed_models: frozenset[str] = frozenset()
-    draining: bool = False
-    in_flight: set[str] = field(default_factory=set)
-    pending_heartbeat: str | None = None
-    missed_heartbeats: int = 0
-    # Set while the engine's runtime said it is busy: routing skips it until then.
-    busy_until: float | None = None
-
-    @property
-    def routable(self) -> bool:
-        return self.status.ready and not self.draining
+    def out_of_order(self, result: worker_pb2.TaskResult, kind: str | None) -> str:
+        """Why ``result`` (of ``kind``) cannot be the task's next result, or "" if it can."""
+        engine_id = self.engine.engine_id if self.engine else ""
+        if result.result_index != self.next_index:
+            return f"engine {engine_id!r} sent result {result.result_index}, expected {self.next_index}"
+        if self.next_index == 0 and kind != "http_response":
+            return f"engine {engine_id!r} sent {kind} before the HTTP response"
+        if self.next_index > 0 and (kind != "server_sent_event" or not self.streaming):
+            flavour = "streaming" if self.streaming else "non-streaming"
+            return f"engine {engine_id!r} sent {kind} as result {self.next_index} of a {flavour} task"
+        return ""
 
 
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    """A read-only snapshot of one engine: ``routable`` is ready and not told to go away."""
+class TaskTable:
+    """Live tasks by id, per tenant and by the wire id of their current attempt, and their timers."""
 
-    key: EngineKey
-    route: Route
-    locality: Locality
-    routable: bool
-    in_flight: int
-
-
-@dataclass
-class ProcessorCounters:
-    """Monotonic counters the Twisted layer exports as metrics."""
-
-    accepted: int = 0
-    #: Sends of a task after one of its attempts failed, by that failure (``AttemptFailure``).
-    retries: Counter[str] = field(default_factory=Counter)
-    #: Attempts that failed without an answer for the client, by failure, retried or not.
-    attempt_failures: Counter[str] = field(default_factory=Counter)
-    results_ignored: int = 0
-    protocol_errors: int = 0
-    slow_consumers: int = 0
-    heartbeats_missed: int = 0
-    engine_id_clashes: int = 0
-    tenant_cap_refusals: int = 0
-    drain_refusals: int = 0
-    shed: int = 0
-    outcomes: Counter[str] = field(default_factory=Counter)
-
-
-
-class ProcessorTables:
-    """What the processor knows, and the read-only queries over it (the base of
-    :class:`~protocol.processor.core.Processor`)."""
-
-    def __init__(self, config: ProcessorConfig | None = None) -> None:
-        self.config = config or ProcessorConfig()
-        self.counters = ProcessorCounters()
-        self._tasks: dict[str, _Task] = {}
-        self._engines: dict[EngineKey, _Engine] = {}
-        self._by_tenant: dict[str, dict[str, _Engine]] = {}
-        # tenant -> model -> the tenant's engines that list it / that have it ready (see ``_index``).
-        self._listing: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
-        self._ready_for: dict[str, dict[str, dict[EngineKey, _Engine]]] = {}
-        # (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
-        self._waiting: dict[tuple[str, str], HeldQueue] = {}
-        # Targeted tasks (a peer's) waiting for a slot on their engine, per engine and model.
-        self._waiting_on: dict[EngineKey, dict[str, HeldQueue]] = {}
-        # Slots held and tasks waiting per caller, for fairness by slots held.
-        self._shares = FairShares()
-        self._waiting_total = 0
-        # Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
-        self._sheddable: dict[str, None] = {}
-        self._timers: list[tuple[float, int, str]] = []
-        self._timer_seq = 0
-        self._control: dict[str, _Control] = {}
-        self._control_seq = 0
-        # The task each attempt on an engine belongs to, by the id it carries on the wire.
-        self._attempts: dict[str, _Task] = {}
-        self._next_heartbeat: float | None = None
-        # Local engines another engine process claimed the id of, and when their answer to a
-        # heartbeat is due (see ``Processor.update_engine``).
-        self._probes: dict[EngineKey, float] = {}
+    def __init__(self) -> None:
+        self._by_id: dict[str, TaskRecord] = {}
+        #: The live task of an id, or None (the dict's own ``get``: it is on every input's path).
+        self.get: Callable[[str], TaskRecord | None] = self._by_id.get
         # Live tasks per tenant (every state), for ``max_tasks_per_tenant``.
-        self._tenant_tasks: Counter[str] = Counter()
-        # Engines a task left since the current input began: with an in-flight cap,
-        # their freed slots go to waiting tasks before the input returns (``_refill``).
-        self._freed: dict[EngineKey, None] = {}
-        # (tenant, model)s whose slots held or waiting callers changed since the input began: with
-        # a reserve, who may take an engine's last slots may have changed (``_refill``).
-        self._reshuffled: dict[tuple[str, str], None] = {}
-        # The waiting callers of (tenant, model) that were the least served when last retried.
-        self._reserve_takers: dict[tuple[str, str], frozenset[str]] = {}
-        # Set by ``drain``: a task that would wait fails at once instead.
-        self.draining = False
-        # (busy_until, seq, engine): when an engine's busy back-off ends.
-        self._backoffs: list[tuple[float, int, EngineKey]] = []
-        # Routes whose streams are not draining (backpressure), and since when.
-        self._flow = RouteFlow(self.config.route_stuck_timeout)
-        self._router = Router(self.config.routing)
-    # --- queries ----------------------------------------------------------
+        self._per_tenant: Counter[str] = Counter()
+        # The task each attempt on an engine belongs to, by the id it carries on the wire.
+        self._attempts: dict[str, TaskRecord] = {}
+        #: (when, seq, task id): every task's timer, superseded entries included until they surface.
+        self.timers: list[tuple[float, int, str]] = []
+        self._timer_seq = 0
 
-    def has_task(self, task_id: str) -> bool:
-        """Whether ``task_id`` is accepted and has not ended."""
-        return task_id in self._tasks
+    # --- the mapping of live tasks ------------------------------------------
 
-    def attempt_owner(self, wire_id: str) -> str | None:
-        """The task whose current attempt carries ``wire_id`` on the wire, if any."""
-        task = self._attempts.get(wire_id)
-        return None if task is None else task.id
+    def __getitem__(self, task_id: str) -> TaskRecord:
+        return self._by_id[task_id]
 
-    def task_state(self, task_id: str) -> TaskState:
-        """The state of a live task."""
-        state = self._require(task_id).state
-        assert state is not None
-        return state
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_id)
 
-    def waiting_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks waiting for an engine, per (tenant, model), peers' tasks waiting for a slot on
-        one of ours included: the scaler's demand signal and the queued metric."""
-        counts = Counter({key: len(ids) for key, ids in self._waiting.items() if ids})
-        for engine_key, queues in self._waiting_on.items():
-            for model, queue in queues.items():
-                counts[(engine_key.tenant_id, model)] += len(queue)
-        return dict(counts)
+    def __len__(self) -> int:
+        return len(self._by_id)
 
-    def waiting_task_ids(self, tenant_id: str, model_id: str) -> list[str]:
-        """Tasks waiting for (tenant, model), oldest first."""
-        return list(self._waiting.get((tenant_id, model_id), ()))
+    def __contains__(self, task_id: object) -> bool:
+        return task_id in self._by_id
 
-    def slots_held(self, tenant_id: str, model_id: str) -> dict[str, int]:
-        """Tasks on an engine per caller (flow) of (tenant, model): what fairness counts."""
-        return self._shares.held(tenant_id, model_id)
+    def values(self) -> ValuesView[TaskRecord]:
+        return self._by_id.values()
 
-    def in_flight_counts(self) -> dict[tuple[str, str], int]:
-        """Tasks on an engine (dispatched or streaming), per (tenant, model)."""
-        counts: Counter[tuple[str, str]] = Counter()
-        for task in self._tasks.values():
-            if task.state in _ON_ENGINE:
-                counts[(task.tenant_id, task.model)] += 1
-        return dict(counts)
-
-    def engine_counts(self) -> dict[tuple[str, Locality], int]:
-        """Engines per (tenant, locality)."""
-        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values()))
-
-    def routable_engine_counts(self) -> dict[tuple[str, Locality], int]:
-        """Engines that take tasks now (ready, not told to go away), per (tenant, locality)."""
-        return dict(Counter((e.key.tenant_id, e.locality) for e in self._engines.values() if e.routable))
-
-    def tenants(self) -> list[str]:
-        """Tenants with at least one engine registered, sorted."""
-        return sorted(self._by_tenant)
-
-    def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
-        """What the processor knows of one engine, or None if it is not registered."""
-        engine = self._engines.get(EngineKey(tenant_id, engine_id))
-        if engine is None:
-            return None
-        return EngineView(engine.key, engine.route, engine.locality, engine.routable, len(engine.in_flight))
-
-    def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
-        """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
-        listing = self._listing.get(tenant_id, {}).get(model_id, {})
-        return any(task_forms.takes_http_request(e.status) for e in listing.values())
-
-    def serves(self, tenant_id: str, model_id: str) -> bool:
-        """Whether an engine of the tenant lists the model (ready or loading)."""
-        return model_id in self._listing.get(tenant_id, {})
-
-    def known_models(self, tenant_id: str, ready_only: bool = False) -> set[str]:
-        """Models the tenant's engines list (loading ones too); with ``ready_only``,
-        only those a task could be routed to now."""
-        if not ready_only:
-            return set(self._listing.get(tenant_id, {}))
-        return {model for model, engines in self._ready_for.get(tenant_id, {}).items()
-                if any(engine.routable for engine in engines.values())}
-
-    def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
-        """(tenant, status copy) of every local engine, with its real readiness."""
-        out = []
-        for engine in self._engines.values():
-            if engine.locality is Locality.LOCAL:
-                copy = status_pb2.EngineStatus()
-                copy.CopyFrom(engine.status)
-                self._router.annotate(engine.key, copy)  # what peers learn of its spilled prompts
-                out.append((engine.key.tenant_id, copy))
-        return out
-
-    def status(self, tenant: str | None = None) -> dict[str, Any]:
-        """A JSON-able dump of tenants, engines, their tasks and the queue; with ``tenant``, of
-        that tenant alone (what its own admin may see)."""
-        tenants: dict[str, Any] = {}
-        for tenant_id, engines in sorted(self._by_tenant.items()):
-            if tenant is not None and tenant_id != tenant:
-                continue
-            tenants[tenant_id] = {
-                "engines": {
-                    engine_id: {
-                        # The id it reports (a peer's engine is named with its gateway's pod here).
-                        "engine_id": e.status.engine_id,
-                        "locality": e.locality.value,
-                        "ready": e.status.ready,
-                        "draining": e.draining,
-                        "busy_until": e.busy_until,
-                        "cluster_id": e.status.cluster_id,
-                        "models": [
-                            {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count}
-                            for m in sorted(e.status.models, key=lambda m: m.id)
-                        ],
-                        "tasks": sorted(e.in_flight),
-                        # Peers' tasks waiting here for a slot on it.
-                        "waiting": [t for queue in self._waiting_on.get(e.key, {}).values() for t in queue],
-                    }
-                    for engine_id, e in sorted(engines.items())
-                }
-            }
-        queue: dict[str, Any] = {}
-        for (tenant_id, model), ids in sorted(self._waiting.items()):
-            if ids and tenant in (None, tenant_id):
-                queue.setdefault(tenant_id, {})[model] = list(ids)
-        retrying = sorted(t.id for t in self._tasks.values()
-                          if t.state is TaskState.RETRY_PENDING and tenant in (None, t.tenant_id))
-        tasks = len(self._tasks) if tenant is None else self._tenant_tasks[tenant]
-        return {"tenants": tenants, "waiting": queue, "retry_pending": retrying, "tasks": tasks}
-    # --- internals: bookkeeping -------------------------------------------
-
-    def _index(self, engine: _Engine, listed: frozenset[str], ready: frozenset[str]) -> None:
-        """Set the models an engine lists and has ready, and the (tenant, model) index with them
-        (both empty: it leaves the index)."""
-        tenant, key = engine.key.tenant_id, engine.key
-        for table, old, new in ((self._listing, engine.listed_models, listed),
-                                (self._ready_for, engine.ready_models, ready)):
-            models = table.setdefault(tenant, {})
-            for model in old - new:
-                holders = models[model]
-                del holders[key]
-                if not holders:
-                    del models[model]
-            for model in new - old:
-                models.setdefault(model, {})[key] = engine
-            if not models:
-                del table[tenant]
-        engine.listed_models, engine.ready_models = listed, ready
-
-    def _move(self, task: _Task, state: TaskState) -> None:
-        if state not in _TRANSITIONS[task.state]:
-            raise AssertionError(f"task {task.id!r}: no transition {task.state} -> {state}")
-        task.state = state
-
-    def _set_timer(self, task: _Task, when: float) -> None:
-        # Superseded entries stay in the heap until they surface; compact it
-        # when they outnumber the live tasks, so memory follows the live load.
-        if len(self._timers) > 2 * len(self._tasks) + 64:
-            self._timers = [entry for entry in self._timers if self._timer_live(entry)]
-            heapq.heapify(self._timers)
-        self._timer_seq += 1
-        task.timer_seq = self._timer_seq
-        heapq.heappush(self._timers, (when, self._timer_seq, task.id))
-
-    def _timer_live(self, entry: tuple[float, int, str]) -> bool:
-        task = self._tasks.get(entry[2])
-        return task is not None and task.timer_seq == entry[1]
-
-    def _require(self, task_id: str) -> _Task:
-        task = self._tasks.get(task_id)
+    def require(self, task_id: str) -> TaskRecord:
+        """The live task ``task_id``; the caller misused the processor if there is none."""
+        task = self._by_id.get(task_id)
         if task is None:
             raise ProcessorUsageError(f"no task {task_id!r} in progress")
         return task
 
-    def _check_result(self, task: _Task, result: worker_pb2.TaskResult, kind: str | None) -> str:
-        engine_id = task.engine.engine_id if task.engine else ""
-        if result.result_index != task.next_index:
-            return f"engine {engine_id!r} sent result {result.result_index}, expected {task.next_index}"
-        if task.next_index == 0 and kind != "http_response":
-            return f"engine {engine_id!r} sent {kind} before the HTTP response"
-        if task.next_index > 0 and (kind != "server_sent_event" or not task.streaming):
-            flavour = "streaming" if task.streaming else "non-streaming"
-            return f"engine {engine_id!r} sent {kind} as result {task.next_index} of a {flavour} task"
-        return ""
+    def of_tenant(self, tenant_id: str) -> int:
+        """Live tasks of the tenant."""
+        return self._per_tenant[tenant_id]
 
-    def _attempt_id(self, task: _Task) -> str:
+    # --- life cycle ----------------------------------------------------------
+
+    def add(self, task: TaskRecord) -> None:
+        """``task`` was accepted; it has no state until it first moves."""
+        self._by_id[task.id] = task
+        self._per_tenant[task.tenant_id] += 1
+
+    def move(self, task: TaskRecord, state: TaskState) -> None:
+        """The one place a task changes state: only along the life cycle's transitions."""
+        if state not in TRANSITIONS[task.state]:
+            raise AssertionError(f"task {task.id!r}: no transition {task.state} -> {state}")
+        task.state = state
+
+    def end(self, task: TaskRecord) -> None:
+        """``task`` leaves the table, from whatever state (it let go of its queue and engine first)."""
+        task.state = None
+        del self._by_id[task.id]
+        self._per_tenant[task.tenant_id] -= 1
+        if not self._per_tenant[task.tenant_id]:
+            del self._per_tenant[task.tenant_id]
+
+    # --- attempts --------------------------------------------------------------
+
+    def by_attempt(self, wire_id: str) -> TaskRecord | None:
+        """The task whose current attempt carries ``wire_id`` on the wire, if any."""
+        return self._attempts.get(wire_id)
+
+    def attempt_sent(self, task: TaskRecord) -> None:
+        """A new attempt of ``task`` is sent: it gets its wire id (``task.wire_id``)."""
+        task.attempt += 1
+        task.wire_id = self._attempt_id(task)
+        self._attempts[task.wire_id] = task
+
+    def attempt_over(self, task: TaskRecord) -> None:
+        """The current attempt of ``task`` is over: its results are no longer taken."""
+        if task.wire_id:
+            del self._attempts[task.wire_id]
+            task.wire_id = ""
+
+    def _attempt_id(self, task: TaskRecord) -> str:
         """The id attempt ``task.attempt`` carries on the wire: the task id for the first,
         ``"{id}#{attempt}"`` for a retry, so that a late answer to an earlier attempt (a 503,
         a peer's refusal) is never taken for the current one, even over the same route.
@@ -421,47 +229,30 @@ class ProcessorTables:
             candidate = f"{base}#{clash}"
         return candidate
 
-    def _unassign(self, task: _Task) -> None:
-        if task.holds_slot:
-            task.holds_slot = False
-            self._shares.left(task.tenant_id, task.model, task.flow)
-            self._shares_changed(task)
-        if task.engine is not None:
-            engine = self._engines.get(task.engine)
-            if engine is not None:
-                if task.id in engine.in_flight:
-                    engine.in_flight.remove(task.id)
-                    self._router.task_left(engine.key)
-                if self.config.max_in_flight_per_engine is not None:
-                    self._freed[engine.key] = None
-        if task.wire_id:
-            del self._attempts[task.wire_id]
-            task.wire_id = ""
-        task.engine = None
-        task.route = None
+    # --- timers ---------------------------------------------------------------
 
-    def _shares_changed(self, task: _Task) -> None:
-        """``task``'s caller took or gave back a slot, or stopped waiting unserved: with a
-        reserve, another caller may now be the least served, and take a reserved slot."""
-        cap = self.config.max_in_flight_per_engine
-        if cap is not None and min(self.config.fair_reserve, cap - 1) > 0:
-            self._reshuffled[(task.tenant_id, task.model)] = None
+    def set_timer(self, task: TaskRecord, when: float) -> None:
+        """``task``'s one timer fires at ``when`` (replacing any it had)."""
+        if len(self.timers) > 2 * len(self._by_id) + 64:
+            self.timers = [entry for entry in self.timers if self._timer_live(entry)]
+            heapq.heapify(self.timers)
+        self._timer_seq += 1
+        task.timer_seq = self._timer_seq
+        heapq.heappush(self.timers, (when, self._timer_seq, task.id))
 
-    def _control_task(
-        self, kind: _ControlKind, engine: EngineKey, reported_id: str, route: Route, request: worker_pb2.TaskRequest
-    ) -> SendTask:
-        """A task of the processor's own to ``engine``, which reports ``reported_id`` on ``route``."""
-        self._control_seq += 1
-        control_id = f"{self.config.control_task_prefix}{kind.value}-{self._control_seq}"
-        self._control[control_id] = _Control(kind, engine, route)
-        wire = worker_pb2.Task(id=control_id, request=request, engine_id=reported_id)
-        return SendTask(route, engine, wire)
+    def next_timer(self) -> float | None:
+        """When the next live timer fires, if any."""
+        while self.timers and not self._timer_live(self.timers[0]):
+            heapq.heappop(self.timers)
+        return self.timers[0][0] if self.timers else None
 
-    def _control_replied(self, control_id: str, control: _Control) -> None:
-        del self._control[control_id]
-        if control.kind is _ControlKind.HEARTBEAT:
-            self._probes.pop(control.engine, None)  # alive: an engine that claimed its id was refused rightly
-            engine = self._engines.get(control.engine)
-            if engine is not None and engine.pending_heartbeat == control_id:
-                engine.pending_heartbeat = None
-                engine.missed_heartbeats = 0
+    def due(self, now: float) -> Iterator[TaskRecord]:
+        """The tasks whose timer fired by ``now``, in order; one set while iterating comes too if due."""
+        while self.timers and self.timers[0][0] <= now:
+            entry = heapq.heappop(self.timers)
+            if self._timer_live(entry):
+                yield self._by_id[entry[2]]
+
+    def _timer_live(self, entry: tuple[float, int, str]) -> bool:
+        task = self._by_id.get(entry[2])
+        return task is not None and task.timer_seq == entry[1]
