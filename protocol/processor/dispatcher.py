@@ -120,12 +120,13 @@ class Dispatcher:
         cap, its runtime's busy back-off or its blocked route."""
         return self.pick(task, ignore_cap=True) is not None
 
-    def pick(self, task: TaskRecord, ignore_cap: bool = False) -> EngineRecord | None:
+    def pick(self, task: TaskRecord, ignore_cap: bool = False, use_reserve: bool = False) -> EngineRecord | None:
         """The engine for ``task`` by the routing policy, or None: every engine that serves its
         model is full, busy or blocked, or cannot take its request in any form. With
-        ``ignore_cap``, the ``least_in_progress`` engine that could take it but for those."""
+        ``ignore_cap``, the ``least_in_progress`` engine that could take it but for those; with
+        ``use_reserve``, one with a reserved slot even if its caller may not take it."""
         slots = self._slots
-        reserve = ignore_cap or slots.may_use_reserve(task)
+        reserve = ignore_cap or use_reserve or slots.may_use_reserve(task)
         engines, request = self._engines, task.request
         engine_of = engines.get
 
@@ -254,35 +255,45 @@ class Dispatcher:
                     self._endings.fail(task, 400, self._typed_form_missing(task), effects)
                 else:
                     # The head waits for an engine that takes its verbatim form; a task
-                    # behind it (in arrival order) may take this one's typed form now.
-                    task = next((t for t in map(tasks.__getitem__, queue)
-                                 if not t.request.typed_request_incomplete and self.pick(t) is not None),
-                                task)
-                    target = None if task.id == task_id else self.pick(task)
+                    # behind it may take this one's typed form now.
+                    task, target = self._typed_taker(queue, task)
                     if target is None:
                         break
                     slots.unwait(task, served=True)
                     self.dispatch(now, task, target, effects)
                 queue = slots.waiting.get(key)
                 continue
-            if target is None and not slots.may_use_reserve(task):
-                task, target = self._reserve_taker(queue, key, task)
+            if target is None and not slots.may_use_reserve(task) and self._reserve_wanted_below(queue, key):
+                target = self.pick(task, use_reserve=True)
             if target is None:
                 break
             slots.unwait(task, served=True)
             self.dispatch(now, task, target, effects)
             queue = slots.waiting.get(key)
 
-    def _reserve_taker(self, queue: HeldQueue, key: tuple[str, str],
-                       head: TaskRecord) -> tuple[TaskRecord, EngineRecord | None]:
-        """The head of a lower criticality band whose caller may take the reserved slots the
-        head of the queue may not (it is the least served), and the engine it takes, rather
-        than leave those slots idle while both wait; else (``head``, None)."""
+    def _typed_taker(self, queue: HeldQueue, head: TaskRecord) -> tuple[TaskRecord, EngineRecord | None]:
+        """While ``head`` waits for an engine that takes its verbatim form, the task with a typed
+        form that takes a free slot now, and its engine: the most critical (the oldest within a
+        band), on a reserved slot its caller may not take if a less critical one's may (as
+        :meth:`_reserve_wanted_below`); else (``head``, None)."""
+        typed = sorted((t for t in map(self._tasks.__getitem__, queue) if not t.request.typed_request_incomplete),
+                       key=lambda t: t.criticality.rank)
+        taker = next((t for t in typed if self.pick(t) is not None), None)
+        if taker is None:
+            return head, None
+        if typed[0].criticality.rank < taker.criticality.rank:
+            return typed[0], self.pick(typed[0], use_reserve=True)
+        return taker, self.pick(taker)
+
+    def _reserve_wanted_below(self, queue: HeldQueue, key: tuple[str, str]) -> bool:
+        """Whether the head of a lower criticality band than the queue's head may take the
+        reserved slots the head may not (its caller holds the fewest), and finds one: then the
+        head takes it, as criticality comes first, rather than leave it idle while both wait."""
         for task_id in itertools.islice(queue.heads(self._slots.served_for(key)), 1, None):
             task = self._tasks[task_id]
-            if self._slots.may_use_reserve(task) and (target := self.pick(task)) is not None:
-                return task, target
-        return head, None
+            if self._slots.may_use_reserve(task) and self.pick(task) is not None:
+                return True
+        return False
 
     def refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap

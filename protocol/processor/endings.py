@@ -12,6 +12,8 @@ slow, and its task alone fails.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from protocol.pb import worker_pb2
 from protocol.processor.control import ControlKind, ControlTasks
 from protocol.processor.counters import ProcessorCounters
@@ -97,9 +99,12 @@ class Endings:
         message = f"this gateway is shutting down and no other engine serves model {task.model!r}; retry"
         self.fail(task, 503, message, effects, self.config.busy_retry_after)
 
-    def fail_waiting_on(self, key: EngineKey, reason: str, effects: list[Effect]) -> None:
-        """The engine peers' tasks wait for leaves routing: they fail (503) at once, so that
-        their gateways send them elsewhere."""
-        for task_id in self._slots.waiting_on_engine(key):
+    def fail_waiting_on(
+        self, key: EngineKey, reason: str, effects: list[Effect],
+        which: Callable[[TaskRecord], bool] = lambda task: True,
+    ) -> None:
+        """The engine peers' tasks wait for leaves routing, or can no longer take ``which`` of
+        them: they fail (503) at once, so that their gateways send them elsewhere."""
+        for task_id in [t for t in self._slots.waiting_on_engine(key) if which(self._tasks[t])]:
             message = f"engine {key.engine_id!r} {reason} while the task waited for a slot on it"
             self.fail(self._tasks[task_id], 503, message, effects, self.config.busy_retry_after)

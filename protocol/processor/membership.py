@@ -11,6 +11,7 @@ that names another process (``infx_instance``) is a clash, refused and probed
 
 from __future__ import annotations
 
+from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.attempts import AttemptFailure
 from protocol.processor.control import ControlKind, ControlTasks
@@ -64,6 +65,12 @@ class Membership:
         snapshot = status_pb2.EngineStatus()
         snapshot.CopyFrom(status)
         effects: list[Effect] = []
+        # An engine that stops taking verbatim requests cannot take the peers' tasks waiting for
+        # it with no typed form: they fail now, as at submit, not reach it typed once it has room.
+        if engine is not None and task_forms.takes_http_request(engine.status) \
+                and not task_forms.takes_http_request(snapshot):
+            self._endings.fail_waiting_on(key, "no longer takes verbatim requests", effects,
+                                          lambda task: not task_forms.eligible(task.request, snapshot))
         if engine is None:
             engine = EngineRecord(key=key, route=route, locality=locality, status=snapshot)
             self._engines.add(engine)

@@ -25,8 +25,9 @@ critical tasks first, then standard, then sheddable, and within each the
 caller (``flow``, weighted; a peer's task carries its caller) holding the
 fewest slots of the model's engines first. The last ``fair_reserve`` slots of
 an engine go only to a task of such a caller, or a critical one
-(:mod:`protocol.processor.fair_share`); one the head of the queue may not take goes to
-the head of a lower band that may, rather than stay idle while both wait.
+(:mod:`protocol.processor.fair_share`); one the head of the queue may not take while
+the head of a lower band may goes to the head all the same (criticality comes
+first), rather than to the less critical task or stay idle while both wait.
 
 Shedding: a ``sheddable`` task that would wait while every engine serving its
 model is at its cap and the model's queue holds ``shed_waiting_threshold``
