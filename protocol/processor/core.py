@@ -43,7 +43,7 @@ Parts (collaborating objects, each with its own state; none imports another's pr
     ``control.ControlTasks``   the processor's own tasks (heartbeats, go-aways, cancels), clash probes
     ``slots.Slots``            slots held and tasks waiting, per caller, model and engine; caps, the reserve
     ``endings.Endings``        a task's end: delivered, failed or cancelled, in one place
-    ``dispatcher.Dispatcher``  where a task goes (routing, dispatch) and which waiting task takes a freed slot
+    ``dispatcher.TaskDispatcher`` where a task goes (routing, dispatch) and which waiting task takes a freed slot
     ``retries.Retries``        a failed attempt: sent again, held, or the end
     ``membership.Membership``  engines joining, changing and leaving; heartbeats, go-away, id clashes
     the router                 :class:`protocol.routing.router.Router`, the policy ``config.routing`` names
@@ -88,7 +88,7 @@ from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.attempts import AttemptFailure, failure_of
 from protocol.processor.control import ControlTasks
 from protocol.processor.counters import ProcessorCounters
-from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
 from protocol.processor.engines import EngineTable, EngineView
 from protocol.processor.fair_queue import Criticality, weight_problem
@@ -159,7 +159,7 @@ class Processor:
         self._control = control = ControlTasks(config.control_task_prefix, engines)
         self._slots = slots = Slots(config, tasks, engines, router, flow)
         self._endings = endings = Endings(config, counters, tasks, slots, control)
-        self._dispatcher = dispatcher = Dispatcher(config, counters, tasks, engines, slots, endings, router)
+        self._dispatcher = dispatcher = TaskDispatcher(config, counters, tasks, engines, slots, endings, router)
         self._retries = retries = Retries(config, counters, tasks, engines, slots, endings, dispatcher)
         self._membership = Membership(config, counters, tasks, engines, router, flow, control, endings, dispatcher,
                                       retries)

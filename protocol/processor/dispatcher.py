@@ -1,14 +1,14 @@
 """Where a task goes: routing it to an engine, dispatch, and the waiting tasks that take the
 slots freed or opened during an input; pure, no I/O, no clock reads.
 
-Rules this file keeps: a task is sent to an engine only by :meth:`Dispatcher.dispatch`, and
-only to one routing chose (:meth:`Dispatcher.pick`: the task's tenant's engines that serve its
+Rules this file keeps: a task is sent to an engine only by :meth:`TaskDispatcher.dispatch`, and
+only to one routing chose (:meth:`TaskDispatcher.pick`: the task's tenant's engines that serve its
 model and can take its request, by the policy ``config.routing`` names, skipping those full,
 busy or blocked, see :mod:`protocol.processor.slots`). A task no engine can take now waits in
-its model's held queue (:meth:`Dispatcher.route`), or is shed, refused or failed. Waiting tasks
-get a slot when one frees on an engine (:meth:`Dispatcher.dispatch_waiting`: peers' tasks held
+its model's held queue (:meth:`TaskDispatcher.route`), or is shed, refused or failed. Waiting tasks
+get a slot when one frees on an engine (:meth:`TaskDispatcher.dispatch_waiting`: peers' tasks held
 for it and this gateway's for its models, in their callers' turn) or when a change of slots
-held lets a waiting caller take an engine's reserved slots; :meth:`Dispatcher.refill` does
+held lets a waiting caller take an engine's reserved slots; :meth:`TaskDispatcher.refill` does
 both before every input returns.
 
 Draining (``draining``, set by ``Processor.drain``): a task that would wait (no routable
@@ -31,10 +31,10 @@ from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
 from protocol.processor.types import Effect, EngineKey, Locality, ProcessorConfig, SendTask, TaskQueued
 from protocol.routing.router import Router
 
-__all__ = ["Dispatcher"]
+__all__ = ["TaskDispatcher"]
 
 
-class Dispatcher:
+class TaskDispatcher:
     """Routes tasks to engines, and gives freed slots to waiting tasks."""
 
     def __init__(self, config: ProcessorConfig, counters: ProcessorCounters, tasks: TaskTable,

@@ -16,7 +16,7 @@ from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.attempts import AttemptFailure
 from protocol.processor.control import ControlKind, ControlTasks
 from protocol.processor.counters import ProcessorCounters
-from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
 from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.retries import Retries
@@ -42,7 +42,7 @@ class Membership:
     """Which engines the processor routes to, as they come, change and go."""
 
     def __init__(self, config: ProcessorConfig, counters: ProcessorCounters, tasks: TaskTable, engines: EngineTable,
-                 router: Router, flow: RouteFlow, control: ControlTasks, endings: Endings, dispatcher: Dispatcher,
+                 router: Router, flow: RouteFlow, control: ControlTasks, endings: Endings, dispatcher: TaskDispatcher,
                  retries: Retries) -> None:
         self.config = config
         self.counters = counters

@@ -25,7 +25,7 @@ from __future__ import annotations
 from protocol.pb import worker_pb2
 from protocol.processor.attempts import AttemptFailure
 from protocol.processor.counters import ProcessorCounters
-from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
 from protocol.processor.engines import EngineTable
 from protocol.processor.slots import Slots
@@ -43,7 +43,7 @@ class Retries:
     """A failed attempt's consequences: counted, then sent again, held, or the end of the task."""
 
     def __init__(self, config: ProcessorConfig, counters: ProcessorCounters, tasks: TaskTable, engines: EngineTable,
-                 slots: Slots, endings: Endings, dispatcher: Dispatcher) -> None:
+                 slots: Slots, endings: Endings, dispatcher: TaskDispatcher) -> None:
         self.config = config
         self.counters = counters
         self._tasks = tasks

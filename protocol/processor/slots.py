@@ -75,10 +75,10 @@ class Slots:
         #: Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
         self.sheddable: dict[str, None] = {}
         #: Engines a task left since the current input began: with an in-flight cap,
-        #: their freed slots go to waiting tasks before the input returns (``Dispatcher.refill``).
+        #: their freed slots go to waiting tasks before the input returns (``TaskDispatcher.refill``).
         self.freed: dict[EngineKey, None] = {}
         #: (tenant, model)s whose slots held or waiting callers changed since the input began: with
-        #: a reserve, who may take an engine's last slots may have changed (``Dispatcher.refill``).
+        #: a reserve, who may take an engine's last slots may have changed (``TaskDispatcher.refill``).
         self.reshuffled: dict[tuple[str, str], None] = {}
         #: The waiting callers of (tenant, model) that were the least served when last retried.
         self.reserve_takers: dict[tuple[str, str], frozenset[str]] = {}

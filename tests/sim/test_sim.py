@@ -30,7 +30,7 @@ from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
 from protocol.processor.types import EnginesRemoved
 
@@ -76,7 +76,7 @@ def _route_across_tenants(monkeypatch):
                     return engine
         return None
 
-    monkeypatch.setattr(Dispatcher, "pick", pick)
+    monkeypatch.setattr(TaskDispatcher, "pick", pick)
 
 
 def _first_failure(seeds=range(10), full_checks=False):

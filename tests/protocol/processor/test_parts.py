@@ -11,7 +11,7 @@ import pytest
 from protocol.pb import worker_pb2
 from protocol.processor.control import ControlKind, ControlTasks
 from protocol.processor.counters import ProcessorCounters
-from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
 from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.route_flow import RouteFlow
@@ -49,7 +49,7 @@ class Parts:
         self.control = ControlTasks(self.config.control_task_prefix, self.engines)
         self.slots = Slots(self.config, self.tasks, self.engines, self.router, self.flow)
         self.endings = Endings(self.config, self.counters, self.tasks, self.slots, self.control)
-        self.dispatcher = Dispatcher(self.config, self.counters, self.tasks, self.engines, self.slots, self.endings,
+        self.dispatcher = TaskDispatcher(self.config, self.counters, self.tasks, self.engines, self.slots, self.endings,
                                      self.router)
 
     def engine(self, engine_id: str, *models: str, local: bool = True) -> EngineRecord:
