@@ -70,8 +70,8 @@ from protocol.pb import worker_pb2
 from protocol.processor.types import is_streaming
 
 __all__ = [
-    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RunningTask", "TaskSink", "runtime_agent",
-    "runtime_failure", "upstream_root",
+    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RunningTask", "TaskSink", "openai_error_result",
+    "runtime_agent", "runtime_failure", "upstream_root",
 ]
 
 log = Logger(namespace="infx.runtimes")
@@ -116,7 +116,9 @@ def _http_response(status: int, phrase: str | None, body: bytes = b"", headers: 
     return worker_pb2.TaskResult(http_response=response)
 
 
-def _error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
+def openai_error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
+    """``error`` as the task's whole answer: its status and OpenAI JSON body (the engine's own
+    failures use it too, so it is public)."""
     return _http_response(
         error.status, None, error.to_json(),
         {"Content-Type": ["application/json"]}, latency_ms,
@@ -362,7 +364,7 @@ class _OpenAITask:
             try:
                 rr = runtime_request(task.request)
             except OpenAIError as exc:
-                self._end_with(_error_result(exc))
+                self._end_with(openai_error_result(exc))
                 return
             self._stream = rr.stream
             content_type, body = _request_body(rr, runtime.boundary)
@@ -374,7 +376,7 @@ class _OpenAITask:
                 headers.setRawHeaders(name.encode("latin-1"), [v.encode("latin-1") for v in value.values])
         if not _REQUEST_TARGET.fullmatch(path) or not _TOKEN.fullmatch(method):
             message = f"The task's request line {method!r} {path!r} is not valid."
-            self._end_with(_error_result(InvalidRequestError(message)))
+            self._end_with(openai_error_result(InvalidRequestError(message)))
             return
         runtime.authorize(headers)
         url = (runtime.root + path).encode("latin-1")
@@ -409,7 +411,7 @@ class _OpenAITask:
     def _bug(self, failure: Failure) -> None:
         log.failure("openai runtime task failed", failure)
         if not self._done:
-            self._end_with(_error_result(UpstreamError("The engine failed to relay the runtime's answer.")))
+            self._end_with(openai_error_result(UpstreamError("The engine failed to relay the runtime's answer.")))
 
     def _headers(self, response: IResponse) -> dict[str, list[str]]:
         return {

@@ -22,6 +22,9 @@ Status``), on every path and method: a method a path does not take is a 405
 naming those it does (``Allow``), an unknown path a 404, a failure inside a
 handler a 500 (the traceback goes to the log). Every refusal is logged as a
 request line and counted in ``infx_http_requests_total``.
+
+Size (over 600 lines): the API resource and one call's whole life (:class:`ApiCall`: admission,
+relay, back-pressure, exactly one response) with the request and status helpers only they use.
 """
 
 from __future__ import annotations

@@ -49,6 +49,11 @@ What it decides:
   queue for an engine the model is served (:class:`ModelServed`), when it ends
   otherwise it is released (:class:`TaskReleased`); in-flight tasks per model
   are reported every ``load_interval`` (:class:`ReportLoad`).
+
+Size (over 600 lines): it is the one object that joins the pure machines (processor, accepted
+and dialled peer streams, accounting, scaler signals), each input a short hand-over; what would
+come out first is the dialled peers' bookkeeping (``DialledPeer``, dial-backs), once the
+exchange's two ends are renamed after what they are.
 """
 
 from __future__ import annotations

@@ -76,6 +76,10 @@ model) fails at once with 503 and ``busy_retry_after`` instead, as do those
 already waiting for such a model: nothing will come to serve them here, and
 the client is better off retrying at once elsewhere than holding on for the
 grace period. Tasks a peer's engine can take are still routed to it.
+
+Size (over 600 lines): it is the processor's whole surface, every input and every query
+GatewayCore and the metrics read, each a few lines handing the work to the parts (``tasks``,
+``slots``, ``dispatcher``...); its docstring is the processor's manual.
 """
 
 from __future__ import annotations
