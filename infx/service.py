@@ -37,7 +37,7 @@ from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.processor.core import Processor
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 
 log = Logger()

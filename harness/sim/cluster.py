@@ -38,7 +38,7 @@ from harness.sim.invariants import (
 from harness.sim.link import Link
 from harness.sim.scheduler import Scheduler
 from protocol.pb import chat_pb2, worker_pb2
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 
 
 @dataclass(frozen=True)

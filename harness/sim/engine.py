@@ -41,7 +41,7 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.exchange.sender import peer_engine_id
-from protocol.processor.types import is_streaming
+from protocol.processor.requests import is_streaming
 
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster

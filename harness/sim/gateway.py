@@ -45,17 +45,17 @@ from protocol.grpc import (
 )
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
     DeliverResult,
     FailRequest,
-    Locality,
-    ProcessorConfig,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.keys import Locality
 
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster

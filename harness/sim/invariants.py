@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.pb import worker_pb2
-from protocol.processor.types import DeliverResult, FailRequest
+from protocol.processor.effects import DeliverResult, FailRequest
 
 #: Invariant names, as reported.
 ENDS_ONCE = "ends-exactly-once"

@@ -61,13 +61,13 @@ from zope.interface import implementer
 from infx.agent.upstream_key import UpstreamKey
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.agent.runtime_failures import RuntimeFailure, broken_stream_event, failure_result
-from protocol.openai.errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
+from protocol.openai.errors import InvalidRequestError, OpenAIUsageError, OpenAIError, UpstreamError, status_line
 from protocol.openai.observe import ends_stream
 from protocol.openai.runtime import RuntimeRequest, runtime_request
 from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
-from protocol.processor.types import is_streaming
+from protocol.processor.requests import is_streaming
 
 __all__ = [
     "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RunningTask", "TaskSink", "openai_error_result",
@@ -249,7 +249,7 @@ def _request_body(rr: RuntimeRequest, boundary: Callable[[], str]) -> tuple[str,
         while True:
             try:
                 return rr.form.encode(boundary())
-            except LocalUsageError:
+            except OpenAIUsageError:
                 continue
     return "application/json", json.dumps(rr.json, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

@@ -51,17 +51,17 @@ from protocol.gateway.effects import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
     DeliverResult,
     FailRequest,
-    Locality,
     RefuseEngine,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.keys import Locality
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 log = Logger(namespace="infx.dispatcher")

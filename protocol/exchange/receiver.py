@@ -57,16 +57,10 @@ from protocol.openai.errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
 from protocol.processor.fair_share import CallerRefused, forwarded_caller
-from protocol.processor.types import (
-    DeliverResult,
-    Effect,
-    FailRequest,
-    Locality,
-    Origin,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    sse_error_event,
-)
+from protocol.processor.effects import DeliverResult, Effect, FailRequest
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import Locality, Origin
+from protocol.processor.requests import sse_error_event
 
 __all__ = ["Receiver", "ReceiverConfig", "ReceiverOutput", "ReceiverState", "SendToPeer", "error_result"]
 
@@ -198,12 +192,12 @@ class Receiver:
     def task_received(self, response: internal_pb2.ProcessTasksInternalResponse, now: float) -> list[ReceiverOutput]:
         """Run a forwarded task on the local engine it names, or refuse it at once.
 
-        Raises :class:`RemoteProtocolError` for a message without a task id.
+        Raises :class:`PeerProtocolError` for a message without a task id.
         """
         self._enter("task_received")
         task, tenant_id = response.new_task, response.tenant_id
         if not response.HasField("new_task") or not task.id:
-            raise RemoteProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
+            raise PeerProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
         if task.request.WhichOneof("request") == "cancel_task":
             return self._cancel_received(task, now)
         malformed = self._malformed(task)

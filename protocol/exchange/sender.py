@@ -47,14 +47,9 @@ from __future__ import annotations
 from protocol.exchange.status_reports import ReportReader
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    Effect,
-    EngineKey,
-    Locality,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    Route,
-)
+from protocol.processor.effects import Effect
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality, Route
 
 __all__ = ["Sender", "peer_engine_id"]
 
@@ -92,7 +87,7 @@ class Sender:
     def message_received(self, request: internal_pb2.ProcessTasksInternalRequest, now: float) -> list[Effect]:
         """A status report or a task result from the peer.
 
-        Raises :class:`RemoteProtocolError` for a message with neither.
+        Raises :class:`PeerProtocolError` for a message with neither.
         """
         if self._closed:
             raise ProcessorUsageError("message received on a closed sender")
@@ -101,7 +96,7 @@ class Sender:
             return self._status_received(request.server_status, now)
         if kind == "task_result":
             return self.processor.receive_result(self.route, request.task_result, now)
-        raise RemoteProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
+        raise PeerProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
 
     def closed(self, now: float) -> list[Effect]:
         """The stream ended: every engine it reported goes, and tasks sent on it fail over."""
@@ -151,7 +146,7 @@ class Sender:
     def _status_received(self, status: internal_pb2.ServerStatus, now: float) -> list[Effect]:
         if self._reports.engines and status.pod_name != self.pod_name:
             # Its engines are named with its pod here: a new name would orphan them.
-            raise RemoteProtocolError(f"peer {self.pod_name!r} now calls itself {status.pod_name!r}")
+            raise PeerProtocolError(f"peer {self.pod_name!r} now calls itself {status.pod_name!r}")
         self.pod_name = status.pod_name
         read = self._reports.read(status)
         effects: list[Effect] = []

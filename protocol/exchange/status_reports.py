@@ -16,7 +16,7 @@ engines that changed and the ids of those removed (ServerStatus fields
 
 Every report is numbered on its stream (field 104). The stream is ordered
 and reliable, so a gap means a report was lost by a bug somewhere: the reader
-refuses the stream (:class:`RemoteProtocolError`) and the receiver's redial
+refuses the stream (:class:`PeerProtocolError`) and the receiver's redial
 starts again with a full snapshot; a number already read is a repeat and is
 skipped. No periodic full snapshot is sent: it would cost every engine on
 every peer per period for nothing a numbered ordered stream can lose, and
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, status_pb2
-from protocol.processor.types import EngineKey, RemoteProtocolError
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import EngineKey
 
 __all__ = [
     "STATUS_DELTA_HEADER",
@@ -306,22 +307,22 @@ class ReportReader:
     def read(self, status: internal_pb2.ServerStatus) -> ReportRead | None:
         """Merge one report; None for a repeat of one already read.
 
-        Raises :class:`RemoteProtocolError` for a delta before any full report, or out of sequence, and
+        Raises :class:`PeerProtocolError` for a delta before any full report, or out of sequence, and
         for an engine without an id.
         """
         if status.sequence and status.sequence <= self._sequence:
             return None
         if any(not entry.engine_status.engine_id for entry in status.engine_statuses) or any(
                 not removed.engine_id for removed in status.removed_engines):
-            raise RemoteProtocolError("peer's status report names an engine without an engine_id")
+            raise PeerProtocolError("peer's status report names an engine without an engine_id")
         if status.delta:
             if not self._read_full:
-                raise RemoteProtocolError("peer sent a status delta before any full status report")
+                raise PeerProtocolError("peer sent a status delta before any full status report")
             if status.sequence != self._sequence + 1:
-                raise RemoteProtocolError(
+                raise PeerProtocolError(
                     f"peer's status report {status.sequence} follows {self._sequence}: a report was lost")
         elif status.removed_engines:
-            raise RemoteProtocolError("peer's full status report lists removed engines")
+            raise PeerProtocolError("peer's full status report lists removed engines")
         self._sequence = status.sequence
         draining_changed = status.draining != self.draining
         self.draining = status.draining

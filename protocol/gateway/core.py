@@ -97,19 +97,18 @@ from protocol.grpc.metadata import Metadata
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
+from protocol.processor.effects import (
     CloseEngine,
     CloseRoute,
     DeliverResult,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
-    RemoteProtocolError,
-    Route,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import Locality, Route
 
 __all__ = ["Availability", "DialState", "DialledPeer", "GatewayCore"]
 
@@ -384,7 +383,7 @@ class GatewayCore:
                                          "a task result arrived before any ServerStatus"))
             else:
                 self._absorb(sender.message_received(message, now), now, out)
-        except RemoteProtocolError as e:
+        except PeerProtocolError as e:
             self._forget_accepted(stream, now, out)
             out.append(EndPeerStream(stream, StatusCode.INVALID_ARGUMENT, str(e)))
         return self._after(now, out, engines_changed=True)
@@ -511,7 +510,7 @@ class GatewayCore:
             return out
         try:
             self._absorb_receiver(peer, peer.receiver.task_received(message, now), now, out)
-        except RemoteProtocolError as e:
+        except PeerProtocolError as e:
             out.append(CancelDial(dial, f"broke the protocol: {e}"))
             self._dial_ended(peer, now, out)
         return self._after(now, out)

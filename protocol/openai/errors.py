@@ -9,7 +9,7 @@ code outside the IANA registry (a runtime or proxy may answer 522 or 599).
 
 A client's bad request (:class:`InvalidRequestError`) and a runtime's bad
 answer (:class:`UpstreamError`) are remote violations: they end the HTTP
-exchange with the status and body they carry. :class:`LocalUsageError` is
+exchange with the status and body they carry. :class:`OpenAIUsageError` is
 misuse of this package by its caller and is never shown to a client.
 """
 
@@ -194,5 +194,5 @@ class UpstreamError(OpenAIError):
     error_type = "upstream_error"
 
 
-class LocalUsageError(errors.LocalUsageError):
+class OpenAIUsageError(errors.LocalUsageError):
     """The caller used this package wrongly (e.g. passed a heartbeat to the runtime converter)."""

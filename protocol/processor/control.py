@@ -19,7 +19,8 @@ from enum import Enum
 
 from protocol.pb import worker_pb2
 from protocol.processor.engines import EngineTable
-from protocol.processor.types import EngineKey, Route, SendTask
+from protocol.processor.effects import SendTask
+from protocol.processor.keys import EngineKey, Route
 
 __all__ = ["ControlKind", "ControlTask", "ControlTasks"]
 

@@ -2,7 +2,7 @@
 
 No I/O, no clock reads: every input is a method call that takes ``now`` (in
 seconds, on any monotonic scale the caller likes) and returns the effects the
-caller must perform, in order, as values (see :mod:`protocol.processor.types`).
+caller must perform, in order, as values (see :mod:`protocol.processor.effects`).
 ``next_deadline()`` says when to call ``handle_timeout(now)``. Every input is
 here; what it does to tasks, engines and slots is done by the parts below, and
 every accepted task ends exactly once: with a ``DeliverResult(last=True)``, a
@@ -101,27 +101,23 @@ from protocol.processor.retries import ENGINE_LOST_MID_STREAM, Retries
 from protocol.processor.route_flow import RouteFlow
 from protocol.processor.slots import Slots
 from protocol.processor.tasks import ON_ENGINE, TaskOutcome, TaskRecord, TaskState, TaskTable
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
     DeliverResult,
     Effect,
-    EngineKey,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
-    Origin,
-    ProcessorConfig,
-    ProcessorUsageError,
     RefuseEngine,
-    Route,
     SendTask,
     TaskQueued,
-    is_streaming,
-    model_of,
 )
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality, Origin, Route
+from protocol.processor.requests import is_streaming, model_of
 from protocol.routing.hints import RoutingHints
 from protocol.routing.router import Router
 

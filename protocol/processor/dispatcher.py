@@ -28,7 +28,9 @@ from protocol.processor.fair_queue import Criticality, HeldQueue
 from protocol.processor.fair_share import caller_message
 from protocol.processor.slots import Slots
 from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
-from protocol.processor.types import Effect, EngineKey, Locality, ProcessorConfig, SendTask, TaskQueued
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import Effect, SendTask, TaskQueued
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.router import Router
 
 __all__ = ["TaskDispatcher"]

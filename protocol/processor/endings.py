@@ -19,7 +19,9 @@ from protocol.processor.control import ControlKind, ControlTasks
 from protocol.processor.counters import ProcessorCounters
 from protocol.processor.slots import Slots
 from protocol.processor.tasks import ON_ENGINE, TaskOutcome, TaskRecord, TaskState, TaskTable
-from protocol.processor.types import CancelTaskOnEngine, DeliverResult, Effect, EngineKey, FailRequest, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, Effect, FailRequest
+from protocol.processor.keys import EngineKey
 
 __all__ = ["Endings"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from protocol.openai import task_forms
 from protocol.pb import status_pb2
-from protocol.processor.types import EngineKey, Locality, Route
+from protocol.processor.keys import EngineKey, Locality, Route
 
 __all__ = ["EngineRecord", "EngineTable", "EngineView"]
 

@@ -22,17 +22,9 @@ from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.retries import Retries
 from protocol.processor.route_flow import RouteFlow
 from protocol.processor.tasks import ON_ENGINE, TaskRecord, TaskTable
-from protocol.processor.types import (
-    CloseEngine,
-    Effect,
-    EngineKey,
-    EnginesRemoved,
-    Locality,
-    LocalEnginesChanged,
-    ProcessorConfig,
-    RefuseEngine,
-    Route,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CloseEngine, Effect, EnginesRemoved, LocalEnginesChanged, RefuseEngine
+from protocol.processor.keys import EngineKey, Locality, Route
 from protocol.routing.router import Router
 
 __all__ = ["Membership"]

@@ -30,7 +30,9 @@ from protocol.processor.endings import Endings
 from protocol.processor.engines import EngineTable
 from protocol.processor.slots import Slots
 from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
-from protocol.processor.types import Effect, ProcessorConfig, retry_after_seconds
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import Effect
+from protocol.processor.requests import retry_after_seconds
 
 __all__ = ["ENGINE_LOST_MID_STREAM", "Retries"]
 

@@ -12,7 +12,7 @@ taken for a stuck one.
 
 from __future__ import annotations
 
-from protocol.processor.types import Route
+from protocol.processor.keys import Route
 
 __all__ = ["MAX_ROUTE_QUEUED_BYTES", "RouteFlow"]
 

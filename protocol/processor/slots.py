@@ -49,7 +49,8 @@ from protocol.processor.fair_queue import Criticality, HeldQueue
 from protocol.processor.fair_share import FairShares
 from protocol.processor.route_flow import RouteFlow
 from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
-from protocol.processor.types import EngineKey, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.keys import EngineKey
 from protocol.routing.router import Router
 
 __all__ = ["Slots"]

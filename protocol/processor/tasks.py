@@ -36,7 +36,8 @@ from enum import Enum
 from protocol.pb import worker_pb2
 from protocol.processor.attempts import Attempts
 from protocol.processor.fair_queue import Criticality
-from protocol.processor.types import EngineKey, Origin, ProcessorUsageError, Route
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import EngineKey, Origin, Route
 from protocol.routing.hints import RoutingHints
 
 __all__ = ["ON_ENGINE", "TRANSITIONS", "TaskOutcome", "TaskRecord", "TaskState", "TaskTable"]

@@ -52,8 +52,8 @@ from protocol.routing.policy import HeldBack, Policy
 from protocol.routing.pools import Member, Pool, Pools
 from protocol.routing.prefix_index import PrefixIndex
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["Affinity"]
 

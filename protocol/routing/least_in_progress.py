@@ -15,8 +15,8 @@ from protocol.routing.hints import RoutingHints
 from protocol.routing.policy import HeldBack, Policy
 from protocol.routing.pools import Pool
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["LeastInProgress", "least_in_progress"]
 

@@ -25,8 +25,8 @@ from protocol.routing.config import RoutingConfig
 from protocol.routing.hints import RoutingHints
 from protocol.routing.pools import Member, Pool, Pools
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["HeldBack", "Policy"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["PrefixIndex"]
 

@@ -34,8 +34,8 @@ from protocol.routing.policy import HeldBack, Policy
 from protocol.routing.pools import Pools
 from protocol.routing.round_robin import RoundRobin
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["POLICIES", "Router"]
 

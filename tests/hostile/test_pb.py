@@ -8,7 +8,7 @@ service and the processor, ``ProcessTasksInternalRequest`` (``ServerStatus``,
 
 What each must end in: a message that does not decode ends its stream with
 INTERNAL; one that decodes but breaks the protocol raises the documented
-:class:`RemoteProtocolError` (the stream's INVALID_ARGUMENT) or fails the
+:class:`PeerProtocolError` (the stream's INVALID_ARGUMENT) or fails the
 affected task with a 502; nothing else escapes, and a task served by a
 well-behaved engine alongside still completes.
 """
@@ -34,14 +34,10 @@ from protocol.exchange.sender import Sender
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    RemoteProtocolError,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest, SendTask
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import Locality
 from tests.support.receiver import BufferedReceiver
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -146,7 +142,7 @@ def test_any_process_tasks_request_from_an_engine_leaves_other_engines_serving(d
 @given(st.data())
 def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_error(data):
     """A peer's ServerStatus / TaskResult, random or mutated: the sender takes it
-    or raises RemoteProtocolError (the stream ends INVALID_ARGUMENT); a local
+    or raises PeerProtocolError (the stream ends INVALID_ARGUMENT); a local
     engine is never taken over by the peer's report."""
     processor = Processor()
     local = object()
@@ -167,7 +163,7 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
             continue
         try:
             sender.message_received(message, 1)
-        except RemoteProtocolError as error:
+        except PeerProtocolError as error:
             assert error.grpc_status == StatusCode.INVALID_ARGUMENT
     view = processor.engine("t", "local")
     assert view is not None and view.route is local and view.locality is Locality.LOCAL
@@ -183,7 +179,7 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
 def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(data):
     """A ProcessTasksInternalResponse, random or mutated: it runs on the named
     local engine, is answered at once with an error result, or raises
-    RemoteProtocolError; every task it starts ends when the stream closes."""
+    PeerProtocolError; every task it starts ends when the stream closes."""
     processor = Processor()
     engine = object()
     engine_status = status("e1", "m")
@@ -202,7 +198,7 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
             continue
         try:
             effects = receiver.task_received(message, 1)
-        except RemoteProtocolError:
+        except PeerProtocolError:
             continue
         for effect in effects:
             if isinstance(effect, (DeliverResult, FailRequest)) and effect.origin is receiver:

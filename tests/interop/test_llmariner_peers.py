@@ -18,7 +18,7 @@ from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
 from infx.service import builtin_engine_id
 from protocol.exchange.status_reports import STATUS_DELTA_HEADER
 from protocol.pb import internal_pb2
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until  # noqa: F401
 from tests.support.processor import engine_status
 

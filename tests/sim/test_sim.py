@@ -32,7 +32,7 @@ from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
-from protocol.processor.types import EnginesRemoved
+from protocol.processor.effects import EnginesRemoved
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_STEPS = 500

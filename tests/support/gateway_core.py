@@ -20,7 +20,9 @@ from protocol.gateway.effects import (
 )
 from protocol.pb import internal_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import CancelTaskOnEngine, Locality, ProcessorConfig, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, SendTask
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, only
 
 

@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from protocol.exchange.receiver import Receiver, ReceiverOutput, SendToPeer
 from protocol.pb import internal_pb2
-from protocol.processor.types import DeliverResult, Effect, FailRequest
+from protocol.processor.effects import DeliverResult, Effect, FailRequest
 
 
 class BufferedReceiver(Receiver):

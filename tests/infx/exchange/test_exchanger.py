@@ -20,7 +20,7 @@ from infx.service import GatewayService, builtin_engine_id
 from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.gateway.core import DialState
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until
 
 

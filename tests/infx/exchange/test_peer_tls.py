@@ -41,7 +41,7 @@ from infx.exchange import peer_tls
 from infx.exchange.peer_tls import CHECK_INTERVAL, PeerCredentials, PeerTLS
 from infx.service import GatewayService
 from infx.tap import Options
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 HTTP = "tcp:0:interface=127.0.0.1"

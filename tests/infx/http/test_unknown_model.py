@@ -26,7 +26,7 @@ from infx.http.site import GatewaySite
 from protocol.gateway.effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError
 from protocol.processor.core import Processor
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 
 LEARNING_SECONDS = 5.0
 TENANT = "default"  # the tenant of every request while API keys are off

@@ -10,16 +10,10 @@ import pytest
 from protocol.exchange.receiver import ReceiverConfig, ReceiverState
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, FailRequest, SendTask
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, one, only, sse
 from tests.support.receiver import BufferedReceiver
 
@@ -262,7 +256,7 @@ def test_when_the_stream_ends_its_tasks_are_cancelled_on_the_engines(h):
 
 
 def test_misuse_and_remote_violations_raise_distinct_errors(h):
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(PeerProtocolError):
         h.r.task_received(internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     with pytest.raises(ProcessorUsageError):
         h.r.connected(T0)

@@ -12,19 +12,17 @@ from hypothesis import strategies as st
 
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     DeliverResult,
-    EngineKey,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
-    ProcessorConfig,
-    ProcessorUsageError,
-    RemoteProtocolError,
     SendTask,
 )
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality
 from protocol.exchange.receiver import Receiver, ReceiverConfig
 from protocol.exchange.sender import Sender, peer_engine_id
 from tests.support.processor import chat, engine_status, http, one, only, sse
@@ -141,7 +139,7 @@ def test_a_peer_that_renames_itself_on_its_stream_breaks_the_protocol():
     """Its engines are named with its pod here: a new name on the same stream would orphan them."""
     s = Sender(Processor())
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
-    with pytest.raises(RemoteProtocolError, match="now calls itself 'pod-x'"):
+    with pytest.raises(PeerProtocolError, match="now calls itself 'pod-x'"):
         s.message_received(report("pod-x", ("t", "e1", True)), T0)
 
 
@@ -161,7 +159,7 @@ def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler(
 def test_misuse_and_remote_violations_raise_distinct_errors():
     p = Processor()
     s = Sender(p)
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(PeerProtocolError):
         s.message_received(internal_pb2.ProcessTasksInternalRequest(), T0)
     s.closed(T0)
     with pytest.raises(ProcessorUsageError):

@@ -20,7 +20,9 @@ from protocol.exchange.status_reports import (
 )
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import EngineKey, Locality
 from tests.support.processor import engine_status
 from tests.support.receiver import BufferedReceiver
 
@@ -132,11 +134,11 @@ def test_the_reader_refuses_a_gap_and_a_delta_before_any_snapshot_and_skips_repe
     second = writer.report_of(statuses(("e1", True, 1), ("e2", True, 0)), {}, False, force=False)
     third = writer.report_of(statuses(("e1", True, 2), ("e2", True, 0)), {}, False, force=False)
     assert first and second and third and second.delta and third.delta
-    with pytest.raises(RemoteProtocolError, match="before any full"):
+    with pytest.raises(PeerProtocolError, match="before any full"):
         ReportReader().read(second)
     assert reader.read(first) is not None
     assert reader.read(first) is None  # the same report twice: the repeat changes nothing
-    with pytest.raises(RemoteProtocolError, match="report 3 follows 1: a report was lost"):
+    with pytest.raises(PeerProtocolError, match="report 3 follows 1: a report was lost"):
         reader.read(third)
     read = reader.read(second)
     assert read is not None and read.upserted == (EngineKey("t", "e1"),) and not read.full
@@ -299,7 +301,7 @@ def test_an_engine_without_an_id_in_a_peers_report_is_a_protocol_error() -> None
     """Found by tests/hostile/test_pb.py: it reached the processor as a caller's misuse."""
     report = internal_pb2.ServerStatus(pod_name="peer")
     report.engine_statuses.add(engine_status=status_pb2.EngineStatus(ready=True), tenant_id="t")
-    with pytest.raises(RemoteProtocolError, match="without an engine_id"):
+    with pytest.raises(PeerProtocolError, match="without an engine_id"):
         ReportReader().read(report)
 
 

@@ -34,15 +34,9 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    SendTask,
-    TaskQueued,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, FailRequest, SendTask, TaskQueued
+from protocol.processor.keys import Locality
 from tests.support.gateway_core import Client, Net, T0, core
 from tests.support.processor import chat, engine_status, http, one, only, sse
 

@@ -15,7 +15,7 @@ from protocol.exchange.receiver import ReceiverState
 from protocol.exchange.status_reports import LocalStatuses
 from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import OpenDial, SendOnDial
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from protocol.routing.hints import RoutingHints
 from tests.support.gateway_core import T0, Net, core
 from tests.support.processor import chat, engine_status, one, only

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.fair_queue import Criticality
-from protocol.processor.types import DeliverResult, EngineKey, FailRequest, Locality, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest
+from protocol.processor.keys import EngineKey, Locality
 from tests.support.processor import chat, engine_status, http
 
 T0 = 1000.0

@@ -11,7 +11,8 @@ from protocol.openai import task_forms
 from protocol.processor.core import Processor
 from protocol.processor.engines import EngineRecord
 from protocol.processor.tasks import TaskRecord
-from protocol.processor.types import Locality, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status
 
 T0 = 10.0

@@ -17,16 +17,10 @@ from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.route_flow import RouteFlow
 from protocol.processor.slots import Slots
 from protocol.processor.tasks import TRANSITIONS, TaskOutcome, TaskRecord, TaskState, TaskTable
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    DeliverResult,
-    EngineKey,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, FailRequest, SendTask
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.router import Router
 from tests.support.processor import chat, engine_status, http, only
 

@@ -8,19 +8,19 @@ import pytest
 
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.processor.core import TaskState
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,
-    EngineKey,
     EnginesRemoved,
     FailRequest,
     LocalEnginesChanged,
-    ProcessorConfig,
-    ProcessorUsageError,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import EngineKey
 from tests.support.processor import (
     LOCAL,
     REMOTE,

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
-from protocol.processor.types import EngineKey, Locality
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.affinity import Affinity
 from protocol.routing.config import RoutingConfig, RoutingPolicy
 from protocol.routing.least_in_progress import LeastInProgress, least_in_progress

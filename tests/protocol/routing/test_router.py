@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
-from protocol.processor.types import EngineKey, Locality
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.hints import RoutingHints, hints_from_json
 from protocol.routing.config import RoutingConfig, RoutingPolicy
 from protocol.routing.prefix_index import PrefixIndex
