@@ -30,7 +30,7 @@ from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.workers import WorkerService
-from infx.http.api import Gateway, build_resource
+from infx.http.api import HttpApi, build_resource
 from infx.http.site import GatewaySite
 from infx.transport import GrpcChannel, GrpcServer
 from protocol.discovery.peers import PeerAddress, PeerChange
@@ -171,7 +171,7 @@ class GatewayService(service.MultiService):
                                                        redial_when_dialled_in=True,
                                                        dial_back_after=DIAL_BACK_SECONDS))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
+        self.gateway = HttpApi(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
         self.http_resource = build_resource(self.gateway)
         site = GatewaySite(self.http_resource, max_body_size=config.max_body_size,

@@ -1,5 +1,6 @@
 """The code keeps the shape issue #23 gave it: no module of protocol/ or infx/ over ~600 lines
-without the reason in its docstring, and no private name imported across files."""
+without the reason in its docstring, no private name imported across files, and no two classes
+of one name in protocol/, infx/ and harness/ (one name per thing)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,21 @@ def test_the_checks_see_what_they_forbid(tmp_path):
                       "from protocol.processor import tasks\nprint(tasks._RELEASED_REQUEST, tasks.__doc__)\n")
     assert private_imports(sample) == ["1: from protocol.processor.tasks import _RELEASED_REQUEST",
                                        "3: protocol.processor.tasks._RELEASED_REQUEST"]
+
+
+def classes_by_name(*folders: str) -> dict[str, list[str]]:
+    """Every class (nested ones too) of ``folders``, by name: where each is defined."""
+    found: dict[str, list[str]] = {}
+    for path in _modules(*folders):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_two_classes_share_a_name():
+    """A reader (and a log line, a traceback, a grep) can tell which class a name means. A class
+    that plays the part of another (the simulation's gateway) says so in its name (``SimGateway``)."""
+    classes = classes_by_name("protocol", "infx", "harness")
+    assert len(classes) > 300  # the walk sees the tree
+    assert {name: where for name, where in classes.items() if len(where) > 1} == {}

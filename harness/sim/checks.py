@@ -38,7 +38,7 @@ from harness.sim.invariants import DEADLINE, MEMORY, TICK, ClientRequest
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster
     from harness.sim.engine import EngineNode
-    from harness.sim.gateway import Gateway, PeerDial
+    from harness.sim.gateway import SimGateway, PeerDial
 
 
 class StepChecks:
@@ -49,9 +49,9 @@ class StepChecks:
         self.full = full
         self._seq = count()
         self._requests: list[tuple[float, int, ClientRequest]] = []
-        self._forwarded: list[tuple[float, int, Gateway, PeerDial, str]] = []
+        self._forwarded: list[tuple[float, int, SimGateway, PeerDial, str]] = []
         # Touched since the last check (dicts: insertion order, so reports are deterministic).
-        self._gateways: dict[Gateway, None] = {}
+        self._gateways: dict[SimGateway, None] = {}
         self._engines: dict[EngineNode, None] = {}
         self._unmet = 0
 
@@ -60,10 +60,10 @@ class StepChecks:
     def request_accepted(self, request: ClientRequest) -> None:
         heapq.heappush(self._requests, (request.deadline, next(self._seq), request))
 
-    def forwarded_deadline(self, gateway: Gateway, dial: PeerDial, task_id: str, deadline: float) -> None:
+    def forwarded_deadline(self, gateway: SimGateway, dial: PeerDial, task_id: str, deadline: float) -> None:
         heapq.heappush(self._forwarded, (deadline, next(self._seq), gateway, dial, task_id))
 
-    def gateway_touched(self, gateway: Gateway) -> None:
+    def gateway_touched(self, gateway: SimGateway) -> None:
         self._gateways[gateway] = None
 
     def engine_touched(self, engine: EngineNode) -> None:
@@ -141,7 +141,7 @@ class StepChecks:
                                     f"runtime {len(engine.runtime.live)}")
 
     @staticmethod
-    def _gateway_balanced(gateway: Gateway) -> bool:
+    def _gateway_balanced(gateway: SimGateway) -> bool:
         return gateway.live_tasks() == len(gateway.clients) + gateway.forwarded_in_flight()
 
     @staticmethod

@@ -87,10 +87,10 @@ def _metadata_value(metadata: tuple[tuple[str, object], ...], name: str) -> str 
     return None
 
 
-class EngineStream:
+class SimEngineStream:
     """One engine's ProcessTasks stream on this gateway: its route (as ``infx.gateway.workers.EngineStream``)."""
 
-    def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int, tenant: str) -> None:
+    def __init__(self, gateway: SimGateway, end: GrpcEnd, stream_id: int, tenant: str) -> None:
         self.gateway = gateway
         self.end = end
         self.stream_id = stream_id
@@ -147,14 +147,14 @@ class EngineStream:
         self.end.conn.send_status(self.stream_id, code, message)
 
     def __repr__(self) -> str:
-        return f"<EngineStream {self.gateway.name}:{self.stream_id}>"
+        return f"<SimEngineStream {self.gateway.name}:{self.stream_id}>"
 
 
 class PeerSenderStream:
     """A peer's ProcessTasksInternal stream accepted here (``infx.exchange.exchanger.PeerStream``): the route
     of the engines the peer reports (the core gives it a sender on its first report)."""
 
-    def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int) -> None:
+    def __init__(self, gateway: SimGateway, end: GrpcEnd, stream_id: int) -> None:
         self.gateway = gateway
         self.end = end
         self.stream_id = stream_id
@@ -205,7 +205,7 @@ class PeerDial:
     """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchange.exchanger.DialStream``),
     for whichever :class:`~protocol.gateway.effects.Dial` the core has current."""
 
-    def __init__(self, gateway: Gateway, peer: str) -> None:
+    def __init__(self, gateway: SimGateway, peer: str) -> None:
         self.gateway = gateway
         self.peer = peer
         self.dial: Dial | None = None
@@ -340,7 +340,7 @@ class PeerDial:
         return f"<PeerDial {self.gateway.name}->{self.peer}>"
 
 
-class Gateway:
+class SimGateway:
     """One gateway process: the production core and every connection it holds."""
 
     def __init__(self, cluster: Cluster, name: str, config: ProcessorConfig) -> None:
@@ -358,7 +358,7 @@ class Gateway:
         self.pending: dict[GrpcEnd, None] = {}
         #: The dial each outgoing connection carries.
         self.dial_of: dict[GrpcEnd, PeerDial] = {}
-        self.calls: dict[tuple[GrpcEnd, int], Union[EngineStream, PeerSenderStream]] = {}
+        self.calls: dict[tuple[GrpcEnd, int], Union[SimEngineStream, PeerSenderStream]] = {}
         #: The stream to each peer, by peer name.
         self.dials: dict[str, PeerDial] = {}
         self.clients: dict[str, ClientRequest] = {}
@@ -388,7 +388,7 @@ class Gateway:
             cluster.ledger.attempt_sent(effect.task.id, self.processor.attempt_owner(effect.task.id))
             cluster.ledger.task_sent(effect.task, effect.engine.tenant_id, f"engine {effect.engine.engine_id}")
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, PeerSenderStream))
             if not route.send_task(effect):
                 wire_id = effect.task.id
                 # Dispatcher: a send that found its route gone is reported after the effects at hand.
@@ -410,11 +410,11 @@ class Gateway:
                 self.clients.pop(origin.task_id, None)
         elif isinstance(effect, CancelTaskOnEngine):
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, PeerSenderStream))
             route.send_task(effect)
         elif isinstance(effect, (CloseEngine, CloseRoute)):
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, PeerSenderStream))
             route.close(effect.reason)
         elif isinstance(effect, TaskQueued):
             cluster.stats["tasks_queued"] += 1
@@ -512,7 +512,7 @@ class Gateway:
             if tenant is None:
                 end.conn.send_status(event.stream_id, StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
                 return
-            self.calls[(end, event.stream_id)] = EngineStream(self, end, event.stream_id, tenant)
+            self.calls[(end, event.stream_id)] = SimEngineStream(self, end, event.stream_id, tenant)
         elif event.method == PROCESS_TASKS_INTERNAL:
             stream = PeerSenderStream(self, end, event.stream_id)
             self.calls[(end, event.stream_id)] = stream
@@ -564,4 +564,4 @@ class Gateway:
         return sum(p.receiver.tasks_in_flight for p in self.core.peers.values() if p.receiver is not None)
 
     def __repr__(self) -> str:
-        return f"<Gateway {self.name}>"
+        return f"<SimGateway {self.name}>"

@@ -59,7 +59,7 @@ log = Logger(namespace="infx.engine")
 
 
 @dataclass
-class _Stream:
+class _StreamCall:
     call: ClientCall
     channel: GrpcChannel
     #: The last send that the call could not take at once (its buffers are full).
@@ -124,7 +124,7 @@ class EngineAgent(Service):
         self.grace = grace
         self.close_timeout = close_timeout
         self._jitter = jitter
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, _StreamCall] = {}
         self._channels: dict[GrpcChannel, _ChannelUse] = {}
         self._channel: GrpcChannel | None = None
         self._tasks: dict[str, _Sink] = {}
@@ -222,7 +222,7 @@ class EngineAgent(Service):
             worker_pb2.ProcessTasksResponse.FromString,
             metadata=self._metadata,
         )
-        self._streams[stream_id] = _Stream(call, channel)
+        self._streams[stream_id] = _StreamCall(call, channel)
 
         def confirmed(_: Any) -> None:
             if call.final is None:

@@ -83,7 +83,7 @@ GONE_RETRY_AFTER = 5
 CRITICALITY_HEADER = "x-infx-criticality"
 
 
-class Gateway:
+class HttpApi:
     """Shared state of the HTTP API: the runner, keys, limits, metrics, readiness."""
 
     def __init__(
@@ -158,7 +158,7 @@ class ApiCall:
     falls more than ``max_buffered_bytes`` behind is cut off alone.
     """
 
-    def __init__(self, gateway: Gateway, request: server.Request, endpoint: str,
+    def __init__(self, gateway: HttpApi, request: server.Request, endpoint: str,
                  transform: CompletionTransform | None = None) -> None:
         self.gateway = gateway
         self.request = request
@@ -521,7 +521,7 @@ class CompletionTransform:
 #: The endpoint label of a path the gateway does not serve.
 UNKNOWN_ENDPOINT = "unknown"
 #: The endpoint each path of :func:`build_resource`'s tree is logged and counted as, for refusals
-#: made before the tree is reached (:meth:`Gateway.refused_early`).
+#: made before the tree is reached (:meth:`HttpApi.refused_early`).
 ENDPOINTS = {
     b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions",
     b"/v1/embeddings": "embeddings", b"/v1/responses": "responses", b"/v1/tokenize": "tokenize",
@@ -622,7 +622,7 @@ class _Route(resource.Resource):
     endpoint = ""
     methods: tuple[bytes, ...] = (b"GET",)
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: HttpApi) -> None:
         super().__init__()
         self.gateway = gateway
 
@@ -647,7 +647,7 @@ class _Endpoint(_Route):
     isLeaf = True
     methods = (b"POST",)
 
-    def __init__(self, gateway: Gateway, name: str, kind: str, typed: TypedParser,
+    def __init__(self, gateway: HttpApi, name: str, kind: str, typed: TypedParser,
                  transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
         super().__init__(gateway)
         self.endpoint = name
@@ -731,7 +731,7 @@ class _Model(_Route):
     isLeaf = True
     endpoint = "models"
 
-    def __init__(self, gateway: Gateway, model: str) -> None:
+    def __init__(self, gateway: HttpApi, model: str) -> None:
         super().__init__(gateway)
         self.model = model
 
@@ -757,7 +757,7 @@ class _Health(_Route):
 
     isLeaf = True
 
-    def __init__(self, gateway: Gateway, endpoint: str, check: Callable[[], bool]) -> None:
+    def __init__(self, gateway: HttpApi, endpoint: str, check: Callable[[], bool]) -> None:
         super().__init__(gateway)
         self.endpoint = endpoint
         self.check = check
@@ -821,7 +821,7 @@ def _path_of(request: server.Request) -> str:
     return path if len(path) <= 200 else path[:200] + "..."
 
 
-def build_resource(gateway: Gateway) -> resource.Resource:
+def build_resource(gateway: HttpApi) -> resource.Resource:
     """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere."""
     root = _Tree(gateway)
     v1 = _Tree(gateway)

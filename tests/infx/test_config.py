@@ -82,9 +82,9 @@ def test_twistd_infx_cap_flags_reach_the_processor():
     from twisted.internet.task import Clock
 
     from infx.service import GatewayService
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7", "--max-attempts", "2"])
     processor = GatewayService(Clock(), options.config_value, environ={}).processor
     assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)
@@ -163,9 +163,9 @@ def test_routing_policy_is_one_of_the_three():
 
 
 def test_routing_policy_flag_reaches_the_config():
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--routing-policy", "least_in_progress"])
     assert options.config_value.routing_policy == "least_in_progress"
 
@@ -180,11 +180,11 @@ def test_routing_knobs_default_to_the_policys_own_defaults():
 
 def test_routing_knobs_from_flags_and_file_reach_the_policy(tmp_path):
     from infx.config import routing_config
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
     path = tmp_path / "infx.yaml"
     path.write_text("routing_weights: 'prefix=4, kv=0'\nrouting_sessions: 0\n")
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--config", str(path), "--routing-load-factor", "1.5", "--routing-min-capacity", "2",
                           "--routing-block-bytes", "128", "--routing-max-blocks", "32",
                           "--routing-index-blocks-per-engine", "1000", "--routing-index-blocks", "0",
