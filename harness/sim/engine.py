@@ -40,7 +40,7 @@ from protocol.grpc import (
     ResponseHeadersReceived,
 )
 from protocol.pb import status_pb2, worker_pb2
-from protocol.exchange.sender import peer_engine_id
+from protocol.exchange.accepted_peer import peer_engine_id
 from protocol.processor.requests import is_streaming
 
 if TYPE_CHECKING:
@@ -149,7 +149,7 @@ class EngineNode:
 
     def name_at(self, gateway: str) -> str:
         """What ``gateway`` names this engine now: its id where it is attached, else its id scoped
-        by the gateway it is attached to (``protocol.sender.peer_engine_id``)."""
+        by the gateway it is attached to (``protocol.exchange.accepted_peer.peer_engine_id``)."""
         attached = self.gateway_of.get(self.current) if self.current is not None else None
         return self.engine_id if attached in (None, gateway) else peer_engine_id(self.engine_id, attached)
 

@@ -126,7 +126,7 @@ def pod_version(pod: PodState) -> str | None:
 
 
 def desired_peer(pod: PodState, port: int) -> PeerAddress | None:
-    """The address to dial for ``pod``, or None while it must not get a receiver.
+    """The address to dial for ``pod``, or None while it must not get a dialled peer.
 
     A pod is dialled only when it can answer: it has an IP, is Running and
     Ready, and is not terminating (a deletion timestamp means it is draining).
@@ -144,7 +144,7 @@ def desired_peer(pod: PodState, port: int) -> PeerAddress | None:
 
 @dataclass(frozen=True)
 class PeerAdded:
-    """A pod became a live peer: start a receiver towards ``address``."""
+    """A pod became a live peer: start a dialled peer towards ``address``."""
 
     name: str
     address: PeerAddress
@@ -152,7 +152,7 @@ class PeerAdded:
 
 @dataclass(frozen=True)
 class PeerAddressChanged:
-    """A live peer's IP changed: replace its receiver."""
+    """A live peer's IP changed: replace its dialled peer."""
 
     name: str
     previous: PeerAddress
@@ -161,7 +161,7 @@ class PeerAddressChanged:
 
 @dataclass(frozen=True)
 class PeerRemoved:
-    """A peer is gone, terminating or no longer ready: stop its receiver."""
+    """A peer is gone, terminating or no longer ready: stop its dialled peer."""
 
     name: str
     address: PeerAddress

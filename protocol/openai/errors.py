@@ -1,6 +1,6 @@
 """OpenAI-style errors and HTTP status lines: pure values, no I/O; the one place they are made.
 
-Every OpenAI error body infx writes (gateway, processor, receiver, scaler,
+Every OpenAI error body infx writes (gateway, processor, dialled peer, scaler,
 engine agent, runtimes) and every error event of a stream whose headers are
 already out comes from :func:`error_body` / :func:`error_json` /
 :func:`error_event` here, with one type map (:func:`error_type_for`); every

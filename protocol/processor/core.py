@@ -26,7 +26,7 @@ Inputs
     ``handle_timeout``         time passed: deadlines, queue timeouts, retries, heartbeats
 
 Outputs (effects, performed by the caller in the order given)
-    ``SendTask``               send a Task on a route (engine stream or peer sender)
+    ``SendTask``               send a Task on a route (engine stream or accepted peer)
     ``CancelTaskOnEngine``     send a cancel Task on a route (best effort)
     ``DeliverResult``          hand the next result to its origin; ``last`` ends the request
     ``FailRequest``            end the request with an HTTP status and a reason
@@ -34,8 +34,8 @@ Outputs (effects, performed by the caller in the order given)
     ``CloseRoute``             close a route that stayed blocked past ``route_stuck_timeout``
     ``RefuseEngine``           end the stream of an engine that claims another engine process's id
     ``TaskQueued``             a task waits for a model no ready engine serves (scaler hook)
-    ``LocalEnginesChanged``    re-report local engines to peers (receivers)
-    ``EnginesRemoved``         engines left: senders may register what their peers reported
+    ``LocalEnginesChanged``    re-report local engines to peers (dialled peers)
+    ``EnginesRemoved``         engines left: accepted peers may register what their peers reported
 
 Parts (collaborating objects, each with its own state; none imports another's privates)
     ``tasks.TaskTable``        live tasks, the task life cycle (drawn and enforced there), attempts, timers
@@ -427,7 +427,7 @@ class Processor:
     ) -> list[Effect]:
         """:meth:`update_engine` for an engine named ``key`` here, which may differ from the id
         it reports (``status.engine_id``, what tasks sent on its route carry): a peer's engine
-        is named with the peer's pod (:func:`protocol.sender.peer_engine_id`), so that engines
+        is named with the peer's pod (:func:`protocol.exchange.accepted_peer.peer_engine_id`), so that engines
         of one id attached to two gateways are two engines everywhere."""
         if not status.engine_id or not key.engine_id:
             raise ProcessorUsageError("engine status without engine_id")

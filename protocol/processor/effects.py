@@ -170,7 +170,7 @@ class LocalEnginesChanged:
 class EnginesRemoved:
     """``engines`` left the processor (removed, their stream closed, heartbeats missed).
 
-    Every open sender hears of it (``Sender.engines_removed``): a peer may have
+    Every open accepted peer hears of it (``AcceptedPeer.engines_removed``): a peer may have
     reported one of them while it was registered here on another route, and
     that report is the only word of where the engine is now.
     """

@@ -10,12 +10,12 @@ __all__ = ["EngineKey", "Locality", "Origin", "Route"]
 
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
-#: stream (or any key for it), for a remote engine the peer's sender. The
+#: stream (or any key for it), for a remote engine the accepted peer that reported it. The
 #: processor only compares routes and hands them back in effects.
 Route = Hashable
 
 #: What the caller uses to reach whoever submitted a task: an HTTP request,
-#: a peer's receiver. Handed back in :class:`DeliverResult` and
+#: a dialled peer (a peer's forwarded tasks). Handed back in :class:`DeliverResult` and
 #: :class:`FailRequest` so that one dispatcher serves every origin.
 Origin = Hashable
 

@@ -2,7 +2,7 @@
 closed routes, go-away and heartbeats; pure, no I/O, no clock reads.
 
 Rules this file keeps: an engine leaves routing before its tasks fail over (:meth:`Membership.remove`),
-so that no task fails over onto an engine that is going away with them; every sender hears
+so that no task fails over onto an engine that is going away with them; every accepted peer hears
 which engines went (``EnginesRemoved``); a change to a local engine is re-reported to peers
 (``LocalEnginesChanged``). A local engine's id is one engine process's: a status on a new route
 that names another process (``infx_instance``) is a clash, refused and probed
@@ -118,7 +118,7 @@ class Membership:
         A task sent on a route other than ``closing`` (the route that is ending,
         if any) is cancelled there first: that stream may still be open (an
         older stream of the engine, a peer that reported the engine gone), and
-        the abandoned attempt must not run on for nobody. Then every sender is
+        the abandoned attempt must not run on for nobody. Then every accepted peer is
         told which engines went (``EnginesRemoved``), so that one whose peer
         reported them while they were registered here may register them now.
         """

@@ -25,7 +25,7 @@ from harness.sim.invariants import (
     ClientRequest,
 )
 from harness.sim.scale import report
-from protocol.exchange import sender
+from protocol.exchange import accepted_peer
 from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
@@ -102,7 +102,7 @@ def _forget_dispatched_deadlines(monkeypatch):
 def _bring_back_f1(monkeypatch):
     """Plant finding F1 again: a peer's engines are named by their bare ids (as before issue 22),
     so one attached to another gateway while its old stream here lingers is shadowed, and
-    ``EnginesRemoved`` is dropped instead of letting every peer's sender register it once the
+    ``EnginesRemoved`` is dropped instead of letting every peer's accepted peer register it once the
     shadow goes."""
     original = GatewayCore._absorb
 
@@ -110,7 +110,7 @@ def _bring_back_f1(monkeypatch):
         original(self, [e for e in effects if not isinstance(e, EnginesRemoved)], now, out)
 
     monkeypatch.setattr(GatewayCore, "_absorb", absorb)
-    monkeypatch.setattr(sender, "peer_engine_id", lambda engine_id, pod_name: engine_id)
+    monkeypatch.setattr(accepted_peer, "peer_engine_id", lambda engine_id, pod_name: engine_id)
 
 
 def test_a_dropped_result_is_reported_as_out_of_order_with_a_replay_command(monkeypatch):

@@ -52,7 +52,7 @@ def test_two_gateways_with_the_same_engines_send_a_conversation_to_the_same_engi
 
 
 def test_gateways_that_name_each_others_engines_with_the_pod_still_agree_on_every_home():
-    """A peer's engine is named id@pod here (protocol.sender.peer_engine_id); the ring hashes
+    """A peer's engine is named id@pod here (protocol.exchange.accepted_peer.peer_engine_id); the ring hashes
     the id it reports, so a's e0..e3 and b's e4..e7 have the same points at a and at b."""
     drivers = {}
     for name, mine in (("a", ENGINES[:4]), ("b", ENGINES[4:])):
