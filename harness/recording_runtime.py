@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from protocol.agent.runtime_identity import IDENTITY_PATHS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -141,8 +143,8 @@ def _serve(port_file: str) -> None:
             if uri == "/health":
                 # The engine agent's readiness check: answered, never recorded or scripted.
                 return b""
-            if uri in ("/metrics", "/slots"):
-                # The agent's load probes: this runtime reports no load, like most.
+            if uri in ("/metrics", "/slots", *IDENTITY_PATHS):
+                # The agent's load and identity probes: this runtime reports no load and no version, like most.
                 request.setResponseCode(404)
                 return b""
             recorded.append({

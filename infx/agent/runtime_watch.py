@@ -5,7 +5,10 @@ machine's; this service GETs the path on the ``openai`` runtime's server
 (with its credentials), reports the outcome, arms one timer from
 ``next_deadline()``, and tells the engine agent when readiness changes.
 A task that could not reach the runtime triggers a check at once, through
-:attr:`infx.agent.runtimes.OpenAIRuntime.on_unreachable`.
+:attr:`infx.agent.runtimes.OpenAIRuntime.on_unreachable`. Each time the
+runtime turns ready it is asked once what it is
+(:mod:`protocol.agent.runtime_identity`), and :attr:`RuntimeWatch.identified`
+hears the answer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from infx.agent.runtimes import OpenAIRuntime
 from infx.agent.side_http import CappedBody, quiet_pool
 from infx.deadline import DeadlineTimer
 from protocol.agent.runtime_health import CheckRuntime, HealthEffect, ReadinessChanged, RuntimeHealth
+from protocol.agent.runtime_identity import IDENTITY_PATHS, identity_of
 
 __all__ = ["MAX_CHECK_BODY", "RuntimeWatch", "check_pool"]
 
@@ -52,6 +56,9 @@ class RuntimeWatch(Service):
         self.changed = changed
         self._timer = DeadlineTimer(clock, lambda: self._run(self.machine.handle_timeout(self.clock.seconds())))
         self._pending: Deferred[object] | None = None
+        #: Called with (kind, version) when the runtime, turned ready, says what it is.
+        self.identified: Callable[[str, str], None] | None = None
+        self._identifying: Deferred[None] | None = None
         runtime.on_unreachable.append(self._unreachable)
 
     def startService(self) -> None:
@@ -63,6 +70,8 @@ class RuntimeWatch(Service):
         self._timer.cancel()
         if self._pending is not None:
             self._pending.cancel()
+        if self._identifying is not None:
+            self._identifying.cancel()
 
     def _unreachable(self) -> None:
         if self.running:
@@ -76,8 +85,30 @@ class RuntimeWatch(Service):
                 log.info("runtime at {url} {state}: {reason}", url=self.runtime.root,
                          state="ready" if effect.ready else "not ready", reason=effect.reason)
                 self.changed(effect.ready, effect.models)
+                if effect.ready and self.identified is not None and self._identifying is None:
+                    self._identifying = Deferred.fromCoroutine(self._identify())
+                    self._identifying.addErrback(lambda _: None)  # cancelled on stop
         if self.running:
             self._timer.arm(self.machine.next_deadline())
+
+    async def _identify(self) -> None:
+        """Ask the runtime's identity paths in turn until one names it (a failure is no answer)."""
+        try:
+            for path in IDENTITY_PATHS:
+                headers = Headers({b"User-Agent": [b"infx-engine"]})
+                self.runtime.authorize(headers)
+                try:
+                    response = await self.agent.request(b"GET", (self.runtime.root + path).encode("ascii"), headers)
+                    body: Deferred[bytes] = Deferred()
+                    response.deliverBody(CappedBody(body, MAX_CHECK_BODY, truncate=False))
+                    found = identity_of(path, response.code, await body)
+                except Exception:
+                    found = None
+                if found is not None and self.identified is not None and self.running:
+                    self.identified(*found)
+                    return
+        finally:
+            self._identifying = None
 
     def _check(self, check: CheckRuntime) -> None:
         if self._pending is not None:

@@ -83,6 +83,7 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
+from protocol.supervisor.siblings import SiblingCopies
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
@@ -92,6 +93,7 @@ __all__ = [
     "Exchanger",
     "ExchangerConfig",
     "AcceptedPeerStream",
+    "StatusTraffic",
 ]
 
 log = Logger(namespace="infx.exchanger")
@@ -109,7 +111,11 @@ class ExchangerConfig:
     headers of every stream it dials, so that a peer that does not dial it
     dials it back (:mod:`protocol.exchange.dial_backs`); ``max_queued_bytes``
     is what a peer's stream may hold queued before it refuses tasks (see
-    :class:`~infx.gateway.dispatcher.StreamSendGate`). What the core needs
+    :class:`~infx.gateway.dispatcher.StreamSendGate`). A worker of
+    ``twistd infx --workers N`` (:mod:`infx.supervisor`) adds ``accept_metadata`` to the
+    headers of the streams it accepts (its siblings' internal ports) and drops from the
+    reports of ``siblings`` (pod names) their copies of the engines every worker runs
+    itself (:class:`~protocol.supervisor.siblings.SiblingCopies`). What the core needs
     (status interval, redial backoff) is in its
     :class:`~protocol.gateway.effects.CoreConfig`.
     """
@@ -118,6 +124,20 @@ class ExchangerConfig:
     secret: str | None = None
     peer_port: int | None = None
     max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
+    accept_metadata: tuple[tuple[str, str], ...] = ()
+    siblings: frozenset[str] = frozenset()
+
+
+@dataclass
+class StatusTraffic:
+    """Status reports exchanged with one peer since start (``ServerStatus`` messages and their
+    encoded bytes), and when its last report arrived (on the gateway's clock), for operators."""
+
+    reports_sent: int = 0
+    bytes_sent: int = 0
+    reports_received: int = 0
+    bytes_received: int = 0
+    last_report_at: float | None = None
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -138,8 +158,9 @@ class AcceptedPeerStream:
     def __init__(self, call: ServerCall, on_drained: Callable[[AcceptedPeerStream], None] | None = None,
                  max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
-        #: The peer's pod name, from its first report.
+        #: The peer's pod name, from its first report; whether its reports say it is draining.
         self.pod_name = ""
+        self.draining = False
         self.closed = False
         #: The read of :meth:`read_each`, and whether a message of it is being handled now.
         self._reading: Deferred[None] | None = None
@@ -310,11 +331,17 @@ class Exchanger:
         #: the stream once it ended (the scaler counts the other gateways' requests).
         self.on_peer_requests: list[Callable[[AcceptedPeerStream, Mapping[str, int]], None]] = []
         self.on_peer_gone: list[Callable[[AcceptedPeerStream], None]] = []
+        #: Called with each accepted dial's peer name, address and response headers.
+        self.on_dial_accepted: list[Callable[[str, PeerAddress, Metadata], None]] = []
         self._drained: list[Deferred[None]] = []
         #: A peer that refuses us or is not there fails every redial alike: logged once, then counted.
         self._failures: dict[str, RepeatSuppressor] = {}
         #: A peer with the wrong secret redials forever: its refusal is logged once per host, then counted.
         self._refusals = RepeatSuppressor()
+        #: Status reports read from each peer, by the pod its reports name, and sent to each peer
+        #: we dial, by the name we dial it under (``PeerDialling.name``).
+        self.reports_received: dict[str, StatusTraffic] = {}
+        self.reports_sent: dict[str, StatusTraffic] = {}
 
     @property
     def receivers(self) -> Mapping[str, PeerDialling]:
@@ -374,6 +401,8 @@ class Exchanger:
         log.info("peer {name}: connected at {address}", name=name, address=str(stream.dial.address),
                  event="peer_connected")
         self.dispatcher.run(lambda now: self.dispatcher.core.dial_accepted(stream.dial, metadata, now))
+        for listener in self.on_dial_accepted:
+            listener(name, stream.dial.address, metadata)  # type: ignore[arg-type]
 
     def dial_failed(self, stream: DialledPeerStream, error: GrpcError) -> None:
         name = stream.dial.name
@@ -411,6 +440,10 @@ class Exchanger:
             dialled = self.dials.get(effect.dial)
             if dialled is not None:
                 dialled.send(effect.message)
+                if effect.message.WhichOneof("message") == "server_status":
+                    sent = self.reports_sent.setdefault(effect.dial.name, StatusTraffic())
+                    sent.reports_sent += 1
+                    sent.bytes_sent += effect.message.ByteSize()
         elif isinstance(effect, HalfCloseDial):
             dialled = self.dials.get(effect.dial)
             if dialled is not None:
@@ -437,6 +470,8 @@ class Exchanger:
                      "back at: its engines serve here, this gateway's do not serve there; list it in --peers",
                      pod=effect.pod_name, event="peer_one_way")
         elif isinstance(effect, PeerDraining):
+            draining: AcceptedPeerStream = effect.stream  # type: ignore[assignment]
+            draining.draining = True
             log.info("peer {pod} is draining: its engines take no new tasks from here", pod=effect.pod_name or "?",
                      event="peer_draining")
         elif isinstance(effect, PeerDisconnected):
@@ -479,10 +514,21 @@ class Exchanger:
         if not stream.closed:
             # Headers now tell the peer's dialled peer the stream is accepted before any task flows,
             # that this side reads status deltas (a LLMariner dialled peer ignores that) and its pod.
-            call.send_initial_metadata(core.accept_metadata)
+            call.send_initial_metadata((*core.accept_metadata, *self.config.accept_metadata))
+        siblings, copies = self.config.siblings, SiblingCopies()
+
+        def on_message(message: internal_pb2.ProcessTasksInternalRequest) -> None:
+            if message.WhichOneof("message") == "server_status":
+                read = self.reports_received.setdefault(message.server_status.pod_name, StatusTraffic())
+                read.reports_received += 1
+                read.bytes_received += message.ByteSize()
+                read.last_report_at = self.clock.seconds()
+                if siblings and message.server_status.pod_name in siblings:
+                    message = copies.filter(message)
+            self.dispatcher.run(lambda now: core.accepted_peer_message(stream, message, now))
+
         try:
-            await stream.read_each(
-                lambda message: self.dispatcher.run(lambda now: core.accepted_peer_message(stream, message, now)))
+            await stream.read_each(on_message)
         finally:
             self.streams.discard(stream)
             self.dispatcher.run(lambda now: core.accepted_peer_closed(stream, now))

@@ -12,7 +12,7 @@ API key file (one value, ``default``, when auth is off); ``endpoint`` and
 from __future__ import annotations
 
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -135,8 +135,62 @@ class _RouteQueues(Collector):
         yield family
 
 
+#: Tasks placed since start per (tenant, model, routing decision).
+DecisionSource = Callable[[], Mapping[tuple[str, str, str], int]]
+#: (peer, direction, reports, bytes) of the status reports exchanged with each peer since start.
+StatusTrafficSource = Callable[[], Iterable[tuple[str, str, int, int]]]
+
+
+class _Routing(Collector):
+    """Reads the routing policy's decisions at scrape time (``protocol.routing.policy.RoutingDecision``)."""
+
+    def __init__(self, decisions: DecisionSource, model_label: Callable[[str, str], str]) -> None:
+        self.decisions = decisions
+        self.model_label = model_label
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "infx_routing_decisions", "Tasks this gateway's routing policy placed, by how: prefix_hit (the engine "
+            "held the start of the prompt), home (the prompt's ring home), spill (moved off its home by load), "
+            "load (by load alone).", labels=["tenant", "model", "decision"])
+        totals: Tally[tuple[str, str, str]] = Tally()
+        for (tenant, model, decision), count in self.decisions().items():
+            totals[(tenant, self.model_label(tenant, model), decision)] += count
+        for labels, count in sorted(totals.items()):
+            family.add_metric(list(labels), count)
+        yield family
+
+
+class _StatusTraffic(Collector):
+    """Reads the status reports exchanged with each peer at scrape time."""
+
+    def __init__(self, source: StatusTrafficSource) -> None:
+        self.source = source
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        reports = CounterMetricFamily("infx_peer_status_reports",
+                                      "Status reports (ServerStatus) exchanged with each peer, by direction.",
+                                      labels=["peer", "direction"])
+        sizes = CounterMetricFamily("infx_peer_status_report_bytes",
+                                    "Encoded bytes of the status reports exchanged with each peer, by direction.",
+                                    labels=["peer", "direction"])
+        for peer, direction, count, size in sorted(self.source()):
+            reports.add_metric([peer, direction], count)
+            sizes.add_metric([peer, direction], size)
+        yield reports
+        yield sizes
+
+
 class GatewayMetrics:
     """Request, task, engine and exchange metrics of the gateway."""
+
+    def watch_routing(self, decisions: DecisionSource, model_label: Callable[[str, str], str]) -> None:
+        """Export the routing decisions, read at each scrape (models as bounded labels)."""
+        self.registry.register(_Routing(decisions, model_label))
+
+    def watch_status_traffic(self, source: StatusTrafficSource) -> None:
+        """Export the status reports exchanged with each peer, read at each scrape."""
+        self.registry.register(_StatusTraffic(source))
 
     def watch(self, gauges: GaugeSource, counters: CounterSource) -> None:
         """Export the processor's queued/in-flight/engine counts and its counters, read at each scrape."""

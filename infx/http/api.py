@@ -46,6 +46,7 @@ from zope.interface import implementer
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability, Submission, TaskHandle, TaskRunner
+from infx.http.admin import AdminTree
 from infx.http.request_log import RequestTrace
 from infx.http.site import DEFAULT_MAX_BODY_SIZE
 from protocol.gateway.ratelimit import RateLimiter
@@ -108,6 +109,11 @@ class HttpApi:
         self.listening = False
         self.shutting_down = False
         self.active_calls: set[ApiCall] = set()
+        #: Where each request that ends is recorded for /admin/status (None: nowhere).
+        self.journal: Any = None
+        #: Builds the /admin/status document (:class:`~infx.gateway.cluster_status.ClusterStatus`);
+        #: None: the runner's own dump.
+        self.cluster_status: Any = None
 
     @property
     def ready(self) -> bool:
@@ -136,7 +142,7 @@ class HttpApi:
                        detail: str = "") -> None:
         """One refused request's log line and metrics (see :class:`~infx.request_log.RequestTrace`)."""
         now = self.clock.seconds()
-        trace = RequestTrace(self.metrics, endpoint, now)
+        trace = RequestTrace(self.metrics, endpoint, now, self.journal)
         trace.request_id = request_id
         trace.tenant = tenant
         trace.failed(code, detail)
@@ -165,7 +171,7 @@ class ApiCall:
         self.endpoint = endpoint
         self.model = ""
         self.started_at = gateway.clock.seconds()
-        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at)
+        self.trace = RequestTrace(gateway.metrics, endpoint, self.started_at, gateway.journal)
         self.transform = transform
         self.handle: TaskHandle | None = None
         self.streaming = False
@@ -527,6 +533,7 @@ ENDPOINTS = {
     b"/v1/embeddings": "embeddings", b"/v1/responses": "responses", b"/v1/tokenize": "tokenize",
     b"/v1/audio/transcriptions": "audio/transcriptions", b"/v1/models": "models", b"/healthz": "healthz",
     b"/readyz": "readyz", b"/metrics": "metrics", b"/admin/status": "admin/status",
+    b"/admin/events": "admin/events",
 }
 
 
@@ -770,29 +777,56 @@ class _Health(_Route):
 
 
 class _Metrics(_Route):
+    """This gateway's registry; or, given ``source`` (a worker's), what it gives: every worker's."""
+
     isLeaf = True
     endpoint = "metrics"
 
+    def __init__(self, gateway: HttpApi, source: MetricsSource | None = None) -> None:
+        super().__init__(gateway)
+        self.source = source
+
+    def render_GET(self, request: server.Request) -> bytes | int:
+        request.setHeader("content-type", CONTENT_TYPE_LATEST)
+        if self.source is None:
+            return generate_latest(self.gateway.metrics.registry)
+        gathered = self.source()
+
+        def write(text: bytes) -> None:
+            if not request.finished and not request._disconnected:
+                request.write(text)
+                request.finish()
+
+        def failed(reason: Any) -> None:
+            log.failure("metrics of every worker", reason)
+            write(generate_latest(self.gateway.metrics.registry))
+
+        gathered.addCallbacks(write, failed)
+        return server.NOT_DONE_YET
+
+
+#: Gives the exposition text of ``/metrics`` (see :mod:`infx.supervisor.metrics`).
+MetricsSource = Callable[[], Any]
+
+
+class _OwnMetrics(resource.Resource):
+    """One registry's metrics, on a port of their own (a worker's private port, see
+    :mod:`infx.supervisor.metrics`)."""
+
+    isLeaf = True
+
+    def __init__(self, registry: Any) -> None:
+        super().__init__()
+        self.registry = registry
+
     def render_GET(self, request: server.Request) -> bytes:
         request.setHeader("content-type", CONTENT_TYPE_LATEST)
-        return generate_latest(self.gateway.metrics.registry)
+        return generate_latest(self.registry)
 
 
-class _AdminStatus(_Route):
-    isLeaf = True
-    endpoint = "admin/status"
-
-    def render_GET(self, request: server.Request) -> bytes:
-        principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None or not principal.admin:
-            status = 401 if principal is None else 403
-            return self.gateway.refuse(request, self.endpoint, status, "An admin API key is required.",
-                                       code="invalid_api_key" if principal is None else "admin_key_required",
-                                       tenant=principal.tenant if principal is not None else "")
-        request.setHeader("content-type", "application/json")
-        # A tenant's admin sees its tenant; the cluster (every tenant) takes a key with admin: cluster.
-        status = self.gateway.runner.status(None if principal.cluster_admin else principal.tenant)
-        return json.dumps(status, sort_keys=True, default=str).encode()
+def own_metrics_resource(registry: Any) -> resource.Resource:
+    """``registry``'s metrics at every path, for a port that serves nothing else."""
+    return _OwnMetrics(registry)
 
 
 class _NotFound(_Route):
@@ -821,8 +855,9 @@ def _path_of(request: server.Request) -> str:
     return path if len(path) <= 200 else path[:200] + "..."
 
 
-def build_resource(gateway: HttpApi) -> resource.Resource:
-    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere."""
+def build_resource(gateway: HttpApi, metrics: MetricsSource | None = None) -> resource.Resource:
+    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere;
+    ``metrics`` serves ``/metrics`` in place of this gateway's own registry (a worker's: every worker's)."""
     root = _Tree(gateway)
     v1 = _Tree(gateway)
     root.putChild(b"v1", v1)
@@ -844,8 +879,6 @@ def build_resource(gateway: HttpApi) -> resource.Resource:
     v1.putChild(b"models", _Models(gateway))
     root.putChild(b"healthz", _Health(gateway, "healthz", lambda: True))
     root.putChild(b"readyz", _Health(gateway, "readyz", lambda: gateway.ready))
-    root.putChild(b"metrics", _Metrics(gateway))
-    admin = _Tree(gateway)
-    root.putChild(b"admin", admin)
-    admin.putChild(b"status", _AdminStatus(gateway))
+    root.putChild(b"metrics", _Metrics(gateway, metrics))
+    root.putChild(b"admin", AdminTree(gateway))
     return root

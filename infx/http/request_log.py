@@ -18,11 +18,13 @@ error's status (502 for a broken stream), although its status line said 200.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from twisted.logger import Logger
 
 from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
 from infx.gateway.tasks import ServedBy
+from protocol.gateway.recent import RequestRecord
 from protocol.openai.errors import error_type_for
 from protocol.openai.observe import StreamWatcher, Usage, usage_of_body
 
@@ -34,8 +36,11 @@ log = Logger(namespace="infx.request_log")
 class RequestTrace:
     """Gathers one request's facts; :meth:`finish` logs and counts them exactly once."""
 
-    def __init__(self, metrics: GatewayMetrics, endpoint: str, started_at: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, endpoint: str, started_at: float, journal: Any = None) -> None:
+        """``journal``: where the ended request is recorded for /admin/status
+        (:class:`~infx.gateway.cluster_status.RequestJournal`; None: nowhere)."""
         self.metrics = metrics
+        self.journal = journal
         self.endpoint = endpoint
         self.started_at = started_at
         self.request_id = ""
@@ -114,7 +119,17 @@ class RequestTrace:
             metrics.child(metrics.output_tokens, *by_model).inc(self.usage.output_tokens)
         if served is not None and served.retries:
             metrics.child(metrics.request_retries, *by_model).inc(served.retries)
-        self._log(status, seconds, served or ServedBy())
+        served = served or ServedBy()
+        if self.journal is not None:
+            usage = self.usage
+            self.journal.ended(RequestRecord(
+                request_id=self.request_id, tenant=self.tenant, endpoint=self.endpoint, model=self.model,
+                started_at=self.started_at, ended_at=now, status=status, error=self.error, detail=self.detail,
+                served_by=served.gateway, engine_id=served.engine_id, retries=served.retries,
+                queued_seconds=served.queued_seconds, first_token_seconds=self.first_token_seconds,
+                tokens_in=None if usage is None else usage.input_tokens,
+                tokens_out=None if usage is None else usage.output_tokens), self.model_label)
+        self._log(status, seconds, served)
 
     @property
     def _tenant_label(self) -> str:

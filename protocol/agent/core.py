@@ -120,6 +120,10 @@ class AgentConfig:
     sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
     tells this process reconnecting from another process given the same
     ``engine_id`` (which it refuses).
+    ``runtime_kind`` and ``agent_version``: what ``EngineStatus.infx_runtime``
+    says runs behind this engine (for operators; the kind gives way to the
+    runtime's own name once its load or :meth:`EngineAgentCore.runtime_identified`
+    tells it); both empty: no ``infx_runtime``.
     """
 
     engine_id: str
@@ -137,6 +141,8 @@ class AgentConfig:
     capabilities: tuple[str, ...] = ()
     wait_for_runtime: bool = False
     instance: str = ""
+    runtime_kind: str = ""
+    agent_version: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -260,6 +266,9 @@ class _Stream:
     tasks: dict[str, None] = field(default_factory=dict)  # ordered: aborted in arrival order
     last_status: status_pb2.EngineStatus | None = None
     last_status_at: float = -math.inf
+    #: The agent's change counters when ``last_status`` was sent (or found unchanged).
+    last_changes: int = -1
+    last_readiness: int = -1
     linger_until: float = -math.inf
 
 
@@ -284,11 +293,6 @@ def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskR
     result.http_response.header["Content-Type"].values.append("application/json")
     result.http_response.body = error_json(status, message)
     return result
-
-
-def _readiness(status: status_pb2.EngineStatus) -> tuple[bool, tuple[tuple[str, bool], ...]]:
-    """What of a status must reach the gateway without delay: which models it may route here."""
-    return status.ready, tuple((m.id, m.is_ready) for m in status.models)
 
 
 def task_model(task: worker_pb2.Task) -> str:
@@ -321,9 +325,17 @@ class EngineAgentCore:
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
         self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
-        #: The last status built and what it was built from: asked for on every input, it
-        #: changes only when a count, the state or the runtime does.
-        self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
+        #: What the status says is counted, not compared: ``_changes`` grows with every change of
+        #: it (a task's count, the state, the runtime, its load, what the runtime said it is),
+        #: ``_readiness`` with those that must reach the gateway at once (which models it may route
+        #: here). Deciding whether a report is due then costs two comparisons of integers per input,
+        #: and the status is built only when one is (at most every ``status_min_interval`` while
+        #: tasks come and go).
+        self._changes = 0
+        self._readiness = 0
+        self._status_cache: tuple[int, status_pb2.EngineStatus] | None = None
+        # (kind, version) the runtime told of itself ("" while unknown).
+        self._runtime_identity: tuple[str, str] = ("", "")
 
     # -- inspection ---------------------------------------------------------------
 
@@ -370,13 +382,10 @@ class EngineAgentCore:
     def engine_status(self) -> status_pb2.EngineStatus:
         """What the gateway should know about this engine now (the same message while nothing changed:
         callers never change it)."""
-        models = self.models
-        key = (self.state is AgentState.RUNNING, self._runtime_ready, models,
-               tuple(self._model_counts.get(m, 0) for m in models))
         cached = self._status_cache
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == self._changes:
             return cached[1]
-        counts = dict(zip(models, key[3]))
+        models = self.models
         status = status_pb2.EngineStatus(
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
@@ -384,16 +393,28 @@ class EngineAgentCore:
             infx_capabilities=self.config.capabilities,
             infx_instance=self.config.instance,
             models=[
-                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
-                for m, n in counts.items()
+                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready,
+                                              in_progress_task_count=self._model_counts.get(m, 0))
+                for m in models
             ],
         )
         if self._runtime_load is not None:
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
                 model.runtime_load.CopyFrom(self._runtime_load)
-        self._status_cache = (key, status)
+        if self.config.runtime_kind or self.config.agent_version:
+            kind = (self._runtime_identity[0] or (self._runtime_load.source if self._runtime_load is not None else "")
+                    or self.config.runtime_kind)
+            status.infx_runtime.CopyFrom(status_pb2.EngineStatus.RuntimeInfo(
+                kind=kind, version=self._runtime_identity[1], agent_version=self.config.agent_version))
+        self._status_cache = (self._changes, status)
         return status
+
+    def _changed(self, readiness: bool = False) -> None:
+        """What the status says changed (``readiness``: which models the gateway may route here)."""
+        self._changes += 1
+        if readiness:
+            self._readiness += 1
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must run next, or None."""
@@ -420,6 +441,7 @@ class EngineAgentCore:
         if self.state is not AgentState.IDLE:
             raise AgentUsageError(f"start() in state {self.state.value}")
         self.state = AgentState.RUNNING
+        self._changed(readiness=True)
         effects: list[Effect] = []
         self._open(now, False, effects)
         return effects
@@ -429,17 +451,29 @@ class EngineAgentCore:
         own); the gateway is told at once."""
         if any(not m for m in models) or len(set(models)) != len(models):
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
-        self._runtime_ready = ready
-        self._runtime_models = models
-        self._status_cache = None
+        if ready != self._runtime_ready or models != self._runtime_models:
+            self._runtime_ready = ready
+            self._runtime_models = models
+            self._changed(readiness=True)
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def runtime_identified(self, kind: str, version: str, now: float) -> list[Effect]:
+        """The runtime said what it is and its version (either may be ""): the gateway is told."""
+        if (kind, version) == self._runtime_identity:
+            return []
+        self._runtime_identity = (kind, version)
+        self._changed()
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
 
     def runtime_load_changed(self, load: status_pb2.EngineStatus.RuntimeLoad | None, now: float) -> list[Effect]:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
-        self._runtime_load = load
-        self._status_cache = None
+        if load != self._runtime_load:
+            self._runtime_load = load
+            self._changed()
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
@@ -488,6 +522,7 @@ class EngineAgentCore:
                 model = task_model(task)
                 self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
                 self._model_counts[model] = self._model_counts.get(model, 0) + 1
+                self._changed()
                 stream.tasks[task.id] = None
                 self._queue[task.id] = None
                 if deadline is not None:
@@ -498,23 +533,22 @@ class EngineAgentCore:
         self._report(now, effects)
         return effects
 
-    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> list[Effect]:
+    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> SendResult | None:
         """The runtime produced the task's next result; it goes to the task's stream.
 
-        The machine sets ``task_id`` and ``result_index`` (0, 1, 2, ...).
-        Results of a task no longer known (aborted) are dropped.
+        The machine takes ``result`` over (a body is not copied) and sets its ``task_id`` and
+        ``result_index`` (0, 1, 2, ...). A result of a task no longer known (aborted) is dropped
+        (None). The one effect, not a list: this runs per streamed event, and changes no deadline.
         """
         task = self._tasks.get(task_id)
         if task is None:
-            return []
+            return None
         if not task.running:
             raise AgentUsageError(f"result for task {task_id!r} before it started")
-        out = worker_pb2.TaskResult()
-        out.CopyFrom(result)
-        out.task_id = task_id
-        out.result_index = task.next_index
+        result.task_id = task_id
+        result.result_index = task.next_index
         task.next_index += 1
-        return [SendResult(task.stream_id, out)]
+        return SendResult(task.stream_id, result)
 
     def finish_task(self, task_id: str, now: float) -> list[Effect]:
         """The runtime is done with the task (after its last result, or after failing)."""
@@ -561,6 +595,7 @@ class EngineAgentCore:
         if self.state is not AgentState.RUNNING:
             raise AgentUsageError(f"shutdown() in state {self.state.value}")
         self.state = AgentState.DRAINING
+        self._changed(readiness=True)
         self._reconnect_at = None
         self._drain_deadline = now + max(grace, 0.0)
         effects: list[Effect] = []
@@ -657,6 +692,7 @@ class EngineAgentCore:
             self._model_counts[task.model] = left
         else:
             del self._model_counts[task.model]
+        self._changed()
         stream = self._streams.get(task.stream_id)
         if stream is not None:
             stream.tasks.pop(task_id, None)
@@ -679,30 +715,35 @@ class EngineAgentCore:
                 effects.append(CloseStream(stream.id))
 
     def _status_due(self, stream: _Stream) -> float:
-        status = self.engine_status()
-        if status is stream.last_status:
-            # Nothing changed since it was sent (the status is rebuilt only on a change).
+        if stream.last_status is None:
+            return -math.inf
+        if stream.last_changes == self._changes:
             return stream.last_status_at + self.config.status_interval
-        if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
-            return stream.last_status_at if stream.last_status is not None else -math.inf
-        if status != stream.last_status:
-            return stream.last_status_at + self.config.status_min_interval
-        return stream.last_status_at + self.config.status_interval
+        if stream.last_readiness != self._readiness:
+            return stream.last_status_at
+        return stream.last_status_at + self.config.status_min_interval
 
     def _report(self, now: float, effects: list[Effect]) -> None:
         if self._current is None:
             return
         stream = self._streams[self._current]
-        if now >= self._status_due(stream):
-            status = self.engine_status()
-            stream.last_status = status
-            stream.last_status_at = now
-            effects.append(SendStatus(stream.id, status))
+        if now < self._status_due(stream):
+            return
+        status = self.engine_status()
+        unchanged = stream.last_changes != self._changes and status == stream.last_status
+        stream.last_changes = self._changes
+        stream.last_readiness = self._readiness
+        if unchanged:
+            return  # counts that came and went since the last report: the periodic one is next
+        stream.last_status = status
+        stream.last_status_at = now
+        effects.append(SendStatus(stream.id, status))
 
     def _check_drained(self, effects: list[Effect]) -> None:
         if self.state is not AgentState.DRAINING or self._tasks:
             return
         self.state = AgentState.STOPPED
+        self._changed(readiness=True)
         self._drain_deadline = None
         self._current = None
         for stream in list(self._streams.values()):

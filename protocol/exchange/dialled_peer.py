@@ -8,8 +8,8 @@ named local engine, and relays their results back in order. A forwarded task
 that cannot run here is answered at once with an error ``TaskResult`` (an
 ``HttpResponse`` of 503 with a reason) so that the peer retries elsewhere
 without waiting for the next status report; one that is no task at all (an
-empty request, a malformed caller, an id in the processor's own control
-namespace) with 400: remote input, never a local misuse error.
+empty request, a gateway's own go_away or heartbeat to its engines, a
+malformed caller, an id in the processor's own control namespace) with 400: remote input, never a local misuse error.
 
 Every report also carries how many requests per model this gateway accepted
 from its clients since it started (read from a callable the adapter passes
@@ -83,6 +83,9 @@ class DialledPeerState(Enum):
     DRAINING = "draining"
     CLOSED = "closed"
 
+
+#: TaskRequest kinds a gateway sends its own engines (drain, liveness): never a peer's to forward.
+_ENGINE_CONTROL = frozenset({"go_away", "heartbeat"})
 
 # Which commands each state accepts; anything else is caller misuse.
 _ACCEPTS: dict[str, frozenset[DialledPeerState]] = {
@@ -298,8 +301,12 @@ class DialledPeer:
     def _malformed(self, task: worker_pb2.Task) -> str:
         """Why a peer's task is no task the processor takes (which would be this gateway's own
         misuse, :class:`ProcessorUsageError`, were its code to submit it): '' if none."""
-        if task.request.WhichOneof("request") is None:
+        kind = task.request.WhichOneof("request")
+        if kind is None:
             return f"forwarded task {task.id!r} has an empty request"
+        if kind in _ENGINE_CONTROL:
+            return (f"forwarded task {task.id!r}: {kind} is a gateway's message to its own engines, "
+                    "not a request a peer may forward")
         if task.id.startswith(self.processor.config.control_task_prefix):
             return f"forwarded task id {task.id!r} starts with this gateway's prefix for its own tasks"
         return ""

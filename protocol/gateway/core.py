@@ -543,6 +543,18 @@ class GatewayCore:
     def shutting_down(self) -> bool:
         return self._shutting_down
 
+    def models_gone(self, tenant_id: str, now: float) -> list[str]:
+        """The tenant's models no engine lists now that one listed within ``forget_models_after``
+        (their requests are answered 503, see :attr:`Availability.GONE`), sorted."""
+        listed = self.processor.known_models(tenant_id)
+        return sorted(model for (tenant, model), seen in self._recent_models.items()
+                      if tenant == tenant_id and model not in listed and now - seen < self.config.forget_models_after)
+
+    def learning(self, now: float) -> bool:
+        """Whether this gateway is still learning its peers' engines at start-up (a request for a
+        model nobody lists yet waits, see :attr:`Availability.LEARNING`)."""
+        return not self._learned and self._learning_until is not None and now < self._learning_until
+
     def _open(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
         peer.attempts += 1
         peer.accepted = peer.half_closed = False
@@ -654,12 +666,17 @@ class GatewayCore:
 
     def drain_peers(self, now: float) -> list[CoreEffect]:
         """Graceful stop of the peer exchange: streams we dial report every engine not ready,
-        finish their forwarded tasks, then half-close; no redials; new peer streams are refused."""
+        finish their forwarded tasks, then half-close; no redials; new peer streams are refused.
+        A dial its peer has not accepted yet carries no task: it is given up (a peer whose port
+        takes connections but does not answer, as a restarting worker's, would hold the drain)."""
         self._shutting_down = True
         out: list[CoreEffect] = []
         for peer in list(self._peers.values()):
             dialled = peer.dialled
-            if dialled is not None and dialled.state is DialledPeerState.OPEN:
+            if peer.dial is not None and not peer.accepted:
+                self._give_up(peer, "gateway is draining", now, out)
+                self._forget_peer(peer)
+            elif dialled is not None and dialled.state is DialledPeerState.OPEN:
                 self._absorb_dialled(peer, dialled.shutdown(now), now, out)
             elif peer.dial is None:
                 self._forget_peer(peer)

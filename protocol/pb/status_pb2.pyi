@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance")
+    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime")
     class Model(_message.Message):
         __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips")
         class StatusDetails(_message.Message):
@@ -51,16 +51,27 @@ class EngineStatus(_message.Message):
         loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
         source: str
         def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+    class RuntimeInfo(_message.Message):
+        __slots__ = ("kind", "version", "agent_version")
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        VERSION_FIELD_NUMBER: _ClassVar[int]
+        AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+        kind: str
+        version: str
+        agent_version: str
+        def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ID_FIELD_NUMBER: _ClassVar[int]
     INFX_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     INFX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    INFX_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
     cluster_id: str
     infx_capabilities: _containers.RepeatedScalarFieldContainer[str]
     infx_instance: str
-    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ...) -> None: ...
+    infx_runtime: EngineStatus.RuntimeInfo
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ...) -> None: ...

@@ -84,6 +84,7 @@ GatewayCore and the metrics read, each a few lines handing the work to the parts
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -94,7 +95,7 @@ from protocol.processor.control import ControlTasks
 from protocol.processor.counters import ProcessorCounters
 from protocol.processor.dispatcher import TaskDispatcher
 from protocol.processor.endings import Endings
-from protocol.processor.engines import EngineTable, EngineView
+from protocol.processor.engines import EngineReport, EngineTable, EngineView
 from protocol.processor.fair_queue import Criticality, weight_problem
 from protocol.processor.membership import Membership
 from protocol.processor.retries import ENGINE_LOST_MID_STREAM, Retries
@@ -129,6 +130,7 @@ __all__ = [
     "DeliverResult",
     "Effect",
     "EngineKey",
+    "EngineReport",
     "EngineView",
     "EnginesRemoved",
     "FailRequest",
@@ -217,6 +219,27 @@ class Processor:
     def engine(self, tenant_id: str, engine_id: str) -> EngineView | None:
         """What the processor knows of one engine, or None if it is not registered."""
         return self._engines.view(EngineKey(tenant_id, engine_id))
+
+    def engine_reports(self, tenant: str | None = None) -> list[EngineReport]:
+        """Every engine (with ``tenant``, that tenant's), by tenant then name here."""
+        out = []
+        for tenant_id, engines in self._engines.by_tenant():
+            if tenant is not None and tenant_id != tenant:
+                continue
+            for _, e in sorted(engines.items()):
+                out.append(EngineReport(e.key, e.route, e.locality, e.status, e.routable, e.draining, e.busy_until,
+                                        tuple(sorted(e.in_flight)), tuple(self._slots.waiting_on_engine(e.key)),
+                                        self._router.load(e.key)))
+        return out
+
+    def criticality_counts(self) -> dict[tuple[str, str], int]:
+        """Live tasks (waiting or on an engine) per (tenant, criticality)."""
+        return dict(Counter((t.tenant_id, t.criticality.value) for t in self._tasks.values()))
+
+    def routing_decisions(self) -> dict[tuple[str, str, str], int]:
+        """Tasks the routing policy placed since start, per (tenant, model, decision)
+        (:class:`~protocol.routing.policy.RoutingDecision`)."""
+        return dict(self._router.decisions)
 
     def takes_http_request(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""

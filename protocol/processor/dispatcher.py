@@ -173,7 +173,8 @@ class TaskDispatcher:
             self.counters.retries[retried.value] += 1
         self._tasks.attempt_sent(task)
         self._slots.take(task, engine)
-        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip)
+        tip = self._router.task_sent(engine.key, task.model, task.hints, task.request.infx_prefix_tip,
+                                     forwarded=bool(task.target))
         self._tasks.set_timer(task, task.deadline)
         wire = worker_pb2.Task(
             id=task.wire_id,

@@ -20,7 +20,7 @@ from protocol.openai import task_forms
 from protocol.pb import status_pb2
 from protocol.processor.keys import EngineKey, Locality, Route
 
-__all__ = ["EngineRecord", "EngineTable", "EngineView"]
+__all__ = ["EngineRecord", "EngineReport", "EngineTable", "EngineView"]
 
 
 @dataclass(slots=True)
@@ -55,6 +55,26 @@ class EngineView:
     locality: Locality
     routable: bool
     in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """One engine as the operator's view shows it: what it reported last (``status``, never
+    to be changed by the reader) and how this processor holds it."""
+
+    key: EngineKey
+    route: Route
+    locality: Locality
+    status: status_pb2.EngineStatus
+    routable: bool
+    draining: bool
+    #: Until when its runtime's busy answer keeps it out of routing (None: not busy).
+    busy_until: float | None
+    #: Tasks on it now, and peers' tasks waiting here for a slot on it.
+    tasks: tuple[str, ...]
+    waiting: tuple[str, ...]
+    #: The load routing counts for it (its tasks, or what it reported, whichever is more).
+    load: int
 
 
 _NO_ENGINES: dict[str, EngineRecord] = {}

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from protocol.routing.config import RoutingConfig
 from protocol.routing.hints import RoutingHints
 from protocol.routing.least_in_progress import least_in_progress
-from protocol.routing.policy import HeldBack, Policy
+from protocol.routing.policy import HeldBack, Policy, RoutingDecision
 from protocol.routing.pools import Member, Pool, Pools
 from protocol.routing.prefix_index import PrefixIndex
 
@@ -119,6 +119,20 @@ class Affinity(Policy):
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
         return carried
+
+    def decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
+        """A prompt's engine held its start (``prefix_hit``), else was its ring home, else took it
+        past its home's load bound (``spill``); without hints, by load."""
+        if hints is None:
+            return RoutingDecision.LOAD
+        if hints.blocks and (self.index.holds(key, hints.blocks[0]) or key in self.pools.spills.depths(hints.blocks)):
+            return RoutingDecision.PREFIX_HIT
+        pool = self.pools.pool(key.tenant_id, model)
+        if pool is None or key not in pool.members:
+            return RoutingDecision.HOME
+        ring = self._ring(pool)
+        home = ring.members[bisect_left(ring.points, hints.home) % len(ring.points)].key
+        return RoutingDecision.HOME if home == key else RoutingDecision.SPILL
 
     def state_size(self) -> dict[str, int]:
         return {"index_blocks": self.index.size, "sessions": len(self._sessions),

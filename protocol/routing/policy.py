@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Set
+from enum import Enum
 from typing import TYPE_CHECKING
 
 from protocol.routing.config import RoutingConfig
@@ -28,10 +29,27 @@ from protocol.routing.pools import Member, Pool, Pools
 if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
     from protocol.processor.keys import EngineKey
 
-__all__ = ["HeldBack", "Policy"]
+__all__ = ["HeldBack", "Policy", "RoutingDecision"]
 
 #: Whether the processor holds an engine back from a task now; a policy never chooses one.
 HeldBack = Callable[["EngineKey"], bool]
+
+
+class RoutingDecision(Enum):
+    """How a task this gateway routed was placed, as the operator page and metrics count it.
+
+    The affinity policy's three are exclusive: ``prefix_hit`` (the engine chosen was sent
+    the start of this prompt before, by this gateway or, as a spilled tip, by a peer: its
+    prefix cache likely holds it), else ``home`` (the prompt's ring home), else ``spill``
+    (bounded load moved it off its home, to an engine holding none of it). ``load``: placed
+    by load alone (no hints, or the ``least_in_progress`` or ``round_robin`` policy).
+    A task a peer forwarded was placed by that peer and is not counted here.
+    """
+
+    PREFIX_HIT = "prefix_hit"
+    HOME = "home"
+    SPILL = "spill"
+    LOAD = "load"
 
 
 class Policy(ABC):
@@ -68,6 +86,11 @@ class Policy(ABC):
             self.pools.spills.record(key, model, forwarded_tip)
             return 0
         return forwarded_tip
+
+    def decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
+        """How ``key`` was chosen for a task of ``model`` (asked before the policy learns from
+        the task): by load alone, unless the policy says otherwise."""
+        return RoutingDecision.LOAD
 
     def state_size(self) -> dict[str, int]:
         """Entries the policy holds, by kind (for ``Router.state_size``)."""

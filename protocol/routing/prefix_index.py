@@ -72,6 +72,11 @@ class PrefixIndex:
                 del self._holders[block]
             self.size -= 1
 
+    def holds(self, key: EngineKey, block: int) -> bool:
+        """Whether ``block`` was sent to ``key`` (and is still remembered)."""
+        lru = self._by_engine.get(key)
+        return lru is not None and block in lru
+
     def forget(self, key: EngineKey) -> None:
         """The engine is gone: drop its entries."""
         if key in self._by_engine:

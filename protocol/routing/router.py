@@ -22,6 +22,7 @@ engines of each (tenant, model), their loads, adapters and spilled tips) and the
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Set
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,8 @@ class Router:
         self.config = config
         self.pools = Pools(config.spilled_tips)
         self.policy = POLICIES[config.policy](config, self.pools)
+        #: Tasks placed since start per (tenant, model, :class:`~protocol.routing.policy.RoutingDecision` value).
+        self.decisions: Counter[tuple[str, str, str]] = Counter()
 
     # --- what the processor tells -------------------------------------------
 
@@ -71,14 +74,18 @@ class Router:
             self.policy.pool_changed(pool)
         self.policy.engine_removed(key)
 
-    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0) -> int:
+    def task_sent(self, key: EngineKey, model: str, hints: RoutingHints | None, forwarded_tip: int = 0,
+                  forwarded: bool = False) -> int:
         """A task was dispatched to ``key``: count it, and let the policy learn from it.
 
         ``forwarded_tip`` is a spilled prompt's tip on a task a peer forwarded
-        (``TaskRequest.infx_prefix_tip``). Returns the tip the task must carry on to the
-        engine's gateway (:mod:`protocol.routing.spills`), or 0.
+        (``TaskRequest.infx_prefix_tip``; ``forwarded``: a peer placed it, so it is not counted
+        in :attr:`decisions`). Returns the tip the task must carry on to the engine's gateway
+        (:mod:`protocol.routing.spills`), or 0.
         """
         member = self.pools.task_sent(key)
+        if not forwarded:
+            self.decisions[(key.tenant_id, model, self.policy.decision(key, model, hints).value)] += 1
         return self.policy.task_sent(member, key, model, hints, forwarded_tip)
 
     def task_left(self, key: EngineKey) -> None:

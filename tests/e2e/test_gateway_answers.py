@@ -34,7 +34,7 @@ KEYS = f"""keys:
 POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/tokenize",
                "/v1/audio/transcriptions"]
 GET_ROUTES = ["/v1/models", "/v1/models/echo", "/healthz", "/readyz", "/metrics", "/admin/status"]
-UNKNOWN = ["/", "/v1", "/v1/", "/v1/chat", "/v1/audio", "/admin", "/v2/anything", "/v1/nope", "/favicon.ico"]
+UNKNOWN = ["/", "/v1", "/v1/", "/v1/chat", "/v1/audio", "/admin/nothing", "/v2/anything", "/v1/nope", "/favicon.ico"]
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "FOO"]
 #: Words that must never reach a client: a Python repr, a Twisted class or page, a traceback.
 INTERNALS = ("<html", "<HTML", "Traceback", "twisted", "Twisted", "Failure", "browser approached", "Huh?")

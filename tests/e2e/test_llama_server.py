@@ -15,6 +15,7 @@ to read those reports as sent.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -25,10 +26,12 @@ import grpc
 import pytest
 from openai import OpenAI
 
+import infx
 from harness.gguf_models import write_model
 from harness.llama_server import LlamaCppServer, LoadGate
 from protocol.pb import status_pb2, worker_pb2
-from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, wait_until
+from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, http_get, wait_until
+from tests.support.llama_answers import messages, stable
 
 KEYS = """
 keys:
@@ -38,16 +41,6 @@ engine_keys:
   - {key: ek-default, tenant: default}
 """
 RUNTIME_KEY = "runtime-secret-2"
-#: What differs between two runs of one request.
-VOLATILE = ("id", "created", "timings", "cached_tokens")
-
-
-def stable(document: Any) -> Any:
-    if isinstance(document, dict):
-        return {k: stable(v) for k, v in document.items() if k not in VOLATILE}
-    if isinstance(document, list):
-        return [stable(v) for v in document]
-    return document
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +84,21 @@ def clients(stack: tuple[LlamaCppServer, Gateway]) -> tuple[OpenAI, OpenAI]:
             OpenAI(base_url=gateway.base_url, api_key="sk-user", max_retries=0))
 
 
-def messages(text: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
-
-
 def test_the_agent_serves_the_model_the_server_lists(stack):
     _, gateway = stack
     engine = gateway.engines()["llama-engine"]
     assert [(m["id"], m["ready"]) for m in engine["models"]] == [("tiny", True)]
+
+
+def test_the_gateway_names_the_runtime_and_its_version_as_the_server_states_them(stack):
+    """/admin/status shows the runtime's kind and version: what llama-server's /props says of its build."""
+    llama, gateway = stack
+    code, body = http_get(llama.url + "/props", {"Authorization": f"Bearer {RUNTIME_KEY}"})
+    assert code == 200
+    build = json.loads(body)["build_info"]
+    runtime = wait_until(lambda: (gateway.engines()["llama-engine"].get("runtime") or {}).get("version")
+                         and gateway.engines()["llama-engine"]["runtime"], "the runtime's version", [gateway.child])
+    assert runtime == {"kind": "llama.cpp", "version": build, "agent_version": infx.__version__}
 
 
 @pytest.mark.parametrize("extra", [

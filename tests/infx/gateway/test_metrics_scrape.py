@@ -124,12 +124,17 @@ def test_the_readme_metrics_table_lists_exactly_the_metrics_a_gateway_exports() 
     metrics = GatewayMetrics(registry)
     metrics.watch(lambda: [], lambda: Processor().counters)
     metrics.watch_route_queues(lambda: [])
+    metrics.watch_routing(lambda: {}, lambda tenant, model: model)
+    metrics.watch_status_traffic(lambda: [])
     exported = set()
     for family in registry.collect():
         exported.add(family.name + ("_total" if family.type == "counter" else ""))
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     table = readme[readme.index("### Metrics, logs and draining"):readme.index("### Embedding the gateway")]
     documented = set(re.findall(r"`(infx_[a-z_]+)`", table))
+    # The operator's metrics (routing decisions, status traffic) are in docs/admin.md.
+    admin = (Path(__file__).resolve().parents[3] / "docs" / "admin.md").read_text()
+    documented |= set(re.findall(r"`(infx_[a-z_]+)[{`]", admin[admin.index("## The Grafana dashboard"):]))
     # The scaler's metrics (--scaler) have their own registry owner, infx/scaling/scaler.py.
     assert {name for name in documented if not name.startswith("infx_scaler_")} == exported
 

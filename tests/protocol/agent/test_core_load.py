@@ -51,3 +51,19 @@ def test_load_reaches_the_wire_in_the_model_at_field_105() -> None:
     assert model.runtime_load.prefix_cache_hit_rate == 0.25 and model.runtime_load.source == "sglang"
     # Field 105, wire type 2: tag bytes 0xca 0x06.
     assert b"\xca\x06" in model.SerializeToString()
+
+
+def test_the_runtime_info_says_the_agents_runtime_then_the_runtimes_own_name_and_version() -> None:
+    agent = EngineAgentCore(AgentConfig(engine_id="e1", models=("m1",), runtime_kind="openai", agent_version="9.9"))
+    agent.start(0.0)
+    info = agent.engine_status().infx_runtime
+    assert (info.kind, info.version, info.agent_version) == ("openai", "", "9.9")
+    agent.runtime_load_changed(RuntimeLoad("llama.cpp", 1, 0).to_pb(), 1.0)
+    assert agent.engine_status().infx_runtime.kind == "llama.cpp"
+    [status] = statuses(agent.runtime_identified("vllm", "0.11.0", 2.0))
+    assert (status.infx_runtime.kind, status.infx_runtime.version) == ("vllm", "0.11.0")
+    assert agent.runtime_identified("vllm", "0.11.0", 3.0) == []  # nothing new: nothing sent
+
+
+def test_an_agent_configured_with_no_runtime_info_sends_none() -> None:
+    assert not running_agent().engine_status().HasField("infx_runtime")

@@ -322,6 +322,9 @@ def test_a_forwarded_task_with_a_malformed_caller_is_refused_with_400(h):
 @pytest.mark.parametrize("task_id, task_request, why", [
     ("task-1", worker_pb2.TaskRequest(), "empty request"),  # hypothesis found it (test_hostile_pb.py)
     ("infx-ctl-heartbeat-1", chat(), "prefix for its own tasks"),
+    # A gateway's own messages to its engines: from a peer, one would reach a local engine as if sent here.
+    ("task-2", worker_pb2.TaskRequest(go_away=worker_pb2.GoAwayRequest()), "go_away is a gateway's message"),
+    ("task-3", worker_pb2.TaskRequest(heartbeat=worker_pb2.HeartbeatRequest()), "heartbeat is a gateway's message"),
 ])
 def test_a_forwarded_task_that_is_no_task_is_refused_with_400_not_a_local_misuse_error(h, task_id, task_request, why):
     h.reports()
