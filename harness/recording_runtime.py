@@ -132,7 +132,7 @@ def _serve(port_file: str) -> None:
     answers: list[dict[str, Any]] = []
     recorded: list[dict[str, Any]] = []
 
-    class Runtime(resource.Resource):
+    class RecordingResource(resource.Resource):
         isLeaf = True
 
         def render(self, request: server.Request) -> bytes | int:
@@ -219,7 +219,7 @@ def _serve(port_file: str) -> None:
             request.setResponseCode(404)
             return b"[]"
 
-    port = reactor.listenTCP(0, server.Site(Runtime()), interface="127.0.0.1")
+    port = reactor.listenTCP(0, server.Site(RecordingResource()), interface="127.0.0.1")
     Path(port_file).write_text(str(port.getHost().port))
     reactor.run()
 

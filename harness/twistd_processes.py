@@ -25,7 +25,7 @@ from typing import Any
 from infx.cli import EXIT_CANNOT_LISTEN
 from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import builtin_engine_id
-from protocol.exchange.sender import peer_engine_id
+from protocol.exchange.accepted_peer import peer_engine_id
 
 ROOT = Path(__file__).resolve().parents[1]
 TWISTD = str(Path(sys.executable).with_name("twistd"))

@@ -9,7 +9,7 @@ can fix is one line on stderr and a non-zero exit code:
 - :data:`EXIT_CANNOT_LISTEN` (1): a port could not be bound; the ports that
   did bind are closed again and nothing else was started.
 
-The ``Options`` classes of the tap modules keep raising ``UsageError`` (tests
+The options classes of the tap modules (``GatewayOptions``, ``AgentOptions``) keep raising ``UsageError`` (tests
 and embedding applications parse them); the plugin stub hands twistd the
 ``CommandLineOptions`` built here on top of them.
 """

@@ -4,6 +4,9 @@ Every command-line option of ``twistd infx`` has a YAML key of the same name
 with dashes turned into underscores (``--worker-grpc`` ↔ ``worker_grpc``);
 a flag given on the command line wins over the file. Validation happens
 here, once, and raises :class:`ConfigError` with a message fit for a user.
+
+Size (over 600 lines): one dataclass of every option and its checks, so that an option's
+default, its YAML key and its validation are read in one place.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import yaml
 from protocol.discovery.runtimes import RuntimeTarget
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.routing.hints import HintsConfig
-from protocol.routing.router import RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
 
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()

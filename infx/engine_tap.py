@@ -1,6 +1,6 @@
 """``twistd infx-engine``: command-line options and the engine agent's service tree.
 
-Every option is validated in ``Options.postOptions`` (a ``UsageError`` names
+Every option is validated in ``AgentOptions.postOptions`` (a ``UsageError`` names
 the bad one); ``makeService`` only wires. ``--upstream`` is the runtime
 server's root URL (``http://127.0.0.1:8000``); a trailing ``/v1`` is
 accepted and dropped (see :mod:`infx.agent.runtimes`).
@@ -67,7 +67,7 @@ def parse_host_port(value: str) -> tuple[str, int]:
     return host, int(port)
 
 
-class Options(VersionOption, usage.Options):
+class AgentOptions(VersionOption, usage.Options):
     """Options of ``twistd infx-engine``."""
 
     synopsis = "--server HOST:PORT [--models a,b] [--runtime echo|openai --upstream URL] [options]"
@@ -219,7 +219,7 @@ class Options(VersionOption, usage.Options):
 
 
 #: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
-CommandLineOptions = one_line_errors(Options, "infx-engine")
+CommandLineOptions = one_line_errors(AgentOptions, "infx-engine")
 
 
 class _PoolCloser(Service):
@@ -235,7 +235,7 @@ class _PoolCloser(Service):
         return closed
 
 
-def makeService(options: Options) -> IService:
+def makeService(options: AgentOptions) -> IService:
     """Build the engine agent's service tree from validated options."""
     from twisted.internet import reactor
     from twisted.web.client import Agent

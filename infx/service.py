@@ -5,6 +5,10 @@ service from a :class:`~infx.config.GatewayConfig`, taking the reactor as an
 argument; it returns a :class:`GatewayService` (an ``IService``) whose
 children listen on the configured endpoints. Applications that already run
 a twisted.web site can instead mount ``service.http_resource`` themselves.
+
+Size (over 600 lines): it is the one place the gateway's parts are wired into one service
+(processor, dispatcher, HTTP servers, exchange, workers, runtimes by URL, scaler, status); every
+part lives in its own module, and the wiring reads best in one ``GatewayService``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.runtime_engines import RuntimeEngines, RuntimeSettings
 from infx.gateway.workers import WorkerService
-from infx.http.api import Gateway, build_resource, own_metrics_resource
+from infx.http.api import HttpApi, build_resource, own_metrics_resource
 from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
 from infx.supervisor.peers import SiblingPeerSource
@@ -46,7 +50,7 @@ from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
 from protocol.grpc import GrpcConfig
 from protocol.processor.core import Processor
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 from protocol.supervisor.siblings import IN_EVERY_WORKER, workers_header
 
@@ -189,7 +193,7 @@ class GatewayService(service.MultiService):
                                                        redial_when_dialled_in=True,
                                                        dial_back_after=DIAL_BACK_SECONDS))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
-        self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
+        self.gateway = HttpApi(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
         self.tracing = self._start_tracing()
         self.gateway.tracing = self.dispatcher.tracing = self.tracing

@@ -94,7 +94,7 @@ _RUNTIME_PARAMETERS: list[list[Any]] = [
 ]
 
 
-class Options(VersionOption, usage.Options):
+class GatewayOptions(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
     optFlags: list[list[str | None]] = _FLAGS
@@ -188,10 +188,10 @@ class Options(VersionOption, usage.Options):
 
 
 #: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).
-CommandLineOptions = one_line_errors(Options, "infx")
+CommandLineOptions = one_line_errors(GatewayOptions, "infx")
 
 
-def makeService(options: Options) -> IService:
+def makeService(options: GatewayOptions) -> IService:
     """Build the gateway's service tree from validated options; the process ends if a port
     cannot be bound (see :class:`~infx.cli.ExitIfCannotListen`)."""
     from twisted.internet import reactor

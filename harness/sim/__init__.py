@@ -1,6 +1,6 @@
 """The deterministic in-memory cluster simulation (issue #8).
 
-N gateways (the real processor, receivers, senders and gRPC machines) and M
+N gateways (the real processor, dialled peers, accepted peers and gRPC machines) and M
 engines (the real engine agent core with a scripted runtime) joined by
 in-memory links that carry the real HTTP/2 bytes, one virtual clock, seeded
 latencies and a seeded scheduler, faults injected at random points, and the

@@ -18,7 +18,7 @@ What each invariant needs:
 - a gateway's processor holds as many live tasks as its clients and peers
   await (``MEMORY``): only the gateways the step gave an input to, against
   the core's running count of forwarded tasks (the full check sums every
-  receiver's).
+  dialled peer's).
 - an engine's core and runtime agree on the tasks running (``MEMORY``): only
   the engines the step gave an input to.
 - *converged* (every live gateway routes to every up engine, every dial open):
@@ -38,7 +38,7 @@ from harness.sim.invariants import DEADLINE, MEMORY, TICK, ClientRequest
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster
     from harness.sim.engine import EngineNode
-    from harness.sim.gateway import Gateway, PeerDial
+    from harness.sim.gateway import SimGateway, SimDialledPeerStream
 
 
 class StepChecks:
@@ -49,9 +49,9 @@ class StepChecks:
         self.full = full
         self._seq = count()
         self._requests: list[tuple[float, int, ClientRequest]] = []
-        self._forwarded: list[tuple[float, int, Gateway, PeerDial, str]] = []
+        self._forwarded: list[tuple[float, int, SimGateway, SimDialledPeerStream, str]] = []
         # Touched since the last check (dicts: insertion order, so reports are deterministic).
-        self._gateways: dict[Gateway, None] = {}
+        self._gateways: dict[SimGateway, None] = {}
         self._engines: dict[EngineNode, None] = {}
         self._unmet = 0
 
@@ -60,10 +60,10 @@ class StepChecks:
     def request_accepted(self, request: ClientRequest) -> None:
         heapq.heappush(self._requests, (request.deadline, next(self._seq), request))
 
-    def forwarded_deadline(self, gateway: Gateway, dial: PeerDial, task_id: str, deadline: float) -> None:
+    def forwarded_deadline(self, gateway: SimGateway, dial: SimDialledPeerStream, task_id: str, deadline: float) -> None:
         heapq.heappush(self._forwarded, (deadline, next(self._seq), gateway, dial, task_id))
 
-    def gateway_touched(self, gateway: Gateway) -> None:
+    def gateway_touched(self, gateway: SimGateway) -> None:
         self._gateways[gateway] = None
 
     def engine_touched(self, engine: EngineNode) -> None:
@@ -98,7 +98,7 @@ class StepChecks:
         for gateway in gateways:
             if gateway.alive:
                 ledger.checks += 1
-                # The core's running count of forwarded tasks, not a sum over every receiver
+                # The core's running count of forwarded tasks, not a sum over every dialled peer
                 # (check_all sums them, so a count that drifted fails loudly there).
                 if gateway.live_tasks() != len(gateway.clients) + gateway.core.forwarded_in_flight:
                     return True
@@ -141,7 +141,7 @@ class StepChecks:
                                     f"runtime {len(engine.runtime.live)}")
 
     @staticmethod
-    def _gateway_balanced(gateway: Gateway) -> bool:
+    def _gateway_balanced(gateway: SimGateway) -> bool:
         return gateway.live_tasks() == len(gateway.clients) + gateway.forwarded_in_flight()
 
     @staticmethod

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from harness.sim.checks import StepChecks
 from harness.sim.engine import EngineNode
 from harness.sim.faults import Faults
-from harness.sim.gateway import Gateway
+from harness.sim.gateway import SimGateway
 from harness.sim.invariants import (
     CONVERGENCE,
     ENDS_ONCE,
@@ -38,7 +38,7 @@ from harness.sim.invariants import (
 from harness.sim.link import Link
 from harness.sim.scheduler import Scheduler
 from protocol.pb import chat_pb2, worker_pb2
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Cluster:
             retry_delay=self.rng.choice((0.0, 0.2, 1.0)), heartbeat_interval=3.0, heartbeat_max_missed=2,
         )
         self.gateway_names = [f"gw{i}" for i in range(config.gateways)]
-        self.gateways: dict[str, Gateway] = {}
+        self.gateways: dict[str, SimGateway] = {}
         self.engines: list[EngineNode] = []
         self.links: list[Link] = []
         self._links_kept = 64
@@ -169,20 +169,20 @@ class Cluster:
         alive = [name for name, g in self.gateways.items() if g.alive]
         return self.rng.choice(alive or list(self.gateways))
 
-    def start_gateway(self, name: str) -> Gateway:
-        gateway = Gateway(self, name, self.processor_config)
+    def start_gateway(self, name: str) -> SimGateway:
+        gateway = SimGateway(self, name, self.processor_config)
         self.gateways[name] = gateway
         gateway.start([peer for peer in self.gateway_names if peer != name])
         return gateway
 
-    def restart_gateway(self, name: str, old: Gateway) -> None:
+    def restart_gateway(self, name: str, old: SimGateway) -> None:
         if self.gateways.get(name) is old and not old.alive:
             self.stats["gateway_restarts"] += 1
             self.start_gateway(name)
 
     def build(self) -> None:
         for name in self.gateway_names:
-            self.gateways[name] = Gateway(self, name, self.processor_config)
+            self.gateways[name] = SimGateway(self, name, self.processor_config)
             self.gateways[name].alive = False
         for name in self.gateway_names:
             self.start_gateway(name)
@@ -215,7 +215,7 @@ class Cluster:
         self.submit(gateway, tenant, model, self.rng.random() < 0.5, timeout)
         self.scheduler.after(self.rng.expovariate(1 / self.config.request_interval), self._arrive, "client")
 
-    def submit(self, gateway: Gateway, tenant: str, model: str, streaming: bool, timeout: float | None,
+    def submit(self, gateway: SimGateway, tenant: str, model: str, streaming: bool, timeout: float | None,
                probe: bool = False) -> ClientRequest:
         self._request_seq += 1
         now = self.scheduler.now
@@ -327,7 +327,7 @@ class Cluster:
                 missing += [f"{gateway.name} has no stream to {d.peer}" for d in gateway.dials.values() if not d.open]
         return missing
 
-    def probe(self, gateway: Gateway) -> list[ClientRequest]:
+    def probe(self, gateway: SimGateway) -> list[ClientRequest]:
         """Ask ``gateway`` for every model an up engine of each tenant serves, streaming and not."""
         probes = []
         for tenant in self.config.tenants:

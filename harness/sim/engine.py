@@ -40,8 +40,8 @@ from protocol.grpc import (
     ResponseHeadersReceived,
 )
 from protocol.pb import status_pb2, worker_pb2
-from protocol.exchange.sender import peer_engine_id
-from protocol.processor.types import is_streaming
+from protocol.exchange.accepted_peer import peer_engine_id
+from protocol.processor.requests import is_streaming
 
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster
@@ -50,7 +50,7 @@ ENGINE_GRPC = GrpcConfig(client_side=True, keepalive_interval=5.0, keepalive_tim
 
 
 @dataclass(eq=False)
-class _Run:
+class _SimTask:
     task: worker_pb2.Task
     aborted: bool = False
     emitted: int = 0
@@ -61,12 +61,12 @@ class ScriptedRuntime:
 
     def __init__(self, engine: EngineNode) -> None:
         self.engine = engine
-        self.live: dict[str, _Run] = {}
+        self.live: dict[str, _SimTask] = {}
 
     def start(self, task: worker_pb2.Task) -> None:
         cluster = self.engine.cluster
         rng = cluster.rng
-        run = _Run(task)
+        run = _SimTask(task)
         self.live[task.id] = run
         faulty = cluster.faults.active
         roll = rng.random()
@@ -105,7 +105,7 @@ class ScriptedRuntime:
         if run is not None:
             run.aborted = True
 
-    def _emit(self, run: _Run, result: worker_pb2.TaskResult, last: bool) -> None:
+    def _emit(self, run: _SimTask, result: worker_pb2.TaskResult, last: bool) -> None:
         engine = self.engine
         if run.aborted or engine.runtime is not self:
             return
@@ -151,7 +151,7 @@ class EngineNode:
 
     def name_at(self, gateway: str) -> str:
         """What ``gateway`` names this engine now: its id where it is attached, else its id scoped
-        by the gateway it is attached to (``protocol.sender.peer_engine_id``)."""
+        by the gateway it is attached to (``protocol.exchange.accepted_peer.peer_engine_id``)."""
         attached = self.gateway_of.get(self.current) if self.current is not None else None
         return self.engine_id if attached in (None, gateway) else peer_engine_id(self.engine_id, attached)
 

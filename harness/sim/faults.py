@@ -17,7 +17,7 @@ from harness.sim.link import LinkState
 
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster
-    from harness.sim.gateway import PeerDial
+    from harness.sim.gateway import SimDialledPeerStream
 
 KINDS = (
     "engine_disconnect",
@@ -62,7 +62,7 @@ class Faults:
             self.injected[applied] += 1
         self._schedule()
 
-    def status_fault(self, dial: PeerDial) -> str | None:
+    def status_fault(self, dial: SimDialledPeerStream) -> str | None:
         """Whether this status report is held back (late) or written twice."""
         if not self.active:
             return None

@@ -2,7 +2,7 @@
 
 Rules this file keeps: no decisions. Every one is the production
 :class:`~protocol.gateway.core.GatewayCore`'s (which owns the processor, the
-peer senders and receivers); this file maps gRPC events on the links to the
+accepted and dialled peers); this file maps gRPC events on the links to the
 core's inputs and performs the I/O effects it returns, in order, the way
 ``infx/gateway/dispatcher.py``, ``infx/gateway/workers.py`` and ``infx/exchange/exchanger.py`` do on a
 reactor. After every input the gateway flushes: gRPC events are handled,
@@ -45,17 +45,17 @@ from protocol.grpc import (
 )
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
     DeliverResult,
     FailRequest,
-    Locality,
-    ProcessorConfig,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.keys import Locality
 
 if TYPE_CHECKING:
     from harness.sim.cluster import Cluster
@@ -87,10 +87,10 @@ def _metadata_value(metadata: tuple[tuple[str, object], ...], name: str) -> str 
     return None
 
 
-class EngineStream:
+class SimEngineStream:
     """One engine's ProcessTasks stream on this gateway: its route (as ``infx.gateway.workers.EngineStream``)."""
 
-    def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int, tenant: str) -> None:
+    def __init__(self, gateway: SimGateway, end: GrpcEnd, stream_id: int, tenant: str) -> None:
         self.gateway = gateway
         self.end = end
         self.stream_id = stream_id
@@ -147,14 +147,14 @@ class EngineStream:
         self.end.conn.send_status(self.stream_id, code, message)
 
     def __repr__(self) -> str:
-        return f"<EngineStream {self.gateway.name}:{self.stream_id}>"
+        return f"<SimEngineStream {self.gateway.name}:{self.stream_id}>"
 
 
-class PeerSenderStream:
-    """A peer's ProcessTasksInternal stream accepted here (``infx.exchange.exchanger.PeerStream``): the route
-    of the engines the peer reports (the core gives it a sender on its first report)."""
+class SimAcceptedPeerStream:
+    """A peer's ProcessTasksInternal stream accepted here (``infx.exchange.exchanger.AcceptedPeerStream``): the route
+    of the engines the peer reports (the core gives it an accepted peer on its first report)."""
 
-    def __init__(self, gateway: Gateway, end: GrpcEnd, stream_id: int) -> None:
+    def __init__(self, gateway: SimGateway, end: GrpcEnd, stream_id: int) -> None:
         self.gateway = gateway
         self.end = end
         self.stream_id = stream_id
@@ -187,25 +187,25 @@ class PeerSenderStream:
         if request.WhichOneof("message") == "server_status":
             self.gateway.cluster.stats["status_reports"] += 1
             self.gateway.cluster.stats["status_bytes"] += len(data)
-        self.gateway.run(lambda now: self.gateway.core.peer_stream_message(self, request, now))
+        self.gateway.run(lambda now: self.gateway.core.accepted_peer_message(self, request, now))
 
     def input_ended(self) -> None:
-        self.gateway.run(lambda now: self.gateway.core.peer_stream_closed(self, now))
+        self.gateway.run(lambda now: self.gateway.core.accepted_peer_closed(self, now))
         self.end_with(StatusCode.OK, "")
 
     def ended(self, event: CallEnded) -> None:
         self.closed = True
-        self.gateway.run(lambda now: self.gateway.core.peer_stream_closed(self, now))
+        self.gateway.run(lambda now: self.gateway.core.accepted_peer_closed(self, now))
 
     def __repr__(self) -> str:
         return f"<PeerSender {self.gateway.name}:{self.stream_id}>"
 
 
-class PeerDial:
-    """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchange.exchanger.DialStream``),
+class SimDialledPeerStream:
+    """This gateway's outgoing ProcessTasksInternal stream to one peer (``infx.exchange.exchanger.DialledPeerStream``),
     for whichever :class:`~protocol.gateway.effects.Dial` the core has current."""
 
-    def __init__(self, gateway: Gateway, peer: str) -> None:
+    def __init__(self, gateway: SimGateway, peer: str) -> None:
         self.gateway = gateway
         self.peer = peer
         self.dial: Dial | None = None
@@ -330,17 +330,17 @@ class PeerDial:
             del self.deadlines[task_id]
 
     def forwarded(self) -> frozenset[str]:
-        """The forwarded tasks the core's receiver for this stream has in flight."""
+        """The forwarded tasks the core's dialled peer for this stream has in flight."""
         peer = self.gateway.core.peers.get(self.peer)
-        if peer is None or peer.dial is not self.dial or peer.receiver is None:
+        if peer is None or peer.dial is not self.dial or peer.dialled is None:
             return frozenset()
-        return peer.receiver.task_ids
+        return peer.dialled.task_ids
 
     def __repr__(self) -> str:
-        return f"<PeerDial {self.gateway.name}->{self.peer}>"
+        return f"<SimDialledPeerStream {self.gateway.name}->{self.peer}>"
 
 
-class Gateway:
+class SimGateway:
     """One gateway process: the production core and every connection it holds."""
 
     def __init__(self, cluster: Cluster, name: str, config: ProcessorConfig) -> None:
@@ -357,17 +357,17 @@ class Gateway:
         self.ends: dict[GrpcEnd, None] = {}
         self.pending: dict[GrpcEnd, None] = {}
         #: The dial each outgoing connection carries.
-        self.dial_of: dict[GrpcEnd, PeerDial] = {}
-        self.calls: dict[tuple[GrpcEnd, int], Union[EngineStream, PeerSenderStream]] = {}
+        self.dial_of: dict[GrpcEnd, SimDialledPeerStream] = {}
+        self.calls: dict[tuple[GrpcEnd, int], Union[SimEngineStream, SimAcceptedPeerStream]] = {}
         #: The stream to each peer, by peer name.
-        self.dials: dict[str, PeerDial] = {}
+        self.dials: dict[str, SimDialledPeerStream] = {}
         self.clients: dict[str, ClientRequest] = {}
         self._flushing = False
 
     def start(self, peers: list[str]) -> None:
         """Dial every peer (the pod source's live peers; the address is the peer's name)."""
         for peer in peers:
-            self.dials[peer] = PeerDial(self, peer)
+            self.dials[peer] = SimDialledPeerStream(self, peer)
         self.run(lambda now: self.core.peers_changed({peer: peer for peer in peers}, now))
         self.flush()
 
@@ -388,7 +388,7 @@ class Gateway:
             cluster.ledger.attempt_sent(effect.task.id, self.processor.attempt_owner(effect.task.id))
             cluster.ledger.task_sent(effect.task, effect.engine.tenant_id, f"engine {effect.engine.engine_id}")
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, SimAcceptedPeerStream))
             if not route.send_task(effect):
                 wire_id = effect.task.id
                 # Dispatcher: a send that found its route gone is reported after the effects at hand.
@@ -410,11 +410,11 @@ class Gateway:
                 self.clients.pop(origin.task_id, None)
         elif isinstance(effect, CancelTaskOnEngine):
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, SimAcceptedPeerStream))
             route.send_task(effect)
         elif isinstance(effect, (CloseEngine, CloseRoute)):
             route = effect.route
-            assert isinstance(route, (EngineStream, PeerSenderStream))
+            assert isinstance(route, (SimEngineStream, SimAcceptedPeerStream))
             route.close(effect.reason)
         elif isinstance(effect, TaskQueued):
             cluster.stats["tasks_queued"] += 1
@@ -434,7 +434,7 @@ class Gateway:
                 dial.given_up()
         elif isinstance(effect, EndPeerStream):
             stream = effect.stream
-            assert isinstance(stream, PeerSenderStream)
+            assert isinstance(stream, SimAcceptedPeerStream)
             stream.end_with(effect.code, effect.message)
         # The rest (request accounting, peer reports for the scaler, log lines) has no I/O here.
 
@@ -512,13 +512,13 @@ class Gateway:
             if tenant is None:
                 end.conn.send_status(event.stream_id, StatusCode.UNAUTHENTICATED, "missing or unknown engine key")
                 return
-            self.calls[(end, event.stream_id)] = EngineStream(self, end, event.stream_id, tenant)
+            self.calls[(end, event.stream_id)] = SimEngineStream(self, end, event.stream_id, tenant)
         elif event.method == PROCESS_TASKS_INTERNAL:
-            stream = PeerSenderStream(self, end, event.stream_id)
+            stream = SimAcceptedPeerStream(self, end, event.stream_id)
             self.calls[(end, event.stream_id)] = stream
-            self.run(lambda now: self.core.peer_stream_opened(stream, None, now))
+            self.run(lambda now: self.core.accepted_peer_opened(stream, None, now))
             if not stream.closed:
-                # Headers at once: they tell the peer's receiver the stream is accepted.
+                # Headers at once: they tell the peer's dialled peer the stream is accepted.
                 end.conn.send_initial_metadata(event.stream_id, self.core.accept_metadata)
         else:
             end.conn.send_status(event.stream_id, StatusCode.UNIMPLEMENTED, f"Method not found: {event.method}")
@@ -561,7 +561,7 @@ class Gateway:
         return counters.accepted - sum(counters.outcomes.values())
 
     def forwarded_in_flight(self) -> int:
-        return sum(p.receiver.tasks_in_flight for p in self.core.peers.values() if p.receiver is not None)
+        return sum(p.dialled.tasks_in_flight for p in self.core.peers.values() if p.dialled is not None)
 
     def __repr__(self) -> str:
-        return f"<Gateway {self.name}>"
+        return f"<SimGateway {self.name}>"

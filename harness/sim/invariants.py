@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.pb import worker_pb2
-from protocol.processor.types import DeliverResult, FailRequest
+from protocol.processor.effects import DeliverResult, FailRequest
 
 #: Invariant names, as reported.
 ENDS_ONCE = "ends-exactly-once"
@@ -47,7 +47,7 @@ class InvariantViolated(Exception):
         return (InvariantViolated, (self.invariant, self.detail))
 
 
-class Outcome:
+class SimOutcome:
     COMPLETED = "completed"  # the last result arrived
     FAILED = "failed"  # an explicit error status (FailRequest)
     CANCELLED = "cancelled"  # the client went away
@@ -112,7 +112,7 @@ class ClientRequest:
         self.delivered += 1
         self.events.append(f"r{index}")
         if effect.last:
-            self._end(Outcome.COMPLETED)
+            self._end(SimOutcome.COMPLETED)
 
     def request_failed(self, effect: FailRequest) -> None:
         self._check_live(f"a failure ({effect.status})")
@@ -122,17 +122,17 @@ class ClientRequest:
         # The client's words, and what broke in the words of the layer that saw it (the log's).
         self.reason = f"{effect.message} ({effect.detail})" if effect.detail else effect.message
         self.events.append(f"fail{effect.status}")
-        self._end(Outcome.FAILED)
+        self._end(SimOutcome.FAILED)
 
     # -- what the client itself does --------------------------------------------------
 
     def cancelled(self) -> None:
         self.events.append("cancel")
-        self._end(Outcome.CANCELLED)
+        self._end(SimOutcome.CANCELLED)
 
     def connection_lost(self) -> None:
         self.events.append("lost")
-        self._end(Outcome.LOST)
+        self._end(SimOutcome.LOST)
 
     @property
     def live(self) -> bool:
@@ -140,7 +140,7 @@ class ClientRequest:
 
     @property
     def succeeded(self) -> bool:
-        return self.outcome == Outcome.COMPLETED and self.status == 200
+        return self.outcome == SimOutcome.COMPLETED and self.status == 200
 
     def _check_live(self, what: str) -> None:
         if self.outcome is not None:

@@ -34,7 +34,7 @@ from harness.sim.cluster import Cluster, SimConfig
 from harness.sim.engine import EngineNode
 from harness.sim.gateway import STATUS_INTERVAL
 from harness.sim.invariants import ClientRequest
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 
 SIZES = (3, 10, 25, 50)
 ENGINES_PER_GATEWAY = 10

@@ -34,7 +34,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.agent.runtimes import Runtime, RunningTask, _error_result
+from infx.agent.runtimes import Runtime, RunningTask, openai_error_result
 from infx.deadline import DeadlineTimer
 from infx.transport import ClientCall, GrpcChannel
 from protocol.agent.core import (
@@ -263,7 +263,7 @@ class EngineAgent(Service):
             handle = self.runtime.start(task, sink)
         except Exception:
             log.failure("engine runtime failed to start task {task_id}", task_id=task.id)
-            sink.send(_error_result(UpstreamError("The engine failed to start the task.")))
+            sink.send(openai_error_result(UpstreamError("The engine failed to start the task.")))
             sink.finish()
             return
         sink.handle = handle

@@ -57,7 +57,10 @@ from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockS
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
 
-__all__ = ["CAPABILITIES", "EchoRuntime", "OpenAIRuntime", "Runtime", "RunningTask", "TaskSink", "upstream_root"]
+__all__ = [
+    "CAPABILITIES", "EchoRuntime", "OpenAIRuntime", "Runtime", "RunningTask", "TaskSink", "openai_error_result",
+    "upstream_root",
+]
 
 log = Logger(namespace="infx.runtimes")
 
@@ -101,7 +104,9 @@ def _http_response(status: int, phrase: str | None, body: bytes = b"", headers: 
     return worker_pb2.TaskResult(http_response=response)
 
 
-def _error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
+def openai_error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.TaskResult:
+    """``error`` as the task's whole answer: its status and OpenAI JSON body (the engine's own
+    failures use it too, so it is public)."""
     return _http_response(
         error.status, None, error.to_json(),
         {"Content-Type": ["application/json"]}, latency_ms,
@@ -210,7 +215,7 @@ class _OpenAITask:
         try:
             request = relay_request(task, runtime.key(), runtime.boundary)
         except OpenAIError as exc:
-            self._end_with(_error_result(exc))
+            self._end_with(openai_error_result(exc))
             return
         self._stream = request.stream
         self._verbatim = request.verbatim

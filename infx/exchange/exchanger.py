@@ -10,18 +10,18 @@ The clock, the dispatcher, the pod source and the channel factory are passed
 in.
 
 Every gateway runs both halves. It *serves* ``ProcessTasksInternal`` on its
-internal port: each peer that dials in gets a :class:`PeerStream`, which the
-core gives a pure ``Sender`` on its first ``ServerStatus`` (the peer's
+internal port: each peer that dials in gets a :class:`AcceptedPeerStream`, which the
+core gives a pure ``AcceptedPeer`` on its first ``ServerStatus`` (the peer's
 engines become remote engines whose route is that stream). And it *dials*
 every live peer pod: for each :class:`~protocol.gateway.effects.Dial` the
-core asks for, a :class:`DialStream` opens the call, feeds the core what the
+core asks for, a :class:`DialledPeerStream` opens the call, feeds the core what the
 peer forwards, and reports when the stream ends.
 
 The four data flows, from this gateway's point of view:
 
 - Engine registration: a local engine's ``EngineStatus`` -> local processor
-  (``LocalEnginesChanged``) -> every receiver in the core re-reports the local
-  engines -> peer's internal server -> peer's ``Sender`` -> peer's processor,
+  (``LocalEnginesChanged``) -> every dialled peer in the core re-reports the local
+  engines -> peer's internal server -> peer's ``AcceptedPeer`` -> peer's processor,
   where the engine is registered as remote. Remote engines are never
   re-reported, so reports cannot loop between gateways. Accepted streams
   answer with ``x-infx-status-delta: 1`` in their headers, so an infx peer
@@ -30,14 +30,14 @@ The four data flows, from this gateway's point of view:
   :mod:`protocol.exchange.status_reports`).
 - New task scheduling: HTTP handler -> local processor, which picks a local
   engine (preferred) or a remote one; for a remote engine the task goes to
-  the ``PeerStream`` of the peer that reported it, with its tenant id -> the
-  peer's receiver -> the peer's processor, pinned to that engine.
+  the ``AcceptedPeerStream`` of the peer that reported it, with its tenant id -> the
+  peer's dialled peer -> the peer's processor, pinned to that engine.
 - Task result processing: engine -> the peer's processor -> its
-  receiver -> our ``PeerStream`` -> our ``Sender`` -> our processor,
+  dialled peer -> our ``AcceptedPeerStream`` -> our ``AcceptedPeer`` -> our processor,
   which orders the results and hands them to the HTTP request.
 - Load for the autoscaler: HTTP handler -> the core counts the request
-  per model -> every receiver's next report carries the cumulative
-  counts -> the peer's ``Sender`` -> the peer's ``on_peer_requests`` hooks
+  per model -> every dialled peer's next report carries the cumulative
+  counts -> the peer's ``AcceptedPeer`` -> the peer's ``on_peer_requests`` hooks
   (its scaler), which count the increases as started requests; only one
   gateway runs the autoscaler, and it must see every gateway's requests.
 
@@ -63,7 +63,7 @@ from infx.gateway.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.exchange.dial_backs import PEER_PORT_HEADER, dial_back_address
-from protocol.gateway.core import DialledPeer
+from protocol.gateway.core import PeerDialling
 from protocol.gateway.effects import (
     CancelDial,
     CoreEffect,
@@ -89,10 +89,10 @@ from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 __all__ = [
     "PROCESS_TASKS_INTERNAL",
-    "DialStream",
+    "DialledPeerStream",
     "Exchanger",
     "ExchangerConfig",
-    "PeerStream",
+    "AcceptedPeerStream",
     "StatusTraffic",
 ]
 
@@ -147,7 +147,7 @@ Connect = Callable[[PeerAddress], GrpcChannel]
 # --- the accepting side: a peer dialled us ------------------------------------------
 
 
-class PeerStream:
+class AcceptedPeerStream:
     """One accepted ``ProcessTasksInternal`` stream: the route of the engines its peer reports.
 
     A peer that stops reading blocks the route (see
@@ -155,7 +155,7 @@ class PeerStream:
     it drains again.
     """
 
-    def __init__(self, call: ServerCall, on_drained: Callable[[PeerStream], None] | None = None,
+    def __init__(self, call: ServerCall, on_drained: Callable[[AcceptedPeerStream], None] | None = None,
                  max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES) -> None:
         self.call = call
         #: The peer's pod name, from its first report; whether its reports say it is draining.
@@ -231,7 +231,7 @@ class PeerStream:
         return self._reading
 
     def __repr__(self) -> str:
-        return f"<PeerStream {self.pod_name or self.call.peer}>"
+        return f"<AcceptedPeerStream {self.pod_name or self.call.peer}>"
 
 
 class _ClosedHere(Exception):
@@ -241,7 +241,7 @@ class _ClosedHere(Exception):
 # --- the dialling side: we dial a peer --------------------------------------------------
 
 
-class DialStream:
+class DialledPeerStream:
     """The gRPC call of one :class:`~protocol.gateway.effects.Dial`: what the peer forwards goes
     to the core, and the core hears when the peer accepted the stream and when it ended."""
 
@@ -324,13 +324,13 @@ class Exchanger:
             *((("authorization", f"Bearer {config.secret}"),) if config.secret else ()),
             *(((PEER_PORT_HEADER, str(config.peer_port)),) if config.peer_port else ()))
         #: Accepted streams of peers that dialled us.
-        self.streams: set[PeerStream] = set()
+        self.streams: set[AcceptedPeerStream] = set()
         #: The open call of each dial the core asked for.
-        self.dials: dict[Dial, DialStream] = {}
+        self.dials: dict[Dial, DialledPeerStream] = {}
         #: Called with a peer's stream and the request counts of each report on it, then with
         #: the stream once it ended (the scaler counts the other gateways' requests).
-        self.on_peer_requests: list[Callable[[PeerStream, Mapping[str, int]], None]] = []
-        self.on_peer_gone: list[Callable[[PeerStream], None]] = []
+        self.on_peer_requests: list[Callable[[AcceptedPeerStream, Mapping[str, int]], None]] = []
+        self.on_peer_gone: list[Callable[[AcceptedPeerStream], None]] = []
         #: Called with each accepted dial's peer name, address and response headers.
         self.on_dial_accepted: list[Callable[[str, PeerAddress, Metadata], None]] = []
         self._drained: list[Deferred[None]] = []
@@ -339,12 +339,12 @@ class Exchanger:
         #: A peer with the wrong secret redials forever: its refusal is logged once per host, then counted.
         self._refusals = RepeatSuppressor()
         #: Status reports read from each peer, by the pod its reports name, and sent to each peer
-        #: we dial, by the name we dial it under (``DialledPeer.name``).
+        #: we dial, by the name we dial it under (``PeerDialling.name``).
         self.reports_received: dict[str, StatusTraffic] = {}
         self.reports_sent: dict[str, StatusTraffic] = {}
 
     @property
-    def receivers(self) -> Mapping[str, DialledPeer]:
+    def receivers(self) -> Mapping[str, PeerDialling]:
         """The peers dialled now, by pod name (the core's records, read only)."""
         return self.dispatcher.core.peers
 
@@ -395,7 +395,7 @@ class Exchanger:
         """The pod source's callback: the core brings its dials in line with the source."""
         self.dispatcher.run(lambda now: self.dispatcher.core.peers_changed(dict(self.source.peers), now))
 
-    def dial_accepted(self, stream: DialStream, metadata: Metadata) -> None:
+    def dial_accepted(self, stream: DialledPeerStream, metadata: Metadata) -> None:
         name = stream.dial.name
         self._log(name, self._suppressor(name).cleared("stream", self.clock.seconds()))
         log.info("peer {name}: connected at {address}", name=name, address=str(stream.dial.address),
@@ -404,7 +404,7 @@ class Exchanger:
         for listener in self.on_dial_accepted:
             listener(name, stream.dial.address, metadata)  # type: ignore[arg-type]
 
-    def dial_failed(self, stream: DialStream, error: GrpcError) -> None:
+    def dial_failed(self, stream: DialledPeerStream, error: GrpcError) -> None:
         name = stream.dial.name
         if error.code is StatusCode.UNAUTHENTICATED:
             why = f"refused our internal secret ({error.message})"
@@ -415,7 +415,7 @@ class Exchanger:
         self._log(name, self._suppressor(name).occurred("stream", f"peer {name} {why}", self.clock.seconds()),
                   warn=error.code is StatusCode.UNAUTHENTICATED)
 
-    async def dial_ended(self, stream: DialStream) -> None:
+    async def dial_ended(self, stream: DialledPeerStream) -> None:
         if self.dials.get(stream.dial) is stream:
             del self.dials[stream.dial]
         self.dispatcher.run(lambda now: self.dispatcher.core.dial_closed(stream.dial, now))
@@ -454,7 +454,7 @@ class Exchanger:
             if dialled is not None:
                 dialled.cancel()
         elif isinstance(effect, EndPeerStream):
-            stream: PeerStream = effect.stream  # type: ignore[assignment]
+            stream: AcceptedPeerStream = effect.stream  # type: ignore[assignment]
             self.streams.discard(stream)
             stream.end(effect.code, effect.message)
         elif isinstance(effect, PeerDialledIn):
@@ -470,7 +470,7 @@ class Exchanger:
                      "back at: its engines serve here, this gateway's do not serve there; list it in --peers",
                      pod=effect.pod_name, event="peer_one_way")
         elif isinstance(effect, PeerDraining):
-            draining: PeerStream = effect.stream  # type: ignore[assignment]
+            draining: AcceptedPeerStream = effect.stream  # type: ignore[assignment]
             draining.draining = True
             log.info("peer {pod} is draining: its engines take no new tasks from here", pod=effect.pod_name or "?",
                      event="peer_draining")
@@ -489,7 +489,7 @@ class Exchanger:
         if dial.attempt == 1:
             log.info("dialling peer {name} at {address}", name=dial.name, address=str(dial.address))
         try:
-            DialStream(self, dial, self._connect(dial.address))  # type: ignore[arg-type]
+            DialledPeerStream(self, dial, self._connect(dial.address))  # type: ignore[arg-type]
         except Exception:
             log.failure("cannot dial peer {name}", name=dial.name)
             self.dispatcher.run_later(lambda now: self.dispatcher.core.dial_closed(dial, now))
@@ -507,13 +507,13 @@ class Exchanger:
             raise GrpcError(StatusCode.UNAUTHENTICATED, "missing or wrong internal secret")
         call.authenticated()
         core = self.dispatcher.core
-        stream = PeerStream(call, self.dispatcher.route_writable, self.config.max_queued_bytes)
+        stream = AcceptedPeerStream(call, self.dispatcher.route_writable, self.config.max_queued_bytes)
         self.streams.add(stream)
         dial_back = dial_back_address(call.metadata, str(call.peer).rsplit(":", 1)[0])
-        self.dispatcher.run(lambda now: core.peer_stream_opened(stream, dial_back, now))
+        self.dispatcher.run(lambda now: core.accepted_peer_opened(stream, dial_back, now))
         if not stream.closed:
-            # Headers now tell the peer's receiver the stream is accepted before any task flows,
-            # that this side reads status deltas (a LLMariner receiver ignores that) and its pod.
+            # Headers now tell the peer's dialled peer the stream is accepted before any task flows,
+            # that this side reads status deltas (a LLMariner dialled peer ignores that) and its pod.
             call.send_initial_metadata((*core.accept_metadata, *self.config.accept_metadata))
         siblings, copies = self.config.siblings, SiblingCopies()
 
@@ -525,13 +525,13 @@ class Exchanger:
                 read.last_report_at = self.clock.seconds()
                 if siblings and message.server_status.pod_name in siblings:
                     message = copies.filter(message)
-            self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
+            self.dispatcher.run(lambda now: core.accepted_peer_message(stream, message, now))
 
         try:
             await stream.read_each(on_message)
         finally:
             self.streams.discard(stream)
-            self.dispatcher.run(lambda now: core.peer_stream_closed(stream, now))
+            self.dispatcher.run(lambda now: core.accepted_peer_closed(stream, now))
 
 
 def _bearer_matches(call: ServerCall, secret: str) -> bool:

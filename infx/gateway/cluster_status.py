@@ -29,8 +29,8 @@ from protocol.gateway.recent import RecentConfig, RecentRequests, RequestRecord
 from protocol.gateway.timeline import Timeline, TimelineConfig
 from protocol.pb import status_pb2
 from protocol.processor.fair_queue import Criticality
-from protocol.processor.tables import EngineReport
-from protocol.processor.types import Locality
+from protocol.processor.engines import EngineReport
+from protocol.processor.keys import Locality
 
 __all__ = ["ClusterStatus", "RequestJournal", "StatusSources"]
 
@@ -189,7 +189,7 @@ class ClusterStatus:
                 "last_report_age_seconds": last,
                 "status_traffic": _traffic(read, sent_by_dial.get(peer.name) if peer is not None else None),
                 "engines": engines.get(pod, 0),
-                "forwarded_in_flight": peer.receiver.tasks_in_flight if peer is not None and peer.receiver else 0,
+                "forwarded_in_flight": peer.dialled.tasks_in_flight if peer is not None and peer.dialled else 0,
             }
         return out
 

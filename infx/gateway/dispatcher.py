@@ -1,7 +1,7 @@
 """The gateway core's Twisted owner: feeds it inputs, performs its effects, arms its timer.
 
 The core (:mod:`protocol.gateway.core`, which owns the processor, the peer
-senders and receivers, request accounting and the scaler's signals) decides;
+accepted peers and dialled peers, request accounting and the scaler's signals) decides;
 this module acts. It is the one place that calls the core, so every input is
 followed by performing the returned effects in order and re-arming the single
 ``callLater`` from ``next_deadline()``. Routes (engine streams, peer streams)
@@ -51,17 +51,17 @@ from protocol.gateway.effects import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     CloseRoute,
     DeliverResult,
     FailRequest,
-    Locality,
     RefuseEngine,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.keys import Locality
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
 log = Logger(namespace="infx.dispatcher")
@@ -77,7 +77,7 @@ class SendOutcome(enum.Enum):
 
 
 class EngineRoute(Protocol):
-    """Where tasks for an engine go: a local engine's stream or a peer's sender."""
+    """Where tasks for an engine go: a local engine's stream or the accepted peer that reported it."""
 
     def send_task(self, task: worker_pb2.Task, tenant_id: str) -> SendOutcome:
         """Queue ``task`` for sending, or say why not; a route that answers BLOCKED

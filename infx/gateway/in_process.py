@@ -29,7 +29,7 @@ from twisted.logger import Logger
 from infx.agent.engine import EngineAgent, GatewayLink
 from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from protocol.pb import status_pb2, worker_pb2
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 
 __all__ = ["InProcessLinks"]
 

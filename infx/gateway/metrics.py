@@ -142,7 +142,7 @@ StatusTrafficSource = Callable[[], Iterable[tuple[str, str, int, int]]]
 
 
 class _Routing(Collector):
-    """Reads the routing policy's decisions at scrape time (``protocol.routing.router.RoutingDecision``)."""
+    """Reads the routing policy's decisions at scrape time (``protocol.routing.policy.RoutingDecision``)."""
 
     def __init__(self, decisions: DecisionSource, model_label: Callable[[str, str], str]) -> None:
         self.decisions = decisions

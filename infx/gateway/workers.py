@@ -17,7 +17,7 @@ from infx.gateway.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, GrpcError, GrpcServer, ServerCall
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from protocol.repeats import RepeatSuppressor
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 

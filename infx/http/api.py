@@ -22,6 +22,9 @@ Status``), on every path and method: a method a path does not take is a 405
 naming those it does (``Allow``), an unknown path a 404, a failure inside a
 handler a 500 (the traceback goes to the log). Every refusal is logged as a
 request line and counted in ``infx_http_requests_total``.
+
+Size (over 600 lines): the API resource and one call's whole life (:class:`ApiCall`: admission,
+relay, back-pressure, exactly one response) with the request and status helpers only they use.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ GONE_RETRY_AFTER = 5
 CRITICALITY_HEADER = "x-infx-criticality"
 
 
-class Gateway:
+class HttpApi:
     """Shared state of the HTTP API: the runner, keys, limits, metrics, readiness."""
 
     def __init__(
@@ -163,7 +166,7 @@ class ApiCall:
     falls more than ``max_buffered_bytes`` behind is cut off alone.
     """
 
-    def __init__(self, gateway: Gateway, request: server.Request, endpoint: str,
+    def __init__(self, gateway: HttpApi, request: server.Request, endpoint: str,
                  transform: CompletionTransform | None = None) -> None:
         self.gateway = gateway
         self.request = request
@@ -550,7 +553,7 @@ class CompletionTransform:
 #: The endpoint label of a path the gateway does not serve.
 UNKNOWN_ENDPOINT = "unknown"
 #: The endpoint each path of :func:`build_resource`'s tree is logged and counted as, for refusals
-#: made before the tree is reached (:meth:`Gateway.refused_early`).
+#: made before the tree is reached (:meth:`HttpApi.refused_early`).
 ENDPOINTS = {
     b"/v1/chat/completions": "chat/completions", b"/v1/completions": "completions",
     b"/v1/embeddings": "embeddings", b"/v1/responses": "responses", b"/v1/tokenize": "tokenize",
@@ -658,7 +661,7 @@ class _Route(resource.Resource):
     endpoint = ""
     methods: tuple[bytes, ...] = (b"GET",)
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: HttpApi) -> None:
         super().__init__()
         self.gateway = gateway
 
@@ -683,7 +686,7 @@ class _Endpoint(_Route):
     isLeaf = True
     methods = (b"POST",)
 
-    def __init__(self, gateway: Gateway, name: str, kind: str, typed: TypedParser,
+    def __init__(self, gateway: HttpApi, name: str, kind: str, typed: TypedParser,
                  transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
         super().__init__(gateway)
         self.endpoint = name
@@ -767,7 +770,7 @@ class _Model(_Route):
     isLeaf = True
     endpoint = "models"
 
-    def __init__(self, gateway: Gateway, model: str) -> None:
+    def __init__(self, gateway: HttpApi, model: str) -> None:
         super().__init__(gateway)
         self.model = model
 
@@ -793,7 +796,7 @@ class _Health(_Route):
 
     isLeaf = True
 
-    def __init__(self, gateway: Gateway, endpoint: str, check: Callable[[], bool]) -> None:
+    def __init__(self, gateway: HttpApi, endpoint: str, check: Callable[[], bool]) -> None:
         super().__init__(gateway)
         self.endpoint = endpoint
         self.check = check
@@ -811,7 +814,7 @@ class _Metrics(_Route):
     isLeaf = True
     endpoint = "metrics"
 
-    def __init__(self, gateway: Gateway, source: MetricsSource | None = None) -> None:
+    def __init__(self, gateway: HttpApi, source: MetricsSource | None = None) -> None:
         super().__init__(gateway)
         self.source = source
 
@@ -884,7 +887,7 @@ def _path_of(request: server.Request) -> str:
     return path if len(path) <= 200 else path[:200] + "..."
 
 
-def build_resource(gateway: Gateway, metrics: MetricsSource | None = None) -> resource.Resource:
+def build_resource(gateway: HttpApi, metrics: MetricsSource | None = None) -> resource.Resource:
     """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere;
     ``metrics`` serves ``/metrics`` in place of this gateway's own registry (a worker's: every worker's)."""
     root = _Tree(gateway)

@@ -379,7 +379,7 @@ class ProcessorLink:
     def perform(self, effect: Any) -> None:
         """One of the core's scaler signals."""
         from protocol.gateway.effects import ModelServed, ReportLoad, TaskReleased
-        from protocol.processor.types import TaskQueued
+        from protocol.processor.effects import TaskQueued
 
         if isinstance(effect, TaskQueued):
             self.scaler.model_gone(effect.model_id)

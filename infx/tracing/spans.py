@@ -40,7 +40,8 @@ from opentelemetry.trace import (
 from infx import __version__
 from infx.tracing import TracingConfig
 from protocol.pb import worker_pb2
-from protocol.processor.types import Locality, SendTask
+from protocol.processor.effects import SendTask
+from protocol.processor.keys import Locality
 from protocol.tracing.traceparent import (
     TRACEPARENT, TRACESTATE, form_traceparent, form_tracestate, header_values, parse_traceparent, parse_tracestate,
 )

@@ -15,6 +15,10 @@ Client::
     call = channel.stream("/pkg.Svc/Chat", ser, deser)
     await call.send(msg); call.end()
     async for reply in call: ...
+
+Size (over 600 lines): the channel, its protocol and its calls are one adapter of
+:class:`protocol.grpc.channel.ChannelMachine` and call each other's hooks on every event
+(attach, detach for a retry, response started); apart, each would reach into the others.
 """
 
 from __future__ import annotations

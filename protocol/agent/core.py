@@ -52,6 +52,10 @@ Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
 engine does, so a newer gateway can add kinds); runtime tasks that arrive
 while draining get 503 so that the gateway retries them on another engine.
+
+Size (over 600 lines): the machine and its vocabulary: its configuration with its validation and
+its nine effect classes (about 220 lines of frozen values) sit with the machine that alone
+produces them.
 """
 
 from __future__ import annotations

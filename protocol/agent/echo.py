@@ -37,9 +37,9 @@ from typing import Any
 
 from protocol.openai.errors import (
     InvalidRequestError,
-    LocalUsageError,
     NotImplementedRequestError,
     OpenAIError,
+    OpenAIUsageError,
     status_line,
 )
 from protocol.openai.json import JSONObject, decode_json_field
@@ -69,9 +69,9 @@ class EchoConfig:
 
     def __post_init__(self) -> None:
         if self.token_delay < 0 or not math.isfinite(self.token_delay):
-            raise LocalUsageError("token_delay must be a finite number of seconds >= 0")
+            raise OpenAIUsageError("token_delay must be a finite number of seconds >= 0")
         if not 1 <= self.embedding_dimensions <= self.max_embedding_dimensions:
-            raise LocalUsageError("embedding_dimensions must be between 1 and max_embedding_dimensions")
+            raise OpenAIUsageError("embedding_dimensions must be between 1 and max_embedding_dimensions")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def echo_task(task: worker_pb2.Task, config: EchoConfig, now: float) -> list[Sch
             raise NotImplementedRequestError(f"The echo runtime does not serve {kind} requests.")
     except OpenAIError as exc:
         return [_reply(task.id, 0.0, exc.status, exc.body())]
-    raise LocalUsageError(f"a {kind or 'empty'} task is for the engine agent, not the runtime")
+    raise OpenAIUsageError(f"a {kind or 'empty'} task is for the engine agent, not the runtime")
 
 
 def _reply(task_id: str, due: float, status: int, body: JSONObject) -> ScheduledResult:

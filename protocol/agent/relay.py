@@ -30,10 +30,10 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from protocol.openai.errors import InvalidRequestError, LocalUsageError
+from protocol.openai.errors import InvalidRequestError, OpenAIUsageError
 from protocol.openai.runtime import RuntimeRequest, runtime_request
 from protocol.pb import worker_pb2
-from protocol.processor.types import is_streaming
+from protocol.processor.requests import is_streaming
 
 __all__ = ["RelayRequest", "answer_headers", "relay_request", "request_id"]
 
@@ -138,7 +138,7 @@ def _typed_body(typed: RuntimeRequest, boundary: Callable[[], str]) -> tuple[str
         while True:
             try:
                 return typed.form.encode(boundary())
-            except LocalUsageError:  # the boundary occurs in the file: draw another
+            except OpenAIUsageError:  # the boundary occurs in the file: draw another
                 continue
     return "application/json", json.dumps(typed.json, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 

@@ -140,14 +140,14 @@ def live_ip(pod: PodState) -> str | None:
 
 
 def desired_peer(pod: PodState, port: int) -> PeerAddress | None:
-    """The address to dial for ``pod``, or None while it must not get a receiver (see :func:`live_ip`)."""
+    """The address to dial for ``pod``, or None while it must not get a dialled peer (see :func:`live_ip`)."""
     host = live_ip(pod)
     return None if host is None else PeerAddress(host, port)
 
 
 @dataclass(frozen=True)
 class PeerAdded:
-    """A pod became a live peer: start a receiver towards ``address``."""
+    """A pod became a live peer: start a dialled peer towards ``address``."""
 
     name: str
     address: PeerAddress
@@ -155,7 +155,7 @@ class PeerAdded:
 
 @dataclass(frozen=True)
 class PeerAddressChanged:
-    """A live peer's IP changed: replace its receiver."""
+    """A live peer's IP changed: replace its dialled peer."""
 
     name: str
     previous: PeerAddress
@@ -164,7 +164,7 @@ class PeerAddressChanged:
 
 @dataclass(frozen=True)
 class PeerRemoved:
-    """A peer is gone, terminating or no longer ready: stop its receiver."""
+    """A peer is gone, terminating or no longer ready: stop its dialled peer."""
 
     name: str
     address: PeerAddress

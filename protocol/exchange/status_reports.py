@@ -1,22 +1,22 @@
 """Status reports between gateways: full snapshots for every peer, deltas for infx peers.
 
 No I/O, no clock reads. Both ends of a ``ProcessTasksInternal`` stream keep
-here what the stream has reported so far: the receiver (which reports its
-local engines) in a :class:`ReportWriter`, the sender (which registers them)
+here what the stream has reported so far: the dialled peer (which reports its
+local engines) in a :class:`ReportWriter`, the accepted peer (which registers them)
 in a :class:`ReportReader`. The local engines themselves are a
-:class:`LocalStatuses`, shared by every receiver of a gateway.
+:class:`LocalStatuses`, shared by every dialled peer of a gateway.
 
-LLMariner's receiver re-sends every engine on every change, to every peer:
+LLMariner's dialled peer re-sends every engine on every change, to every peer:
 with ``g`` gateways of ``e`` engines each, one change costs ``g`` reports of
-``e`` engines. An infx sender says in the stream's response headers that it
+``e`` engines. An infx accepted peer says in the stream's response headers that it
 reads deltas (:data:`STATUS_DELTA_HEADER`); only then does the writer send,
 after the full snapshot every stream starts with, reports that carry the
 engines that changed and the ids of those removed (ServerStatus fields
-102-104). A LLMariner sender never says so and gets full snapshots, as today.
+102-104). A LLMariner accepted peer never says so and gets full snapshots, as today.
 
 Every report is numbered on its stream (field 104). The stream is ordered
 and reliable, so a gap means a report was lost by a bug somewhere: the reader
-refuses the stream (:class:`RemoteProtocolError`) and the receiver's redial
+refuses the stream (:class:`PeerProtocolError`) and the dialled peer's redial
 starts again with a full snapshot; a number already read is a repeat and is
 skipped. No periodic full snapshot is sent: it would cost every engine on
 every peer per period for nothing a numbered ordered stream can lose, and
@@ -24,7 +24,7 @@ every new stream starts with one.
 
 Load counts (in-progress tasks, the runtime's running/waiting requests and
 cache figures) change with every task; :func:`shape_of` is a status without
-them, so that the receiver can tell a load-only change (coalesced) from one
+them, so that the dialled peer can tell a load-only change (coalesced) from one
 that changes what can be routed (sent at once).
 """
 
@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, status_pb2
-from protocol.processor.types import EngineKey, RemoteProtocolError
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import EngineKey
 
 __all__ = [
     "STATUS_DELTA_HEADER",
@@ -49,14 +50,14 @@ __all__ = [
     "shape_of",
 ]
 
-#: Response-header key by which a sender (the server of ProcessTasksInternal) says it reads deltas.
+#: Response-header key by which an accepted peer (the server of ProcessTasksInternal) says it reads deltas.
 STATUS_DELTA_HEADER = "x-infx-status-delta"
-#: What an infx sender puts in its response headers.
+#: What an infx accepted peer puts in its response headers.
 STATUS_DELTA_METADATA: Metadata = ((STATUS_DELTA_HEADER, "1"),)
 
 
 def offers_deltas(metadata: Metadata) -> bool:
-    """Whether a sender's response headers say it reads status deltas."""
+    """Whether an accepted peer's response headers say it reads status deltas."""
     for key, value in metadata:
         if key == STATUS_DELTA_HEADER:
             return (value.decode("latin-1") if isinstance(value, bytes) else value).strip() == "1"
@@ -81,7 +82,7 @@ def shape_of(status: status_pb2.EngineStatus) -> bytes:
 
 
 class _Local:
-    """One local engine as the receivers report it: its status, serialized, and its shape, built once
+    """One local engine as the dialled peers report it: its status, serialized, and its shape, built once
     per change and shared by every stream; the variant a draining gateway reports (not ready) on demand."""
 
     __slots__ = ("status", "wire", "_shape", "_draining")
@@ -111,9 +112,9 @@ class _Local:
 
 
 class LocalStatuses:
-    """This gateway's local engines as every receiver reports them, and which changed when.
+    """This gateway's local engines as every dialled peer reports them, and which changed when.
 
-    The gateway core refreshes it once per change of its local engines and every receiver's
+    The gateway core refreshes it once per change of its local engines and every dialled peer's
     :class:`ReportWriter` reads it, so that a change costs one copy and serialization of each
     local engine, not one per peer, and a writer compares only the engines that changed since it
     last reported (``changed_since``), not every engine.
@@ -201,7 +202,7 @@ class LocalStatuses:
 class ReportWriter:
     """What one stream has reported: builds the next report, full or delta.
 
-    ``deltas`` is set once the sender's headers offered them; until then, and
+    ``deltas`` is set once the accepted peer's headers offered them; until then, and
     whenever a delta would be no smaller, the report is a full snapshot.
     """
 
@@ -306,22 +307,22 @@ class ReportReader:
     def read(self, status: internal_pb2.ServerStatus) -> ReportRead | None:
         """Merge one report; None for a repeat of one already read.
 
-        Raises :class:`RemoteProtocolError` for a delta before any full report, or out of sequence, and
+        Raises :class:`PeerProtocolError` for a delta before any full report, or out of sequence, and
         for an engine without an id.
         """
         if status.sequence and status.sequence <= self._sequence:
             return None
         if any(not entry.engine_status.engine_id for entry in status.engine_statuses) or any(
                 not removed.engine_id for removed in status.removed_engines):
-            raise RemoteProtocolError("peer's status report names an engine without an engine_id")
+            raise PeerProtocolError("peer's status report names an engine without an engine_id")
         if status.delta:
             if not self._read_full:
-                raise RemoteProtocolError("peer sent a status delta before any full status report")
+                raise PeerProtocolError("peer sent a status delta before any full status report")
             if status.sequence != self._sequence + 1:
-                raise RemoteProtocolError(
+                raise PeerProtocolError(
                     f"peer's status report {status.sequence} follows {self._sequence}: a report was lost")
         elif status.removed_engines:
-            raise RemoteProtocolError("peer's full status report lists removed engines")
+            raise PeerProtocolError("peer's full status report lists removed engines")
         self._sequence = status.sequence
         draining_changed = status.draining != self.draining
         self.draining = status.draining

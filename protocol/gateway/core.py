@@ -1,4 +1,4 @@
-"""The gateway core: one processor with its senders, receivers, request accounting and scaler signals.
+"""The gateway core: one processor with its accepted peers, dialled peers, request accounting and scaler signals.
 
 Rules this file keeps: no I/O, no clock reads (``now`` is every input's last
 argument, never defaulted), no randomness but the ``random.Random`` passed in.
@@ -13,15 +13,15 @@ It wakes through ``next_deadline()`` / ``handle_timeout(now)``.
 What it decides:
 
 - *Effects between machines*: the processor's ``LocalEnginesChanged`` makes
-  every open receiver re-report; ``EnginesRemoved`` lets every peer's sender
+  every open dialled peer re-report; ``EnginesRemoved`` lets every accepted peer
   register engines its peer reported meanwhile; a result or failure of a task
-  a peer forwarded goes to that stream's receiver and leaves as one
+  a peer forwarded goes to that stream's dialled peer and leaves as one
   :class:`SendOnDial` (core -> adapter once).
-- *Peers that dial us* (a :class:`~protocol.exchange.sender.Sender` per accepted
+- *Peers that dial us* (a :class:`~protocol.exchange.accepted_peer.AcceptedPeer` per accepted
   stream, made on its first report): a newer stream from the same pod
   replaces the older one; a task result before any ``ServerStatus`` ends the
   stream with FAILED_PRECONDITION, a malformed message with INVALID_ARGUMENT.
-- *Peers we dial* (a :class:`~protocol.exchange.receiver.Receiver` per stream): one
+- *Peers we dial* (a :class:`~protocol.exchange.dialled_peer.DialledPeer` per stream): one
   stream per wanted peer at its current address, redialled after a jittered
   backoff that grows while the peer does not accept (with
   ``redial_when_dialled_in``, at once when that peer dials us: it is back);
@@ -39,16 +39,21 @@ What it decides:
   recently, 503) rather than unknown (404) on the clock; at start-up, until
   every dialled peer has reported (or ``learn_peers_within``), a model nobody
   lists yet may be a peer's: its requests wait (``LEARNING``), then get 404.
-- *Costs per input*: each peer's next due time (its receiver's next report, or
-  its redial) is re-read only after that receiver took an input or the redial
+- *Costs per input*: each peer's next due time (its dialled peer's next report, or
+  its redial) is re-read only after that dialled peer took an input or the redial
   changed, and kept in a heap, so :meth:`next_deadline` does not ask every
-  peer; the local engines every receiver reports are one
+  peer; the local engines every dialled peer reports are one
   :class:`~protocol.exchange.status_reports.LocalStatuses`, refreshed once per change
   (``LocalEnginesChanged``, or a ``SendTask``: it may record a spilled tip).
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
   queue for an engine the model is served (:class:`ModelServed`), when it ends
   otherwise it is released (:class:`TaskReleased`); in-flight tasks per model
   are reported every ``load_interval`` (:class:`ReportLoad`).
+
+Size (over 600 lines): it is the one object that joins the pure machines (processor, accepted
+and dialled peer streams, accounting, scaler signals), each input a short hand-over; what would
+come out first is the dialled peers' bookkeeping (``PeerDialling``, dial-backs), once the
+exchange's two ends are renamed after what they are.
 """
 
 from __future__ import annotations
@@ -60,8 +65,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from protocol.exchange.dial_backs import POD_HEADER, DialBacks, pod_of
-from protocol.exchange.receiver import Receiver, ReceiverConfig, ReceiverOutput, ReceiverState, SendToPeer
-from protocol.exchange.sender import Sender
+from protocol.exchange.dialled_peer import DialledPeer, DialledPeerConfig, DialledPeerOutput, DialledPeerState, SendToPeer
+from protocol.exchange.accepted_peer import AcceptedPeer
 from protocol.exchange.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
 from protocol.gateway.due_times import DueTimes
 from protocol.gateway.effects import (
@@ -92,24 +97,23 @@ from protocol.grpc.metadata import Metadata
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
+from protocol.processor.effects import (
     CloseEngine,
     CloseRoute,
     DeliverResult,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
-    RemoteProtocolError,
-    Route,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import Locality, Route
 
-__all__ = ["Availability", "DialState", "DialledPeer", "GatewayCore"]
+__all__ = ["Availability", "DialState", "PeerDialling", "GatewayCore"]
 
-#: Receiver states in which a dial's stream takes messages.
-_LIVE = (ReceiverState.OPEN, ReceiverState.DRAINING)
+#: DialledPeer states in which a dial's stream takes messages.
+_LIVE = (DialledPeerState.OPEN, DialledPeerState.DRAINING)
 
 
 class Availability(enum.Enum):
@@ -148,13 +152,13 @@ class DialState(enum.Enum):
     STOPPED = "stopped"
 
 
-class DialledPeer:
+class PeerDialling:
     """A peer this gateway dials: its current stream (if any) and its redial state.
 
     The core's own record; adapters and tests only read it.
     """
 
-    __slots__ = ("name", "address", "order", "dial", "receiver", "accepted", "half_closed", "failures", "attempts",
+    __slots__ = ("name", "address", "order", "dial", "dialled", "accepted", "half_closed", "failures", "attempts",
                  "streams_opened", "redial_at", "stopped", "pod_name", "dialled_back")
 
     def __init__(self, name: str, address: object, order: int = 0, dialled_back: bool = False) -> None:
@@ -167,7 +171,7 @@ class DialledPeer:
         self.order = order
         self.address = address
         self.dial: Dial | None = None
-        self.receiver: Receiver | None = None
+        self.dialled: DialledPeer | None = None
         self.accepted = False
         self.half_closed = False
         #: Streams in a row the peer did not accept (the redial backoff grows with them).
@@ -184,12 +188,12 @@ class DialledPeer:
             return DialState.STOPPED
         if self.dial is None:
             return DialState.BACKING_OFF
-        if self.receiver is not None and self.receiver.state is ReceiverState.DRAINING:
+        if self.dialled is not None and self.dialled.state is DialledPeerState.DRAINING:
             return DialState.DRAINING
         return DialState.OPEN if self.accepted else DialState.CONNECTING
 
     def __repr__(self) -> str:
-        return f"<DialledPeer {self.name} {self.address} {self.state.value}>"
+        return f"<PeerDialling {self.name} {self.address} {self.state.value}>"
 
 
 class GatewayCore:
@@ -203,21 +207,21 @@ class GatewayCore:
         self.requests_started: dict[str, int] = {}
         self._recent_models: dict[tuple[str, str], float] = {}
         self._http: dict[str, _HttpRequest] = {}
-        # Accepted peer streams and their senders (None until the first report).
-        self._accepted: dict[object, Sender | None] = {}
+        # Accepted peer streams and their accepted peers (None until the first report).
+        self._accepted: dict[object, AcceptedPeer | None] = {}
         self._by_pod: dict[str, object] = {}
         # Where each accepted stream's peer says it can be dialled back, and when to (protocol/exchange/dial_backs.py).
         self._dial_back_at: dict[object, object] = {}
         self._dial_backs = DialBacks(config.dial_back_after)
-        self._peers: dict[str, DialledPeer] = {}
-        self._by_dial: dict[Dial, DialledPeer] = {}
+        self._peers: dict[str, PeerDialling] = {}
+        self._by_dial: dict[Dial, PeerDialling] = {}
         self._made = itertools.count()
-        # When each peer is next due: its receiver's next report, or its redial.
-        self._due: DueTimes[DialledPeer] = DueTimes()
+        # When each peer is next due: its dialled peer's next report, or its redial.
+        self._due: DueTimes[PeerDialling] = DueTimes()
         # Tasks each peer forwarded on our stream to it that have not ended, and their sum.
-        self._forwarded: dict[DialledPeer, int] = {}
+        self._forwarded: dict[PeerDialling, int] = {}
         self._forwarded_in_flight = 0
-        # The local engines as every receiver reports them: refreshed at most once per change
+        # The local engines as every dialled peer reports them: refreshed at most once per change
         # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
         self._local = LocalStatuses()
         self._local_stale = True
@@ -288,7 +292,7 @@ class GatewayCore:
     def engine_status(self, stream: Route, tenant_id: str, status: status_pb2.EngineStatus, locality: Locality,
                       now: float) -> list[CoreEffect]:
         """An ``EngineStatus`` on an engine's stream (authenticated for ``tenant_id``): ``LOCAL`` for
-        an engine attached here (peers' engines come through :meth:`peer_stream_message`)."""
+        an engine attached here (peers' engines come through :meth:`accepted_peer_message`)."""
         out: list[CoreEffect] = []
         self._absorb(self.processor.update_engine(stream, tenant_id, status, locality, now), now, out)
         return self._after(now, out, engines_changed=True)
@@ -344,7 +348,7 @@ class GatewayCore:
         self._absorb(self.processor.route_writable(route, now), now, out)
         return self._after(now, out)
 
-    # --- peers that dial us (senders) ------------------------------------------------
+    # --- peers that dial us (accepted peers) ------------------------------------------------
 
     @property
     def accept_metadata(self) -> Metadata:
@@ -352,7 +356,7 @@ class GatewayCore:
         status deltas, and its pod (so the dialler knows which pod its dial reached)."""
         return (*STATUS_DELTA_METADATA, (POD_HEADER, self.config.pod_name))
 
-    def peer_stream_opened(self, stream: object, dial_back: object | None, now: float) -> list[CoreEffect]:
+    def accepted_peer_opened(self, stream: object, dial_back: object | None, now: float) -> list[CoreEffect]:
         """A peer opened ``ProcessTasksInternal`` to us (already authenticated); ``dial_back`` is
         where its headers say it can be dialled (:func:`protocol.dial_backs.dial_back_address`)."""
         if self._shutting_down:
@@ -363,55 +367,55 @@ class GatewayCore:
             self._dial_back_at[stream] = dial_back
         return []
 
-    def peer_stream_message(self, stream: object, message: internal_pb2.ProcessTasksInternalRequest,
+    def accepted_peer_message(self, stream: object, message: internal_pb2.ProcessTasksInternalRequest,
                             now: float) -> list[CoreEffect]:
         """A status report or task result on an accepted peer stream."""
         out: list[CoreEffect] = []
         if stream not in self._accepted:
             return out  # already ended here; the adapter learns it from the EndPeerStream it got
-        sender = self._accepted[stream]
+        accepted_peer = self._accepted[stream]
         try:
             if message.WhichOneof("message") == "server_status":
-                self._server_status(stream, sender, message, now, out)
-            elif sender is None:
+                self._server_status(stream, accepted_peer, message, now, out)
+            elif accepted_peer is None:
                 self._forget_accepted(stream, now, out)
                 out.append(EndPeerStream(stream, StatusCode.FAILED_PRECONDITION,
                                          "a task result arrived before any ServerStatus"))
             else:
-                self._absorb(sender.message_received(message, now), now, out)
-        except RemoteProtocolError as e:
+                self._absorb(accepted_peer.message_received(message, now), now, out)
+        except PeerProtocolError as e:
             self._forget_accepted(stream, now, out)
             out.append(EndPeerStream(stream, StatusCode.INVALID_ARGUMENT, str(e)))
         return self._after(now, out, engines_changed=True)
 
-    def peer_stream_closed(self, stream: object, now: float) -> list[CoreEffect]:
+    def accepted_peer_closed(self, stream: object, now: float) -> list[CoreEffect]:
         """An accepted peer stream ended: its engines go here and their tasks fail over."""
         out: list[CoreEffect] = []
         self._forget_accepted(stream, now, out)
         return self._after(now, out, engines_changed=True)
 
-    def _server_status(self, stream: object, sender: Sender | None, message: internal_pb2.ProcessTasksInternalRequest,
+    def _server_status(self, stream: object, accepted_peer: AcceptedPeer | None, message: internal_pb2.ProcessTasksInternalRequest,
                        now: float, out: list[CoreEffect]) -> None:
         status = message.server_status
         pod = status.pod_name
-        if sender is None:
-            sender = Sender(self.processor, route=stream)
-            self._accepted[stream] = sender
+        if accepted_peer is None:
+            accepted_peer = AcceptedPeer(self.processor, route=stream)
+            self._accepted[stream] = accepted_peer
             out.append(PeerDialledIn(stream, pod, len(status.engine_statuses)))
             self._redial_now(pod, now, out)
             if pod and not self._dials(pod):
                 self._dial_backs.dialled_in(pod, self._dial_back_at.get(stream), now)
-        if status.draining and not sender.peer_draining:
+        if status.draining and not accepted_peer.peer_draining:
             out.append(PeerDraining(stream, pod))
         older = self._by_pod.get(pod)
         if older is not None and older is not stream:
             # The peer reconnected: its older stream is stale.
             self._forget_accepted(older, now, out)
             out.append(EndPeerStream(older, StatusCode.UNAVAILABLE, f"peer {pod!r} reconnected or is gone"))
-        self._absorb(sender.message_received(message, now), now, out)
+        self._absorb(accepted_peer.message_received(message, now), now, out)
         if pod:
             self._by_pod[pod] = stream
-        out.append(PeerRequests(stream, dict(sender.requests_started)))
+        out.append(PeerRequests(stream, dict(accepted_peer.requests_started)))
 
     def _redial_now(self, pod: str, now: float, out: list[CoreEffect]) -> None:
         """A peer we wait to redial has just dialled us: it is up again (a restart), so the
@@ -422,7 +426,7 @@ class GatewayCore:
         if peer is not None and peer.dial is None and peer.redial_at is not None:
             self._open(peer, now, out)
 
-    def _dialled(self, pod: str) -> DialledPeer | None:
+    def _dialled(self, pod: str) -> PeerDialling | None:
         """Our dial meant for ``pod`` (by name) or that reached it (by its headers), if any."""
         return self._peers.get(pod) or next((peer for peer in self._peers.values() if peer.pod_name == pod), None)
 
@@ -437,7 +441,7 @@ class GatewayCore:
             if address is None:
                 out.append(PeerOneWay(pod))
                 continue
-            peer = DialledPeer(pod, address, next(self._made), dialled_back=True)
+            peer = PeerDialling(pod, address, next(self._made), dialled_back=True)
             self._peers[pod] = peer
             out.append(PeerDialledBack(pod, address))
             self._open(peer, now, out)
@@ -446,16 +450,16 @@ class GatewayCore:
         self._dial_back_at.pop(stream, None)
         if stream not in self._accepted:
             return
-        sender = self._accepted.pop(stream)
-        if sender is None:
+        accepted_peer = self._accepted.pop(stream)
+        if accepted_peer is None:
             return
-        if self._by_pod.get(sender.pod_name) is stream:
-            del self._by_pod[sender.pod_name]
-        out.append(PeerDisconnected(stream, sender.pod_name, len(sender.engines)))
-        self._absorb(sender.closed(now), now, out)
+        if self._by_pod.get(accepted_peer.pod_name) is stream:
+            del self._by_pod[accepted_peer.pod_name]
+        out.append(PeerDisconnected(stream, accepted_peer.pod_name, len(accepted_peer.engines)))
+        self._absorb(accepted_peer.closed(now), now, out)
         out.append(PeerGone(stream))
 
-    # --- peers we dial (receivers) ---------------------------------------------------
+    # --- peers we dial (dialled peers) ---------------------------------------------------
 
     def peers_changed(self, peers: Mapping[str, object], now: float) -> list[CoreEffect]:
         """The peers to dial now, by pod name, with their addresses: one stream each."""
@@ -472,22 +476,22 @@ class GatewayCore:
                 self._forget_peer(peer)
                 peer = None
             if peer is None and desired is not None:
-                peer = DialledPeer(name, desired, next(self._made))
+                peer = PeerDialling(name, desired, next(self._made))
                 self._peers[name] = peer
                 self._open(peer, now, out)
         return self._after(now, out)
 
     def dial_accepted(self, dial: Dial, metadata: Metadata, now: float) -> list[CoreEffect]:
         """The peer answered ``dial``'s stream with headers (``metadata``): it accepted it (and
-        our secret); if they offer status deltas, its receiver sends them from now on."""
+        our secret); if they offer status deltas, its dialled peer sends them from now on."""
         out: list[CoreEffect] = []
         peer = self._by_dial.get(dial)
         if peer is not None and not peer.accepted:
             peer.accepted = True
             peer.streams_opened += 1
-            receiver = peer.receiver
-            if receiver is not None and receiver.state in _LIVE and offers_deltas(metadata):
-                self._absorb_receiver(peer, receiver.deltas_offered(now), now, out)
+            dialled = peer.dialled
+            if dialled is not None and dialled.state in _LIVE and offers_deltas(metadata):
+                self._absorb_dialled(peer, dialled.deltas_offered(now), now, out)
             peer.pod_name = pod_of(metadata)
             self._dial_backs.settled(peer.pod_name)
             twin = self._peers.get(peer.pod_name)
@@ -502,11 +506,11 @@ class GatewayCore:
         """A task (or a cancel) the peer forwarded on ``dial``."""
         out: list[CoreEffect] = []
         peer = self._by_dial.get(dial)
-        if peer is None or peer.receiver is None or peer.receiver.state not in _LIVE:
+        if peer is None or peer.dialled is None or peer.dialled.state not in _LIVE:
             return out
         try:
-            self._absorb_receiver(peer, peer.receiver.task_received(message, now), now, out)
-        except RemoteProtocolError as e:
+            self._absorb_dialled(peer, peer.dialled.task_received(message, now), now, out)
+        except PeerProtocolError as e:
             out.append(CancelDial(dial, f"broke the protocol: {e}"))
             self._dial_ended(peer, now, out)
         return self._after(now, out)
@@ -531,7 +535,7 @@ class GatewayCore:
         return self._forwarded_in_flight
 
     @property
-    def peers(self) -> Mapping[str, DialledPeer]:
+    def peers(self) -> Mapping[str, PeerDialling]:
         """The peers dialled now, by pod name (read only)."""
         return self._peers
 
@@ -551,47 +555,47 @@ class GatewayCore:
         model nobody lists yet waits, see :attr:`Availability.LEARNING`)."""
         return not self._learned and self._learning_until is not None and now < self._learning_until
 
-    def _open(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
+    def _open(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
         peer.attempts += 1
         peer.accepted = peer.half_closed = False
         peer.redial_at = None
         dial = Dial(peer.name, peer.address, peer.attempts)
-        receiver = Receiver(self.processor, ReceiverConfig(self.config.pod_name, self.config.status_interval),
+        dialled = DialledPeer(self.processor, DialledPeerConfig(self.config.pod_name, self.config.status_interval),
                             origin=dial, requests_started=lambda: self.requests_started,
                             local_statuses=self._local_statuses)
-        peer.dial, peer.receiver = dial, receiver
+        peer.dial, peer.dialled = dial, dialled
         self._by_dial[dial] = peer
         out.append(OpenDial(dial))
         # Report at once, not after the headers: a server may send none before its first task.
-        self._absorb_receiver(peer, receiver.connected(now), now, out)
+        self._absorb_dialled(peer, dialled.connected(now), now, out)
 
-    def _forget_peer(self, peer: DialledPeer) -> None:
+    def _forget_peer(self, peer: PeerDialling) -> None:
         peer.stopped = True
         peer.redial_at = None
         if self._peers.get(peer.name) is peer:
             del self._peers[peer.name]
         self._peer_touched(peer)
 
-    def _give_up(self, peer: DialledPeer, reason: str, now: float, out: list[CoreEffect]) -> None:
+    def _give_up(self, peer: PeerDialling, reason: str, now: float, out: list[CoreEffect]) -> None:
         """Cancel ``peer``'s stream now and forget the peer's redial."""
         peer.redial_at = None
         self._peer_touched(peer)
-        dial, receiver = peer.dial, peer.receiver
-        if dial is None or receiver is None:
+        dial, dialled = peer.dial, peer.dialled
+        if dial is None or dialled is None:
             return
         out.append(CancelDial(dial, reason))
         self._close_dial(peer, now, out)
 
-    def _close_dial(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
-        dial, receiver = peer.dial, peer.receiver
-        peer.dial = peer.receiver = None
+    def _close_dial(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
+        dial, dialled = peer.dial, peer.dialled
+        peer.dial = peer.dialled = None
         if dial is not None:
             del self._by_dial[dial]
-        if receiver is not None and receiver.state is not ReceiverState.CLOSED:
-            self._absorb(receiver.closed(now), now, out)
+        if dialled is not None and dialled.state is not DialledPeerState.CLOSED:
+            self._absorb(dialled.closed(now), now, out)
         self._peer_touched(peer)
 
-    def _dial_ended(self, peer: DialledPeer, now: float, out: list[CoreEffect]) -> None:
+    def _dial_ended(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
         self._close_dial(peer, now, out)
         peer.failures = 0 if peer.accepted else peer.failures + 1
         if self._peers.get(peer.name) is not peer:
@@ -603,44 +607,44 @@ class GatewayCore:
         peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
         self._peer_touched(peer)
 
-    def _absorb_receiver(self, peer: DialledPeer, outputs: Iterable[ReceiverOutput], now: float,
+    def _absorb_dialled(self, peer: PeerDialling, outputs: Iterable[DialledPeerOutput], now: float,
                          out: list[CoreEffect]) -> None:
-        dial, receiver = peer.dial, peer.receiver
+        dial, dialled = peer.dial, peer.dialled
         for output in outputs:
             if isinstance(output, SendToPeer):
                 if dial is not None and not peer.half_closed:
                     out.append(SendOnDial(dial, output.message))
             else:
                 self._absorb((output,), now, out)
-        if dial is not None and receiver is not None and receiver.drained and not peer.half_closed \
+        if dial is not None and dialled is not None and dialled.drained and not peer.half_closed \
                 and peer.dial is dial:
             # Nothing more goes out on it; the peer ends the stream (dial_closed).
             peer.half_closed = True
             out.append(HalfCloseDial(dial))
         self._peer_touched(peer)
 
-    def _peer_touched(self, peer: DialledPeer) -> None:
-        """``peer``'s receiver was called or its redial changed: keep when it is next due, and
+    def _peer_touched(self, peer: PeerDialling) -> None:
+        """``peer``'s dialled peer was called or its redial changed: keep when it is next due, and
         how many forwarded tasks it runs.
 
-        Called after every input a receiver takes and every change of ``redial_at``, so that
+        Called after every input a dialled peer takes and every change of ``redial_at``, so that
         :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one,
         and :attr:`forwarded_in_flight` is a sum kept as it changes."""
         due: float | None = None
         running = 0
         if self._peers.get(peer.name) is peer:
-            receiver = peer.receiver
-            report_at = receiver.next_deadline() if receiver is not None and receiver.state in _LIVE else None
+            dialled = peer.dialled
+            report_at = dialled.next_deadline() if dialled is not None and dialled.state in _LIVE else None
             due = report_at if peer.redial_at is None else (
                 peer.redial_at if report_at is None else min(report_at, peer.redial_at))
-            running = receiver.tasks_in_flight if receiver is not None else 0
+            running = dialled.tasks_in_flight if dialled is not None else 0
         self._due.set(peer, due, peer.order)
         self._forwarded_in_flight += running - self._forwarded.pop(peer, 0)
         if running:
             self._forwarded[peer] = running
 
     def _local_statuses(self) -> LocalStatuses:
-        """The local engines for every receiver's report, refreshed only if they may have changed."""
+        """The local engines for every dialled peer's report, refreshed only if they may have changed."""
         if self._local_stale:
             self._local.refresh(self.processor.local_engines())
             self._local_stale = False
@@ -668,12 +672,12 @@ class GatewayCore:
         self._shutting_down = True
         out: list[CoreEffect] = []
         for peer in list(self._peers.values()):
-            receiver = peer.receiver
+            dialled = peer.dialled
             if peer.dial is not None and not peer.accepted:
                 self._give_up(peer, "gateway is draining", now, out)
                 self._forget_peer(peer)
-            elif receiver is not None and receiver.state is ReceiverState.OPEN:
-                self._absorb_receiver(peer, receiver.shutdown(now), now, out)
+            elif dialled is not None and dialled.state is DialledPeerState.OPEN:
+                self._absorb_dialled(peer, dialled.shutdown(now), now, out)
             elif peer.dial is None:
                 self._forget_peer(peer)
         return self._after(now, out)
@@ -735,11 +739,11 @@ class GatewayCore:
         out: list[CoreEffect] = []
         self._absorb(self.processor.handle_timeout(now), now, out)
         for peer in self._due.pop_due(now):  # in the order they were made, as in ``_peers``
-            receiver = peer.receiver
-            if receiver is not None and receiver.state in _LIVE:
-                report_at = receiver.next_deadline()
+            dialled = peer.dialled
+            if dialled is not None and dialled.state in _LIVE:
+                report_at = dialled.next_deadline()
                 if report_at is not None and report_at <= now:
-                    self._absorb_receiver(peer, receiver.handle_timeout(now), now, out)
+                    self._absorb_dialled(peer, dialled.handle_timeout(now), now, out)
             if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
                 self._open(peer, now, out)
             self._peer_touched(peer)
@@ -751,7 +755,7 @@ class GatewayCore:
 
     # --- effects between machines --------------------------------------------------------
 
-    def _absorb(self, effects: Iterable[ReceiverOutput], now: float, out: list[CoreEffect]) -> None:
+    def _absorb(self, effects: Iterable[DialledPeerOutput], now: float, out: list[CoreEffect]) -> None:
         """Append what the adapter must do for ``effects``; effects for other machines are
         fed to them here, in place, so the order is the order they happened in."""
         for effect in effects:
@@ -775,13 +779,13 @@ class GatewayCore:
             elif isinstance(effect, LocalEnginesChanged):
                 self._local_stale = True
                 for peer in list(self._peers.values()):
-                    if peer.receiver is not None and peer.receiver.state in _LIVE:
-                        self._absorb_receiver(peer, peer.receiver.local_engines_changed(now), now, out)
+                    if peer.dialled is not None and peer.dialled.state in _LIVE:
+                        self._absorb_dialled(peer, peer.dialled.local_engines_changed(now), now, out)
                 if self._next_load is not None:
                     self._report_load(out)
             elif isinstance(effect, EnginesRemoved):
-                for sender in [s for s in self._accepted.values() if s is not None]:
-                    self._absorb(sender.engines_removed(effect.engines, now), now, out)
+                for accepted_peer in [s for s in self._accepted.values() if s is not None]:
+                    self._absorb(accepted_peer.engines_removed(effect.engines, now), now, out)
             elif isinstance(effect, TaskQueued):
                 if self._can_start is not None:
                     if effect.task_id in self._held:
@@ -791,18 +795,18 @@ class GatewayCore:
             elif isinstance(effect, (CloseRoute, CloseEngine)):
                 out.append(effect)
                 if effect.route in self._accepted:
-                    # Closed here: its sender must not register engines on it meanwhile.
+                    # Closed here: its accepted peer must not register engines on it meanwhile.
                     self._forget_accepted(effect.route, now, out)
             elif isinstance(effect, SendToPeer):
-                raise AssertionError("receiver output outside _absorb_receiver")
+                raise AssertionError("dialled peer output outside _absorb_receiver")
             else:
                 out.append(effect)
 
     def _relay(self, dial: Dial, effect: DeliverResult | FailRequest, now: float, out: list[CoreEffect]) -> None:
         peer = self._by_dial.get(dial)
-        if peer is None or peer.receiver is None or peer.receiver.state not in _LIVE:
+        if peer is None or peer.dialled is None or peer.dialled.state not in _LIVE:
             return
-        self._absorb_receiver(peer, peer.receiver.deliver(effect), now, out)
+        self._absorb_dialled(peer, peer.dialled.deliver(effect), now, out)
 
     def _after(self, now: float, out: list[CoreEffect], engines_changed: bool = False) -> list[CoreEffect]:
         if engines_changed:

@@ -19,7 +19,8 @@ from typing import Union
 from protocol.backoff import Backoff
 from protocol.grpc import StatusCode
 from protocol.pb import internal_pb2
-from protocol.processor.types import Effect, ProcessorUsageError
+from protocol.processor.effects import Effect
+from protocol.processor.errors import ProcessorUsageError
 
 __all__ = [
     "DIAL_BACK_SECONDS",

@@ -37,7 +37,7 @@ class Decision:
     reset_after: float
 
 
-class TokenBucket:
+class KeyBucket:
     """One key's bucket: ``take(now)`` spends a token if there is one."""
 
     def __init__(self, limit: RateLimit, now: float) -> None:
@@ -80,7 +80,7 @@ class RateLimiter:
     """Buckets by key, each with its own limit; keys without a limit always pass."""
 
     def __init__(self) -> None:
-        self._buckets: dict[str, TokenBucket] = {}
+        self._buckets: dict[str, KeyBucket] = {}
 
     def take(self, key: str, limit: RateLimit | None, now: float) -> Decision | None:
         """Spend one token of ``key``'s bucket; ``None`` when the key is unlimited."""
@@ -88,7 +88,7 @@ class RateLimiter:
             return None
         bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = TokenBucket(limit, now)
+            bucket = self._buckets[key] = KeyBucket(limit, now)
         elif bucket.limit != limit:
             bucket.set_limit(limit, now)
         return bucket.take(now)

@@ -9,7 +9,7 @@ from every sample. Model labels are the metrics' bounded labels (a name no
 engine lists is ``__other__``), so clients naming random models add nothing.
 
 Requests count in the bucket in which they ended; routing decisions (how
-the routing policy placed a task, :class:`~protocol.routing.router.RoutingDecision`)
+the routing policy placed a task, :class:`~protocol.routing.policy.RoutingDecision`)
 in the bucket in which the caller sampled them.
 """
 

@@ -1,8 +1,10 @@
 """gRPC over HTTP/2, client and server roles, as a sans-IO machine: :class:`GrpcConnection`.
 
 ``connection`` is the public machine and ``types`` its configuration, events and errors;
-``calls`` (connection state, ending calls, the send path), ``receive`` (what each received
-HTTP/2 event does) and ``wire`` (message prefix, header and status tables) are its parts;
+its parts are objects it holds, not base classes: ``calls`` (``ConnectionState``: the h2
+machine, the calls, ending them, the send path), ``receive`` (``Inbound``: what each received
+HTTP/2 event does) and ``liveness`` (``Liveness``: pings, keepalive, the drain ping); ``wire``
+holds the message prefix, header and status tables;
 ``metadata`` codes header values; ``h2_budgets`` and ``h2_tuned`` are the HTTP/2 layer under
 it; ``channel`` is a client channel's connectivity, redial backoff and transparent retry.
 

@@ -21,12 +21,13 @@ Wire behaviour follows grpc/grpc ``doc/PROTOCOL-HTTP2.md`` and
 from __future__ import annotations
 
 import heapq
-import struct
 import zlib
 from collections.abc import Hashable
 
 import h2.exceptions
+import h2.settings
 
+from protocol.grpc.calls import ConnectionState
 from protocol.grpc.h2_budgets import ConnectionBudgets, TokenBucket
 from protocol.grpc.h2_tuned import DIRECT_DATA_MIN
 from protocol.grpc.metadata import (
@@ -40,7 +41,8 @@ from protocol.grpc.metadata import (
     encode_metadata,
     encode_timeout,
 )
-from protocol.grpc.receive import ReceivingConnection
+from protocol.grpc.liveness import KeepaliveDue, Liveness
+from protocol.grpc.receive import Inbound
 from protocol.grpc.types import (
     GOAWAY_ACK_TIMEOUT,
     CallEnded,
@@ -85,7 +87,7 @@ __all__ = [
 ]
 
 
-class GrpcConnection(ReceivingConnection):
+class GrpcConnection:
     """One HTTP/2 connection carrying gRPC calls, client or server role.
 
     Typical use (the adapter does this on every read and timer)::
@@ -100,16 +102,36 @@ class GrpcConnection(ReceivingConnection):
 
     :meth:`buffers_to_send` is :meth:`data_to_send` as a list of buffers,
     for a gathering write that does not copy large messages.
+
+    Its parts: :class:`ConnectionState` (h2, the calls, their endings, the send path),
+    :class:`Inbound` (what each received HTTP/2 event does) and :class:`Liveness` (pings,
+    keepalive, the drain ping); the commands are here.
     """
+
+    def __init__(self, config: GrpcConfig) -> None:
+        self.config = config
+        self._liveness = liveness = Liveness(config)
+        self._state = state = ConnectionState(config, liveness)
+        self._inbound = Inbound(state, liveness)
+        # The parts of the state every command reads, held here too (never rebound there).
+        self._h2 = state.h2
+        self._calls = state.calls
+        self._client = state.client
+
+    def take_events(self) -> list[Event]:
+        """Events caused by commands rather than input (e.g. the graceful
+        drain finishing when the last call ends); :meth:`receive_data` and
+        :meth:`handle_timeout` include these in what they return."""
+        return self._state.take_events()
 
     def initiate(self, now: float) -> None:
         """Queue the connection preface and our SETTINGS; call once first."""
-        if self._initiated:
+        if self._state.initiated:
             raise LocalProtocolError("connection already initiated")
-        self._initiated = True
-        self._last_received = now
+        self._state.initiated = True
+        self._liveness.received(now)
         self._h2.initiate_connection()
-        self._open_connection_window()
+        self._state.open_connection_window()
 
     def authenticate(self) -> None:
         """Server: a call on this connection passed authentication, so the
@@ -119,38 +141,38 @@ class GrpcConnection(ReceivingConnection):
         Until then a message is bounded by the partial budget (one small
         window) rather than refused by its length prefix: a legitimate first
         message may arrive in the read that also carries the credentials."""
-        if self._authenticated or self._terminated:
+        if self._state.authenticated or self._state.terminated:
             return
-        self._authenticated = True
+        self._state.authenticated = True
         config = self.config
-        self._partial_budget = config.partial_message_budget()
+        self._state.partial_budget = config.partial_message_budget()
         # Allow the larger frames at once: the peer may use the new window
         # as soon as it has our SETTINGS, before we see its ack.
-        self._scanner.max_data_frame_size = min(config.initial_window_size,
-                                                config.max_inbound_frame_size)
-        self._scanner.use(config.budgets)
-        self._resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
+        self._state.scanner.max_data_frame_size = min(config.initial_window_size,
+                                                      config.max_inbound_frame_size)
+        self._state.scanner.use(config.budgets)
+        self._state.resets = TokenBucket(config.budgets.reset_rate, config.budgets.reset_burst)
         self._h2.update_settings({
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: config.initial_window_size,
             h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: config.max_concurrent_streams,
         })
-        self._open_connection_window()
+        self._state.open_connection_window()
 
     @property
     def authenticated(self) -> bool:
         """Whether the full limits apply (see :meth:`authenticate`)."""
-        return self._authenticated
+        return self._state.authenticated
 
     def output_stalled(self) -> None:
         """The transport stopped taking our bytes (the peer is not reading):
         control frames that need a reply count against
         ``budgets.max_stalled_control_replies`` until :meth:`output_drained`."""
-        self._scanner.output_stalled = True
+        self._state.scanner.output_stalled = True
 
     def output_drained(self) -> None:
         """The transport took what we wrote again."""
-        self._scanner.output_stalled = False
-        self._scanner.stalled_replies = 0
+        self._state.scanner.output_stalled = False
+        self._state.scanner.stalled_replies = 0
 
     def receive_data(self, data: bytes, now: float) -> list[Event]:
         """Feed bytes read from the transport; return what they caused.
@@ -159,38 +181,37 @@ class GrpcConnection(ReceivingConnection):
         rest is kept (:attr:`has_pending_input`) for :meth:`receive_pending`,
         and the caller should stop reading until it is gone.
         """
-        if self._terminated:
+        if self._state.terminated:
             return self.take_events()
         if self.has_pending_input:
             # More input while some is held back (a TLS layer may deliver
             # several records at once): it queues behind.
-            self._backlog = self._backlog[self._backlog_at:] + data
-            self._backlog_at = 0
+            self._state.backlog = self._state.backlog[self._state.backlog_at:] + data
+            self._state.backlog_at = 0
             return self.receive_pending(now)
         return self._receive(data, 0, now)
 
     @property
     def has_pending_input(self) -> bool:
         """Whether received bytes wait for :meth:`receive_pending`."""
-        return len(self._backlog) > self._backlog_at and not self._terminated
+        return len(self._state.backlog) > self._state.backlog_at and not self._state.terminated
 
     def receive_pending(self, now: float) -> list[Event]:
         """Process the next part of the input kept by :meth:`receive_data`."""
         if not self.has_pending_input:
             return self.take_events()
-        data, start = self._backlog, self._backlog_at
-        self._backlog, self._backlog_at = b"", 0
+        data, start = self._state.backlog, self._state.backlog_at
+        self._state.backlog, self._state.backlog_at = b"", 0
         return self._receive(data, start, now)
 
     def _receive(self, data: bytes, start: int, now: float) -> list[Event]:
-        self._just_ended.clear()
-        self._last_received = now
-        self._keepalive_deadline = None
+        self._state.just_ended.clear()
+        self._liveness.received(now)
         view: bytes | memoryview = memoryview(data)[start:] if start else data
-        consumed, violation = self._scanner.scan(view, now)
+        consumed, violation = self._state.scanner.scan(view, now)
         if consumed < len(view):
             if violation is None:
-                self._backlog, self._backlog_at = data, start + consumed
+                self._state.backlog, self._state.backlog_at = data, start + consumed
             view = memoryview(view)[:consumed]
         if view:
             try:
@@ -198,19 +219,13 @@ class GrpcConnection(ReceivingConnection):
             except h2.exceptions.ProtocolError as exc:
                 # h2 has queued a GOAWAY with the right code already.
                 code = getattr(exc, "error_code", ERR.PROTOCOL_ERROR)
-                self._backlog, self._backlog_at = b"", 0
-                self._terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
-                                status=StatusCode.UNAVAILABLE)
+                self._state.backlog, self._state.backlog_at = b"", 0
+                self._state.terminate(int(code), f"HTTP/2 protocol error: {exc}", remote=False,
+                                      status=StatusCode.UNAVAILABLE)
                 return self.take_events()
-            handlers = self._handlers
-            for event in h2_events:
-                handler = handlers.get(type(event))
-                if handler is not None:
-                    handler(self, event, now)
-                if self._terminated:
-                    break
+            self._inbound.handle(h2_events, now)
         if violation is not None:
-            self._exceeded(violation)
+            self._state.exceeded(violation)
         return self.take_events()
 
     def data_to_send(self) -> bytes:
@@ -220,8 +235,8 @@ class GrpcConnection(ReceivingConnection):
         cause events (:meth:`take_events`): SendBufferDrained for calls whose
         queue emptied, and ends of calls whose status was waiting.
         """
-        self._flush_acks()
-        self._hand_over()
+        self._state.flush_acks()
+        self._state.hand_over()
         return self._h2.data_to_send()
 
     def buffers_to_send(self) -> list[bytes | memoryview]:
@@ -229,15 +244,15 @@ class GrpcConnection(ReceivingConnection):
         in order (empties the buffer): large message payloads come out as
         the very objects given to :meth:`send_message`, uncopied, for a
         gathering write (``writeSequence``, ``sendmsg``)."""
-        self._flush_acks()
-        self._hand_over()
+        self._state.flush_acks()
+        self._state.hand_over()
         return self._h2.buffers_to_send()
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called (None: never)."""
-        if self._terminated:
+        if self._state.terminated:
             return None
-        heap = self._deadlines
+        heap = self._state.deadlines
         calls = self._calls
         while heap:
             deadline, stream_id = heap[0]
@@ -246,24 +261,17 @@ class GrpcConnection(ReceivingConnection):
                 break
             heapq.heappop(heap)
         best = heap[0][0] if heap else None
-        for timer in (self._keepalive_timer(), self._goaway_ping_deadline):
-            if timer is not None and (best is None or timer < best):
-                best = timer
+        timer = self._liveness.timer()
+        if timer is not None and (best is None or timer < best):
+            best = timer
         return best
-
-    def _keepalive_timer(self) -> float | None:
-        if self._keepalive_deadline is not None:
-            return self._keepalive_deadline
-        if self.config.keepalive_interval is None:
-            return None
-        return self._last_received + self.config.keepalive_interval
 
     def handle_timeout(self, now: float) -> list[Event]:
         """Expire call deadlines and keepalive timers due at ``now``."""
-        if self._terminated:
+        if self._state.terminated:
             return self.take_events()
-        self._just_ended.clear()
-        heap = self._deadlines
+        self._state.just_ended.clear()
+        heap = self._state.deadlines
         while heap and heap[0][0] <= now:
             deadline, stream_id = heapq.heappop(heap)
             call = self._calls.get(stream_id)
@@ -271,34 +279,33 @@ class GrpcConnection(ReceivingConnection):
                 continue
             if call.phase is Phase.CLOSING:
                 # Our status is written; only flow control holds it back.
-                self._reset_quietly(stream_id, ERR.CANCEL)
-                self._forget(call)
+                self._state.reset_quietly(stream_id, ERR.CANCEL)
+                self._state.forget(call)
             else:
                 # Server: status DEADLINE_EXCEEDED then RST_STREAM, as
                 # grpc-core does, so a client whose own timer is late still
                 # sees DEADLINE_EXCEEDED; client: RST_STREAM(CANCEL).
-                self._fail_call(call, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded",
-                                EndCause.DEADLINE)
-        if self._goaway_ping_deadline is not None and now >= self._goaway_ping_deadline:
-            self._send_final_goaway()
-        if self._terminated:
+                self._state.fail_call(call, StatusCode.DEADLINE_EXCEEDED, "deadline exceeded",
+                                      EndCause.DEADLINE)
+        drain_ping_deadline = self._liveness.drain_ping_deadline
+        if drain_ping_deadline is not None and now >= drain_ping_deadline:
+            self._state.send_final_goaway()
+        if self._state.terminated:
             # The last call of a draining connection just expired: no keepalive.
             return self.take_events()
-        if self._keepalive_deadline is not None:
-            if now >= self._keepalive_deadline:
-                self._terminate(int(ERR.NO_ERROR), "keepalive timeout", remote=True,
-                                status=StatusCode.UNAVAILABLE)
-        elif (self.config.keepalive_interval is not None
-              and now >= self._last_received + self.config.keepalive_interval):
-            self._keepalive_payload = self.ping(now)
-            self._keepalive_deadline = now + self.config.keepalive_timeout
+        due = self._liveness.keepalive_due(now)
+        if due is KeepaliveDue.TIMEOUT:
+            self._state.terminate(int(ERR.NO_ERROR), "keepalive timeout", remote=True,
+                                  status=StatusCode.UNAVAILABLE)
+        elif due is KeepaliveDue.PING:
+            self._liveness.keepalive_sent(self.ping(now), now)
         return self.take_events()
 
     def connection_lost(self, reason: str = "connection lost") -> list[Event]:
         """The transport closed: every live call ends UNAVAILABLE."""
-        if not self._terminated:
-            self._terminate(int(ERR.NO_ERROR), reason, remote=True,
-                            status=StatusCode.UNAVAILABLE)
+        if not self._state.terminated:
+            self._state.terminate(int(ERR.NO_ERROR), reason, remote=True,
+                                  status=StatusCode.UNAVAILABLE)
         return self.take_events()
 
     def start_call(
@@ -349,20 +356,20 @@ class GrpcConnection(ReceivingConnection):
         if metadata:
             headers.extend(encode_metadata(metadata))
         self._h2.send_headers(stream_id, headers)
-        self._sent_frames()
+        self._liveness.sent_frames()
         call = CallState(stream_id, deadline)
         call.send_encoding = encoding if encoding != "identity" else None
         self._calls[stream_id] = call
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, stream_id))
+            heapq.heappush(self._state.deadlines, (deadline, stream_id))
         return stream_id
 
     def end_stream(self, stream_id: int) -> None:
         """Client: half-close (no more request messages); sent after any
         queued messages."""
-        if self._ended_unseen(stream_id):
+        if self._state.ended_unseen(stream_id):
             return
-        call = self._live_call(stream_id)
+        call = self._state.live_call(stream_id)
         if not self._client:
             raise LocalProtocolError("end_stream is a client command; use send_status")
         if call.local_closed:
@@ -379,13 +386,13 @@ class GrpcConnection(ReceivingConnection):
     def cancel(self, stream_id: int) -> None:
         """Either side: abandon the call with RST_STREAM(CANCEL).  No event
         follows for this stream; a client should treat it as CANCELLED."""
-        if self._ended_unseen(stream_id):
+        if self._state.ended_unseen(stream_id):
             return
         call = self._calls.get(stream_id)
         if call is None:
             raise LocalProtocolError(f"no live call on stream {stream_id}")
-        self._reset_quietly(stream_id, ERR.CANCEL)
-        self._forget(call)
+        self._state.reset_quietly(stream_id, ERR.CANCEL)
+        self._state.forget(call)
 
     def send_initial_metadata(
         self, stream_id: int, metadata: Metadata = (), *, encoding: str | None = None,
@@ -393,15 +400,15 @@ class GrpcConnection(ReceivingConnection):
         """Server: send response headers now (otherwise they go out with the
         first message).  ``encoding="gzip"`` lets ``send_message(...,
         compress=True)`` compress; ignored if the client does not accept it."""
-        if self._ended_unseen(stream_id):
+        if self._state.ended_unseen(stream_id):
             return
-        call = self._live_call(stream_id)
+        call = self._state.live_call(stream_id)
         if self._client:
             raise LocalProtocolError("send_initial_metadata is a server command")
         if call.phase is not Phase.WAITING_HEADERS:
             raise LocalProtocolError(f"headers already sent on stream {stream_id}")
         metadata = checked_metadata(metadata)
-        self._send_response_headers(call, metadata, encoding)
+        self._state.send_response_headers(call, metadata, encoding)
 
     def send_status(
         self, stream_id: int, code: StatusCode, message: str = "", trailers: Metadata = (),
@@ -409,13 +416,13 @@ class GrpcConnection(ReceivingConnection):
         """Server: end the call with a status.  Trailers-only if no headers
         were sent; queued after any pending messages; followed by
         RST_STREAM(NO_ERROR) if the client had not half-closed."""
-        if self._ended_unseen(stream_id):
+        if self._state.ended_unseen(stream_id):
             return
-        call = self._live_call(stream_id)
+        call = self._state.live_call(stream_id)
         if self._client:
             raise LocalProtocolError("send_status is a server command; use end_stream")
         trailers = checked_metadata(trailers)
-        self._queue_status(call, StatusCode(code), message, trailers)
+        self._state.queue_status(call, StatusCode(code), message, trailers)
 
     def send_message(self, stream_id: int, data: bytes, *, compress: bool = False,
                      key: Hashable | None = None) -> None:
@@ -429,7 +436,7 @@ class GrpcConnection(ReceivingConnection):
         handed to HTTP/2.
         Raises :class:`MessageTooLarge` over ``max_send_message_length``.
         """
-        if self._ended_unseen(stream_id):
+        if self._state.ended_unseen(stream_id):
             return
         call = self._calls.get(stream_id)
         if call is None or call.local_closed:
@@ -437,11 +444,11 @@ class GrpcConnection(ReceivingConnection):
         limit = self.config.max_send_message_length
         if limit is not None and len(data) > limit:
             raise MessageTooLarge(
-                f"message of {len(data)} bytes is over the send limit of {limit}")
+                 f"message of {len(data)} bytes is over the send limit of {limit}")
         if key is not None and call.queued_by_key is not None and key in call.queued_by_key:
             raise LocalProtocolError(f"a message keyed {key!r} is queued on stream {stream_id} already")
         if call.phase is Phase.WAITING_HEADERS and not self._client:
-            self._send_response_headers(call, (), None)
+            self._state.send_response_headers(call, (), None)
         flag = 0
         if compress and call.send_encoding == "gzip":
             data = zlib.compress(data, 6, 31)
@@ -461,10 +468,10 @@ class GrpcConnection(ReceivingConnection):
         call.pending_bytes += 5 + len(data)
         if key is not None:
             if call.queued_by_key is None or call.key_by_part is None:
-                call.queued_by_key, call.key_by_part = {}, {}
+                 call.queued_by_key, call.key_by_part = {}, {}
             call.queued_by_key[key] = first
             call.key_by_part[id(first)] = key
-        self._dirty[stream_id] = call
+        self._state.dirty[stream_id] = call
 
     def withdraw_message(self, stream_id: int, key: Hashable) -> bool:
         """Take back the message queued with ``key``, if none of its bytes went to
@@ -491,7 +498,7 @@ class GrpcConnection(ReceivingConnection):
             del pending[index]
         if not pending:
             call.drain_owed = True
-            self._dirty[stream_id] = call
+            self._state.dirty[stream_id] = call
         return True
 
     def buffered_amount(self, stream_id: int) -> int:
@@ -513,15 +520,13 @@ class GrpcConnection(ReceivingConnection):
         n = min(n, call.unacked)
         if n:
             call.unacked -= n
-            self._acks[stream_id] = self._acks.get(stream_id, 0) + n
+            self._state.acks[stream_id] = self._state.acks.get(stream_id, 0) + n
 
     def ping(self, now: float) -> bytes:
         """Send a PING; returns its 8-byte payload (see PingAcknowledged)."""
-        if self._terminated:
+        if self._state.terminated:
             raise LocalProtocolError("connection terminated")
-        self._ping_counter += 1
-        payload = struct.pack(">Q", self._ping_counter)
-        self._pings[payload] = now
+        payload = self._liveness.ping_sent(now)
         self._h2.ping(payload)
         return payload
 
@@ -535,26 +540,23 @@ class GrpcConnection(ReceivingConnection):
         PING's ack (or ``GOAWAY_ACK_TIMEOUT`` after ``now``), the GOAWAY naming the last stream it serves.
         Calls the client started before it saw the first GOAWAY arrive
         before the ack and are served rather than refused."""
-        if self._terminated:
+        if self._state.terminated:
             return self.take_events()
         if error_code:
             self._h2.close_connection(error_code=error_code, additional_data=debug_data)
-            self._terminate(error_code, "local GOAWAY", remote=False,
-                            status=StatusCode.UNAVAILABLE)
-        elif not self._goaway_sent:
-            self._goaway_sent = True
-            self._goaway_debug = debug_data
+            self._state.terminate(error_code, "local GOAWAY", remote=False,
+                 status=StatusCode.UNAVAILABLE)
+        elif not self._state.goaway_sent:
+            self._state.goaway_sent = True
+            self._state.goaway_debug = debug_data
             if self._client:
-                # A client never accepts streams, so its last id is 0.
-                self._goaway_last_id = 0
-                self._h2.send_graceful_goaway(0, debug_data)
+                 # A client never accepts streams, so its last id is 0.
+                 self._state.goaway_last_id = 0
+                 self._h2.send_graceful_goaway(0, debug_data)
             else:
-                self._h2.send_graceful_goaway(2**31 - 1, debug_data)
-                self._ping_counter += 1
-                self._goaway_ping = struct.pack(">Q", self._ping_counter)
-                self._h2.ping(self._goaway_ping)
-                self._goaway_ping_deadline = now + GOAWAY_ACK_TIMEOUT
-            self._maybe_drained()
+                 self._h2.send_graceful_goaway(2**31 - 1, debug_data)
+                 self._h2.ping(self._liveness.drain_ping_sent(now, GOAWAY_ACK_TIMEOUT))
+            self._state.maybe_drained()
         return self.take_events()
 
     @property
@@ -565,7 +567,7 @@ class GrpcConnection(ReceivingConnection):
     @property
     def accepting_calls(self) -> bool:
         """False once a GOAWAY was sent or received or the connection ended."""
-        return not (self._terminated or self._goaway_sent or self._goaway_received)
+        return not (self._state.terminated or self._state.goaway_sent or self._state.goaway_received)
 
     @property
     def max_concurrent_calls(self) -> int:

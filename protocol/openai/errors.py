@@ -1,6 +1,6 @@
 """OpenAI-style errors and HTTP status lines: pure values, no I/O; the one place they are made.
 
-Every OpenAI error body infx writes (gateway, processor, receiver, scaler,
+Every OpenAI error body infx writes (gateway, processor, dialled peer, scaler,
 engine agent, runtimes) and every error event of a stream whose headers are
 already out comes from :func:`error_body` / :func:`error_json` /
 :func:`error_event` here, with one type map (:func:`error_type_for`); every
@@ -9,7 +9,7 @@ code outside the IANA registry (a runtime or proxy may answer 522 or 599).
 
 A client's bad request (:class:`InvalidRequestError`) and a runtime's bad
 answer (:class:`UpstreamError`) are remote violations: they end the HTTP
-exchange with the status and body they carry. :class:`LocalUsageError` is
+exchange with the status and body they carry. :class:`OpenAIUsageError` is
 misuse of this package by its caller and is never shown to a client.
 """
 
@@ -194,5 +194,5 @@ class UpstreamError(OpenAIError):
     error_type = "upstream_error"
 
 
-class LocalUsageError(errors.LocalUsageError):
+class OpenAIUsageError(errors.LocalUsageError):
     """The caller used this package wrongly (e.g. passed a heartbeat to the runtime converter)."""

@@ -21,6 +21,10 @@ unseeded); in the Responses API, ``parallel_tool_calls: false`` and
 ``store: false`` are lost (the runtime's default, true, applies). A legacy
 ``/v1/completions`` request converts to a chat completion (see
 :func:`parse_completion`).
+
+Size (over 600 lines): one parser per OpenAI endpoint (chat, completions, embeddings, responses,
+audio, tokenize) and the field readers they share at the bottom; split per endpoint, the shared
+readers and the limits the README lists would be spread over six files.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ is unset, because Ollama reads only ``max_tokens`` (as LLMariner does). ``encode
 fields are decoded back into JSON. A corrupt encoded field raises
 :class:`~protocol.openai.errors.InvalidRequestError` (the engine answers
 400); handing over a task that is not a runtime request (heartbeat, go-away,
-cancel) raises :class:`~protocol.openai.errors.LocalUsageError`.
+cancel) raises :class:`~protocol.openai.errors.OpenAIUsageError`.
 
 Message content: a single text part becomes a plain string again, and
 anything else stays an array of parts. vLLM, Ollama, SGLang and llama.cpp
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.openai.errors import LocalUsageError
+from protocol.openai.errors import OpenAIUsageError
 from protocol.openai.json import JSONObject, decode_json_field
 from protocol.pb import (
     audio_pb2,
@@ -81,7 +81,7 @@ class MultipartForm:
             b"--\r\n",
         ]
         if any(marker in piece for piece in (self.file, *(v.encode("utf-8") for _, v in self.fields))):
-            raise LocalUsageError("the multipart boundary occurs in the form's content; pick another")
+            raise OpenAIUsageError("the multipart boundary occurs in the form's content; pick another")
         return f"multipart/form-data; boundary={boundary}", b"".join(pieces)
 
 
@@ -120,7 +120,7 @@ def runtime_request(request: worker_pb2.TaskRequest) -> RuntimeRequest:
         return RuntimeRequest(
             AUDIO_TRANSCRIPTIONS_PATH, audio.model, audio.stream, form=audio_transcription_form(audio)
         )
-    raise LocalUsageError(f"a {kind or 'empty'} task request is not for the runtime")
+    raise OpenAIUsageError(f"a {kind or 'empty'} task request is not for the runtime")
 
 
 # -- chat -----------------------------------------------------------------------

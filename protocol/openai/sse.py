@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.openai.errors import LocalUsageError, UpstreamError
+from protocol.openai.errors import OpenAIUsageError, UpstreamError
 
 DEFAULT_MAX_EVENT_SIZE = 16 * 1024 * 1024
 #: What the data of the last event of a chat or completions stream says; the one definition.
@@ -87,7 +87,7 @@ class SSEParser:
     def receive_data(self, data: bytes) -> list[Event]:
         """Feed the next bytes of the stream; returns the events they complete."""
         if self._failed:
-            raise LocalUsageError("the event stream already failed; start a new parser")
+            raise OpenAIUsageError("the event stream already failed; start a new parser")
         buf = self._buffer
         buf += data
         pos = 0
@@ -224,7 +224,7 @@ def encode_event(data: str | bytes, *, event: str | None = None, event_id: str |
     for name, value in (("event", event), ("id", event_id)):
         if value is not None:
             if _TEXT_LINE_END.search(value) or (name == "id" and "\0" in value):
-                raise LocalUsageError(f"an SSE {name} must be one line")
+                raise OpenAIUsageError(f"an SSE {name} must be one line")
             head += f"{name}: {value}\n".encode("utf-8")
     raw = data if isinstance(data, bytes) else data.encode("utf-8")
     lines = b"".join(b"data: " + line + b"\n" for line in _BYTES_LINE_END.split(raw))

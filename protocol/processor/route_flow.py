@@ -1,7 +1,7 @@
 """Which routes are not draining, since when, and which are stuck: the processor's backpressure.
 
 No I/O, no clock reads: ``now`` comes in. The adapter of a route (a local
-engine's stream, a peer's sender stream) says when its stream stops draining
+engine's stream, an accepted peer's stream) says when its stream stops draining
 (its send buffer is over the high-water mark, or it refused a task at its
 queue cap) and when it drains again; the processor routes no task to a
 blocked route, and closes one that stays blocked for ``stuck_after`` seconds
@@ -12,7 +12,7 @@ taken for a stuck one.
 
 from __future__ import annotations
 
-from protocol.processor.types import Route
+from protocol.processor.keys import Route
 
 __all__ = ["MAX_ROUTE_QUEUED_BYTES", "RouteFlow"]
 

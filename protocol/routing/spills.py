@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 from protocol.pb import status_pb2
 
-if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
-    from protocol.processor.types import EngineKey
+if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorConfig
+    from protocol.processor.keys import EngineKey
 
 __all__ = ["SpilledTips"]
 

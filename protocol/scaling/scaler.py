@@ -40,6 +40,10 @@ its own per deployment: :class:`~protocol.scaling.coldstart.ColdStart`,
 :class:`~protocol.scaling.crash.CrashGuard` and
 :class:`~protocol.scaling.autoscale.Autoscale`. Its vocabulary (effects,
 errors, config) is :mod:`protocol.scaling.types`, re-exported here.
+
+Size (over 600 lines): one state machine (deployment phases, held requests, single-flight cold
+starts, idle scale-down, the autoscaler's ticks) whose transitions read each other's state; the
+docstring records what it does better than OpenModelZ.
 """
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ def test_three_gateways_with_kube_keep_one_receiver_per_live_peer_through_churn_
     over real HTTP with the official client."""
     from harness.kubeapi import PODS, FakeKubeAPI, write_kubeconfig
     from infx.service import GatewayService
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
     from protocol.discovery.peers import PeerAddress
 
     api = FakeKubeAPI(reactor).start()
@@ -242,7 +242,7 @@ def test_three_gateways_with_kube_keep_one_receiver_per_live_peer_through_churn_
             api.add_live_pod(f"gw-{name}", ip=host, labels=app)
         api.add_live_pod("other", ip="127.0.0.9", labels={"app": "something-else"})
         for name, host in HOSTS.items():
-            options = Options()
+            options = GatewayOptions()
             options.parseOptions([
                 "--kube", "--pod-label", "app=infx", "--status-interval", "0.5",
                 "--http", f"tcp:{http}:interface={host}", "--worker-grpc", f"tcp:{worker}:interface={host}",

@@ -250,9 +250,9 @@ _SERVE_ONE = textwrap.dedent("""
     from twisted.web.http_headers import Headers
     from twisted.internet.defer import ensureDeferred
     from infx.service import GatewayService
-    from infx.tap import Options, makeService
+    from infx.tap import GatewayOptions, makeService
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--http", "tcp:0:interface=127.0.0.1", "--worker-grpc", "tcp:0:interface=127.0.0.1",
                           "--internal-grpc", "tcp:0:interface=127.0.0.1", "--echo-models", "echo",
                           "--workers", "1"])

@@ -1,6 +1,6 @@
 """Hostile HTTP clients and hostile engines against the whole gateway stack, in process.
 
-The stack is the real one (twisted.web site, :class:`~infx.http.api.Gateway`,
+The stack is the real one (twisted.web site, :class:`~infx.http.api.HttpApi`,
 :class:`~infx.gateway.dispatcher.Dispatcher`, :class:`~protocol.processor.core.Processor`)
 on a :class:`~twisted.internet.task.Clock`, with HTTP over a StringTransport
 and an in-memory engine route that answers tasks with the real echo runtime

@@ -3,12 +3,12 @@
 Random bytes and mutated valid messages go where the wire puts them:
 ``ProcessTasksRequest`` (``EngineStatus``, ``TaskResult``) into the worker
 service and the processor, ``ProcessTasksInternalRequest`` (``ServerStatus``,
-``TaskResult``) into a :class:`~protocol.exchange.sender.Sender`,
-``ProcessTasksInternalResponse`` into a :class:`~protocol.exchange.receiver.Receiver`.
+``TaskResult``) into a :class:`~protocol.exchange.accepted_peer.AcceptedPeer`,
+``ProcessTasksInternalResponse`` into a :class:`~protocol.exchange.dialled_peer.DialledPeer`.
 
 What each must end in: a message that does not decode ends its stream with
 INTERNAL; one that decodes but breaks the protocol raises the documented
-:class:`RemoteProtocolError` (the stream's INVALID_ARGUMENT) or fails the
+:class:`PeerProtocolError` (the stream's INVALID_ARGUMENT) or fails the
 affected task with a 502; nothing else escapes, and a task served by a
 well-behaved engine alongside still completes.
 """
@@ -29,20 +29,16 @@ from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.workers import PROCESS_TASKS, WorkerService
 from infx.transport import GrpcServer
-from protocol.exchange.receiver import ReceiverConfig
-from protocol.exchange.sender import Sender
+from protocol.exchange.dialled_peer import DialledPeerConfig
+from protocol.exchange.accepted_peer import AcceptedPeer
 from protocol.grpc import CallEnded, GrpcConfig, GrpcConnection, StatusCode
 from protocol.pb import internal_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    RemoteProtocolError,
-    SendTask,
-)
-from tests.support.receiver import BufferedReceiver
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest, SendTask
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import Locality
+from tests.support.dialled_peer import BufferedReceiver
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -139,19 +135,19 @@ def test_any_process_tasks_request_from_an_engine_leaves_other_engines_serving(d
     assert processor.status()["tasks"] == 0
 
 
-# -- peers -> sender (ServerStatus, TaskResult) ----------------------------------------------
+# -- peers -> accepted peer (ServerStatus, TaskResult) ----------------------------------------------
 
 
 @FEW
 @given(st.data())
 def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_error(data):
-    """A peer's ServerStatus / TaskResult, random or mutated: the sender takes it
-    or raises RemoteProtocolError (the stream ends INVALID_ARGUMENT); a local
+    """A peer's ServerStatus / TaskResult, random or mutated: the accepted peer takes it
+    or raises PeerProtocolError (the stream ends INVALID_ARGUMENT); a local
     engine is never taken over by the peer's report."""
     processor = Processor()
     local = object()
     processor.update_engine(local, "t", status("local", "m"), Locality.LOCAL, 0)
-    sender = Sender(processor)
+    accepted_peer = AcceptedPeer(processor)
     report = internal_pb2.ServerStatus(pod_name="peer")
     report.engine_statuses.add(engine_status=status("remote", "m"), tenant_id="t")
     report.engine_statuses.add(engine_status=status("local", "m", ready=False), tenant_id="t")
@@ -166,16 +162,16 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
         if message is None:
             continue
         try:
-            sender.message_received(message, 1)
-        except RemoteProtocolError as error:
+            accepted_peer.message_received(message, 1)
+        except PeerProtocolError as error:
             assert error.grpc_status == StatusCode.INVALID_ARGUMENT
     view = processor.engine("t", "local")
     assert view is not None and view.route is local and view.locality is Locality.LOCAL
-    sender.closed(2)
-    assert all(processor.engine(k.tenant_id, k.engine_id) is None for k in sender.engines)
+    accepted_peer.closed(2)
+    assert all(processor.engine(k.tenant_id, k.engine_id) is None for k in accepted_peer.engines)
 
 
-# -- peers -> receiver (forwarded tasks) ---------------------------------------------------------
+# -- peers -> dialled peer (forwarded tasks) ---------------------------------------------------------
 
 
 @FEW
@@ -183,16 +179,16 @@ def test_any_internal_request_from_a_peer_is_taken_or_refused_as_a_protocol_erro
 def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(data):
     """A ProcessTasksInternalResponse, random or mutated: it runs on the named
     local engine, is answered at once with an error result, or raises
-    RemoteProtocolError; every task it starts ends when the stream closes."""
+    PeerProtocolError; every task it starts ends when the stream closes."""
     processor = Processor()
     engine = object()
     engine_status = status("e1", "m")
     if data.draw(st.booleans()):  # an infx engine, which takes verbatim requests too
         engine_status.infx_capabilities.append("http-request")
     processor.update_engine(engine, "t", engine_status, Locality.LOCAL, 0)
-    receiver = BufferedReceiver(processor, ReceiverConfig(pod_name="me"))
-    receiver.connected(0)
-    receiver.pop_messages()
+    dialled = BufferedReceiver(processor, DialledPeerConfig(pod_name="me"))
+    dialled.connected(0)
+    dialled.pop_messages()
     honest = internal_pb2.ProcessTasksInternalResponse(tenant_id="t", new_task=worker_pb2.Task(
         id="f1", engine_id="e1", request=chat_request("m"), timeout_seconds=30))
     for _ in range(data.draw(st.integers(1, 5))):
@@ -201,15 +197,15 @@ def test_any_forwarded_task_from_a_peer_runs_is_refused_or_is_a_protocol_error(d
         if message is None:
             continue
         try:
-            effects = receiver.task_received(message, 1)
-        except RemoteProtocolError:
+            effects = dialled.task_received(message, 1)
+        except PeerProtocolError:
             continue
         for effect in effects:
-            if isinstance(effect, (DeliverResult, FailRequest)) and effect.origin is receiver:
-                receiver.deliver(effect)
-        for out in receiver.pop_messages():
+            if isinstance(effect, (DeliverResult, FailRequest)) and effect.origin is dialled:
+                dialled.deliver(effect)
+        for out in dialled.pop_messages():
             assert out.WhichOneof("message") in ("task_result", "server_status")
-    receiver.closed(2)
+    dialled.closed(2)
     assert processor.status()["tasks"] == 0
 
 

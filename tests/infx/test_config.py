@@ -82,9 +82,9 @@ def test_twistd_infx_cap_flags_reach_the_processor():
     from twisted.internet.task import Clock
 
     from infx.service import GatewayService
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--max-in-flight-per-engine", "3", "--max-tasks-per-tenant", "7", "--max-attempts", "2"])
     processor = GatewayService(Clock(), options.config_value, environ={}).processor
     assert (processor.config.max_in_flight_per_engine, processor.config.max_tasks_per_tenant) == (3, 7)
@@ -163,9 +163,9 @@ def test_routing_policy_is_one_of_the_three():
 
 
 def test_routing_policy_flag_reaches_the_config():
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--routing-policy", "least_in_progress"])
     assert options.config_value.routing_policy == "least_in_progress"
 
@@ -173,18 +173,18 @@ def test_routing_policy_flag_reaches_the_config():
 def test_routing_knobs_default_to_the_policys_own_defaults():
     from infx.config import routing_config
     from protocol.routing.hints import HintsConfig
-    from protocol.routing.router import RoutingConfig
+    from protocol.routing.config import RoutingConfig
 
     assert routing_config(build_config({}, {})) == (RoutingConfig(), HintsConfig())
 
 
 def test_routing_knobs_from_flags_and_file_reach_the_policy(tmp_path):
     from infx.config import routing_config
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
     path = tmp_path / "infx.yaml"
     path.write_text("routing_weights: 'prefix=4, kv=0'\nrouting_sessions: 0\n")
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--config", str(path), "--routing-load-factor", "1.5", "--routing-min-capacity", "2",
                           "--routing-block-bytes", "128", "--routing-max-blocks", "32",
                           "--routing-index-blocks-per-engine", "1000", "--routing-index-blocks", "0",
@@ -221,10 +221,10 @@ def test_a_routing_knob_out_of_range_is_one_line_naming_its_option(flags, messag
 
 def test_runtime_urls_come_from_repeated_flags_or_a_yaml_list_of_strings_and_mappings(tmp_path):
     from infx.config import runtime_targets
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
     from protocol.discovery.runtimes import RuntimeTarget
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--runtime-url", "http://a:8000/v1/=llama-3,llama-3-lora", "--runtime-url", "https://b"])
     assert runtime_targets(options.config_value) == (
         RuntimeTarget("http://a:8000", ("llama-3", "llama-3-lora")), RuntimeTarget("https://b"))
@@ -288,7 +288,7 @@ def test_workers_default_to_the_cores_the_process_may_use_within_its_cgroup_quot
 
 def test_tracing_is_off_by_default_and_its_options_come_from_flags_or_the_file(tmp_path):
     from infx.config import routing_config, tracing_config
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
     from infx.tracing import TracingConfig
 
     assert tracing_config(build_config({}, {})) is None
@@ -296,13 +296,13 @@ def test_tracing_is_off_by_default_and_its_options_come_from_flags_or_the_file(t
     path = tmp_path / "infx.yaml"
     path.write_text("otlp_traces_endpoint: http://collector:4317\notlp_traces_protocol: grpc\n"
                     "trace_sample_ratio: 0.25\ntrace_content: true\n")
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--config", str(path), "--trace-sample-ratio", "0"])
     config = options.config_value
     assert tracing_config(config) == TracingConfig("http://collector:4317", "grpc", 0.0, True)
     # Tracing asks routing to say why it chose each engine.
     assert routing_config(config)[0].explain
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--otlp-traces-endpoint", "http://collector:4318/v1/traces", "--trace-content"])
     assert tracing_config(options.config_value) == TracingConfig("http://collector:4318/v1/traces",
                                                                  "http/protobuf", 1.0, True)

@@ -16,7 +16,7 @@ from twisted.internet import defer, protocol, reactor
 from twisted.python import usage
 
 from infx.agent.engine import EngineAgent
-from infx.engine_tap import Options, makeService, parse_host_port
+from infx.engine_tap import AgentOptions, makeService, parse_host_port
 from protocol.agent.core import AgentConfig
 from protocol.pb import worker_pb2
 from tests.support.engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
@@ -24,8 +24,8 @@ from tests.support.engine_loopback import control, gateway, with_timeout  # noqa
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def parse(*argv: str) -> Options:
-    options = Options()
+def parse(*argv: str) -> AgentOptions:
+    options = AgentOptions()
     options.parseOptions(list(argv))
     return options
 
@@ -82,10 +82,10 @@ def test_bad_options_are_usage_errors(argv: list[str]) -> None:
 def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None:
     from twisted.python import usage
 
-    from infx.engine_tap import Options
+    from infx.engine_tap import AgentOptions
 
     def parse(*extra: str) -> AgentConfig:
-        options = Options()
+        options = AgentOptions()
         options.parseOptions(["--server", "gw:1", "--models", "m", "--max-concurrency", "2", *extra])
         agent_config: AgentConfig = options["agent-config"]
         return agent_config

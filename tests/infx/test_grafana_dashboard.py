@@ -24,7 +24,7 @@ from harness.twistd_processes import free_port
 from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
-from infx.tap import Options
+from infx.tap import GatewayOptions
 from infx.transport import GrpcChannel, client_endpoint
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig
@@ -126,7 +126,7 @@ def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(tmp_path: Path):
         return ["--http", f"tcp:{http}:interface=127.0.0.1", "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
                 "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--echo-models", "echo"]
 
-    options_a, options_b = Options(), Options()
+    options_a, options_b = GatewayOptions(), GatewayOptions()
     options_a.parseOptions(["--kube", "--scaler", *listen("a")])
     options_b.parseOptions(["--peers", f"127.0.0.1:{ports['a'][2]}", *listen("b")])
     a = GatewayService(reactor, options_a.config_value, pod_name="gw-a",

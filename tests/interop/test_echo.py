@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.openai.completions import text_completion_event_data
-from protocol.openai.errors import LocalUsageError
+from protocol.openai.errors import OpenAIUsageError
 from protocol.openai.requests import (
     parse_audio_transcription,
     parse_chat_completion,
@@ -197,12 +197,12 @@ def test_kinds_the_echo_does_not_serve_get_a_501_with_an_openai_error_body(parse
 def test_agent_business_is_refused_as_misuse(kind):
     request = worker_pb2.TaskRequest()
     getattr(request, kind).SetInParent()
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         echo_task(worker_pb2.Task(id="x", request=request), CONFIG, NOW)
 
 
 def test_config_is_validated():
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         EchoConfig(token_delay=-1)
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         EchoConfig(embedding_dimensions=0)

@@ -1,6 +1,6 @@
 """infx gateways and LLMariner gateways in one exchange, over real loopback sockets, with grpcio
-playing LLMariner's side of ``ProcessTasksInternal``: a LLMariner sender (which offers no status
-deltas) gets only full snapshots from infx, and a LLMariner receiver's full snapshots (which
+playing LLMariner's side of ``ProcessTasksInternal``: a LLMariner accepted peer (which offers no status
+deltas) gets only full snapshots from infx, and a LLMariner dialled peer's full snapshots (which
 carry no sequence numbers) register and remove engines at an infx gateway that offers deltas."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from infx.exchange.exchanger import PROCESS_TASKS_INTERNAL
 from infx.service import builtin_engine_id
 from protocol.exchange.status_reports import STATUS_DELTA_HEADER
 from protocol.pb import internal_pb2
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until  # noqa: F401
 from tests.support.processor import engine_status
 
@@ -70,7 +70,7 @@ def test_a_llmariner_sender_gets_a_full_snapshot_every_time_even_for_a_count_cha
         b = yield gateways("b", echo_models="m", peers=address)
         yield until(lambda: any(r.engine_statuses for r in llmariner.received())
                     and b.exchanger.receivers[address].accepted)
-        assert not b.exchanger.receivers[address].receiver.sends_deltas
+        assert not b.exchanger.receivers[address].dialled.sends_deltas
         known = len(llmariner.received())
         for _ in range(2):
             yield threads.deferToThread(chat, base_url(b), model="m")
@@ -91,11 +91,11 @@ def test_an_infx_peer_is_offered_deltas_where_a_llmariner_one_is_not(gateways): 
     a = yield gateways("a")
     b = yield gateways("b", echo_models="m", peers=internal_address(a))
     yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
-    assert b.exchanger.receivers[internal_address(a)].receiver.sends_deltas
+    assert b.exchanger.receivers[internal_address(a)].dialled.sends_deltas
 
 
 def full_report(*engine_ids: str) -> internal_pb2.ProcessTasksInternalRequest:
-    """A report as LLMariner's receiver sends it: every engine, no infx field."""
+    """A report as LLMariner's dialled peer sends it: every engine, no infx field."""
     status = internal_pb2.ServerStatus(pod_name="llmariner-0")
     for engine_id in engine_ids:
         status.engine_statuses.add(engine_status=engine_status(engine_id, "m"), tenant_id="default")
@@ -120,7 +120,7 @@ def test_a_llmariner_receivers_full_snapshots_register_and_remove_engines_here(g
     try:
         outbox.put(full_report("l1", "l2"))
         headers = yield threads.deferToThread(responses.initial_metadata)
-        # infx offers deltas; a LLMariner receiver does not know the header and keeps sending snapshots.
+        # infx offers deltas; a LLMariner dialled peer does not know the header and keeps sending snapshots.
         assert (STATUS_DELTA_HEADER, "1") in [(m.key, m.value) for m in headers]
         yield until(lambda: engines(a) == {("default", Locality.REMOTE): 2})
         outbox.put(full_report("l2"))

@@ -28,7 +28,7 @@ MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 #: The newest schema kubernetes-validate ships; manifests must be valid there, strictly.
 K8S_VERSION = kubernetes_validate.latest_version()
 #: Which options parser runs each plugin a container may start.
-PLUGINS: dict[str, type[usage.Options]] = {"infx": tap.Options, "infx-engine": engine_tap.Options}
+PLUGINS: dict[str, type[usage.Options]] = {"infx": tap.GatewayOptions, "infx-engine": engine_tap.AgentOptions}
 
 
 def documents() -> list[tuple[str, dict[str, Any]]]:

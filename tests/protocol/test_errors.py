@@ -29,7 +29,7 @@ ERROR_CLASSES = _error_classes()
 #: Neither kind by design: a base both kinds share, and a codec's value error that the gRPC
 #: machine turns into one kind or the other (InvalidMetadata for the caller, a status for the peer).
 #: Neither is raised to a caller as it is.
-NEITHER = {"protocol.processor.types.ProcessorError", "protocol.grpc.metadata.MetadataError"}
+NEITHER = {"protocol.processor.errors.ProcessorError", "protocol.grpc.metadata.MetadataError"}
 
 
 def test_the_walk_finds_the_machines_errors():

@@ -25,12 +25,14 @@ from harness.sim.invariants import (
     ClientRequest,
 )
 from harness.sim.scale import report
-from protocol.exchange import sender
+from protocol.exchange import accepted_peer
 from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import EnginesRemoved
+from protocol.processor.dispatcher import TaskDispatcher
+from protocol.processor.endings import Endings
+from protocol.processor.effects import EnginesRemoved
 
 ROOT = Path(__file__).resolve().parents[2]
 SUITE_STEPS = 500
@@ -50,7 +52,7 @@ def _drop_one_result(monkeypatch):
     """Plant a bug: the processor swallows the first mid-stream result it should hand to a
     client. (Dropped on its way to a peer, the peer's processor sees the gap and fails the
     request with a 502, which is the protocol working, not a violation.)"""
-    original = Processor._deliver
+    original = Endings.deliver
     dropped = []
 
     def deliver(self, task, result, last, effects):
@@ -60,7 +62,7 @@ def _drop_one_result(monkeypatch):
             return
         original(self, task, result, last, effects)
 
-    monkeypatch.setattr(Processor, "_deliver", deliver)
+    monkeypatch.setattr(Endings, "deliver", deliver)
     return dropped
 
 
@@ -68,13 +70,13 @@ def _route_across_tenants(monkeypatch):
     """Plant a bug: routing looks at every tenant's engines, not only the task's tenant."""
 
     def pick(self, task, ignore_cap=False):
-        for engines in self._by_tenant.values():
+        for _, engines in self._engines.by_tenant():
             for engine in engines.values():
                 if engine.routable and task.model in engine.ready_models:
                     return engine
         return None
 
-    monkeypatch.setattr(Processor, "_pick", pick)
+    monkeypatch.setattr(TaskDispatcher, "pick", pick)
 
 
 def _first_failure(seeds=range(10), full_checks=False):
@@ -100,7 +102,7 @@ def _forget_dispatched_deadlines(monkeypatch):
 def _bring_back_f1(monkeypatch):
     """Plant finding F1 again: a peer's engines are named by their bare ids (as before issue 22),
     so one attached to another gateway while its old stream here lingers is shadowed, and
-    ``EnginesRemoved`` is dropped instead of letting every peer's sender register it once the
+    ``EnginesRemoved`` is dropped instead of letting every peer's accepted peer register it once the
     shadow goes."""
     original = GatewayCore._absorb
 
@@ -108,7 +110,7 @@ def _bring_back_f1(monkeypatch):
         original(self, [e for e in effects if not isinstance(e, EnginesRemoved)], now, out)
 
     monkeypatch.setattr(GatewayCore, "_absorb", absorb)
-    monkeypatch.setattr(sender, "peer_engine_id", lambda engine_id, pod_name: engine_id)
+    monkeypatch.setattr(accepted_peer, "peer_engine_id", lambda engine_id, pod_name: engine_id)
 
 
 def test_a_dropped_result_is_reported_as_out_of_order_with_a_replay_command(monkeypatch):

@@ -11,7 +11,7 @@ from twisted.internet import defer, reactor, task
 
 from infx.config import build_config
 from infx.service import GatewayService
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 
 
 LOOPBACK = "tcp:0:interface=127.0.0.1"

@@ -20,7 +20,9 @@ from protocol.gateway.effects import (
 )
 from protocol.pb import internal_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import CancelTaskOnEngine, Locality, ProcessorConfig, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, SendTask
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, only
 
 
@@ -93,15 +95,15 @@ class Net:
             self.dial_of[stream] = (name, effect.dial)
             target = str(effect.dial.address)
             # A core's name is its address here, and what its dials' headers offer to be dialled back at.
-            self.later(target, lambda now: self.cores[target].peer_stream_opened(stream, name, now))
+            self.later(target, lambda now: self.cores[target].accepted_peer_opened(stream, name, now))
             headers = () if target in self.llmariner else self.cores[target].accept_metadata
             self.later(name, lambda now: self.cores[name].dial_accepted(effect.dial, headers, now))
         elif isinstance(effect, SendOnDial):
             target, stream = self.streams[effect.dial]
-            self.later(target, lambda now: self.cores[target].peer_stream_message(stream, effect.message, now))
+            self.later(target, lambda now: self.cores[target].accepted_peer_message(stream, effect.message, now))
         elif isinstance(effect, (HalfCloseDial, CancelDial)):
             target, stream = self.streams[effect.dial]
-            self.later(target, lambda now: self.cores[target].peer_stream_closed(stream, now))
+            self.later(target, lambda now: self.cores[target].accepted_peer_closed(stream, now))
             if isinstance(effect, HalfCloseDial):
                 self.later(name, lambda now: self.cores[name].dial_closed(effect.dial, now))
         elif isinstance(effect, EndPeerStream) and effect.stream in self.dial_of:

@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 from infx.gateway.auth import KeyStore
 from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from infx.gateway.metrics import GatewayMetrics
-from infx.http.api import Gateway, build_resource
+from infx.http.api import HttpApi, build_resource
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.grpc import GrpcConnection
 from protocol.pb import status_pb2, worker_pb2
@@ -68,7 +68,7 @@ class EchoEngine:
 
 
 class Stack:
-    """Gateway, dispatcher and processor on one Clock; HTTP connections on StringTransports."""
+    """HttpApi, dispatcher and processor on one Clock; HTTP connections on StringTransports."""
 
     def __init__(self, *, max_body_size: int = 1 << 20, max_buffered_bytes: int = 1 << 20,
                  keys: KeyStore | None = None, processor: ProcessorConfig | None = None, site: str = "twisted") -> None:
@@ -78,7 +78,7 @@ class Stack:
         self.metrics = GatewayMetrics(CollectorRegistry())
         self.processor = Processor(processor or ProcessorConfig(queue_timeout=5, max_task_duration=60))
         self.dispatcher = Dispatcher(self.clock, self.processor, self.metrics)
-        self.gateway = Gateway(self.dispatcher, self.clock, self.metrics, keys, max_buffered_bytes=max_buffered_bytes)
+        self.gateway = HttpApi(self.dispatcher, self.clock, self.metrics, keys, max_buffered_bytes=max_buffered_bytes)
         self.gateway.listening = True
         from tests.support.http_api import SITES
 

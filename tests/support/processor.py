@@ -7,7 +7,9 @@ from typing import TypeVar
 
 from protocol.pb import audio_pb2, chat_pb2, embeddings_pb2, model_response_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import Locality, ProcessorConfig, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import SendTask
+from protocol.processor.keys import Locality
 
 E = TypeVar("E")
 

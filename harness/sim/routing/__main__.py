@@ -15,7 +15,7 @@ import sys
 from harness.sim.routing.run import POLICIES, Result, simulate
 from harness.sim.routing.runtime import RuntimeSpec
 from harness.sim.routing.workloads import WORKLOADS
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 
 
 def _row(results: list[Result]) -> dict[str, float]:

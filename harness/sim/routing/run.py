@@ -3,10 +3,10 @@
 Each engine is attached to one gateway (its engine's gateway) and reports
 its load (``runtime_load``: running and waiting requests, KV usage) to it
 every ``report_interval``; the other gateways get the status as that gateway
-reports it to its peers (``Processor.local_engines()``, what its receiver
+reports it to its peers (``Processor.local_engines()``, what its dialled peer
 sends: with the engine's spilled prefix tips), at the same moment. A task a
 gateway routes to a peer's engine is forwarded as the exchange does it: the
-engine's gateway takes it as a targeted task (as its receiver does) and
+engine's gateway takes it as a targeted task (as its dialled peer does) and
 dispatches it, and results go back the same way. A request goes to a random
 gateway (as behind a load balancer), with routing hints computed by the
 gateway's own :func:`~protocol.routing.hints.hints_from_json`. The ``oracle`` routes each
@@ -26,12 +26,12 @@ from typing import Any
 
 from harness.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
 from harness.sim.routing.workloads import Request, make
-from protocol.exchange.receiver import error_result
+from protocol.exchange.dialled_peer import error_result
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.processor.fair_share import forwarded_caller
 from protocol.routing.hints import HintsConfig, hints_from_json
-from protocol.routing.router import RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
 
 POLICIES = ("round_robin", "least_in_progress", "affinity", "oracle")
 
@@ -205,7 +205,7 @@ class Simulation:
         processor = self.gateways[g]
         for effect in effects:
             if isinstance(effect, SendTask) and effect.route[0] == "peer":
-                # A peer's engine: the engine's gateway runs the task (as its receiver does).
+                # A peer's engine: the engine's gateway runs the task (as its dialled peer does).
                 peer = effect.route[1]
                 self.forwarded[(peer, effect.task.id)] = g
                 flow, weight, criticality = forwarded_caller(effect.task.request)

@@ -91,25 +91,25 @@ class MultiTurnClient:
 
 
 @dataclass
-class Workload:
+class SimWorkload:
     """Clients, and for each the interval in which it sends (None: the whole run)."""
 
     clients: list[Any]
     active: list[tuple[float, float] | None]
 
 
-def make(name: str, seed: int, scale: float = 1.0) -> Workload:
+def make(name: str, seed: int, scale: float = 1.0) -> SimWorkload:
     """``shared-prefix``, ``multi-turn``, ``bursty`` (chat users and a tenant's burst of
     shared-prefix requests from 20 s to 40 s) or ``bursty-baseline`` (the chat users alone)."""
     rng = random.Random(seed)
     n = max(8, int(256 * scale))
     if name == "shared-prefix":
         systems = [words(rng, 2000) for _ in range(24)]
-        return Workload([SharedPrefixClient(random.Random(rng.random()), systems[i % 24]) for i in range(n)], [None] * n)
+        return SimWorkload([SharedPrefixClient(random.Random(rng.random()), systems[i % 24]) for i in range(n)], [None] * n)
     chat_system = words(rng, 12)
     if name == "multi-turn":
         n //= 2
-        return Workload([MultiTurnClient(random.Random(rng.random()), chat_system) for _ in range(n)], [None] * n)
+        return SimWorkload([MultiTurnClient(random.Random(rng.random()), chat_system) for _ in range(n)], [None] * n)
     if name in ("bursty", "bursty-baseline"):
         steady = [MultiTurnClient(random.Random(rng.random()), chat_system, "steady") for _ in range(n // 2)]
         clients: list[Any] = list(steady)
@@ -121,7 +121,7 @@ def make(name: str, seed: int, scale: float = 1.0) -> Workload:
                 client.think = 0.0
                 clients.append(client)
                 active.append((20.0, 40.0))
-        return Workload(clients, active)
+        return SimWorkload(clients, active)
     raise ValueError(f"unknown workload {name!r}")
 
 

@@ -13,7 +13,7 @@ from twisted.web import resource, server
 from twisted.web.client import Agent
 
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
-from infx.engine_tap import Options, makeService
+from infx.engine_tap import AgentOptions, makeService
 from protocol.agent.runtime_load import LoadConfig, LoadSource, RuntimeLoad, RuntimeLoadMonitor
 from tests.support.engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
@@ -69,7 +69,7 @@ def eventually(condition: Any) -> Generator[Any, Any, None]:
 def test_runtime_load_reaches_the_gateway_with_the_engine_status(gateway, runtime_server):  # noqa: F811
     gw, port = gateway
     fake, root = runtime_server
-    options = Options()
+    options = AgentOptions()
     options.parseOptions(["--server", f"127.0.0.1:{port}", "--models", "m", "--runtime", "openai",
                           "--upstream", root, "--runtime-load-interval", "0.02",
                           "--runtime-load-report-interval", "0"])
@@ -148,8 +148,8 @@ def test_a_refused_key_is_reported_and_no_load_is(runtime_server):
         yield stop(service)
 
 
-def parse(*argv: str) -> Options:
-    options = Options()
+def parse(*argv: str) -> AgentOptions:
+    options = AgentOptions()
     options.parseOptions(["--server", "gw:1", "--models", "m", *argv])
     return options
 

@@ -20,7 +20,7 @@ from infx.service import GatewayService, builtin_engine_id
 from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.gateway.core import DialState
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until
 
 
@@ -422,9 +422,9 @@ def test_a_peer_engine_serves_only_its_own_tenant_here(gateways, tmp_path):
 def test_exchange_options_reach_the_config_and_conflicts_are_usage_errors(tmp_path):
     from twisted.python import usage
 
-    from infx.tap import Options
+    from infx.tap import GatewayOptions
 
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--internal-grpc", "tcp:9083:interface=127.0.0.2", "--peers", "127.0.0.3:9083,127.0.0.4:9083",
                           "--internal-secret", "s", "--status-interval", "2.5"])
     config = options.config_value
@@ -434,16 +434,16 @@ def test_exchange_options_reach_the_config_and_conflicts_are_usage_errors(tmp_pa
 
     yaml_file = tmp_path / "infx.yaml"
     yaml_file.write_text("kube: true\npeer_port: 7000\n")
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--config", str(yaml_file), "--pod-label", "role=gateway"])
     assert options.config_value.kube  # an absent --kube flag leaves the file's value alone
     assert options.config_value.pod_label_pair == ("role", "gateway")
     assert options.config_value.effective_peer_port == 7000
 
     with pytest.raises(usage.UsageError, match="exclusive"):
-        Options().parseOptions(["--kube", "--peers", "127.0.0.3:9083"])
+        GatewayOptions().parseOptions(["--kube", "--peers", "127.0.0.3:9083"])
     with pytest.raises(usage.UsageError, match="pod-label"):
-        Options().parseOptions(["--kube", "--pod-label", "nolabel"])
+        GatewayOptions().parseOptions(["--kube", "--pod-label", "nolabel"])
 
 
 def test_the_pod_name_defaults_to_pod_name_else_the_internal_listen_address():

@@ -1,4 +1,4 @@
-"""PeerStream.read_each: an accepted peer stream read without a Deferred per message, ending as the
+"""AcceptedPeerStream.read_each: an accepted peer stream read without a Deferred per message, ending as the
 ``await recv()`` loop it replaced did: at the peer's half-close, when the stream is ended here (while
 a message is handled, or while the read waits for the next), or with the call's error otherwise."""
 
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 
-from infx.exchange.exchanger import PeerStream
+from infx.exchange.exchanger import AcceptedPeerStream
 from infx.transport.calls import GrpcError
 from protocol.grpc import StatusCode
 from tests.support.transport import ScriptedCall
@@ -54,7 +54,7 @@ class ScriptedServerCall(ScriptedCall):
             self.end()
 
 
-class RecvLoopPeerStream(PeerStream):
+class RecvLoopPeerStream(AcceptedPeerStream):
     """The accepted stream as it was read before read_each: one ``recv()`` Deferred per message,
     which ``end()`` cancels; kept here as the behaviour read_each must match."""
 
@@ -92,7 +92,7 @@ class Refused(Exception):
     pass
 
 
-def handler_for(stream: PeerStream, seen: list[Any]) -> Any:
+def handler_for(stream: AcceptedPeerStream, seen: list[Any]) -> Any:
     """What the core does with some messages, synchronously inside the handler: 5 ends the stream
     (a status), 6 ends it while messages wait to be sent (a reset); 7 raises."""
 
@@ -109,7 +109,7 @@ def handler_for(stream: PeerStream, seen: list[Any]) -> Any:
     return handle
 
 
-def outcome(stream: PeerStream, d: Deferred[Any]) -> list[Any]:
+def outcome(stream: AcceptedPeerStream, d: Deferred[Any]) -> list[Any]:
     """How the read ended; a stream closed here ends the call first, so the server takes the
     handler's end then as ``done`` whether it returned or raised CANCELLED or a GrpcError."""
     results: list[Any] = []
@@ -128,7 +128,7 @@ def run(script: list[Any], early: int, loop: bool) -> tuple[list[Any], list[Any]
     """Feed ``early`` items before the read starts, the rest after; returns (handled, outcome,
     left unread, closed here). ``"end"`` ends the stream here, ``"reset"`` is the peer's reset."""
     call = ScriptedServerCall()
-    stream: PeerStream = (RecvLoopPeerStream if loop else PeerStream)(call)  # type: ignore[arg-type]
+    stream: AcceptedPeerStream = (RecvLoopPeerStream if loop else AcceptedPeerStream)(call)  # type: ignore[arg-type]
     seen: list[Any] = []
 
     def feed(item: Any) -> None:
@@ -157,7 +157,7 @@ def test_read_each_handles_what_the_recv_loop_did_and_ends_the_same_way(script: 
 
 def test_ended_here_while_waiting_for_the_next_message_the_read_ends_at_once() -> None:
     seen: list[Any] = []
-    stream = PeerStream(ScriptedServerCall())  # type: ignore[arg-type]
+    stream = AcceptedPeerStream(ScriptedServerCall())  # type: ignore[arg-type]
     result = outcome(stream, stream.read_each(seen.append))
     stream.call.received(1)
     stream.end(StatusCode.UNAVAILABLE, "gone")  # an abort: the call itself wakes no reader
@@ -166,7 +166,7 @@ def test_ended_here_while_waiting_for_the_next_message_the_read_ends_at_once() -
 
 def test_ended_by_a_message_the_messages_behind_it_are_not_handled() -> None:
     call, seen = ScriptedServerCall(), []
-    stream = PeerStream(call)  # type: ignore[arg-type]
+    stream = AcceptedPeerStream(call)  # type: ignore[arg-type]
     for message in (1, 5, 2, 3):
         call.received(message)
     result = outcome(stream, stream.read_each(handler_for(stream, seen)))
@@ -176,7 +176,7 @@ def test_ended_by_a_message_the_messages_behind_it_are_not_handled() -> None:
 def test_a_reset_here_while_waiting_or_while_handling_ends_the_read_as_closed_here() -> None:
     for script in ([1, "reset-here"], [6, 2]):
         call, seen = ScriptedServerCall(), []
-        stream = PeerStream(call)  # type: ignore[arg-type]
+        stream = AcceptedPeerStream(call)  # type: ignore[arg-type]
         d = stream.read_each(handler_for(stream, seen))
         results: list[Any] = []
         d.addBoth(results.append)
@@ -191,13 +191,13 @@ def test_a_reset_here_while_waiting_or_while_handling_ends_the_read_as_closed_he
 
 def test_the_peers_half_close_ends_the_read_and_the_peers_reset_fails_it() -> None:
     call, seen = ScriptedServerCall(), []
-    stream = PeerStream(call)  # type: ignore[arg-type]
+    stream = AcceptedPeerStream(call)  # type: ignore[arg-type]
     result = outcome(stream, stream.read_each(seen.append))
     call.received(1)
     call.received(None)
     assert (seen, result) == ([1], [("done", None)])
     call = ScriptedServerCall()
-    stream = PeerStream(call)  # type: ignore[arg-type]
+    stream = AcceptedPeerStream(call)  # type: ignore[arg-type]
     result = outcome(stream, stream.read_each(seen.append))
     call.peer_reset()
     assert result == [("failed", GrpcError)] and not stream.closed
@@ -205,7 +205,7 @@ def test_the_peers_half_close_ends_the_read_and_the_peers_reset_fails_it() -> No
 
 def test_a_stream_ended_before_its_read_starts_reads_nothing() -> None:
     call = ScriptedServerCall()
-    stream = PeerStream(call)  # type: ignore[arg-type]
+    stream = AcceptedPeerStream(call)  # type: ignore[arg-type]
     stream.end(StatusCode.FAILED_PRECONDITION, "refused")
     call._inbox.append(1)
     seen: list[Any] = []

@@ -40,8 +40,8 @@ from infx.config import ConfigError, build_config
 from infx.exchange import peer_tls
 from infx.exchange.peer_tls import CHECK_INTERVAL, PeerCredentials, PeerTLS
 from infx.service import GatewayService
-from infx.tap import Options
-from protocol.processor.types import Locality
+from infx.tap import GatewayOptions
+from protocol.processor.keys import Locality
 
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 HTTP = "tcp:0:interface=127.0.0.1"
@@ -322,16 +322,16 @@ def test_tls_options_want_a_plain_tcp_listen_endpoint(pki):
 
 def test_tls_options_come_from_flags_or_yaml_and_errors_are_usage_errors(pki, tmp_path):
     cert, key = pki["a"]
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--internal-tls-cert", cert, "--internal-tls-key", key, "--internal-tls-ca", pki["ca"]])
     assert (options.config_value.internal_tls_cert, options.config_value.internal_tls_ca) == (cert, pki["ca"])
     config_file = tmp_path / "infx.yaml"
     config_file.write_text(f"internal_tls_cert: {cert}\ninternal_tls_key: {key}\ninternal_tls_ca: {pki['ca']}\n")
-    options = Options()
+    options = GatewayOptions()
     options.parseOptions(["--config", str(config_file)])
     assert options.config_value.internal_tls_key == key
     with pytest.raises(usage.UsageError, match="--internal-tls-key"):
-        Options().parseOptions(["--internal-tls-cert", cert, "--internal-tls-ca", pki["ca"]])
+        GatewayOptions().parseOptions(["--internal-tls-cert", cert, "--internal-tls-ca", pki["ca"]])
 
 
 # --- rotation on disk ------------------------------------------------------------

@@ -28,7 +28,7 @@ from infx.gateway.workers import PROCESS_TASKS, EngineStream, WorkerService
 from infx.transport import GrpcServer
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import Processor, ProcessorConfig, TaskState
-from protocol.processor.types import DeliverResult, FailRequest
+from protocol.processor.effects import DeliverResult, FailRequest
 
 CAP = 256 * 1024
 TASK_BYTES = 100 * 1024

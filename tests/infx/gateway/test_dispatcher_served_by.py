@@ -14,7 +14,8 @@ from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Submission
 from protocol.gateway.effects import CoreConfig
 from protocol.processor.core import Processor
-from protocol.processor.types import Locality, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http
 from tests.support.scaler_processor import Route, Sink
 

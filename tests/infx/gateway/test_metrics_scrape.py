@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import threads
 
 from infx.gateway.metrics import OTHER_MODEL, version
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from tests.support.exchange import base_url, engines, gateways, internal_address, until  # noqa: F401
 from tests.support.http_api import raw
 from tests.support.logs import LogLines

@@ -17,7 +17,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.gateway.auth import KeyStore
 from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
 from infx.gateway.tasks import Availability, ServedBy
-from infx.http.api import Gateway, build_resource
+from infx.http.api import HttpApi, build_resource
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
 from protocol.agent.runtime_failures import broken_stream_event
@@ -105,7 +105,7 @@ def slow_gateway():
     def start(keys: KeyStore | None = None):
         clock = task.Clock()
         clock.advance(1000)
-        gateway = Gateway(SlowTokens(clock), clock, GatewayMetrics(CollectorRegistry()), keys)
+        gateway = HttpApi(SlowTokens(clock), clock, GatewayMetrics(CollectorRegistry()), keys)
         gateway.listening = True
         port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
             GatewaySite(build_resource(gateway), max_body_size=1 << 20))

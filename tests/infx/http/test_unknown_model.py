@@ -21,12 +21,12 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
-from infx.http.api import Gateway, build_resource
+from infx.http.api import HttpApi, build_resource
 from infx.http.site import GatewaySite
 from protocol.gateway.effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError
 from protocol.processor.core import Processor
-from protocol.processor.types import ProcessorConfig
+from protocol.processor.config import ProcessorConfig
 
 LEARNING_SECONDS = 5.0
 TENANT = "default"  # the tenant of every request while API keys are off
@@ -43,7 +43,7 @@ def learning_gateway():
     dispatcher = Dispatcher(clock, Processor(ProcessorConfig()), metrics,
                             config=CoreConfig(pod_name="a", learn_peers_within=LEARNING_SECONDS))
     dispatcher.run(lambda now: dispatcher.core.peers_changed({"b": "b"}, now))
-    gateway = Gateway(dispatcher, reactor, metrics)
+    gateway = HttpApi(dispatcher, reactor, metrics)
     gateway.listening = True
     site = GatewaySite(build_resource(gateway), max_body_size=1 << 20)
     ports = []

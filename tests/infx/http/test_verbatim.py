@@ -20,7 +20,7 @@ from twisted.web import resource
 
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
-from infx.http.api import Gateway, build_resource
+from infx.http.api import HttpApi, build_resource
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
 
@@ -82,7 +82,7 @@ def start():
     ports = []
 
     def start(runner, mount: bytes | None = None):
-        gateway = Gateway(runner, reactor, GatewayMetrics(CollectorRegistry()))
+        gateway = HttpApi(runner, reactor, GatewayMetrics(CollectorRegistry()))
         gateway.listening = True
         root = build_resource(gateway)
         if mount is not None:

@@ -19,7 +19,7 @@ from harness.kubeapi import EVENTS, FakeKubeAPI, write_kubeconfig
 from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
-from infx.tap import Options
+from infx.tap import GatewayOptions
 from infx.transport import GrpcChannel, client_endpoint
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig
@@ -56,7 +56,7 @@ def test_requests_for_a_model_at_zero_are_held_scaled_once_and_all_served(tmp_pa
         labels={"app": "llama-engine", "infx.io/scalable": "true", "ai.tensorchord.scale.min": "0"},
         annotations={"infx.io/models": "llama"},
     )
-    options = Options()
+    options = GatewayOptions()
     http, worker, internal = free_port(), free_port(), free_port()
     options.parseOptions([
         "--kube", "--scaler", "--http", f"tcp:{http}:interface=127.0.0.1",

@@ -24,7 +24,8 @@ from infx.gateway.tasks import Submission
 from infx.scaling.kube import KubernetesEvents, KubernetesServiceQuery
 from infx.scaling.scaler import InferenceScaler, ProcessorLink
 from protocol.processor.core import Processor
-from protocol.processor.types import Locality, ProcessorConfig
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.keys import Locality
 from protocol.scaling.scaler import MIN_SCALE_LABEL, MODELS_ANNOTATION, SCALABLE_LABEL, DeploymentKey
 from tests.support.processor import chat, engine_status, http
 from tests.support.scaler_processor import Route, Sink

@@ -21,8 +21,9 @@ from infx.tracing.runtime import TracedRuntime
 from infx.tracing.spans import MAX_CONTENT_BYTES, Tracing
 from protocol.agent.echo import EchoConfig
 from protocol.pb import worker_pb2
-from protocol.processor.types import EngineKey, Locality, SendTask
-from protocol.routing.router import RouteChoice
+from protocol.processor.effects import SendTask
+from protocol.processor.keys import EngineKey, Locality
+from protocol.routing.policy import RouteChoice
 from protocol.tracing.traceparent import parse_traceparent
 from tests.support.processor import chat
 

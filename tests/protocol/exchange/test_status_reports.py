@@ -1,5 +1,5 @@
 """Status reports between gateways, pure: full snapshots for LLMariner peers, deltas for infx
-peers (numbered, a gap refused), load-only changes told apart, and a receiver that coalesces
+peers (numbered, a gap refused), load-only changes told apart, and a dialled peer that coalesces
 load counts on a hand-stepped clock while readiness and model changes go at once."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.exchange.receiver import ReceiverConfig, ReceiverState
-from protocol.exchange.sender import Sender
+from protocol.exchange.dialled_peer import DialledPeerConfig, DialledPeerState
+from protocol.exchange.accepted_peer import AcceptedPeer
 from protocol.exchange.status_reports import (
     STATUS_DELTA_METADATA,
     LocalStatuses,
@@ -20,9 +20,11 @@ from protocol.exchange.status_reports import (
 )
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import EngineKey, Locality, ProcessorConfig, RemoteProtocolError
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.errors import PeerProtocolError
+from protocol.processor.keys import EngineKey, Locality
 from tests.support.processor import engine_status
-from tests.support.receiver import BufferedReceiver
+from tests.support.dialled_peer import BufferedReceiver
 
 T0 = 100.0
 
@@ -50,7 +52,7 @@ class Writer(ReportWriter):
 
 
 def copies(current: list[tuple[str, status_pb2.EngineStatus]]) -> list[tuple[str, status_pb2.EngineStatus]]:
-    """What ``Processor.local_engines`` hands over: copies the receiver side may keep."""
+    """What ``Processor.local_engines`` hands over: copies the dialled peer side may keep."""
     out = []
     for tenant, status in current:
         copy = status_pb2.EngineStatus()
@@ -69,7 +71,7 @@ def ids(report: internal_pb2.ServerStatus) -> list[str]:
 def test_only_the_delta_header_with_value_1_offers_deltas():
     assert offers_deltas(STATUS_DELTA_METADATA)
     assert offers_deltas((("content-type", "application/grpc"), ("x-infx-status-delta", b"1")))
-    assert not offers_deltas(())  # a LLMariner sender
+    assert not offers_deltas(())  # a LLMariner accepted peer
     assert not offers_deltas((("x-infx-status-delta", "0"),))
 
 
@@ -132,11 +134,11 @@ def test_the_reader_refuses_a_gap_and_a_delta_before_any_snapshot_and_skips_repe
     second = writer.report_of(statuses(("e1", True, 1), ("e2", True, 0)), {}, False, force=False)
     third = writer.report_of(statuses(("e1", True, 2), ("e2", True, 0)), {}, False, force=False)
     assert first and second and third and second.delta and third.delta
-    with pytest.raises(RemoteProtocolError, match="before any full"):
+    with pytest.raises(PeerProtocolError, match="before any full"):
         ReportReader().read(second)
     assert reader.read(first) is not None
     assert reader.read(first) is None  # the same report twice: the repeat changes nothing
-    with pytest.raises(RemoteProtocolError, match="report 3 follows 1: a report was lost"):
+    with pytest.raises(PeerProtocolError, match="report 3 follows 1: a report was lost"):
         reader.read(third)
     read = reader.read(second)
     assert read is not None and read.upserted == (EngineKey("t", "e1"),) and not read.full
@@ -183,19 +185,19 @@ def test_what_the_reader_holds_is_always_what_the_writer_reported_last(steps, de
         assert reader.requests_started == {"m": index}
 
 
-# --- the sender over deltas ---------------------------------------------------------------------
+# --- the accepted peer over deltas ---------------------------------------------------------------------
 
 
 def test_a_sender_registers_deltas_and_removes_what_a_delta_lists_as_gone():
     processor = Processor(ProcessorConfig())
-    sender = Sender(processor)
+    accepted_peer = AcceptedPeer(processor)
     writer = Writer("gw")
     writer.deltas = True
 
     def send(*engines: tuple[str, bool, int], force: bool = False) -> None:
         report = writer.report_of(statuses(*engines), {}, False, force)
         assert report is not None
-        sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
+        accepted_peer.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
 
     send(("e1", True, 0), ("e2", True, 0), ("e3", True, 0), force=True)
     send(("e1", True, 0), ("e2", False, 0), ("e3", True, 0))
@@ -203,25 +205,25 @@ def test_a_sender_registers_deltas_and_removes_what_a_delta_lists_as_gone():
     assert view is not None and not view.routable and view.locality is Locality.REMOTE
     send(("e1", True, 0), ("e2", False, 0))
     assert processor.engine("t", "e3@gw") is None
-    assert sender.engines == {EngineKey("t", "e1@gw"), EngineKey("t", "e2@gw")}
+    assert accepted_peer.engines == {EngineKey("t", "e1@gw"), EngineKey("t", "e2@gw")}
 
 
-# --- the receiver: coalesced load counts on a stepped clock ---------------------------------------
+# --- the dialled peer: coalesced load counts on a stepped clock ---------------------------------------
 
 
 class Local:
-    """A processor with local engines and one receiver (interval 8 s: load waits at most 2 s)."""
+    """A processor with local engines and one dialled peer (interval 8 s: load waits at most 2 s)."""
 
     def __init__(self) -> None:
         self.p = Processor(ProcessorConfig())
-        self.r = BufferedReceiver(self.p, ReceiverConfig("gw", status_interval=8))
+        self.r = BufferedReceiver(self.p, DialledPeerConfig("gw", status_interval=8))
 
     def engine(self, engine_id: str, now: float, ready: bool = True, in_progress: int = 0, *models: str) -> None:
         status = engine_status(engine_id, "m", *models, ready=ready)
         for model in status.models:
             model.in_progress_task_count = in_progress
         self.p.update_engine(f"engine:{engine_id}", "t", status, Locality.LOCAL, now)
-        if self.r.state is not ReceiverState.IDLE:
+        if self.r.state is not DialledPeerState.IDLE:
             self.r.local_engines_changed(now)
 
     def reports(self) -> list[internal_pb2.ServerStatus]:
@@ -283,13 +285,13 @@ def test_a_sender_fed_deltas_registers_what_a_sender_fed_snapshots_does(steps, d
         writer = Writer("gw")
         writer.deltas = deltas
         sides.append((writer, Processor(ProcessorConfig())))
-    senders = [Sender(processor) for _, processor in sides]
+    senders = [AcceptedPeer(processor) for _, processor in sides]
     for index, engines in enumerate(steps):
         current = statuses(*[(engine_id, ready, load) for engine_id, (ready, load) in sorted(engines.items())])
-        for (writer, _), sender in zip(sides, senders):
+        for (writer, _), accepted_peer in zip(sides, senders):
             report = writer.report_of(current, {}, draining[index], force=index == 0)
             if report is not None:
-                sender.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
+                accepted_peer.message_received(internal_pb2.ProcessTasksInternalRequest(server_status=report), T0)
         views = [processor.status()["tenants"] for _, processor in sides]
         assert views[0] == views[1]
         assert sorted(views[0].get("t", {}).get("engines", {})) == sorted(f"{e}@gw" for e in engines)
@@ -299,7 +301,7 @@ def test_an_engine_without_an_id_in_a_peers_report_is_a_protocol_error() -> None
     """Found by tests/hostile/test_pb.py: it reached the processor as a caller's misuse."""
     report = internal_pb2.ServerStatus(pod_name="peer")
     report.engine_statuses.add(engine_status=status_pb2.EngineStatus(ready=True), tenant_id="t")
-    with pytest.raises(RemoteProtocolError, match="without an engine_id"):
+    with pytest.raises(PeerProtocolError, match="without an engine_id"):
         ReportReader().read(report)
 
 
@@ -307,7 +309,7 @@ def test_an_engine_without_an_id_in_a_peers_report_is_a_protocol_error() -> None
 
 
 class ScanningWriter:
-    """The receiver's reports before :class:`LocalStatuses`: every local engine copied, put in
+    """The dialled peer's reports before :class:`LocalStatuses`: every local engine copied, put in
     model order, marked not ready when draining, serialized and compared, on every report."""
 
     def __init__(self) -> None:

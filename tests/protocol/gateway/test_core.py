@@ -34,15 +34,9 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.openai.errors import ModelNotFoundError
 from protocol.pb import internal_pb2
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    SendTask,
-    TaskQueued,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, FailRequest, SendTask, TaskQueued
+from protocol.processor.keys import Locality
 from tests.support.gateway_core import Client, Net, T0, core
 from tests.support.processor import chat, engine_status, http, one, only, sse
 
@@ -82,7 +76,7 @@ def test_a_request_admitted_at_a_runs_on_bs_engine_and_each_result_crosses_back_
     assert [type(e) for e in net.effects["a"] if isinstance(e, (RequestStarted, RequestFinished))] == [
         RequestStarted, RequestFinished]
     assert one(net.effects["a"], RequestDispatched).origin is client
-    assert net.cores["b"].peers["a"].receiver.tasks_in_flight == 0
+    assert net.cores["b"].peers["a"].dialled.tasks_in_flight == 0
 
 
 @pytest.mark.parametrize("accepted_first", [False, True], ids=["before-accepted", "after-accepted"])
@@ -93,16 +87,16 @@ def test_a_local_engine_registered_after_the_first_report_to_a_peer_reaches_it(a
     a, b = core("a"), core("b")
     out = b.peers_changed({"a": "a"}, T0)
     dial, stream = one(out, OpenDial).dial, object()
-    a.peer_stream_opened(stream, None, T0)
+    a.accepted_peer_opened(stream, None, T0)
     for sent in only(out, SendOnDial):
-        assert one(a.peer_stream_message(stream, sent.message, T0), PeerDialledIn).engines == 0
+        assert one(a.accepted_peer_message(stream, sent.message, T0), PeerDialledIn).engines == 0
     if accepted_first:
         b.dial_accepted(dial, a.accept_metadata, T0)
     joined = b.engine_status("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0 + 1)
     [later] = only(joined, SendOnDial)
     assert later.dial is dial
     assert [e.engine_status.engine_id for e in later.message.server_status.engine_statuses] == ["e1"]
-    a.peer_stream_message(stream, later.message, T0 + 1)
+    a.accepted_peer_message(stream, later.message, T0 + 1)
     if not accepted_first:
         b.dial_accepted(dial, a.accept_metadata, T0 + 1)
     assert a.processor.engine("t", "e1@b").routable and a.availability("t", "m", T0 + 1) is Availability.SERVED
@@ -120,7 +114,7 @@ def test_deltas_flow_only_to_a_peer_whose_headers_offered_them():
     for engine_id in ("e1", "e2", "e3"):
         net.engine_joins("b", engine_id, "m")
     net.run("b", lambda now: net.cores["b"].peers_changed({"a": "a", "c": "c"}, now))
-    assert net.cores["b"].peers["a"].receiver.sends_deltas and not net.cores["b"].peers["c"].receiver.sends_deltas
+    assert net.cores["b"].peers["a"].dialled.sends_deltas and not net.cores["b"].peers["c"].dialled.sends_deltas
     net.effects["b"].clear()
     net.engine_joins("b", "e2", "m", ready=False)
     net.run("b", lambda now: net.cores["b"].engine_closed("engine:e3", "gone", now))
@@ -143,7 +137,7 @@ def test_a_lost_delta_ends_the_stream_and_the_redial_starts_with_a_full_snapshot
     dial = net.cores["b"].peers["a"].dial
     _, stream = net.streams[dial]
     skipped = internal_pb2.ServerStatus(pod_name="b", delta=True, sequence=5)  # 2..4 never arrived
-    out = net.run("a", lambda now: net.cores["a"].peer_stream_message(
+    out = net.run("a", lambda now: net.cores["a"].accepted_peer_message(
         stream, internal_pb2.ProcessTasksInternalRequest(server_status=skipped), now))
     ended = one(out, EndPeerStream)
     assert ended.code is StatusCode.INVALID_ARGUMENT and "report 5 follows 1: a report was lost" in ended.message
@@ -186,11 +180,11 @@ def test_engines_of_one_id_two_peers_report_are_two_engines_and_one_goes_with_it
     a = core("a")
     first, second = object(), object()
     for stream in (first, second):
-        a.peer_stream_opened(stream, None, T0)
-    a.peer_stream_message(first, report("b", "e1"), T0)
-    a.peer_stream_message(second, report("c", "e1"), T0)
+        a.accepted_peer_opened(stream, None, T0)
+    a.accepted_peer_message(first, report("b", "e1"), T0)
+    a.accepted_peer_message(second, report("c", "e1"), T0)
     assert (a.processor.engine("t", "e1@b").route, a.processor.engine("t", "e1@c").route) == (first, second)
-    effects = a.peer_stream_closed(first, T0)
+    effects = a.accepted_peer_closed(first, T0)
     assert a.processor.engine("t", "e1@b") is None and a.processor.engine("t", "e1@c").route is second
     assert one(effects, PeerGone).stream is first
 
@@ -201,8 +195,8 @@ def test_engines_removed_lets_a_peers_sender_register_what_it_reported_under_a_t
     a = core("a")
     stream = object()
     a.engine_status("engine:x", "t", engine_status("e1@c", "m"), Locality.LOCAL, T0)
-    a.peer_stream_opened(stream, None, T0)
-    a.peer_stream_message(stream, report("c", "e1"), T0)
+    a.accepted_peer_opened(stream, None, T0)
+    a.accepted_peer_message(stream, report("c", "e1"), T0)
     assert a.processor.engine("t", "e1@c").route == "engine:x"
     a.engine_closed("engine:x", "stream ended", T0)
     assert a.processor.engine("t", "e1@c").route is stream
@@ -214,26 +208,26 @@ def test_engines_removed_lets_a_peers_sender_register_what_it_reported_under_a_t
 def test_a_newer_stream_from_the_same_pod_replaces_the_older_one():
     a = core("a")
     old, new = object(), object()
-    a.peer_stream_opened(old, None, T0)
-    a.peer_stream_message(old, report("b", "e1"), T0)
-    a.peer_stream_opened(new, None, T0)
-    effects = a.peer_stream_message(new, report("b", "e1"), T0 + 1)
+    a.accepted_peer_opened(old, None, T0)
+    a.accepted_peer_message(old, report("b", "e1"), T0)
+    a.accepted_peer_opened(new, None, T0)
+    effects = a.accepted_peer_message(new, report("b", "e1"), T0 + 1)
     ended = one(effects, EndPeerStream)
     assert (ended.stream, ended.code) == (old, StatusCode.UNAVAILABLE) and "reconnected" in ended.message
     assert a.processor.engine("t", "e1@b").route is new
-    assert a.peer_stream_message(old, report("b"), T0 + 2) == []  # the old stream is forgotten
+    assert a.accepted_peer_message(old, report("b"), T0 + 2) == []  # the old stream is forgotten
 
 
 def test_a_result_before_any_status_and_an_empty_message_end_the_stream_with_their_status():
     a = core("a")
     early, empty = object(), object()
-    a.peer_stream_opened(early, None, T0)
+    a.accepted_peer_opened(early, None, T0)
     result = internal_pb2.ProcessTasksInternalRequest(task_result=http("x"))
-    ended = one(a.peer_stream_message(early, result, T0), EndPeerStream)
+    ended = one(a.accepted_peer_message(early, result, T0), EndPeerStream)
     assert ended.code is StatusCode.FAILED_PRECONDITION
-    a.peer_stream_opened(empty, None, T0)
-    a.peer_stream_message(empty, report("b", "e1"), T0)
-    effects = a.peer_stream_message(empty, internal_pb2.ProcessTasksInternalRequest(), T0)
+    a.accepted_peer_opened(empty, None, T0)
+    a.accepted_peer_message(empty, report("b", "e1"), T0)
+    effects = a.accepted_peer_message(empty, internal_pb2.ProcessTasksInternalRequest(), T0)
     assert one(effects, EndPeerStream).code is StatusCode.INVALID_ARGUMENT
     assert a.processor.engine("t", "e1@b") is None  # its engines went with it
 
@@ -241,7 +235,7 @@ def test_a_result_before_any_status_and_an_empty_message_end_the_stream_with_the
 def test_a_shutting_down_gateway_refuses_new_peer_streams():
     a = core("a")
     a.drain_peers(T0)
-    ended = one(a.peer_stream_opened(object(), None, T0), EndPeerStream)
+    ended = one(a.accepted_peer_opened(object(), None, T0), EndPeerStream)
     assert ended.code is StatusCode.UNAVAILABLE and "shutting down" in ended.message
 
 
@@ -270,8 +264,8 @@ def test_no_dial_back_when_a_dial_of_ours_reaches_that_pod_under_another_name():
     pod a, and a dial-back would be a second stream to one pod."""
     b = core("b", dial_back_after=2.0)
     stream = object()
-    b.peer_stream_opened(stream, "a-address", T0)
-    b.peer_stream_message(stream, report("a", "e1"), T0)
+    b.accepted_peer_opened(stream, "a-address", T0)
+    b.accepted_peer_message(stream, report("a", "e1"), T0)
     alias = one(b.peers_changed({"alias": "a-other-address"}, T0 + 1), OpenDial).dial
     b.dial_accepted(alias, core("a").accept_metadata, T0 + 1)
     assert b.handle_timeout(T0 + 2) == [] and list(b.peers) == ["alias"]
@@ -280,8 +274,8 @@ def test_no_dial_back_when_a_dial_of_ours_reaches_that_pod_under_another_name():
 def test_a_dial_back_made_before_our_own_dial_reached_the_pod_is_given_up_then():
     b = core("b", dial_back_after=2.0)
     stream = object()
-    b.peer_stream_opened(stream, "a-address", T0)
-    b.peer_stream_message(stream, report("a", "e1"), T0)
+    b.accepted_peer_opened(stream, "a-address", T0)
+    b.accepted_peer_message(stream, report("a", "e1"), T0)
     back = one(b.handle_timeout(T0 + 2), OpenDial).dial
     b.dial_accepted(back, core("a").accept_metadata, T0 + 2)
     alias = one(b.peers_changed({"alias": "a-other-address"}, T0 + 3), OpenDial).dial
@@ -293,8 +287,8 @@ def test_a_dialler_that_gives_no_port_is_warned_about_once_its_time_comes():
     """A LLMariner gateway says nothing of where it listens: one-way peering is logged instead."""
     b = core("b", dial_back_after=2.0)
     stream = object()
-    b.peer_stream_opened(stream, None, T0)
-    b.peer_stream_message(stream, report("llmariner-0", "e1"), T0)
+    b.accepted_peer_opened(stream, None, T0)
+    b.accepted_peer_message(stream, report("llmariner-0", "e1"), T0)
     effects = b.handle_timeout(T0 + 2)
     assert one(effects, PeerOneWay).pod_name == "llmariner-0" and not only(effects, OpenDial)
     assert b.next_deadline() is None
@@ -303,8 +297,8 @@ def test_a_dialler_that_gives_no_port_is_warned_about_once_its_time_comes():
 def test_a_dial_back_lasts_while_its_peer_dials_us_and_the_pod_source_can_take_it_over():
     b = core("b", dial_back_after=2.0)
     stream = object()
-    b.peer_stream_opened(stream, "a-address", T0)
-    b.peer_stream_message(stream, report("a", "e1"), T0)
+    b.accepted_peer_opened(stream, "a-address", T0)
+    b.accepted_peer_message(stream, report("a", "e1"), T0)
     back = one(b.handle_timeout(T0 + 2), OpenDial).dial
     assert b.peers_changed({}, T0 + 3) == []  # the pod source's list does not name it: it stays
     taken = b.peers_changed({"a": "a-address-from-the-source"}, T0 + 3)
@@ -312,10 +306,10 @@ def test_a_dial_back_lasts_while_its_peer_dials_us_and_the_pod_source_can_take_i
     assert not b.peers["a"].dialled_back
     # A dial-back whose peer no longer dials us is not redialled.
     c = core("c", dial_back_after=2.0)
-    c.peer_stream_opened(stream, "a-address", T0)
-    c.peer_stream_message(stream, report("a", "e1"), T0)
+    c.accepted_peer_opened(stream, "a-address", T0)
+    c.accepted_peer_message(stream, report("a", "e1"), T0)
     again = one(c.handle_timeout(T0 + 2), OpenDial).dial
-    c.peer_stream_closed(stream, T0 + 3)
+    c.accepted_peer_closed(stream, T0 + 3)
     c.dial_closed(again, T0 + 3)
     assert dict(c.peers) == {} and c.next_deadline() is None
 
@@ -329,15 +323,15 @@ def test_a_peer_listed_under_another_name_that_dials_in_while_we_back_off_is_red
     a.dial_closed(first, T0 + 1)  # b restarts
     assert a.next_deadline() == T0 + 6
     stream = object()
-    a.peer_stream_opened(stream, None, T0 + 2)
-    assert one(a.peer_stream_message(stream, report("b"), T0 + 2), OpenDial).dial.name == "alias"
+    a.accepted_peer_opened(stream, None, T0 + 2)
+    assert one(a.accepted_peer_message(stream, report("b"), T0 + 2), OpenDial).dial.name == "alias"
 
 
 def test_dial_backs_are_off_unless_configured():
     b = core("b")
     stream = object()
-    b.peer_stream_opened(stream, "a-address", T0)
-    b.peer_stream_message(stream, report("a", "e1"), T0)
+    b.accepted_peer_opened(stream, "a-address", T0)
+    b.accepted_peer_message(stream, report("a", "e1"), T0)
     assert b.next_deadline() is None and dict(b.peers) == {}
 
 
@@ -420,21 +414,21 @@ def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
     a.dial_closed(first, T0)  # b is down
     assert a.peers["b"].state is DialState.BACKING_OFF and a.next_deadline() == T0 + 8
     stream = object()
-    a.peer_stream_opened(stream, None, T0 + 1)
-    redial = one(a.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial).dial
+    a.accepted_peer_opened(stream, None, T0 + 1)
+    redial = one(a.accepted_peer_message(stream, report("b", "e1"), T0 + 1), OpenDial).dial
     assert redial.attempt == 2 and a.peers["b"].state is DialState.CONNECTING
     # A peer we are connected to (or not dialling at all) is left alone when it dials in again.
     again = object()
-    a.peer_stream_opened(again, None, T0 + 2)
-    assert only(a.peer_stream_message(again, report("b", "e1"), T0 + 2), OpenDial) == []
+    a.accepted_peer_opened(again, None, T0 + 2)
+    assert only(a.accepted_peer_message(again, report("b", "e1"), T0 + 2), OpenDial) == []
     other = object()
-    a.peer_stream_opened(other, None, T0 + 2)
-    assert only(a.peer_stream_message(other, report("c", "e2"), T0 + 2), OpenDial) == []
+    a.accepted_peer_opened(other, None, T0 + 2)
+    assert only(a.accepted_peer_message(other, report("c", "e2"), T0 + 2), OpenDial) == []
     # Off (the default), the backoff runs its course.
     patient = core("a", redial_backoff=Backoff(initial=8.0, factor=2.0, cap=30.0, jitter=0.0))
     patient.dial_closed(one(patient.peers_changed({"b": "b:1"}, T0), OpenDial).dial, T0)
-    patient.peer_stream_opened(stream, None, T0 + 1)
-    assert only(patient.peer_stream_message(stream, report("b", "e1"), T0 + 1), OpenDial) == []
+    patient.accepted_peer_opened(stream, None, T0 + 1)
+    assert only(patient.accepted_peer_message(stream, report("b", "e1"), T0 + 1), OpenDial) == []
 
 
 def test_at_start_up_a_model_only_a_peer_serves_waits_for_its_report_instead_of_404():
@@ -460,8 +454,8 @@ def test_start_up_learning_ends_with_404_for_a_model_no_peer_reported_in_time():
     a = core("a", learn_peers_within=5.0)
     a.peers_changed({"b": "b", "c": "c"}, T0)
     b = object()
-    a.peer_stream_opened(b, None, T0)
-    a.peer_stream_message(b, report("b", "e1"), T0)  # c never reports (it is down)
+    a.accepted_peer_opened(b, None, T0)
+    a.accepted_peer_message(b, report("b", "e1"), T0)  # c never reports (it is down)
     assert a.availability("t", "nobody-serves-it", T0 + 1) is Availability.LEARNING
     a.submit(Client("r1"), "r1", "t", "nobody-serves-it", chat("nobody-serves-it"), {}, None, T0 + 1)
     assert a.next_deadline() == T0 + 5
@@ -469,7 +463,7 @@ def test_start_up_learning_ends_with_404_for_a_model_no_peer_reported_in_time():
     assert (failed.task_id, failed.status, failed.message) == ("r1", 404, ModelNotFoundError("nobody-serves-it").message)
     assert a.availability("t", "nobody-serves-it", T0 + 5) is Availability.UNKNOWN
     # Learning happens once, at start-up: a peer lost later does not bring it back.
-    a.peer_stream_closed(b, T0 + 6)
+    a.accepted_peer_closed(b, T0 + 6)
     assert a.availability("t", "other", T0 + 6) is Availability.UNKNOWN
     # Without peers there is nothing to learn; without learn_peers_within, no learning at all.
     assert core("alone", learn_peers_within=5.0).availability("t", "m", T0) is Availability.UNKNOWN

@@ -1,8 +1,8 @@
 """The gateway core's per-peer costs, pure, on a hand-stepped clock: its deadline comes from a
-heap of its peers' due times, its receivers share one view of the local engines refreshed once
+heap of its peers' due times, its dialled peers share one view of the local engines refreshed once
 per change, and it keeps the sum of their forwarded tasks. Each is checked against the plain
 computation it replaced: asking every peer (``scan_deadline``), rebuilding the local engines'
-statuses from the processor (``fresh``), summing every receiver's tasks."""
+statuses from the processor (``fresh``), summing every dialled peer's tasks."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from protocol.exchange.receiver import ReceiverState
+from protocol.exchange.dialled_peer import DialledPeerState
 from protocol.exchange.status_reports import LocalStatuses
 from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import OpenDial, SendOnDial
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from protocol.routing.hints import RoutingHints
 from tests.support.gateway_core import T0, Net, core
 from tests.support.processor import chat, engine_status, one, only
 
-_LIVE = (ReceiverState.OPEN, ReceiverState.DRAINING)
+_LIVE = (DialledPeerState.OPEN, DialledPeerState.DRAINING)
 
 
 def scan_deadline(gateway: GatewayCore) -> float | None:
@@ -30,14 +30,14 @@ def scan_deadline(gateway: GatewayCore) -> float | None:
         candidates.append(gateway._learning_until)
     for peer in gateway.peers.values():
         candidates.append(peer.redial_at)
-        if peer.receiver is not None and peer.receiver.state in _LIVE:
-            candidates.append(peer.receiver.next_deadline())
+        if peer.dialled is not None and peer.dialled.state in _LIVE:
+            candidates.append(peer.dialled.next_deadline())
     due = [t for t in candidates if t is not None]
     return min(due) if due else None
 
 
 def fresh(gateway: GatewayCore) -> list[tuple[tuple[str, str], bytes]]:
-    """The local engines as a receiver built them from the processor for each report."""
+    """The local engines as a dialled peer built them from the processor for each report."""
     local = LocalStatuses().refresh(gateway.processor.local_engines())
     return [(key, local.get(key).wire) for key in local.keys]  # type: ignore[union-attr]
 
@@ -50,7 +50,7 @@ def shared(gateway: GatewayCore) -> list[tuple[tuple[str, str], bytes]]:
 def check(gateway: GatewayCore) -> None:
     assert gateway.next_deadline() == scan_deadline(gateway)
     assert gateway.forwarded_in_flight == sum(
-        p.receiver.tasks_in_flight for p in gateway.peers.values() if p.receiver is not None)
+        p.dialled.tasks_in_flight for p in gateway.peers.values() if p.dialled is not None)
     if not gateway._local_stale:  # what the next report would read without a refresh
         assert shared(gateway) == fresh(gateway)
 
@@ -79,7 +79,7 @@ def test_a_receivers_deadline_moving_earlier_then_later_is_the_cores_deadline():
     assert a.next_deadline() == scan_deadline(a) == T0 + 2 + 2  # a quarter interval: earlier
     effects = a.handle_timeout(T0 + 4)
     assert all(reports_to(effects, name) != [] for name in ("b", "c", "d"))
-    assert a.next_deadline() == scan_deadline(a) == T0 + 12  # every receiver reported: later
+    assert a.next_deadline() == scan_deadline(a) == T0 + 12  # every dialled peer reported: later
     a.peers_changed({"b": "b", "c": "c"}, T0 + 5)
     a.peers_changed({"b": "b", "c": "c", "d": "d"}, T0 + 6)  # d again: it reports at T0 + 14
     a.handle_timeout(T0 + 12)
@@ -99,7 +99,7 @@ def test_a_closed_receiver_stops_counting_and_its_redial_counts_instead():
     assert a.next_deadline() == scan_deadline(a) == redial_at
     redial = one(a.handle_timeout(redial_at), OpenDial).dial
     assert redial.name == "b" and redial.attempt == 2
-    # b's new receiver reports at redial_at + 8; c's still at T0 + 8.
+    # b's new dialled peer reports at redial_at + 8; c's still at T0 + 8.
     assert a.next_deadline() == scan_deadline(a) == T0 + 8
     a.handle_timeout(T0 + 8)
     assert a.next_deadline() == scan_deadline(a) == redial_at + 8
@@ -132,7 +132,7 @@ def test_peers_due_by_the_same_timeout_are_served_in_the_order_they_were_made():
     check(a)
 
 
-# --- the local engines every receiver reports -------------------------------------------------
+# --- the local engines every dialled peer reports -------------------------------------------------
 
 
 def test_one_change_of_a_local_engine_is_built_once_and_reported_to_every_peer():
@@ -240,7 +240,7 @@ def test_the_deadline_and_the_shared_local_engines_are_what_the_scans_give(steps
                 dial = dialled.dial
                 target, stream = net.streams[dial]
                 net.run(name, lambda now: net.cores[name].dial_closed(dial, now))
-                net.run(target, lambda now: net.cores[target].peer_stream_closed(stream, now))
+                net.run(target, lambda now: net.cores[target].accepted_peer_closed(stream, now))
         elif kind == "peers":
             name, wanted = args
             net.run(name, lambda now: net.cores[name].peers_changed({p: p for p in wanted if p != name}, now))

@@ -3,11 +3,11 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from protocol.gateway.ratelimit import RateLimit, RateLimiter, TokenBucket
+from protocol.gateway.ratelimit import RateLimit, RateLimiter, KeyBucket
 
 
 def test_burst_is_allowed_then_refused_with_retry_after():
-    bucket = TokenBucket(RateLimit(rate=2.0, burst=3), now=0.0)
+    bucket = KeyBucket(RateLimit(rate=2.0, burst=3), now=0.0)
     assert [bucket.take(0.0).allowed for _ in range(3)] == [True, True, True]
     refused = bucket.take(0.0)
     assert not refused.allowed
@@ -17,7 +17,7 @@ def test_burst_is_allowed_then_refused_with_retry_after():
 
 
 def test_tokens_refill_at_the_rate_and_cap_at_the_burst():
-    bucket = TokenBucket(RateLimit(rate=1.0, burst=2), now=0.0)
+    bucket = KeyBucket(RateLimit(rate=1.0, burst=2), now=0.0)
     bucket.take(0.0)
     bucket.take(0.0)
     assert not bucket.take(0.5).allowed
@@ -27,7 +27,7 @@ def test_tokens_refill_at_the_rate_and_cap_at_the_burst():
 
 
 def test_clock_going_backwards_does_not_mint_tokens():
-    bucket = TokenBucket(RateLimit(rate=1.0, burst=1), now=10.0)
+    bucket = KeyBucket(RateLimit(rate=1.0, burst=1), now=10.0)
     assert bucket.take(10.0).allowed
     assert not bucket.take(5.0).allowed
 
@@ -54,7 +54,7 @@ def test_invalid_limits_are_rejected(rate, burst):
     steps=st.lists(st.floats(0, 5), max_size=60),
 )
 def test_admitted_requests_never_exceed_burst_plus_rate_times_elapsed(rate, burst, steps):
-    bucket = TokenBucket(RateLimit(rate=rate, burst=burst), now=0.0)
+    bucket = KeyBucket(RateLimit(rate=rate, burst=burst), now=0.0)
     now, admitted = 0.0, 0
     for step in steps:
         now += step

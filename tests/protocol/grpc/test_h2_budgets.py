@@ -270,7 +270,7 @@ def test_a_header_block_ends_the_connection_once_its_bytes_pass_the_list_limit(c
     (terminated,) = peer.terminated()
     assert terminated.error_code == ENHANCE_YOUR_CALM
     assert b"header block over" in goaway_of(peer.server)[2]
-    assert peer.server._scanner._block <= bound + len(piece)
+    assert peer.server._state.scanner._block <= bound + len(piece)
     assert not peer.server.has_pending_input
 
 
@@ -311,7 +311,7 @@ def test_partial_messages_over_the_budget_end_the_largest_hoarder(chunk, scale):
         wire += frame + raw_frame(DATA, 0, sid, struct.pack(">BI", 0, 1 << 20) + bytes(size))
     peer.feed(wire, chunk=chunk)
     assert peer.terminated() == []
-    assert peer.server._partial_total <= budget
+    assert peer.server._state.partial_total <= budget
     ended = [(e.stream_id, e.status) for e in peer.events if isinstance(e, CallEnded)]
     assert ended == [(sids[1], StatusCode.RESOURCE_EXHAUSTED)]
     out = wire_frames(peer.server.data_to_send())
@@ -319,7 +319,7 @@ def test_partial_messages_over_the_budget_end_the_largest_hoarder(chunk, scale):
     # The others still complete their messages.
     peer.feed(raw_frame(DATA, 0, sids[0], bytes((1 << 20) - 1000 * scale)))
     assert [e.stream_id for e in peer.events if isinstance(e, MessageReceived)] == [sids[0]]
-    assert peer.server._partial_total == 900 * scale
+    assert peer.server._state.partial_total == 900 * scale
 
 
 def test_one_largest_message_always_fits_the_default_budget():

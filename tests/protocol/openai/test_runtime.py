@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from protocol.openai.errors import InvalidRequestError, LocalUsageError
+from protocol.openai.errors import InvalidRequestError, OpenAIUsageError
 from protocol.openai.requests import parse_audio_transcription
 from protocol.openai.runtime import MultipartForm, runtime_request
 from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
@@ -94,9 +94,9 @@ def test_embedding_encoded_input_becomes_the_array_again_and_json_text_is_accept
 def test_agent_business_is_not_a_runtime_request(kind):
     request = worker_pb2.TaskRequest()
     getattr(request, kind).SetInParent()
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         runtime_request(request)
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         runtime_request(worker_pb2.TaskRequest())
 
 
@@ -122,7 +122,7 @@ def test_audio_transcription_becomes_a_multipart_form_a_standard_parser_reads():
 
 def test_a_boundary_that_occurs_in_the_content_is_refused():
     form = MultipartForm(fields=(("model", "w"),), filename="a.wav", file=b"...--abc...")
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         form.encode("abc")
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from protocol.openai.errors import InvalidRequestError
-from protocol.openai.errors import LocalUsageError
+from protocol.openai.errors import OpenAIUsageError
 from protocol.openai.sse import (
     DONE_EVENT,
     EventReceived,
@@ -129,7 +129,7 @@ def test_an_event_past_the_bound_raises_instead_of_growing_and_the_parser_then_r
         for _ in range(20):
             parser.receive_data(b"data: 0123456789\n")
     assert info.value.status == 502
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         parser.receive_data(b"\n")
     with pytest.raises(EventTooLarge):
         SSEParser(max_event_size=100).receive_data(b"data: " + b"y" * 200)  # no line end at all
@@ -178,7 +178,7 @@ def test_encoder_frames_json_done_errors_and_refuses_multiline_names():
     assert encode_event(b'{"x":"\xc3\xa9"}\r\ny') == b'data: {"x":"\xc3\xa9"}\ndata: y\n\n'
     error = InvalidRequestError("bad", param="x")
     assert json.loads(parse(error.to_event())[0].data) == error.body()
-    with pytest.raises(LocalUsageError):
+    with pytest.raises(OpenAIUsageError):
         encode_event("x", event="a\nb")
 
 

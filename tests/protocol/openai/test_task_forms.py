@@ -125,33 +125,33 @@ def test_a_targeted_task_in_a_form_its_engine_cannot_take_is_refused_with_503():
 
 
 def test_across_the_exchange_a_capable_engine_gets_the_verbatim_request_and_its_answer_comes_back_marked():
-    """Gateway A (sender) and gateway C (receiver, engine attached) back to back, as values."""
-    from protocol.exchange.receiver import ReceiverConfig
-    from protocol.exchange.sender import Sender
+    """Gateway A (accepted peer) and gateway C (dialled peer, engine attached) back to back, as values."""
+    from protocol.exchange.dialled_peer import DialledPeerConfig
+    from protocol.exchange.accepted_peer import AcceptedPeer
     from protocol.pb import internal_pb2
     from protocol.processor.core import DeliverResult
-    from tests.support.receiver import BufferedReceiver
+    from tests.support.dialled_peer import BufferedReceiver
 
     a, c = _processor(), _processor()
     c.update_engine("engine-stream", "t", capable("engine-on-c", "m"), Locality.LOCAL, 0)
-    receiver = BufferedReceiver(c, ReceiverConfig("pod-c", status_interval=10))
-    sender = Sender(a)
-    receiver.connected(0)
-    for message in receiver.pop_messages():
-        sender.message_received(message, 0)
+    dialled = BufferedReceiver(c, DialledPeerConfig("pod-c", status_interval=10))
+    accepted_peer = AcceptedPeer(a)
+    dialled.connected(0)
+    for message in dialled.pop_messages():
+        accepted_peer.message_received(message, 0)
     assert a.takes_http_request("t", "m")
 
     request = both_forms()
     to_peer = one(a.submit(task_id="1", tenant_id="t", request=request, origin="client", now=0), SendTask)
-    assert to_peer.route is sender.route and to_peer.task.request.http_request.body == BODY
+    assert to_peer.route is accepted_peer.route and to_peer.task.request.http_request.body == BODY
     assert not to_peer.task.request.chat_completion.messages, "the big body travels once"
-    to_engine = one(receiver.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=to_peer.task, tenant_id=to_peer.engine.tenant_id), 0), SendTask)
+    to_engine = one(dialled.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=to_peer.task, tenant_id=to_peer.engine.tenant_id), 0), SendTask)
     assert to_engine.task.request.http_request == request.http_request
     answer = worker_pb2.TaskResult(task_id=to_engine.task.id, http_response=worker_pb2.HttpResponse(status_code=200),
                                    verbatim_answer=True)
     for effect in c.receive_result("engine-stream", answer, 1):
-        receiver.deliver(effect)
-    back = [one(sender.message_received(m, 1), DeliverResult) for m in receiver.pop_messages()]
+        dialled.deliver(effect)
+    back = [one(accepted_peer.message_received(m, 1), DeliverResult) for m in dialled.pop_messages()]
     assert back[0].origin == "client" and back[0].result.verbatim_answer and back[0].last
 
 

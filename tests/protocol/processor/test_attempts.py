@@ -16,7 +16,9 @@ import pytest
 from protocol.processor.attempts import AttemptFailure, Attempts, failure_of
 from protocol.pb import worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import DeliverResult, FailRequest, Locality, ProcessorConfig, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest, SendTask
+from protocol.processor.keys import Locality
 from protocol.agent.runtime_failures import RuntimeFailure, failure_result
 from tests.support.processor import chat, embedding, engine_status, http, one, only, response
 

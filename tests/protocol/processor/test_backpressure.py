@@ -18,17 +18,10 @@ from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import CoreConfig
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.route_flow import RouteFlow
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    CloseRoute,
-    EnginesRemoved,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    SendTask,
-    TaskQueued,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, CloseRoute, EnginesRemoved, FailRequest, SendTask, TaskQueued
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, one, only
 
 LOCAL = Locality.LOCAL

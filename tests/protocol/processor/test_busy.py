@@ -13,16 +13,11 @@ import pytest
 
 from protocol.pb import worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    SendTask,
-    TaskQueued,
-    retry_after_seconds,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest, SendTask, TaskQueued
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import Locality
+from protocol.processor.requests import retry_after_seconds
 from tests.support.processor import chat, engine_status, http, one, only
 
 T0 = 1000.0

@@ -4,7 +4,7 @@ instead of waiting out the grace period."""
 
 from __future__ import annotations
 
-from protocol.processor.types import FailRequest, SendTask, TaskQueued
+from protocol.processor.effects import FailRequest, SendTask, TaskQueued
 from tests.support.processor import LOCAL, REMOTE, T0, chat, http, join, make, one, only, sent_to, submit
 
 

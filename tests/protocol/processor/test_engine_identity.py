@@ -15,15 +15,9 @@ import pytest
 
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    CloseEngine,
-    EngineKey,
-    LocalEnginesChanged,
-    Locality,
-    ProcessorConfig,
-    RefuseEngine,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CloseEngine, LocalEnginesChanged, RefuseEngine, SendTask
+from protocol.processor.keys import EngineKey, Locality
 from tests.support.processor import chat, engine_status, http, one, only
 
 T0 = 50.0

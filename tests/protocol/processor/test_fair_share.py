@@ -13,7 +13,10 @@ from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
 from protocol.processor.fair_queue import Criticality
 from protocol.processor.fair_share import CallerRefused, caller_message, forwarded_caller
-from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import FailRequest, SendTask
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, only
 
 T0 = 1000.0

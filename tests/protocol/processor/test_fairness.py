@@ -9,7 +9,10 @@ from hypothesis import strategies as st
 from protocol.openai import task_forms
 from protocol.processor.core import Processor
 from protocol.processor.fair_queue import Criticality
-from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import FailRequest, SendTask
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, only
 
 T0 = 1000.0

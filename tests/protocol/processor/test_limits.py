@@ -7,15 +7,10 @@ import json
 import pytest
 
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    SendTask,
-    TaskQueued,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import DeliverResult, FailRequest, SendTask, TaskQueued
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, one, only, sse
 
 LOCAL = Locality.LOCAL

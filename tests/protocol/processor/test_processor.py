@@ -8,19 +8,19 @@ import pytest
 
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.processor.core import TaskState
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     CloseEngine,
     DeliverResult,
-    EngineKey,
     EnginesRemoved,
     FailRequest,
     LocalEnginesChanged,
-    ProcessorConfig,
-    ProcessorUsageError,
     SendTask,
     TaskQueued,
 )
+from protocol.processor.errors import ProcessorUsageError
+from protocol.processor.keys import EngineKey
 from tests.support.processor import (
     LOCAL,
     REMOTE,
@@ -606,7 +606,7 @@ def test_timers_of_ended_tasks_do_not_pile_up():
     for i in range(1000):
         submit(p, f"t{i}")
         p.receive_result("route-e1", http(f"t{i}"), T0)
-    assert len(p._timers) <= 64 + 1
+    assert len(p._tasks.timers) <= 64 + 1
     assert p.next_deadline() is None
 
 

@@ -16,15 +16,9 @@ from hypothesis import strategies as st
 
 from protocol.openai import task_forms
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    CloseEngine,
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, CloseEngine, DeliverResult, FailRequest, SendTask
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, sse
 
 ENGINES = ["e0", "e1", "e2"]

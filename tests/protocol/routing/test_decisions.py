@@ -5,7 +5,7 @@ forwarded is counted by the peer that placed it, not here."""
 
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
-from protocol.processor.types import Locality
+from protocol.processor.keys import Locality
 from protocol.routing.router import RoutingConfig, RoutingPolicy
 from tests.support.processor import chat, embedding, engine_status, http, one
 from tests.support.routing import ENGINES, conversation

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
-from protocol.processor.types import EngineKey, Locality
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.hints import RoutingHints, hints_from_json
-from protocol.routing.router import PrefixIndex, RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
+from protocol.routing.prefix_index import PrefixIndex
 from tests.support.processor import chat, engine_status, http, one
 from tests.support.routing import ENGINES, conversation
 
@@ -51,7 +52,7 @@ def test_two_gateways_with_the_same_engines_send_a_conversation_to_the_same_engi
 
 
 def test_gateways_that_name_each_others_engines_with_the_pod_still_agree_on_every_home():
-    """A peer's engine is named id@pod here (protocol.sender.peer_engine_id); the ring hashes
+    """A peer's engine is named id@pod here (protocol.exchange.accepted_peer.peer_engine_id); the ring hashes
     the id it reports, so a's e0..e3 and b's e4..e7 have the same points at a and at b."""
     drivers = {}
     for name, mine in (("a", ENGINES[:4]), ("b", ENGINES[4:])):
@@ -195,7 +196,7 @@ def test_a_removed_engine_leaves_routing_and_the_index():
     home = d.send(hints)[1]
     processor.remove_engine("t", home, "gone", 0.0)
     assert d.send(hints)[1] != home
-    assert all(key.engine_id != home for key in processor._router.index.depths(hints.blocks))
+    assert all(key.engine_id != home for key in processor._router.policy.index.depths(hints.blocks))
 
 
 def test_the_prefix_index_is_bounded_per_engine_and_in_total():

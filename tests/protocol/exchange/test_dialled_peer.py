@@ -1,4 +1,4 @@
-"""The task receiver as pure code: status reports of local engines, forwarded tasks run
+"""The task dialled peer as pure code: status reports of local engines, forwarded tasks run
 locally with results relayed in order, errors answered at once, shutdown draining."""
 
 from __future__ import annotations
@@ -7,34 +7,28 @@ import json
 
 import pytest
 
-from protocol.exchange.receiver import ReceiverConfig, ReceiverState
+from protocol.exchange.dialled_peer import DialledPeerConfig, DialledPeerState
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    CancelTaskOnEngine,
-    DeliverResult,
-    FailRequest,
-    Locality,
-    ProcessorConfig,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    SendTask,
-)
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import CancelTaskOnEngine, DeliverResult, FailRequest, SendTask
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import Locality
 from tests.support.processor import chat, engine_status, http, one, only, sse
-from tests.support.receiver import BufferedReceiver
+from tests.support.dialled_peer import BufferedReceiver
 
 T0 = 50.0
 
 
 class Harness:
-    """A processor with local engines on routes ``engine:<id>`` and one receiver whose own
+    """A processor with local engines on routes ``engine:<id>`` and one dialled peer whose own
     effects are delivered to it; everything for the engines is recorded. ``counts`` stands
     for the requests this gateway accepted from its clients."""
 
     def __init__(self) -> None:
         self.p = Processor(ProcessorConfig(retry_delay=0))
         self.counts: dict[str, int] = {}
-        self.r = BufferedReceiver(self.p, ReceiverConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
+        self.r = BufferedReceiver(self.p, DialledPeerConfig("pod-b", status_interval=10), requests_started=lambda: self.counts)
         self.engine_tasks: list[SendTask | CancelTaskOnEngine] = []
 
     def run(self, effects: list[object]) -> None:
@@ -52,7 +46,7 @@ class Harness:
             model.in_progress_task_count = in_progress
         effects = self.p.update_engine(f"engine:{engine_id}", tenant, status, locality, now)
         self.run(effects)
-        if self.r.state in (ReceiverState.OPEN, ReceiverState.DRAINING):
+        if self.r.state in (DialledPeerState.OPEN, DialledPeerState.DRAINING):
             self.r.local_engines_changed(now)
 
     def forward(self, task_id: str, engine_id: str = "e1", request: worker_pb2.TaskRequest | None = None,
@@ -139,7 +133,7 @@ def test_the_periodic_check_reports_only_if_something_changed(h):
     assert h.r.next_deadline() == T0 + 10
     h.r.handle_timeout(T0 + 10)
     assert h.reports() == [] and h.r.next_deadline() == T0 + 20
-    # A change the receiver was not told about is caught by the periodic check.
+    # A change the dialled peer was not told about is caught by the periodic check.
     h.p.update_engine("engine:e1", "t", engine_status("e1", "m", "n"), Locality.LOCAL, T0 + 11)
     h.r.handle_timeout(T0 + 15)
     assert h.reports() == []
@@ -262,24 +256,24 @@ def test_when_the_stream_ends_its_tasks_are_cancelled_on_the_engines(h):
 
 
 def test_misuse_and_remote_violations_raise_distinct_errors(h):
-    with pytest.raises(RemoteProtocolError):
+    with pytest.raises(PeerProtocolError):
         h.r.task_received(internal_pb2.ProcessTasksInternalResponse(tenant_id="t"), T0)
     with pytest.raises(ProcessorUsageError):
         h.r.connected(T0)
     with pytest.raises(ProcessorUsageError):
         h.r.deliver(FailRequest(h.r, "never-received", 503, "x"))
-    fresh = BufferedReceiver(h.p, ReceiverConfig("pod-c"))
+    fresh = BufferedReceiver(h.p, DialledPeerConfig("pod-c"))
     with pytest.raises(ProcessorUsageError):
         fresh.task_received(internal_pb2.ProcessTasksInternalResponse(), T0)
     with pytest.raises(ProcessorUsageError):
-        ReceiverConfig("pod", status_interval=0)
+        DialledPeerConfig("pod", status_interval=0)
 
 
 def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
     h = Harness()
     h.join("e1", "m")
     stream = object()
-    h.r = BufferedReceiver(h.p, ReceiverConfig("pod-b"), origin=stream)
+    h.r = BufferedReceiver(h.p, DialledPeerConfig("pod-b"), origin=stream)
     h.r.connected(T0)
     h.r.pop_messages()
     task = worker_pb2.Task(id="task-1", engine_id="e1", request=chat())
@@ -292,7 +286,7 @@ def test_an_adapter_can_name_its_own_object_as_the_origin_of_forwarded_tasks():
 
 def test_a_draining_report_says_so_even_with_no_engine_to_mark_not_ready():
     p = Processor()
-    r = BufferedReceiver(p, ReceiverConfig("pod-b", status_interval=10))
+    r = BufferedReceiver(p, DialledPeerConfig("pod-b", status_interval=10))
     r.connected(T0)
     [first] = [m.server_status for m in r.pop_messages()]
     assert not first.draining

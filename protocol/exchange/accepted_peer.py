@@ -1,9 +1,9 @@
-"""The task sender: this gateway's side of one ``ProcessTasksInternal`` stream a peer opened to it.
+"""The accepted peer: this gateway's side of one ``ProcessTasksInternal`` stream a peer opened to it.
 
-No I/O, no clock reads; time comes in as ``now``. The peer (its receiver)
-reports the engines attached to it; the sender registers them in the local
+No I/O, no clock reads; time comes in as ``now``. The peer (its dialled peer)
+reports the engines attached to it; the accepted peer registers them in the local
 :class:`~protocol.processor.core.Processor` as remote engines (tenant from the
-report) whose route is the sender, or the object the adapter names as its
+report) whose route is the accepted peer, or the object the adapter names as its
 route. It removes those that disappear from a report and all of them when the
 stream ends (their in-flight tasks fail over as the processor specifies).
 
@@ -15,14 +15,14 @@ peer's, and every such engine serves every gateway. Tasks for it still carry
 the id it reports (the processor keeps both), so the wire is LLMariner's.
 A scoped name can still be taken on another route (a local engine named so,
 or the stream of the same pod this one replaced): that registration is left
-alone while it lasts; the sender remembers the peer's last report and
+alone while it lasts; the accepted peer remembers the peer's last report and
 registers the engine as soon as the processor says the other went
 (``engines_removed``), since the peer re-reports only when something changes
 on its side. Results the peer returns go into the
 processor as results of the original tasks. A peer whose report says it is
 ``draining`` (infx's field 101) has its engines registered not ready, so they
 get no new tasks from here whatever readiness they report. The per-model request counts of
-the peer's last report are kept in :attr:`Sender.requests_started` for the
+the peer's last report are kept in :attr:`AcceptedPeer.requests_started` for the
 autoscaler (a LLMariner peer sends none).
 
 Reports are read by a :class:`~protocol.exchange.status_reports.ReportReader`: a full
@@ -31,12 +31,12 @@ this side's headers offered them to) adds or replaces the engines it carries
 and removes those it lists. A report out of sequence is a protocol error,
 which ends the stream: the peer's redial starts with a full snapshot.
 
-Shape, for the Twisted adapter (one ``Sender`` per accepted stream):
+Shape, for the Twisted adapter (one ``AcceptedPeer`` per accepted stream):
 
 - ``message_received(request, now)`` for each ``ProcessTasksInternalRequest``;
   returns processor effects to perform.
 - A ``SendTask`` or ``CancelTaskOnEngine`` effect whose ``route`` is this
-  sender's ``route`` is written on the stream with the engine's tenant id.
+  accepted peer's ``route`` is written on the stream with the engine's tenant id.
 - ``engines_removed(keys, now)`` for every ``EnginesRemoved`` effect the
   processor emits (whatever input produced it); returns processor effects.
 - ``closed(now)`` when the stream ends; returns processor effects.
@@ -47,16 +47,11 @@ from __future__ import annotations
 from protocol.exchange.status_reports import ReportReader
 from protocol.pb import internal_pb2, status_pb2
 from protocol.processor.core import Processor
-from protocol.processor.types import (
-    Effect,
-    EngineKey,
-    Locality,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    Route,
-)
+from protocol.processor.effects import Effect
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality, Route
 
-__all__ = ["Sender", "peer_engine_id"]
+__all__ = ["AcceptedPeer", "peer_engine_id"]
 
 
 def peer_engine_id(engine_id: str, pod_name: str) -> str:
@@ -64,12 +59,12 @@ def peer_engine_id(engine_id: str, pod_name: str) -> str:
     return f"{engine_id}@{pod_name}"
 
 
-class Sender:
+class AcceptedPeer:
     """Registers one peer's engines as remote engines and forwards their tasks."""
 
     def __init__(self, processor: Processor, route: Route | None = None) -> None:
         """``route`` is what the processor's effects name for this peer's engines:
-        the adapter's own object for the stream, or by default this sender."""
+        the adapter's own object for the stream, or by default this accepted peer."""
         self.processor = processor
         self.route: Route = self if route is None else route
         self.pod_name = ""
@@ -92,21 +87,21 @@ class Sender:
     def message_received(self, request: internal_pb2.ProcessTasksInternalRequest, now: float) -> list[Effect]:
         """A status report or a task result from the peer.
 
-        Raises :class:`RemoteProtocolError` for a message with neither.
+        Raises :class:`PeerProtocolError` for a message with neither.
         """
         if self._closed:
-            raise ProcessorUsageError("message received on a closed sender")
+            raise ProcessorUsageError("message received on a closed accepted peer")
         kind = request.WhichOneof("message")
         if kind == "server_status":
             return self._status_received(request.server_status, now)
         if kind == "task_result":
             return self.processor.receive_result(self.route, request.task_result, now)
-        raise RemoteProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
+        raise PeerProtocolError(f"peer {self.pod_name!r} sent an empty ProcessTasksInternalRequest")
 
     def closed(self, now: float) -> list[Effect]:
         """The stream ended: every engine it reported goes, and tasks sent on it fail over."""
         if self._closed:
-            raise ProcessorUsageError("sender closed twice")
+            raise ProcessorUsageError("accepted peer closed twice")
         self._closed = True
         self._engines.clear()
         self._reports = ReportReader()
@@ -114,7 +109,7 @@ class Sender:
 
     def engines_removed(self, keys: tuple[EngineKey, ...], now: float) -> list[Effect]:
         """Engines left the processor: register those the peer last reported, if nothing
-        else has registered them meanwhile. A closed sender registers nothing."""
+        else has registered them meanwhile. A closed accepted peer registers nothing."""
         effects: list[Effect] = []
         if self._closed or not self._reports.engines:
             return effects
@@ -132,7 +127,7 @@ class Sender:
 
     @property
     def engines(self) -> frozenset[EngineKey]:
-        """The engines this peer reported and this sender registered, by their names here."""
+        """The engines this peer reported and this accepted peer registered, by their names here."""
         return frozenset(self._engines)
 
     def _here(self, reported: EngineKey) -> EngineKey:
@@ -151,7 +146,7 @@ class Sender:
     def _status_received(self, status: internal_pb2.ServerStatus, now: float) -> list[Effect]:
         if self._reports.engines and status.pod_name != self.pod_name:
             # Its engines are named with its pod here: a new name would orphan them.
-            raise RemoteProtocolError(f"peer {self.pod_name!r} now calls itself {status.pod_name!r}")
+            raise PeerProtocolError(f"peer {self.pod_name!r} now calls itself {status.pod_name!r}")
         self.pod_name = status.pod_name
         read = self._reports.read(status)
         effects: list[Effect] = []

@@ -1,5 +1,5 @@
-"""The task sender as pure code, then two gateways wired through a receiver and a
-sender with no I/O: tasks run end to end, errors travel back as 503 results, and
+"""The task accepted peer as pure code, then two gateways wired through a dialled peer and a
+accepted peer with no I/O: tasks run end to end, errors travel back as 503 results, and
 a shutting-down gateway drains."""
 
 from __future__ import annotations
@@ -12,23 +12,21 @@ from hypothesis import strategies as st
 
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor, TaskState
-from protocol.processor.types import (
+from protocol.processor.config import ProcessorConfig
+from protocol.processor.effects import (
     CancelTaskOnEngine,
     DeliverResult,
-    EngineKey,
     EnginesRemoved,
     FailRequest,
-    Locality,
     LocalEnginesChanged,
-    ProcessorConfig,
-    ProcessorUsageError,
-    RemoteProtocolError,
     SendTask,
 )
-from protocol.exchange.receiver import Receiver, ReceiverConfig
-from protocol.exchange.sender import Sender, peer_engine_id
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import EngineKey, Locality
+from protocol.exchange.dialled_peer import DialledPeer, DialledPeerConfig
+from protocol.exchange.accepted_peer import AcceptedPeer, peer_engine_id
 from tests.support.processor import chat, engine_status, http, one, only, sse
-from tests.support.receiver import BufferedReceiver
+from tests.support.dialled_peer import BufferedReceiver
 
 T0 = 10.0
 RETRY_DELAY = 1.0
@@ -54,12 +52,12 @@ def submit(p: Processor, task_id: str, **kw: object) -> list[object]:
     return list(p.submit(task_id=task_id, tenant_id="t", request=kw.pop("request", chat()), origin="client", **kw, now=T0))
 
 
-# --- the sender alone ---------------------------------------------------------------
+# --- the accepted peer alone ---------------------------------------------------------------
 
 
 def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_report():
     p = Processor()
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True), ("u", "e2", True)), T0)
     assert s.pod_name == "pod-b"
     assert s.engines == {EngineKey("t", "e1@pod-b"), EngineKey("u", "e2@pod-b")}
@@ -69,7 +67,7 @@ def test_reported_engines_are_registered_as_remote_with_the_tenant_from_the_repo
 
 def test_tasks_for_the_peer_engines_are_forwarded_with_their_tenant_id():
     p = Processor()
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     message = task_message(one(submit(p, "a"), SendTask))
     assert message.tenant_id == "t" and message.new_task.id == "a" and message.new_task.engine_id == "e1"
@@ -77,7 +75,7 @@ def test_tasks_for_the_peer_engines_are_forwarded_with_their_tenant_id():
 
 def test_results_from_the_peer_go_to_the_original_task():
     p = Processor()
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     submit(p, "a", request=chat(stream=True))
     effects = s.message_received(result_msg(http("a")), T0) + s.message_received(result_msg(sse("a", 1, last=True)), T0)
@@ -87,7 +85,7 @@ def test_results_from_the_peer_go_to_the_original_task():
 
 def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
     p = Processor(ProcessorConfig(retry_delay=0))
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")  # goes to e1 (fewest in flight, then id)
     effects = s.message_received(report("pod-b", ("t", "e2", True)), T0)
@@ -98,7 +96,7 @@ def test_engines_missing_from_a_report_are_removed_and_their_tasks_fail_over():
 
 def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks():
     p = Processor()
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     submit(p, "a")
     s.message_received(report("pod-b", ("t", "e1", False)), T0)
@@ -109,7 +107,7 @@ def test_a_not_ready_report_takes_engines_out_of_routing_but_keeps_their_tasks()
 def test_when_the_stream_ends_every_engine_of_the_peer_goes_and_its_tasks_fail_over():
     p = Processor(ProcessorConfig(retry_delay=0))
     p.update_engine("engine:local", "t", engine_status("local", "m", ready=False), Locality.LOCAL, T0)
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True), ("t", "e2", True)), T0)
     submit(p, "a")
     p.update_engine("engine:local", "t", engine_status("local", "m"), Locality.LOCAL, T0)
@@ -123,7 +121,7 @@ def test_engines_of_one_id_here_and_at_two_peers_are_three_engines_each_reached_
     --engine-id. Each peer's engine is named with its pod here: none shadows another."""
     p = Processor(ProcessorConfig(max_in_flight_per_engine=1))
     p.update_engine("engine:e1", "t", engine_status("e1", "m"), Locality.LOCAL, T0)
-    first, second = Sender(p), Sender(p)
+    first, second = AcceptedPeer(p), AcceptedPeer(p)
     first.message_received(report("pod-b", ("t", "e1", True)), T0)
     second.message_received(report("pod-c", ("t", "e1", True)), T0)
     assert {name: p.engine("t", name).route for name in ("e1", "e1@pod-b", "e1@pod-c")} == {
@@ -139,19 +137,19 @@ def test_engines_of_one_id_here_and_at_two_peers_are_three_engines_each_reached_
 
 def test_a_peer_that_renames_itself_on_its_stream_breaks_the_protocol():
     """Its engines are named with its pod here: a new name on the same stream would orphan them."""
-    s = Sender(Processor())
+    s = AcceptedPeer(Processor())
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
-    with pytest.raises(RemoteProtocolError, match="now calls itself 'pod-x'"):
+    with pytest.raises(PeerProtocolError, match="now calls itself 'pod-x'"):
         s.message_received(report("pod-x", ("t", "e1", True)), T0)
 
 
 def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler():
     counts = {"m": 7, "n": 1}
-    receiver = BufferedReceiver(Processor(), ReceiverConfig("pod-b"), requests_started=lambda: counts)
-    receiver.connected(T0)
-    s = Sender(Processor())
+    dialled = BufferedReceiver(Processor(), DialledPeerConfig("pod-b"), requests_started=lambda: counts)
+    dialled.connected(T0)
+    s = AcceptedPeer(Processor())
     assert s.requests_started == {}
-    for message in receiver.pop_messages():
+    for message in dialled.pop_messages():
         s.message_received(message, T0)
     assert s.requests_started == {"m": 7, "n": 1}
     s.message_received(report("pod-b"), T0 + 1)  # a LLMariner peer reports none
@@ -160,8 +158,8 @@ def test_the_request_counts_a_peer_receiver_reports_are_kept_for_the_autoscaler(
 
 def test_misuse_and_remote_violations_raise_distinct_errors():
     p = Processor()
-    s = Sender(p)
-    with pytest.raises(RemoteProtocolError):
+    s = AcceptedPeer(p)
+    with pytest.raises(PeerProtocolError):
         s.message_received(internal_pb2.ProcessTasksInternalRequest(), T0)
     s.closed(T0)
     with pytest.raises(ProcessorUsageError):
@@ -181,7 +179,7 @@ def test_an_engine_a_peer_reports_while_its_old_stream_here_lingers_is_reached_t
     stays when the old stream ends."""
     p = Processor(ProcessorConfig(queue_timeout=30))
     p.update_engine("engine:e0", "t", engine_status("e0", "m"), Locality.LOCAL, T0)
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-c", ("t", "e0", True)), T0)
     assert s.engines == {EngineKey("t", "e0@pod-c")} and p.engine("t", "e0@pod-c").route is s
     assert s.engines_removed(removed(p.close_route("engine:e0", "stream ended", T0)), T0) == []
@@ -194,7 +192,7 @@ def test_a_peer_engine_whose_name_here_a_local_engine_took_is_registered_once_th
     for it, from the report pod-c will not repeat, since nothing changed on its side."""
     p = Processor(ProcessorConfig(queue_timeout=30))
     p.update_engine("engine:x", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
-    s = Sender(p)
+    s = AcceptedPeer(p)
     assert s.message_received(report("pod-c", ("t", "e0", True)), T0) == []
     assert p.engine("t", "e0@pod-c").locality is Locality.LOCAL and s.engines == frozenset()
     gone = removed(p.close_route("engine:x", "stream ended", T0))
@@ -207,7 +205,7 @@ def test_a_peer_engine_whose_name_here_a_local_engine_took_is_registered_once_th
 def test_an_engine_that_moved_between_peers_is_reached_where_it_is_whichever_report_came_first():
     """The engine moved from pod-b to pod-c, and pod-c's report came first."""
     p = Processor()
-    b, c = Sender(p), Sender(p)
+    b, c = AcceptedPeer(p), AcceptedPeer(p)
     b.message_received(report("pod-b", ("t", "e0", True)), T0)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
     assert p.engine("t", "e0@pod-b").route is b and p.engine("t", "e0@pod-c").route is c
@@ -220,7 +218,7 @@ def test_when_the_local_engine_that_took_a_peer_engines_name_comes_and_goes_agai
     """The inverse case: pod-c's registration is overridden by a local attach under its name
     (no new report from pod-c), then the local stream ends: the name is pod-c's again."""
     p = Processor()
-    c = Sender(p)
+    c = AcceptedPeer(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
     p.update_engine("engine:x", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
     assert p.engine("t", "e0@pod-c").route == "engine:x"
@@ -234,7 +232,7 @@ def test_a_sender_registers_only_what_its_peer_still_reports_and_nothing_once_cl
     p = Processor()
     p.update_engine("engine:e0", "t", engine_status("e0@pod-c", "m"), Locality.LOCAL, T0)
     p.update_engine("engine:e1", "t", engine_status("e1@pod-d", "m"), Locality.LOCAL, T0)
-    c, d = Sender(p), Sender(p)
+    c, d = AcceptedPeer(p), AcceptedPeer(p)
     c.message_received(report("pod-c", ("t", "e0", True)), T0)
     c.message_received(report("pod-c"), T0)  # pod-c no longer has e0
     d.message_received(report("pod-d", ("t", "e1", True)), T0)
@@ -267,7 +265,7 @@ class Gateway:
         self.name = name
         self.network = network
         self.p = Processor(ProcessorConfig(retry_delay=RETRY_DELAY))
-        self.receivers: list[Receiver] = []
+        self.receivers: list[DialledPeer] = []
         self.client: dict[str, list[worker_pb2.TaskResult]] = defaultdict(list)
         self.failed: dict[str, FailRequest] = {}
         self.ended: set[str] = set()
@@ -277,12 +275,12 @@ class Gateway:
     def dispatch(self, effects: list[object]) -> None:
         for effect in effects:
             if isinstance(effect, (SendTask, CancelTaskOnEngine)):
-                if isinstance(effect.route, Sender):
+                if isinstance(effect.route, AcceptedPeer):
                     self.network.carry_task(effect.route, task_message(effect))
                 else:
                     self.engine_inbox[effect.engine.engine_id].append(effect.task)
             elif isinstance(effect, (DeliverResult, FailRequest)):
-                if isinstance(effect.origin, Receiver):
+                if isinstance(effect.origin, DialledPeer):
                     effect.origin.deliver(effect)
                 else:
                     assert effect.task_id not in self.ended, f"{effect} after the end of its request"
@@ -295,11 +293,11 @@ class Gateway:
                         self.failed[effect.task_id] = effect
                         self.ended.add(effect.task_id)
             elif isinstance(effect, LocalEnginesChanged):
-                for receiver in self.receivers:
-                    receiver.local_engines_changed(self.network.now)
+                for dialled in self.receivers:
+                    dialled.local_engines_changed(self.network.now)
             elif isinstance(effect, EnginesRemoved):
-                for sender in [s for _, _, s, sending in self.network.links if sending is self]:
-                    self.dispatch(sender.engines_removed(effect.engines, self.network.now))
+                for accepted_peer in [s for _, _, s, sending in self.network.links if sending is self]:
+                    self.dispatch(accepted_peer.engines_removed(effect.engines, self.network.now))
         self.network.pump()
 
     def engine_joins(self, engine_id: str, ready: bool = True) -> None:
@@ -325,26 +323,26 @@ class Network:
 
     def __init__(self) -> None:
         self.now = T0
-        self.links: list[tuple[Receiver, Gateway, Sender, Gateway]] = []
+        self.links: list[tuple[DialledPeer, Gateway, AcceptedPeer, Gateway]] = []
         self.gateways: list[Gateway] = []
-        self.to_receiver: deque[tuple[Sender, internal_pb2.ProcessTasksInternalResponse]] = deque()
+        self.to_receiver: deque[tuple[AcceptedPeer, internal_pb2.ProcessTasksInternalResponse]] = deque()
         self.pumping = False
 
-    def connect(self, receiving: Gateway, sending: Gateway) -> tuple[Receiver, Sender]:
-        """``receiving`` dials ``sending``: its receiver reports to ``sending``'s new sender."""
-        receiver = BufferedReceiver(receiving.p, ReceiverConfig(receiving.name))
-        sender = Sender(sending.p)
-        receiving.receivers.append(receiver)
-        self.links.append((receiver, receiving, sender, sending))
-        receiver.connected(self.now)
+    def connect(self, receiving: Gateway, sending: Gateway) -> tuple[DialledPeer, AcceptedPeer]:
+        """``receiving`` dials ``sending``: its dialled peer reports to ``sending``'s new accepted peer."""
+        dialled = BufferedReceiver(receiving.p, DialledPeerConfig(receiving.name))
+        accepted_peer = AcceptedPeer(sending.p)
+        receiving.receivers.append(dialled)
+        self.links.append((dialled, receiving, accepted_peer, sending))
+        dialled.connected(self.now)
         self.pump()
-        return receiver, sender
+        return dialled, accepted_peer
 
     def tick(self, seconds: float) -> None:
         """Step the clock and fire every timer that is due."""
         self.now += seconds
-        for receiver, *_ in self.links:
-            receiver.handle_timeout(self.now)
+        for dialled, *_ in self.links:
+            dialled.handle_timeout(self.now)
         for gateway in self.gateways:
             gateway.dispatch(gateway.p.handle_timeout(self.now))
 
@@ -352,13 +350,13 @@ class Network:
         """Every stream breaks: messages in flight are lost, both ends clean up."""
         links, self.links = self.links, []
         self.to_receiver.clear()
-        for receiver, receiving, sender, sending in links:
-            receiving.receivers.remove(receiver)
-            sending.dispatch(sender.closed(self.now))
-            receiving.dispatch(receiver.closed(self.now))
+        for dialled, receiving, accepted_peer, sending in links:
+            receiving.receivers.remove(dialled)
+            sending.dispatch(accepted_peer.closed(self.now))
+            receiving.dispatch(dialled.closed(self.now))
 
-    def carry_task(self, sender: Sender, message: internal_pb2.ProcessTasksInternalResponse) -> None:
-        self.to_receiver.append((sender, message))
+    def carry_task(self, accepted_peer: AcceptedPeer, message: internal_pb2.ProcessTasksInternalResponse) -> None:
+        self.to_receiver.append((accepted_peer, message))
 
     def pump(self) -> None:
         if self.pumping:
@@ -368,15 +366,15 @@ class Network:
             moved = True
             while moved:
                 moved = False
-                for receiver, receiving, sender, sending in self.links:
-                    for message in receiver.pop_messages():
+                for dialled, receiving, accepted_peer, sending in self.links:
+                    for message in dialled.pop_messages():
                         moved = True
-                        sending.dispatch(sender.message_received(message, self.now))
+                        sending.dispatch(accepted_peer.message_received(message, self.now))
                 while self.to_receiver:
                     moved = True
-                    sender, message = self.to_receiver.popleft()
-                    receiver, receiving = next((r, g) for r, g, s, _ in self.links if s is sender)
-                    receiving.dispatch(receiver.task_received(message, self.now))
+                    accepted_peer, message = self.to_receiver.popleft()
+                    dialled, receiving = next((r, g) for r, g, s, _ in self.links if s is accepted_peer)
+                    receiving.dispatch(dialled.task_received(message, self.now))
         finally:
             self.pumping = False
 
@@ -454,17 +452,17 @@ def test_a_client_that_goes_away_stops_the_engine_on_the_peer(net):
 
 def test_a_shutting_down_peer_gets_no_new_tasks_and_finishes_the_ones_it_has(net):
     network, a, b = net
-    receiver = network.links[0][0]
+    dialled = network.links[0][0]
     a.request("task-1")
-    receiver.shutdown(network.now)
+    dialled.shutdown(network.now)
     network.pump()
     assert a.p.engine("t", "eb@pod-b").routable is False
     a.request("task-2")
     assert a.p.task_state("task-2") is TaskState.WAITING
-    assert not receiver.drained
+    assert not dialled.drained
     b.engine_says("eb", http("task-1", body=b"done"))
     assert [r.http_response.body for r in a.client["task-1"]] == [b"done"]
-    assert receiver.drained
+    assert dialled.drained
 
 
 def test_when_the_peer_stream_ends_both_sides_clean_up(net):
@@ -472,9 +470,9 @@ def test_when_the_peer_stream_ends_both_sides_clean_up(net):
     a.engine_joins("ea", ready=False)
     a.request("task-1", request=chat(stream=True))
     b.engine_says("eb", http("task-1"))
-    receiver, _, sender, _ = network.links[0]
-    a.dispatch(sender.closed(network.now))
-    b.dispatch(receiver.closed(network.now))
+    dialled, _, accepted_peer, _ = network.links[0]
+    a.dispatch(accepted_peer.closed(network.now))
+    b.dispatch(dialled.closed(network.now))
     assert a.failed["task-1"].status == 502  # lost after its response started: no retry
     assert b.engine_inbox["eb"][-1].request.cancel_task.task_id == "task-1"
     assert a.p.engine("t", "eb@pod-b") is None and not b.p.has_task("task-1")
@@ -483,7 +481,7 @@ def test_when_the_peer_stream_ends_both_sides_clean_up(net):
 def test_an_adapter_can_name_its_own_object_as_the_route_of_the_peer_engines():
     p = Processor()
     stream = object()
-    s = Sender(p, route=stream)
+    s = AcceptedPeer(p, route=stream)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     assert p.engine("t", "e1@pod-b").route is stream
     send = one(submit(p, "a"), SendTask)
@@ -513,7 +511,7 @@ exchange_ops = st.sampled_from(
 
 
 class Exchange:
-    """Gateways A (clients) and B (engine eb) wired by a receiver and sender; A has engine ea too."""
+    """Gateways A (clients) and B (engine eb) wired by a dialled peer and accepted peer; A has engine ea too."""
 
     def __init__(self) -> None:
         self.net = Network()
@@ -565,8 +563,8 @@ class Exchange:
         elif kind == "tick":
             self.net.tick(op[1])
         elif kind == "shutdown_b":
-            for receiver, *_ in self.net.links:
-                receiver.shutdown(self.net.now)
+            for dialled, *_ in self.net.links:
+                dialled.shutdown(self.net.now)
             self.net.pump()
         elif kind == "reconnect":
             self.net.disconnect()
@@ -594,7 +592,7 @@ def test_through_two_gateways_every_request_ends_exactly_once_whatever_the_inter
 
 def test_a_draining_peers_engines_get_no_new_tasks_whatever_readiness_they_report():
     p = Processor(ProcessorConfig(queue_timeout=5))
-    s = Sender(p)
+    s = AcceptedPeer(p)
     s.message_received(report("pod-b", ("t", "e1", True)), T0)
     assert not s.peer_draining and p.engine("t", "e1@pod-b").routable
     draining = report("pod-b", ("t", "e1", True))

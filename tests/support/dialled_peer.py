@@ -1,6 +1,6 @@
-"""The real receiver with its outgoing messages collected, for tests that read them in batches.
+"""The real dialled peer with its outgoing messages collected, for tests that read them in batches.
 
-The receiver returns each message to write as a ``SendToPeer`` output among
+The dialled peer returns each message to write as a ``SendToPeer`` output among
 the processor effects; :class:`BufferedReceiver` keeps those messages in
 order until :meth:`~BufferedReceiver.pop_messages` and returns the effects,
 so a test can step a stream by hand the way a link carries it.
@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any, Union
 
-from protocol.exchange.receiver import Receiver, ReceiverOutput, SendToPeer
+from protocol.exchange.dialled_peer import DialledPeer, DialledPeerOutput, SendToPeer
 from protocol.pb import internal_pb2
-from protocol.processor.types import DeliverResult, Effect, FailRequest
+from protocol.processor.effects import DeliverResult, Effect, FailRequest
 
 
-class BufferedReceiver(Receiver):
+class BufferedReceiver(DialledPeer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.outbox: list[internal_pb2.ProcessTasksInternalRequest] = []
 
-    def _keep(self, outputs: list[ReceiverOutput]) -> list[Effect]:
+    def _keep(self, outputs: list[DialledPeerOutput]) -> list[Effect]:
         effects: list[Effect] = []
         for output in outputs:
             if isinstance(output, SendToPeer):

@@ -1,4 +1,4 @@
-"""The task receiver: this gateway's side of one ``ProcessTasksInternal`` stream it opened to a peer.
+"""The dialled peer: this gateway's side of one ``ProcessTasksInternal`` stream it opened to a peer.
 
 No I/O, no clock reads; time comes in as ``now``. It reports this gateway's
 *local* engines only (never remote ones, so reports cannot loop between
@@ -25,7 +25,7 @@ the latest ``status_interval / 4`` after it happened, so that a busy engine
 does not cost a report per task; an engine that comes, goes, or changes its
 readiness or models is reported at once.
 
-Shape, for the Twisted adapter (one ``Receiver`` per stream; a reconnect makes
+Shape, for the Twisted adapter (one ``DialledPeer`` per stream; a reconnect makes
 a new one):
 
 Every input returns its outputs: :class:`SendToPeer` (a message to write on
@@ -34,7 +34,7 @@ the stream, in order) and processor effects to perform like any others.
 - ``connected(now)`` once the stream is open; ``deltas_offered(now)`` if the
   peer's response headers offer status deltas.
 - ``task_received(response, now)`` for each ``ProcessTasksInternalResponse``.
-  Effects whose ``origin`` is this receiver's ``origin`` (``DeliverResult``,
+  Effects whose ``origin`` is this dialled peer's ``origin`` (``DeliverResult``,
   ``FailRequest``) go to ``deliver(effect)``.
 - ``local_engines_changed(now)`` whenever the processor emits
   ``LocalEnginesChanged``; ``handle_timeout(now)`` at ``next_deadline()``.
@@ -57,31 +57,25 @@ from protocol.openai.errors import status_line
 from protocol.pb import internal_pb2, worker_pb2
 from protocol.processor.core import Processor
 from protocol.processor.fair_share import CallerRefused, forwarded_caller
-from protocol.processor.types import (
-    DeliverResult,
-    Effect,
-    FailRequest,
-    Locality,
-    Origin,
-    ProcessorUsageError,
-    RemoteProtocolError,
-    sse_error_event,
-)
+from protocol.processor.effects import DeliverResult, Effect, FailRequest
+from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
+from protocol.processor.keys import Locality, Origin
+from protocol.processor.requests import sse_error_event
 
-__all__ = ["Receiver", "ReceiverConfig", "ReceiverOutput", "ReceiverState", "SendToPeer", "error_result"]
+__all__ = ["DialledPeer", "DialledPeerConfig", "DialledPeerOutput", "DialledPeerState", "SendToPeer", "error_result"]
 
 
 @dataclass(frozen=True, slots=True)
 class SendToPeer:
-    """Write ``message`` on the receiver's stream (after those returned before it)."""
+    """Write ``message`` on the dialled peer's stream (after those returned before it)."""
 
     message: internal_pb2.ProcessTasksInternalRequest
 
 
-ReceiverOutput = Union[Effect, SendToPeer]
+DialledPeerOutput = Union[Effect, SendToPeer]
 
 
-class ReceiverState(Enum):
+class DialledPeerState(Enum):
     """IDLE until the stream opens; DRAINING after ``shutdown``; CLOSED once the stream ended."""
 
     IDLE = "idle"
@@ -90,24 +84,24 @@ class ReceiverState(Enum):
     CLOSED = "closed"
 
 
-# Which commands each state accepts; anything else is caller misuse.
 #: TaskRequest kinds a gateway sends its own engines (drain, liveness): never a peer's to forward.
 _ENGINE_CONTROL = frozenset({"go_away", "heartbeat"})
 
-_ACCEPTS: dict[str, frozenset[ReceiverState]] = {
-    "connected": frozenset({ReceiverState.IDLE}),
-    "deltas_offered": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "task_received": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "deliver": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "local_engines_changed": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "handle_timeout": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "shutdown": frozenset({ReceiverState.OPEN, ReceiverState.DRAINING}),
-    "closed": frozenset({ReceiverState.IDLE, ReceiverState.OPEN, ReceiverState.DRAINING}),
+# Which commands each state accepts; anything else is caller misuse.
+_ACCEPTS: dict[str, frozenset[DialledPeerState]] = {
+    "connected": frozenset({DialledPeerState.IDLE}),
+    "deltas_offered": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "task_received": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "deliver": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "local_engines_changed": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "handle_timeout": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "shutdown": frozenset({DialledPeerState.OPEN, DialledPeerState.DRAINING}),
+    "closed": frozenset({DialledPeerState.IDLE, DialledPeerState.OPEN, DialledPeerState.DRAINING}),
 }
 
 
 @dataclass(frozen=True)
-class ReceiverConfig:
+class DialledPeerConfig:
     """pod_name: this gateway's name in its reports; status_interval: seconds
     between checks that re-report the local engines and request counts if anything changed
     (a change of load counts alone waits at most a quarter of it)."""
@@ -137,19 +131,19 @@ def _send_result(result: worker_pb2.TaskResult) -> SendToPeer:
     return SendToPeer(internal_pb2.ProcessTasksInternalRequest(task_result=result))
 
 
-class Receiver:
+class DialledPeer:
     """Runs one peer's forwarded tasks on local engines; see the module docstring."""
 
-    def __init__(self, processor: Processor, config: ReceiverConfig, origin: Origin | None = None,
+    def __init__(self, processor: Processor, config: DialledPeerConfig, origin: Origin | None = None,
                  requests_started: Callable[[], Mapping[str, int]] = dict,
                  local_statuses: Callable[[], LocalStatuses] | None = None) -> None:
         """``origin`` is what the processor's effects name as the origin of this
-        stream's tasks: the adapter's own object, or by default this receiver.
+        stream's tasks: the adapter's own object, or by default this dialled peer.
         ``requests_started()`` is the number of requests per model this gateway
         has accepted from clients since it started, read at every report.
         ``local_statuses()`` is the processor's local engines as they are now: the
-        gateway core's, shared by all its receivers and refreshed once per change; by
-        default this receiver's own, refreshed from the processor at every read."""
+        gateway core's, shared by all its dialled peers and refreshed once per change; by
+        default this dialled peer's own, refreshed from the processor at every read."""
         if local_statuses is None:
             own = LocalStatuses()
 
@@ -160,7 +154,7 @@ class Receiver:
         self._local_statuses = local_statuses
         self.origin: Origin = self if origin is None else origin
         self.config = config
-        self.state = ReceiverState.IDLE
+        self.state = DialledPeerState.IDLE
         self._requests_started = requests_started
         self._tasks: set[str] = set()
         self._writer = ReportWriter(config.pod_name)
@@ -170,13 +164,13 @@ class Receiver:
 
     # --- commands -----------------------------------------------------------
 
-    def connected(self, now: float) -> list[ReceiverOutput]:
+    def connected(self, now: float) -> list[DialledPeerOutput]:
         """The stream is open: report the local engines, even if there are none."""
         self._enter("connected")
-        self.state = ReceiverState.OPEN
+        self.state = DialledPeerState.OPEN
         return self._report(now, force=True)
 
-    def deltas_offered(self, now: float) -> list[ReceiverOutput]:
+    def deltas_offered(self, now: float) -> list[DialledPeerOutput]:
         """The peer reads status deltas: from now on, reports carry only what changed."""
         self._enter("deltas_offered")
         self._writer.deltas = True
@@ -187,26 +181,26 @@ class Receiver:
         """Whether the peer offered status deltas (else every report is a full snapshot)."""
         return self._writer.deltas
 
-    def local_engines_changed(self, now: float) -> list[ReceiverOutput]:
+    def local_engines_changed(self, now: float) -> list[DialledPeerOutput]:
         """Re-report the local engines if what the peer last heard differs: at once, unless
         only load counts changed (then within a quarter of the status interval)."""
         self._enter("local_engines_changed")
         local = self._local_statuses()
-        if self._writer.urgent(local, self.state is ReceiverState.DRAINING):
+        if self._writer.urgent(local, self.state is DialledPeerState.DRAINING):
             return self._report(now, force=False, local=local)
         if self._load_due is None:
             self._load_due = now + self.config.status_interval / 4
         return []
 
-    def task_received(self, response: internal_pb2.ProcessTasksInternalResponse, now: float) -> list[ReceiverOutput]:
+    def task_received(self, response: internal_pb2.ProcessTasksInternalResponse, now: float) -> list[DialledPeerOutput]:
         """Run a forwarded task on the local engine it names, or refuse it at once.
 
-        Raises :class:`RemoteProtocolError` for a message without a task id.
+        Raises :class:`PeerProtocolError` for a message without a task id.
         """
         self._enter("task_received")
         task, tenant_id = response.new_task, response.tenant_id
         if not response.HasField("new_task") or not task.id:
-            raise RemoteProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
+            raise PeerProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
         if task.request.WhichOneof("request") == "cancel_task":
             return self._cancel_received(task, now)
         malformed = self._malformed(task)
@@ -220,7 +214,7 @@ class Receiver:
         except CallerRefused as e:
             return [_send_result(error_result(task.id, 400, str(e)))]
         self._tasks.add(task.id)
-        outputs: list[ReceiverOutput] = []
+        outputs: list[DialledPeerOutput] = []
         outputs += self.processor.submit(
             task_id=task.id,
             tenant_id=tenant_id,
@@ -236,8 +230,8 @@ class Receiver:
         )
         return outputs
 
-    def deliver(self, effect: Union[DeliverResult, FailRequest]) -> list[ReceiverOutput]:
-        """Relay a processor effect whose origin is this receiver to the peer."""
+    def deliver(self, effect: Union[DeliverResult, FailRequest]) -> list[DialledPeerOutput]:
+        """Relay a processor effect whose origin is this dialled peer to the peer."""
         self._enter("deliver")
         if effect.origin is not self.origin or effect.task_id not in self._tasks:
             raise ProcessorUsageError(f"task {effect.task_id!r} was not received on this stream")
@@ -251,18 +245,18 @@ class Receiver:
         return [_send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered,
                                           effect.code))]
 
-    def shutdown(self, now: float) -> list[ReceiverOutput]:
+    def shutdown(self, now: float) -> list[DialledPeerOutput]:
         """Report every local engine not ready; keep serving in-flight tasks, refuse new ones."""
         self._enter("shutdown")
-        self.state = ReceiverState.DRAINING
+        self.state = DialledPeerState.DRAINING
         return self._report(now, force=False)
 
-    def closed(self, now: float) -> list[ReceiverOutput]:
+    def closed(self, now: float) -> list[DialledPeerOutput]:
         """The stream ended: the peer can no longer take results, so its tasks are cancelled."""
         self._enter("closed")
-        self.state = ReceiverState.CLOSED
+        self.state = DialledPeerState.CLOSED
         self._next_report = self._load_due = None
-        effects: list[ReceiverOutput] = []
+        effects: list[DialledPeerOutput] = []
         for task_id in sorted(self._tasks):
             effects += self.processor.cancel(task_id, now)
         self._tasks.clear()
@@ -275,7 +269,7 @@ class Receiver:
         due = [t for t in (self._next_report, self._load_due) if t is not None]
         return min(due) if due else None
 
-    def handle_timeout(self, now: float) -> list[ReceiverOutput]:
+    def handle_timeout(self, now: float) -> list[DialledPeerOutput]:
         """Periodic status check, or coalesced load counts due: report only if something changed."""
         self._enter("handle_timeout")
         deadline = self.next_deadline()
@@ -286,7 +280,7 @@ class Receiver:
     @property
     def drained(self) -> bool:
         """Shutting down and no forwarded task left in flight: the stream may close."""
-        return self.state is ReceiverState.DRAINING and not self._tasks
+        return self.state is DialledPeerState.DRAINING and not self._tasks
 
     @property
     def task_ids(self) -> frozenset[str]:
@@ -302,7 +296,7 @@ class Receiver:
 
     def _enter(self, command: str) -> None:
         if self.state not in _ACCEPTS[command]:
-            raise ProcessorUsageError(f"receiver is {self.state.value}: {command} is not allowed")
+            raise ProcessorUsageError(f"dialled peer is {self.state.value}: {command} is not allowed")
 
     def _malformed(self, task: worker_pb2.Task) -> str:
         """Why a peer's task is no task the processor takes (which would be this gateway's own
@@ -318,7 +312,7 @@ class Receiver:
         return ""
 
     def _refusal(self, task: worker_pb2.Task, tenant_id: str) -> str:
-        if self.state is ReceiverState.DRAINING:
+        if self.state is DialledPeerState.DRAINING:
             return f"gateway {self.config.pod_name!r} is shutting down"
         if task.id in self._tasks or self.processor.has_task(task.id):
             return f"task {task.id!r} is already running on gateway {self.config.pod_name!r}"
@@ -327,22 +321,22 @@ class Receiver:
             return f"engine {task.engine_id!r} is not attached to gateway {self.config.pod_name!r}"
         return ""
 
-    def _cancel_received(self, task: worker_pb2.Task, now: float) -> list[ReceiverOutput]:
+    def _cancel_received(self, task: worker_pb2.Task, now: float) -> list[DialledPeerOutput]:
         target = task.request.cancel_task.task_id
         if target not in self._tasks:
             return [_send_result(error_result(task.id, 404, f"no task {target!r} on this stream"))]
         self._tasks.discard(target)
-        outputs: list[ReceiverOutput] = []
+        outputs: list[DialledPeerOutput] = []
         outputs += self.processor.cancel(target, now)
         ok = worker_pb2.HttpResponse(status_code=200, status=status_line(200))
         outputs.append(_send_result(worker_pb2.TaskResult(task_id=task.id, http_response=ok)))
         return outputs
 
-    def _report(self, now: float, force: bool, local: LocalStatuses | None = None) -> list[ReceiverOutput]:
+    def _report(self, now: float, force: bool, local: LocalStatuses | None = None) -> list[DialledPeerOutput]:
         self._next_report = now + self.config.status_interval
         self._load_due = None
         report = self._writer.report(self._local_statuses() if local is None else local,
-                                     self._requests_started(), self.state is ReceiverState.DRAINING, force)
+                                     self._requests_started(), self.state is DialledPeerState.DRAINING, force)
         if report is None:
             return []
         return [SendToPeer(internal_pb2.ProcessTasksInternalRequest(server_status=report))]

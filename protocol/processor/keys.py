@@ -1,0 +1,35 @@
+"""Who the processor's tasks and engines are: engine keys, localities, routes and origins; pure values."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["EngineKey", "Locality", "Origin", "Route"]
+
+
+#: What the caller uses to reach an engine: for a local engine its gRPC
+#: stream (or any key for it), for a remote engine the accepted peer that reported it. The
+#: processor only compares routes and hands them back in effects.
+Route = Hashable
+
+#: What the caller uses to reach whoever submitted a task: an HTTP request,
+#: a dialled peer (a peer's forwarded tasks). Handed back in :class:`DeliverResult` and
+#: :class:`FailRequest` so that one dispatcher serves every origin.
+Origin = Hashable
+
+
+class Locality(Enum):
+    """Whether an engine is attached to this gateway or reported by a peer gateway."""
+
+    LOCAL = "local"
+    REMOTE = "remote"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKey:
+    """Engines are identified per tenant: two tenants may reuse an engine id."""
+
+    tenant_id: str
+    engine_id: str
