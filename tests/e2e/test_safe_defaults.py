@@ -127,7 +127,8 @@ def test_the_internal_secret_comes_from_a_file_or_the_environment_and_never_show
         c = TwistdChild("c", [*b_args[:1], "--http", f"tcp:{free_port()}:interface=127.0.0.1",
                                    "--worker-grpc", f"tcp:{free_port()}:interface=127.0.0.1",
                                    "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1",
-                                   "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-c"],
+                                   "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-c",
+                                   "--workers", "1"],
                              tmp_path, env={"INFX_INTERNAL_SECRET": "wrong"})
         wait_until(lambda: "refused our internal secret" in c.output(), "c to be refused", [a.child, c])
         assert "from-c" not in http_get(a.base_url + "/models")[1].decode()
