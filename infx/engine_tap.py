@@ -106,6 +106,9 @@ class Options(VersionOption, usage.Options):
          "/metrics and /slots), reported to the gateway for routing; 0 turns it off."],
         ["runtime-load-report-interval", None, "2",
          "openai runtime: least seconds between two status reports sent only because the load changed."],
+        ["runtime-slots", None, None,
+         "openai runtime: requests the runtime runs at once (vLLM's --max-num-seqs), reported to the gateway "
+         "[default: what the runtime says: llama.cpp's slots; else unknown]."],
     ]
 
     def postOptions(self) -> None:
@@ -141,6 +144,10 @@ class Options(VersionOption, usage.Options):
         self["runtime-check-interval"] = self._number("runtime-check-interval", float, minimum=0.0, strict=True)
         self["runtime-load-interval"] = self._number("runtime-load-interval", float, minimum=0.0)
         self["runtime-load-report-interval"] = self._number("runtime-load-report-interval", float, minimum=0.0)
+        if self["runtime-slots"] is not None:
+            if self["runtime"] != "openai":
+                raise usage.UsageError("--runtime-slots only applies to --runtime openai")
+            self["runtime-slots"] = self._number("runtime-slots", int, minimum=1)
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -157,7 +164,7 @@ class Options(VersionOption, usage.Options):
                 engine_id=self["engine-id"], models=models, cluster_id=self["cluster-id"] or "",
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
-                instance=secrets.token_hex(8),
+                instance=secrets.token_hex(8), runtime_slots=self["runtime-slots"],
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
             self["load-config"] = None
@@ -280,5 +287,5 @@ def makeService(options: Options) -> IService:
                          Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
                          agent.runtime_load_changed, authorize=runtime.authorize,
                          refused=runtime.credentials.refused if runtime.credentials else None,
-                         ).setServiceParent(top)
+                         sample=agent.core.load_sample).setServiceParent(top)
     return top

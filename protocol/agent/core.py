@@ -46,7 +46,17 @@ those the runtime lists. Readiness changes are reported at once.
 The runtime's own load (``runtime_load_changed``, from the monitor of
 :mod:`protocol.agent.runtime_load`, which already coalesces it) goes out with every
 model's status as ``runtime_load``; with none, the field is absent and the
-gateway routes by in-progress counts alone.
+gateway routes by in-progress counts alone. The monitor stamps each reading
+with :meth:`EngineAgentCore.load_sample`, taken when its scrape went out: the
+runtime tasks received on the current stream so far and how many of them
+ended (every task the stream carried to this agent counts, a refused one as
+received and ended at once), which go out as ``runtime_load.tasks_received``
+and ``tasks_ended`` while that stream is the one reported on. The runtime's
+slots (``--runtime-slots`` in ``runtime_slots``, else what the monitor read)
+go out as ``infx_runtime_slots``. And every answer the runtime gives is read
+for its prompt's tokens and how many its cache served
+(:mod:`protocol.agent.prompt_usage`, once per task), summed per model into
+``infx_prompt_cache``.
 
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
@@ -61,6 +71,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from protocol.agent.prompt_usage import prompt_usage
+from protocol.agent.runtime_load import LoadSample, RuntimeLoad
 from protocol.backoff import Backoff
 from protocol.errors import LocalUsageError, RemoteProtocolError
 from protocol.openai.errors import error_json, status_line
@@ -116,6 +128,9 @@ class AgentConfig:
     sent as ``EngineStatus.infx_instance`` on every stream, so that a gateway
     tells this process reconnecting from another process given the same
     ``engine_id`` (which it refuses).
+    ``runtime_slots``: requests the runtime runs at once, as the operator
+    knows it (vLLM's ``--max-num-seqs``); None: what the runtime says, if it
+    says (llama.cpp's slots), reported as ``EngineStatus.infx_runtime_slots``.
     """
 
     engine_id: str
@@ -133,6 +148,7 @@ class AgentConfig:
     capabilities: tuple[str, ...] = ()
     wait_for_runtime: bool = False
     instance: str = ""
+    runtime_slots: int | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -145,6 +161,8 @@ class AgentConfig:
             raise AgentUsageError("max_concurrency must be at least 1")
         if self.max_queued is not None and self.max_queued < 0:
             raise AgentUsageError("max_queued must be at least 0")
+        if self.runtime_slots is not None and not 1 <= self.runtime_slots < 2**32:
+            raise AgentUsageError("runtime_slots must be at least 1")
         for name in ("status_interval", "reconnect_initial", "reconnect_max", "reconnect_multiplier"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -257,6 +275,9 @@ class _Stream:
     last_status: status_pb2.EngineStatus | None = None
     last_status_at: float = -math.inf
     linger_until: float = -math.inf
+    #: Runtime tasks this stream brought, and how many of them ended (what a load reading's stamp counts).
+    received: int = 0
+    ended: int = 0
 
 
 @dataclass
@@ -267,6 +288,15 @@ class _Task:
     deadline: float | None = None
     running: bool = False
     next_index: int = 0
+    #: Whether an answer of its already said what its prompt cost (it is counted once).
+    usage_seen: bool = False
+
+
+@dataclass
+class _PromptCache:
+    answers: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def control_response(task_id: str, status: int) -> worker_pb2.TaskResult:
@@ -316,7 +346,11 @@ class EngineAgentCore:
         self._drain_deadline: float | None = None
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
-        self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
+        self._runtime_load: RuntimeLoad | None = None
+        self._runtime_slots: int | None = None
+        self._prompt_cache: dict[str, _PromptCache] = {}
+        #: Bumped when a prompt cache count changes (part of what the cached status was built from).
+        self._prompt_cache_version = 0
         #: The last status built and what it was built from: asked for on every input, it
         #: changes only when a count, the state or the runtime does.
         self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
@@ -368,7 +402,7 @@ class EngineAgentCore:
         callers never change it)."""
         models = self.models
         key = (self.state is AgentState.RUNNING, self._runtime_ready, models,
-               tuple(self._model_counts.get(m, 0) for m in models))
+               tuple(self._model_counts.get(m, 0) for m in models), self._current, self._prompt_cache_version)
         cached = self._status_cache
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -379,15 +413,27 @@ class EngineAgentCore:
             cluster_id=self.config.cluster_id,
             infx_capabilities=self.config.capabilities,
             infx_instance=self.config.instance,
+            infx_runtime_slots=self.config.runtime_slots or self._runtime_slots or 0,
             models=[
                 status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
                 for m, n in counts.items()
             ],
         )
+        for model in status.models:
+            cache = self._prompt_cache.get(model.id)
+            if cache is not None:
+                model.infx_prompt_cache.answers = cache.answers
+                model.infx_prompt_cache.prompt_tokens = cache.prompt_tokens
+                model.infx_prompt_cache.cached_tokens = cache.cached_tokens
         if self._runtime_load is not None:
+            load = self._runtime_load.to_pb()
+            sample = self._runtime_load.sample
+            if sample is not None and sample.stream_id == self._current:
+                load.tasks_received = sample.received
+                load.tasks_ended = sample.ended
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
-                model.runtime_load.CopyFrom(self._runtime_load)
+                model.runtime_load.CopyFrom(load)
         self._status_cache = (key, status)
         return status
 
@@ -432,9 +478,18 @@ class EngineAgentCore:
         self._report(now, effects)
         return effects
 
-    def runtime_load_changed(self, load: status_pb2.EngineStatus.RuntimeLoad | None, now: float) -> list[Effect]:
+    def load_sample(self) -> LoadSample | None:
+        """What a runtime load read now includes of the gateway's tasks (None while no stream is current)."""
+        if self._current is None:
+            return None
+        stream = self._streams[self._current]
+        return LoadSample(stream.id, stream.received, stream.ended)
+
+    def runtime_load_changed(self, load: RuntimeLoad | None, now: float) -> list[Effect]:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
         self._runtime_load = load
+        if load is not None and load.slots is not None:
+            self._runtime_slots = load.slots
         self._status_cache = None
         effects: list[Effect] = []
         self._report(now, effects)
@@ -474,9 +529,12 @@ class EngineAgentCore:
                 self._drop(target, effects)
                 self._start_waiting(effects)
         elif kind in RUNTIME_KINDS:
+            stream.received += 1
             if self.state is not AgentState.RUNNING:
+                stream.ended += 1
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, "The engine is shutting down.")))
             elif self._running >= self.config.max_concurrency and len(self._queue) >= self.config.queue_limit:
+                stream.ended += 1
                 message = f"The engine is at capacity ({self.config.queue_limit} tasks already wait)."
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
             else:
@@ -505,6 +563,15 @@ class EngineAgentCore:
             return []
         if not task.running:
             raise AgentUsageError(f"result for task {task_id!r} before it started")
+        if not task.usage_seen:
+            usage = prompt_usage(result)
+            if usage is not None:
+                task.usage_seen = True
+                cache = self._prompt_cache.setdefault(task.model, _PromptCache())
+                cache.answers += 1
+                cache.prompt_tokens += usage.prompt_tokens
+                cache.cached_tokens += usage.cached_tokens
+                self._prompt_cache_version += 1
         out = worker_pb2.TaskResult()
         out.CopyFrom(result)
         out.task_id = task_id
@@ -656,6 +723,7 @@ class EngineAgentCore:
         stream = self._streams.get(task.stream_id)
         if stream is not None:
             stream.tasks.pop(task_id, None)
+            stream.ended += 1
 
     def _earliest_task_deadline(self) -> float | None:
         """The soonest deadline of a task in flight; heap entries of tasks already gone are dropped
