@@ -1,0 +1,218 @@
+"""Routing measured on real runtimes (issue #24): infx's policies beside sglang-router and vllm-router.
+
+Every run starts three fresh llama.cpp servers (``-np 2 --metrics``, one
+thread each, the same model), puts one router configuration in front of
+them (1 or 3 replicas), sends one workload's scripted requests (the same
+bytes for every router: :mod:`harness.real_routing.workloads`), and reads
+the figures from the answers themselves: the runtime's ``timings.cache_n``
+and ``prompt_n`` of each request and the engine that served it
+(:mod:`harness.real_routing.figures`; the servers' ``/metrics`` counters are
+checked against them). Runs are interleaved: run 1 of every configuration,
+then run 2 of every one, ...; each figure printed is the median over the runs.
+
+Routers (``--routers``, :data:`ROUTERS`):
+
+- ``infx`` (default policy, affinity), ``infx-lip`` (least_in_progress),
+  ``infx-rr`` (round_robin): real ``twistd infx`` gateways and one
+  ``twistd infx-engine --runtime openai`` per server, defaults otherwise
+  (:class:`harness.real_routing.run.InfxRouter`: one gateway, or three
+  peered gateways holding one agent each); ``infx-noload`` is the default
+  with the agents' runtime load reports off (``--runtime-load-interval 0``),
+  ``infx-cap2`` the default with ``--max-in-flight-per-engine 2`` (the
+  runtime's slots);
+- ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
+  ``round_robin``, its defaults; ``vllm-ca`` / ``vllm-ch``: vllm-router
+  0.1.17, ``cache_aware`` / ``consistent_hash`` (clients send the
+  conversation's id in ``x-session-id``, the header it hashes first). Each
+  replica is an independent process in front of all three servers
+  (:mod:`peers`, installed on first use into ignored venvs beside this file).
+
+    .venv/bin/python tools/bench/real_routing.py --runs 3                       # everything, hours
+    .venv/bin/python tools/bench/real_routing.py --workloads shared --replicas 1 --routers infx,vllm-ch
+    .venv/bin/python tools/bench/real_routing.py --quick                        # the suite's tiny run
+
+``--quick`` runs a tenth of each workload on the tiny test model with infx's
+policies only (no peer needed), one run. ``--json FILE`` writes every run's
+figures. The machine's load changes wall times and first-token times (not the
+cache figures): say what else ran beside it when quoting them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(HERE))
+
+from harness.gguf_models import BENCH, TINY, write_model  # noqa: E402
+from harness.real_routing.run import MODEL, InfxRouter, Router, RunResult, run_once  # noqa: E402
+from harness.real_routing.workloads import WORKLOADS, make  # noqa: E402
+
+#: Routers measured by default, in the order of the table.
+DEFAULT_ROUTERS = ("infx", "infx-lip", "infx-rr", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+INFX_ROUTERS = ("infx", "infx-lip", "infx-rr")
+
+
+class PeerRouter:
+    """``replicas`` independent processes of sglang-router or vllm-router, each in front of every runtime."""
+
+    def __init__(self, name: str, kind: str, policy: str) -> None:
+        self.name = name
+        self.kind = kind
+        self.policy = policy
+        self.peers: list = []
+
+    def start(self, urls: Sequence[str], replicas: int, logs: Path, groups: Sequence[str]) -> list[str]:
+        import peers
+
+        start = peers.start_sglang_router if self.kind == "sglang" else peers.start_vllm_router
+        self.peers = []
+        for i in range(replicas):
+            self.peers.append(start(list(urls), self.policy, MODEL, logs, name=f"{self.name}-{i}"))
+        return [f"http://127.0.0.1:{p.port}" for p in self.peers]
+
+    def stop(self) -> None:
+        for peer in self.peers:
+            peer.stop()
+        self.peers = []
+
+
+def router(name: str) -> Router:
+    """A fresh router of configuration ``name`` (see the module docstring)."""
+    makers = {
+        "infx": lambda: InfxRouter("infx"),
+        "infx-lip": lambda: InfxRouter("infx-lip", policy="least_in_progress"),
+        "infx-rr": lambda: InfxRouter("infx-rr", policy="round_robin"),
+        "infx-noload": lambda: InfxRouter("infx-noload", agent_extra=["--runtime-load-interval", "0"]),
+        "infx-cap2": lambda: InfxRouter("infx-cap2", gateway_extra=["--max-in-flight-per-engine", "2"]),
+        "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
+        "sglang-rr": lambda: PeerRouter("sglang-rr", "sglang", "round_robin"),
+        "vllm-ca": lambda: PeerRouter("vllm-ca", "vllm", "cache_aware"),
+        "vllm-ch": lambda: PeerRouter("vllm-ch", "vllm", "consistent_hash"),
+    }
+    if name not in makers:
+        raise SystemExit(f"unknown router {name!r}: one of {', '.join(makers)}")
+    return makers[name]()
+
+
+ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+
+
+def summary(results: Sequence[RunResult]) -> dict[str, float]:
+    """The medians over runs of one configuration."""
+    def median(values: list[float]) -> float:
+        return statistics.median(values)
+
+    figures = [r.figures for r in results]
+    groups = sorted({g for f in figures for g in f.group_p99})
+    row = {
+        "runs": len(figures),
+        "errors": sum(f.errors for f in figures),
+        "cached_share": median([f.cached_share for f in figures]),
+        "prompt_computed": median([f.prompt_computed for f in figures]),
+        "wall": median([f.wall for f in figures]),
+        "ttft_p50": median([f.ttft_p50 for f in figures]),
+        "ttft_p90": median([f.ttft_p90 for f in figures]),
+        "ttft_p99": median([f.ttft_p99 for f in figures]),
+        "max_over_mean": median([f.max_over_mean for f in figures]),
+        "later_turns": median([f.later_turns for f in figures]),
+        "moved": median([f.moved for f in figures]),
+        "moved_off_free_home": median([f.moved_off_free_home for f in figures]),
+    }
+    for g in groups:
+        row[f"p99_{g}"] = median([f.group_p99.get(g, float("nan")) for f in figures])
+    return row
+
+
+def table(rows: dict[tuple[str, int, str], dict[str, float]]) -> str:
+    """The medians as a markdown table, one row per (workload, replicas, router)."""
+    lines = ["| workload | replicas | router | cached share | prompt tokens computed | wall s | TTFT p50 / p90 / p99 s "
+             "| per-tenant p99 s | max/mean requests per engine | later turns moved (off a free home) | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (workload, replicas, name), row in rows.items():
+        tenants = ", ".join(f"{k[4:]} {v:.2f}" for k, v in row.items() if k.startswith("p99_"))
+        lines.append(
+            f"| {workload} | {replicas} | {name} | {row['cached_share']:.1%} | {row['prompt_computed']:,.0f} | "
+            f"{row['wall']:.1f} | {row['ttft_p50']:.2f} / {row['ttft_p90']:.2f} / {row['ttft_p99']:.2f} | "
+            f"{tenants} | {row['max_over_mean']:.2f} | {row['moved']:.0f} of {row['later_turns']:.0f} "
+            f"({row['moved_off_free_home']:.0f}) | {row['errors']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help=f"of {', '.join(ROUTERS)}")
+    parser.add_argument("--replicas", default="1,3", help="router replicas, e.g. 1,3")
+    parser.add_argument("--runs", type=int, default=3, help="runs of each configuration (seeds 1..N)")
+    parser.add_argument("--scale", type=float, default=1.0, help="clients and conversations, relative")
+    parser.add_argument("--model", choices=("bench", "tiny"), default="bench",
+                        help="harness.gguf_models' BENCH (prefill shows in first-token times) or TINY")
+    parser.add_argument("--quick", action="store_true",
+                        help="the suite's run: tiny model, a tenth of each workload, infx's policies, 1 run")
+    parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
+    parser.add_argument("--logs", metavar="DIR", help="keep every process's log here")
+    args = parser.parse_args(argv)
+    # A SIGTERM ends the run as Ctrl-C does: every process started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.quick:
+        args.model, args.scale, args.runs = "tiny", 0.1, 1
+        if args.routers == ",".join(DEFAULT_ROUTERS):
+            args.routers = ",".join(INFX_ROUTERS)
+    workloads = args.workloads.split(",")
+    names = args.routers.split(",")
+    replica_counts = [int(r) for r in args.replicas.split(",")]
+    for name in names:
+        router(name)  # unknown names fail before anything starts
+    with tempfile.TemporaryDirectory(prefix="infx-real-routing-") as scratch:
+        logs = Path(args.logs or scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        shape = BENCH if args.model == "bench" else replace(TINY, context_length=8192)
+        model = logs / f"{shape.name}.gguf"
+        if not model.exists():
+            write_model(model, shape)
+        results: dict[tuple[str, int, str], list[RunResult]] = {}
+        every: list[dict] = []
+        started = time.monotonic()
+        for seed in range(1, args.runs + 1):
+            for workload_name in workloads:
+                workload = make(workload_name, seed, args.scale)
+                for replicas in replica_counts:
+                    for name in names:
+                        run_logs = logs / f"{workload_name}-x{replicas}-{name}-{seed}"
+                        result = run_once(workload, router(name), model, shape, run_logs, replicas=replicas, seed=seed,
+                                          progress=lambda text: print(
+                                              f"[{time.monotonic() - started:7.0f} s] {text}", file=sys.stderr,
+                                              flush=True))
+                        results.setdefault((workload_name, replicas, name), []).append(result)
+                        f = result.figures
+                        print(f"    cached {f.cached_share:.1%}, computed {f.prompt_computed}, wall {f.wall:.1f} s, "
+                              f"TTFT p50 {f.ttft_p50:.2f} p90 {f.ttft_p90:.2f}, engines {f.per_engine}, "
+                              f"moved {f.moved}/{f.later_turns} ({f.moved_off_free_home} off a free home), "
+                              f"errors {f.errors}", file=sys.stderr, flush=True)
+                        every.append({"workload": workload_name, "replicas": replicas, "router": name, "seed": seed,
+                                      "figures": asdict(f), "counted": result.counted,
+                                      "records": [asdict(r) for r in result.records]})
+                        if args.json:
+                            Path(args.json).write_text(json.dumps(every, indent=1))
+        rows = {key: summary(runs) for key, runs in sorted(results.items(), key=lambda kv: (
+            workloads.index(kv[0][0]), kv[0][1], names.index(kv[0][2])))}
+    print(f"{args.model} model, 3 llama-servers (-np 2, one thread each), medians of {args.runs} run(s)")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
