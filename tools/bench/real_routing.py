@@ -150,6 +150,47 @@ def table(rows: dict[tuple[str, int, str], dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+#: The infx configurations the simulation runs: (policy, runtime load reports, --max-in-flight-per-engine).
+SIMULATED = {"infx": ("affinity", True, None), "infx-lip": ("least_in_progress", True, None),
+             "infx-rr": ("round_robin", True, None), "infx-noload": ("affinity", False, None),
+             "infx-cap2": ("affinity", True, 2)}
+
+
+def simulate(path: Path, slowdown: float) -> int:
+    """Every infx run of ``path`` simulated; the medians of real and simulated cached shares, and the check."""
+    from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS
+    from harness.sim.routing.real_bench import calibration_problems, simulate_run
+
+    runs = [r for r in json.loads(path.read_text()) if r["router"] in SIMULATED]
+    scale = runs[0].get("scale", 1.0) if runs else 1.0
+    model = runs[0].get("model", "bench") if runs else "bench"
+    costs, shape = (BENCH_COSTS, BENCH) if model == "bench" else (TINY_COSTS, TINY)
+    real: dict[tuple[str, int, str], list[float]] = {}
+    simulated: dict[tuple[str, int, str], list[float]] = {}
+    for run in runs:
+        policy, load_reports, cap = SIMULATED[run["router"]]
+        key = (run["workload"], run["replicas"], run["router"])
+        sim = simulate_run(make(run["workload"], run["seed"], scale), policy, run["replicas"], run["seed"],
+                           costs=costs.scaled(slowdown), bytes_per_token=shape.kv_bytes_per_token,
+                           load_reports=load_reports, max_in_flight=cap)
+        real.setdefault(key, []).append(run["figures"]["cached_share"])
+        simulated.setdefault(key, []).append(sim.figures.cached_share)
+    real_median = {k: statistics.median(v) for k, v in real.items()}
+    sim_median = {k: statistics.median(v) for k, v in simulated.items()}
+    print(f"cached share, real and simulated (runtime costs x{slowdown:g}), medians of the runs in {path.name}")
+    print("| workload | replicas | router | real | simulated | difference |")
+    print("|---|---|---|---|---|---|")
+    for key in sorted(real_median):
+        r, sim_share = real_median[key], sim_median[key]
+        print(f"| {key[0]} | {key[1]} | {key[2]} | {r:.1%} | {sim_share:.1%} | {(sim_share - r) * 100:+.1f} |")
+    problems = calibration_problems(real_median, sim_median)
+    for problem in problems:
+        print(f"MISS {problem}")
+    print("calibrated: every share within 3 points, the same ranking" if not problems else
+          f"{len(problems)} miss(es)")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -163,8 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="the suite's run: tiny model, a tenth of each workload, infx's policies, 1 run")
     parser.add_argument("--json", metavar="FILE", help="write every run's figures here")
+    parser.add_argument("--simulate", metavar="FILE",
+                        help="start nothing: simulate every infx run of a --json FILE of real runs (the same requests, "
+                             "seeds and replicas) and print the real and simulated cached shares side by side")
+    parser.add_argument("--sim-slowdown", type=float, default=1.0,
+                        help="with --simulate: the runtimes' costs times this (the real runs' share of a busy core)")
     parser.add_argument("--logs", metavar="DIR", help="keep every process's log here")
     args = parser.parse_args(argv)
+    if args.simulate:
+        return simulate(Path(args.simulate), args.sim_slowdown)
     # A SIGTERM ends the run as Ctrl-C does: every process started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
@@ -184,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if not model.exists():
             write_model(model, shape)
         results: dict[tuple[str, int, str], list[RunResult]] = {}
+        failed: list[str] = []
         every: list[dict] = []
         started = time.monotonic()
         for seed in range(1, args.runs + 1):
@@ -192,10 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                 for replicas in replica_counts:
                     for name in names:
                         run_logs = logs / f"{workload_name}-x{replicas}-{name}-{seed}"
-                        result = run_once(workload, router(name), model, shape, run_logs, replicas=replicas, seed=seed,
-                                          progress=lambda text: print(
-                                              f"[{time.monotonic() - started:7.0f} s] {text}", file=sys.stderr,
-                                              flush=True))
+                        try:
+                            result = run_once(workload, router(name), model, shape, run_logs, replicas=replicas,
+                                              seed=seed, progress=lambda text: print(
+                                                  f"[{time.monotonic() - started:7.0f} s] {text}", file=sys.stderr,
+                                                  flush=True))
+                        except Exception as e:  # one run lost is said and counted; the others go on
+                            print(f"    run failed: {type(e).__name__}: {str(e)[:2000]}", file=sys.stderr, flush=True)
+                            failed.append(f"{workload_name} x{replicas} {name} seed {seed}: {type(e).__name__}")
+                            continue
                         results.setdefault((workload_name, replicas, name), []).append(result)
                         f = result.figures
                         print(f"    cached {f.cached_share:.1%}, computed {f.prompt_computed}, wall {f.wall:.1f} s, "
@@ -203,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"moved {f.moved}/{f.later_turns} ({f.moved_off_free_home} off a free home), "
                               f"errors {f.errors}", file=sys.stderr, flush=True)
                         every.append({"workload": workload_name, "replicas": replicas, "router": name, "seed": seed,
+                                      "model": args.model, "scale": args.scale,
                                       "figures": asdict(f), "counted": result.counted,
                                       "records": [asdict(r) for r in result.records]})
                         if args.json:
@@ -211,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             workloads.index(kv[0][0]), kv[0][1], names.index(kv[0][2])))}
     print(f"{args.model} model, 3 llama-servers (-np 2, one thread each), medians of {args.runs} run(s)")
     print(table(rows))
-    return 0
+    for run in failed:
+        print(f"failed: {run}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
