@@ -7,7 +7,9 @@ the local :class:`~protocol.processor.core.Processor` as tasks targeted at the
 named local engine, and relays their results back in order. A forwarded task
 that cannot run here is answered at once with an error ``TaskResult`` (an
 ``HttpResponse`` of 503 with a reason) so that the peer retries elsewhere
-without waiting for the next status report.
+without waiting for the next status report; one that is no task at all (an
+empty request, a malformed caller, an id in the processor's own control
+namespace) with 400: remote input, never a local misuse error.
 
 Every report also carries how many requests per model this gateway accepted
 from its clients since it started (read from a callable the adapter passes
@@ -204,6 +206,9 @@ class Receiver:
             raise RemoteProtocolError("peer sent a ProcessTasksInternalResponse without a task id")
         if task.request.WhichOneof("request") == "cancel_task":
             return self._cancel_received(task, now)
+        malformed = self._malformed(task)
+        if malformed:
+            return [_send_result(error_result(task.id, 400, malformed))]
         refusal = self._refusal(task, tenant_id)
         if refusal:
             return [_send_result(error_result(task.id, 503, refusal))]
@@ -295,6 +300,15 @@ class Receiver:
     def _enter(self, command: str) -> None:
         if self.state not in _ACCEPTS[command]:
             raise ProcessorUsageError(f"receiver is {self.state.value}: {command} is not allowed")
+
+    def _malformed(self, task: worker_pb2.Task) -> str:
+        """Why a peer's task is no task the processor takes (which would be this gateway's own
+        misuse, :class:`ProcessorUsageError`, were its code to submit it): '' if none."""
+        if task.request.WhichOneof("request") is None:
+            return f"forwarded task {task.id!r} has an empty request"
+        if task.id.startswith(self.processor.config.control_task_prefix):
+            return f"forwarded task id {task.id!r} starts with this gateway's prefix for its own tasks"
+        return ""
 
     def _refusal(self, task: worker_pb2.Task, tenant_id: str) -> str:
         if self.state is ReceiverState.DRAINING:

@@ -328,6 +328,12 @@ class Processor(ProcessorRouting):
         snapshot = status_pb2.EngineStatus()
         snapshot.CopyFrom(status)
         effects: list[Effect] = []
+        # An engine that stops taking verbatim requests cannot take the peers' tasks waiting for
+        # it with no typed form: they fail now, as at submit, not reach it typed once it has room.
+        if engine is not None and task_forms.takes_http_request(engine.status) \
+                and not task_forms.takes_http_request(snapshot):
+            self._fail_waiting_on(key, "no longer takes verbatim requests", effects,
+                                  lambda task: not task_forms.eligible(task.request, snapshot))
         if engine is None:
             engine = _Engine(key=key, route=route, locality=locality, status=snapshot)
             self._engines[key] = engine

@@ -85,9 +85,11 @@ class ProcessorRouting(ProcessorSlots):
         or blocked, or that cannot take the task's request in any form."""
         return self._blocked(engine, False, may_use_reserve) or not task_forms.eligible(task.request, engine.status)
 
-    def _pick(self, task: _Task, ignore_cap: bool = False) -> _Engine | None:
+    def _pick(self, task: _Task, ignore_cap: bool = False, use_reserve: bool = False) -> _Engine | None:
+        """The engine ``task`` goes to now, or None; ``ignore_cap``: one that serves it, full
+        or not; ``use_reserve``: one with a reserved slot even if its caller may not take it."""
         policy = self.config.routing.policy
-        reserve = ignore_cap or self._may_use_reserve(task)
+        reserve = ignore_cap or use_reserve or self._may_use_reserve(task)
         if not ignore_cap and policy is not RoutingPolicy.LEAST_IN_PROGRESS and \
                 (task.hints is not None or policy is RoutingPolicy.ROUND_ROBIN):
             key = self._router.choose(task.tenant_id, task.model, task.hints, task.avoid,
@@ -214,34 +216,45 @@ class ProcessorRouting(ProcessorSlots):
                     self._fail(task, 400, self._typed_form_missing(task), effects)
                 else:
                     # The head waits for an engine that takes its verbatim form; a task
-                    # behind it (in arrival order) may take this one's typed form now.
-                    task = next((t for t in map(self._tasks.__getitem__, queue)
-                                 if not t.request.typed_request_incomplete and self._pick(t) is not None),
-                                task)
-                    target = None if task.id == task_id else self._pick(task)
+                    # behind it may take this one's typed form now.
+                    task, target = self._typed_taker(queue, task)
                     if target is None:
                         break
                     self._unwait(task, served=True)
                     self._dispatch(now, task, target, effects)
                 queue = self._waiting.get(key)
                 continue
-            if target is None and not self._may_use_reserve(task):
-                task, target = self._reserve_taker(queue, key, task)
+            if target is None and not self._may_use_reserve(task) and self._reserve_wanted_below(queue, key):
+                target = self._pick(task, use_reserve=True)
             if target is None:
                 break
             self._unwait(task, served=True)
             self._dispatch(now, task, target, effects)
             queue = self._waiting.get(key)
 
-    def _reserve_taker(self, queue: HeldQueue, key: tuple[str, str], head: _Task) -> tuple[_Task, _Engine | None]:
-        """The head of a lower criticality band whose caller may take the reserved slots the
-        head of the queue may not (it is the least served), and the engine it takes, rather
-        than leave those slots idle while both wait; else (``head``, None)."""
+    def _typed_taker(self, queue: HeldQueue, head: _Task) -> tuple[_Task, _Engine | None]:
+        """While ``head`` waits for an engine that takes its verbatim form, the task with a typed
+        form that takes a free slot now, and its engine: the most critical (the oldest within a
+        band), on a reserved slot its caller may not take if a less critical one's may (as
+        :meth:`_reserve_wanted_below`); else (``head``, None)."""
+        typed = sorted((t for t in map(self._tasks.__getitem__, queue) if not t.request.typed_request_incomplete),
+                       key=lambda t: t.criticality.rank)
+        taker = next((t for t in typed if self._pick(t) is not None), None)
+        if taker is None:
+            return head, None
+        if typed[0].criticality.rank < taker.criticality.rank:
+            return typed[0], self._pick(typed[0], use_reserve=True)
+        return taker, self._pick(taker)
+
+    def _reserve_wanted_below(self, queue: HeldQueue, key: tuple[str, str]) -> bool:
+        """Whether the head of a lower criticality band than the queue's head may take the
+        reserved slots the head may not (its caller holds the fewest), and finds one: then the
+        head takes it, as criticality comes first, rather than leave it idle while both wait."""
         for task_id in itertools.islice(queue.heads(self._served_for(key)), 1, None):
             task = self._tasks[task_id]
-            if self._may_use_reserve(task) and (target := self._pick(task)) is not None:
-                return task, target
-        return head, None
+            if self._may_use_reserve(task) and self._pick(task) is not None:
+                return True
+        return False
 
     def _refill(self, now: float, effects: list[Effect]) -> None:
         """Give the slots freed during this input to waiting tasks (only an in-flight cap

@@ -21,8 +21,9 @@ critical tasks first, then standard, then sheddable, and within each the
 caller (``flow``, weighted; a peer's task carries its caller) holding the
 fewest slots of the model's engines first. The last ``fair_reserve`` slots of
 an engine go only to a task of such a caller, or a critical one
-(:mod:`protocol.processor.fair_share`); one the head of the queue may not take goes to
-the head of a lower band that may, rather than stay idle while both wait.
+(:mod:`protocol.processor.fair_share`); one the head of the queue may not take while
+the head of a lower band may goes to the head all the same (criticality comes
+first), rather than to the less critical task or stay idle while both wait.
 
 Shedding: a ``sheddable`` task that would wait while every engine serving its
 model is at its cap and the model's queue holds ``shed_waiting_threshold``
@@ -68,10 +69,13 @@ class ProcessorSlots(ProcessorTables):
             return
         self._hold(now, task, self._waiting_on.setdefault(engine.key, {}).setdefault(task.model, HeldQueue()))
 
-    def _fail_waiting_on(self, key: EngineKey, reason: str, effects: list[Effect]) -> None:
-        """The engine peers' tasks wait for leaves routing: they fail (503) at once, so that
-        their gateways send them elsewhere."""
-        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue]:
+    def _fail_waiting_on(
+        self, key: EngineKey, reason: str, effects: list[Effect], which: Callable[[_Task], bool] = lambda task: True,
+    ) -> None:
+        """The engine peers' tasks wait for leaves routing, or can no longer take ``which`` of
+        them: they fail (503) at once, so that their gateways send them elsewhere."""
+        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue
+                        if which(self._tasks[t])]:
             message = f"engine {key.engine_id!r} {reason} while the task waited for a slot on it"
             self._fail(self._tasks[task_id], 503, message, effects, self.config.busy_retry_after)
 

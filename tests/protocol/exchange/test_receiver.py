@@ -323,3 +323,19 @@ def test_a_forwarded_task_with_a_malformed_caller_is_refused_with_400(h):
     assert result.task_id == "task-1" and result.http_response.status_code == 400
     assert "weight" in json.loads(result.http_response.body)["error"]["message"]
     assert not h.p.has_task("task-1") and not h.engine_tasks
+
+
+@pytest.mark.parametrize("task_id, task_request, why", [
+    ("task-1", worker_pb2.TaskRequest(), "empty request"),  # hypothesis found it (test_hostile_pb.py)
+    ("infx-ctl-heartbeat-1", chat(), "prefix for its own tasks"),
+])
+def test_a_forwarded_task_that_is_no_task_is_refused_with_400_not_a_local_misuse_error(h, task_id, task_request, why):
+    h.reports()
+    task = worker_pb2.Task(id=task_id, engine_id="e1", request=task_request)
+    h.run(h.r.task_received(internal_pb2.ProcessTasksInternalResponse(new_task=task, tenant_id="t"), T0))
+    [result] = h.results()
+    assert result.task_id == task_id and result.http_response.status_code == 400
+    assert why in json.loads(result.http_response.body)["error"]["message"]
+    assert not h.p.has_task(task_id) and not h.engine_tasks
+    assert h.r.closed(T0 + 1) == []  # the stream holds nothing of it to cancel
+

@@ -227,15 +227,17 @@ def test_a_dispatch_that_makes_another_caller_the_least_served_lets_it_take_the_
     assert heavy("b3", "e4") == ["b3", "a2"]
 
 
-def test_a_reserved_slot_the_head_of_the_queue_may_not_take_goes_to_a_lower_band_task_that_may():
-    """Criticality orders who takes a slot anyone may take; a reserved slot the standard head may
-    not take goes to the sheddable task of the caller it is kept for, rather than stay idle."""
+def test_a_reserved_slot_a_lower_band_task_may_take_goes_to_the_more_critical_head_of_the_queue():
+    """Criticality comes before the reserve: a reserved slot that the sheddable task of the caller
+    it is kept for may take goes to the standard head of the queue, though that one's caller may
+    not take it, rather than to a less critical task or stay idle while both wait."""
     p = make(max_in_flight_per_engine=4, fair_reserve=2, queue_timeout=30, shed_waiting_threshold=5)
     assert sent(sum((submit(p, f"a{i}", "A") for i in range(4)), [])) == ["a0", "a1", "a2", "a3"]
     assert submit(p, "c0", "C", criticality=SHEDDABLE) == [] and submit(p, "a4", "A") == []
-    assert finish(p, "a0") == ["c0"]  # A holds 3, C none: the freed slot is reserved, and C's
-    assert finish(p, "a1") == []  # A holds 2, C 1: kept for C's next request
-    assert finish(p, "a2") == ["a4"]  # A holds as many as C
+    assert finish(p, "a0") == ["a4"]  # A holds 3, C none: the freed slot is reserved, and a4 comes first
+    assert finish(p, "a1") == ["c0"]  # a4 gone, c0 heads the queue, and C holds the fewest
+    assert p.slots_held("t", "m") == {"A": 3, "C": 1}
+
 
 
 # --- the caller on the wire ---------------------------------------------------

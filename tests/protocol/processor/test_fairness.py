@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from protocol.openai import task_forms
 from protocol.processor.core import Processor
 from protocol.processor.fair_queue import Criticality
 from protocol.processor.types import FailRequest, Locality, ProcessorConfig, ProcessorUsageError, SendTask
@@ -104,6 +105,28 @@ def test_sheddable_still_waits_for_a_model_no_engine_serves_yet():
     assert not only(effects, FailRequest) and p.waiting_task_ids("t", "other") == ["s"]
 
 
+@pytest.mark.parametrize("fair_reserve", [0, 1])
+def test_a_slot_the_verbatim_only_head_cannot_take_goes_to_the_most_critical_task_that_can(fair_reserve):
+    """The critical head has only its verbatim form, and only the full infx engine takes it: the
+    slot the LLMariner engine frees goes to the most critical task behind it, not the oldest one,
+    even where that one's caller may not take the reserved slot that the sheddable one's may."""
+    p = Processor(ProcessorConfig(max_in_flight_per_engine=2, fair_reserve=fair_reserve, queue_timeout=100,
+                                  shed_waiting_threshold=5))
+    infx = engine_status("infx", "m")
+    infx.infx_capabilities.append("http-request")
+    p.update_engine("route-infx", "t", infx, Locality.LOCAL, T0)
+    p.update_engine("route-llm", "t", engine_status("llm", "m"), Locality.LOCAL, T0)
+    assert sent(sum((submit(p, f"a{i}", "A") for i in range(4)), [])) == ["a0", "a1", "a2", "a3"]
+    verbatim = task_forms.routing_fields("chat_completion", "m", False)
+    verbatim.typed_request_incomplete = "the typed form refused it"
+    verbatim.http_request.body = b'{"model": "m"}'
+    held = p.submit(task_id="h", tenant_id="t", request=verbatim, origin="client", flow="H", criticality=CRITICAL,
+                    now=T0)
+    assert sent(held + submit(p, "s", "B", criticality=SHEDDABLE) + submit(p, "n", "A")) == []
+    assert sent(p.receive_result("route-llm", http("a1"), T0 + 1)) == ["n"]
+    assert p.waiting_task_ids("t", "m") == ["h", "s"]
+
+
 def test_a_full_queue_sheds_its_newest_sheddable_task_for_a_critical_or_standard_one():
     p = make(max_in_flight_per_engine=1, max_waiting_tasks=3, shed_waiting_threshold=10)
     sent(submit(p, "a"))
@@ -151,6 +174,10 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops, st.sampled_from([0, 2]))
+# A holds the one slot it may (x2), B (holding none) waits with a sheddable task: the reserved slot
+# x1 frees went to B's x4 past A's standard x3, not to x3.
+@example([("submit", "A", CRITICAL)] * 3 + [("finish",), ("submit", "A", STANDARD), ("submit", "B", SHEDDABLE),
+          ("finish",)], 2)
 def test_every_task_ends_once_and_a_freed_slot_never_skips_a_more_critical_waiting_task(script, threshold):
     p = make(max_in_flight_per_engine=2, queue_timeout=30, max_waiting_tasks=6, shed_waiting_threshold=threshold)
     now, n = T0, 0

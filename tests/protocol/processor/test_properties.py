@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from protocol.openai import task_forms
@@ -263,6 +263,13 @@ class World:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(script, st.booleans(), st.sampled_from([0.0, 2.0]), st.sampled_from([None, 1, 2]),
        st.sampled_from([None, 3, 8]))
+# A verbatim-only task waits for e1 (an infx engine at its cap of 1); e1 comes back as a LLMariner
+# engine: the task went to it typed once task1 ended, rather than failing when e1 changed.
+@example(START + [("join", "e1", {"m0"}, True, Locality.LOCAL, True),
+                  ("submit", "m0", False, "e1", None, "t", "typed"),
+                  ("submit", "m0", False, "e1", None, "t", "verbatim"),
+                  ("join", "e1", {"m0"}, True, Locality.LOCAL, False),
+                  ("result", 0, "next")], False, 0.0, 1, None)
 def test_every_accepted_task_ends_exactly_once_whatever_the_interleaving(
         script, dynamic, retry_delay, engine_cap, tenant_cap):
     world = World(ProcessorConfig(queue_timeout=20, max_task_duration=100, retry_delay=retry_delay,
