@@ -25,6 +25,7 @@ generator (the same draws for every router).
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import random
@@ -174,14 +175,16 @@ class InfxRouter:
             return len(engines) == len(urls) and all(
                 e["ready"] and e["models"] and all(m["ready"] for m in e["models"]) for e in engines)
 
-        for g in self.gateways:  # a peer's engines turn ready there once their gateway reports them
-            wait_until(lambda g=g: all_ready(g), "every engine ready at every gateway",
-                       [g.child, *(a.child for a in self.agents)], timeout=60.0)
+        for each in self.gateways:  # a peer's engines turn ready there once their gateway reports them
+            wait_until(functools.partial(all_ready, each), "every engine ready at every gateway",
+                       [each.child, *(a.child for a in self.agents)], timeout=60.0)
         return [g.url for g in self.gateways]
 
     def stop(self) -> None:
-        for child in [*self.agents, *self.gateways]:
-            child.stop()
+        for agent in self.agents:
+            agent.stop()
+        for each in self.gateways:
+            each.stop()
         self.agents, self.gateways = [], []
 
 
@@ -201,7 +204,7 @@ class RunResult:
 def _stream(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, float | None, str, int, int, str]:
     """POST a streamed chat completion: (status, first content time, engine, cache_n, prompt_n, error)."""
     parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=REQUEST_TIMEOUT)
+    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=REQUEST_TIMEOUT)
     first: float | None = None
     engine, cache_n, prompt_n = "", -1, -1
     done = False

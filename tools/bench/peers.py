@@ -56,11 +56,13 @@ from their first word, 4 sequential requests each):
   (``POST /v1/chat/completions/render``, then ``POST /tokenize``: vLLM's
   endpoints; 404 here, and llama-server's own ``/tokenize`` takes another
   body: logged at debug as "Prefix input preparation unavailable" with
-  ``reason="render_unavailable"`` or ``"empty_input"``); it then routes a
-  chat request by what else it has (its public source: the session header,
-  as ``consistent_hash`` reads it, then the messages' text), and a request
-  that matches nothing goes to the least loaded worker, the first one on a
-  tie: sequential requests, again, all land on the first worker.
+  ``reason="render_unavailable"`` or ``"empty_input"``), and without a
+  prompt to match it goes to the least loaded worker, the first one on a
+  tie: sequential requests, again, all land on the first worker, and under
+  concurrent clients it balances load rather than prompts (the benchmark's
+  multi-turn chat: 31 of 54 later turns left their worker, against 0 with
+  ``consistent_hash`` on the session header). With vLLM workers it would
+  key on their rendered tokens; llama-server gives it nothing to key on.
 - LiteLLM's proxy (:func:`litellm_argv`): one worker process, its model
   list in a YAML file with one entry per runtime URL under the same model
   name (LiteLLM shuffles among them), its cost map read from the package

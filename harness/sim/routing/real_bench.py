@@ -27,11 +27,12 @@ real and the simulated runs give figures the same code computes.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +110,11 @@ class _ClientState:
 class _Simulation:
     def __init__(self, workload: Workload, policy: str, replicas: int, seed: int, *, engines: int, slots: int,
                  context_per_slot: int, costs: LlamaCosts, load_reports: bool, max_in_flight: int | None,
-                 bytes_per_token: int) -> None:
+                 bytes_per_token: int, routing: Mapping[str, Any], home_by_session: bool) -> None:
         self.workload, self.seed, self.replicas = workload, seed, replicas
-        routing = RoutingConfig(policy=RoutingPolicy(policy))
-        self.gateways = [Processor(ProcessorConfig(routing=routing, max_in_flight_per_engine=max_in_flight))
+        self.home_by_session = home_by_session
+        routing_config = dataclasses.replace(RoutingConfig(policy=RoutingPolicy(policy)), **routing)
+        self.gateways = [Processor(ProcessorConfig(routing=routing_config, max_in_flight_per_engine=max_in_flight))
                          for _ in range(replicas)]
         cache_mib = workload.cache_ram(bytes_per_token)
         cache_ram = (cache_mib if cache_mib is not None else 8192) * 1024 * 1024
@@ -212,6 +214,12 @@ class _Simulation:
         task_id = f"r{next(self.task_ids)}"
         self.requests[(replica, task_id)] = request
         hints = hints_from_json("chat/completions", body, {"x-session-id": [conversation.id]})
+        if hints is not None and self.home_by_session:
+            # What-if: every conversation its own home (no system prompt shared as one).
+            session = hints_from_json("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}]},
+                                      {"x-session-id": [conversation.id]})
+            assert session is not None
+            hints = dataclasses.replace(hints, home=session.home)
         task = worker_pb2.TaskRequest(chat_completion=chat_pb2.CreateChatCompletionRequest(model=MODEL, stream=True))
         self.gateway_effects(replica, self.gateways[replica].submit(
             task_id=task_id, tenant_id=TENANT, request=task, origin=("client", replica), hints=hints,
@@ -376,16 +384,19 @@ def _event(payload: dict[str, Any]) -> worker_pb2.TaskResult:
 def simulate_run(workload: Workload, policy: str, replicas: int = 1, seed: int = 1, *, engines: int = 3,
                  slots: int = 2, context_per_slot: int = 4096, costs: LlamaCosts = LlamaCosts(),
                  load_reports: bool = True, max_in_flight: int | None = None,
-                 bytes_per_token: int = BENCH.kv_bytes_per_token,
-                 progress: Callable[[str], None] = lambda _: None) -> SimRun:
+                 bytes_per_token: int = BENCH.kv_bytes_per_token, routing: Mapping[str, Any] = {},
+                 home_by_session: bool = False, progress: Callable[[str], None] = lambda _: None) -> SimRun:
     """Simulate one run of ``workload`` routed by infx's ``policy`` (``affinity``, ``least_in_progress``,
     ``round_robin``) with ``replicas`` gateways, as ``tools/bench/real_routing.py`` runs it for real;
     ``load_reports`` off is ``--runtime-load-interval 0``, ``max_in_flight`` is
-    ``--max-in-flight-per-engine``."""
+    ``--max-in-flight-per-engine``, ``routing`` other :class:`RoutingConfig` fields (``min_capacity=2``:
+    ``--routing-min-capacity 2``). ``home_by_session`` is a what-if no option gives: each conversation's home
+    key is its session, never a shared system prompt."""
     progress(f"simulating {policy} x{replicas} {workload.name} seed {seed}")
     return _Simulation(workload, policy, replicas, seed, engines=engines, slots=slots,
                        context_per_slot=context_per_slot, costs=costs, load_reports=load_reports,
-                       max_in_flight=max_in_flight, bytes_per_token=bytes_per_token).run()
+                       max_in_flight=max_in_flight, bytes_per_token=bytes_per_token, routing=routing,
+                       home_by_session=home_by_session).run()
 
 
 Key = tuple[str, int, str]
