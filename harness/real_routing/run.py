@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import os
 import random
 import threading
 import time
@@ -199,6 +200,8 @@ class RunResult:
     records: list[Record]
     figures: Figures
     counted: dict[str, tuple[int, int]]
+    #: The machine's 1-minute load average when the clients started and when they ended.
+    load_average: tuple[float, float] = (0.0, 0.0)
 
 
 def _stream(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, float | None, str, int, int, str]:
@@ -302,6 +305,7 @@ def run_once(workload: Workload, router: Router, model: Path, shape: ModelShape,
         progress(f"{router.name} x{replicas} {workload.name} seed {seed}: {workload.requests} requests")
         records: list[Record] = []
         lock = threading.Lock()
+        load_before = os.getloadavg()[0]
         t0 = time.monotonic()
         threads = [threading.Thread(target=_client, args=(c, workload, urls, seed, t0, records, lock), daemon=True)
                    for c in workload.clients]
@@ -310,6 +314,7 @@ def run_once(workload: Workload, router: Router, model: Path, shape: ModelShape,
         for thread in threads:
             thread.join()
         wall = time.monotonic() - t0
+        load_after = os.getloadavg()[0]
         after = runtimes.counters()
     finally:
         router.stop()
@@ -318,7 +323,7 @@ def run_once(workload: Workload, router: Router, model: Path, shape: ModelShape,
     if all(r.ok for r in records):  # a request that failed may have been counted by its server, or not
         _check(records, counted)
     return RunResult(router.name, workload.name, replicas, seed, records,
-                     figures(records, runtimes.names, slots, wall), counted)
+                     figures(records, runtimes.names, slots, wall), counted, (load_before, load_after))
 
 
 def _check(records: Sequence[Record], counted: dict[str, tuple[int, int]]) -> None:

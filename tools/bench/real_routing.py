@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import statistics
 import sys
@@ -56,8 +57,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from harness.gguf_models import BENCH, TINY, write_model  # noqa: E402
+from harness.real_routing.figures import Figures  # noqa: E402
 from harness.real_routing.run import MODEL, InfxRouter, Router, RunResult, run_once  # noqa: E402
 from harness.real_routing.workloads import WORKLOADS, make  # noqa: E402
+from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS, LlamaCosts  # noqa: E402
 
 #: Routers measured by default, in the order of the table.
 DEFAULT_ROUTERS = ("infx", "infx-lip", "infx-rr", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
@@ -109,12 +112,11 @@ def router(name: str) -> Router:
 ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
-def summary(results: Sequence[RunResult]) -> dict[str, float]:
-    """The medians over runs of one configuration."""
+def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict[str, float]:
+    """The medians over runs of one configuration (``slowdowns``: each run's, see :func:`run_slowdown`)."""
     def median(values: list[float]) -> float:
         return statistics.median(values)
 
-    figures = [r.figures for r in results]
     groups = sorted({g for f in figures for g in f.group_p99})
     row = {
         "runs": len(figures),
@@ -132,21 +134,26 @@ def summary(results: Sequence[RunResult]) -> dict[str, float]:
     }
     for g in groups:
         row[f"p99_{g}"] = median([f.group_p99.get(g, float("nan")) for f in figures])
+    if slowdowns:
+        row["slowdown"] = median(list(slowdowns))
     return row
 
 
 def table(rows: dict[tuple[str, int, str], dict[str, float]]) -> str:
     """The medians as a markdown table, one row per (workload, replicas, router)."""
+    slow = any("slowdown" in row for row in rows.values())
     lines = ["| workload | replicas | router | cached share | prompt tokens computed | wall s | TTFT p50 / p90 / p99 s "
-             "| per-tenant p99 s | max/mean requests per engine | later turns moved (off a free home) | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| per-tenant p99 s | max/mean requests per engine | later turns moved (off a free home) | errors |"
+             + (" runtime slowdown |" if slow else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if slow else "")]
     for (workload, replicas, name), row in rows.items():
         tenants = ", ".join(f"{k[4:]} {v:.2f}" for k, v in row.items() if k.startswith("p99_"))
         lines.append(
             f"| {workload} | {replicas} | {name} | {row['cached_share']:.1%} | {row['prompt_computed']:,.0f} | "
             f"{row['wall']:.1f} | {row['ttft_p50']:.2f} / {row['ttft_p90']:.2f} / {row['ttft_p99']:.2f} | "
             f"{tenants} | {row['max_over_mean']:.2f} | {row['moved']:.0f} of {row['later_turns']:.0f} "
-            f"({row['moved_off_free_home']:.0f}) | {row['errors']:.0f} |")
+            f"({row['moved_off_free_home']:.0f}) | {row['errors']:.0f} |"
+            + (f" x{row['slowdown']:.1f} |" if slow else ""))
     return "\n".join(lines)
 
 
@@ -156,10 +163,51 @@ SIMULATED = {"infx": ("affinity", True, None), "infx-lip": ("least_in_progress",
              "infx-cap2": ("affinity", True, 2)}
 
 
-def simulate(path: Path, slowdown: float) -> int:
+PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+
+
+def run_slowdown(logs: Path, run: dict, costs: LlamaCosts) -> float:
+    """How much slower the run's runtimes read prompts than ``costs`` say a core does: the seconds their logs
+    give (``prompt eval time``) over the model's cost of the prompt tokens the run's answers say they computed
+    (the machine's other work, and prompts read in one batch with another's, both show in it)."""
+    seconds = sum(float(m.group(1)) / 1000 for log in (logs / run_dir(run)).glob("llama-e*.log")
+                  for m in PROMPT_EVAL.finditer(log.read_text(errors="replace")))
+    model = sum(costs.iteration_seconds([(r["cache_n"], r["cache_n"] + r["prompt_n"])], []) for r in run["records"])
+    return seconds / model if model else 1.0
+
+
+def retable(path: Path, logs: Path | None) -> int:
+    """The medians table of the runs in ``path``, in the order they ran."""
+    runs = json.loads(path.read_text())
+    grouped: dict[tuple[str, int, str], list[dict]] = {}
+    for run in runs:
+        grouped.setdefault((run["workload"], run["replicas"], run["router"]), []).append(run)
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    routers = list(dict.fromkeys(r["router"] for r in runs))
+    rows = {}
+    for key in sorted(grouped, key=lambda k: (workloads.index(k[0]), k[1], routers.index(k[2]))):
+        slowdowns = [run_slowdown(logs, run, model_costs(run)) for run in grouped[key]] if logs else []
+        rows[key] = summary([Figures(**run["figures"]) for run in grouped[key]], slowdowns)
+    print(f"medians of {max(len(v) for v in grouped.values())} run(s) per configuration, from {path.name}")
+    print(table(rows))
+    return 0
+
+
+def model_costs(run: dict) -> LlamaCosts:
+    """The simulation's runtime costs for the model a run served."""
+    return TINY_COSTS if run.get("model") == "tiny" else BENCH_COSTS
+
+
+def run_dir(run: dict) -> str:
+    return f"{run['workload']}-x{run['replicas']}-{run['router']}-{run['seed']}"
+
+
+def simulate(path: Path, slowdown: float | None, logs: Path | None) -> int:
     """Every infx run of ``path`` simulated; the medians of real and simulated cached shares, and the check."""
-    from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS
     from harness.sim.routing.real_bench import calibration_problems, simulate_run
+
+    if slowdown is None and logs is None:
+        raise SystemExit("--simulate needs --logs (the real runs' logs) or --sim-slowdown")
 
     runs = [r for r in json.loads(path.read_text()) if r["router"] in SIMULATED]
     scale = runs[0].get("scale", 1.0) if runs else 1.0
@@ -167,17 +215,21 @@ def simulate(path: Path, slowdown: float) -> int:
     costs, shape = (BENCH_COSTS, BENCH) if model == "bench" else (TINY_COSTS, TINY)
     real: dict[tuple[str, int, str], list[float]] = {}
     simulated: dict[tuple[str, int, str], list[float]] = {}
+    slowdowns = []
     for run in runs:
         policy, load_reports, cap = SIMULATED[run["router"]]
         key = (run["workload"], run["replicas"], run["router"])
+        factor = slowdown if slowdown is not None else run_slowdown(logs, run, costs)  # type: ignore[arg-type]
+        slowdowns.append(factor)
         sim = simulate_run(make(run["workload"], run["seed"], scale), policy, run["replicas"], run["seed"],
-                           costs=costs.scaled(slowdown), bytes_per_token=shape.kv_bytes_per_token,
+                           costs=costs.scaled(factor), bytes_per_token=shape.kv_bytes_per_token,
                            load_reports=load_reports, max_in_flight=cap)
         real.setdefault(key, []).append(run["figures"]["cached_share"])
         simulated.setdefault(key, []).append(sim.figures.cached_share)
     real_median = {k: statistics.median(v) for k, v in real.items()}
     sim_median = {k: statistics.median(v) for k, v in simulated.items()}
-    print(f"cached share, real and simulated (runtime costs x{slowdown:g}), medians of the runs in {path.name}")
+    print(f"cached share, real and simulated (runtime costs x{min(slowdowns):.1f} to x{max(slowdowns):.1f}), "
+          f"medians of the runs in {path.name}")
     print("| workload | replicas | router | real | simulated | difference |")
     print("|---|---|---|---|---|---|")
     for key in sorted(real_median):
@@ -207,12 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simulate", metavar="FILE",
                         help="start nothing: simulate every infx run of a --json FILE of real runs (the same requests, "
                              "seeds and replicas) and print the real and simulated cached shares side by side")
-    parser.add_argument("--sim-slowdown", type=float, default=1.0,
-                        help="with --simulate: the runtimes' costs times this (the real runs' share of a busy core)")
+    parser.add_argument("--table", metavar="FILE",
+                        help="start nothing: print the medians of a --json FILE of runs (with --logs, each "
+                             "configuration's runtime slowdown too)")
+    parser.add_argument("--sim-slowdown", type=float, default=None,
+                        help="with --simulate: the runtimes' costs times this [default: each run's own, from the "
+                             "llama-servers' logs under --logs: their prompt eval time over the model's cost]")
     parser.add_argument("--logs", metavar="DIR", help="keep every process's log here")
     args = parser.parse_args(argv)
+    if args.table:
+        return retable(Path(args.table), Path(args.logs) if args.logs else None)
     if args.simulate:
-        return simulate(Path(args.simulate), args.sim_slowdown)
+        return simulate(Path(args.simulate), args.sim_slowdown, Path(args.logs) if args.logs else None)
     # A SIGTERM ends the run as Ctrl-C does: every process started is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
@@ -259,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                         every.append({"workload": workload_name, "replicas": replicas, "router": name, "seed": seed,
                                       "model": args.model, "scale": args.scale,
                                       "figures": asdict(f), "counted": result.counted,
+                                      "load_average": result.load_average,
                                       "records": [asdict(r) for r in result.records]})
                         if args.json:
                             Path(args.json).write_text(json.dumps(every, indent=1))
-        rows = {key: summary(runs) for key, runs in sorted(results.items(), key=lambda kv: (
+        rows = {key: summary([r.figures for r in runs]) for key, runs in sorted(results.items(), key=lambda kv: (
             workloads.index(kv[0][0]), kv[0][1], names.index(kv[0][2])))}
     print(f"{args.model} model, 3 llama-servers (-np 2, one thread each), medians of {args.runs} run(s)")
     print(table(rows))
