@@ -176,6 +176,38 @@ def run_slowdown(logs: Path, run: dict, costs: LlamaCosts) -> float:
     return seconds / model if model else 1.0
 
 
+#: Changes to infx's default the simulation can try: (load reports, RoutingConfig fields, home per session).
+WHAT_IF = {
+    "today": (True, {}, False),
+    "no load reports": (False, {}, False),
+    "bound at 2 slots": (True, {"min_capacity": 2}, False),
+    "home per session": (True, {}, True),
+    "all three": (False, {"min_capacity": 2}, True),
+}
+
+
+def what_if(workloads: Sequence[str], replica_counts: Sequence[int], runs: int, slowdown: float) -> int:
+    """Medians over seeds 1..runs of the simulated figures of each :data:`WHAT_IF` change."""
+    from harness.sim.routing.real_bench import simulate_run
+
+    print(f"simulated, runtime costs x{slowdown:g}, medians of {runs} seed(s)")
+    print("| workload | replicas | infx | cached share | TTFT p50 / p90 s | max/mean requests per engine "
+          "| later turns moved (off a free home) |")
+    print("|---|---|---|---|---|---|---|")
+    for workload in workloads:
+        for replicas in replica_counts:
+            for name, (load_reports, routing, by_session) in WHAT_IF.items():
+                figures = [simulate_run(make(workload, seed), "affinity", replicas, seed,
+                                        costs=BENCH_COSTS.scaled(slowdown), load_reports=load_reports,
+                                        routing=routing, home_by_session=by_session).figures
+                           for seed in range(1, runs + 1)]
+                row = summary(figures)
+                print(f"| {workload} | {replicas} | {name} | {row['cached_share']:.1%} | {row['ttft_p50']:.2f} / "
+                      f"{row['ttft_p90']:.2f} | {row['max_over_mean']:.2f} | {row['moved']:.0f} of "
+                      f"{row['later_turns']:.0f} ({row['moved_off_free_home']:.0f}) |", flush=True)
+    return 0
+
+
 def retable(path: Path, logs: Path | None) -> int:
     """The medians table of the runs in ``path``, in the order they ran."""
     runs = json.loads(path.read_text())
@@ -262,11 +294,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--table", metavar="FILE",
                         help="start nothing: print the medians of a --json FILE of runs (with --logs, each "
                              "configuration's runtime slowdown too)")
+    parser.add_argument("--what-if", action="store_true",
+                        help="start nothing: simulate infx's default and changes to it (WHAT_IF) on the workloads, "
+                             "replicas and runs given, at --sim-slowdown (default 1)")
     parser.add_argument("--sim-slowdown", type=float, default=None,
                         help="with --simulate: the runtimes' costs times this [default: each run's own, from the "
                              "llama-servers' logs under --logs: their prompt eval time over the model's cost]")
     parser.add_argument("--logs", metavar="DIR", help="keep every process's log here")
     args = parser.parse_args(argv)
+    if args.what_if:
+        return what_if(args.workloads.split(","), [int(r) for r in args.replicas.split(",")], args.runs,
+                       args.sim_slowdown or 1.0)
     if args.table:
         return retable(Path(args.table), Path(args.logs) if args.logs else None)
     if args.simulate:
