@@ -150,7 +150,8 @@ class EightGateways:
                 "--worker-grpc", f"tcp:{node.worker_port}:interface={node.host}",
                 "--internal-grpc", f"tcp:{node.internal_port}:interface={node.host}",
                 "--peers", peers, "--internal-secret", SECRET,
-                "--status-interval", str(self.status_interval), "--grace-period", "5", *self.gateway_options]
+                "--status-interval", str(self.status_interval), "--grace-period", "5", "--workers", "1",
+                *self.gateway_options]
         suffix = "" if node.starts == 1 else f"-start{node.starts}"
         node.child = TwistdChild(node.name + suffix, args, self.log_dir)
 

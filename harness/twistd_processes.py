@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from infx.cli import EXIT_CANNOT_LISTEN
+from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import builtin_engine_id
 from protocol.exchange.sender import peer_engine_id
 
@@ -122,14 +123,20 @@ class Gateway:
 
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
                  extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None,
-                 ports: tuple[int, int, int] | None = None) -> None:
+                 ports: tuple[int, int, int] | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True, workers: int = 1) -> None:
         """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would;
-        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them).
+        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them);
+        ``env``: more environment for the child (``KUBECONFIG``, ``POD_NAME``); without ``wait``
+        the caller waits for ``/readyz`` itself (a test whose reactor serves the gateway's needs);
+        ``workers``: ``--workers`` (1, one process, unless a test is about workers; worker i's
+        internal port is the internal port plus i).
 
         Free ports are picked here and bound by the child a second or two later; another
         process may take one meanwhile (other suites share the machine). A child that exits
         saying so is started again on new ports, at most :data:`PORT_RACE_RETRIES` times."""
         self.admin_key = admin_key
+        self.workers = workers
         if same_ports_as is not None:
             ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
         for attempt in range(PORT_RACE_RETRIES + 1):
@@ -142,10 +149,13 @@ class Gateway:
             self.internal_port: int = picked[2]
             args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
                     "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
-                    "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1", *extra]
+                    "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1",
+                    "--workers", str(workers), *extra]
             if api_keys is not None:
                 args += ["--api-keys", str(api_keys)]
-            self.child = TwistdChild(name, args, log_dir)
+            self.child = TwistdChild(name, args, log_dir, env)
+            if not wait:
+                return
             try:
                 wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
                 return
@@ -177,6 +187,14 @@ class Gateway:
     def builtin_engine_id(self) -> str:
         """The id of its built-in echo engine (``--echo-models``)."""
         return builtin_engine_id(self.pod_name)
+
+    def runtime_engine_id(self, name: str) -> str:
+        """The id of its engine for the runtime by URL ``name`` (``HOST:PORT``, or a runtime pod's name)."""
+        return runtime_engine_id(name, self.pod_name)
+
+    def worker_pod_name(self, index: int) -> str:
+        """How worker ``index`` of ``--workers N`` names itself: its own internal port's address."""
+        return f"127.0.0.1:{self.internal_port + index}"
 
     def remote_engine_id(self, engine_id: str) -> str:
         """What the engine ``engine_id`` attached to this gateway is named at its peers."""

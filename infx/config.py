@@ -9,13 +9,17 @@ here, once, and raises :class:`ConfigError` with a message fit for a user.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import urlsplit
 
 import yaml
 
+from protocol.discovery.runtimes import RuntimeTarget
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.routing.hints import HintsConfig
 from protocol.routing.router import RoutingConfig, RoutingPolicy
@@ -139,6 +143,27 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
+    #: Runtimes this gateway serves itself, no engine agent in between (README "Runtimes by URL"):
+    #: each ``URL`` (its models: those it lists at ``/v1/models``) or ``URL=model,model``.
+    runtime_url: tuple[str, ...] = ()
+    #: ``key=value`` label of this namespace's pods that run a runtime to serve by URL.
+    runtime_pod_label: str | None = None
+    #: Port of the runtime on each pod ``runtime_pod_label`` selects.
+    runtime_port: int = 8000
+    #: Tenant whose callers the runtimes by URL serve.
+    runtime_tenant: str = "default"
+    #: Tasks each runtime by URL runs at once; up to four times as many more wait there in order.
+    runtime_max_concurrency: int = 32
+    #: File holding the runtimes' API key, sent as ``Authorization: Bearer`` (reread as it changes).
+    runtime_api_key_file: str | None = None
+    #: What serves the HTTP API on ``http``: ``httptools`` (:mod:`infx.http.lean`, the default; an
+    #: ``ssl:`` endpoint is served by twisted.web whatever this says, for HTTP/2 by ALPN) or
+    #: ``twisted`` (twisted.web's site, :mod:`infx.http.site`). Both serve the same API.
+    http_server: str = "httptools"
+    #: Gateway processes sharing the listening ports under one supervisor (``twistd infx``
+    #: itself); None: the cores this process may use (:func:`usable_cores`); 1: one process,
+    #: no supervisor. See :mod:`infx.supervisor` and docs/workers.md.
+    workers: int | None = None
 
     @property
     def pod_label_pair(self) -> tuple[str, str]:
@@ -273,6 +298,53 @@ def _split_list(value: Any) -> tuple[str, ...]:
     raise ConfigError(f"expected a comma-separated string or a list, got {value!r}")
 
 
+def _runtime_urls(value: Any) -> tuple[str, ...]:
+    """``--runtime-url`` entries, each whole (``URL=model,model`` holds commas): one string, or a
+    list of strings or of ``{url: URL, models: [..]}`` mappings (the YAML forms)."""
+    entries = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for entry in entries:
+        if isinstance(entry, Mapping):
+            unknown = set(entry) - {"url", "models"}
+            if unknown or not isinstance(entry.get("url"), str):
+                raise ConfigError(f"--runtime-url: a mapping takes url (a string) and models, got {dict(entry)!r}")
+            models = entry.get("models") or ()
+            models = _split_list(models)
+            out.append(entry["url"] + ("=" + ",".join(models) if models else ""))
+        elif isinstance(entry, str) and entry.strip():
+            out.append(entry.strip())
+        else:
+            raise ConfigError(f"--runtime-url: expected URL or URL=model,model, got {entry!r}")
+    return tuple(out)
+
+
+def runtime_targets(config: GatewayConfig) -> tuple[RuntimeTarget, ...]:
+    """The runtimes of ``--runtime-url``; raises :class:`ConfigError` for an entry that is not
+    ``http(s)://HOST[:PORT][/PATH]`` with distinct model names, or a runtime given twice."""
+    targets: list[RuntimeTarget] = []
+    for entry in config.runtime_url:
+        url, sep, models_text = entry.partition("=")
+        parts = urlsplit(url)
+        try:
+            parts.port
+        except ValueError:
+            raise ConfigError(f"--runtime-url: {url!r} has no valid port") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment \
+                or parts.username or parts.password:
+            raise ConfigError(f"--runtime-url: expected http(s)://HOST[:PORT] (a trailing /v1 is dropped), "
+                              f"optionally =model,model; got {entry!r}")
+        models = tuple(m.strip() for m in models_text.split(",") if m.strip())
+        if sep and not models:
+            raise ConfigError(f"--runtime-url: {entry!r} names no model after '='")
+        if len(set(models)) != len(models):
+            raise ConfigError(f"--runtime-url: {entry!r} names a model twice")
+        root = url.rstrip("/").removesuffix("/v1")
+        if any(target.url == root for target in targets):
+            raise ConfigError(f"--runtime-url: {root} is given twice")
+        targets.append(RuntimeTarget(root, models))
+    return tuple(targets)
+
+
 def _coerce(name: str, kind: Any, value: Any) -> Any:
     option = "--" + name.replace("_", "-")
     try:
@@ -299,11 +371,15 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
             return None if value in (None, "") else _coerce(name, "float", value)
         if kind == "int | None":
             return None if value is None else int(value)
+        if name == "runtime_url":
+            return _runtime_urls(value)
         if kind == "tuple[str, ...]":
             return _split_list(value)
         if kind == "str | None":
             return None if value in (None, "") else str(value)
         return str(value)
+    except ConfigError:
+        raise
     except ValueError:
         raise ConfigError(f"{option}: invalid value {value!r}") from None
 
@@ -387,6 +463,29 @@ def validate(config: GatewayConfig) -> GatewayConfig:
     if config.routing_policy not in policies:
         raise ConfigError(f"--routing-policy: expected one of {', '.join(policies)}, got {config.routing_policy!r}")
     routing_config(config)  # raises ConfigError for a knob out of range
+    runtime_targets(config)  # raises ConfigError for an entry that is not a runtime's URL
+    if config.runtime_pod_label is not None:
+        key, sep, _ = config.runtime_pod_label.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--runtime-pod-label: expected key=value, got {config.runtime_pod_label!r}")
+    if not 0 < config.runtime_port <= 65535:
+        raise ConfigError(f"--runtime-port: {config.runtime_port} is out of range")
+    if not config.runtime_tenant:
+        raise ConfigError("--runtime-tenant: must be a non-empty tenant name")
+    if config.runtime_tenant != "default" and not config.api_keys:
+        raise ConfigError(f"--runtime-tenant {config.runtime_tenant!r} needs --api-keys: without a key file every "
+                          "caller is in the default tenant and could never reach it")
+    if config.runtime_api_key_file:
+        from infx.agent.upstream_key import UpstreamKeyError, read_key_file
+
+        try:
+            read_key_file(config.runtime_api_key_file)
+        except UpstreamKeyError as exc:
+            raise ConfigError(f"--runtime-api-key-file: {exc}") from None
+    if config.http_server not in HTTP_SERVERS:
+        raise ConfigError(f"--http-server: expected one of {', '.join(HTTP_SERVERS)}, got {config.http_server!r}")
+    if config.workers is not None and not 1 <= config.workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS}, got {config.workers}")
     if config.route_stuck_timeout is not None and config.route_stuck_timeout <= 0:
         raise ConfigError(f"--route-stuck-timeout: must be more than 0, got {config.route_stuck_timeout:g}")
     config = dataclasses.replace(config, **replaced)
@@ -395,6 +494,30 @@ def validate(config: GatewayConfig) -> GatewayConfig:
         raise ConfigError(f"--peer-port: peers cannot be dialled at port {config.effective_peer_port}; "
                           "give --peer-port when --internal-grpc listens on port 0")
     return config
+
+
+#: The servers of the HTTP API (``--http-server``).
+HTTP_SERVERS = ("httptools", "twisted")
+#: The most gateway processes one supervisor runs.
+MAX_WORKERS = 256
+
+
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use: its CPU affinity, and no more than its cgroup's CPU quota
+    (a container limited to 2 CPUs on a 64-core node may run on every core, 2 at a time)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return cores
+    return max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+def worker_count(config: GatewayConfig) -> int:
+    """How many gateway processes ``config`` asks for (``--workers``, else the usable cores)."""
+    return config.workers if config.workers is not None else min(usable_cores(), MAX_WORKERS)
 
 
 def routing_weights(text: str) -> dict[str, float]:
@@ -450,5 +573,5 @@ def internal_tls(config: GatewayConfig) -> Any:
                                       str(config.internal_tls_ca))
 
 
-__all__ = ["ConfigError", "GatewayConfig", "build_config", "load_yaml", "yaml_problem", "listen_endpoint", "host_port",
-           "internal_tls", "routing_config"]
+__all__ = ["ConfigError", "GatewayConfig", "usable_cores", "worker_count", "build_config", "load_yaml", "yaml_problem",
+           "listen_endpoint", "host_port", "internal_tls", "routing_config", "runtime_targets"]

@@ -15,17 +15,26 @@ __all__ = ["DeadlineTimer"]
 
 
 class DeadlineTimer:
-    """Calls ``fire()`` at the last deadline given to :meth:`arm` (None: never)."""
+    """Calls ``fire()`` at the last deadline given to :meth:`arm` (None: never).
 
-    def __init__(self, clock: IReactorTime, fire: Callable[[], None]) -> None:
+    ``early_ok``: the machine checks itself what is due when woken, so waking it early is
+    harmless; then a later deadline keeps the call already armed for an earlier one (it
+    fires, the machine does what is due, and the timer is armed again from its next
+    deadline). A machine whose deadline moves later with nearly every input (the engine
+    agent's: each task started or finished) then costs no delayed call per input.
+    """
+
+    def __init__(self, clock: IReactorTime, fire: Callable[[], None], *, early_ok: bool = False) -> None:
         self._clock = clock
         self._fire = fire
+        self._early_ok = early_ok
         self._call: IDelayedCall | None = None
         self._at: float | None = None
 
     def arm(self, deadline: float | None) -> None:
         """Be due at ``deadline``; a deadline already armed costs nothing."""
-        if deadline is not None and deadline == self._at:
+        if deadline is not None and (deadline == self._at or (
+                self._early_ok and self._at is not None and self._at < deadline)):
             return
         self.cancel()
         if deadline is not None:

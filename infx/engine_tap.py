@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from twisted.application.service import IService, MultiService, Service
+from twisted.application.service import IService, Service
 from twisted.internet.defer import Deferred
 from twisted.python import usage
 
@@ -212,27 +212,29 @@ CommandLineOptions = one_line_errors(Options, "infx-engine")
 
 
 class _PoolCloser(Service):
-    """Closes the HTTP client's idle persistent connections when the service tree stops."""
+    """Closes an HTTP client's kept-alive connections when the service tree stops (a
+    ``twisted.web`` pool's, or a :class:`~infx.agent.runtime_client.RuntimeClient`'s)."""
 
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
+    def __init__(self, close: Any) -> None:
+        self.close = close
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        closed: Deferred[None] = self.pool.closeCachedConnections()
+        closed: Deferred[None] = self.close()
         return closed
 
 
 def makeService(options: Options) -> IService:
     """Build the engine agent's service tree from validated options."""
     from twisted.internet import reactor
-    from twisted.web.client import Agent, HTTPConnectionPool
+    from twisted.web.client import Agent
 
-    from infx.agent.engine import EngineAgent
+    from infx.agent.engine import AgentServices, EngineAgent, GrpcLinks
+    from infx.agent.runtime_client import RuntimeClient
     from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
     from infx.agent.runtime_watch import RuntimeWatch, check_pool
     from infx.agent.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
-    from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime, runtime_agent
+    from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
     from infx.agent.upstream_key import UpstreamKey
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.agent.core import EngineAgentCore
@@ -240,27 +242,28 @@ def makeService(options: Options) -> IService:
     from protocol.agent.runtime_load import RuntimeLoadMonitor
     from protocol.grpc import GrpcConfig
 
-    top = MultiService()
+    # What the agent uses, stopped once it drained (AgentServices).
+    used: list[Service] = []
     runtime: Runtime
     agent_config = options["agent-config"]
     watch: RuntimeWatch | None = None
     if options["runtime"] == "openai":
         agent_config = replace(agent_config, capabilities=OPENAI_CAPABILITIES)
-        pool = HTTPConnectionPool(reactor, persistent=True)
-        pool.maxPersistentPerHost = options["max-concurrency"]
-        _PoolCloser(pool).setServiceParent(top)
-        http = runtime_agent(reactor, pool, connect_timeout=10)
+        # One kept-alive connection per running task at most (the core runs --max-concurrency).
+        client = RuntimeClient(reactor, options["upstream"], connect_timeout=10,
+                               max_idle=options["max-concurrency"])
+        used.append(_PoolCloser(client.close))
         credentials = None
         if options["upstream-api-key-file"]:
             credentials = UpstreamKey(reactor, path=options["upstream-api-key-file"])
         elif options["upstream-key"]:
             credentials = UpstreamKey(reactor, key=options["upstream-key"])
-        runtime = OpenAIRuntime(reactor, http, options["upstream"], credentials=credentials)
+        runtime = OpenAIRuntime(reactor, client, options["upstream"], credentials=credentials)
         health = HealthConfig(interval=options["runtime-check-interval"],
                               down_interval=min(1.0, options["runtime-check-interval"]),
                               list_models=not options["models"])
         checks_pool = check_pool(reactor)
-        _PoolCloser(checks_pool).setServiceParent(top)
+        used.append(_PoolCloser(checks_pool.closeCachedConnections))
         checks = Agent(reactor, pool=checks_pool, connectTimeout=5)
         watch = RuntimeWatch(reactor, RuntimeHealth(health), checks, runtime, lambda ready, models: None)
     else:
@@ -274,18 +277,21 @@ def makeService(options: Options) -> IService:
         return GrpcChannel(reactor, endpoint, grpc_config, authority=f"{host}:{port}",
                            scheme="https" if tls else "http")
 
-    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime, connect,
-                        key=options["key"] or "", grace=options["grace"])
-    agent.setServiceParent(top)
+    agent = EngineAgent(reactor, EngineAgentCore(agent_config), runtime,
+                        GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
     if watch is not None:
         watch.changed = agent.runtime_changed
-        watch.setServiceParent(top)
+        used.append(watch)
     if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
         scrapes = scrape_pool(reactor)
-        _PoolCloser(scrapes).setServiceParent(top)
-        RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
-                         Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
-                         agent.runtime_load_changed, authorize=runtime.authorize,
-                         refused=runtime.credentials.refused if runtime.credentials else None,
-                         sample=agent.core.load_sample).setServiceParent(top)
+        used.append(_PoolCloser(scrapes.closeCachedConnections))
+        used.append(RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
+                                     Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
+                                     agent.runtime_load_changed, authorize=runtime.authorize,
+                                     refused=runtime.credentials.refused if runtime.credentials else None,
+                                     sample=agent.core.load_sample))
+    top = AgentServices(agent)
+    for service in used:
+        service.setServiceParent(top)
+    agent.setServiceParent(top)
     return top

@@ -24,14 +24,18 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config
+from infx.config import ConfigError, GatewayConfig, endpoint_port, internal_tls, routing_config, runtime_targets
 from infx.exchange.exchanger import Exchanger, ExchangerConfig
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
+from infx.gateway.runtime_engines import RuntimeEngines, RuntimeSettings
 from infx.gateway.workers import WorkerService
-from infx.http.api import Gateway, build_resource
+from infx.http.api import Gateway, build_resource, own_metrics_resource
+from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
+from infx.supervisor.peers import SiblingPeerSource
+from infx.supervisor.role import WorkerRole
 from infx.transport import GrpcChannel, GrpcServer
 from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.gateway.effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, CoreConfig
@@ -39,6 +43,7 @@ from protocol.grpc import GrpcConfig
 from protocol.processor.core import Processor
 from protocol.processor.types import ProcessorConfig
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
+from protocol.supervisor.siblings import IN_EVERY_WORKER, workers_header
 
 log = Logger()
 
@@ -58,11 +63,15 @@ class ListeningService(service.Service):
     naming the option, the endpoint and why.
     """
 
-    def __init__(self, reactor: Any, option: str, description: str, factory: Any) -> None:
+    def __init__(self, reactor: Any, option: str, description: str, factory: Any, endpoint: Any = None) -> None:
+        """``endpoint``, when given, is listened on instead of ``description``'s (a socket a
+        supervisor made, :class:`~infx.supervisor.sockets.AdoptedEndpoint`); ``description``
+        still names it in errors."""
         self.reactor = reactor
         self.option = option
         self.description = description
         self.factory = factory
+        self.endpoint = endpoint
         self.port: Any = None
         self.bound: Deferred[Any] = Deferred()
         self._listening: Deferred[Any] | None = None
@@ -87,7 +96,7 @@ class ListeningService(service.Service):
         if self._listening is not None or self._abandoned:
             return
         self._listening = defer.maybeDeferred(
-            lambda: serverFromString(self.reactor, self.description).listen(self.factory))
+            lambda: (self.endpoint or serverFromString(self.reactor, self.description)).listen(self.factory))
         self._listening.addCallbacks(self._listened, self._failed)
 
     def _listened(self, port: Any) -> None:
@@ -130,14 +139,18 @@ class GatewayService(service.MultiService):
     """The gateway; on stop it turns unready, sends go-away and lets requests finish."""
 
     def __init__(self, reactor: Any, config: GatewayConfig, registry: CollectorRegistry | None = None,
-                 pod_name: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+                 pod_name: str | None = None, environ: Mapping[str, str] | None = None,
+                 role: WorkerRole | None = None) -> None:
         """``pod_name`` names this gateway to its peers (default: ``POD_NAME``, else derived
-        from the internal listen address; see :meth:`_default_pod_name`); ``environ`` is
-        where ``POD_NAME``, ``NAMESPACE`` and ``KUBECONFIG`` are read (default: ``os.environ``)."""
+        from the internal listen address; see :func:`default_pod_name`); ``environ`` is
+        where ``POD_NAME``, ``NAMESPACE`` and ``KUBECONFIG`` are read (default: ``os.environ``);
+        ``role``: this gateway is one worker of ``twistd infx --workers N`` (its name, its
+        siblings and the sockets it adopts; see :mod:`infx.supervisor`)."""
         super().__init__()
         self.environ: Mapping[str, str] = os.environ if environ is None else environ
         self.reactor = reactor
         self.config = config
+        self.role = role
         self.registry = registry or CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.key_reload: Any = None
@@ -164,7 +177,7 @@ class GatewayService(service.MultiService):
             routing=routing,
             route_stuck_timeout=config.route_stuck_timeout,
         ))
-        self.pod_name = pod_name or self._default_pod_name()
+        self.pod_name = pod_name or (role.pod_name if role is not None else default_pod_name(config, self.environ))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
                                      config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval,
                                                        learn_peers_within=PEER_LEARNING_SECONDS,
@@ -173,10 +186,9 @@ class GatewayService(service.MultiService):
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
         self.gateway = Gateway(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
                                hints=hints)
-        self.http_resource = build_resource(self.gateway)
-        site = GatewaySite(self.http_resource, max_body_size=config.max_body_size,
-                           on_refused=self.gateway.refused_early)
-        self.http = ListeningService(reactor, "--http", config.http, site)
+        self.http_resource = build_resource(self.gateway, self._metrics_of_every_worker() if role else None)
+        site = self._http_site(config)
+        self.http = ListeningService(reactor, "--http", config.http, site, self._adopted("http"))
         self.http.setServiceParent(self)
 
         grpc_config = GrpcConfig(
@@ -188,14 +200,26 @@ class GatewayService(service.MultiService):
         self.worker_server = GrpcServer(reactor, grpc_config)
         self.workers = WorkerService(self.dispatcher, keys, config.route_max_queued_bytes)
         self.workers.register(self.worker_server)
-        self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server)
+        self.worker_grpc = ListeningService(reactor, "--worker-grpc", config.worker_grpc, self.worker_server,
+                                            self._adopted("worker_grpc"))
         self.worker_grpc.setServiceParent(self)
+        self._private_listeners = self._worker_private_ports() if role is not None else []
         self.builtin_engine = self._builtin_engine() if config.echo_models else None
+        self.runtime_engines = self._runtime_engines()
         self._build_exchange(self.pod_name)
         self.metrics.watch_route_queues(lambda: [("engine", stream.queued_bytes) for stream in self.workers.streams]
                                         + [("peer", stream.queued_bytes) for stream in self.exchanger.streams])
         self.scaler: Any = self._build_scaler() if config.scaler else None
         self._start_all_or_nothing()
+
+    def _http_site(self, config: GatewayConfig) -> Any:
+        """The server of the API on ``--http``: httptools' (:mod:`infx.http.lean`) or twisted.web's,
+        which also serves an ``ssl:`` endpoint (HTTP/2 by ALPN). One resource tree either way."""
+        if config.http_server == "httptools" and not config.http.startswith("ssl:"):
+            return LeanSite(self.http_resource, max_body_size=config.max_body_size,
+                            on_refused=self.gateway.refused_early, reactor=self.reactor)
+        return GatewaySite(self.http_resource, max_body_size=config.max_body_size,
+                           on_refused=self.gateway.refused_early)
 
     # --- scaling engine deployments (infx/scaling/scaler.py) -------------------------
 
@@ -231,7 +255,7 @@ class GatewayService(service.MultiService):
         that does not scope engine ids by gateway (LLMariner's) must not take
         them for one engine.
         """
-        from infx.agent.engine import EngineAgent
+        from infx.agent.engine import EngineAgent, GrpcLinks
         from infx.agent.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
         from protocol.agent.core import AgentConfig, EngineAgentCore
@@ -241,24 +265,56 @@ class GatewayService(service.MultiService):
         if self.keys.enabled:
             self.keys.add_engine_key(key, Principal(tenant=self.config.echo_tenant, key_id="builtin-echo"))
 
+        # A worker's own engine-facing port is shared with its siblings: its engine dials a private one.
+        listener = self.engines_private if self.role is not None else self.worker_grpc
+
         def connect() -> GrpcChannel:
-            address = self.worker_grpc.port.getHost()
+            address = listener.port.getHost()
             host = "127.0.0.1" if address.host in ("0.0.0.0", "::", "") else address.host
             config = GrpcConfig(client_side=True, max_receive_message_length=self.config.max_message_size)
             return GrpcChannel(self.reactor, client_endpoint(self.reactor, host, address.port), config)
 
-        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name),
-                                           models=self.config.echo_models, instance=secrets.token_hex(8)))
+        # Every worker runs one: a sibling's is not this worker's to serve (protocol/supervisor/siblings.py).
+        capabilities = (IN_EVERY_WORKER,) if self.role is not None else ()
+        core = EngineAgentCore(AgentConfig(engine_id=builtin_engine_id(self.pod_name), models=self.config.echo_models,
+                                           instance=secrets.token_hex(8), capabilities=capabilities))
         runtime = EchoRuntime(self.reactor, EchoConfig(token_delay=self.config.echo_token_delay))
-        return EngineAgent(self.reactor, core, runtime, connect,
-                           key=key, grace=self.config.grace_period)
+        return EngineAgent(self.reactor, core, runtime, GrpcLinks(self.reactor, connect, key=key),
+                           grace=self.config.grace_period)
+
+    def _runtime_engines(self) -> RuntimeEngines:
+        """Runtimes this gateway serves itself, no agent in between (README "Runtimes by URL"):
+        ``--runtime-url``, and with ``--runtime-pod-label`` the pods of this namespace it picks."""
+        config = self.config
+        settings = RuntimeSettings(tenant=config.runtime_tenant, max_concurrency=config.runtime_max_concurrency,
+                                   api_key_file=config.runtime_api_key_file, grace=config.grace_period,
+                                   capabilities=(IN_EVERY_WORKER,) if self.role is not None else ())
+        discover = None
+        if config.runtime_pod_label:
+            import random
+
+            from kubernetes import client
+
+            from infx.discovery.kube import PodWatcherConfig, RuntimePodWatcher, kube_api_client
+
+            label = config.runtime_pod_label
+            namespace = PodWatcherConfig.from_environment(label, config.runtime_port, environ=self.environ).namespace
+            api = client.CoreV1Api(kube_api_client(self.environ))
+
+            def discover(on_change: Callable[[Any], None]) -> RuntimePodWatcher:
+                # Seeded by the OS: replicas restarted together must not back off in step.
+                return RuntimePodWatcher(self.reactor, api, namespace, label, config.runtime_port, on_change,
+                                         random.SystemRandom())
+
+        return RuntimeEngines(self.reactor, self.dispatcher, self.pod_name, settings, runtime_targets(config),
+                              discover)
 
     # --- start-up: all ports or none ----------------------------------------
 
     def _start_all_or_nothing(self) -> None:
         """Nothing that depends on a port (readiness, the built-in engine, peers, the scaler)
         starts until every port listens; one that cannot be bound closes the others."""
-        self._listeners = [self.http, self.worker_grpc, self.internal_grpc]
+        self._listeners = [self.http, self.worker_grpc, self.internal_grpc, *self._private_listeners]
         self._all_bound = False
         self._dependents_started = False
         self._listen_failure: Failure | None = None
@@ -327,6 +383,7 @@ class GatewayService(service.MultiService):
         self.exchanger.start()
         if self.builtin_engine is not None:
             self.builtin_engine.startService()
+        self.runtime_engines.start()
         self.gateway.listening = True
 
     @defer.inlineCallbacks
@@ -334,6 +391,8 @@ class GatewayService(service.MultiService):
         """Graceful shutdown: unready, go-away to engines, drain within the grace period, stop."""
         self.gateway.shutting_down = True
         self.workers.accepting = False
+        # Before the dispatcher's drain, whose go-away would have them open new streams.
+        runtimes_drained = self.runtime_engines.drain()
         self.dispatcher.drain()
         exchange_drained = self.exchanger.drain()
         deadline = self.reactor.seconds() + self.config.grace_period
@@ -352,6 +411,7 @@ class GatewayService(service.MultiService):
         yield self.exchanger.stop()
         if self.builtin_engine is not None and self.builtin_engine.running:
             yield self.builtin_engine.stopService()
+        yield runtimes_drained
         yield defer.maybeDeferred(service.MultiService.stopService, self)
 
 
@@ -368,10 +428,10 @@ class GatewayService(service.MultiService):
         ))
         self.exchanger = Exchanger(
             self.reactor, self.dispatcher,
-            ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port(),
-                            max_queued_bytes=config.route_max_queued_bytes),
-            self._peer_source, self._peer_channel,
+            self._exchanger_config(pod_name), self._peer_source, self._peer_channel,
         )
+        if isinstance(self.exchanger.source, SiblingPeerSource):
+            self.exchanger.on_dial_accepted.append(self.exchanger.source.dial_accepted)
         self.exchanger.register(self.internal_server)
         # --internal-tls-*: TLS requiring a client certificate from the internal CA, on the same endpoint;
         # the files are read again as connections come, to pick up a rotation.
@@ -384,8 +444,52 @@ class GatewayService(service.MultiService):
             self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
         self.internal_grpc = ListeningService(self.reactor, "--internal-grpc", config.internal_grpc,
-                                              listening_factory)
+                                              listening_factory, self._adopted("internal_grpc"))
         self.internal_grpc.setServiceParent(self)
+
+    def _exchanger_config(self, pod_name: str) -> ExchangerConfig:
+        config, role = self.config, self.role
+        if role is None:
+            return ExchangerConfig(pod_name=pod_name, secret=config.internal_secret, peer_port=self._peer_port(),
+                                   max_queued_bytes=config.route_max_queued_bytes)
+        return ExchangerConfig(pod_name=pod_name, secret=config.internal_secret,
+                               peer_port=role.internal_ports[role.index], max_queued_bytes=config.route_max_queued_bytes,
+                               accept_metadata=(workers_header(role.internal_ports),),
+                               siblings=frozenset(role.siblings))
+
+    # --- a worker of twistd infx --workers N (infx/supervisor/) -----------------------------
+
+    def _adopted(self, name: str) -> Any:
+        """The socket the supervisor made for this listen option, or None (bind it here)."""
+        if self.role is None:
+            return None
+        from infx.supervisor.sockets import AdoptedEndpoint
+
+        description = getattr(self.config, name, "tcp:0")
+        return AdoptedEndpoint(self.reactor, self.role.fds[name], self.role.families[name], description)
+
+    def _worker_private_ports(self) -> list[ListeningService]:
+        """A worker's loopback ports of its own: its engine-facing service, for its built-in engine
+        (the shared port may hand its connection to a sibling), and its own ``/metrics``, which the
+        worker answering a scrape reads from each sibling."""
+        from twisted.web import server as web_server
+
+        self.engines_private = ListeningService(self.reactor, "--worker-grpc (this worker's own)", "tcp:0",
+                                                self.worker_server, self._adopted("engines_private"))
+        self.engines_private.setServiceParent(self)
+        metrics_site = web_server.Site(own_metrics_resource(self.registry))
+        metrics_site.log = lambda request: None  # type: ignore[method-assign]
+        self.metrics_private = ListeningService(self.reactor, "/metrics (this worker's own)", "tcp:0", metrics_site,
+                                                self._adopted("metrics_private"))
+        self.metrics_private.setServiceParent(self)
+        return [self.engines_private, self.metrics_private]
+
+    def _metrics_of_every_worker(self) -> Any:
+        """``/metrics`` of a worker: every worker's series, each labelled with its ``worker``."""
+        from infx.supervisor.metrics import EveryWorkerMetrics
+
+        assert self.role is not None
+        return EveryWorkerMetrics(self.reactor, self.registry, self.role.index, self.role.metrics_ports)
 
     def _peer_port(self) -> int | None:
         """The port peers dial back (a unix: internal endpoint has none)."""
@@ -394,22 +498,15 @@ class GatewayService(service.MultiService):
         except ConfigError:
             return None
 
-    def _default_pod_name(self) -> str:
-        """``POD_NAME``; else ``ADDRESS:PORT`` of the internal listen endpoint, which is what
-        static peers dial, with the host name standing in for a wildcard address."""
-        if self.environ.get("POD_NAME"):
-            return self.environ["POD_NAME"]
-        interface = re.search(r"(?:^|:)interface=([^:]+)", self.config.internal_grpc)
-        host = interface.group(1) if interface else ""
-        if host in ("", "0.0.0.0", "::"):
-            host = socket.gethostname()
-        try:
-            return f"{host}:{self.config.effective_peer_port}"
-        except ConfigError:  # an endpoint without a port number (unix:...)
-            return host
-
     def _peer_source(self, on_change: Callable[[PeerChange], None]) -> Any:
-        """Static ``--peers``, or with ``--kube`` the pod watcher (in-cluster config or ``KUBECONFIG``)."""
+        """Static ``--peers``, or with ``--kube`` the pod watcher (in-cluster config or ``KUBECONFIG``);
+        a worker's, with its siblings and each peer's other workers (:mod:`infx.supervisor.peers`)."""
+        if self.role is None:
+            return self._configured_peers(on_change)
+        siblings = {pod: PeerAddress(host, port) for pod, (host, port) in self.role.siblings.items()}
+        return SiblingPeerSource(siblings, self._configured_peers, on_change)
+
+    def _configured_peers(self, on_change: Callable[[PeerChange], None]) -> Any:
         from infx.discovery.kube import StaticPeers
 
         if not self.config.kube:
@@ -437,6 +534,24 @@ class GatewayService(service.MultiService):
         return GrpcChannel(self.reactor, endpoint, config)
 
 
+def default_pod_name(config: GatewayConfig, environ: Mapping[str, str], internal_port: int | None = None) -> str:
+    """``POD_NAME``; else ``ADDRESS:PORT`` of the internal listen endpoint (``internal_port`` in
+    place of its port, for a worker of ``--workers N``), which is what static peers dial, with
+    the host name standing in for a wildcard address."""
+    if environ.get("POD_NAME"):
+        return environ["POD_NAME"]
+    interface = re.search(r"(?:^|:)interface=([^:]+)", config.internal_grpc)
+    host = interface.group(1) if interface else ""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.gethostname()
+    if internal_port is not None:
+        return f"{host}:{internal_port}"
+    try:
+        return f"{host}:{config.effective_peer_port}"
+    except ConfigError:  # an endpoint without a port number (unix:...)
+        return host
+
+
 def _address(port: Any) -> str:
     """Where a listening port accepts connections: HOST:PORT (every interface: 0.0.0.0 or ::),
     or the address as Twisted gives it (a unix socket)."""
@@ -458,6 +573,8 @@ def _sleep(reactor: Any, seconds: float) -> Deferred[None]:
     return d
 
 
-def build_gateway(reactor: Any, config: GatewayConfig, registry: CollectorRegistry | None = None) -> GatewayService:
-    """The gateway as an ``IService``, for ``twistd infx`` or an embedding application."""
-    return GatewayService(reactor, config, registry)
+def build_gateway(reactor: Any, config: GatewayConfig, registry: CollectorRegistry | None = None,
+                  role: WorkerRole | None = None) -> GatewayService:
+    """The gateway as an ``IService``, for ``twistd infx`` or an embedding application; ``role``
+    for a worker of ``twistd infx --workers N`` (:mod:`infx.supervisor`)."""
+    return GatewayService(reactor, config, registry, role=role)

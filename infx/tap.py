@@ -66,6 +66,23 @@ _ROUTING_PARAMETERS: list[list[Any]] = [
 ]
 
 
+# Runtimes served by URL from this process, no engine agent in between (infx/gateway/runtime_engines.py).
+_RUNTIME_PARAMETERS: list[list[Any]] = [
+    ["runtime-pod-label", None, None,
+     "key=value label of this namespace's pods that run a runtime to serve by URL (http://POD_IP:--runtime-port; "
+     "models from the pod's infx.io/models annotation, else from the runtime); needs a Kubernetes client config."],
+    ["runtime-port", None, None, f"Port of the runtime on each --runtime-pod-label pod [default: {_DEFAULTS.runtime_port}]."],
+    ["runtime-tenant", None, None,
+     f"Tenant whose callers the runtimes by URL serve (other than default needs --api-keys) "
+     f"[default: {_DEFAULTS.runtime_tenant}]."],
+    ["runtime-max-concurrency", None, None,
+     "Tasks each runtime by URL runs at once; up to four times as many more wait there "
+     f"[default: {_DEFAULTS.runtime_max_concurrency}]."],
+    ["runtime-api-key-file", None, None,
+     "File holding the runtimes' API key, sent as 'Authorization: Bearer KEY'; reread when it changes."],
+]
+
+
 class Options(VersionOption, usage.Options):
     """Options of ``twistd infx``; validated once, in ``postOptions``."""
 
@@ -115,12 +132,27 @@ class Options(VersionOption, usage.Options):
         ["route-max-queued-bytes", None, None,
          "Bytes of tasks an engine's or peer's stream may hold unread before it takes no more; "
          f"a task whose request ended is taken back unsent [default: {_DEFAULTS.route_max_queued_bytes}]."],
+        ["http-server", None, None,
+         "What serves --http: httptools (its own HTTP/1.1 server, parsed in C) or twisted (twisted.web); an "
+         f"ssl: endpoint is always twisted.web's, for HTTP/2 [default: {_DEFAULTS.http_server}]."],
+        ["workers", None, None,
+         "Gateway processes sharing the listening ports under this one (docs/workers.md); 1: one process "
+         "[default: the cores this process may use, its CPU affinity within its cgroup's quota]."],
         ["grace-period", None, None,
          f"Seconds in-flight requests get on shutdown [default: {_DEFAULTS.grace_period:g}]."],
         *_EXCHANGE_PARAMETERS,
+        *_RUNTIME_PARAMETERS,
     ]
 
     config_value: GatewayConfig
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["runtime-url"] = None
+
+    def opt_runtime_url(self, value: str) -> None:
+        """Serve the runtime at URL (models: what it lists) or URL=model,model with no agent; repeatable."""
+        self["runtime-url"] = [*(self["runtime-url"] or []), value]
 
     def postOptions(self) -> None:
         flags = {name: self[name] for name in self if name != "config"}
@@ -155,7 +187,39 @@ def makeService(options: Options) -> IService:
     from infx.cli import ExitIfCannotListen
     from infx.service import build_gateway
 
+    from infx.config import worker_count
+
     twistd = getattr(options, "parent", None)  # twistd's own options: -n or not
     daemon = twistd is not None and not twistd.get("nodaemon", True)
+    config = options.config_value
+    workers = worker_count(config)
+    if workers > 1:
+        # Workers write their lines to standard output themselves when that is where twistd logs text.
+        log_text = (twistd is None or (not daemon and twistd.get("logfile") in (None, "-")
+                                       and not twistd.get("logger") and not twistd.get("syslog")))
+        return service_or_exit("infx", lambda: supervisor(reactor, config, workers, daemon, log_text))
     return service_or_exit("infx", lambda: ExitIfCannotListen(
-        reactor, build_gateway(reactor, options.config_value), daemon=daemon))
+        reactor, build_gateway(reactor, config), daemon=daemon))
+
+
+def supervisor(reactor: Any, config: GatewayConfig, workers: int, daemon: bool, log_text: bool) -> IService:
+    """``--workers N``: a supervisor of N gateway processes (:mod:`infx.supervisor`)."""
+    from infx.service import default_pod_name
+    from infx.supervisor.role import worker_pod_name
+    from infx.supervisor.sockets import listen_address
+    from infx.supervisor.supervisor import Supervisor
+
+    for name, option in (("http", "--http"), ("worker_grpc", "--worker-grpc"), ("internal_grpc", "--internal-grpc")):
+        listen_address(getattr(config, name), option)  # a ConfigError for an endpoint workers cannot share
+    if config.kube:
+        # What building a gateway checks besides the options: here, before any worker starts.
+        from infx.discovery.kube import kube_api_client
+
+        kube_api_client(os.environ)
+
+    def pod_name(internal_port: int, index: int) -> str:
+        if os.environ.get("POD_NAME"):
+            return worker_pod_name(os.environ["POD_NAME"], index)
+        return default_pod_name(config, os.environ, internal_port)
+
+    return Supervisor(reactor, config, workers, pod_name, daemon=daemon, log_text=log_text)

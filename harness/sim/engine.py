@@ -111,7 +111,9 @@ class ScriptedRuntime:
             return
         core = engine.core
         run.emitted += 1
-        engine.perform(core.send_result(run.task.id, result))
+        sent = core.send_result(run.task.id, result)
+        if sent is not None:
+            engine.perform([sent])
         if last:
             self.live.pop(run.task.id, None)
             engine.perform(core.finish_task(run.task.id, engine.cluster.scheduler.now))

@@ -1,14 +1,18 @@
 """The engine agent on Twisted: performs the effects of :class:`protocol.agent.core.EngineAgentCore`.
 
-Rules this file keeps: no bookkeeping of its own beyond handles (which call
-object is stream 3, which runtime handle is task "t-1"); every decision
-(what to answer, which stream, when to report, when to reconnect) is the
-pure core's. The clock, the channel factory and the runtime are passed in;
-one ``callLater`` is armed from ``next_deadline()``; effects are performed
-in the order the core returned them, through one queue, so that a runtime
-answering synchronously cannot reorder them.
+Rules this file keeps: no bookkeeping of its own beyond handles (which link
+is stream 3, which runtime handle is task "t-1"); every decision (what to
+answer, which stream, when to report, when to reconnect) is the pure core's.
+The clock, the links to the gateway and the runtime are passed in; one
+``callLater`` is armed from ``next_deadline()``; effects are performed in the
+order the core returned them, through one queue, so that a runtime answering
+synchronously cannot reorder them.
 
-The gRPC stream is ``InferenceWorkerService/ProcessTasks`` on LLMariner's
+What a stream to the gateway is, is the links' business (:class:`GatewayLinks`):
+:class:`GrpcLinks` dials the gateway's engine port, as ``twistd infx-engine``
+and the built-in echo engine do; :mod:`infx.agent.in_process` makes each stream a
+route of the gateway's own processor, for runtimes the gateway serves by URL.
+Over gRPC the stream is ``InferenceWorkerService/ProcessTasks`` on LLMariner's
 wire: we send ``ProcessTasksRequest`` (status, results) and receive
 ``ProcessTasksResponse`` (tasks). Each opened stream of a go-away or a
 reconnect gets a fresh channel (a new TCP connection), so that a load
@@ -22,10 +26,10 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -48,27 +52,42 @@ from protocol.agent.core import (
 )
 from protocol.agent.runtime_load import RuntimeLoad
 from protocol.openai.errors import UpstreamError
-from protocol.pb import worker_pb2
+from protocol.pb import status_pb2, worker_pb2
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 
-__all__ = ["PROCESS_TASKS", "EngineAgent"]
+__all__ = ["PROCESS_TASKS", "AgentServices", "EngineAgent", "GatewayLink", "GatewayLinks", "GrpcLinks"]
 
 PROCESS_TASKS = "/llmariner.inference.server.v1.InferenceWorkerService/ProcessTasks"
 
 log = Logger(namespace="infx.engine")
 
 
-@dataclass
-class _Stream:
-    call: ClientCall
-    channel: GrpcChannel
-    #: The last send that the call could not take at once (its buffers are full).
-    backlog: Deferred[None] | None = None
+class GatewayLink(Protocol):
+    """One stream to the gateway, as the agent writes to it."""
+
+    def send_status(self, status: status_pb2.EngineStatus) -> None:
+        """Report this engine's status."""
+
+    def send_result(self, result: worker_pb2.TaskResult) -> None:
+        """Send a task's result (its task id and index already stamped)."""
+
+    def when_writable(self) -> Deferred[None] | None:
+        """None if more results may be sent now; else fires once the stream drained."""
+
+    def end(self) -> None:
+        """We send nothing more on this stream (the core closed it)."""
 
 
-@dataclass
-class _ChannelUse:
-    streams: int = 0
+class GatewayLinks(Protocol):
+    """How the agent's streams to the gateway are opened, and closed when it stops."""
+
+    def open(self, stream_id: int, new_connection: bool, agent: EngineAgent) -> GatewayLink:
+        """Open stream ``stream_id`` (on a new connection when ``new_connection``); what arrives
+        on it goes to ``agent``'s :meth:`~EngineAgent.task_arrived`, :meth:`~EngineAgent.stream_confirmed`
+        and :meth:`~EngineAgent.stream_ended`, never before this returns."""
+
+    def stop(self) -> Deferred[None]:
+        """The agent drained: let the streams end, then release what they used."""
 
 
 @dataclass
@@ -81,8 +100,16 @@ class _Sink:
     handle: RunningTask | None = field(default=None, repr=False)
 
     def send(self, result: worker_pb2.TaskResult) -> None:
-        if not self.ended:
-            self.agent._run(self.agent.core.send_result(self.task_id, result))
+        if self.ended:
+            return
+        agent = self.agent
+        effect = agent.core.send_result(self.task_id, result)
+        if effect is None:
+            return
+        if agent._running_effects:
+            agent._queue.append(effect)  # behind the effects being performed, in order
+        else:
+            agent._perform(effect)  # a result moves no deadline: the timer stays as armed
 
     def when_writable(self) -> Deferred[None] | None:
         return None if self.ended else self.agent._when_writable(self.task_id)
@@ -95,13 +122,11 @@ class _Sink:
 
 
 class EngineAgent(Service):
-    """Connects to a gateway and serves its tasks on ``runtime`` (a Twisted service).
+    """Serves the gateway's tasks on ``runtime`` over ``links`` (a Twisted service).
 
-    ``connect()`` returns a new :class:`GrpcChannel` to the gateway; ``key``
-    goes out as ``authorization: Bearer <key>``. ``stopService`` reports
-    ready=false and waits for in-flight tasks, up to ``grace`` seconds, then
-    closes the streams and their connections. ``jitter()`` gives a number in
-    [0, 1) for the reconnect backoff.
+    ``stopService`` reports ready=false and waits for in-flight tasks, up to
+    ``grace`` seconds, then ends the streams (:meth:`GatewayLinks.stop`).
+    ``jitter()`` gives a number in [0, 1) for the reconnect backoff.
     """
 
     def __init__(
@@ -109,49 +134,43 @@ class EngineAgent(Service):
         clock: IReactorTime,
         core: EngineAgentCore,
         runtime: Runtime,
-        connect: Callable[[], GrpcChannel],
+        links: GatewayLinks,
         *,
-        key: str = "",
         grace: float = 30.0,
-        close_timeout: float = 5.0,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.clock = clock
         self.core = core
         self.runtime = runtime
-        self._connect = connect
-        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {key}"),) if key else ()
+        self.links = links
         self.grace = grace
-        self.close_timeout = close_timeout
         self._jitter = jitter
-        self._streams: dict[int, _Stream] = {}
-        self._channels: dict[GrpcChannel, _ChannelUse] = {}
-        self._channel: GrpcChannel | None = None
+        self._streams: dict[int, GatewayLink] = {}
         self._tasks: dict[str, _Sink] = {}
         self._queue: deque[Effect] = deque()
         self._running_effects = False
-        self._timer = DeadlineTimer(clock, self._on_timer)
+        # The core does only what is due when woken (handle_timeout), so an early wake-up is harmless.
+        self._timer = DeadlineTimer(clock, self._on_timer, early_ok=True)
         self._stopped: Deferred[None] | None = None
-        #: A gateway that refuses us (wrong key) or is not there fails every reconnect the same way.
-        self._stream_failures = RepeatSuppressor()
-        #: Streams the gateway accepted so far: the first is a connect, the others reconnects.
-        self._accepted = 0
+
+    @property
+    def engine_id(self) -> str:
+        return self.core.config.engine_id
 
     # -- service ------------------------------------------------------------------
 
     def startService(self) -> None:
         super().startService()
-        log.info("engine {engine_id} starting", engine_id=self.core.config.engine_id)
+        log.info("engine {engine_id} starting", engine_id=self.engine_id)
         self._run(self.core.start(self.clock.seconds()))
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
         if self.core.state is AgentState.STOPPED:
-            return self._close_channels()
+            return self.links.stop()
         stopped: Deferred[None] = Deferred()
         self._stopped = stopped
-        log.info("engine {engine_id} draining {n} tasks", engine_id=self.core.config.engine_id,
-                 n=self.core.in_progress)
+        log.info("engine {engine_id} draining {n} tasks", engine_id=self.engine_id, n=self.core.in_progress)
         self._run(self.core.shutdown(self.grace, self.clock.seconds()))
         return stopped
 
@@ -162,6 +181,26 @@ class EngineAgent(Service):
     def runtime_load_changed(self, load: RuntimeLoad | None) -> None:
         """The runtime's own load changed enough to report (:mod:`infx.agent.runtime_load_watch`)."""
         self._run(self.core.runtime_load_changed(load, self.clock.seconds()))
+
+    # -- what the links report ------------------------------------------------------
+
+    def task_arrived(self, stream_id: int, task: worker_pb2.Task) -> None:
+        """A task came on stream ``stream_id``."""
+        try:
+            effects = self.core.task_received(stream_id, task, self.clock.seconds())
+        except GatewayProtocolError as exc:
+            log.warn("engine {engine_id}: {error}", engine_id=self.engine_id, error=str(exc))
+        else:
+            self._run(effects)
+
+    def stream_confirmed(self, stream_id: int) -> None:
+        """The gateway took stream ``stream_id`` (the reconnect backoff starts over)."""
+        self.core.stream_confirmed(stream_id)
+
+    def stream_ended(self, stream_id: int) -> None:
+        """Stream ``stream_id`` is over, whoever ended it; its tasks are aborted."""
+        self._streams.pop(stream_id, None)
+        self._run(self.core.stream_closed(stream_id, self._jitter(), self.clock.seconds()))
 
     # -- effects ------------------------------------------------------------------
 
@@ -175,13 +214,17 @@ class EngineAgent(Service):
                 self._perform(self._queue.popleft())
         finally:
             self._running_effects = False
-        self._arm()
+        self._timer.arm(self.core.next_deadline())
 
     def _perform(self, effect: Effect) -> None:
         if isinstance(effect, SendResult):
-            self._send(effect.stream_id, worker_pb2.ProcessTasksRequest(task_result=effect.result))
+            link = self._streams.get(effect.stream_id)
+            if link is not None:
+                link.send_result(effect.result)
         elif isinstance(effect, SendStatus):
-            self._send(effect.stream_id, worker_pb2.ProcessTasksRequest(engine_status=effect.status))
+            link = self._streams.get(effect.stream_id)
+            if link is not None:
+                link.send_status(effect.status)
         elif isinstance(effect, StartTask):
             self._start_task(effect.task)
         elif isinstance(effect, AbortTask):
@@ -191,109 +234,21 @@ class EngineAgent(Service):
                 if sink.handle is not None:
                     sink.handle.abort()
         elif isinstance(effect, OpenStream):
-            self._open(effect.stream_id, effect.new_connection)
+            self._streams[effect.stream_id] = self.links.open(effect.stream_id, effect.new_connection, self)
         elif isinstance(effect, CloseStream):
-            stream = self._streams.get(effect.stream_id)
-            if stream is not None:
-                stream.call.end()
+            link = self._streams.get(effect.stream_id)
+            if link is not None:
+                link.end()
         elif isinstance(effect, Stopped):
             self._finish_stop()
-
-    def _arm(self) -> None:
-        self._timer.arm(self.core.next_deadline())
 
     def _on_timer(self) -> None:
         self._run(self.core.handle_timeout(self.clock.seconds()))
 
-    # -- streams ------------------------------------------------------------------
-
-    def _open(self, stream_id: int, new_connection: bool) -> None:
-        if new_connection or self._channel is None:
-            previous = self._channel
-            self._channel = self._connect()
-            self._channels[self._channel] = _ChannelUse()
-            if previous is not None and self._channels[previous].streams == 0:
-                self._close_channel(previous)
-        channel = self._channel
-        self._channels[channel].streams += 1
-        call = channel.stream(
-            PROCESS_TASKS,
-            worker_pb2.ProcessTasksRequest.SerializeToString,
-            worker_pb2.ProcessTasksResponse.FromString,
-            metadata=self._metadata,
-        )
-        self._streams[stream_id] = _Stream(call, channel)
-
-        def confirmed(_: Any) -> None:
-            if call.final is None:
-                self.core.stream_confirmed(stream_id)
-                self._log_repeats(self._stream_failures.cleared("stream", self.clock.seconds()))
-                self._accepted += 1
-                log.info("engine {engine_id}: {connected} to the gateway (stream {stream_id})",
-                         engine_id=self.core.config.engine_id, stream_id=stream_id,
-                         connected="connected" if self._accepted == 1 else "reconnected", event="engine_connected")
-
-        call.initial_metadata().addCallback(confirmed)
-        self._read(stream_id, call)
-
-    def _read(self, stream_id: int, call: ClientCall) -> None:
-        # Each task as it arrives, without a Deferred per message; then the stream's end.
-        call.read_each(lambda message: self._received(stream_id, message)).addCallbacks(
-            lambda _: self._ended(stream_id, None),
-            lambda failure: self._ended(stream_id, failure),
-        )
-
-    def _received(self, stream_id: int, message: worker_pb2.ProcessTasksResponse) -> None:
-        if message.HasField("new_task"):
-            try:
-                effects = self.core.task_received(stream_id, message.new_task, self.clock.seconds())
-            except GatewayProtocolError as exc:
-                log.warn("engine {engine_id}: {error}", engine_id=self.core.config.engine_id, error=str(exc))
-            else:
-                self._run(effects)
-
-    def _ended(self, stream_id: int, failure: Failure | None) -> None:
-        stream = self._streams.pop(stream_id)
-        reason = "ended by the gateway" if failure is None else failure.getErrorMessage()
-        self._log_repeats(self._stream_failures.occurred("stream", f"stream closed: {reason}", self.clock.seconds()))
-        use = self._channels[stream.channel]
-        use.streams -= 1
-        if use.streams == 0 and stream.channel is not self._channel:
-            self._close_channel(stream.channel)
-        self._run(self.core.stream_closed(stream_id, self._jitter(), self.clock.seconds()))
-
-    def _log_repeats(self, reports: list[RepeatReport]) -> None:
-        for report in reports:
-            emit = log.info if report.kind is RepeatKind.STOPPED else log.warn
-            emit("engine {engine_id}: {text}", engine_id=self.core.config.engine_id, text=report.text(),
-                 repeat=report.kind.value, count=report.count)
-
-    def _close_channel(self, channel: GrpcChannel) -> Deferred[None]:
-        use = self._channels.pop(channel, None)
-        if channel is self._channel:
-            self._channel = None
-        if use is None:
-            return succeed(None)
-        return channel.close()
-
-    def _send(self, stream_id: int, message: worker_pb2.ProcessTasksRequest) -> None:
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return
-        sent = stream.call.send(message)
-        # A failed send shows up as the end of the stream on the read side.
-        sent.addErrback(lambda _: None)
-        if not sent.called:
-            stream.backlog = sent
-
     def _when_writable(self, task_id: str) -> Deferred[None] | None:
         stream_id = self.core.task_stream(task_id)
-        stream = self._streams.get(stream_id) if stream_id is not None else None
-        if stream is None or stream.backlog is None or stream.backlog.called:
-            return None
-        writable: Deferred[None] = Deferred()
-        stream.backlog.addBoth(lambda result: (writable.callback(None), result)[1])
-        return writable
+        link = self._streams.get(stream_id) if stream_id is not None else None
+        return None if link is None else link.when_writable()
 
     # -- tasks --------------------------------------------------------------------
 
@@ -312,24 +267,197 @@ class EngineAgent(Service):
     # -- stop ---------------------------------------------------------------------
 
     def _finish_stop(self) -> None:
-        log.info("engine {engine_id} drained", engine_id=self.core.config.engine_id)
+        log.info("engine {engine_id} drained", engine_id=self.engine_id)
         self._timer.cancel()
-        waiting = [s.call.status() for s in self._streams.values()]
+        ended = self.links.stop()
+        stopped = self._stopped
+        if stopped is not None:
+            self._stopped = None
+            ended.chainDeferred(stopped)
+
+
+class AgentServices(MultiService):
+    """An engine agent and the services it uses (its runtime's client, health check, load scrapes).
+
+    On stop the agent drains first (its tasks finish within its grace period, still using the
+    others), then the others stop: a ``MultiService`` would stop them all at once, closing the
+    runtime's connections under the tasks still running.
+    """
+
+    def __init__(self, agent: EngineAgent) -> None:
+        super().__init__()
+        self.agent = agent
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        drained: Deferred[Any] = maybeDeferred(self.agent.stopService) if self.agent.running else succeed(None)
+
+        def the_rest(_: Any) -> Deferred[None]:
+            others = [maybeDeferred(s.stopService) for s in reversed(list(self)) if s is not self.agent and s.running]
+            done: Deferred[Any] = DeferredList(others)
+            return done.addCallback(lambda _: None)
+
+        return drained.addBoth(the_rest)
+
+
+# -- streams over gRPC ----------------------------------------------------------------
+
+#: The key of ``ProcessTasksRequest.task_result`` (field 2, length-delimited) on the wire.
+_TASK_RESULT_KEY = b"\x12"
+
+
+def _result_request(result: worker_pb2.TaskResult) -> bytes:
+    """``ProcessTasksRequest(task_result=result)`` encoded, without first copying ``result`` (and its
+    body) into a wrapper message: a streamed answer sends one per event."""
+    body = result.SerializeToString()
+    size = len(body)
+    prefix = bytearray(_TASK_RESULT_KEY)
+    while size > 0x7F:
+        prefix.append((size & 0x7F) | 0x80)
+        size >>= 7
+    prefix.append(size)
+    return bytes(prefix) + body
+
+
+def _encode_request(message: worker_pb2.ProcessTasksRequest | bytes) -> bytes:
+    """What the stream sends: a status as its message, a result already encoded (:func:`_result_request`)."""
+    return message if type(message) is bytes else message.SerializeToString()
+
+
+
+@dataclass
+class _GrpcStream:
+    """A stream over gRPC: its call, its channel, and the last send the call could not take at once."""
+
+    stream_id: int
+    call: ClientCall
+    channel: GrpcChannel
+    backlog: Deferred[None] | None = None
+
+    def send_status(self, status: status_pb2.EngineStatus) -> None:
+        self._send(worker_pb2.ProcessTasksRequest(engine_status=status))
+
+    def send_result(self, result: worker_pb2.TaskResult) -> None:
+        self._send(_result_request(result))
+
+    def _send(self, message: worker_pb2.ProcessTasksRequest | bytes) -> None:
+        sent = self.call.send(message)
+        # A failed send shows up as the end of the stream on the read side.
+        sent.addErrback(lambda _: None)
+        if not sent.called:
+            self.backlog = sent
+
+    def when_writable(self) -> Deferred[None] | None:
+        backlog = self.backlog
+        if backlog is None or backlog.called:
+            return None
+        writable: Deferred[None] = Deferred()
+        backlog.addBoth(lambda result: (writable.callback(None), result)[1])
+        return writable
+
+    def end(self) -> None:
+        self.call.end()
+
+
+@dataclass
+class _ChannelUse:
+    streams: int = 0
+
+
+class GrpcLinks:
+    """Streams to the gateway's engine port: ``connect()`` returns a new :class:`GrpcChannel`
+    to it; ``key`` goes out as ``authorization: Bearer <key>``. On stop, streams still open
+    get ``close_timeout`` seconds to end before their channels are closed."""
+
+    def __init__(self, clock: IReactorTime, connect: Callable[[], GrpcChannel], *, key: str = "",
+                 close_timeout: float = 5.0) -> None:
+        self.clock = clock
+        self._connect = connect
+        self._metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {key}"),) if key else ()
+        self.close_timeout = close_timeout
+        self._streams: dict[int, _GrpcStream] = {}
+        self._channels: dict[GrpcChannel, _ChannelUse] = {}
+        self._channel: GrpcChannel | None = None
+        #: A gateway that refuses us (wrong key) or is not there fails every reconnect the same way.
+        self._stream_failures = RepeatSuppressor()
+        #: Streams the gateway accepted so far: the first is a connect, the others reconnects.
+        self._accepted = 0
+
+    def open(self, stream_id: int, new_connection: bool, agent: EngineAgent) -> GatewayLink:
+        if new_connection or self._channel is None:
+            previous = self._channel
+            self._channel = self._connect()
+            self._channels[self._channel] = _ChannelUse()
+            if previous is not None and self._channels[previous].streams == 0:
+                self._close_channel(previous)
+        channel = self._channel
+        self._channels[channel].streams += 1
+        call = channel.stream(
+            PROCESS_TASKS,
+            _encode_request,
+            worker_pb2.ProcessTasksResponse.FromString,
+            metadata=self._metadata,
+        )
+        stream = _GrpcStream(stream_id, call, channel)
+        self._streams[stream_id] = stream
+
+        def confirmed(_: Any) -> None:
+            if call.final is None:
+                agent.stream_confirmed(stream_id)
+                self._log_repeats(agent, self._stream_failures.cleared("stream", self.clock.seconds()))
+                self._accepted += 1
+                log.info("engine {engine_id}: {connected} to the gateway (stream {stream_id})",
+                         engine_id=agent.engine_id, stream_id=stream_id,
+                         connected="connected" if self._accepted == 1 else "reconnected", event="engine_connected")
+
+        def received(message: worker_pb2.ProcessTasksResponse) -> None:
+            if message.HasField("new_task"):
+                agent.task_arrived(stream_id, message.new_task)
+
+        call.initial_metadata().addCallback(confirmed)
+        # Each task as it arrives, without a Deferred per message; then the stream's end.
+        call.read_each(received).addCallbacks(
+            lambda _: self._ended(agent, stream, None),
+            lambda failure: self._ended(agent, stream, failure),
+        )
+        return stream
+
+    def _ended(self, agent: EngineAgent, stream: _GrpcStream, failure: Failure | None) -> None:
+        self._streams.pop(stream.stream_id, None)
+        reason = "ended by the gateway" if failure is None else failure.getErrorMessage()
+        self._log_repeats(agent, self._stream_failures.occurred("stream", f"stream closed: {reason}",
+                                                                self.clock.seconds()))
+        use = self._channels.get(stream.channel)
+        if use is not None:
+            use.streams -= 1
+            if use.streams == 0 and stream.channel is not self._channel:
+                self._close_channel(stream.channel)
+        agent.stream_ended(stream.stream_id)
+
+    def _log_repeats(self, agent: EngineAgent, reports: list[RepeatReport]) -> None:
+        for report in reports:
+            emit = log.info if report.kind is RepeatKind.STOPPED else log.warn
+            emit("engine {engine_id}: {text}", engine_id=agent.engine_id, text=report.text(),
+                 repeat=report.kind.value, count=report.count)
+
+    def _close_channel(self, channel: GrpcChannel) -> Deferred[None]:
+        use = self._channels.pop(channel, None)
+        if channel is self._channel:
+            self._channel = None
+        if use is None:
+            return succeed(None)
+        return channel.close()
+
+    def stop(self) -> Deferred[None]:
+        waiting = [stream.call.status() for stream in self._streams.values()]
         ended: Deferred[Any] = DeferredList(waiting) if waiting else succeed(None)
         guard = self.clock.callLater(self.close_timeout, ended.cancel) if waiting else None
 
         def close(_: Any) -> Deferred[None]:
             if guard is not None and guard.active():
                 guard.cancel()
-            return self._close_channels()
+            closing = [self._close_channel(channel) for channel in list(self._channels)]
+            done: Deferred[Any] = DeferredList(closing)
+            return done.addCallback(lambda _: None)
 
-        ended.addBoth(close)
-        stopped = self._stopped
-        if stopped is not None:
-            self._stopped = None
-            ended.chainDeferred(stopped)
-
-    def _close_channels(self) -> Deferred[None]:
-        closing = [self._close_channel(channel) for channel in list(self._channels)]
-        done: Deferred[Any] = DeferredList(closing)
-        return done.addCallback(lambda _: None)
+        return ended.addBoth(close)

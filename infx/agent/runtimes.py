@@ -7,14 +7,16 @@ one with ``is_last_event``; then ``finish()``. Task ids and result indexes
 are stamped by the agent's core, so a runtime need not set them. A runtime
 must stop reporting once aborted (the agent drops stray results anyway).
 
-The ``openai`` runtime runs a task that carries the client's request
-verbatim (``TaskRequest.http_request``, see :mod:`protocol.openai.task_forms`) as it
-is: the client's method, path, body and headers (but hop-by-hop ones,
-``Authorization``, ``Cookie``, ``Content-Length``, ``Host``, ``Accept-Encoding``
-and ``Expect``, which belong to this hop), and marks the answer ``verbatim_answer`` so that the
-gateway relays it unchanged; it announces this with
-:data:`CAPABILITIES`. A task with only the typed form (from a gateway that
-does not know the capability) is converted by :mod:`protocol.openai.runtime`.
+The ``openai`` runtime sends the request :mod:`protocol.agent.relay` makes of a
+task on a kept-alive connection of :mod:`infx.agent.runtime_client`. A task
+that carries the client's request verbatim (``TaskRequest.http_request``, see
+:mod:`protocol.openai.task_forms`) goes as it is: the client's method, path,
+body and headers (but hop-by-hop ones, ``Authorization``, ``Cookie``,
+``Content-Length``, ``Host``, ``Accept-Encoding`` and ``Expect``, which belong to
+this hop), and its answer is marked ``verbatim_answer`` so that the gateway
+relays it unchanged; the runtime announces this with :data:`CAPABILITIES`. A
+task with only the typed form (from a gateway that does not know the
+capability) is converted by :mod:`protocol.openai.runtime`.
 
 A runtime that fails a task is reported in the words of
 :mod:`protocol.agent.runtime_failures`: one it could not reach (503, never read:
@@ -34,45 +36,28 @@ the root, not under ``/v1``.
 
 from __future__ import annotations
 
-import json
-import re
 import secrets
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
+from urllib.parse import urlsplit
 
-from twisted.internet.defer import CancelledError, Deferred, succeed
-from twisted.internet.error import ConnectError, DNSLookupError
-from twisted.internet.interfaces import IConsumer, IDelayedCall, IReactorTime
-from twisted.internet.protocol import Protocol as TwistedProtocol
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-from twisted.internet.interfaces import IStreamClientEndpoint
-from twisted.web.client import (
-    URI, Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, RequestGenerationFailed, RequestTransmissionFailed,
-    ResponseDone,
-)
-from twisted.web.error import SchemeNotSupported
-from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
-from zope.interface import implementer
 
+from infx.agent.runtime_client import Exchange, RuntimeClient
 from infx.agent.upstream_key import UpstreamKey
 from protocol.agent.echo import EchoConfig, echo_task
+from protocol.agent.relay import answer_headers, relay_request, request_id
 from protocol.agent.runtime_failures import RuntimeFailure, broken_stream_event, failure_result
-from protocol.openai.errors import InvalidRequestError, LocalUsageError, OpenAIError, UpstreamError, status_line
+from protocol.openai.errors import OpenAIError, status_line
 from protocol.openai.observe import ends_stream
-from protocol.openai.runtime import RuntimeRequest, runtime_request
 from protocol.openai.sse import DEFAULT_MAX_EVENT_SIZE, EventTooLarge, SSEBlockSplitter
 from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
-from protocol.processor.types import is_streaming
 
-__all__ = [
-    "EchoRuntime", "OpenAIRuntime", "Runtime", "RuntimeEndpoints", "RunningTask", "TaskSink", "runtime_agent",
-    "runtime_failure", "upstream_root",
-]
+__all__ = ["CAPABILITIES", "EchoRuntime", "OpenAIRuntime", "Runtime", "RunningTask", "TaskSink", "upstream_root"]
 
 log = Logger(namespace="infx.runtimes")
 
@@ -127,27 +112,6 @@ def _event(data: bytes, *, last: bool = False, latency_ms: int = 0) -> worker_pb
     return worker_pb2.TaskResult(
         server_sent_event=worker_pb2.ServerSentEvent(data=data, is_last_event=last, latency_ms=latency_ms)
     )
-
-
-#: Failures that happen before the request is whole on the wire: the runtime never read it.
-_NOT_READ = (ConnectError, DNSLookupError, RequestGenerationFailed, RequestTransmissionFailed, SchemeNotSupported)
-
-
-def runtime_failure(failure: Failure) -> RuntimeFailure:
-    """Whether a request that got no answer may have been read by the runtime: only a failure to
-    connect or to write the request says it was not; anything else (the connection closed while
-    waiting for the answer, an answer broken off, a failure of a kind not known here) may have
-    followed a crash on it, and is reported so."""
-    return RuntimeFailure.UNREACHABLE if failure.check(*_NOT_READ) else RuntimeFailure.DROPPED
-
-
-def describe(failure: Failure) -> str:
-    """What a failure of the runtime's connection says, for the log: the wrapped reasons of
-    Twisted's ``ResponseFailed`` and kin in words, not as a list of ``Failure`` reprs."""
-    reasons = getattr(failure.value, "reasons", None)
-    if reasons:
-        return "; ".join(f"{type(r.value).__name__}: {r.getErrorMessage()}" for r in reasons)
-    return f"{type(failure.value).__name__}: {failure.getErrorMessage()}"
 
 
 # -- echo -------------------------------------------------------------------------------
@@ -212,26 +176,8 @@ class EchoRuntime:
 
 # -- openai -----------------------------------------------------------------------------
 
-# Headers that describe one hop, or that the agent sets itself, are not forwarded.
-_REQUEST_HEADERS_DROPPED = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-     "transfer-encoding", "upgrade", "host", "content-length", "content-type", "accept-encoding",
-     "authorization"}
-)
-# The client's headers that describe the gateway's hop or its credentials, for a verbatim request.
-_VERBATIM_HEADERS_DROPPED = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
-     "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding", "authorization", "cookie", "expect"}
-)
-# An absolute path with its query (no spaces or controls), and an HTTP method, as RFC 9112 allows them.
-_REQUEST_TARGET = re.compile(r"/[\x21-\x7e]*")
-_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 #: What the ``openai`` runtime announces in ``EngineStatus.infx_capabilities``.
 CAPABILITIES = (HTTP_REQUEST_CAPABILITY,)
-_RESPONSE_HEADERS_DROPPED = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade",
-     "content-length"}
-)
 
 
 def upstream_root(url: str) -> str:
@@ -242,147 +188,36 @@ def upstream_root(url: str) -> str:
     return root
 
 
-def _request_body(rr: RuntimeRequest, boundary: Callable[[], str]) -> tuple[str, bytes]:
-    if rr.form is not None:
-        while True:
-            try:
-                return rr.form.encode(boundary())
-            except LocalUsageError:
-                continue
-    return "application/json", json.dumps(rr.json, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-@implementer(IBodyProducer)
-class _BytesProducer:
-    """A request body already in memory, written in one go (no cooperator, no global reactor)."""
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self._body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
-
-
-class _BodyReader(TwistedProtocol):
-    """Reads a whole response body; unlike ``readBody`` it can be aborted on any transport."""
-
-    def __init__(self, whole: Callable[[bytes], None], broken: Callable[[Failure], None]) -> None:
-        self._chunks: list[bytes] = []
-        self._whole = whole
-        self._broken = broken
-
-    def dataReceived(self, data: bytes) -> None:
-        self._chunks.append(data)
-
-    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self._whole(b"".join(self._chunks))
-        else:
-            self._broken(reason)
-
-
-class _StreamRelay(TwistedProtocol):
-    """Receives a streamed response body and relays its events as they complete.
-
-    A body whose framing ended it (chunked, or a length) ended as the runtime meant; one that
-    ended only because the connection closed (no framing, as HTTP/1.0 allows) is whole only if
-    its last event is one a stream ends with (:func:`~protocol.openai_observe.ends_stream`),
-    else the runtime died mid-stream and the client is told so.
-    """
-
-    def __init__(self, call: _OpenAITask) -> None:
-        self._call = call
-        self._splitter = SSEBlockSplitter(call.runtime.max_event_size)
-        self._last_event = b""
-
-    def dataReceived(self, data: bytes) -> None:
-        try:
-            events = self._splitter.receive_data(data)
-        except EventTooLarge as exc:
-            self._call.stream_failed(exc.to_event(), exc.message)
-            self.transport.stopProducing()
-            return
-        for event in events:
-            self._call.event(event)
-        if events:
-            self._last_event = events[-1]
-        writable = self._call.when_writable()
-        if writable is not None and self.transport is not None:
-            # The gRPC stream is full: stop reading the runtime until it drains.
-            transport = self.transport
-            transport.pauseProducing()
-            writable.addCallback(lambda _: None if self._call.done else transport.resumeProducing())
-
-    def connectionLost(self, reason: Failure = ResponseDone()) -> None:  # type: ignore[assignment]
-        if not reason.check(ResponseDone, PotentialDataLoss):
-            self._call.stream_failed(broken_stream_event(), describe(reason))
-            return
-        rest = self._splitter.end_of_stream()
-        if rest is not None:
-            self._call.event(rest)
-            self._last_event = rest
-        if reason.check(PotentialDataLoss) and not ends_stream(self._last_event):
-            self._call.stream_failed(broken_stream_event(),
-                                     "the connection closed an unframed stream before its final event")
-        else:
-            self._call.stream_done()
-
-
 class _OpenAITask:
+    """One task relayed to the runtime: the request :mod:`protocol.agent.relay` makes of it, its
+    answer turned into results (a :class:`~infx.agent.runtime_client.ResponseHandler`)."""
+
     def __init__(self, runtime: OpenAIRuntime, task: worker_pb2.Task, sink: TaskSink) -> None:
         self.runtime = runtime
         self._sink = sink
         self._clock = runtime.clock
         self._started = self._clock.seconds()
-        # What the gateway's request log names the request by, so that the two logs meet.
-        forwarded_id = task.header["x-request-id"].values if "x-request-id" in task.header else ()
-        self._request_id = forwarded_id[0] if forwarded_id else task.id
+        self._task = task
         self._done = False
-        self._pending: Deferred[Any] | None = None
-        self._body_transport: Any = None
-        self._verbatim = task.request.HasField("http_request")
-        if self._verbatim:
-            verbatim = task.request.http_request
-            self._stream = is_streaming(task.request)
-            method, path, body = (verbatim.method or "POST"), verbatim.path, bytes(verbatim.body)
-            headers = Headers({b"User-Agent": [b"infx-engine"]})
-            dropped = _VERBATIM_HEADERS_DROPPED
-        else:
-            try:
-                rr = runtime_request(task.request)
-            except OpenAIError as exc:
-                self._end_with(_error_result(exc))
-                return
-            self._stream = rr.stream
-            content_type, body = _request_body(rr, runtime.boundary)
-            method, path = "POST", rr.path
-            headers = Headers({b"Content-Type": [content_type.encode("ascii")], b"User-Agent": [b"infx-engine"]})
-            dropped = _REQUEST_HEADERS_DROPPED
-        for name, value in task.header.items():
-            if name.lower() not in dropped:
-                headers.setRawHeaders(name.encode("latin-1"), [v.encode("latin-1") for v in value.values])
-        if not _REQUEST_TARGET.fullmatch(path) or not _TOKEN.fullmatch(method):
-            message = f"The task's request line {method!r} {path!r} is not valid."
-            self._end_with(_error_result(InvalidRequestError(message)))
+        self._exchange: Exchange | None = None
+        self._status = 0
+        self._phrase = ""
+        self._headers: dict[str, list[str]] = {}
+        self._latency = 0
+        self._body: list[bytes] = []
+        self._splitter: SSEBlockSplitter | None = None
+        self._last_event = b""
+        try:
+            request = relay_request(task, runtime.key(), runtime.boundary)
+        except OpenAIError as exc:
+            self._end_with(_error_result(exc))
             return
-        runtime.authorize(headers)
-        url = (runtime.root + path).encode("latin-1")
-        self._pending = runtime.agent.request(method.encode("latin-1"), url, headers, _BytesProducer(body))
-        self._pending.addCallbacks(self._response, self._unreachable)
-        self._pending.addErrback(self._bug)
+        self._stream = request.stream
+        self._verbatim = request.verbatim
+        self._exchange = runtime.client.request(request.method, runtime.path_prefix + request.target, request.fields,
+                                                request.body, self)
 
-    def _latency(self) -> int:
+    def _elapsed_ms(self) -> int:
         return int((self._clock.seconds() - self._started) * 1000)
 
     def _end_with(self, result: worker_pb2.TaskResult) -> None:
@@ -392,145 +227,120 @@ class _OpenAITask:
         self._sink.send(result)
         self._sink.finish()
 
-    def _unreachable(self, failure: Failure) -> None:
-        self._pending = None
-        if self._done or failure.check(CancelledError):
-            return
-        self._runtime_failed(runtime_failure(failure), describe(failure))
-
     def _runtime_failed(self, failure: RuntimeFailure, detail: str) -> None:
         """The task ends with the agent's answer for ``failure``; ``detail`` goes to the log only."""
+        if self._done:
+            return
         log.info("runtime at {url} failed request {request_id} ({failure}): {detail}", url=self.runtime.root,
-                 request_id=self._request_id, failure=failure.value, detail=detail)
+                 request_id=request_id(self._task), failure=failure.value, detail=detail)
         for listener in self.runtime.on_unreachable:
             listener()
-        self._end_with(failure_result(failure, self._latency()))
-
-    def _bug(self, failure: Failure) -> None:
-        log.failure("openai runtime task failed", failure)
-        if not self._done:
-            self._end_with(_error_result(UpstreamError("The engine failed to relay the runtime's answer.")))
-
-    def _headers(self, response: IResponse) -> dict[str, list[str]]:
-        return {
-            name.decode("latin-1"): [v.decode("latin-1") for v in values]
-            for name, values in response.headers.getAllRawHeaders()
-            if name.decode("latin-1").lower() not in _RESPONSE_HEADERS_DROPPED
-        }
-
-    def _response(self, response: IResponse) -> Deferred[None] | None:
-        self._pending = None
-        if self._done:
-            return None
-        status, phrase = response.code, response.phrase.decode("latin-1")
-        if status == 401 and self.runtime.credentials is not None:
-            self.runtime.credentials.refused()
-        headers = self._headers(response)
-        if self._stream and 200 <= status < 300:
-            self._sink.send(self._mark(_http_response(status, phrase, headers=headers, latency_ms=self._latency())))
-            relay = _StreamRelay(self)
-            response.deliverBody(relay)
-            self._body_transport = relay.transport
-            return None
-        latency = self._latency()
-
-        def whole(body: bytes) -> None:
-            self._end_with(self._mark(_http_response(status, phrase, body, headers, latency)))
-
-        def broken(reason: Failure) -> None:
-            self._runtime_failed(RuntimeFailure.DROPPED, f"its answer ({status}) broke off: {describe(reason)}")
-
-        reader = _BodyReader(whole, broken)
-        response.deliverBody(reader)
-        self._body_transport = reader.transport
-        return None
+        self._end_with(failure_result(failure, self._elapsed_ms()))
 
     def _mark(self, result: worker_pb2.TaskResult) -> worker_pb2.TaskResult:
         """The runtime's own answer to a verbatim request is marked as such for the gateway."""
         result.verbatim_answer = self._verbatim
         return result
 
-    @property
-    def done(self) -> bool:
-        return self._done
+    # -- the answer (ResponseHandler)
 
-    def when_writable(self) -> Deferred[None] | None:
-        return None if self._done else self._sink.when_writable()
+    def response_started(self, status: int, reason: bytes, fields: list[tuple[bytes, bytes]]) -> None:
+        if self._done:
+            return
+        if status == 401 and self.runtime.credentials is not None:
+            self.runtime.credentials.refused()
+        self._status, self._phrase = status, reason.decode("latin-1")
+        self._headers = answer_headers(fields)
+        self._latency = self._elapsed_ms()
+        if self._stream and 200 <= status < 300:
+            self._splitter = SSEBlockSplitter(self.runtime.max_event_size)
+            self._sink.send(self._mark(_http_response(status, self._phrase, headers=self._headers,
+                                                      latency_ms=self._latency)))
 
-    def event(self, data: bytes) -> None:
-        if not self._done:
-            self._sink.send(_event(data))
+    def body_received(self, data: bytes) -> None:
+        if self._done:
+            return
+        splitter = self._splitter
+        if splitter is None:
+            self._body.append(data)
+            return
+        try:
+            events = splitter.receive_data(data)
+        except EventTooLarge as exc:
+            self._stream_failed(exc.to_event(), exc.message)
+            if self._exchange is not None:
+                self._exchange.abort()
+            return
+        for event in events:
+            self._sink.send(_event(event))
+        if events:
+            self._last_event = events[-1]
+        writable = self._sink.when_writable()
+        if writable is not None and self._exchange is not None:
+            # The results' stream is full: stop reading the runtime until it drains.
+            exchange = self._exchange
+            exchange.pause()
+            writable.addCallback(lambda _: None if self._done else exchange.resume())
 
-    def stream_done(self) -> None:
+    def response_ended(self, framed: bool) -> None:
+        if self._done:
+            return
+        splitter = self._splitter
+        if splitter is None:
+            self._end_with(self._mark(_http_response(self._status, self._phrase, b"".join(self._body), self._headers,
+                                                     self._latency)))
+            return
+        rest = splitter.end_of_stream()
+        if rest is not None:
+            self._sink.send(_event(rest))
+            self._last_event = rest
+        if not framed and not ends_stream(self._last_event):
+            self._stream_failed(broken_stream_event(), "the connection closed an unframed stream before its final event")
+        else:
+            self._stream_done()
+
+    def response_broken(self, detail: str) -> None:
+        if self._splitter is not None:
+            self._stream_failed(broken_stream_event(), detail)
+        else:
+            self._runtime_failed(RuntimeFailure.DROPPED, f"its answer ({self._status}) broke off: {detail}")
+
+    def request_failed(self, failure: RuntimeFailure, detail: str) -> None:
+        self._runtime_failed(failure, detail)
+
+    def _stream_done(self) -> None:
         if not self._done:
             self._done = True
-            self._sink.send(_event(b"", last=True, latency_ms=self._latency()))
+            self._sink.send(_event(b"", last=True, latency_ms=self._elapsed_ms()))
             self._sink.finish()
 
-    def stream_failed(self, event: bytes, detail: str) -> None:
+    def _stream_failed(self, event: bytes, detail: str) -> None:
         """The stream cannot go on: ``event`` (an error) ends it, with no ``[DONE]``; ``detail`` is logged."""
         if not self._done:
             log.info("runtime at {url} broke off the stream of request {request_id}: {detail}",
-                     url=self.runtime.root, request_id=self._request_id, detail=detail)
+                     url=self.runtime.root, request_id=request_id(self._task), detail=detail)
             self._sink.send(_event(event))
-            self.stream_done()
+            self._stream_done()
+
+    # -- RunningTask
 
     def abort(self) -> None:
         if self._done:
             return
         self._done = True
-        if self._pending is not None:
-            self._pending.cancel()
-        elif self._body_transport is not None:
-            self._body_transport.stopProducing()
-
-
-@implementer(IAgentEndpointFactory)
-class RuntimeEndpoints:
-    """The endpoints an :class:`~twisted.web.client.Agent` dials the runtime with, each built once.
-
-    Twisted's own factory builds a ``HostnameEndpoint`` (an IDNA check of the
-    host) and, for HTTPS, a TLS connection creator for every request; the
-    runtime is one server, so its endpoint is kept (one per scheme, host and
-    port: the upstream URL fixes them) and each request only dials it
-    when the pool has no idle connection.
-    """
-
-    def __init__(self, reactor: Any, connect_timeout: float | None = None) -> None:
-        self._reactor = reactor
-        self._connect_timeout = connect_timeout
-        self._tls = BrowserLikePolicyForHTTPS()
-        self._endpoints: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
-
-    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
-        key = (uri.scheme, uri.host, uri.port)
-        endpoint = self._endpoints.get(key)
-        if endpoint is None:
-            if uri.scheme not in (b"http", b"https"):
-                raise SchemeNotSupported(f"Unsupported scheme: {uri.scheme!r}")
-            endpoint = HostnameEndpoint(self._reactor, uri.host.decode("ascii"), uri.port,
-                                        timeout=self._connect_timeout)
-            if uri.scheme == b"https":
-                endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
-            self._endpoints[key] = endpoint
-        return endpoint
-
-
-def runtime_agent(reactor: Any, pool: HTTPConnectionPool, connect_timeout: float | None = None) -> IAgent:
-    """An Agent for the runtime: ``pool``'s persistent connections, :class:`RuntimeEndpoints`' endpoints."""
-    return Agent.usingEndpointFactory(reactor, RuntimeEndpoints(reactor, connect_timeout), pool=pool)
+        if self._exchange is not None:
+            self._exchange.abort()
 
 
 class OpenAIRuntime:
     """Forwards tasks to an OpenAI-compatible server (vLLM, Ollama, llama.cpp server, SGLang).
 
-    ``agent`` is a :class:`twisted.web.client.Agent` (give it a persistent
-    ``HTTPConnectionPool``); ``upstream`` is the server's base URL (see the
-    module docstring about ``/v1``). Failures to reach the server become 503
-    (the gateway retries elsewhere); the server's own error statuses,
-    headers and bodies are relayed as they are; streamed answers are relayed
-    event by event as they arrive, whatever their size up to
-    ``max_event_size``. Aborting a task closes its upstream connection, which
+    ``client`` is the :class:`~infx.agent.runtime_client.RuntimeClient` of the
+    server at ``upstream`` (see the module docstring about ``/v1``). Failures to
+    reach the server become 503 (the gateway retries elsewhere); the server's
+    own error statuses, headers and bodies are relayed as they are; streamed
+    answers are relayed event by event as they arrive, whatever their size up
+    to ``max_event_size``. Aborting a task closes its upstream connection, which
     makes the server stop generating. ``credentials``, if given, go out as
     ``Authorization: Bearer`` on every request (the client's own
     ``Authorization`` never does). ``on_unreachable`` listeners hear of every
@@ -540,7 +350,7 @@ class OpenAIRuntime:
     def __init__(
         self,
         clock: IReactorTime,
-        agent: IAgent,
+        client: RuntimeClient,
         upstream: str,
         *,
         max_event_size: int | None = DEFAULT_MAX_EVENT_SIZE,
@@ -548,15 +358,21 @@ class OpenAIRuntime:
         credentials: UpstreamKey | None = None,
     ) -> None:
         self.clock = clock
-        self.agent = agent
+        self.client = client
         self.root = upstream_root(upstream)
+        #: A server mounted below its host's root (behind a proxy at ``/llama``) is asked there.
+        self.path_prefix = urlsplit(self.root).path.encode("ascii")
         self.max_event_size = max_event_size
         self.boundary = boundary
         self.credentials = credentials
         self.on_unreachable: list[Callable[[], None]] = []
 
+    def key(self) -> str | None:
+        """The runtime's API key now, or None."""
+        return None if self.credentials is None else self.credentials.current()
+
     def authorize(self, headers: Headers) -> None:
-        """Add the runtime's credentials, if any, to a request's ``headers``."""
+        """Add the runtime's credentials, if any, to a side request's ``headers`` (health, load)."""
         if self.credentials is not None:
             headers.setRawHeaders(b"Authorization", [b"Bearer " + self.credentials.current().encode("ascii")])
 

@@ -48,6 +48,15 @@ from protocol.discovery.informer import (
     object_mapping,
     parse_watch_event,
 )
+from protocol.discovery.runtimes import (
+    RuntimeChange,
+    RuntimePod,
+    RuntimeSet,
+    RuntimeTarget,
+    runtime_pod,
+    runtime_pod_key,
+    runtime_pod_version,
+)
 from protocol.discovery.peers import (
     PeerAdded,
     PeerAddress,
@@ -67,6 +76,7 @@ __all__ = [
     "PeerSourceService",
     "PodWatcher",
     "PodWatcherConfig",
+    "RuntimePodWatcher",
     "StaticPeers",
     "WatchFailed",
     "kube_api_client",
@@ -463,6 +473,46 @@ class PodWatcher:
         for event in events:
             for change in self._peers.cache_changed(event):
                 log.info("peer change: {change}", change=change)
+                try:
+                    self._on_change(change)
+                except Exception:
+                    log.failure("on_change raised for {change}", change=change)
+
+
+class RuntimePodWatcher:
+    """Keeps ``on_change`` told of the runtimes to serve by URL: a pod :class:`KubeInformer` over
+    the pods ``label_selector`` picks in ``namespace``, and a :class:`~protocol.discovery.runtimes.RuntimeSet`
+    serving each live one on ``port``. ``on_change`` runs on the reactor thread; never after :meth:`stop`."""
+
+    def __init__(self, reactor: ThreadingClock, api: client.CoreV1Api, namespace: str, label_selector: str,
+                 port: int, on_change: Callable[[RuntimeChange], None], rng: random.Random,
+                 watch_timeout: int = 60, request_timeout: float = 10.0, backoff: Backoff = WATCH_BACKOFF) -> None:
+        self._on_change = on_change
+        self._runtimes = RuntimeSet(port)
+        self._informer: KubeInformer[RuntimePod] = KubeInformer(
+            reactor, api.list_namespaced_pod, runtime_pod, runtime_pod_key, runtime_pod_version, self._cache_changed,
+            InformerConfig("runtime-pods", namespace, label_selector, watch_timeout, request_timeout, backoff), rng)
+
+    @property
+    def state(self) -> InformerState:
+        return self._informer.state
+
+    @property
+    def targets(self) -> Mapping[str, RuntimeTarget]:
+        """The runtimes to serve now, by pod name."""
+        return self._runtimes.targets
+
+    def start(self) -> None:
+        self._informer.start()
+
+    def stop(self) -> defer.Deferred[None]:
+        """See :meth:`KubeInformer.stop`."""
+        return self._informer.stop()
+
+    def _cache_changed(self, events: list[CacheEvent[RuntimePod]]) -> None:
+        for event in events:
+            for change in self._runtimes.cache_changed(event):
+                log.info("runtime change: {change}", change=change)
                 try:
                     self._on_change(change)
                 except Exception:

@@ -83,6 +83,7 @@ from protocol.gateway.effects import (
 from protocol.grpc import StatusCode
 from protocol.grpc.metadata import Metadata
 from protocol.pb import internal_pb2, worker_pb2
+from protocol.supervisor.siblings import SiblingCopies
 from protocol.repeats import RepeatKind, RepeatReport, RepeatSuppressor
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 
@@ -109,7 +110,11 @@ class ExchangerConfig:
     headers of every stream it dials, so that a peer that does not dial it
     dials it back (:mod:`protocol.exchange.dial_backs`); ``max_queued_bytes``
     is what a peer's stream may hold queued before it refuses tasks (see
-    :class:`~infx.gateway.dispatcher.StreamSendGate`). What the core needs
+    :class:`~infx.gateway.dispatcher.StreamSendGate`). A worker of
+    ``twistd infx --workers N`` (:mod:`infx.supervisor`) adds ``accept_metadata`` to the
+    headers of the streams it accepts (its siblings' internal ports) and drops from the
+    reports of ``siblings`` (pod names) their copies of the engines every worker runs
+    itself (:class:`~protocol.supervisor.siblings.SiblingCopies`). What the core needs
     (status interval, redial backoff) is in its
     :class:`~protocol.gateway.effects.CoreConfig`.
     """
@@ -118,6 +123,8 @@ class ExchangerConfig:
     secret: str | None = None
     peer_port: int | None = None
     max_queued_bytes: int = MAX_ROUTE_QUEUED_BYTES
+    accept_metadata: tuple[tuple[str, str], ...] = ()
+    siblings: frozenset[str] = frozenset()
 
 
 #: Makes a channel to a peer's internal port (plain TCP or TLS is the caller's choice).
@@ -310,6 +317,8 @@ class Exchanger:
         #: the stream once it ended (the scaler counts the other gateways' requests).
         self.on_peer_requests: list[Callable[[PeerStream, Mapping[str, int]], None]] = []
         self.on_peer_gone: list[Callable[[PeerStream], None]] = []
+        #: Called with each accepted dial's peer name, address and response headers.
+        self.on_dial_accepted: list[Callable[[str, PeerAddress, Metadata], None]] = []
         self._drained: list[Deferred[None]] = []
         #: A peer that refuses us or is not there fails every redial alike: logged once, then counted.
         self._failures: dict[str, RepeatSuppressor] = {}
@@ -374,6 +383,8 @@ class Exchanger:
         log.info("peer {name}: connected at {address}", name=name, address=str(stream.dial.address),
                  event="peer_connected")
         self.dispatcher.run(lambda now: self.dispatcher.core.dial_accepted(stream.dial, metadata, now))
+        for listener in self.on_dial_accepted:
+            listener(name, stream.dial.address, metadata)  # type: ignore[arg-type]
 
     def dial_failed(self, stream: DialStream, error: GrpcError) -> None:
         name = stream.dial.name
@@ -479,10 +490,17 @@ class Exchanger:
         if not stream.closed:
             # Headers now tell the peer's receiver the stream is accepted before any task flows,
             # that this side reads status deltas (a LLMariner receiver ignores that) and its pod.
-            call.send_initial_metadata(core.accept_metadata)
+            call.send_initial_metadata((*core.accept_metadata, *self.config.accept_metadata))
+        siblings, copies = self.config.siblings, SiblingCopies()
+
+        def on_message(message: internal_pb2.ProcessTasksInternalRequest) -> None:
+            if siblings and message.WhichOneof("message") == "server_status" \
+                    and message.server_status.pod_name in siblings:
+                message = copies.filter(message)
+            self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now))
+
         try:
-            await stream.read_each(
-                lambda message: self.dispatcher.run(lambda now: core.peer_stream_message(stream, message, now)))
+            await stream.read_each(on_message)
         finally:
             self.streams.discard(stream)
             self.dispatcher.run(lambda now: core.peer_stream_closed(stream, now))

@@ -767,12 +767,56 @@ class _Health(_Route):
 
 
 class _Metrics(_Route):
+    """This gateway's registry; or, given ``source`` (a worker's), what it gives: every worker's."""
+
     isLeaf = True
     endpoint = "metrics"
 
+    def __init__(self, gateway: Gateway, source: MetricsSource | None = None) -> None:
+        super().__init__(gateway)
+        self.source = source
+
+    def render_GET(self, request: server.Request) -> bytes | int:
+        request.setHeader("content-type", CONTENT_TYPE_LATEST)
+        if self.source is None:
+            return generate_latest(self.gateway.metrics.registry)
+        gathered = self.source()
+
+        def write(text: bytes) -> None:
+            if not request.finished and not request._disconnected:
+                request.write(text)
+                request.finish()
+
+        def failed(reason: Any) -> None:
+            log.failure("metrics of every worker", reason)
+            write(generate_latest(self.gateway.metrics.registry))
+
+        gathered.addCallbacks(write, failed)
+        return server.NOT_DONE_YET
+
+
+#: Gives the exposition text of ``/metrics`` (see :mod:`infx.supervisor.metrics`).
+MetricsSource = Callable[[], Any]
+
+
+class _OwnMetrics(resource.Resource):
+    """One registry's metrics, on a port of their own (a worker's private port, see
+    :mod:`infx.supervisor.metrics`)."""
+
+    isLeaf = True
+
+    def __init__(self, registry: Any) -> None:
+        super().__init__()
+        self.registry = registry
+
     def render_GET(self, request: server.Request) -> bytes:
         request.setHeader("content-type", CONTENT_TYPE_LATEST)
-        return generate_latest(self.gateway.metrics.registry)
+        return generate_latest(self.registry)
+
+
+def own_metrics_resource(registry: Any) -> resource.Resource:
+    """``registry``'s metrics at every path, for a port that serves nothing else."""
+    return _OwnMetrics(registry)
 
 
 class _AdminStatus(_Route):
@@ -818,8 +862,9 @@ def _path_of(request: server.Request) -> str:
     return path if len(path) <= 200 else path[:200] + "..."
 
 
-def build_resource(gateway: Gateway) -> resource.Resource:
-    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere."""
+def build_resource(gateway: Gateway, metrics: MetricsSource | None = None) -> resource.Resource:
+    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere;
+    ``metrics`` serves ``/metrics`` in place of this gateway's own registry (a worker's: every worker's)."""
     root = _Tree(gateway)
     v1 = _Tree(gateway)
     root.putChild(b"v1", v1)
@@ -841,7 +886,7 @@ def build_resource(gateway: Gateway) -> resource.Resource:
     v1.putChild(b"models", _Models(gateway))
     root.putChild(b"healthz", _Health(gateway, "healthz", lambda: True))
     root.putChild(b"readyz", _Health(gateway, "readyz", lambda: gateway.ready))
-    root.putChild(b"metrics", _Metrics(gateway))
+    root.putChild(b"metrics", _Metrics(gateway, metrics))
     admin = _Tree(gateway)
     root.putChild(b"admin", admin)
     admin.putChild(b"status", _AdminStatus(gateway))

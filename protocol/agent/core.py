@@ -274,6 +274,9 @@ class _Stream:
     tasks: dict[str, None] = field(default_factory=dict)  # ordered: aborted in arrival order
     last_status: status_pb2.EngineStatus | None = None
     last_status_at: float = -math.inf
+    #: The agent's change counters when ``last_status`` was sent (or found unchanged).
+    last_changes: int = -1
+    last_readiness: int = -1
     linger_until: float = -math.inf
     #: Runtime tasks this stream brought, and how many of them ended (what a load reading's stamp counts).
     received: int = 0
@@ -312,11 +315,6 @@ def _error_response(task_id: str, status: int, message: str) -> worker_pb2.TaskR
     return result
 
 
-def _readiness(status: status_pb2.EngineStatus) -> tuple[bool, tuple[tuple[str, bool], ...]]:
-    """What of a status must reach the gateway without delay: which models it may route here."""
-    return status.ready, tuple((m.id, m.is_ready) for m in status.models)
-
-
 def task_model(task: worker_pb2.Task) -> str:
     """The model a runtime task names ("" for control tasks)."""
     kind = task.request.WhichOneof("request")
@@ -349,11 +347,15 @@ class EngineAgentCore:
         self._runtime_load: RuntimeLoad | None = None
         self._runtime_slots: int | None = None
         self._prompt_cache: dict[str, _PromptCache] = {}
-        #: Bumped when a prompt cache count changes (part of what the cached status was built from).
-        self._prompt_cache_version = 0
-        #: The last status built and what it was built from: asked for on every input, it
-        #: changes only when a count, the state or the runtime does.
-        self._status_cache: tuple[tuple[object, ...], status_pb2.EngineStatus] | None = None
+        #: What the status says is counted, not compared: ``_changes`` grows with every change of
+        #: it (a task's count, the state, the runtime, its load, its slots, a prompt cache count,
+        #: the stream reported on), ``_readiness`` with those that must reach the gateway at once
+        #: (which models it may route here). Deciding whether a report is due then costs two
+        #: comparisons of integers per input, and the status is built only when one is (at most
+        #: every ``status_min_interval`` while tasks come and go).
+        self._changes = 0
+        self._readiness = 0
+        self._status_cache: tuple[int, status_pb2.EngineStatus] | None = None
 
     # -- inspection ---------------------------------------------------------------
 
@@ -400,13 +402,10 @@ class EngineAgentCore:
     def engine_status(self) -> status_pb2.EngineStatus:
         """What the gateway should know about this engine now (the same message while nothing changed:
         callers never change it)."""
-        models = self.models
-        key = (self.state is AgentState.RUNNING, self._runtime_ready, models,
-               tuple(self._model_counts.get(m, 0) for m in models), self._current, self._prompt_cache_version)
         cached = self._status_cache
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == self._changes:
             return cached[1]
-        counts = dict(zip(models, key[3]))
+        models = self.models
         status = status_pb2.EngineStatus(
             engine_id=self.config.engine_id,
             ready=self.state is AgentState.RUNNING,
@@ -415,8 +414,9 @@ class EngineAgentCore:
             infx_instance=self.config.instance,
             infx_runtime_slots=self.config.runtime_slots or self._runtime_slots or 0,
             models=[
-                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready, in_progress_task_count=n)
-                for m, n in counts.items()
+                status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready,
+                                              in_progress_task_count=self._model_counts.get(m, 0))
+                for m in models
             ],
         )
         for model in status.models:
@@ -434,8 +434,14 @@ class EngineAgentCore:
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
                 model.runtime_load.CopyFrom(load)
-        self._status_cache = (key, status)
+        self._status_cache = (self._changes, status)
         return status
+
+    def _changed(self, readiness: bool = False) -> None:
+        """What the status says changed (``readiness``: which models the gateway may route here)."""
+        self._changes += 1
+        if readiness:
+            self._readiness += 1
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must run next, or None."""
@@ -462,6 +468,7 @@ class EngineAgentCore:
         if self.state is not AgentState.IDLE:
             raise AgentUsageError(f"start() in state {self.state.value}")
         self.state = AgentState.RUNNING
+        self._changed(readiness=True)
         effects: list[Effect] = []
         self._open(now, False, effects)
         return effects
@@ -471,9 +478,10 @@ class EngineAgentCore:
         own); the gateway is told at once."""
         if any(not m for m in models) or len(set(models)) != len(models):
             raise AgentUsageError("runtime models must be distinct, non-empty ids")
-        self._runtime_ready = ready
-        self._runtime_models = models
-        self._status_cache = None
+        if ready != self._runtime_ready or models != self._runtime_models:
+            self._runtime_ready = ready
+            self._runtime_models = models
+            self._changed(readiness=True)
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
@@ -487,10 +495,11 @@ class EngineAgentCore:
 
     def runtime_load_changed(self, load: RuntimeLoad | None, now: float) -> list[Effect]:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
-        self._runtime_load = load
-        if load is not None and load.slots is not None:
-            self._runtime_slots = load.slots
-        self._status_cache = None
+        if load != self._runtime_load:
+            self._runtime_load = load
+            if load is not None and load.slots is not None:
+                self._runtime_slots = load.slots
+            self._changed()
         effects: list[Effect] = []
         self._report(now, effects)
         return effects
@@ -542,6 +551,7 @@ class EngineAgentCore:
                 model = task_model(task)
                 self._tasks[task.id] = _Task(task=task, stream_id=stream_id, model=model, deadline=deadline)
                 self._model_counts[model] = self._model_counts.get(model, 0) + 1
+                self._changed()
                 stream.tasks[task.id] = None
                 self._queue[task.id] = None
                 if deadline is not None:
@@ -552,15 +562,16 @@ class EngineAgentCore:
         self._report(now, effects)
         return effects
 
-    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> list[Effect]:
+    def send_result(self, task_id: str, result: worker_pb2.TaskResult) -> SendResult | None:
         """The runtime produced the task's next result; it goes to the task's stream.
 
-        The machine sets ``task_id`` and ``result_index`` (0, 1, 2, ...).
-        Results of a task no longer known (aborted) are dropped.
+        The machine takes ``result`` over (a body is not copied) and sets its ``task_id`` and
+        ``result_index`` (0, 1, 2, ...). A result of a task no longer known (aborted) is dropped
+        (None). The one effect, not a list: this runs per streamed event, and changes no deadline.
         """
         task = self._tasks.get(task_id)
         if task is None:
-            return []
+            return None
         if not task.running:
             raise AgentUsageError(f"result for task {task_id!r} before it started")
         if not task.usage_seen:
@@ -571,13 +582,11 @@ class EngineAgentCore:
                 cache.answers += 1
                 cache.prompt_tokens += usage.prompt_tokens
                 cache.cached_tokens += usage.cached_tokens
-                self._prompt_cache_version += 1
-        out = worker_pb2.TaskResult()
-        out.CopyFrom(result)
-        out.task_id = task_id
-        out.result_index = task.next_index
+                self._changed()
+        result.task_id = task_id
+        result.result_index = task.next_index
         task.next_index += 1
-        return [SendResult(task.stream_id, out)]
+        return SendResult(task.stream_id, result)
 
     def finish_task(self, task_id: str, now: float) -> list[Effect]:
         """The runtime is done with the task (after its last result, or after failing)."""
@@ -624,6 +633,7 @@ class EngineAgentCore:
         if self.state is not AgentState.RUNNING:
             raise AgentUsageError(f"shutdown() in state {self.state.value}")
         self.state = AgentState.DRAINING
+        self._changed(readiness=True)
         self._reconnect_at = None
         self._drain_deadline = now + max(grace, 0.0)
         effects: list[Effect] = []
@@ -676,6 +686,7 @@ class EngineAgentCore:
         self._next_stream_id += 1
         self._streams[stream.id] = stream
         self._current = stream.id
+        self._changed()  # a runtime load's stamp counts the current stream's tasks
         effects.append(OpenStream(stream.id, new_connection))
         self._report(now, effects)
 
@@ -720,6 +731,7 @@ class EngineAgentCore:
             self._model_counts[task.model] = left
         else:
             del self._model_counts[task.model]
+        self._changed()
         stream = self._streams.get(task.stream_id)
         if stream is not None:
             stream.tasks.pop(task_id, None)
@@ -743,30 +755,35 @@ class EngineAgentCore:
                 effects.append(CloseStream(stream.id))
 
     def _status_due(self, stream: _Stream) -> float:
-        status = self.engine_status()
-        if status is stream.last_status:
-            # Nothing changed since it was sent (the status is rebuilt only on a change).
+        if stream.last_status is None:
+            return -math.inf
+        if stream.last_changes == self._changes:
             return stream.last_status_at + self.config.status_interval
-        if stream.last_status is None or _readiness(status) != _readiness(stream.last_status):
-            return stream.last_status_at if stream.last_status is not None else -math.inf
-        if status != stream.last_status:
-            return stream.last_status_at + self.config.status_min_interval
-        return stream.last_status_at + self.config.status_interval
+        if stream.last_readiness != self._readiness:
+            return stream.last_status_at
+        return stream.last_status_at + self.config.status_min_interval
 
     def _report(self, now: float, effects: list[Effect]) -> None:
         if self._current is None:
             return
         stream = self._streams[self._current]
-        if now >= self._status_due(stream):
-            status = self.engine_status()
-            stream.last_status = status
-            stream.last_status_at = now
-            effects.append(SendStatus(stream.id, status))
+        if now < self._status_due(stream):
+            return
+        status = self.engine_status()
+        unchanged = stream.last_changes != self._changes and status == stream.last_status
+        stream.last_changes = self._changes
+        stream.last_readiness = self._readiness
+        if unchanged:
+            return  # counts that came and went since the last report: the periodic one is next
+        stream.last_status = status
+        stream.last_status_at = now
+        effects.append(SendStatus(stream.id, status))
 
     def _check_drained(self, effects: list[Effect]) -> None:
         if self.state is not AgentState.DRAINING or self._tasks:
             return
         self.state = AgentState.STOPPED
+        self._changed(readiness=True)
         self._drain_deadline = None
         self._current = None
         for stream in list(self._streams.values()):

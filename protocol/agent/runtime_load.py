@@ -400,7 +400,8 @@ class RuntimeLoadMonitor:
             self._report_due = due
 
     def _report(self, now: float, load: RuntimeLoad, effects: list[LoadEffect]) -> None:
-        if self._reported is not None and replace(load, sample=None) == replace(self._reported, sample=None):
+        if (self._reported is not None and replace(load, sample=None) == replace(self._reported, sample=None)
+                and _stream(load) == _stream(self._reported)):
             return
         self._reported = load
         self._reported_at = now
@@ -409,7 +410,8 @@ class RuntimeLoadMonitor:
     def _matters(self, old: RuntimeLoad, new: RuntimeLoad) -> bool:
         """Whether ``new`` differs from what the gateway was told enough to tell it again."""
         c = self.config
-        if (old.source, old.adapters, old.slots) != (new.source, new.adapters, new.slots):
+        if (old.source, old.adapters, old.slots, _stream(old)) != (new.source, new.adapters, new.slots, _stream(new)):
+            # A stamp of another stream (or none) says nothing of what the gateway counts now.
             return True
         for before, after in ((old.running, new.running), (old.waiting, new.waiting)):
             if abs(after - before) >= max(1.0, c.count_step * before):
@@ -421,3 +423,8 @@ class RuntimeLoadMonitor:
             if was is not None and now_is is not None and abs(now_is - was) >= c.fraction_step:
                 return True
         return False
+
+
+def _stream(load: RuntimeLoad) -> int | None:
+    """The stream whose tasks a reading's stamp counts (None: unstamped)."""
+    return None if load.sample is None else load.sample.stream_id

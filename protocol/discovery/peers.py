@@ -32,6 +32,7 @@ __all__ = [
     "PeerSet",
     "PodState",
     "desired_peer",
+    "live_ip",
     "parse_peer_address",
     "pod_key",
     "pod_state",
@@ -125,21 +126,23 @@ def pod_version(pod: PodState) -> str | None:
     return pod.resource_version
 
 
-def desired_peer(pod: PodState, port: int) -> PeerAddress | None:
-    """The address to dial for ``pod``, or None while it must not get a receiver.
-
-    A pod is dialled only when it can answer: it has an IP, is Running and
-    Ready, and is not terminating (a deletion timestamp means it is draining).
-    """
+def live_ip(pod: PodState) -> str | None:
+    """The IP of a pod that can answer (it has one, is Running and Ready, and is not terminating:
+    a deletion timestamp means it is draining), else None."""
     if pod.ip is None or pod.deletion_timestamp is not None:
         return None
     if pod.phase != "Running" or not pod.ready:
         return None
     try:
-        host = str(ipaddress.ip_address(pod.ip))
+        return str(ipaddress.ip_address(pod.ip))
     except ValueError:
         return None
-    return PeerAddress(host, port)
+
+
+def desired_peer(pod: PodState, port: int) -> PeerAddress | None:
+    """The address to dial for ``pod``, or None while it must not get a receiver (see :func:`live_ip`)."""
+    host = live_ip(pod)
+    return None if host is None else PeerAddress(host, port)
 
 
 @dataclass(frozen=True)

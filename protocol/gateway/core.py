@@ -650,12 +650,17 @@ class GatewayCore:
 
     def drain_peers(self, now: float) -> list[CoreEffect]:
         """Graceful stop of the peer exchange: streams we dial report every engine not ready,
-        finish their forwarded tasks, then half-close; no redials; new peer streams are refused."""
+        finish their forwarded tasks, then half-close; no redials; new peer streams are refused.
+        A dial its peer has not accepted yet carries no task: it is given up (a peer whose port
+        takes connections but does not answer, as a restarting worker's, would hold the drain)."""
         self._shutting_down = True
         out: list[CoreEffect] = []
         for peer in list(self._peers.values()):
             receiver = peer.receiver
-            if receiver is not None and receiver.state is ReceiverState.OPEN:
+            if peer.dial is not None and not peer.accepted:
+                self._give_up(peer, "gateway is draining", now, out)
+                self._forget_peer(peer)
+            elif receiver is not None and receiver.state is ReceiverState.OPEN:
                 self._absorb_receiver(peer, receiver.shutdown(now), now, out)
             elif peer.dial is None:
                 self._forget_peer(peer)

@@ -32,7 +32,7 @@ from protocol.pb import worker_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "tools" / "bench"
-TARGETS = ("direct-echo", "direct-starlette", "agent-echo", "agent-starlette", "builtin")
+TARGETS = ("direct-echo", "direct-starlette", "agent-echo", "agent-starlette", "url-echo", "url-starlette", "builtin")
 NON_STREAM_CASES = {f"{target}_c{c}" for target in TARGETS for c in (1, 32)}
 STREAM_CASES = {f"{target}_stream" for target in TARGETS}
 
@@ -327,3 +327,22 @@ def test_cpu_span_counts_threads_born_in_the_window_whole_and_ignores_those_that
     end = {1: (12.5, 1.25), 3: (0.75, 0.25)}  # thread 2 ended, thread 3 began
     assert http_load.sched_span(start, end) == (3.25, 0.5)
     assert http_load.sched_span(None, end) is None and http_load.sched_span(start, None) is None
+
+
+def _overview_row(target: str, kind: str, c32_cpu: float, c1_cpu: float, c1_added: float) -> dict[str, object]:
+    return {"target": target, "kind": kind, "runtime": "echo", "c1_p50_added_ms": c1_added, "c32_rps": 1000.0,
+            "events_per_s": 1000.0, "c32_cpu_ms_per_request": c32_cpu, "c1_cpu_ms_per_request": c1_cpu}
+
+
+def test_verdicts_compare_infx_by_url_with_the_best_router_and_the_dial_in_path_with_the_baseline_tree() -> None:
+    http_bench = _load("http_bench")
+    lines = http_bench.verdicts([
+        _overview_row("agent-echo", "agent", 0.6, 1.0, 1.5), _overview_row("base-echo", "base", 1.2, 1.4, 1.9),
+        _overview_row("url-echo", "url", 0.3, 0.5, 0.5), _overview_row("vllm-echo", "vllm", 0.1, 0.2, 0.2),
+    ])
+    assert "dial-in path CPU per request at c=32: 0.600 ms, the --baseline tree's 1.200 ms = 0.50x " \
+           "(target <= 0.6x) -> met" in "\n".join(lines)
+    assert "dial-in path CPU per request at c=1: 1.000 ms, the --baseline tree's 1.400 ms = 0.71x " \
+           "(target <= 0.6x) -> MISSED" in "\n".join(lines)
+    assert any("infx by URL 0.300 ms = 3.0x (target for infx by URL: <= 2x) -> MISSED" in line for line in lines)
+    assert any("c=1 p50 added: best Rust router 0.200 ms (vllm-echo); infx by URL 0.500 ms" in line for line in lines)

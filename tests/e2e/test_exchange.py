@@ -108,7 +108,7 @@ class Cluster:
             "--worker-grpc", f"tcp:{self.worker}:interface={host}",
             "--internal-grpc", f"tcp:{self.internal}:interface={host}",
             "--peers", peers, "--status-interval", str(STATUS_INTERVAL), "--grace-period", "10",
-            "--queue-timeout", "2", *extra,
+            "--queue-timeout", "2", "--workers", "1", *extra,
         ])
         until(lambda: self._healthy(name), what=f"gateway {name} healthy")
 

@@ -30,6 +30,7 @@ from harness.gguf_models import write_model
 from harness.llama_server import LlamaCppServer, LoadGate
 from protocol.pb import status_pb2, worker_pb2
 from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, wait_until
+from tests.support.llama_answers import messages, stable
 
 KEYS = """
 keys:
@@ -39,16 +40,6 @@ engine_keys:
   - {key: ek-default, tenant: default}
 """
 RUNTIME_KEY = "runtime-secret-2"
-#: What differs between two runs of one request.
-VOLATILE = ("id", "created", "timings", "cached_tokens")
-
-
-def stable(document: Any) -> Any:
-    if isinstance(document, dict):
-        return {k: stable(v) for k, v in document.items() if k not in VOLATILE}
-    if isinstance(document, list):
-        return [stable(v) for v in document]
-    return document
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +81,6 @@ def clients(stack: tuple[LlamaCppServer, Gateway]) -> tuple[OpenAI, OpenAI]:
     llama, gateway = stack
     return (OpenAI(base_url=llama.url + "/v1", api_key=RUNTIME_KEY, max_retries=0),
             OpenAI(base_url=gateway.base_url, api_key="sk-user", max_retries=0))
-
-
-def messages(text: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": text}]
 
 
 def test_the_agent_serves_the_model_the_server_lists(stack):

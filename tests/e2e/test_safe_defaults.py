@@ -114,7 +114,8 @@ def test_the_internal_secret_comes_from_a_file_or_the_environment_and_never_show
         b_args = ["infx", "--http", f"tcp:{b_ports[0]}:interface=127.0.0.1",
                   "--worker-grpc", f"tcp:{b_ports[1]}:interface=127.0.0.1",
                   "--internal-grpc", f"tcp:{b_ports[2]}:interface=127.0.0.1",
-                  "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-b", "--status-interval", "0.5"]
+                  "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-b", "--status-interval", "0.5",
+                  "--workers", "1"]
         b = TwistdChild("b", b_args, tmp_path, env={"INFX_INTERNAL_SECRET": secret})
         wait_until(lambda: "from-b" in http_get(a.base_url + "/models")[1].decode(), "a to learn b's model",
                    [a.child, b])

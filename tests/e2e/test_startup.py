@@ -283,7 +283,7 @@ def test_twistd_u_g_binds_ports_below_1024_then_serves_as_the_unprivileged_user(
     http, worker, internal = _free_privileged_ports(3)
     child = TwistdChild("privileged", ["-u", "65534", "-g", "65534", "infx", "--http", loopback(http),
                                        "--worker-grpc", loopback(worker), "--internal-grpc", loopback(internal),
-                                       "--echo-models", "echo"], tmp_path)
+                                       "--echo-models", "echo", "--workers", "1"], tmp_path)
     try:
         wait_until(lambda: http_get(f"http://127.0.0.1:{http}/readyz")[0] == 200, "/readyz", [child])
         assert "set uid/gid 65534/65534" in child.output()

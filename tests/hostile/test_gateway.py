@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from infx.gateway.auth import KeyStore
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.pb import worker_pb2
+from tests.support.http_api import SITES
 from tests.support.hostile import CHAT, JSON, Response, Stack, assert_well_behaved_request_works
 from tools.fuzz.drivers import HypothesisSource, RandomSource, Source, json_body
 
@@ -47,17 +48,32 @@ odd_header_values = st.sampled_from(
     ["", "nan", "inf", "-1", "0", "1e-300", "1e309", "abc", "0.5", "Bearer", "Bearer x", "\x7f", "ü"])
 
 
+odd_requests = given(st.sampled_from(ENDPOINTS), st.data(),
+                     st.dictionaries(st.sampled_from(["content-type", "authorization", "x-request-timeout",
+                                                      "x-stainless-timeout", "x-request-id", "accept"]),
+                                     odd_header_values, max_size=4))
+
+
+# One test per server of the tree (tests.support.http_api.SITES): pytest-twisted's runner and
+# Hypothesis's do not take a parametrized site together.
 @FEW
-@given(st.sampled_from(ENDPOINTS), st.data(),
-       st.dictionaries(st.sampled_from(["content-type", "authorization", "x-request-timeout",
-                                        "x-stainless-timeout", "x-request-id", "accept"]),
-                       odd_header_values, max_size=4))
+@odd_requests
 def test_any_body_and_headers_end_in_an_answer_and_the_next_request_works(path, data, headers):
+    any_body_and_headers("twisted", path, data, headers)
+
+
+@FEW
+@odd_requests
+def test_any_body_and_headers_end_in_an_answer_and_the_next_request_works_on_httptools(path, data, headers):
+    any_body_and_headers("httptools", path, data, headers)
+
+
+def any_body_and_headers(site, path, data, headers):
     """Random JSON (wrong types, huge strings, deep nesting) or bytes, with odd
     headers: the gateway answers 200 or an OpenAI error (400, 404, 413, 5xx),
     within the request's deadline; then a good request on the same connection
     still gets its 200."""
-    stack = Stack()
+    stack = Stack(site=site)
     stack.engine(models=("m", "x"))
     client = stack.connect()
     body = json_body(HypothesisSource(data))
@@ -70,10 +86,11 @@ def test_any_body_and_headers_end_in_an_answer_and_the_next_request_works(path, 
     assert_well_behaved_request_works(stack, client)
 
 
-def test_a_timeout_so_short_it_has_passed_is_a_504_not_a_hang():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_timeout_so_short_it_has_passed_is_a_504_not_a_hang(site):
     """A client timeout that has already passed when the task is submitted
     fails inside ``submit``: the answer must still be written (504)."""
-    stack = Stack()
+    stack = Stack(site=site)
     stack.engine()
     client = stack.connect()
     response = client.exchange("/v1/chat/completions", CHAT, {**JSON, "x-request-timeout": "1e-300"})
@@ -93,12 +110,27 @@ MALFORMED_HTTP = [
 ]
 
 
-@settings(max_examples=len(MALFORMED_HTTP) + 15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(MALFORMED_HTTP) | st.binary(min_size=1, max_size=300).map(lambda b: b + b"\r\n\r\n"))
+malformed = given(st.sampled_from(MALFORMED_HTTP) | st.binary(min_size=1, max_size=300).map(lambda b: b + b"\r\n\r\n"))
+MALFORMED_EXAMPLES = settings(max_examples=len(MALFORMED_HTTP) + 15, deadline=None,
+                              suppress_health_check=[HealthCheck.too_slow])
+
+
+@MALFORMED_EXAMPLES
+@malformed
 def test_malformed_http_is_answered_or_dropped_and_the_gateway_keeps_serving(raw):
+    malformed_http("twisted", raw)
+
+
+@MALFORMED_EXAMPLES
+@malformed
+def test_malformed_http_is_answered_or_dropped_and_the_gateway_keeps_serving_on_httptools(raw):
+    malformed_http("httptools", raw)
+
+
+def malformed_http(site, raw):
     """Bytes that are not a valid HTTP/1.1 request get a 4xx (or the connection
     is closed) without raising, and other clients are served as before."""
-    stack = Stack()
+    stack = Stack(site=site)
     stack.engine()
     client = stack.connect()
     client.send(raw)
@@ -205,11 +237,12 @@ def test_an_engine_that_never_answers_ends_in_504_at_the_deadline():
     assert response.status == 504 and response.error()
 
 
-def test_a_header_that_is_not_utf8_is_read_not_a_500():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_header_that_is_not_utf8_is_read_not_a_500(site):
     """Header values are bytes on the wire; one that is not UTF-8 (an
     ``Authorization`` in latin-1, say) is read as latin-1 rather than raising
     inside the handler (which Twisted turns into an HTML 500)."""
-    stack = Stack(keys=KeyStore.from_mapping({"keys": [{"key": "sk-ok", "tenant": "default"}]}))
+    stack = Stack(keys=KeyStore.from_mapping({"keys": [{"key": "sk-ok", "tenant": "default"}]}), site=site)
     stack.engine()
     client = stack.connect()
     client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nAuthorization: Bearer \xfc\xff\r\n"

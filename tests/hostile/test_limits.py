@@ -56,6 +56,7 @@ from protocol.grpc import (
 )
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.core import Locality, ProcessorConfig
+from tests.support.http_api import SITES
 from tests.support.hostile import (
     CHAT,
     ECHO,
@@ -70,10 +71,11 @@ from tests.support.hostile import (
 # -- HTTP request body and headers ------------------------------------------------------
 
 
-def test_a_content_length_over_the_limit_is_413_at_once_and_the_connection_closes():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_content_length_over_the_limit_is_413_at_once_and_the_connection_closes(site):
     """A declared 100 GiB body is refused as soon as the headers are in: not a byte of
     it needs to arrive, and the connection does not stay open for the rest."""
-    stack = Stack(max_body_size=1_000)
+    stack = Stack(max_body_size=1_000, site=site)
     stack.engine()
     client = stack.connect()
     client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: %d\r\n"
@@ -91,8 +93,9 @@ def test_a_content_length_over_the_limit_is_413_at_once_and_the_connection_close
     assert_well_behaved_request_works(stack, stack.connect())
 
 
-def test_a_refused_body_that_never_ends_is_cut_off_after_the_drain_time():
-    stack = Stack(max_body_size=1_000)
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_refused_body_that_never_ends_is_cut_off_after_the_drain_time(site):
+    stack = Stack(max_body_size=1_000, site=site)
     client = stack.connect()
     client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5000\r\n\r\n" + b"x" * 100)
     assert client.responses()[0].status == 413
@@ -102,10 +105,11 @@ def test_a_refused_body_that_never_ends_is_cut_off_after_the_drain_time():
     assert not client.open
 
 
-def test_a_body_just_over_the_limit_is_answered_once_and_the_connection_closes():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_body_just_over_the_limit_is_answered_once_and_the_connection_closes(site):
     """The whole refused body arrives within the drain allowance: one 413, no second
     answer from the handler, and the connection closes."""
-    stack = Stack(max_body_size=1_000)
+    stack = Stack(max_body_size=1_000, site=site)
     stack.engine()
     client = stack.connect()
     client.request("/v1/chat/completions", b"x" * 5_000, JSON)
@@ -115,10 +119,11 @@ def test_a_body_just_over_the_limit_is_answered_once_and_the_connection_closes()
     assert not client.open
 
 
-def test_an_endless_chunked_body_is_413_once_it_grows_over_the_limit_and_the_connection_closes():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_an_endless_chunked_body_is_413_once_it_grows_over_the_limit_and_the_connection_closes(site):
     """No Content-Length to refuse up front: the body is counted as it arrives, and
     the 413 goes out the moment it passes the limit, long before any end."""
-    stack = Stack(max_body_size=1_000)
+    stack = Stack(max_body_size=1_000, site=site)
     stack.engine()
     client = stack.connect()
     client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -138,10 +143,11 @@ def test_an_endless_chunked_body_is_413_once_it_grows_over_the_limit_and_the_con
     (b"".join(b"X-H%d: v\r\n" % i for i in range(600)), True),
     (b"X-Line: " + b"v" * 20_000 + b"\r\n", False),
 ], ids=["header bytes", "header count", "one line over 16 KiB"])
-def test_too_many_header_bytes_or_headers_is_400_and_other_clients_are_served(headers, answered):
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_too_many_header_bytes_or_headers_is_400_and_other_clients_are_served(headers, answered, site):
     """Over 16 KiB of headers or 500 of them: 400 and the connection closes;
     a single line too long to buffer closes the connection without an answer."""
-    stack = Stack()
+    stack = Stack(site=site)
     stack.engine()
     client = stack.connect()
     client.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: g\r\n" + headers + b"Content-Length: 0\r\n\r\n")
@@ -466,7 +472,8 @@ class _AgentRoute:
                                                n == len(scheduled) - 1)
 
     def _result(self, task_id: str, result: worker_pb2.TaskResult, last: bool) -> None:
-        self._perform(self.core.send_result(task_id, result))
+        sent = self.core.send_result(task_id, result)
+        self._perform([sent] if sent is not None else [])
         if last:
             self._perform(self.core.finish_task(task_id, self.stack.clock.seconds()))
 
@@ -474,11 +481,12 @@ class _AgentRoute:
 # -- bytes buffered for a slow client ----------------------------------------------------------
 
 
-def test_a_slow_streaming_client_is_cut_off_alone_once_its_buffer_is_full():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_slow_streaming_client_is_cut_off_alone_once_its_buffer_is_full(site):
     """The client stops reading (its transport pauses the channel) while the
     engine streams: once more than ``max_buffered_bytes`` wait for it, that
     client alone is cut off and its task cancelled on the engine."""
-    stack = Stack(max_buffered_bytes=2_000)
+    stack = Stack(max_buffered_bytes=2_000, site=site)
     engine = stack.engine()
     slow = stack.connect()
     words = " ".join(["word"] * 400)
@@ -495,10 +503,11 @@ def test_a_slow_streaming_client_is_cut_off_alone_once_its_buffer_is_full():
     assert_well_behaved_request_works(stack)
 
 
-def test_a_streaming_client_that_reads_gets_everything():
+@pytest.mark.parametrize("site", sorted(SITES))
+def test_a_streaming_client_that_reads_gets_everything(site):
     """The same stream to a client that keeps reading is delivered whole (the
     bound is on what waits, not on the size of the stream)."""
-    stack = Stack(max_buffered_bytes=2_000)
+    stack = Stack(max_buffered_bytes=2_000, site=site)
     stack.engine()
     client = stack.connect()
     words = " ".join(["word"] * 400)

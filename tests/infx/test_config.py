@@ -214,3 +214,73 @@ def test_a_routing_knob_out_of_range_is_one_line_naming_its_option(flags, messag
     with pytest.raises(ConfigError) as raised:
         build_config({}, flags)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+# --- runtimes by URL -------------------------------------------------------------------------------
+
+
+def test_runtime_urls_come_from_repeated_flags_or_a_yaml_list_of_strings_and_mappings(tmp_path):
+    from infx.config import runtime_targets
+    from infx.tap import Options
+    from protocol.discovery.runtimes import RuntimeTarget
+
+    options = Options()
+    options.parseOptions(["--runtime-url", "http://a:8000/v1/=llama-3,llama-3-lora", "--runtime-url", "https://b"])
+    assert runtime_targets(options.config_value) == (
+        RuntimeTarget("http://a:8000", ("llama-3", "llama-3-lora")), RuntimeTarget("https://b"))
+    path = tmp_path / "infx.yaml"
+    path.write_text("runtime_url:\n  - http://a:8000=m\n  - {url: 'http://b:9000', models: [x, y]}\n"
+                    "  - {url: 'http://c:9000'}\nruntime_pod_label: app=vllm\nruntime_port: 8001\n")
+    config = build_config(load_yaml(str(path)), {})
+    assert runtime_targets(config) == (RuntimeTarget("http://a:8000", ("m",)), RuntimeTarget("http://b:9000", ("x", "y")),
+                                       RuntimeTarget("http://c:9000"))
+    assert (config.runtime_pod_label, config.runtime_port, config.runtime_max_concurrency) == ("app=vllm", 8001, 32)
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"runtime_url": "a:8000"}, "--runtime-url: expected http"),
+        ({"runtime_url": "ftp://a:1"}, "--runtime-url: expected http"),
+        ({"runtime_url": "http://a:8000?x=1"}, "--runtime-url: expected http"),
+        ({"runtime_url": "http://user:pw@a:8000"}, "--runtime-url: expected http"),
+        ({"runtime_url": "http://a:99999"}, "--runtime-url: 'http://a:99999' has no valid port"),
+        ({"runtime_url": "http://a:8000="}, "names no model"),
+        ({"runtime_url": "http://a:8000=m,m"}, "names a model twice"),
+        ({"runtime_url": ["http://a:8000", "http://a:8000/v1"]}, "http://a:8000 is given twice"),
+        ({"runtime_url": [{"url": "http://a:1", "modles": ["m"]}]}, "a mapping takes url"),
+        ({"runtime_url": [3]}, "--runtime-url: expected URL"),
+        ({"runtime_pod_label": "vllm"}, "--runtime-pod-label: expected key=value"),
+        ({"runtime_port": "70000"}, "--runtime-port: 70000 is out of range"),
+        ({"runtime_max_concurrency": "0"}, "--runtime-max-concurrency: invalid value"),
+        ({"runtime_tenant": "team-a"}, "--runtime-tenant 'team-a' needs --api-keys"),
+        ({"runtime_api_key_file": "/nonexistent/key"}, "--runtime-api-key-file: cannot read"),
+    ],
+)
+def test_a_runtime_option_that_cannot_work_is_refused_with_the_option_named(values, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(values, {})
+def test_workers_default_to_the_cores_the_process_may_use_within_its_cgroup_quota(tmp_path):
+    """--workers: given, it is taken (1 to 256); not given, the CPU affinity, capped by cgroup v2's
+    cpu.max quota (a container limited to 1.5 CPUs on a larger node gets 2, never more than its cores)."""
+    import os
+
+    from infx.config import ConfigError, build_config, usable_cores, worker_count
+
+    cores = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cores(str(tmp_path / "absent")) == cores
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(str(cpu_max)) == cores
+    cpu_max.write_text("150000 100000\n")
+    assert usable_cores(str(cpu_max)) == min(cores, 2)
+    cpu_max.write_text("10000 100000\n")
+    assert usable_cores(str(cpu_max)) == 1
+    assert worker_count(build_config({}, {"workers": "3"})) == 3
+    assert worker_count(build_config({"workers": 1}, {})) == 1
+    assert 1 <= worker_count(build_config({}, {})) <= cores
+    for bad in ("0", "257", "two"):
+        with pytest.raises(ConfigError, match="--workers"):
+            build_config({}, {"workers": bad})
+    with pytest.raises(ConfigError, match="--http-server"):
+        build_config({}, {"http_server": "nginx"})

@@ -34,3 +34,19 @@ def test_none_and_cancel_leave_nothing_armed() -> None:
     timer.cancel()
     assert clock.getDelayedCalls() == []
     timer.cancel()
+
+
+def test_a_timer_that_may_fire_early_keeps_its_call_for_a_later_deadline_and_moves_it_for_an_earlier() -> None:
+    clock = task.Clock()
+    fired: list[float] = []
+    timer = DeadlineTimer(clock, lambda: fired.append(clock.seconds()), early_ok=True)
+    timer.arm(5.0)
+    (call,) = clock.getDelayedCalls()
+    timer.arm(9.0)
+    assert clock.getDelayedCalls() == [call], "a later deadline keeps the earlier call"
+    timer.arm(2.0)
+    assert [c.getTime() for c in clock.getDelayedCalls()] == [2.0]
+    clock.advance(2.0)
+    assert fired == [2.0] and clock.getDelayedCalls() == []
+    timer.arm(None)
+    assert clock.getDelayedCalls() == []

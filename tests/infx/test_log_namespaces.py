@@ -22,9 +22,12 @@ NAMESPACES = {
     "infx/http/api.py": "infx.gateway",
     "infx/http/request_log.py": "infx.request_log",
     "infx/http/site.py": "infx.gateway_site",
+    "infx/http/lean.py": "infx.gateway_site",
     "infx/gateway/dispatcher.py": "infx.dispatcher",
     "infx/gateway/key_reload.py": "infx.key_reload",
     "infx/gateway/workers.py": "infx.workers",
+    "infx/gateway/in_process.py": "infx.gateway.in_process",
+    "infx/gateway/runtime_engines.py": "infx.gateway.runtime_engines",
     "infx/exchange/exchanger.py": "infx.exchanger",
     "infx/exchange/peer_tls.py": "infx.peer_tls",
     "infx/discovery/kube.py": "infx.kube",
@@ -35,6 +38,8 @@ NAMESPACES = {
     "infx/agent/upstream_key.py": "infx.upstream_key",
     "infx/scaling/scaler.py": "infx.scaler.InferenceScaler",
     "infx/scaling/lease.py": "infx.scaler_lease.LeaseElector",
+    "infx/supervisor/supervisor.py": "infx.supervisor",
+    "infx/supervisor/worker.py": "infx.supervisor.worker",
 }
 
 

@@ -22,7 +22,6 @@ from infx.gateway.auth import KeyStore
 from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from infx.gateway.metrics import GatewayMetrics
 from infx.http.api import Gateway, build_resource
-from infx.http.site import GatewaySite
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.grpc import GrpcConnection
 from protocol.pb import status_pb2, worker_pb2
@@ -72,7 +71,8 @@ class Stack:
     """Gateway, dispatcher and processor on one Clock; HTTP connections on StringTransports."""
 
     def __init__(self, *, max_body_size: int = 1 << 20, max_buffered_bytes: int = 1 << 20,
-                 keys: KeyStore | None = None, processor: ProcessorConfig | None = None) -> None:
+                 keys: KeyStore | None = None, processor: ProcessorConfig | None = None, site: str = "twisted") -> None:
+        """``site``: which server of the tree (``tests.support.http_api.SITES``) the connections reach."""
         self.clock = task.Clock()
         self.clock.advance(1_000)  # a clock that does not start at 0, as a reactor's does not
         self.metrics = GatewayMetrics(CollectorRegistry())
@@ -80,7 +80,9 @@ class Stack:
         self.dispatcher = Dispatcher(self.clock, self.processor, self.metrics)
         self.gateway = Gateway(self.dispatcher, self.clock, self.metrics, keys, max_buffered_bytes=max_buffered_bytes)
         self.gateway.listening = True
-        self.site = GatewaySite(build_resource(self.gateway), max_body_size=max_body_size, reactor=self.clock)
+        from tests.support.http_api import SITES
+
+        self.site = SITES[site](build_resource(self.gateway), max_body_size=max_body_size, reactor=self.clock)
         self.clients: list[HttpClient] = []
 
     def engine(self, engine_id: str = "e1", models: tuple[str, ...] = ("m",), tenant: str = "default",

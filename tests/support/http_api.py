@@ -13,6 +13,7 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
 from infx.http.api import Gateway, build_resource
+from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
 
@@ -117,16 +118,22 @@ class ScriptedRunner:
         sink.completed()
 
 
-@pytest.fixture
-def gateway_factory():
+#: The two servers of the same resource tree: twisted.web's site, and the httptools one of
+#: ``twistd infx``'s own port. Every test of the API runs against both.
+SITES = {"twisted": GatewaySite, "httptools": LeanSite}
+
+
+@pytest.fixture(params=sorted(SITES))
+def gateway_factory(request):
     ports = []
+    site_class = SITES[request.param]
 
     def start(runner=None, keys=None, max_body_size=1 << 20, max_buffered=1 << 20):
         runner = runner or ScriptedRunner()
         metrics = GatewayMetrics(CollectorRegistry())
         gateway = Gateway(runner, reactor, metrics, keys, max_buffered_bytes=max_buffered)
         gateway.listening = True
-        site = GatewaySite(build_resource(gateway), max_body_size=max_body_size)
+        site = site_class(build_resource(gateway), max_body_size=max_body_size)
         d = TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
 
         def listening(port):

@@ -47,7 +47,7 @@ def gateway(name: str, ports: dict[str, int], peers: str | None, logs: Path) -> 
     argv = [TWISTD, "-n", "--pidfile=", "infx",
             "--http", f"tcp:{ports['http']}:interface={HOST}",
             "--worker-grpc", f"tcp:{ports['worker']}:interface={HOST}",
-            "--internal-grpc", f"tcp:{ports['internal']}:interface={HOST}"]
+            "--internal-grpc", f"tcp:{ports['internal']}:interface={HOST}", "--workers", "1"]
     if peers:
         argv += ["--peers", peers]
     return spawn(argv, logs / f"{name}.log")

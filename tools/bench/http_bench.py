@@ -15,13 +15,23 @@ In front of each runtime, the targets (``--targets``):
 - ``direct``: the runtime alone (the baseline);
 - ``agent``: ``twistd infx`` + ``twistd infx-engine --runtime openai``
   pointed at the runtime (infx's dial-in deployment);
+- ``url``: ``twistd infx --runtime-url`` (the runtime served by URL: the
+  engine agent runs inside the gateway's process, no gRPC hop);
+- ``base``: with ``--baseline DIR`` (another checkout of infx, e.g. made
+  with ``git worktree add DIR COMMIT``), that tree's dial-in path, as
+  ``agent`` but run from ``DIR``: before and after a change in one run;
 - ``litellm``: the LiteLLM proxy (one worker);
 - ``sglang``: sglang-router, round_robin;
 - ``vllm``: vllm-router, round_robin;
 
 and once, with no runtime, ``builtin``: ``twistd infx --echo-models``
 (the built-in echo engine inside the gateway's process; its ratios are to
-``direct-echo``, whose answers it matches). The peers (LiteLLM and the
+``direct-echo``, whose answers it matches), and ``workers``: the same with
+``--workers 2`` (each worker serves from its own built-in engine, as each
+serves runtimes by URL itself; every process's CPU is counted, the
+supervisor's too), and ``twistedweb``: ``builtin`` served by twisted.web's
+server (``--http-server twisted``) instead of the httptools one, to compare
+the two. Every other infx target runs ``--workers 1``. The peers (LiteLLM and the
 routers) are pinned releases installed on first use into ignored venvs by
 ``peers.py``, which documents their command lines; they run only when
 named in ``--targets``.
@@ -91,12 +101,18 @@ RUNTIMES = {
 KINDS = {
     "direct": "the runtime alone",
     "agent": "twistd infx + twistd infx-engine --runtime openai",
+    "url": "twistd infx --runtime-url (one process, no agent between)",
+    "base": "the dial-in path of the --baseline tree",
     "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
     "builtin": "twistd infx --echo-models (built-in echo engine, no runtime)",
+    "workers": "twistd infx --workers 2 --echo-models (a built-in echo engine in each worker, no runtime)",
+    "twistedweb": "twistd infx --echo-models --http-server twisted (builtin, served by twisted.web's server)",
 }
-DEFAULT_KINDS = ("direct", "agent", "builtin")
+DEFAULT_KINDS = ("direct", "agent", "url", "builtin")
+#: Targets with no runtime behind them (compared with ``direct-echo``).
+RUNTIMELESS = ("builtin", "workers", "twistedweb")
 ROUTER_KINDS = ("sglang", "vllm")
 
 
@@ -166,29 +182,53 @@ class RuntimeServer(Child):
         self.url = f"http://127.0.0.1:{self.port}"
 
 
-def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None) -> Child:
-    log = logs / f"{name}.twistd.log"
+def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, tree: Path = ROOT,
+           log_to_stdout: bool = False) -> Child:
+    """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s). ``log_to_stdout``:
+    twistd logs to its standard output (the Child's log file), as in a container; there a
+    supervisor's workers write their own lines (docs/workers.md)."""
+    log = "-" if log_to_stdout else logs / f"{name}.twistd.log"
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
         argv += [f"--profile={profile / (name + '.prof')}", "--profiler=cprofile", "--savestats"]
-    return Child(name, argv + plugin_args, logs)
+    path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
+    return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
 
 
-def gateway_args(http: int, worker: int) -> list[str]:
+def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
     # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
+    # With workers, each has its own internal port (the next ones): the kernel picks them here.
+    internal = free_port() if workers == 1 else 0
     return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-            "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
+            "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
+            "--workers", str(workers)]
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a supervisor's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
 
 
 class Processes:
     """Starts the runtimes and every target in front of them; ``targets`` in a fixed order."""
 
-    def __init__(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str]) -> None:
+    def __init__(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str],
+                 baseline: Path | None = None) -> None:
         self.children: list[Child] = []
         self.peers: list[Peer] = []
         self.targets: list[Target] = []
+        self.baseline = baseline
         try:
             self._start(logs, profile, runtimes, kinds)
         except BaseException:
@@ -202,17 +242,27 @@ class Processes:
             self.children.append(server)
             if "direct" in kinds:
                 self._add("direct", runtime, server.port, server.process.pid)
-            if "agent" in kinds:
+            for kind, tree in (("agent", ROOT), ("base", self.baseline)):
+                if kind not in kinds or tree is None:
+                    continue
                 http, grpc = free_port(), free_port()
-                gateway = twistd(f"gateway-agent-{runtime}", gateway_args(http, grpc), logs, profile)
+                gateway = twistd(f"gateway-{kind}-{runtime}", gateway_args(http, grpc), logs, profile, tree)
                 self.children.append(gateway)
-                engine = twistd(f"engine-agent-{runtime}", [
+                engine = twistd(f"engine-{kind}-{runtime}", [
                     "infx-engine", "--server", f"127.0.0.1:{grpc}", "--runtime", "openai",
                     "--upstream", server.url, "--models", MODEL, "--max-concurrency", "64", "--grace", "1"],
-                    logs, profile)
+                    logs, profile, tree)
                 self.children.append(engine)
                 waits.append((http, [gateway, engine]))
-                self._add("agent", runtime, http, gateway.process.pid, engine.process.pid)
+                self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
+            if "url" in kinds:
+                http = free_port()
+                gateway = twistd(f"gateway-url-{runtime}", [
+                    *gateway_args(http, free_port()), "--runtime-url", f"{server.url}={MODEL}",
+                    "--runtime-max-concurrency", "64"], logs, profile)
+                self.children.append(gateway)
+                waits.append((http, [gateway]))
+                self._add("url", runtime, http, gateway.process.pid)
         if "builtin" in kinds:
             http = free_port()
             gateway = twistd("gateway-builtin", [*gateway_args(http, free_port()),
@@ -220,8 +270,29 @@ class Processes:
             self.children.append(gateway)
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
+        if "twistedweb" in kinds:
+            http = free_port()
+            gateway = twistd("gateway-twistedweb", [*gateway_args(http, free_port()), "--http-server", "twisted",
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
+            self.children.append(gateway)
+            waits.append((http, [gateway]))
+            self._add("twistedweb", None, http, gateway.process.pid)
+        supervisor = None
+        if "workers" in kinds:
+            http = free_port()
+            supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
+                                                    "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile,
+                                log_to_stdout=True)
+            self.children.append(supervisor)
+            waits.append((http, [supervisor]))
         for port, children in waits:
             wait_for_model(port, MODEL, children)
+        if supervisor is not None:
+            workers = children_of(supervisor.process.pid)
+            if len(workers) != 2:
+                raise BenchError(f"--workers 2 runs {len(workers)} workers: {supervisor.log_tail()}")
+            # Watched CPU counts a process's children: the supervisor's pid covers its workers.
+            self._add("workers", None, http, supervisor.process.pid)
         starters: dict[str, Callable[[RuntimeServer], Peer]] = {
             "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
             "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),
@@ -336,7 +407,7 @@ def summarise(all_cases: list[Case], targets: list[Target],
         row["client_cpu"] = median(name, lambda r: r["cpu_s"] / r["seconds"])
         row["server_cpu"] = median(name, watched(0))
         row["server_cpu_wait"] = median(name, watched(0, "watched_wait_s"))
-        if target.kind == "agent":
+        if target.kind in ("agent", "base"):
             row["engine_cpu"] = median(name, watched(1))
         row["per_server_cpu_s"] = median(name, per_cpu_s(done))
         row["cpu_ms_per_" + ("event" if case.stream else "request")] = median(name, all_cpu_ms(done))
@@ -366,33 +437,44 @@ def overview(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def verdicts(rows: list[dict[str, Any]]) -> list[str]:
-    """Issue #25's comparisons, per runtime: infx's dial-in path against the best Rust router measured beside it."""
+    """Issue #25's comparisons, per runtime: infx's dial-in path and infx by URL against the best Rust
+    router measured beside them."""
     out = []
     for runtime in dict.fromkeys(row["runtime"] for row in rows if row["runtime"]):
         mine = [row for row in rows if row["runtime"] == runtime]
-        agent = next((row for row in mine if row["kind"] == "agent"), None)
         routers = [row for row in mine if row["kind"] in ROUTER_KINDS]
-        if agent is None:
-            continue
-        cpu = agent["c32_cpu_ms_per_request"]
-        if cpu is not None:
+        agent = next((row for row in mine if row["kind"] == "agent"), None)
+        base = next((row for row in mine if row["kind"] == "base"), None)
+        if agent is not None and agent["c32_cpu_ms_per_request"] is not None:
+            cpu = agent["c32_cpu_ms_per_request"]
             out.append(f"#25 [{runtime}] dial-in path CPU per request at c=32: {cpu:.3f} ms; target <= 0.6 x "
                        f"{ISSUE_25_DIAL_IN_CPU_MS:g} ms = {0.6 * ISSUE_25_DIAL_IN_CPU_MS:.2f} ms "
                        f"-> {'met' if cpu <= 0.6 * ISSUE_25_DIAL_IN_CPU_MS else 'MISSED'}")
-        for key, what in (("c32_cpu_ms_per_request", "CPU per request at c=32"), ("c1_p50_added_ms", "c=1 p50 added")):
-            measured = [(row[key], row["target"]) for row in routers if row[key] is not None]
-            if not measured or agent[key] is None:
+            for key, what in (("c32_cpu_ms_per_request", "c=32"), ("c1_cpu_ms_per_request", "c=1")):
+                if base is not None and base[key] and agent[key] is not None:
+                    out.append(f"#25 [{runtime}] dial-in path CPU per request at {what}: {agent[key]:.3f} ms, the "
+                               f"--baseline tree's {base[key]:.3f} ms = {agent[key] / base[key]:.2f}x "
+                               f"(target <= 0.6x) -> {'met' if agent[key] <= 0.6 * base[key] else 'MISSED'}")
+        for kind, name in (("url", "infx by URL"), ("agent", "infx dial-in path")):
+            row = next((r for r in mine if r["kind"] == kind), None)
+            if row is None:
                 continue
-            best, who = min(measured)
-            out.append(f"#25 [{runtime}] {what}: best Rust router {best:.3f} ms ({who}); infx dial-in path "
-                       f"{agent[key]:.3f} ms = {agent[key] / best:.1f}x (target for infx by URL: <= 2x)")
-        for key, what in (("c32_rps", "requests/s at c=32"), ("events_per_s", "relayed events/s")):
-            measured = [(row[key], row["target"]) for row in routers if row[key] is not None]
-            if not measured or agent[key] is None:
-                continue
-            best, who = max(measured)
-            out.append(f"#25 [{runtime}] {what}: best Rust router {best:,.0f} ({who}); infx dial-in path "
-                       f"{agent[key]:,.0f} = {agent[key] / best:.2f}x (target with --workers 2: >= 0.8x)")
+            for key, what in (("c32_cpu_ms_per_request", "CPU per request at c=32"),
+                              ("c1_p50_added_ms", "c=1 p50 added")):
+                measured = [(r[key], r["target"]) for r in routers if r[key] is not None]
+                if not measured or row[key] is None:
+                    continue
+                best, who = min(measured)
+                verdict = f" -> {'met' if row[key] <= 2 * best else 'MISSED'}" if kind == "url" else ""
+                out.append(f"#25 [{runtime}] {what}: best Rust router {best:.3f} ms ({who}); {name} "
+                           f"{row[key]:.3f} ms = {row[key] / best:.1f}x (target for infx by URL: <= 2x){verdict}")
+            for key, what in (("c32_rps", "requests/s at c=32"), ("events_per_s", "relayed events/s")):
+                measured = [(r[key], r["target"]) for r in routers if r[key] is not None]
+                if not measured or row[key] is None:
+                    continue
+                best, who = max(measured)
+                out.append(f"#25 [{runtime}] {what}: best Rust router {best:,.0f} ({who}); {name} "
+                           f"{row[key]:,.0f} = {row[key] / best:.2f}x (target with --workers 2: >= 0.8x)")
     return out
 
 
@@ -474,6 +556,8 @@ def main(argv: list[str]) -> int:
                         help=f"comma-separated of {', '.join(KINDS)}, or all (default {','.join(DEFAULT_KINDS)}); "
                         "litellm, sglang and vllm are installed on first use into ignored venvs (peers.py)")
     parser.add_argument("--cases", help="comma-separated subset of the case names (default: all)")
+    parser.add_argument("--baseline", type=Path, help="another checkout of infx (git worktree add DIR COMMIT): "
+                        "its dial-in path runs beside this tree's as target base (named in --targets, or all)")
     parser.add_argument("--profile", type=Path, help="directory for cProfile stats of the gateways and engine "
                         "agents; their top functions are printed on stderr at the end")
     options = parser.parse_args(argv)
@@ -482,8 +566,15 @@ def main(argv: list[str]) -> int:
     repeats = options.repeats if options.repeats is not None else (1 if options.quick else 3)
     runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
     kinds = names(parser, options.targets, KINDS, "targets")
-    target_names = [target_name(kind, None if kind == "builtin" else runtime)
-                    for kind in kinds for runtime in (runtimes if kind != "builtin" else [None])]
+    if options.baseline is None:
+        kinds = [kind for kind in kinds if kind != "base"]
+    elif not (options.baseline / "infx" / "tap.py").is_file():
+        parser.error(f"--baseline {options.baseline}: not a checkout of infx (no infx/tap.py)")
+    else:
+        options.baseline = options.baseline.resolve()
+        kinds = kinds if "base" in kinds else [*kinds, "base"]
+    target_names = [target_name(kind, None if kind in RUNTIMELESS else runtime)
+                    for kind in kinds for runtime in (runtimes if kind not in RUNTIMELESS else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
     if options.cases:
         wanted = options.cases.split(",")
@@ -503,7 +594,8 @@ def main(argv: list[str]) -> int:
             bodies[stream].write_bytes(request_body(stream))
         needed_kinds = {kind for kind in kinds if any(c.target.startswith(kind) for c in all_cases)}
         try:
-            processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds])
+            processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds],
+                                  options.baseline)
         except BenchError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

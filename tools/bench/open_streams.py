@@ -132,7 +132,8 @@ class Processes:
                     f"--logfile={logs / 'gateway.twistd.log'}", "infx",
                     "--http", f"tcp:{self.http_port}:interface=127.0.0.1:backlog=4096",
                     "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-                    "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1"]
+                    "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1",
+                    "--workers", "1"]
             self.gateway = Child("gateway", argv, logs, stdin=subprocess.PIPE)
             self.children.append(self.gateway)
             per_engine = math.ceil(options.streams / options.engines) + 100

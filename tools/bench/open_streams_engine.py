@@ -324,7 +324,7 @@ def main(argv: list[str]) -> int:
 
     from twisted.internet import reactor
 
-    from infx.agent.engine import EngineAgent
+    from infx.agent.engine import EngineAgent, GrpcLinks
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.agent.core import AgentConfig, EngineAgentCore
     from protocol.grpc import GrpcConfig
@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
 
     runtime = PacedRuntime(reactor, options.seed, (options.min_interval, options.max_interval))
     if options.agent:
-        agent = EngineAgent(reactor, EngineAgentCore(config), runtime, connect, grace=2.0)
+        agent = EngineAgent(reactor, EngineAgentCore(config), runtime, GrpcLinks(reactor, connect), grace=2.0)
         reactor.callWhenRunning(agent.startService)
         reactor.addSystemEventTrigger("before", "shutdown", agent.stopService)
     else:

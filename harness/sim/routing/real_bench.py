@@ -312,6 +312,11 @@ class _Simulation:
 
     # --- engines ----------------------------------------------------------------------------------
 
+    def agent_result(self, name: str, effect: SendResult | None) -> None:
+        """An answer's part the agent passes on (None: its task is gone)."""
+        if effect is not None:
+            self.agent_effects(name, [effect])
+
     def agent_effects(self, name: str, effects: list[Any]) -> None:
         g = self.home[name]
         for effect in effects:
@@ -341,15 +346,15 @@ class _Simulation:
         agent = self.agents[name]
         for job in first:
             wire_id = str(job.key)
-            self.agent_effects(name, agent.send_result(wire_id, worker_pb2.TaskResult(
+            self.agent_result(name, agent.send_result(wire_id, worker_pb2.TaskResult(
                 http_response=worker_pb2.HttpResponse(status_code=200))))
-            self.agent_effects(name, agent.send_result(wire_id, _event({"choices": [{"delta": {"content": "x"}}]})))
+            self.agent_result(name, agent.send_result(wire_id, _event({"choices": [{"delta": {"content": "x"}}]})))
         for job in finished:
             wire_id = str(job.key)
-            self.agent_effects(name, agent.send_result(wire_id, _event(
+            self.agent_result(name, agent.send_result(wire_id, _event(
                 {"choices": [{"finish_reason": "length"}], "timings": {"cache_n": job.cache_n,
                                                                        "prompt_n": job.prompt_n}})))
-            self.agent_effects(name, agent.send_result(wire_id, worker_pb2.TaskResult(
+            self.agent_result(name, agent.send_result(wire_id, worker_pb2.TaskResult(
                 server_sent_event=worker_pb2.ServerSentEvent(data=b"", is_last_event=True))))
             self.agent_effects(name, agent.finish_task(wire_id, self.now))
             self.jobs.pop(wire_id, None)

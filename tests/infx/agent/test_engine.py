@@ -12,9 +12,10 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.web import resource, server
-from twisted.web.client import Agent, HTTPConnectionPool
 
-from infx.agent.engine import EngineAgent
+
+from infx.agent.engine import EngineAgent, GrpcLinks
+from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import GrpcChannel, client_endpoint, listen_grpc
 from protocol.agent.core import AgentConfig, EngineAgentCore
@@ -34,8 +35,9 @@ def make_agent(port: int, runtime: Runtime, *, grace: float = 5.0, **config: Any
     settings.update(config)
     return EngineAgent(
         reactor, EngineAgentCore(AgentConfig(**settings)), runtime,
-        lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port)),
-        key="engine-key", grace=grace,
+        GrpcLinks(reactor, lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port)),
+                  key="engine-key"),
+        grace=grace,
     )
 
 
@@ -178,8 +180,9 @@ def test_openai_runtime_over_grpc_relays_the_stream_and_a_cancel_aborts_upstream
     gw, port = gateway
     slow = SlowRuntime()
     http_port = yield TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(server.Site(slow))
-    pool = HTTPConnectionPool(reactor)
-    runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool), f"http://127.0.0.1:{http_port.getHost().port}")
+    url = f"http://127.0.0.1:{http_port.getHost().port}"
+    client = RuntimeClient(reactor, url)
+    runtime = OpenAIRuntime(reactor, client, url)
     agent = make_agent(port, runtime)
     agent.startService()
     try:
@@ -196,7 +199,7 @@ def test_openai_runtime_over_grpc_relays_the_stream_and_a_cancel_aborts_upstream
         stopped = agent.stopService()
         gw.end_all()
         yield with_timeout(stopped)
-        yield pool.closeCachedConnections()
+        yield client.close()
         yield http_port.stopListening()
 
 
@@ -236,3 +239,12 @@ def test_shutdown_aborts_tasks_still_running_when_the_grace_period_ends(gateway)
     assert not any(r.server_sent_event.is_last_event for r in stream.results["slow"])
     stream.end.callback(None)
     yield with_timeout(stopped)
+
+
+@pytest.mark.parametrize("size", [0, 5, 127, 128, 300, 70_000, 3_000_000])
+def test_a_result_is_encoded_as_the_process_tasks_request_that_wraps_it(size: int) -> None:
+    from infx.agent.engine import _result_request
+
+    result = worker_pb2.TaskResult(task_id="t", result_index=3,
+                                   http_response=worker_pb2.HttpResponse(status_code=200, body=b"x" * size))
+    assert _result_request(result) == worker_pb2.ProcessTasksRequest(task_result=result).SerializeToString()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest_twisted
 from twisted.internet import defer, reactor, task
 
-from infx.agent.engine import PROCESS_TASKS, EngineAgent
+from infx.agent.engine import PROCESS_TASKS, EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.transport import (
     CallKind,
@@ -38,7 +38,7 @@ def agent_for(port: int, dials: list[int] | None = None) -> EngineAgent:
         return GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port))
 
     return EngineAgent(reactor, EngineAgentCore(config), EchoRuntime(reactor, EchoConfig(token_delay=0.0)),
-                       connect, key="wrong")
+                       GrpcLinks(reactor, connect, key="wrong"))
 
 
 class RefusingGateway:

@@ -18,6 +18,7 @@ from twisted.web import resource, server
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from infx.agent.runtime_watch import RuntimeWatch
+from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import OpenAIRuntime
 from infx.agent.upstream_key import UpstreamKey, UpstreamKeyError, read_key_file
 from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
@@ -71,7 +72,7 @@ class Watched:
     def __init__(self, agent: Agent, url: str, *, list_models: bool = False, credentials: UpstreamKey | None = None,
                  clock: task.Clock | None = None) -> None:
         self.clock = clock or task.Clock()
-        self.runtime = OpenAIRuntime(self.clock, agent, url, credentials=credentials)
+        self.runtime = OpenAIRuntime(self.clock, RuntimeClient(reactor, url), url, credentials=credentials)
         self.changes: list[tuple[bool, tuple[str, ...]]] = []
         machine = RuntimeHealth(HealthConfig(interval=5, down_interval=1, timeout=3, list_models=list_models))
         self.watch = RuntimeWatch(self.clock, machine, agent, self.runtime,

@@ -12,15 +12,12 @@ from twisted.internet import defer, reactor, task
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.web import resource, server
-from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRefusedError, DNSLookupError, TimeoutError
+from twisted.internet.error import ConnectionDone, ConnectionLost
 from twisted.python.failure import Failure
-from twisted.web.client import (
-    Agent, HTTPConnectionPool, RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived,
-)
 
-from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, describe, runtime_failure, upstream_root
+from infx.agent.runtime_client import RuntimeClient
+from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, upstream_root
 from protocol.agent.echo import EchoConfig
-from protocol.agent.runtime_failures import RuntimeFailure
 from protocol.pb import audio_pb2, embeddings_pb2, worker_pb2
 from tests.support.runtimes import Sink, chat_task
 
@@ -161,11 +158,11 @@ def fake_runtime():
     fake = FakeRuntime()
     port = pytest_twisted.blockon(TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(
         server.Site(fake)))
-    pool = HTTPConnectionPool(reactor, persistent=True)
-    runtime = OpenAIRuntime(reactor, Agent(reactor, pool=pool),
-                            f"http://127.0.0.1:{port.getHost().port}/v1")
+    url = f"http://127.0.0.1:{port.getHost().port}/v1"
+    client = RuntimeClient(reactor, url)
+    runtime = OpenAIRuntime(reactor, client, url)
     yield fake, runtime
-    pytest_twisted.blockon(pool.closeCachedConnections())
+    pytest_twisted.blockon(client.close())
     pytest_twisted.blockon(defer.maybeDeferred(port.stopListening))
 
 
@@ -244,7 +241,7 @@ def test_openai_connection_refused_becomes_503_so_the_gateway_retries_elsewhere(
     port = yield endpoint.listen(server.Site(resource.Resource()))
     free = port.getHost().port
     yield port.stopListening()
-    runtime = OpenAIRuntime(reactor, Agent(reactor), f"http://127.0.0.1:{free}")
+    runtime = OpenAIRuntime(reactor, RuntimeClient(reactor, f"http://127.0.0.1:{free}"), f"http://127.0.0.1:{free}")
     sink = Sink()
     runtime.start(chat_task("x"), sink)
     yield sink.done
@@ -287,8 +284,9 @@ class MemoryUpstream:
 
     def __init__(self) -> None:
         self.reactor = MemoryReactorClock()
-        agent = Agent.usingEndpointFactory(self.reactor, _MemoryEndpoints(self.reactor))
-        self.runtime = OpenAIRuntime(self.reactor, agent, "http://runtime.test:8000")
+        url = "http://runtime.test:8000"
+        client = RuntimeClient(self.reactor, url, endpoint=TCP4ClientEndpoint(self.reactor, "runtime.test", 8000))
+        self.runtime = OpenAIRuntime(self.reactor, client, url)
         self.transport = StringTransport()
         self.protocol: Any = None
 
@@ -303,19 +301,23 @@ class MemoryUpstream:
         self.protocol.dataReceived(data)
 
 
-class _MemoryEndpoints:
-    def __init__(self, reactor: MemoryReactorClock) -> None:
-        self.reactor = reactor
-
-    def endpointForURI(self, uri: Any) -> TCP4ClientEndpoint:
-        return TCP4ClientEndpoint(self.reactor, uri.host.decode("ascii"), uri.port)
-
-
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def test_a_runtime_mounted_below_its_hosts_root_is_asked_there() -> None:
+    reactor_ = MemoryReactorClock()
+    url = "http://proxy.test:8080/llama/v1"
+    client = RuntimeClient(reactor_, url, endpoint=TCP4ClientEndpoint(reactor_, "proxy.test", 8080))
+    OpenAIRuntime(reactor_, client, url).start(chat_task("x"), Sink())
+    _host, _port, factory, _timeout, _bind = reactor_.tcpClients.pop()
+    protocol = factory.buildProtocol(None)
+    transport = StringTransport()
+    protocol.makeConnection(transport)
+    assert transport.value().startswith(b"POST /llama/v1/chat/completions HTTP/1.1\r\nHost: proxy.test:8080\r\n")
 
 
 def test_nothing_is_relayed_after_an_abort_mid_stream_and_the_upstream_read_stops() -> None:
@@ -326,7 +328,7 @@ def test_nothing_is_relayed_after_an_abort_mid_stream_and_the_upstream_read_stop
     upstream.answer(STREAM_HEAD + chunk(b'data: {"n":1}\n\n'))
     assert [r.WhichOneof("message") for r in sink.results] == ["http_response", "server_sent_event"]
     running.abort()
-    assert upstream.transport.producerState == "stopped"  # a TCP transport closes its connection
+    assert upstream.transport.disconnected, "the connection is aborted: the runtime stops generating"
     upstream.answer(chunk(b'data: {"n":2}\n\n') + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
     upstream.reactor.advance(60)
     assert len(sink.results) == 2 and sink.finished == 0
@@ -341,7 +343,7 @@ def test_an_abort_while_the_whole_body_is_read_stops_the_read_and_reports_nothin
                     b'{"partial":')
     assert sink.results == []
     running.abort()
-    assert upstream.transport.producerState == "stopped"
+    assert upstream.transport.disconnected
     upstream.answer(b" " * 89)  # the rest of the body
     upstream.reactor.advance(60)
     assert sink.results == [] and sink.finished == 0
@@ -554,21 +556,3 @@ def test_an_unframed_stream_that_reached_its_final_event_ended_as_the_runtime_me
     datas = [e.data for e in sink.events]
     assert len(datas) == 3 and datas[1].startswith(final.rstrip(b"\n")) and not datas[2]
     assert not any(b"error" in d for d in datas)
-
-
-@pytest.mark.parametrize(("failure", "kind"), [
-    (ConnectionRefusedError("refused"), RuntimeFailure.UNREACHABLE),
-    (TimeoutError("connect"), RuntimeFailure.UNREACHABLE),
-    (DNSLookupError("nowhere"), RuntimeFailure.UNREACHABLE),
-    (RequestTransmissionFailed([Failure(ConnectionLost("while writing"))]), RuntimeFailure.UNREACHABLE),
-    (ResponseNeverReceived([Failure(ConnectionDone("closed"))]), RuntimeFailure.DROPPED),
-    (ResponseFailed([Failure(ConnectionLost("mid-body"))]), RuntimeFailure.DROPPED),
-    (ValueError("something unforeseen"), RuntimeFailure.DROPPED),  # may have been read: the safe reading
-])
-def test_only_a_failure_to_connect_or_to_write_the_request_says_the_runtime_never_read_it(failure, kind):
-    assert runtime_failure(Failure(failure)) is kind
-
-
-def test_the_log_says_what_the_socket_said_in_words() -> None:
-    text = describe(Failure(ResponseNeverReceived([Failure(ConnectionDone())])))
-    assert text == "ConnectionDone: Connection was closed cleanly." and "<" not in text

@@ -35,7 +35,7 @@ def key_file(tmp_path: Any, keys: list[dict[str, Any]]) -> Any:
 
 def team_engine(gateway: GatewayService, token_delay: float) -> Any:
     """An echo engine of tenant ``team`` serving ``m``, started and attached to ``gateway``."""
-    from infx.agent.engine import EngineAgent
+    from infx.agent.engine import EngineAgent, GrpcLinks
     from infx.agent.runtimes import EchoRuntime
     from infx.transport import GrpcChannel, client_endpoint
     from protocol.agent.core import AgentConfig, EngineAgentCore
@@ -44,7 +44,8 @@ def team_engine(gateway: GatewayService, token_delay: float) -> Any:
     worker = gateway.worker_grpc.port.getHost().port
     engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="e-team", models=("m",))),
                          EchoRuntime(reactor, EchoConfig(token_delay=token_delay)),
-                         lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker)), key="ek-team",
+                         GrpcLinks(reactor, lambda: GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker)),
+                                   key="ek-team"),
                          grace=1)
     engine.startService()
     return engine

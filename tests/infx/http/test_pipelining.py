@@ -15,7 +15,10 @@ from twisted.internet.address import IPv4Address
 from twisted.internet.testing import StringTransport
 from twisted.web import resource, server
 
-from infx.http.site import MAX_PIPELINED_REQUESTS, GatewaySite
+import pytest
+
+from infx.http.site import MAX_PIPELINED_REQUESTS
+from tests.support.http_api import SITES
 
 
 class Answers(resource.Resource):
@@ -57,12 +60,12 @@ class Turns(task.Clock):
 
 
 class Connection:
-    """One client connection to a GatewaySite on a Clock."""
+    """One client connection to a site (twisted.web's or the httptools one) on a Clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, site_class: type) -> None:
         self.clock = Turns()
         self.root = Answers()
-        site = GatewaySite(self.root, max_body_size=1 << 20, reactor=self.clock)
+        site = site_class(self.root, max_body_size=1 << 20, reactor=self.clock)
         self.protocol = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 1))
         self.transport = StringTransport()
         self.protocol.makeConnection(self.transport)
@@ -93,10 +96,14 @@ class Connection:
             self.clock.turn()
 
 
-def test_pipelined_requests_are_answered_one_per_reactor_turn_and_reading_waits_meanwhile():
+@pytest.fixture(params=sorted(SITES))
+def link(request) -> Connection:
+    return Connection(SITES[request.param])
+
+
+def test_pipelined_requests_are_answered_one_per_reactor_turn_and_reading_waits_meanwhile(link):
     """Between two pipelined answers the reactor serves others; the connection is not read
     while its requests wait."""
-    link = Connection()
     link.send(*(f"/now/{n}" for n in range(4)))
     assert link.answers() == [b"answer /now/0"]
     assert link.transport.producerState == "paused"
@@ -107,10 +114,9 @@ def test_pipelined_requests_are_answered_one_per_reactor_turn_and_reading_waits_
     assert link.closes() == [False] * 4
 
 
-def test_no_pipelined_request_is_parsed_while_the_answers_are_not_being_read():
+def test_no_pipelined_request_is_parsed_while_the_answers_are_not_being_read(link):
     """The transport pauses its producer once its write buffer is over its bound (the client
     does not read): the waiting requests stay unparsed until it resumes."""
-    link = Connection()
     link.send(*(f"/now/{n}" for n in range(4)))
     channel = link.transport.producer  # the channel, producing for its transport
     channel.pauseProducing()  # what the transport does when its write buffer is over its bound
@@ -121,11 +127,10 @@ def test_no_pipelined_request_is_parsed_while_the_answers_are_not_being_read():
     assert len(link.answers()) == 4
 
 
-def test_a_run_of_pipelined_answers_ends_at_the_cap_with_connection_close():
+def test_a_run_of_pipelined_answers_ends_at_the_cap_with_connection_close(link):
     """Requests sent without reading any answer get at most MAX_PIPELINED_REQUESTS answers;
     the last says ``Connection: close`` and the rest is dropped unread (a pipelining client
     sends them again, RFC 9112 9.3.2)."""
-    link = Connection()
     link.send(*(f"/now/{n}" for n in range(5 * MAX_PIPELINED_REQUESTS)))
     link.turns(10 * MAX_PIPELINED_REQUESTS)
     assert link.answers() == [b"answer /now/%d" % n for n in range(MAX_PIPELINED_REQUESTS)]
@@ -133,8 +138,7 @@ def test_a_run_of_pipelined_answers_ends_at_the_cap_with_connection_close():
     assert link.transport.disconnecting
 
 
-def test_a_client_that_waits_for_each_answer_is_never_capped():
-    link = Connection()
+def test_a_client_that_waits_for_each_answer_is_never_capped(link):
     for n in range(3 * MAX_PIPELINED_REQUESTS):
         link.send(f"/now/{n}")
         link.turns(1)
@@ -142,9 +146,8 @@ def test_a_client_that_waits_for_each_answer_is_never_capped():
     assert not any(link.closes()) and not link.transport.disconnecting
 
 
-def test_a_client_that_posts_bodies_and_waits_for_each_answer_is_never_capped():
+def test_a_client_that_posts_bodies_and_waits_for_each_answer_is_never_capped(link):
     """A body that ends exactly where its request does leaves nothing waiting behind it."""
-    link = Connection()
     for n in range(3 * MAX_PIPELINED_REQUESTS):
         body = b"body %d" % n
         link.protocol.dataReceived(b"POST /now/%d HTTP/1.1\r\nHost: gw\r\nContent-Length: %d\r\n\r\n%s"
@@ -155,10 +158,9 @@ def test_a_client_that_posts_bodies_and_waits_for_each_answer_is_never_capped():
     assert not any(link.closes()) and not link.transport.disconnecting
 
 
-def test_a_short_pipeline_starts_a_new_run_each_time_it_is_answered():
+def test_a_short_pipeline_starts_a_new_run_each_time_it_is_answered(link):
     """A client that pipelines a few requests, then reads them all, then sends a few more,
     never comes near the cap: each batch is a run of its own."""
-    link = Connection()
     for batch in range(3 * MAX_PIPELINED_REQUESTS // 3):
         link.send(*(f"/now/{batch}-{n}" for n in range(3)))
         link.turns(5)
@@ -166,8 +168,7 @@ def test_a_short_pipeline_starts_a_new_run_each_time_it_is_answered():
     assert not any(link.closes())
 
 
-def test_requests_pipelined_behind_a_slow_answer_wait_for_it_then_go_one_per_turn():
-    link = Connection()
+def test_requests_pipelined_behind_a_slow_answer_wait_for_it_then_go_one_per_turn(link):
     link.send("/later/0", "/now/1", "/now/2")
     link.turns(5)
     assert link.answers() == []
@@ -179,8 +180,7 @@ def test_requests_pipelined_behind_a_slow_answer_wait_for_it_then_go_one_per_tur
     assert len(link.answers()) == 3
 
 
-def test_a_connection_lost_while_requests_wait_leaves_nothing_scheduled():
-    link = Connection()
+def test_a_connection_lost_while_requests_wait_leaves_nothing_scheduled(link):
     link.send("/now/0", "/now/1")
     link.protocol.connectionLost(Exception("gone"))
     assert not [call for call in link.clock.getDelayedCalls() if call.getTime() <= link.clock.seconds()]

@@ -16,7 +16,7 @@ import pytest_twisted
 from twisted.internet import defer, reactor, task, threads
 
 from harness.kubeapi import EVENTS, FakeKubeAPI, write_kubeconfig
-from infx.agent.engine import EngineAgent
+from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
 from infx.tap import Options
@@ -85,7 +85,7 @@ def test_requests_for_a_model_at_zero_are_held_scaled_once_and_all_served(tmp_pa
             return GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", worker), GrpcConfig(client_side=True))
 
         engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="llama-0", models=("llama",))),
-                             EchoRuntime(reactor, EchoConfig()), connect)
+                             EchoRuntime(reactor, EchoConfig()), GrpcLinks(reactor, connect))
         engine.startService()
         answers = yield defer.gatherResults(replies)
         assert sorted(answers) == sorted(f"request {i}" for i in range(8))

@@ -164,13 +164,50 @@ def test_in_progress_counts_per_model_are_reported_coalesced_within_min_interval
     assert counts(status) == {"m1": 1, "m2": 2}
 
 
+def test_tasks_that_come_and_go_within_the_min_interval_build_no_status_until_a_report_is_due() -> None:
+    """Issue #25's profile: a fifth of the agent's CPU went to rebuilding and comparing its status
+    on every input. Counts that change between two reports cost two comparisons, no status."""
+    agent = running_agent()
+    built = 0
+    engine_status = agent.engine_status
+
+    def counting() -> object:
+        nonlocal built
+        built += 1
+        return engine_status()
+
+    agent.engine_status = counting  # type: ignore[method-assign]
+    statuses(agent.task_received(1, chat("first"), 1.0))  # a report at once: the counts changed
+    built = 0
+    for i in range(100):
+        now = 1.0 + i * 0.004
+        assert statuses(agent.task_received(1, chat(f"t{i}"), now)) == []
+        agent.send_result(f"t{i}", sse(b"", last=True))
+        assert statuses(agent.finish_task(f"t{i}", now)) == []
+        agent.next_deadline()
+    assert built == 0
+    assert agent.next_deadline() == 1.5
+    # Due now, the counts are those last reported (one task in flight): nothing new is sent.
+    assert statuses(agent.handle_timeout(1.5)) == [] and built == 1
+    assert agent.next_deadline() == 11.0, "the periodic report is next"
+
+
+def test_a_readiness_change_between_reports_is_reported_at_once() -> None:
+    agent = running_agent(wait_for_runtime=True, models=())
+    statuses(agent.task_received(1, heartbeat("h"), 1.0))
+    [status] = statuses(agent.runtime_changed(True, ("m9",), 1.1))
+    assert [(m.id, m.is_ready) for m in status.status.models] == [("m9", True)]
+    [status] = statuses(agent.runtime_changed(False, ("m9",), 1.2))
+    assert [(m.id, m.is_ready) for m in status.status.models] == [("m9", False)]
+    assert statuses(agent.runtime_changed(False, ("m9",), 1.3)) == [], "no change, no report"
+
+
 def test_results_go_to_the_tasks_stream_with_indexes_stamped_in_order() -> None:
     agent = running_agent()
     agent.task_received(1, chat("a"), 1.0)
     head = worker_pb2.TaskResult(http_response=worker_pb2.HttpResponse(status_code=200))
-    sent = agent.send_result("a", head) + agent.send_result("a", sse(b"data: x\n\n")) + agent.send_result(
-        "a", sse(b"", last=True)
-    )
+    sent = [agent.send_result("a", head), agent.send_result("a", sse(b"data: x\n\n")),
+            agent.send_result("a", sse(b"", last=True))]
     assert [(e.stream_id, e.result.task_id, e.result.result_index) for e in sent] == [
         (1, "a", 0), (1, "a", 1), (1, "a", 2)
     ]
@@ -182,7 +219,7 @@ def test_result_before_start_is_misuse_and_result_of_unknown_task_is_dropped() -
     agent.task_received(1, chat("b"), 1.0)
     with pytest.raises(AgentUsageError):
         agent.send_result("b", sse(b"data: x\n\n"))
-    assert agent.send_result("nope", sse(b"data: x\n\n")) == []
+    assert agent.send_result("nope", sse(b"data: x\n\n")) is None
 
 
 def test_cancel_of_running_task_aborts_it_answers_200_and_drops_later_results() -> None:
@@ -191,7 +228,7 @@ def test_cancel_of_running_task_aborts_it_answers_200_and_drops_later_results() 
     effects = agent.task_received(1, cancel("c-1", "a"), 2.0)
     assert AbortTask("a") in effects
     assert answers(effects) == [(1, "c-1", 200)]
-    assert agent.send_result("a", sse(b"data: late\n\n")) == []
+    assert agent.send_result("a", sse(b"data: late\n\n")) is None
     assert agent.finish_task("a", 3.0) == []
     assert agent.in_progress == 0
 
@@ -210,7 +247,7 @@ def test_a_task_past_its_timeout_is_answered_504_and_its_slot_goes_to_the_next()
     assert AbortTask("a") in effects
     assert answers(effects) == [(1, "a", 504)]
     assert started(effects) == ["b"]
-    assert agent.send_result("a", sse(b"data: late\n\n")) == []
+    assert agent.send_result("a", sse(b"data: late\n\n")) is None
     assert answers(agent.handle_timeout(31.9)) == []
     assert answers(agent.handle_timeout(32.0)) == [(1, "b", 504)]  # 30 s from its arrival
 
@@ -282,7 +319,7 @@ def test_go_away_answers_202_opens_a_new_connection_and_old_tasks_finish_on_old_
     assert agent.stream_state(1) is StreamState.RETIRING
     # New work arrives on the new stream; the old task's results still go to stream 1.
     agent.task_received(2, chat("b"), 2.5)
-    [result] = agent.send_result("a", sse(b"data: x\n\n"))
+    result = agent.send_result("a", sse(b"data: x\n\n"))
     assert result.stream_id == 1
     # Old stream closes once idle and the linger is over, not before.
     assert not any(isinstance(e, CloseStream) for e in agent.finish_task("a", 3.0))
@@ -296,7 +333,7 @@ def test_task_arriving_on_a_retiring_stream_is_still_served_there() -> None:
     agent = running_agent()
     agent.task_received(1, go_away("g-1"), 1.0)
     assert started(agent.task_received(1, chat("late"), 1.5)) == ["late"]
-    [result] = agent.send_result("late", sse(b"data: x\n\n"))
+    result = agent.send_result("late", sse(b"data: x\n\n"))
     assert result.stream_id == 1
 
 
@@ -496,7 +533,8 @@ def test_random_runs_keep_the_agents_invariants(run: list[tuple[str, int, float]
                 apply(agent.task_received(stream, cancel(f"c{seq}", f"t{seq - n}"), now))
         elif op == "finish" and live:
             task_id = sorted(live)[n % len(live)]
-            apply(agent.send_result(task_id, sse(b"", last=True)))
+            sent = agent.send_result(task_id, sse(b"", last=True))
+            apply([sent] if sent is not None else [])
             live.remove(task_id)
             ended.add(task_id)
             apply(agent.finish_task(task_id, now))

@@ -301,3 +301,19 @@ def test_a_held_back_report_goes_out_with_the_stamp_of_the_reading_it_reports():
     assert loads(d.answer(LoadSample(1, 4, 1), metrics=vllm(running=3))) == []  # held back to t=2
     [load] = loads(d.tick(2.0))
     assert (load.running, load.sample) == (3, LoadSample(1, 4, 1))
+
+
+def test_an_equal_load_stamped_on_another_stream_or_first_stamped_is_reported():
+    """A stamp counts one stream's tasks: a reading taken before the stream opened (no stamp), or on a
+    stream since replaced, tells the gateway of the current stream nothing it can subtract."""
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    [load] = loads(d.answer(None, metrics=vllm(running=2)))
+    assert load.sample is None
+    d.tick(1.0)
+    [load] = loads(d.answer(LoadSample(1, 0, 0), metrics=vllm(running=2)))
+    assert load.sample == LoadSample(1, 0, 0)
+    d.tick(2.0)
+    [load] = loads(d.answer(LoadSample(2, 0, 0), metrics=vllm(running=2)))
+    assert load.sample == LoadSample(2, 0, 0)
+    d.tick(3.0)
+    assert loads(d.answer(LoadSample(2, 3, 1), metrics=vllm(running=2))) == []

@@ -401,6 +401,17 @@ def test_draining_reports_every_engine_not_ready_then_half_closes_once_forwarded
     assert one(net.effects["a"], DeliverResult).last
 
 
+def test_draining_gives_up_a_dial_its_peer_has_not_accepted_so_it_cannot_hold_the_drain():
+    """A restarting worker's port takes connections and answers nothing (its supervisor holds the
+    socket): a dial to it carries no task, and waiting for it held a sibling's drain for the whole
+    grace period (found with twistd infx --workers 2)."""
+    a = core("a")
+    dial = one(a.peers_changed({"b": "b:1"}, T0), OpenDial).dial
+    effects = a.drain_peers(T0 + 1)
+    assert one(effects, CancelDial).dial == dial
+    assert a.dialling == 0 and a.next_deadline() is None
+
+
 def test_a_peer_that_dials_in_while_we_back_off_from_it_is_redialled_at_once():
     """A restarted peer dials us first; the backoff its outage grew must not delay its learning
     of our engines (found by tests/e2e/test_eight_gateways.py)."""

@@ -1,0 +1,581 @@
+"""The gateway's own HTTP/1.1 port, parsed by httptools: the same resource tree twisted.web serves.
+
+:class:`LeanSite` serves :func:`infx.http.api.build_resource`'s tree, as
+:class:`~infx.http.site.GatewaySite` does, but parses requests with ``httptools``
+(llhttp, Node's parser, in C) instead of twisted.web's line parser, and writes
+answers with less machinery. The API itself (admission, the call, the relay, its
+errors, the request log) is not here: each request is a :class:`LeanRequest`, which
+offers the part of twisted.web's ``Request`` that the tree uses, and the tree's
+resources render it as they render twisted.web's. So there is one API, driven by
+two servers: this one on ``twistd infx``'s own ``tcp:`` port, twisted.web where the
+tree is mounted in an application's site, on ``ssl:`` (HTTP/2 by ALPN) and for
+``--http-server twisted``.
+
+What :mod:`infx.http.site` guarantees holds here, by the same rules and the same
+tests (run against both): a ``Content-Length`` over the limit is refused with 413
+as soon as the headers are in, a chunked body once it grows past it, then the
+connection closes after :data:`~infx.http.site.REFUSED_BODY_DRAIN_BYTES` or
+:data:`~infx.http.site.REFUSED_BODY_DRAIN_SECONDS`; a handler that fails is a JSON
+500; requests pipelined behind another are handled one per reactor turn, none
+while the transport's write buffer is over its bound, and a run of
+:data:`~infx.http.site.MAX_PIPELINED_REQUESTS` answered back to back ends with
+``Connection: close``; a streamed answer's producer is paused with the transport.
+Status lines, headers (``Server`` and ``Date`` too), chunking and persistence are
+twisted.web's: HTTP/1.1 keeps the connection unless the client says ``close``,
+HTTP/1.0 closes it. A request twisted.web would refuse as malformed (a bad request
+line or header, more than :data:`MAX_HEADERS` headers or :data:`MAX_HEADER_BYTES`
+of them) gets its bare ``400 Bad Request`` and the connection closes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from io import BytesIO
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import httptools
+from twisted.internet import defer, interfaces, protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import http, resource, server
+from twisted.web.http_headers import Headers
+from zope.interface import implementer
+
+from infx.http.site import (
+    DEFAULT_MAX_BODY_SIZE, MAX_PIPELINED_REQUESTS, REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS, RefusalHook,
+)
+from protocol.openai.errors import error_json, reason_phrase
+
+__all__ = ["LeanRequest", "LeanSite"]
+
+log = Logger(namespace="infx.gateway_site")
+
+#: twisted.web's limits on a request's head (``HTTPChannel.maxHeaders``, ``totalHeadersSize``).
+MAX_HEADERS = 500
+MAX_HEADER_BYTES = 16384
+#: Bytes handed to the parser at once where a request starts: a pipelining client's many small
+#: requests are parsed a slice at a time, as the ones before them are answered (a body is fed whole).
+PARSE_SLICE = 4096
+BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\n\r\n"
+#: Methods llhttp parses as any request; the others are parsed as PUT (see LeanChannel._other_method).
+_LLHTTP_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"TRACE"})
+#: RFC 9110's token characters, of which a method is made.
+_TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_NO_BODY_CODES = (204, 304)
+
+
+class _Date:
+    """``Date`` in HTTP form, made once a second."""
+
+    second = -1
+    text = b""
+
+    def __call__(self) -> bytes:
+        now = int(time.time())
+        if now != self.second:
+            self.second, self.text = now, http.datetimeToString(now)
+        return self.text
+
+
+_date = _Date()
+
+
+class LeanRequest:
+    """One request on a :class:`LeanChannel`: what the resource tree reads and calls of
+    twisted.web's ``Request`` (method, uri, path, headers, content; status, headers, write,
+    finish, notifyFinish, a producer; ``channel.transport``)."""
+
+    defaultContentType: bytes | None = b"text/html"
+
+    def __init__(self, channel: LeanChannel, method: bytes, uri: bytes, version: bytes,
+                 headers: list[tuple[bytes, bytes]], content: BytesIO, persistent: bool) -> None:
+        self.channel: LeanChannel | None = channel
+        self.method = method
+        self.uri = uri
+        self.clientproto = version
+        self.path = uri.split(b"?", 1)[0]
+        self.prepath: list[bytes] = []
+        self.postpath = [unquote_to_bytes(segment) for segment in self.path[1:].split(b"/")]
+        self.requestHeaders = Headers()
+        for name, value in headers:
+            self.requestHeaders.addRawHeader(name, value)
+        self.content: BytesIO | None = content
+        self.responseHeaders = Headers()
+        self.code = 200
+        self.code_message = b"OK"
+        self.startedWriting = False
+        self.finished = False
+        self._disconnected = False
+        self.persistent = persistent
+        self._chunked = False
+        self._no_body = False
+        self._notifications: list[defer.Deferred[None]] = []
+        self.producer: Any = None
+
+    # --- what handlers read --------------------------------------------------------------
+
+    def getHeader(self, name: bytes | str) -> bytes | str | None:
+        values = self.requestHeaders.getRawHeaders(name)
+        return None if values is None else values[-1]
+
+    # --- what handlers answer --------------------------------------------------------------
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        self.code = code
+        self.code_message = message if message is not None else http.RESPONSES.get(code, b"Unknown Status")
+
+    def setHeader(self, name: bytes | str, value: bytes | str) -> None:
+        self.responseHeaders.setRawHeaders(name, [value])
+
+    def write(self, data: bytes) -> None:
+        if self.finished:
+            raise RuntimeError("Request.write called on a request after Request.finish was called.")
+        if self._disconnected or self.channel is None:
+            return
+        if not self.startedWriting:
+            self._write_head()
+        if data and not self._no_body:
+            self.channel.write_body(data, self._chunked)
+
+    def _write_head(self) -> None:
+        self.startedWriting = True
+        headers = self.responseHeaders
+        length = headers.getRawHeaders(b"content-length")
+        if (self.code not in _NO_BODY_CODES and self.defaultContentType is not None
+                and not headers.hasHeader(b"content-type") and not (length and length[0] == b"0")):
+            headers.setRawHeaders(b"content-type", [self.defaultContentType])
+        if (self.clientproto == b"HTTP/1.1" and length is None and self.method != b"HEAD"
+                and self.code not in _NO_BODY_CODES):
+            headers.setRawHeaders(b"transfer-encoding", [b"chunked"])
+            self._chunked = True
+        self._no_body = self.method == b"HEAD" or self.code in _NO_BODY_CODES
+        assert self.channel is not None
+        self.channel.write_head(self.clientproto, self.code, self.code_message, headers)
+
+    def finish(self) -> None:
+        if self._disconnected or self.channel is None:
+            return
+        if self.finished:
+            raise RuntimeError("Request.finish called on a request after its connection was lost.")
+        if not self.startedWriting:
+            self.write(b"")
+        self.finished = True
+        channel = self.channel
+        if self._chunked:
+            channel.write_body(b"", True, last=True)
+        notifications, self._notifications = self._notifications, []
+        for d in notifications:
+            d.callback(None)
+        channel.request_done(self)
+
+    def notifyFinish(self) -> defer.Deferred[None]:
+        d: defer.Deferred[None] = defer.Deferred()
+        if self._disconnected:
+            d.errback(Failure(ConnectionError("the connection was lost")))
+        elif self.finished:
+            d.callback(None)
+        else:
+            self._notifications.append(d)
+        return d
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+        if self.channel is not None:
+            self.channel.request_producer(producer)
+
+    def unregisterProducer(self) -> None:
+        self.producer = None
+        if self.channel is not None:
+            self.channel.request_producer(None)
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._disconnected = True
+        self.channel = None
+        if self.content is not None:
+            self.content.close()
+        notifications, self._notifications = self._notifications, []
+        for d in notifications:
+            d.errback(reason)
+
+    # --- the answer of the site itself -----------------------------------------------------------
+
+    def render(self, root: resource.Resource) -> None:
+        """Find the resource for this request in ``root`` and render it, as twisted.web does."""
+        self.setHeader(b"server", server.version)
+        self.setHeader(b"date", _date())
+        try:
+            target = resource.getChildForRequest(root, self)
+            body = target.render(self)
+        except server.UnsupportedMethod as e:
+            allowed = b", ".join(e.allowedMethods)
+            self.setHeader(b"allow", allowed)
+            body = self._refusal(405, f"Invalid method for URL ({self.method.decode('latin-1')[:16]}).",
+                                 "method_not_allowed")
+        except Exception:
+            self._failed(Failure())
+            return
+        if body is server.NOT_DONE_YET:
+            return
+        if not isinstance(body, bytes):
+            self._failed(Failure(TypeError(f"a resource rendered {type(body).__name__}, not bytes")))
+            return
+        self.setHeader(b"content-length", b"%d" % len(body))
+        self.write(b"" if self.method == b"HEAD" else body)
+        self.finish()
+
+    def _refusal(self, status: int, message: str, code: str) -> bytes:
+        self.setResponseCode(status, reason_phrase(status).encode())
+        self.setHeader(b"content-type", b"application/json")
+        return error_json(status, message, code=code)
+
+    def _failed(self, reason: Failure) -> None:
+        """A handler raised: a JSON 500, told to the site's hook; the traceback is logged."""
+        log.failure("the gateway failed to handle {method} {path}", reason,
+                    method=self.method.decode("latin-1"), path=self.path.decode("latin-1"))
+        channel = self.channel
+        if channel is not None:
+            channel.site.told_refused(self.path, 500, "internal_error", reason.getErrorMessage())
+        if self.startedWriting:
+            if channel is not None:
+                channel.transport.loseConnection()
+            return
+        body = error_json(500, "The gateway failed to handle this request.", code="internal_error")
+        self.responseHeaders = Headers()
+        self.setHeader(b"server", server.version)
+        self.setHeader(b"date", _date())
+        self.setResponseCode(500, reason_phrase(500).encode())
+        self.setHeader(b"content-type", b"application/json")
+        self.setHeader(b"content-length", b"%d" % len(body))
+        self.write(body)
+        self.finish()
+
+
+class _Incoming:
+    """A request being parsed: its URL, headers and body so far."""
+
+    __slots__ = ("url", "headers", "header_bytes", "body", "body_bytes", "refused")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.header_bytes = 0
+        self.body = BytesIO()
+        self.body_bytes = 0
+        self.refused = False
+
+
+class _BadRequest(Exception):
+    """The request's head breaks twisted.web's limits (httptools hands it on wrapped in its
+    ``HttpParserCallbackError``; :attr:`LeanChannel._line_too_long` says which limit)."""
+
+
+@implementer(interfaces.IPushProducer)
+class LeanChannel(protocol.Protocol):
+    """One HTTP/1.1 connection; see the module docstring. It is the producer its transport pauses."""
+
+    def __init__(self, site: LeanSite) -> None:
+        self.site = site
+        self.parser = httptools.HttpRequestParser(self)
+        # Header values with control characters (DEL, say) are read, as twisted.web reads them, not
+        # refused: a client's odd header must not cost it its answer. Framing stays strict.
+        self.parser.set_dangerous_leniencies(lenient_headers=True)
+        self._unparsed = b""
+        self._incoming: _Incoming | None = None
+        #: Requests parsed whole, waiting their turn: (method, url, version, headers, body, persistent).
+        self._waiting: deque[tuple[bytes, bytes, bytes, list[tuple[bytes, bytes]], BytesIO, bool]] = deque()
+        self._current: LeanRequest | None = None
+        self._producer: Any = None
+        self._paused = False  # by the transport: its write buffer is over its bound
+        self._turn: Any = None
+        self._pipelined = 0
+        self._closing = False
+        self._refused = False
+        self._drained = 0
+        self._drain_timer: Any = None
+        self._reading = True
+        #: The method of the request being parsed, when llhttp parses it as another (see _other_method).
+        self._real_method = b""
+        #: The head broke off on a line longer than twisted.web buffers.
+        self._line_too_long = False
+
+    # --- bytes in -------------------------------------------------------------------------
+
+    def connectionMade(self) -> None:
+        self.transport.registerProducer(self, True)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._closing:
+            return
+        if self._refused:
+            # What follows a refused body's head is read and dropped, within the allowance; the
+            # parser still sees it, to tell when that body ends.
+            self._drained += len(data)
+            if self._drained > REFUSED_BODY_DRAIN_BYTES:
+                self._close()
+                return
+        self._unparsed += data
+        self._parse()
+
+    def _parse(self) -> None:
+        """Feed the parser while nothing waits its turn (or a body is being read)."""
+        while self._unparsed and not self._closing and (not self._waiting or self._incoming is not None):
+            if self._incoming is None:
+                # A request starts here: a slice at a time, so that many small pipelined ones are
+                # parsed as the ones before them are answered.
+                if not self._real_method:
+                    self._other_method()
+                piece, self._unparsed = self._unparsed[:PARSE_SLICE], self._unparsed[PARSE_SLICE:]
+            else:
+                piece, self._unparsed = self._unparsed, b""  # the rest of a request: its body, whole
+            try:
+                self.parser.feed_data(piece)
+            except (httptools.HttpParserError, httptools.HttpParserUpgrade, _BadRequest):
+                if self._line_too_long:  # twisted.web's line reader drops the connection without a word
+                    self._closing = True
+                    self.transport.loseConnection()
+                else:
+                    self._bad_request()
+                return
+        self._next()
+        self._reading_while(not self._waiting)
+
+    def _other_method(self) -> None:
+        """A request line whose method llhttp does not take (``FOO``, ``get``, ``CONNECT``, which it
+        takes for a tunnel) is parsed as ``PUT``, and handled with its own method: the tree answers
+        it (405 with ``Allow``), as under twisted.web. This works where a request starts a read (one
+        pipelined behind another in the same read gets the bare 400 of a malformed request)."""
+        space = self._unparsed.find(b" ", 0, 33)
+        if space <= 0:
+            return
+        method = self._unparsed[:space]
+        if method not in _LLHTTP_METHODS and all(c in _TCHAR for c in method):
+            self._real_method = method
+            self._unparsed = b"PUT" + self._unparsed[space:]
+
+    def _reading_while(self, reading: bool) -> None:
+        """The connection is read only while none of its requests waits (it is read while one is
+        handled: a client that goes away is seen at once)."""
+        if reading != self._reading and self.transport is not None and not self._closing:
+            self._reading = reading
+            if reading:
+                self.transport.resumeProducing()
+            else:
+                self.transport.pauseProducing()
+
+    # httptools' callbacks
+
+    def on_message_begin(self) -> None:
+        self._incoming = _Incoming()
+
+    def on_url(self, url: bytes) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        incoming.url += url
+        incoming.header_bytes += len(url)
+        if len(incoming.url) > MAX_HEADER_BYTES:
+            self._line_too_long = True
+            raise _BadRequest()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        incoming.headers.append((name, value))
+        incoming.header_bytes += len(name) + len(value)
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            self._line_too_long = True
+            raise _BadRequest()
+        if incoming.header_bytes > MAX_HEADER_BYTES or len(incoming.headers) > MAX_HEADERS:
+            raise _BadRequest()
+
+    def on_headers_complete(self) -> None:
+        incoming = self._incoming
+        assert incoming is not None
+        length = next((v for n, v in incoming.headers if n.lower() == b"content-length"), None)
+        limit = self.site.max_body_size
+        if length is not None and length.strip().isdigit() and int(length) > limit:
+            self._refuse_body(incoming, f"The request body ({int(length)} bytes) is larger than this gateway "
+                                        f"accepts ({limit} bytes).")
+            return
+        expect = next((v for n, v in incoming.headers if n.lower() == b"expect"), b"")
+        if expect.lower() == b"100-continue" and self.parser.get_http_version() == "1.1":
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        incoming = self._incoming
+        if incoming is None or incoming.refused:
+            return
+        incoming.body_bytes += len(body)
+        if incoming.body_bytes > self.site.max_body_size:
+            self._refuse_body(incoming, f"The request body is larger than this gateway accepts "
+                                        f"({self.site.max_body_size} bytes).")
+            return
+        incoming.body.write(body)
+
+    def on_message_complete(self) -> None:
+        incoming, self._incoming = self._incoming, None
+        method, self._real_method = self._real_method or self.parser.get_method(), b""
+        if incoming is None or incoming.refused:
+            if incoming is not None:
+                self._close()  # the refused body ended within the drain allowance: answered already
+            return
+        version = b"HTTP/" + self.parser.get_http_version().encode()
+        connection = next((v for n, v in incoming.headers if n.lower() == b"connection"), b"")
+        persistent = version == b"HTTP/1.1" and b"close" not in connection.lower().split()
+        incoming.body.seek(0)
+        self._waiting.append((method, incoming.url, version, incoming.headers, incoming.body, persistent))
+
+    # --- one request at a time ---------------------------------------------------------------
+
+    def _next(self) -> None:
+        if self._current is not None or not self._waiting or self._paused or self._closing or self._turn:
+            return
+        method, url, version, headers, body, persistent = self._waiting.popleft()
+        if persistent and self._pipelined + 1 >= MAX_PIPELINED_REQUESTS:
+            persistent = False
+        request = LeanRequest(self, method, url, version, headers, body, persistent)
+        if not persistent and version == b"HTTP/1.1":
+            request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+        self._current = request
+        request.render(self.site.resource)
+
+    def request_done(self, request: LeanRequest) -> None:
+        if request is not self._current:
+            return
+        self._current = None
+        self._producer = None
+        if not request.persistent:
+            self._closing = True
+            self.transport.loseConnection()
+            return
+        waiting = bool(self._waiting or self._unparsed)
+        if not waiting:
+            self._pipelined = 0
+            self._reading_while(True)
+            return
+        # Pipelined: the next waits for a later reactor turn, and for the transport to take our answers.
+        self._pipelined += 1
+        self._next_turn()
+
+    def _next_turn(self) -> None:
+        if self._turn is None and not self._paused:
+            self._turn = self.site.reactor.callLater(0, self._take_turn)
+
+    def _take_turn(self) -> None:
+        self._turn = None
+        if self.transport is None or self._closing:
+            return
+        if self._waiting:
+            self._next()
+            self._reading_while(not self._waiting)
+        else:
+            self._parse()
+
+    # --- bytes out --------------------------------------------------------------------------
+
+    def write_head(self, version: bytes, code: int, reason: bytes, headers: Headers) -> None:
+        parts = [version, b" %d " % code, reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        self.transport.write(b"".join(parts))
+
+    def write_body(self, data: bytes, chunked: bool, last: bool = False) -> None:
+        if last:
+            self.transport.write(b"0\r\n\r\n")
+        elif chunked:
+            self.transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            self.transport.write(data)
+
+    def request_producer(self, producer: Any) -> None:
+        self._producer = producer
+        if producer is not None and self._paused:
+            producer.pauseProducing()
+
+    # IPushProducer, for the transport
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+        if self._producer is not None:
+            self._producer.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        if self._producer is not None:
+            self._producer.resumeProducing()
+        if self._current is None and (self._waiting or self._unparsed):
+            self._next_turn()
+
+    def stopProducing(self) -> None:
+        if self._producer is not None:
+            self._producer.stopProducing()
+
+    # --- refusals and the end -------------------------------------------------------------------
+
+    def _refuse_body(self, incoming: _Incoming, message: str) -> None:
+        incoming.refused = True
+        self._refused = True
+        path = incoming.url.split(b"?", 1)[0]
+        self.site.told_refused(path, 413, "request_too_large", message)
+        body = error_json(413, message, code="request_too_large")
+        self.transport.write(b"HTTP/1.1 413 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%s" % (reason_phrase(413).encode(), len(body), body))
+        self._drain_timer = self.site.reactor.callLater(REFUSED_BODY_DRAIN_SECONDS, self._close)
+
+    def _bad_request(self) -> None:
+        self._closing = True
+        self.transport.write(BAD_REQUEST)
+        self.transport.loseConnection()
+
+    def _close(self) -> None:
+        if self._drain_timer is not None and self._drain_timer.active():
+            self._drain_timer.cancel()
+        self._drain_timer = None
+        if not self._closing and self.transport is not None:
+            self._closing = True
+            self.transport.loseConnection()
+
+    def connectionLost(self, reason: Failure = protocol.connectionDone) -> None:
+        self._closing = True
+        if self._turn is not None and self._turn.active():
+            self._turn.cancel()
+        self._turn = None
+        if self._drain_timer is not None and self._drain_timer.active():
+            self._drain_timer.cancel()
+        self._drain_timer = None
+        self._waiting.clear()
+        current, self._current = self._current, None
+        if current is not None and not current.finished:
+            if self._producer is not None:
+                self._producer.stopProducing()
+            current.connectionLost(reason)
+
+
+class LeanSite(protocol.ServerFactory):
+    """Serves ``root`` (the tree of :func:`~infx.http.api.build_resource`) on HTTP/1.1 with
+    httptools; ``on_refused`` hears of the refusals the site makes itself (413, 500)."""
+
+    noisy = False
+
+    def __init__(self, root: resource.Resource, max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+                 on_refused: RefusalHook | None = None, reactor: Any = None) -> None:
+        if reactor is None:
+            from twisted.internet import reactor as default_reactor
+
+            reactor = default_reactor
+        self.resource = root
+        self.max_body_size = max_body_size
+        self.on_refused = on_refused
+        self.reactor = reactor
+
+    def buildProtocol(self, addr: Any) -> LeanChannel:
+        channel = LeanChannel(self)
+        channel.factory = self
+        return channel
+
+    def told_refused(self, path: bytes, status: int, code: str, detail: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(path, status, code, detail)
