@@ -22,7 +22,7 @@ import yaml
 from protocol.discovery.runtimes import RuntimeTarget
 from protocol.processor.route_flow import MAX_ROUTE_QUEUED_BYTES
 from protocol.routing.hints import HintsConfig
-from protocol.routing.router import RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
 
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()

@@ -1,9 +1,12 @@
 """The inference processor: tasks, engines, routing, retries and ordered results; pure.
 
-``core`` is :class:`Processor`, built on ``routing`` (where a task goes, dispatch, the waiting
-tasks that take freed slots), ``slots`` (engine slots, the cap and its reserve, a task's end) and
-``tables`` (its records and the queries over them); ``types`` holds its configuration, effects
-and errors; ``fair_queue`` (held tasks by criticality, then fairly across callers),
+``core`` is :class:`Processor`, every input, made of collaborating parts each with its own
+state: ``tasks`` (the task table and the task life cycle), ``engines`` (the engine table and
+its (tenant, model) index), ``slots`` (slots held and tasks waiting), ``dispatcher`` (where a
+task goes, and which waiting task takes a freed slot), ``endings`` (a task's end), ``retries``
+(a failed attempt) and ``control`` (heartbeats, go-aways, cancels); ``types`` holds its
+configuration, effects and errors, ``counters`` its metrics; ``attempts`` (one task's
+attempts), ``fair_queue`` (held tasks by criticality, then fairly across callers),
 ``fair_share`` (slots held per caller, the reserve) and ``route_flow`` (routes that stopped
-draining) are its policies.
+draining) are its policies. Which engine a task goes to is :mod:`protocol.routing`'s.
 """

@@ -1,10 +1,14 @@
-"""Engine slots and how a task lets go of one: the in-flight cap and its fair reserve, the held
-queues (a model's, and a peer's tasks per engine), and a task's end; pure (the base of
-:class:`~protocol.processor.core.Processor`).
+"""Engine slots: who holds one, who waits for one, and who may take an engine's last ones;
+pure, no I/O, no clock reads.
 
-A task holds a slot from its dispatch until it leaves its engine, counted for its caller
-(:class:`protocol.processor.fair_share.FairShares`); every way a task ends, fails or waits passes here,
-so the counts of slots held and of tasks waiting cannot drift from the tasks themselves.
+Rules this file keeps: a task takes a slot with :meth:`Slots.take` (at dispatch) and lets go
+of it with :meth:`Slots.unassign` (it leaves its engine: it ended, failed over, or the route
+refused it), counted for its caller (:class:`protocol.processor.fair_share.FairShares`); a
+task waits with :meth:`Slots.hold` and stops with :meth:`Slots.unwait`. Every way a task ends,
+fails or waits passes here, so the counts of slots held and of tasks waiting cannot drift from
+the tasks themselves. Which waiting task takes a freed slot is the dispatcher's
+(:mod:`protocol.processor.dispatcher`); this part records what it must look at again
+(``freed``, ``reshuffled``).
 
 Caps (``ProcessorConfig``): an engine holding ``max_in_flight_per_engine``
 tasks is skipped by routing. It holds the larger of this processor's tasks on
@@ -37,54 +41,83 @@ waiting (which fails so), and is refused with 503 only when none waits. A tenant
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
-from protocol.pb import worker_pb2
+from protocol.processor.engines import EngineRecord, EngineTable
 from protocol.processor.fair_queue import Criticality, HeldQueue
-from protocol.processor.tables import ProcessorTables, TaskOutcome, TaskState, _ON_ENGINE, _ControlKind, _Engine, _Task
-from protocol.processor.types import CancelTaskOnEngine, DeliverResult, Effect, EngineKey, FailRequest
+from protocol.processor.fair_share import FairShares
+from protocol.processor.route_flow import RouteFlow
+from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
+from protocol.processor.types import EngineKey, ProcessorConfig
+from protocol.routing.router import Router
 
-__all__ = ["ProcessorSlots"]
+__all__ = ["Slots"]
 
 
-class ProcessorSlots(ProcessorTables):
-    """The slot and queue bookkeeping of :class:`~protocol.processor.core.Processor`."""
+class Slots:
+    """Slots held and tasks waiting, per caller, per (tenant, model) and per engine."""
 
-    def _hold(self, now: float, task: _Task, queue: HeldQueue) -> None:
-        """``task`` waits in ``queue`` for a slot, for at most ``queue_timeout``."""
-        self._move(task, TaskState.WAITING)
-        queue.add(task.id, task.flow, task.weight, task.criticality)
-        self._shares.started_waiting(task.tenant_id, task.model, task.flow, task.weight)
-        self._waiting_total += 1
-        queued_since = now if task.busy_since is None else task.busy_since
-        self._set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
+    def __init__(self, config: ProcessorConfig, tasks: TaskTable, engines: EngineTable, router: Router,
+                 flow: RouteFlow) -> None:
+        self.config = config
+        self._tasks = tasks
+        self._engines = engines
+        self._router = router
+        self._flow = flow
+        #: (tenant, model) -> the tasks waiting for an engine, in the order they will get one.
+        self.waiting: dict[tuple[str, str], HeldQueue] = {}
+        #: Targeted tasks (a peer's) waiting for a slot on their engine, per engine and model.
+        self.waiting_on: dict[EngineKey, dict[str, HeldQueue]] = {}
+        #: Slots held and tasks waiting per caller, for fairness by slots held.
+        self.shares = FairShares()
+        self.waiting_total = 0
+        #: Sheddable tasks waiting, oldest first: the newest is shed when the whole queue is full.
+        self.sheddable: dict[str, None] = {}
+        #: Engines a task left since the current input began: with an in-flight cap,
+        #: their freed slots go to waiting tasks before the input returns (``Dispatcher.refill``).
+        self.freed: dict[EngineKey, None] = {}
+        #: (tenant, model)s whose slots held or waiting callers changed since the input began: with
+        #: a reserve, who may take an engine's last slots may have changed (``Dispatcher.refill``).
+        self.reshuffled: dict[tuple[str, str], None] = {}
+        #: The waiting callers of (tenant, model) that were the least served when last retried.
+        self.reserve_takers: dict[tuple[str, str], frozenset[str]] = {}
 
-    def _wait_on_engine(self, now: float, task: _Task, engine: _Engine, effects: list[Effect]) -> None:
-        """A peer's task for an engine at its cap waits for a slot on it, in its caller's turn
-        among every gateway's callers; a sheddable one, or one that finds the queue full, is
-        refused (503) so that the peer may try elsewhere."""
-        if task.criticality is Criticality.SHEDDABLE or self._waiting_total >= self.config.max_waiting_tasks:
-            message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
-            self._fail(task, 503, message, effects, self.config.busy_retry_after)
-            return
-        self._hold(now, task, self._waiting_on.setdefault(engine.key, {}).setdefault(task.model, HeldQueue()))
+    # --- holding a slot ---------------------------------------------------------
 
-    def _fail_waiting_on(
-        self, key: EngineKey, reason: str, effects: list[Effect], which: Callable[[_Task], bool] = lambda task: True,
-    ) -> None:
-        """The engine peers' tasks wait for leaves routing, or can no longer take ``which`` of
-        them: they fail (503) at once, so that their gateways send them elsewhere."""
-        for task_id in [t for queue in self._waiting_on.get(key, {}).values() for t in queue
-                        if which(self._tasks[t])]:
-            message = f"engine {key.engine_id!r} {reason} while the task waited for a slot on it"
-            self._fail(self._tasks[task_id], 503, message, effects, self.config.busy_retry_after)
+    def take(self, task: TaskRecord, engine: EngineRecord) -> None:
+        """``task`` was dispatched to ``engine``: it holds a slot there, for its caller."""
+        engine.in_flight.add(task.id)
+        task.holds_slot = True
+        self.shares.dispatched(task.tenant_id, task.model, task.flow, task.weight)
+        self.shares_changed(task)
 
-    def _shed(self, task: _Task, effects: list[Effect]) -> None:
-        self.counters.shed += 1
-        message = f"engines for model {task.model!r} are saturated and this request is sheddable; retry later"
-        self._fail(task, 429, message, effects, self.config.busy_retry_after)
+    def unassign(self, task: TaskRecord) -> None:
+        """``task`` leaves its engine (if on one): its slot and its attempt are given back."""
+        if task.holds_slot:
+            task.holds_slot = False
+            self.shares.left(task.tenant_id, task.model, task.flow)
+            self.shares_changed(task)
+        if task.engine is not None:
+            engine = self._engines.get(task.engine)
+            if engine is not None:
+                if task.id in engine.in_flight:
+                    engine.in_flight.remove(task.id)
+                    self._router.task_left(engine.key)
+                if self.config.max_in_flight_per_engine is not None:
+                    self.freed[engine.key] = None
+        self._tasks.attempt_over(task)
+        task.engine = None
+        task.route = None
 
-    def _full(self, engine: _Engine, may_use_reserve: bool = True) -> bool:
+    def shares_changed(self, task: TaskRecord) -> None:
+        """``task``'s caller took or gave back a slot, or stopped waiting unserved: with a
+        reserve, another caller may now be the least served, and take a reserved slot."""
+        cap = self.config.max_in_flight_per_engine
+        if cap is not None and min(self.config.fair_reserve, cap - 1) > 0:
+            self.reshuffled[(task.tenant_id, task.model)] = None
+
+    def full(self, engine: EngineRecord, may_use_reserve: bool = True) -> bool:
         """On a route that is not draining, or at its in-flight cap: its tasks counted as the
         larger of this processor's on it and what it reported plus those sent since (every
         gateway's), less the reserve for a task that may not take it (``fair_reserve``)."""
@@ -96,101 +129,69 @@ class ProcessorSlots(ProcessorTables):
         limit = cap if may_use_reserve else cap - min(self.config.fair_reserve, cap - 1)
         return max(len(engine.in_flight), self._router.load(engine.key)) >= limit
 
-    def _may_use_reserve(self, task: _Task) -> bool:
+    def may_use_reserve(self, task: TaskRecord) -> bool:
         """Whether ``task`` may take an engine's reserved last slots: it is critical, or its
         flow holds no more slots per weight than any other on its model (fair_share.py)."""
         return (self.config.max_in_flight_per_engine is None or task.criticality is Criticality.CRITICAL
-                or self._shares.least_served(task.tenant_id, task.model, task.flow, task.weight))
+                or self.shares.least_served(task.tenant_id, task.model, task.flow, task.weight))
 
-    def _blocked(self, engine: _Engine, ignore_cap: bool, may_use_reserve: bool = True) -> bool:
+    def blocked(self, engine: EngineRecord, ignore_cap: bool, may_use_reserve: bool = True) -> bool:
         """Whether routing must skip a routable engine for now (full, its route not
         draining, or its runtime busy)."""
-        return not ignore_cap and (self._full(engine, may_use_reserve) or engine.busy_until is not None)
+        return not ignore_cap and (self.full(engine, may_use_reserve) or engine.busy_until is not None)
 
-    def _served_for(self, key: tuple[str, str]) -> Callable[[str], float]:
-        """Slots each flow of (tenant, model) holds per weight, for the held queue's order."""
-        tenant_id, model = key
-        return lambda flow: self._shares.served(tenant_id, model, flow)
+    # --- waiting ----------------------------------------------------------------------
 
-    def _unwait(self, task: _Task, served: bool = False) -> None:
+    def hold(self, now: float, task: TaskRecord, queue: HeldQueue) -> None:
+        """``task`` waits in ``queue`` for a slot, for at most ``queue_timeout``."""
+        self._tasks.move(task, TaskState.WAITING)
+        queue.add(task.id, task.flow, task.weight, task.criticality)
+        self.shares.started_waiting(task.tenant_id, task.model, task.flow, task.weight)
+        self.waiting_total += 1
+        queued_since = now if task.busy_since is None else task.busy_since
+        self._tasks.set_timer(task, min(queued_since + self.config.queue_timeout, task.deadline))
+
+    def model_queue(self, task: TaskRecord) -> HeldQueue:
+        """The queue of ``task``'s (tenant, model), made if it has none."""
+        return self.waiting.setdefault((task.tenant_id, task.model), HeldQueue())
+
+    def engine_queue(self, engine: EngineRecord, model: str) -> HeldQueue:
+        """The queue of peers' tasks for ``model`` waiting for a slot on ``engine``, made if none."""
+        return self.waiting_on.setdefault(engine.key, {}).setdefault(model, HeldQueue())
+
+    def unwait(self, task: TaskRecord, served: bool = False) -> None:
+        """``task`` stops waiting: it got a slot (``served``), or it ends or moves on unserved."""
         engine_key = EngineKey(task.tenant_id, task.target)
-        queue = self._waiting_on[engine_key][task.model] if task.target else self._waiting[(task.tenant_id, task.model)]
+        queue = self.waiting_on[engine_key][task.model] if task.target else self.waiting[(task.tenant_id, task.model)]
         if served:
             queue.take(task.id)
         else:
             queue.remove(task.id)
-            self._shares_changed(task)
-        self._sheddable.pop(task.id, None)
-        self._shares.stopped_waiting(task.tenant_id, task.model, task.flow)
-        self._waiting_total -= 1
+            self.shares_changed(task)
+        self.sheddable.pop(task.id, None)
+        self.shares.stopped_waiting(task.tenant_id, task.model, task.flow)
+        self.waiting_total -= 1
         if not queue and task.target:
-            del self._waiting_on[engine_key][task.model]
-            if not self._waiting_on[engine_key]:
-                del self._waiting_on[engine_key]
+            del self.waiting_on[engine_key][task.model]
+            if not self.waiting_on[engine_key]:
+                del self.waiting_on[engine_key]
         elif not queue:
-            del self._waiting[(task.tenant_id, task.model)]
+            del self.waiting[(task.tenant_id, task.model)]
 
-    def _fail(
-        self, task: _Task, status: int, message: str, effects: list[Effect], retry_after: float | None = None,
-        *, code: str | None = None, detail: str = "",
-    ) -> None:
-        effects.append(FailRequest(task.origin, task.id, status, message, task.next_index, retry_after,
-                                   task.engine, task.route, task.attempts.retries, code, detail))
-        self._end(task, TaskOutcome.FAILED)
+    def served_for(self, key: tuple[str, str]) -> Callable[[str], float]:
+        """Slots each flow of (tenant, model) holds per weight, for the held queue's order."""
+        tenant_id, model = key
+        return lambda flow: self.shares.served(tenant_id, model, flow)
 
-    def _end(self, task: _Task, outcome: TaskOutcome) -> None:
-        if task.state is TaskState.WAITING:
-            self._unwait(task)
-        self._unassign(task)
-        task.state = None
-        del self._tasks[task.id]
-        self._tenant_tasks[task.tenant_id] -= 1
-        if not self._tenant_tasks[task.tenant_id]:
-            del self._tenant_tasks[task.tenant_id]
-        self.counters.outcomes[outcome.value] += 1
+    def waiting_on_engine(self, key: EngineKey) -> list[str]:
+        """Peers' tasks waiting here for a slot on ``key``."""
+        return [t for queue in self.waiting_on.get(key, {}).values() for t in queue]
 
-    def _stop_on_engine(self, task: _Task, effects: list[Effect]) -> None:
-        """Cancel the current attempt on the route it was sent on, whether or not its
-        engine is still registered (a removed engine's older stream may still be open)."""
-        if task.state not in _ON_ENGINE or task.engine is None:
-            return
-        request = worker_pb2.TaskRequest(cancel_task=worker_pb2.CancelTaskRequest(task_id=task.wire_id))
-        send = self._control_task(_ControlKind.CANCEL, task.engine, task.reported_engine_id, task.route,
-                                  request)
-        effects.append(CancelTaskOnEngine(send.route, send.engine, send.task, task.wire_id))
-
-    def _deliver(self, task: _Task, result: worker_pb2.TaskResult, last: bool, effects: list[Effect]) -> None:
-        if task.unconsumed >= self.config.max_unconsumed_results:
-            self.counters.slow_consumers += 1
-            self._stop_on_engine(task, effects)
-            self._fail(task, 503, f"client did not keep up: {task.unconsumed} results unread", effects)
-            return
-        task.unconsumed += 1
-        task.next_index += 1
-        if result.task_id != task.id:
-            # A retry's result names its attempt; the origin knows the task by its own id.
-            renamed = worker_pb2.TaskResult()
-            renamed.CopyFrom(result)
-            renamed.task_id = task.id
-            result = renamed
-        effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
-                                     task.attempts.retries))
-        if last:
-            self._end(task, TaskOutcome.COMPLETED)
-        elif task.state is TaskState.DISPATCHED:
-            self._move(task, TaskState.STREAMING)
-            task.release_request()
-
-    def _refuse_draining(self, task: _Task, effects: list[Effect]) -> None:
-        self.counters.drain_refusals += 1
-        message = f"this gateway is shutting down and no other engine serves model {task.model!r}; retry"
-        self._fail(task, 503, message, effects, self.config.busy_retry_after)
-
-    def _no_engine_takes_it(self, task: _Task) -> bool:
-        """Engines list the task's model, but none can take its request (only its verbatim form
-        exists and they are LLMariner engines): waiting would not help."""
-        return (
-            bool(task.request.typed_request_incomplete)
-            and self.serves(task.tenant_id, task.model)
-            and not self.takes_http_request(task.tenant_id, task.model)
-        )
+    def waiting_counts(self) -> dict[tuple[str, str], int]:
+        """Tasks waiting for an engine, per (tenant, model), peers' tasks waiting for a slot on
+        one of ours included."""
+        counts = Counter({key: len(ids) for key, ids in self.waiting.items() if ids})
+        for engine_key, queues in self.waiting_on.items():
+            for model, queue in queues.items():
+                counts[(engine_key.tenant_id, model)] += len(queue)
+        return dict(counts)

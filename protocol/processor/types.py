@@ -15,7 +15,7 @@ from typing import Union
 from protocol import errors
 from protocol.openai.errors import error_event, error_json
 from protocol.pb import worker_pb2
-from protocol.routing.router import RoutingConfig
+from protocol.routing.config import RoutingConfig
 
 #: What the caller uses to reach an engine: for a local engine its gRPC
 #: stream (or any key for it), for a remote engine the peer's sender. The

@@ -173,7 +173,7 @@ def test_routing_policy_flag_reaches_the_config():
 def test_routing_knobs_default_to_the_policys_own_defaults():
     from infx.config import routing_config
     from protocol.routing.hints import HintsConfig
-    from protocol.routing.router import RoutingConfig
+    from protocol.routing.config import RoutingConfig
 
     assert routing_config(build_config({}, {})) == (RoutingConfig(), HintsConfig())
 

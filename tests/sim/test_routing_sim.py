@@ -43,7 +43,7 @@ def test_three_gateways_share_spilled_conversations_and_route_within_five_percen
     """At full load (8 engines, 128 conversations) bounded load spills turns off their homes;
     with the spilled tips shared through the exchange the next turn finds its cache from any
     gateway, without them it is sent home by the gateways that did not move it."""
-    from protocol.routing.router import RoutingConfig
+    from protocol.routing.config import RoutingConfig
 
     full = dict(duration=30.0, warmup=5.0)
     one = simulate("multi-turn", "affinity", 1, 2, **full)

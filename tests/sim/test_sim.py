@@ -30,6 +30,8 @@ from protocol.gateway.core import GatewayCore
 from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
+from protocol.processor.dispatcher import Dispatcher
+from protocol.processor.endings import Endings
 from protocol.processor.types import EnginesRemoved
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +52,7 @@ def _drop_one_result(monkeypatch):
     """Plant a bug: the processor swallows the first mid-stream result it should hand to a
     client. (Dropped on its way to a peer, the peer's processor sees the gap and fails the
     request with a 502, which is the protocol working, not a violation.)"""
-    original = Processor._deliver
+    original = Endings.deliver
     dropped = []
 
     def deliver(self, task, result, last, effects):
@@ -60,7 +62,7 @@ def _drop_one_result(monkeypatch):
             return
         original(self, task, result, last, effects)
 
-    monkeypatch.setattr(Processor, "_deliver", deliver)
+    monkeypatch.setattr(Endings, "deliver", deliver)
     return dropped
 
 
@@ -68,13 +70,13 @@ def _route_across_tenants(monkeypatch):
     """Plant a bug: routing looks at every tenant's engines, not only the task's tenant."""
 
     def pick(self, task, ignore_cap=False):
-        for engines in self._by_tenant.values():
+        for _, engines in self._engines.by_tenant():
             for engine in engines.values():
                 if engine.routable and task.model in engine.ready_models:
                     return engine
         return None
 
-    monkeypatch.setattr(Processor, "_pick", pick)
+    monkeypatch.setattr(Dispatcher, "pick", pick)
 
 
 def _first_failure(seeds=range(10), full_checks=False):

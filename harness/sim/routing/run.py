@@ -31,7 +31,7 @@ from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.processor.fair_share import forwarded_caller
 from protocol.routing.hints import HintsConfig, hints_from_json
-from protocol.routing.router import RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
 
 POLICIES = ("round_robin", "least_in_progress", "affinity", "oracle")
 

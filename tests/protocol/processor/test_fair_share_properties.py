@@ -52,7 +52,7 @@ ops = st.lists(
 
 def _room_for(p: Processor, task: object) -> str | None:
     """An engine ``task`` may take now by the processor's own rules, or None."""
-    engine = p._pick(task)  # type: ignore[arg-type]
+    engine = p._dispatcher.pick(task)  # type: ignore[arg-type]
     return None if engine is None else engine.key.engine_id
 
 
@@ -158,11 +158,11 @@ def test_fair_shares_hold_under_any_interleaving(script, cap, reserve, retry_del
                 assert len(engine.in_flight) <= cap
         # Callers waiting are the tasks waiting, and a caller with neither is forgotten.
         waiting_tasks = [t for t in p._tasks.values() if t.state is TaskState.WAITING]
-        assert p._waiting_total == len(waiting_tasks) == sum(p.waiting_counts().values())
+        assert p._slots.waiting_total == len(waiting_tasks) == sum(p.waiting_counts().values())
         waiting: dict[str, int] = {}
         for task in waiting_tasks:
             waiting[task.flow] = waiting.get(task.flow, 0) + 1
-        shares = p._shares._models.get(("t", "m"), {})
+        shares = p._slots.shares._models.get(("t", "m"), {})
         assert {flow: share.waiting for flow, share in shares.items() if share.waiting} == waiting
         assert set(shares) == set(held) | set(waiting)
         # No task waits while an engine it may take has room.
@@ -170,6 +170,6 @@ def test_fair_shares_hold_under_any_interleaving(script, cap, reserve, retry_del
             if task.target:
                 engine = p._engines[EngineKey("t", task.target)]
                 assert engine.routable
-                assert p._full(engine, p._may_use_reserve(task)), f"{task.id} waits on {task.target} with room"
+                assert p._slots.full(engine, p._slots.may_use_reserve(task)), f"{task.id} waits on {task.target} with room"
             else:
                 assert _room_for(p, task) is None, f"{task.id} waits while {_room_for(p, task)} has room"

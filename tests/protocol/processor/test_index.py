@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from protocol.openai import task_forms
 from protocol.processor.core import Processor
-from protocol.processor.tables import _Engine, _Task
+from protocol.processor.engines import EngineRecord
+from protocol.processor.tasks import TaskRecord
 from protocol.processor.types import Locality, ProcessorConfig
 from tests.support.processor import chat, engine_status
 
@@ -19,13 +20,13 @@ MODELS = ("m1", "m2", "m3")
 ENGINES = ("e1", "e2", "e3", "e4")
 
 
-def brute_pick(p: Processor, task: _Task) -> _Engine | None:
+def brute_pick(p: Processor, task: TaskRecord) -> EngineRecord | None:
     """Least-in-progress over every engine of every tenant, filtered as routing filters."""
     best, best_rank = None, None
     for engine in p._engines.values():
         if engine.key.tenant_id != task.tenant_id or not engine.routable:
             continue
-        if task.model not in {m.id for m in engine.status.models if m.is_ready} or p._blocked(engine, False):
+        if task.model not in {m.id for m in engine.status.models if m.is_ready} or p._slots.blocked(engine, False):
             continue
         if not task_forms.eligible(task.request, engine.status):
             continue
@@ -36,8 +37,8 @@ def brute_pick(p: Processor, task: _Task) -> _Engine | None:
     return best
 
 
-def probe(tenant: str, model: str, avoid: set[str]) -> _Task:
-    return _Task(id="probe", tenant_id=tenant, model=model, request=chat(model), header={}, origin=None,
+def probe(tenant: str, model: str, avoid: set[str]) -> TaskRecord:
+    return TaskRecord(id="probe", tenant_id=tenant, model=model, request=chat(model), header={}, origin=None,
                  streaming=False, deadline=T0 + 60, target="", avoid=avoid)
 
 
@@ -85,10 +86,10 @@ def test_the_index_routes_as_the_scan_of_every_engine_through_any_updates(ops, a
                     task_forms.takes_http_request(e.status) and model in {m.id for m in e.status.models}
                     for e in engines)
                 want = brute_pick(p, probe(tenant, model, avoid))
-                got = p._pick(probe(tenant, model, avoid))
+                got = p._dispatcher.pick(probe(tenant, model, avoid))
                 assert (got and got.key) == (want and want.key)
     # Nothing is left in the index once every engine has gone.
     for route in ("r1", "r2"):
         for tenant in TENANTS:
             p.close_route(f"{route}:{tenant}", "closed", T0)
-    assert p._listing == {} and p._ready_for == {}
+    assert p._engines.listing == {} and p._engines.ready_for == {}

@@ -606,7 +606,7 @@ def test_timers_of_ended_tasks_do_not_pile_up():
     for i in range(1000):
         submit(p, f"t{i}")
         p.receive_result("route-e1", http(f"t{i}"), T0)
-    assert len(p._timers) <= 64 + 1
+    assert len(p._tasks.timers) <= 64 + 1
     assert p.next_deadline() is None
 
 

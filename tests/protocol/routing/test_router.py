@@ -11,7 +11,8 @@ from protocol.pb import status_pb2
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
 from protocol.processor.types import EngineKey, Locality
 from protocol.routing.hints import RoutingHints, hints_from_json
-from protocol.routing.router import PrefixIndex, RoutingConfig, RoutingPolicy
+from protocol.routing.config import RoutingConfig, RoutingPolicy
+from protocol.routing.prefix_index import PrefixIndex
 from tests.support.processor import chat, engine_status, http, one
 from tests.support.routing import ENGINES, conversation
 
@@ -195,7 +196,7 @@ def test_a_removed_engine_leaves_routing_and_the_index():
     home = d.send(hints)[1]
     processor.remove_engine("t", home, "gone", 0.0)
     assert d.send(hints)[1] != home
-    assert all(key.engine_id != home for key in processor._router.index.depths(hints.blocks))
+    assert all(key.engine_id != home for key in processor._router.policy.index.depths(hints.blocks))
 
 
 def test_the_prefix_index_is_bounded_per_engine_and_in_total():

@@ -5,7 +5,7 @@ reports it with the engine's status, so another gateway sends the next turn wher
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, ProcessorConfig, SendTask
 from protocol.processor.types import EngineKey, Locality
-from protocol.routing.router import RoutingConfig
+from protocol.routing.config import RoutingConfig
 from protocol.routing.spills import SpilledTips
 from tests.support.processor import chat, engine_status, one
 from tests.support.routing import ENGINES, conversation

@@ -1,0 +1,189 @@
+"""What every routing policy reads: the routable engines of each (tenant, model), their loads,
+loaded adapters and spilled prompts; pure, no I/O, no clock.
+
+Rules this file keeps: it changes only when the processor tells the router something (an
+engine's status, readiness and models; a task sent to or leaving an engine), never when a
+policy chooses, so the same inputs give the same pools in every process. Policies read it;
+what a policy remembers of its own (a ring, a turn, a prefix index) is the policy's.
+
+Load of an engine: the larger of this processor's tasks in flight on it and
+what the engine last reported plus the tasks this processor sent it since,
+less those that left it since.
+The report is its runtime's running plus waiting requests
+(``EngineStatus.Model.runtime_load``), else its ``in_progress_task_count``,
+summed over its models; it counts every gateway's tasks, so with several
+gateways each sees about the same load and makes about the same choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from protocol.pb import status_pb2
+from protocol.routing.spills import SpilledTips
+
+if TYPE_CHECKING:  # protocol.processor.types holds RoutingConfig in ProcessorConfig
+    from protocol.processor.types import EngineKey
+
+__all__ = ["Member", "Pool", "Pools", "reported_load"]
+
+
+def reported_load(status: status_pb2.EngineStatus) -> tuple[int, float | None, frozenset[str]]:
+    """What an engine says of its load: requests in its runtime (running + waiting, else
+    in-progress tasks), the highest KV-cache usage reported (None: none), loaded adapters."""
+    requests, kv, adapters = 0, None, set()
+    for model in status.models:
+        if model.HasField("runtime_load"):
+            load = model.runtime_load
+            requests += load.running_requests + load.waiting_requests
+            if load.HasField("kv_cache_usage"):
+                kv = load.kv_cache_usage if kv is None else max(kv, load.kv_cache_usage)
+            adapters.update(load.loaded_adapters)
+        else:
+            requests += model.in_progress_task_count
+    return requests, kv, frozenset(adapters)
+
+
+_NO_STATUS = status_pb2.EngineStatus()
+
+
+@dataclass(slots=True)
+class Member:
+    """One engine as routing sees it."""
+
+    key: EngineKey
+    #: The id the engine reports, the same on every gateway (``key`` names a peer's engine
+    #: with its gateway's pod here): what a policy hashes it by.
+    reported_id: str = ""
+    #: The models it takes tasks for now: the pools it is in.
+    pools: frozenset[str] = frozenset()
+    #: Attached to this gateway (else a peer's).
+    local: bool = False
+    #: This processor's tasks in flight on it.
+    in_flight: int = 0
+    #: What it last reported (see the module docstring).
+    reported: int = 0
+    #: Tasks this processor sent minus those that left since the engine's last report,
+    #: which cannot count them yet.
+    since_report: int = 0
+    kv: float | None = None
+    adapters: frozenset[str] = frozenset()
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported + self.since_report)
+
+
+@dataclass(slots=True)
+class Pool:
+    """The routable engines of one (tenant, model) and their total load."""
+
+    tenant_id: str
+    model: str
+    members: dict[EngineKey, Member] = field(default_factory=dict)
+    total: int = 0
+
+
+class Pools:
+    """Every engine routing knows, by (tenant, model) pool, with loads, adapters and spilled tips."""
+
+    def __init__(self, spilled_tips: int) -> None:
+        self._members: dict[EngineKey, Member] = {}
+        self._pools: dict[tuple[str, str], Pool] = {}
+        self.spills = SpilledTips(spilled_tips)
+        # Adapter name -> engines that report it loaded.
+        self._adapters: dict[str, dict[EngineKey, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def pool(self, tenant_id: str, model: str) -> Pool | None:
+        """The pool of (tenant, model), or None when no routable engine has the model ready."""
+        return self._pools.get((tenant_id, model))
+
+    def member(self, key: EngineKey) -> Member | None:
+        return self._members.get(key)
+
+    def holding_adapter(self, adapter: str) -> Iterable[EngineKey]:
+        """The engines that report ``adapter`` loaded, in the order they first did."""
+        return self._adapters.get(adapter, ())
+
+    def load(self, key: EngineKey) -> int:
+        """The load routing counts for ``key`` (0 if unknown)."""
+        member = self._members.get(key)
+        return 0 if member is None else member.load
+
+    def engine_updated(
+        self, key: EngineKey, models: frozenset[str], status: status_pb2.EngineStatus, local: bool,
+    ) -> list[Pool]:
+        """``key`` takes tasks for ``models`` now (empty: none) and reported ``status``; ``local``:
+        attached here (its spilled tips are recorded here), else a peer's (they come in ``status``).
+        Returns the pools it joined or left (a pool left empty is gone)."""
+        member = self._members.get(key)
+        if member is None:
+            member = self._members[key] = Member(key, status.engine_id, local=local)
+        elif member.local is not local:
+            self.spills.forget(key)
+            member.local = local
+        if not local:
+            self.spills.reported(key, status)
+        reported, member.kv, adapters = reported_load(status)
+        self._set_load(member, member.in_flight, reported, 0)
+        if adapters != member.adapters:
+            for adapter in member.adapters - adapters:
+                holders = self._adapters[adapter]
+                del holders[key]
+                if not holders:
+                    del self._adapters[adapter]
+            for adapter in sorted(adapters - member.adapters):
+                self._adapters.setdefault(adapter, {})[key] = None
+            member.adapters = adapters
+        changed: list[Pool] = []
+        if models != member.pools:
+            for model in member.pools - models:
+                pool = self._pools[(key.tenant_id, model)]
+                del pool.members[key]
+                pool.total -= member.load
+                changed.append(pool)
+                if not pool.members:
+                    del self._pools[(key.tenant_id, model)]
+            for model in models - member.pools:
+                pool = self._pools.setdefault((key.tenant_id, model), Pool(key.tenant_id, model))
+                pool.members[key] = member
+                pool.total += member.load
+                changed.append(pool)
+            member.pools = models
+        return changed
+
+    def engine_removed(self, key: EngineKey) -> list[Pool]:
+        """``key`` is gone: it leaves every pool; returns those pools."""
+        member = self._members.get(key)
+        changed: list[Pool] = []
+        if member is not None:
+            changed = self.engine_updated(key, frozenset(), _NO_STATUS, member.local)
+            del self._members[key]
+        self.spills.forget(key)
+        return changed
+
+    def task_sent(self, key: EngineKey) -> Member | None:
+        """A task was dispatched to ``key``: count it; returns the engine, if routing knows it."""
+        member = self._members.get(key)
+        if member is not None:
+            self._set_load(member, member.in_flight + 1, member.reported, member.since_report + 1)
+        return member
+
+    def task_left(self, key: EngineKey) -> None:
+        """A task this processor sent to ``key`` left it (ended, failed over)."""
+        member = self._members.get(key)
+        if member is not None:
+            self._set_load(member, member.in_flight - 1, member.reported, member.since_report - 1)
+
+    def _set_load(self, member: Member, in_flight: int, reported: int, since_report: int) -> None:
+        before = member.load
+        member.in_flight, member.reported, member.since_report = in_flight, reported, since_report
+        delta = member.load - before
+        if delta:
+            for model in member.pools:
+                self._pools[(member.key.tenant_id, model)].total += delta
