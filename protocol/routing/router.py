@@ -65,6 +65,10 @@ class Router:
         for pool in self.pools.engine_updated(key, models, status, local):
             self.policy.pool_changed(pool)
 
+    def stream_changed(self, key: EngineKey) -> None:
+        """``key`` is reached on another stream now (its load reports' stamps count that stream's)."""
+        self.pools.stream_changed(key)
+
     def engine_removed(self, key: EngineKey) -> None:
         """``key`` is gone: it leaves every pool, and the policy forgets it."""
         for pool in self.pools.engine_removed(key):
