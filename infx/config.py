@@ -27,7 +27,8 @@ from protocol.routing.config import RoutingConfig, RoutingPolicy
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()
 #: ``--routing-weights`` names and the ``RoutingConfig`` weight each sets.
-ROUTING_WEIGHTS = {name: f"{name}_weight" for name in ("prefix", "home", "session", "adapter", "queue", "kv")}
+ROUTING_WEIGHTS = {name: f"{name}_weight" for name in ("prefix", "home", "session", "adapter", "queue", "kv",
+                                                             "busy")}
 
 
 class ConfigError(ValueError):
@@ -113,7 +114,7 @@ class GatewayConfig:
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...
     routing_min_capacity: int = _ROUTING.min_capacity
-    #: ...score weights as ``name=value,...`` over prefix, home, session, adapter, queue, kv
+    #: ...score weights as ``name=value,...`` over prefix, home, session, adapter, queue, kv, busy
     #: (those not named keep their defaults)...
     routing_weights: str = ""
     #: ...bytes of canonical prompt per prefix block, and blocks hashed per request...

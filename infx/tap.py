@@ -51,8 +51,8 @@ _ROUTING_PARAMETERS: list[list[Any]] = [
      f"mean load, plus one (> 1) [default: {_DEFAULTS.routing_load_factor:g}]."],
     ["routing-min-capacity", None, None,
      f"Tasks any engine may take by affinity whatever the mean [default: {_DEFAULTS.routing_min_capacity}]."],
-    ["routing-weights", None, None, "Score weights, name=value,... over prefix, home, session, adapter, queue, kv "
-     "[default: prefix=8,home=0.5,session=0.5,adapter=0.5,queue=0.5,kv=0.25]."],
+    ["routing-weights", None, None, "Score weights, name=value,... over prefix, home, session, adapter, queue, kv, "
+     "busy [default: prefix=8,home=0.5,session=0.5,adapter=0.5,queue=0.5,kv=0.25,busy=2]."],
     ["routing-block-bytes", None, None,
      f"Bytes of canonical prompt per prefix block (>= 16) [default: {_DEFAULTS.routing_block_bytes}]."],
     ["routing-max-blocks", None, None, f"Prefix blocks hashed per request [default: {_DEFAULTS.routing_max_blocks}]."],

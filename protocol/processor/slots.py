@@ -103,7 +103,7 @@ class Slots:
             if engine is not None:
                 if task.id in engine.in_flight:
                     engine.in_flight.remove(task.id)
-                    self._router.task_left(engine.key)
+                    self._router.task_left(engine.key, task.model, task.hints)
                 if self.config.max_in_flight_per_engine is not None:
                     self.freed[engine.key] = None
         self._tasks.attempt_over(task)

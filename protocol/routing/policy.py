@@ -69,6 +69,9 @@ class Policy(ABC):
             return 0
         return forwarded_tip
 
+    def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
+        """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it."""
+
     def state_size(self) -> dict[str, int]:
         """Entries the policy holds, by kind (for ``Router.state_size``)."""
         return {}

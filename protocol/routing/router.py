@@ -85,9 +85,10 @@ class Router:
         member = self.pools.task_sent(key)
         return self.policy.task_sent(member, key, model, hints, forwarded_tip)
 
-    def task_left(self, key: EngineKey) -> None:
-        """A task this processor sent to ``key`` left it (ended, failed over)."""
+    def task_left(self, key: EngineKey, model: str = "", hints: RoutingHints | None = None) -> None:
+        """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it (ended, failed over)."""
         self.pools.task_left(key)
+        self.policy.task_left(key, model, hints)
 
     # --- what the processor asks --------------------------------------------
 

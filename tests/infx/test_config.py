@@ -205,7 +205,7 @@ def test_routing_knobs_from_flags_and_file_reach_the_policy(tmp_path):
     ({"routing_max_blocks": "0"}, "--routing-max-blocks: invalid value '0'"),
     ({"routing_index_blocks": "-1"}, "--routing-index-blocks: invalid value '-1'"),
     ({"routing_weights": "prefix=8,speed=1"}, "--routing-weights: expected name=value with a name among prefix, "
-                                              "home, session, adapter, queue, kv, got 'speed=1'"),
+                                              "home, session, adapter, queue, kv, busy, got 'speed=1'"),
     ({"routing_weights": "queue"}, "--routing-weights: expected name=value"),
     ({"routing_weights": "queue=-1"}, "--routing-weights: queue must be a number >= 0, got '-1'"),
     ({"routing_weights": "kv=nan"}, "--routing-weights: kv must be a number >= 0, got 'nan'"),
