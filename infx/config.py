@@ -96,6 +96,9 @@ class GatewayConfig:
     #: sent since); an engine at it gets no more until one ends (tasks go to another
     #: engine or wait; a peer's task for it waits at this gateway, its engine's). None: no cap.
     max_in_flight_per_engine: int | None = None
+    #: Without max_in_flight_per_engine: a local engine that reports its runtime's slots holds
+    #: at most that many tasks (protocol/processor/types.py's cap_at_runtime_slots).
+    cap_at_runtime_slots: bool = False
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None

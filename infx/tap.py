@@ -24,6 +24,8 @@ _FLAGS: list[list[str | None]] = [
                    "in-cluster config or KUBECONFIG); exclusive with --peers."],
     ["scaler", None, "Scale engine deployments labelled infx.io/scalable=true from zero and by load "
                      "(needs --kube)."],
+    ["cap-at-runtime-slots", None, "Without --max-in-flight-per-engine: a local engine whose agent reports its "
+                                   "runtime's slots holds at most that many tasks; more wait in the fair queue."],
 ]
 _EXCHANGE_PARAMETERS: list[list[Any]] = [
     ["internal-grpc", None, None,

@@ -19,7 +19,7 @@ Routers (``--routers``, :data:`ROUTERS`):
   peered gateways holding one agent each); ``infx-noload`` is the default
   with the agents' runtime load reports off (``--runtime-load-interval 0``),
   ``infx-cap2`` the default with ``--max-in-flight-per-engine 2`` (the
-  runtime's slots);
+  runtime's slots), ``infx-slotcap`` with ``--cap-at-runtime-slots``;
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
   ``round_robin``, its defaults; ``vllm-ca`` / ``vllm-ch``: vllm-router
   0.1.17, ``cache_aware`` / ``consistent_hash`` (clients send the
@@ -99,6 +99,7 @@ def router(name: str) -> Router:
         "infx-rr": lambda: InfxRouter("infx-rr", policy="round_robin"),
         "infx-noload": lambda: InfxRouter("infx-noload", agent_extra=["--runtime-load-interval", "0"]),
         "infx-cap2": lambda: InfxRouter("infx-cap2", gateway_extra=["--max-in-flight-per-engine", "2"]),
+        "infx-slotcap": lambda: InfxRouter("infx-slotcap", gateway_extra=["--cap-at-runtime-slots"]),
         "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
         "sglang-rr": lambda: PeerRouter("sglang-rr", "sglang", "round_robin"),
         "vllm-ca": lambda: PeerRouter("vllm-ca", "vllm", "cache_aware"),
@@ -109,7 +110,7 @@ def router(name: str) -> Router:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
 def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict[str, float]:
@@ -176,13 +177,14 @@ def run_slowdown(logs: Path, run: dict, costs: LlamaCosts) -> float:
     return seconds / model if model else 1.0
 
 
-#: Changes to infx's default the simulation can try: (load reports, RoutingConfig fields, home per session).
-WHAT_IF = {
-    "today": (True, {}, False),
-    "no load reports": (False, {}, False),
-    "bound at 2 slots": (True, {"min_capacity": 2}, False),
-    "home per session": (True, {}, True),
-    "all three": (False, {"min_capacity": 2}, True),
+#: Changes to infx's default the simulation can try: keyword arguments of ``simulate_run`` (load reports,
+#: RoutingConfig and ProcessorConfig fields, a home per session).
+WHAT_IF: dict[str, dict] = {
+    "default": {},
+    "no load reports": {"load_reports": False},
+    "cap at the slots": {"processor": {"cap_at_runtime_slots": True}},
+    "busy weight 0": {"routing": {"busy_weight": 0.0}},
+    "home per session": {"home_by_session": True},
 }
 
 
@@ -196,10 +198,9 @@ def what_if(workloads: Sequence[str], replica_counts: Sequence[int], runs: int, 
     print("|---|---|---|---|---|---|---|")
     for workload in workloads:
         for replicas in replica_counts:
-            for name, (load_reports, routing, by_session) in WHAT_IF.items():
+            for name, change in WHAT_IF.items():
                 figures = [simulate_run(make(workload, seed), "affinity", replicas, seed,
-                                        costs=BENCH_COSTS.scaled(slowdown), load_reports=load_reports,
-                                        routing=routing, home_by_session=by_session).figures
+                                        costs=BENCH_COSTS.scaled(slowdown), **change).figures
                            for seed in range(1, runs + 1)]
                 row = summary(figures)
                 print(f"| {workload} | {replicas} | {name} | {row['cached_share']:.1%} | {row['ttft_p50']:.2f} / "
