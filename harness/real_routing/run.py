@@ -43,7 +43,7 @@ from harness.gguf_models import CHATML_TOOLS_TEMPLATE, ModelShape
 from harness.llama_server import LlamaCppServer
 from harness.real_routing.figures import Figures, Record, figures
 from harness.real_routing.workloads import Client, Workload
-from harness.twistd_processes import Engine, Gateway, free_port, wait_until
+from harness.twistd_processes import TWISTD, Engine, Gateway, free_port, wait_until
 
 __all__ = ["MODEL", "InfxRouter", "RunError", "RunResult", "Router", "Runtimes", "run_once"]
 
@@ -136,12 +136,15 @@ def _keys(groups: Sequence[str]) -> str:
 class InfxRouter:
     """infx: ``twistd infx`` gateway(s) and a ``twistd infx-engine`` per runtime (see the module docstring).
 
-    ``policy`` is ``--routing-policy``; ``gateway_extra`` and ``agent_extra`` are more options of each.
+    ``policy`` is ``--routing-policy``; ``gateway_extra`` and ``agent_extra`` are more options of each;
+    ``checkout``: run another checkout's infx (its ``.venv``'s twistd, its tree first on the path).
     """
 
     def __init__(self, name: str, policy: str = "affinity", gateway_extra: Sequence[str] = (),
-                 agent_extra: Sequence[str] = ()) -> None:
+                 agent_extra: Sequence[str] = (), checkout: Path | None = None) -> None:
         self.name = name
+        self.env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
+        self.twistd = str(checkout / ".venv" / "bin" / "twistd") if checkout is not None else TWISTD
         self.policy = policy
         self.gateway_extra = list(gateway_extra)
         self.agent_extra = list(agent_extra)
@@ -159,7 +162,7 @@ class InfxRouter:
             if peers:
                 extra += ["--peers", peers]
             return Gateway(logs, api_keys=keys, admin_key="sk-admin", name=f"gateway-{i}", ports=ports[i],
-                           extra=extra)
+                           extra=extra, env=self.env, twistd=self.twistd)
 
         with ThreadPoolExecutor(len(urls) + replicas) as pool:
             self.gateways = list(pool.map(gateway, range(replicas)))
@@ -167,7 +170,7 @@ class InfxRouter:
             def agent(i: int) -> Engine:
                 home = self.gateways[i % replicas]
                 return Engine(logs, home, f"e{i}", [MODEL], runtime="openai", upstream=urls[i], key="ek-bench",
-                              extra=self.agent_extra)
+                              extra=self.agent_extra, env=self.env, twistd=self.twistd)
 
             self.agents = list(pool.map(agent, range(len(urls))))
 

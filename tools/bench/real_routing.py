@@ -20,6 +20,8 @@ Routers (``--routers``, :data:`ROUTERS`):
   with the agents' runtime load reports off (``--runtime-load-interval 0``),
   ``infx-cap2`` the default with ``--max-in-flight-per-engine 2`` (the
   runtime's slots), ``infx-slotcap`` with ``--cap-at-runtime-slots``;
+  ``infx-baseline`` the default of another checkout (``--baseline DIR``:
+  the tree before a change, with its own ``.venv``);
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
   ``round_robin``, its defaults; ``vllm-ca`` / ``vllm-ch``: vllm-router
   0.1.17, ``cache_aware`` / ``consistent_hash`` (clients send the
@@ -91,9 +93,14 @@ class PeerRouter:
         self.peers = []
 
 
+#: ``--baseline``: another checkout whose infx runs as ``infx-baseline`` (its default policy).
+BASELINE: list[Path] = []
+
+
 def router(name: str) -> Router:
     """A fresh router of configuration ``name`` (see the module docstring)."""
     makers = {
+        "infx-baseline": lambda: InfxRouter("infx-baseline", checkout=BASELINE[0]),
         "infx": lambda: InfxRouter("infx"),
         "infx-lip": lambda: InfxRouter("infx-lip", policy="least_in_progress"),
         "infx-rr": lambda: InfxRouter("infx-rr", policy="round_robin"),
@@ -110,7 +117,7 @@ def router(name: str) -> Router:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
 def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict[str, float]:
@@ -302,7 +309,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --simulate: the runtimes' costs times this [default: each run's own, from the "
                              "llama-servers' logs under --logs: their prompt eval time over the model's cost]")
     parser.add_argument("--logs", metavar="DIR", help="keep every process's log here")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="another checkout (with its own .venv, as tools/test makes it) whose infx runs as the "
+                             "router infx-baseline, e.g. the tree before a routing change")
+    parser.add_argument("--first-seed", type=int, default=1, help="the first run's seed (runs take the next ones)")
     args = parser.parse_args(argv)
+    if args.baseline:
+        BASELINE.append(Path(args.baseline).resolve())
     if args.what_if:
         return what_if(args.workloads.split(","), [int(r) for r in args.replicas.split(",")], args.runs,
                        args.sim_slowdown or 1.0)
@@ -332,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         failed: list[str] = []
         every: list[dict] = []
         started = time.monotonic()
-        for seed in range(1, args.runs + 1):
+        for seed in range(args.first_seed, args.first_seed + args.runs):
             for workload_name in workloads:
                 workload = make(workload_name, seed, args.scale)
                 for replicas in replica_counts:
