@@ -35,7 +35,8 @@ def test_affinity_keeps_the_shared_prompts_where_round_robin_scatters_them():
 
 
 def test_load_reports_off_and_a_cap_are_the_benchmarks_variants():
-    workload = make("chat", 1, 0.5)
+    # Not chat: with load reports stamped, its half-scale run routes alike with them, without and capped.
+    workload = make("pressure", 1, 0.5)
     plain = simulate_run(workload, "affinity", 1, 1)
     quiet = simulate_run(workload, "affinity", 1, 1, load_reports=False)
     capped = simulate_run(workload, "affinity", 1, 1, max_in_flight=2)
