@@ -198,6 +198,21 @@ class Pools:
                 return (member.sent - received) - max(0, member.left - ended)
         return 0
 
+    def exact_load(self, key: EngineKey, status: status_pb2.EngineStatus) -> None:
+        """In ``status``, a copy of local ``key``'s going to peers: the runtime's reading brought up to
+        now with this gateway's sends and ends since it (what :meth:`_since_reading` counts), in
+        place of the reading and its stamp, which count a stream only this gateway sends on. A peer
+        then adds only its own sends after this copy, not the ends this gateway already saw."""
+        member = self._members.get(key)
+        if member is None or not member.local or not member.stamps_match:
+            return
+        for model in status.models:
+            load = model.runtime_load
+            if model.HasField("runtime_load") and load.HasField("tasks_received"):
+                load.running_requests = max(0, member.reported + member.since_report - load.waiting_requests)
+                load.ClearField("tasks_received")
+                load.ClearField("tasks_ended")
+
     def stream_changed(self, key: EngineKey) -> None:
         """``key`` is reached on another stream now: its stamps count that stream's tasks, not
         this processor's tasks on it, some of which may still be on the old one."""

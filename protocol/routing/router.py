@@ -117,8 +117,10 @@ class Router:
         return self.pools.load(key)
 
     def annotate(self, key: EngineKey, status: status_pb2.EngineStatus) -> None:
-        """Add local ``key``'s spilled tips to ``status`` (a copy going to peers)."""
+        """Add local ``key``'s spilled tips to ``status`` (a copy going to peers), and put this
+        gateway's count of its load in place of the runtime's reading (:meth:`Pools.exact_load`)."""
         self.pools.spills.annotate(key, status)
+        self.pools.exact_load(key, status)
 
     # --- what tools read ----------------------------------------------------
 

@@ -116,3 +116,24 @@ def test_through_the_processor_a_task_that_ended_before_its_report_came_is_count
     processor.receive_result(sent.route, http("a"), 0.1)
     processor.update_engine(("route", "e0"), "t", report(1, received=1, ended=0), Locality.LOCAL, 0.2)
     assert processor._router.load(EngineKey("t", "e0")) == 0
+
+
+def test_peers_get_the_gateways_count_in_place_of_the_reading_and_its_stamp():
+    """The engine's gateway relays its exact count: the reading (3 running) brought up to now (one of
+    them ended since, one more was sent), without the stamp that counts a stream peers never see."""
+    p = pools()
+    for _ in range(3):
+        p.task_sent(KEY)
+    p.engine_updated(KEY, frozenset({"m"}), report(3, waiting=0, received=3, ended=0), True)
+    p.task_left(KEY)
+    p.task_sent(KEY)
+    relayed = report(3, waiting=0, received=3, ended=0)
+    p.exact_load(KEY, relayed)
+    load = relayed.models[0].runtime_load
+    assert load.running_requests == 3 and not load.HasField("tasks_received") and not load.HasField("tasks_ended")
+    peer = pools(local=False)
+    peer.engine_updated(KEY, frozenset({"m"}), relayed, False)
+    assert peer.load(KEY) == 3
+    unstamped = report(5)
+    p.exact_load(KEY, unstamped)
+    assert unstamped.models[0].runtime_load.running_requests == 5  # nothing to bring up to date
