@@ -17,12 +17,23 @@ sets that cost:
   load average 1.7; with five other jobs on the machine the CPU time stayed
   0.57 s and the wall time grew to 0.85-1.5 s): a prompt the cache holds
   then shows in time to first token.
+
+What a prompt costs in tokens is known without a server: :func:`render_chat`
+writes messages (and tools) out as the model's templates do, and
+:func:`tokenize` splits text as llama.cpp's tokenizer does for this
+vocabulary (checked against a live ``llama-server`` by
+``tests/harness/test_llama_server.py``), so that a simulation sees the same
+tokens as the runtime.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +43,37 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+#: ChatML with the tools in the system turn, the way Qwen 2.5's template renders them: what a server started
+#: with ``--chat-template-file`` holding it puts in front of a tool-using conversation. Without tools it
+#: renders exactly as :data:`CHATML_TEMPLATE`.
+CHATML_TOOLS_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message.tool_calls %}{{ '\n<tool_call>\n{\"name\": \"' + call.function.name "
+    "+ '\", \"arguments\": ' }}{{ call.function.arguments if call.function.arguments is string "
+    "else (call.function.arguments | tojson) }}{{ '}\n</tool_call>' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{%- endif %}"
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: The vocabulary's merges, in rank order ("\u0120" is GPT-2's stand-in for a space).
+MERGES = ("\u0120 t", "h e", "\u0120t he", "i n", "e r", "a n")
 
 
 @dataclass(frozen=True)
@@ -46,6 +87,11 @@ class ModelShape:
     layers: int
     heads: int
     feed_forward: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes a token's keys and values take in llama.cpp's cache (F16, one KV head per head)."""
+        return self.layers * self.width * 2 * 2
 
     @property
     def parameters(self) -> int:
@@ -71,13 +117,15 @@ def _byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+_BYTE_CHARS = _byte_tokens()
+
+
 def write_model(path: Path, shape: ModelShape = TINY, seed: int = 0) -> Path:
     """Write a random-weight llama GGUF of ``shape`` to ``path``; the same shape and seed write the same file."""
     import gguf
 
     byte_tokens = _byte_tokens()
-    space = byte_tokens[ord(" ")]
-    merges = [f"{space} t", "h e", f"{space}t he", "i n", "e r", "a n"]
+    merges = list(MERGES)
     merged = [left + right for left, right in (m.split(" ") for m in merges)]
     tokens = byte_tokens + merged + list(SPECIAL_TOKENS)
     types = ([gguf.TokenType.NORMAL] * (len(byte_tokens) + len(merged))
@@ -130,3 +178,83 @@ def write_model(path: Path, shape: ModelShape = TINY, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    """The prompt text :data:`CHATML_TOOLS_TEMPLATE` renders for ``messages`` (string contents; an assistant
+    message's ``tool_calls`` with string ``arguments``) and ``tools``, with the generation prompt."""
+    out = []
+    first = 0
+    if tools:
+        out.append("<|im_start|>system\n")
+        if messages and messages[0]["role"] == "system":
+            out.append(messages[0]["content"] + "\n\n")
+            first = 1
+        out.append("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                   "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+        # Jinja's tojson as llama.cpp's engine writes it: Python's default separators, keys in order.
+        out.extend("\n" + json.dumps(tool) for tool in tools)
+        out.append('\n</tools>\n\nFor each function call, return a json object with function name and arguments '
+                   'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+                   '<args-json-object>}\n</tool_call><|im_end|>\n')
+    for message in messages[first:]:
+        role = message["role"]
+        if role == "assistant" and message.get("tool_calls"):
+            out.append("<|im_start|>assistant")
+            if message.get("content"):
+                out.append("\n" + message["content"])
+            for call in message["tool_calls"]:
+                function = call["function"]
+                # llama.cpp hands a template that takes them the arguments as an object, not as their JSON text.
+                arguments = json.dumps(json.loads(function["arguments"]))
+                out.append(f'\n<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>')
+            out.append("<|im_end|>\n")
+        elif role == "tool":
+            out.append(f"<|im_start|>user\n<tool_response>\n{message['content']}\n</tool_response><|im_end|>\n")
+        else:
+            out.append(f"<|im_start|>{role}\n{message['content']}<|im_end|>\n")
+    out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+#: Pieces the tokenizer never merges across: special tokens, then letter runs with at most one leading space.
+_SPECIAL = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+_WORD = re.compile(r" ?[^\W\d_]+")
+
+
+def tokenize(text: str) -> list[int]:
+    """``text`` as llama.cpp tokenizes it for these models (special tokens parsed): a token per UTF-8 byte,
+    but for :data:`MERGES`, which apply only within a run of letters and its leading space."""
+    byte_ids = {ch: i for i, ch in enumerate(_byte_tokens())}
+    ranks = {tuple(m.split(" ")): rank for rank, m in enumerate(MERGES)}
+    merged_ids = {left + right: 256 + rank for (left, right), rank in ranks.items()}
+    special_ids = {t: 256 + len(MERGES) + i for i, t in enumerate(SPECIAL_TOKENS)}
+    ids: list[int] = []
+
+    def plain(piece: str) -> None:
+        symbols = [_BYTE_CHARS[b] for b in piece.encode("utf-8")]
+        while len(symbols) > 1:
+            best = min(range(len(symbols) - 1), key=lambda i: ranks.get((symbols[i], symbols[i + 1]), len(ranks)))
+            pair = (symbols[best], symbols[best + 1])
+            if pair not in ranks:
+                break
+            symbols[best:best + 2] = [pair[0] + pair[1]]
+        ids.extend(byte_ids[s] if s in byte_ids else merged_ids[s] for s in symbols)
+
+    def words(segment: str) -> None:
+        at = 0
+        for match in _WORD.finditer(segment):
+            for byte in segment[at:match.start()].encode("utf-8"):
+                ids.append(byte)
+            plain(match.group())
+            at = match.end()
+        for byte in segment[at:].encode("utf-8"):
+            ids.append(byte)
+
+    at = 0
+    for match in _SPECIAL.finditer(text):
+        words(text[at:match.start()])
+        ids.append(special_ids[match.group()])
+        at = match.end()
+    words(text[at:])
+    return ids

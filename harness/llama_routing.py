@@ -140,7 +140,7 @@ def stream_turn(url: str, messages: list[dict[str, str]], max_tokens: int) -> tu
 
 
 @dataclass(frozen=True)
-class Workload:
+class LlamaWorkload:
     """The cluster and the conversations of one run."""
 
     engines: int = 3
@@ -152,7 +152,7 @@ class Workload:
     context: int = 2048
 
 
-def run_policy(policy: str, args: Workload, model: Path, logs: Path) -> PolicyResult:
+def run_policy(policy: str, args: LlamaWorkload, model: Path, logs: Path) -> PolicyResult:
     """Run ``args`` against a fresh cluster routing by ``policy``; logs go under ``logs``."""
     logs.mkdir(parents=True, exist_ok=True)
     keys = logs / "keys.yaml"

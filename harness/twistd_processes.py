@@ -59,10 +59,12 @@ class ChildDied(AssertionError):
 class TwistdChild:
     """One ``twistd -n`` process; stdout and stderr go to ``log_path``."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None,
+                 twistd: str = TWISTD) -> None:
+        """``twistd``: another checkout's (with ``PYTHONPATH`` in ``env``: a baseline's processes)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        argv = [TWISTD, "-n", "--pidfile=", *args]
+        argv = [twistd, "-n", "--pidfile=", *args]
         child_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=child_env)
@@ -124,7 +126,7 @@ class Gateway:
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
                  extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None,
                  ports: tuple[int, int, int] | None = None, env: dict[str, str] | None = None,
-                 wait: bool = True, workers: int = 1) -> None:
+                 wait: bool = True, workers: int = 1, twistd: str = TWISTD) -> None:
         """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would;
         ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them);
         ``env``: more environment for the child (``KUBECONFIG``, ``POD_NAME``); without ``wait``
@@ -153,7 +155,7 @@ class Gateway:
                     "--workers", str(workers), *extra]
             if api_keys is not None:
                 args += ["--api-keys", str(api_keys)]
-            self.child = TwistdChild(name, args, log_dir, env)
+            self.child = TwistdChild(name, args, log_dir, env, twistd)
             if not wait:
                 return
             try:
@@ -244,7 +246,7 @@ class Engine:
     def __init__(self, log_dir: Path, gateway: Gateway, engine_id: str, models: Sequence[str], *,
                  runtime: str = "echo", upstream: str | None = None, token_delay: float | None = None,
                  key: str | None = None, tenant: str = "default", extra: Sequence[str] = (),
-                 env: dict[str, str] | None = None, models_ready: bool = True) -> None:
+                 env: dict[str, str] | None = None, models_ready: bool = True, twistd: str = TWISTD) -> None:
         """``models`` may be empty with the openai runtime (it serves what its runtime lists);
         ``models_ready=False`` waits only for the engine to register (its runtime may be down)."""
         self.engine_id = engine_id
@@ -258,7 +260,7 @@ class Engine:
             args += ["--token-delay", str(token_delay)]
         # The key travels in the environment, as the option's help recommends.
         child_env = {"INFX_ENGINE_KEY": key} if key else {}
-        self.child = TwistdChild(f"engine-{engine_id}", args, log_dir, {**child_env, **(env or {})})
+        self.child = TwistdChild(f"engine-{engine_id}", args, log_dir, {**child_env, **(env or {})}, twistd)
         try:
             gateway.wait_for_engine(engine_id, tenant, [self.child], models_ready=models_ready)
         except BaseException:

@@ -30,7 +30,8 @@ from protocol.routing.config import RoutingConfig, RoutingPolicy
 _ROUTING = RoutingConfig()
 _HINTS = HintsConfig()
 #: ``--routing-weights`` names and the ``RoutingConfig`` weight each sets.
-ROUTING_WEIGHTS = {name: f"{name}_weight" for name in ("prefix", "home", "session", "adapter", "queue", "kv")}
+ROUTING_WEIGHTS = {name: f"{name}_weight" for name in ("prefix", "home", "session", "adapter", "queue", "kv",
+                                                             "busy")}
 
 
 class ConfigError(ValueError):
@@ -98,6 +99,11 @@ class GatewayConfig:
     #: sent since); an engine at it gets no more until one ends (tasks go to another
     #: engine or wait; a peer's task for it waits at this gateway, its engine's). None: no cap.
     max_in_flight_per_engine: int | None = None
+    #: Without max_in_flight_per_engine: a local engine that reports its runtime's slots holds
+    #: at most that many tasks (protocol/processor/config.py's cap_at_runtime_slots).
+    cap_at_runtime_slots: bool = False
+    #: The affinity policy takes the runtimes' reported slots into account (RoutingConfig.runtime_slots).
+    routing_runtime_slots: bool = False
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None
@@ -116,7 +122,7 @@ class GatewayConfig:
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...
     routing_min_capacity: int = _ROUTING.min_capacity
-    #: ...score weights as ``name=value,...`` over prefix, home, session, adapter, queue, kv
+    #: ...score weights as ``name=value,...`` over prefix, home, session, adapter, queue, kv, busy
     #: (those not named keep their defaults)...
     routing_weights: str = ""
     #: ...bytes of canonical prompt per prefix block, and blocks hashed per request...
@@ -576,7 +582,8 @@ def routing_config(config: GatewayConfig) -> tuple[RoutingConfig, HintsConfig]:
         policy=RoutingPolicy(config.routing_policy), load_factor=config.routing_load_factor,
         min_capacity=config.routing_min_capacity, index_blocks_per_engine=config.routing_index_blocks_per_engine,
         index_blocks_total=config.routing_index_blocks, sessions=config.routing_sessions,
-        spilled_tips=config.routing_spilled_tips, explain=config.otlp_traces_endpoint is not None,
+        spilled_tips=config.routing_spilled_tips, runtime_slots=config.routing_runtime_slots,
+        explain=config.otlp_traces_endpoint is not None,
         **routing_weights(config.routing_weights),
     )
     return routing, HintsConfig(block_bytes=config.routing_block_bytes, max_blocks=config.routing_max_blocks)

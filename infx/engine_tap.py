@@ -113,6 +113,9 @@ class AgentOptions(VersionOption, usage.Options):
         ["otlp-traces-protocol", None, "http/protobuf", "http/protobuf or grpc."],
         ["trace-sample-ratio", None, "1", "Share of new traces recorded, 0 to 1; a task's traceparent decides "
          "for its own trace."],
+        ["runtime-slots", None, None,
+         "openai runtime: requests the runtime runs at once (vLLM's --max-num-seqs), reported to the gateway "
+         "[default: what the runtime says: llama.cpp's slots; else unknown]."],
     ]
 
     def postOptions(self) -> None:
@@ -159,6 +162,10 @@ class AgentOptions(VersionOption, usage.Options):
         if self["otlp-traces-endpoint"]:
             self["tracing-config"] = TracingConfig(self["otlp-traces-endpoint"], self["otlp-traces-protocol"],
                                                    self["trace-sample-ratio"])
+        if self["runtime-slots"] is not None:
+            if self["runtime"] != "openai":
+                raise usage.UsageError("--runtime-slots only applies to --runtime openai")
+            self["runtime-slots"] = self._number("runtime-slots", int, minimum=1)
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -176,6 +183,7 @@ class AgentOptions(VersionOption, usage.Options):
                 max_concurrency=self["max-concurrency"], max_queued=self["max-queued"],
                 status_interval=self["status-interval"], wait_for_runtime=self["runtime"] == "openai",
                 instance=secrets.token_hex(8), runtime_kind=self["runtime"], agent_version=infx.__version__,
+                runtime_slots=self["runtime-slots"],
             )
             self["echo-config"] = EchoConfig(token_delay=self["token-delay"])
             self["load-config"] = None
@@ -308,7 +316,8 @@ def makeService(options: AgentOptions) -> IService:
         used.append(RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
                                      Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
                                      agent.runtime_load_changed, authorize=runtime.authorize,
-                                     refused=runtime.credentials.refused if runtime.credentials else None))
+                                     refused=runtime.credentials.refused if runtime.credentials else None,
+                                     sample=agent.core.load_sample))
     top = AgentServices(agent)
     for service in used:
         service.setServiceParent(top)

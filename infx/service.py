@@ -180,6 +180,7 @@ class GatewayService(service.MultiService):
             max_attempts=config.max_attempts,
             heartbeat_interval=config.heartbeat_interval,
             max_in_flight_per_engine=config.max_in_flight_per_engine,
+            cap_at_runtime_slots=config.cap_at_runtime_slots,
             max_tasks_per_tenant=config.max_tasks_per_tenant,
             shed_waiting_threshold=config.shed_waiting_threshold,
             fair_reserve=config.fair_reserve,

@@ -26,6 +26,11 @@ _FLAGS: list[list[str | None]] = [
                      "(needs --kube)."],
     ["trace-content", None, "With --otlp-traces-endpoint: put prompt and completion text (request body, "
                             "answer; 16 KiB each at most) on the request's span; off, no span carries them."],
+    ["routing-runtime-slots", None, "The affinity policy uses the slots engines report (the load bound's minimum, "
+                                    "hot prefixes spread over engines, a full runtime's wait in the score); "
+                                    "docs/routing-real.md."],
+    ["cap-at-runtime-slots", None, "Without --max-in-flight-per-engine: a local engine whose agent reports its "
+                                   "runtime's slots holds at most that many tasks; more wait in the fair queue."],
 ]
 # OpenTelemetry traces (infx/tracing/, docs/tracing.md).
 _TRACING_PARAMETERS: list[list[Any]] = [
@@ -62,8 +67,8 @@ _ROUTING_PARAMETERS: list[list[Any]] = [
      f"mean load, plus one (> 1) [default: {_DEFAULTS.routing_load_factor:g}]."],
     ["routing-min-capacity", None, None,
      f"Tasks any engine may take by affinity whatever the mean [default: {_DEFAULTS.routing_min_capacity}]."],
-    ["routing-weights", None, None, "Score weights, name=value,... over prefix, home, session, adapter, queue, kv "
-     "[default: prefix=8,home=0.5,session=0.5,adapter=0.5,queue=0.5,kv=0.25]."],
+    ["routing-weights", None, None, "Score weights, name=value,... over prefix, home, session, adapter, queue, kv, "
+     "busy [default: prefix=8,home=0.5,session=0.5,adapter=0.5,queue=0.5,kv=0.25,busy=2]."],
     ["routing-block-bytes", None, None,
      f"Bytes of canonical prompt per prefix block (>= 16) [default: {_DEFAULTS.routing_block_bytes}]."],
     ["routing-max-blocks", None, None, f"Prefix blocks hashed per request [default: {_DEFAULTS.routing_max_blocks}]."],

@@ -184,7 +184,7 @@ class EngineAgent(Service):
 
     def runtime_load_changed(self, load: RuntimeLoad | None) -> None:
         """The runtime's own load changed enough to report (:mod:`infx.agent.runtime_load_watch`)."""
-        self._run(self.core.runtime_load_changed(None if load is None else load.to_pb(), self.clock.seconds()))
+        self._run(self.core.runtime_load_changed(load, self.clock.seconds()))
 
     # -- what the links report ------------------------------------------------------
 

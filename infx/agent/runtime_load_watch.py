@@ -5,7 +5,9 @@ telling the gateway) is the pure monitor's; this service GETs the paths on
 the ``openai`` runtime's server (with the runtime's credentials, through
 ``authorize``), hands the answers back, arms one timer from
 ``next_deadline()``, and passes each :class:`~protocol.agent.runtime_load.LoadChanged`
-to ``changed``. Scrapes use a pool of their own, so that they never wait
+to ``changed``. Each scrape is stamped with ``sample()`` as its requests go
+out (which of the gateway's tasks the agent had received and seen end), so
+that the load read from it says what it includes. Scrapes use a pool of their own, so that they never wait
 behind busy task connections, and quiet, so that a scrape a second does not
 log a connection factory's start and stop each time.
 """
@@ -28,6 +30,7 @@ from infx.deadline import DeadlineTimer
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadEffect,
+    LoadSample,
     RuntimeLoad,
     RuntimeLoadMonitor,
     ScrapeAnswer,
@@ -49,13 +52,15 @@ class RuntimeLoadWatch(Service):
     """Scrapes the runtime at ``root`` and calls ``changed(load)`` when its reported load changes.
 
     ``authorize(headers)`` adds the runtime's credentials to each GET;
-    ``refused()`` is called when the runtime answers 401 (its key changed).
+    ``refused()`` is called when the runtime answers 401 (its key changed);
+    ``sample()`` stamps each scrape (the agent core's ``load_sample``).
     """
 
     def __init__(self, clock: IReactorTime, monitor: RuntimeLoadMonitor, agent: IAgent, root: str,
                  changed: Callable[[RuntimeLoad | None], None],
                  authorize: Callable[[Headers], None] | None = None,
-                 refused: Callable[[], None] | None = None) -> None:
+                 refused: Callable[[], None] | None = None,
+                 sample: Callable[[], LoadSample | None] = lambda: None) -> None:
         self.clock = clock
         self.monitor = monitor
         self.agent = agent
@@ -63,6 +68,7 @@ class RuntimeLoadWatch(Service):
         self.changed = changed
         self.authorize = authorize
         self.refused = refused
+        self.sample = sample
         self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timeout(self.clock.seconds())))
         self._pending: list[Deferred[object]] = []
         self._reporting = False
@@ -100,6 +106,7 @@ class RuntimeLoadWatch(Service):
 
     def _scrape(self, scrape: ScrapeRuntime) -> None:
         self._cancel_pending()  # the monitor abandoned the last one (timed out)
+        sample = self.sample()
         gets = [self._get(path) for path in scrape.paths]
         mine = [get for get, _ in gets]
         self._pending = mine
@@ -118,7 +125,7 @@ class RuntimeLoadWatch(Service):
             if self._pending is mine:
                 self._pending = []
             if self.running:
-                self._run(self.monitor.scrape_done(scrape.scrape_id, answers, self.clock.seconds()))
+                self._run(self.monitor.scrape_done(scrape.scrape_id, answers, sample, self.clock.seconds()))
 
         everything.addCallback(done)
 

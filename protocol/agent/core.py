@@ -46,7 +46,17 @@ those the runtime lists. Readiness changes are reported at once.
 The runtime's own load (``runtime_load_changed``, from the monitor of
 :mod:`protocol.agent.runtime_load`, which already coalesces it) goes out with every
 model's status as ``runtime_load``; with none, the field is absent and the
-gateway routes by in-progress counts alone.
+gateway routes by in-progress counts alone. The monitor stamps each reading
+with :meth:`EngineAgentCore.load_sample`, taken when its scrape went out: the
+runtime tasks received on the current stream so far and how many of them
+ended (every task the stream carried to this agent counts, a refused one as
+received and ended at once), which go out as ``runtime_load.tasks_received``
+and ``tasks_ended`` while that stream is the one reported on. The runtime's
+slots (``--runtime-slots`` in ``runtime_slots``, else what the monitor read)
+go out as ``infx_runtime_slots``. And every answer the runtime gives is read
+for its prompt's tokens and how many its cache served
+(:mod:`protocol.agent.prompt_usage`, once per task), summed per model into
+``infx_prompt_cache``.
 
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
@@ -65,6 +75,8 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from protocol.agent.prompt_usage import prompt_usage
+from protocol.agent.runtime_load import LoadSample, RuntimeLoad
 from protocol.backoff import Backoff
 from protocol.errors import LocalUsageError, RemoteProtocolError
 from protocol.openai.errors import error_json, status_line
@@ -124,6 +136,9 @@ class AgentConfig:
     says runs behind this engine (for operators; the kind gives way to the
     runtime's own name once its load or :meth:`EngineAgentCore.runtime_identified`
     tells it); both empty: no ``infx_runtime``.
+    ``runtime_slots``: requests the runtime runs at once, as the operator
+    knows it (vLLM's ``--max-num-seqs``); None: what the runtime says, if it
+    says (llama.cpp's slots), reported as ``EngineStatus.infx_runtime_slots``.
     """
 
     engine_id: str
@@ -143,6 +158,7 @@ class AgentConfig:
     instance: str = ""
     runtime_kind: str = ""
     agent_version: str = ""
+    runtime_slots: int | None = None
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -155,6 +171,8 @@ class AgentConfig:
             raise AgentUsageError("max_concurrency must be at least 1")
         if self.max_queued is not None and self.max_queued < 0:
             raise AgentUsageError("max_queued must be at least 0")
+        if self.runtime_slots is not None and not 1 <= self.runtime_slots < 2**32:
+            raise AgentUsageError("runtime_slots must be at least 1")
         for name in ("status_interval", "reconnect_initial", "reconnect_max", "reconnect_multiplier"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -270,6 +288,9 @@ class _Stream:
     last_changes: int = -1
     last_readiness: int = -1
     linger_until: float = -math.inf
+    #: Runtime tasks this stream brought, and how many of them ended (what a load reading's stamp counts).
+    received: int = 0
+    ended: int = 0
 
 
 @dataclass
@@ -280,6 +301,15 @@ class _Task:
     deadline: float | None = None
     running: bool = False
     next_index: int = 0
+    #: Whether an answer of its already said what its prompt cost (it is counted once).
+    usage_seen: bool = False
+
+
+@dataclass
+class _PromptCache:
+    answers: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def control_response(task_id: str, status: int) -> worker_pb2.TaskResult:
@@ -324,13 +354,15 @@ class EngineAgentCore:
         self._drain_deadline: float | None = None
         self._runtime_ready = not config.wait_for_runtime
         self._runtime_models: tuple[str, ...] = ()
-        self._runtime_load: status_pb2.EngineStatus.RuntimeLoad | None = None
+        self._runtime_load: RuntimeLoad | None = None
+        self._runtime_slots: int | None = None
+        self._prompt_cache: dict[str, _PromptCache] = {}
         #: What the status says is counted, not compared: ``_changes`` grows with every change of
-        #: it (a task's count, the state, the runtime, its load, what the runtime said it is),
-        #: ``_readiness`` with those that must reach the gateway at once (which models it may route
-        #: here). Deciding whether a report is due then costs two comparisons of integers per input,
-        #: and the status is built only when one is (at most every ``status_min_interval`` while
-        #: tasks come and go).
+        #: it (a task's count, the state, the runtime, its load, its slots, a prompt cache count,
+        #: the stream reported on, what the runtime said it is), ``_readiness`` with those that must
+        #: reach the gateway at once (which models it may route here). Deciding whether a report is
+        #: due then costs two comparisons of integers per input, and the status is built only when
+        #: one is (at most every ``status_min_interval`` while tasks come and go).
         self._changes = 0
         self._readiness = 0
         self._status_cache: tuple[int, status_pb2.EngineStatus] | None = None
@@ -392,19 +424,31 @@ class EngineAgentCore:
             cluster_id=self.config.cluster_id,
             infx_capabilities=self.config.capabilities,
             infx_instance=self.config.instance,
+            infx_runtime_slots=self.config.runtime_slots or self._runtime_slots or 0,
             models=[
                 status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready,
                                               in_progress_task_count=self._model_counts.get(m, 0))
                 for m in models
             ],
         )
+        for model in status.models:
+            cache = self._prompt_cache.get(model.id)
+            if cache is not None:
+                model.infx_prompt_cache.answers = cache.answers
+                model.infx_prompt_cache.prompt_tokens = cache.prompt_tokens
+                model.infx_prompt_cache.cached_tokens = cache.cached_tokens
         if self._runtime_load is not None:
+            load = self._runtime_load.to_pb()
+            sample = self._runtime_load.sample
+            if sample is not None and sample.stream_id == self._current:
+                load.tasks_received = sample.received
+                load.tasks_ended = sample.ended
             # One runtime serves all of this engine's models: its load is each one's.
             for model in status.models:
-                model.runtime_load.CopyFrom(self._runtime_load)
+                model.runtime_load.CopyFrom(load)
         if self.config.runtime_kind or self.config.agent_version:
-            kind = (self._runtime_identity[0] or (self._runtime_load.source if self._runtime_load is not None else "")
-                    or self.config.runtime_kind)
+            source = self._runtime_load.source if self._runtime_load is not None else ""
+            kind = self._runtime_identity[0] or source or self.config.runtime_kind
             status.infx_runtime.CopyFrom(status_pb2.EngineStatus.RuntimeInfo(
                 kind=kind, version=self._runtime_identity[1], agent_version=self.config.agent_version))
         self._status_cache = (self._changes, status)
@@ -469,10 +513,19 @@ class EngineAgentCore:
         self._report(now, effects)
         return effects
 
-    def runtime_load_changed(self, load: status_pb2.EngineStatus.RuntimeLoad | None, now: float) -> list[Effect]:
+    def load_sample(self) -> LoadSample | None:
+        """What a runtime load read now includes of the gateway's tasks (None while no stream is current)."""
+        if self._current is None:
+            return None
+        stream = self._streams[self._current]
+        return LoadSample(stream.id, stream.received, stream.ended)
+
+    def runtime_load_changed(self, load: RuntimeLoad | None, now: float) -> list[Effect]:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
         if load != self._runtime_load:
             self._runtime_load = load
+            if load is not None and load.slots is not None:
+                self._runtime_slots = load.slots
             self._changed()
         effects: list[Effect] = []
         self._report(now, effects)
@@ -512,9 +565,12 @@ class EngineAgentCore:
                 self._drop(target, effects)
                 self._start_waiting(effects)
         elif kind in RUNTIME_KINDS:
+            stream.received += 1
             if self.state is not AgentState.RUNNING:
+                stream.ended += 1
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, "The engine is shutting down.")))
             elif self._running >= self.config.max_concurrency and len(self._queue) >= self.config.queue_limit:
+                stream.ended += 1
                 message = f"The engine is at capacity ({self.config.queue_limit} tasks already wait)."
                 effects.append(SendResult(stream_id, _error_response(task.id, 503, message)))
             else:
@@ -545,6 +601,15 @@ class EngineAgentCore:
             return None
         if not task.running:
             raise AgentUsageError(f"result for task {task_id!r} before it started")
+        if not task.usage_seen:
+            usage = prompt_usage(result)
+            if usage is not None:
+                task.usage_seen = True
+                cache = self._prompt_cache.setdefault(task.model, _PromptCache())
+                cache.answers += 1
+                cache.prompt_tokens += usage.prompt_tokens
+                cache.cached_tokens += usage.cached_tokens
+                self._changed()
         result.task_id = task_id
         result.result_index = task.next_index
         task.next_index += 1
@@ -648,6 +713,7 @@ class EngineAgentCore:
         self._next_stream_id += 1
         self._streams[stream.id] = stream
         self._current = stream.id
+        self._changed()  # a runtime load's stamp counts the current stream's tasks
         effects.append(OpenStream(stream.id, new_connection))
         self._report(now, effects)
 
@@ -696,6 +762,7 @@ class EngineAgentCore:
         stream = self._streams.get(task.stream_id)
         if stream is not None:
             stream.tasks.pop(task_id, None)
+            stream.ended += 1
 
     def _earliest_task_deadline(self) -> float | None:
         """The soonest deadline of a task in flight; heap entries of tasks already gone are dropped

@@ -13,8 +13,9 @@ Which paths (``LoadSource``)::
     PROBING   -> METRICS            /metrics answered with names we know
     PROBING   -> SLOTS              /metrics has none (404, 501, other names); /slots answered
     PROBING   -> ABSENT             neither: the runtime reports no load (llama-cpp-python)
-    METRICS   -> METRICS+SLOTS      /metrics is llama.cpp's: its /slots says what runs and what
+    PROBING   -> METRICS+SLOTS      /metrics is llama.cpp's: its /slots says what runs and what
                                     the prompt cache served
+    METRICS+SLOTS -> METRICS        /slots is off (404, 501): /props says the slots, once
     ABSENT    -> PROBING            every ``absent_interval``: the runtime may have been replaced
 
 Scrapes run every ``interval`` seconds (every ``absent_interval`` while
@@ -26,6 +27,17 @@ runtime whose counts move on every scrape does not send a status per scrape.
 After ``stale_after`` scrapes in a row fail, the load is withdrawn
 (``LoadChanged(None)``): routing then falls back to in-progress counts
 rather than trust numbers that no longer describe the runtime.
+
+The runtime's capacity comes with its load: a llama.cpp server's slots are
+the entries of its ``/slots`` (or, with ``/slots`` off, ``total_slots`` of
+its ``/props``, read once), reported as ``RuntimeLoad.slots``.
+
+Each scrape is stamped: the caller says, as it sends the scrape's requests,
+which of the gateway's tasks the agent had received and seen end by then (a
+:class:`LoadSample`), and the load read from its answers carries that stamp,
+so that the gateway adds to it only the tasks sent after it, and takes off
+only those that ended after it. The stamp alone changing is no change worth a
+report: an older reading with its older stamp is as good.
 
 A prefix-cache hit rate from counters (vLLM's hits and queries in tokens,
 llama.cpp's cached and computed prompt tokens, else the cached prompt tokens
@@ -40,7 +52,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from protocol.agent.runtime_metrics import (
@@ -48,17 +60,19 @@ from protocol.agent.runtime_metrics import (
     MetricsFormatError,
     reading_from_metrics,
     reading_from_slots,
+    total_slots_from_props,
 )
 from protocol.errors import LocalUsageError
 from protocol.pb import status_pb2
 
 __all__ = [
-    "LoadChanged", "LoadConfig", "LoadEffect", "LoadSource", "LoadUsageError", "RuntimeLoad",
+    "LoadChanged", "LoadConfig", "LoadEffect", "LoadSample", "LoadSource", "LoadUsageError", "RuntimeLoad",
     "RuntimeLoadMonitor", "ScrapeAnswer", "ScrapeRuntime",
 ]
 
 METRICS_PATH = "/metrics"
 SLOTS_PATH = "/slots"
+PROPS_PATH = "/props"
 #: Answers that mean "this runtime has no such endpoint" (llama.cpp answers 501 without --metrics).
 _NOT_THERE = frozenset({404, 405, 501})
 
@@ -113,8 +127,19 @@ class LoadConfig:
 
 
 @dataclass(frozen=True)
+class LoadSample:
+    """Which of the gateway's tasks a reading includes: when its scrape went out, the agent had received
+    ``received`` runtime tasks on its stream ``stream_id``, and ``ended`` of them had ended."""
+
+    stream_id: int
+    received: int
+    ended: int
+
+
+@dataclass(frozen=True)
 class RuntimeLoad:
-    """The load as reported to the gateway (``EngineStatus.Model.runtime_load``)."""
+    """The load as reported to the gateway (``EngineStatus.Model.runtime_load``), with the runtime's slots
+    (``EngineStatus.infx_runtime_slots``) and the reading's stamp, which the agent's core places."""
 
     source: str
     running: int
@@ -122,8 +147,11 @@ class RuntimeLoad:
     kv_cache_usage: float | None = None
     prefix_cache_hit_rate: float | None = None
     adapters: tuple[str, ...] = ()
+    slots: int | None = None
+    sample: LoadSample | None = None
 
     def to_pb(self) -> status_pb2.EngineStatus.RuntimeLoad:
+        """The wire message, without the stamp (which only the core knows how to place)."""
         message = status_pb2.EngineStatus.RuntimeLoad(
             running_requests=self.running, waiting_requests=self.waiting,
             loaded_adapters=list(self.adapters), source=self.source,
@@ -203,6 +231,10 @@ class RuntimeLoadMonitor:
         self._failures = 0
         self._hits = _HitWindow(self.config.hit_rate_window)
         self._slot_seen: dict[int, int] = {}
+        #: llama.cpp's slots from /props, for a server whose /slots is off (asked once).
+        self._llama = False
+        self._props_asked = False
+        self._props_slots: int | None = None
         self._slot_hits = 0.0
         self._slot_queries = 0.0
         self._latest: RuntimeLoad | None = None
@@ -233,8 +265,10 @@ class RuntimeLoadMonitor:
         self.started = True
         return self._scrape(now)
 
-    def scrape_done(self, scrape_id: int, answers: Mapping[str, ScrapeAnswer], now: float) -> list[LoadEffect]:
-        """The answers to scrape ``scrape_id`` (a path missing from ``answers`` failed)."""
+    def scrape_done(self, scrape_id: int, answers: Mapping[str, ScrapeAnswer], sample: LoadSample | None,
+                    now: float) -> list[LoadEffect]:
+        """The answers to scrape ``scrape_id`` (a path missing from ``answers`` failed); ``sample``: the
+        gateway's tasks the agent had received and seen end when it sent the scrape (None: unknown)."""
         if self._pending is None or self._pending[0] != scrape_id:
             return []
         paths = self._pending[2]
@@ -247,7 +281,7 @@ class RuntimeLoadMonitor:
             self._failed(now, effects)
         else:
             self._failures = 0
-            self._take(now, reading, effects)
+            self._take(now, reading, sample, effects)
         if self.source is LoadSource.ABSENT:
             self._scrape_at = now + self.config.absent_interval
         return effects
@@ -273,6 +307,8 @@ class RuntimeLoadMonitor:
         if self.source is LoadSource.ABSENT:
             self.source = LoadSource.PROBING
         paths = _PATHS[self.source]
+        if self.source is LoadSource.METRICS and self._llama and not self._props_asked:
+            paths += (PROPS_PATH,)
         self._pending = (self._next_id, now, paths)
         self._scrape_at = None
         self._next_id += 1
@@ -282,12 +318,24 @@ class RuntimeLoadMonitor:
         """The reading in the answers, moving between sources as the runtime shows what it has."""
         metrics = answers.get(METRICS_PATH)
         slots = answers.get(SLOTS_PATH)
+        props = answers.get(PROPS_PATH)
+        if props is not None and (props.ok or props.not_there):
+            self._props_asked = True
+            if props.ok:
+                try:
+                    self._props_slots = total_slots_from_props(props.body)
+                except MetricsFormatError:
+                    pass  # the slots stay unknown; the load is read all the same
         from_metrics: LoadReading | None = None
         if metrics is not None and metrics.ok:
             try:
                 from_metrics = reading_from_metrics(metrics.body.decode("utf-8", "replace"))
             except MetricsFormatError:
                 return None
+            if from_metrics is not None and from_metrics.source == "llama.cpp":
+                self._llama = True
+                if from_metrics.slots is None and self._props_slots is not None:
+                    from_metrics = replace(from_metrics, slots=self._props_slots)
         if slots is not None:
             if slots.ok:
                 try:
@@ -298,10 +346,10 @@ class RuntimeLoadMonitor:
                 self.source = LoadSource.METRICS if from_metrics is not None else LoadSource.ABSENT
             return from_metrics
         if from_metrics is not None:
-            if from_metrics.source == "llama.cpp":
-                self.source = LoadSource.METRICS_AND_SLOTS
-            elif self.source is LoadSource.PROBING:
-                self.source = LoadSource.METRICS
+            if self.source is LoadSource.PROBING:
+                # llama.cpp's /slots is asked next; a server that has it off stays on METRICS.
+                llama = from_metrics.source == "llama.cpp"
+                self.source = LoadSource.METRICS_AND_SLOTS if llama else LoadSource.METRICS
             return from_metrics
         if self.source is LoadSource.PROBING and metrics is not None and (metrics.ok or metrics.not_there):
             self.source = LoadSource.SLOTS  # llama.cpp without --metrics still has /slots
@@ -311,6 +359,8 @@ class RuntimeLoadMonitor:
 
     def _failed(self, now: float, effects: list[LoadEffect]) -> None:
         self._failures += 1
+        if self._failures >= self.config.stale_after:
+            self._props_asked = False  # a runtime back after an outage may have been started with other slots
         if self._failures >= self.config.stale_after and (self._reported is not None or self._latest is not None):
             self._latest = None
             self._report_due = None
@@ -331,16 +381,18 @@ class RuntimeLoadMonitor:
             return self._hits.add(self._slot_hits, self._slot_queries, now)
         return reading.prefix_hit_rate
 
-    def _take(self, now: float, reading: LoadReading, effects: list[LoadEffect]) -> None:
+    def _take(self, now: float, reading: LoadReading, sample: LoadSample | None, effects: list[LoadEffect]) -> None:
         load = RuntimeLoad(
             source=reading.source, running=reading.running, waiting=reading.waiting,
             kv_cache_usage=reading.kv_cache_usage, prefix_cache_hit_rate=self._hit_rate(now, reading),
-            adapters=reading.adapters,
+            adapters=reading.adapters, slots=reading.slots, sample=sample,
         )
-        self._latest = load
         if self._reported is not None and not self._matters(self._reported, load):
+            # What the gateway holds is as good: a stamp of its own says what it already counts.
+            self._latest = self._reported
             self._report_due = None
             return
+        self._latest = load
         due = self._reported_at + self.config.report_min_interval
         if self._reported is None or now >= due:
             self._report(now, load, effects)
@@ -348,7 +400,8 @@ class RuntimeLoadMonitor:
             self._report_due = due
 
     def _report(self, now: float, load: RuntimeLoad, effects: list[LoadEffect]) -> None:
-        if load == self._reported:
+        if (self._reported is not None and replace(load, sample=None) == replace(self._reported, sample=None)
+                and _stream(load) == _stream(self._reported)):
             return
         self._reported = load
         self._reported_at = now
@@ -357,7 +410,8 @@ class RuntimeLoadMonitor:
     def _matters(self, old: RuntimeLoad, new: RuntimeLoad) -> bool:
         """Whether ``new`` differs from what the gateway was told enough to tell it again."""
         c = self.config
-        if (old.source, old.adapters) != (new.source, new.adapters):
+        if (old.source, old.adapters, old.slots, _stream(old)) != (new.source, new.adapters, new.slots, _stream(new)):
+            # A stamp of another stream (or none) says nothing of what the gateway counts now.
             return True
         for before, after in ((old.running, new.running), (old.waiting, new.waiting)):
             if abs(after - before) >= max(1.0, c.count_step * before):
@@ -369,3 +423,8 @@ class RuntimeLoadMonitor:
             if was is not None and now_is is not None and abs(now_is - was) >= c.fraction_step:
                 return True
         return False
+
+
+def _stream(load: RuntimeLoad) -> int | None:
+    """The stream whose tasks a reading's stamp counts (None: unstamped)."""
+    return None if load.sample is None else load.sample.stream_id

@@ -30,7 +30,9 @@ llama.cpp  ``llamacpp:requests_processing``, ``llamacpp:requests_deferred``,
            current or last task; the server zeroes the statistics when a task
            ends, so only running slots' tasks are read, each prompt being
            cached + computed once computing began. Those snapshots are how a
-           server without the counters gives a hit rate.
+           server without the counters gives a hit rate. The list's length is
+           the server's slots (``-np``); ``GET /props`` has it as
+           ``total_slots`` too.
 SGLang     ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``,
            ``sglang:token_usage`` (KV pool use, 0..1), ``sglang:cache_hit_rate``
            (0..1, the runtime's own recent rate).
@@ -52,7 +54,7 @@ from protocol.errors import RemoteProtocolError
 
 __all__ = [
     "WANTED", "LoadReading", "MetricsFormatError", "Sample", "SlotTask", "parse_exposition",
-    "parse_slots", "reading_from_metrics", "reading_from_slots",
+    "parse_slots", "reading_from_metrics", "reading_from_slots", "total_slots_from_props",
 ]
 
 #: Bodies larger than this are not parsed (the Twisted side stops reading there).
@@ -104,6 +106,8 @@ class LoadReading:
     prefix_hit_rate: float | None = None
     adapters: tuple[str, ...] = ()
     slot_tasks: tuple[SlotTask, ...] = ()
+    #: Requests the runtime runs at once (llama.cpp's slots), when it says.
+    slots: int | None = None
 
 
 _VLLM = {
@@ -264,14 +268,22 @@ def _vllm(samples: list[Sample]) -> LoadReading:
     )
 
 
-def parse_slots(body: bytes) -> tuple[int, tuple[SlotTask, ...]]:
-    """llama.cpp's ``GET /slots``: (slots processing now, each slot's current or last task)."""
+def _slot_list(body: bytes) -> list[dict[str, object]]:
     try:
         slots = json.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
         raise MetricsFormatError(f"/slots is not JSON: {e}") from None
     if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
         raise MetricsFormatError("/slots is not a list of slot objects")
+    return slots
+
+
+def parse_slots(body: bytes) -> tuple[int, tuple[SlotTask, ...]]:
+    """llama.cpp's ``GET /slots``: (slots processing now, each slot's current or last task)."""
+    return _parse_slots(_slot_list(body))
+
+
+def _parse_slots(slots: list[dict[str, object]]) -> tuple[int, tuple[SlotTask, ...]]:
     processing = 0
     tasks: list[SlotTask] = []
     for slot in slots:
@@ -282,11 +294,13 @@ def parse_slots(body: bytes) -> tuple[int, tuple[SlotTask, ...]]:
         processing += 1
         task, prompt, cached = slot.get("id_task"), slot.get("n_prompt_tokens"), slot.get("n_prompt_tokens_cache")
         computed = slot.get("n_prompt_tokens_processed")
-        if not all(_is_int(v) for v in (task, prompt, cached)):
+        if not (_is_int(task) and _is_int(prompt) and _is_int(cached)):
             continue
         if _is_int(computed) and computed > 0:
             prompt = cached + computed  # n_prompt_tokens also counts what was generated since
-        tasks.append(SlotTask(slot["id"], task, max(0, prompt), max(0, min(cached, prompt))))
+        slot_id = slot["id"]
+        assert isinstance(slot_id, int)
+        tasks.append(SlotTask(slot_id, task, max(0, prompt), max(0, min(cached, prompt))))
     return processing, tuple(tasks)
 
 
@@ -299,11 +313,23 @@ def reading_from_slots(body: bytes, metrics: LoadReading | None) -> LoadReading:
 
     The slots count what runs; only ``/metrics`` knows what was deferred.
     """
-    processing, tasks = parse_slots(body)
+    slots = _slot_list(body)
+    processing, tasks = _parse_slots(slots)
+    total = len(slots) or None
     if metrics is None:
-        return LoadReading(source="llama.cpp", running=processing, waiting=0, slot_tasks=tasks)
+        return LoadReading(source="llama.cpp", running=processing, waiting=0, slot_tasks=tasks, slots=total)
     return LoadReading(
         source="llama.cpp", running=processing, waiting=metrics.waiting,
         kv_cache_usage=metrics.kv_cache_usage, prefix_hits=metrics.prefix_hits,
-        prefix_queries=metrics.prefix_queries, slot_tasks=tasks,
+        prefix_queries=metrics.prefix_queries, slot_tasks=tasks, slots=total,
     )
+
+
+def total_slots_from_props(body: bytes) -> int | None:
+    """``total_slots`` of llama.cpp's ``GET /props`` (what ``-np`` set), or None if it has none."""
+    try:
+        props = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise MetricsFormatError(f"/props is not JSON: {e}") from None
+    slots = props.get("total_slots") if isinstance(props, dict) else None
+    return slots if _is_int(slots) and slots > 0 else None

@@ -7,9 +7,9 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime")
+    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime", "infx_runtime_slots")
     class Model(_message.Message):
-        __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips")
+        __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips", "infx_prompt_cache")
         class StatusDetails(_message.Message):
             __slots__ = ("num_ready_pods", "num_total_pods", "status_message")
             NUM_READY_PODS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class EngineStatus(_message.Message):
         STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
         RUNTIME_LOAD_FIELD_NUMBER: _ClassVar[int]
         INFX_PREFIX_TIPS_FIELD_NUMBER: _ClassVar[int]
+        INFX_PROMPT_CACHE_FIELD_NUMBER: _ClassVar[int]
         id: str
         is_ready: bool
         in_progress_task_count: int
@@ -35,22 +36,36 @@ class EngineStatus(_message.Message):
         status_details: EngineStatus.Model.StatusDetails
         runtime_load: EngineStatus.RuntimeLoad
         infx_prefix_tips: _containers.RepeatedScalarFieldContainer[int]
-        def __init__(self, id: _Optional[str] = ..., is_ready: _Optional[bool] = ..., in_progress_task_count: _Optional[int] = ..., gpu_allocated: _Optional[int] = ..., is_dynamically_loaded_lora: _Optional[bool] = ..., status_details: _Optional[_Union[EngineStatus.Model.StatusDetails, _Mapping]] = ..., runtime_load: _Optional[_Union[EngineStatus.RuntimeLoad, _Mapping]] = ..., infx_prefix_tips: _Optional[_Iterable[int]] = ...) -> None: ...
+        infx_prompt_cache: EngineStatus.PromptCache
+        def __init__(self, id: _Optional[str] = ..., is_ready: _Optional[bool] = ..., in_progress_task_count: _Optional[int] = ..., gpu_allocated: _Optional[int] = ..., is_dynamically_loaded_lora: _Optional[bool] = ..., status_details: _Optional[_Union[EngineStatus.Model.StatusDetails, _Mapping]] = ..., runtime_load: _Optional[_Union[EngineStatus.RuntimeLoad, _Mapping]] = ..., infx_prefix_tips: _Optional[_Iterable[int]] = ..., infx_prompt_cache: _Optional[_Union[EngineStatus.PromptCache, _Mapping]] = ...) -> None: ...
+    class PromptCache(_message.Message):
+        __slots__ = ("answers", "prompt_tokens", "cached_tokens")
+        ANSWERS_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        answers: int
+        prompt_tokens: int
+        cached_tokens: int
+        def __init__(self, answers: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
     class RuntimeLoad(_message.Message):
-        __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "loaded_adapters", "source")
+        __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "loaded_adapters", "source", "tasks_received", "tasks_ended")
         RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
         WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
         KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
         PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
         LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
         SOURCE_FIELD_NUMBER: _ClassVar[int]
+        TASKS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+        TASKS_ENDED_FIELD_NUMBER: _ClassVar[int]
         running_requests: int
         waiting_requests: int
         kv_cache_usage: float
         prefix_cache_hit_rate: float
         loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
         source: str
-        def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ...) -> None: ...
+        tasks_received: int
+        tasks_ended: int
+        def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., source: _Optional[str] = ..., tasks_received: _Optional[int] = ..., tasks_ended: _Optional[int] = ...) -> None: ...
     class RuntimeInfo(_message.Message):
         __slots__ = ("kind", "version", "agent_version")
         KIND_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +82,7 @@ class EngineStatus(_message.Message):
     INFX_CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     INFX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     INFX_RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    INFX_RUNTIME_SLOTS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
@@ -74,4 +90,5 @@ class EngineStatus(_message.Message):
     infx_capabilities: _containers.RepeatedScalarFieldContainer[str]
     infx_instance: str
     infx_runtime: EngineStatus.RuntimeInfo
-    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ...) -> None: ...
+    infx_runtime_slots: int
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ..., infx_runtime_slots: _Optional[int] = ...) -> None: ...

@@ -56,6 +56,12 @@ class ProcessorConfig:
         (``TaskRequest.infx_caller``); a sheddable one is refused with 503 at
         once, so that the peer tries elsewhere. None: no cap (the engine agent
         bounds its own queue).
+    cap_at_runtime_slots: without ``max_in_flight_per_engine``, a local engine
+        that reports its runtime's slots (``EngineStatus.infx_runtime_slots``)
+        holds at most that many, so that a request waits in this gateway's fair
+        queue rather than inside a full runtime; a peer's engine is capped by
+        its own gateway, whose count is exact (a task forwarded there waits in
+        that engine's queue). Engines that report no slots have no cap.
     fair_reserve: with ``max_in_flight_per_engine``, the last free slots of
         each engine (at most the cap less one) that only a task of the caller
         holding the fewest slots per weight on its model, or a critical task,
@@ -108,6 +114,7 @@ class ProcessorConfig:
     control_task_prefix: str = "infx-ctl-"
     busy_retry_after: float = 5.0
     max_in_flight_per_engine: int | None = None
+    cap_at_runtime_slots: bool = False
     fair_reserve: int = 2
     max_tasks_per_tenant: int | None = None
     busy_backoff: float = 1.0

@@ -661,7 +661,9 @@ class Processor:
             self._endings.stop_on_engine(task, effects)
             self._endings.fail(task, 504, f"deadline exceeded while {task.state.value if task.state else ''}", effects)
         elif task.state is TaskState.WAITING and task.target:
-            message = (f"engine {task.target!r} stayed at its limit of {self.config.max_in_flight_per_engine} "
+            engine = self._engines.get(EngineKey(task.tenant_id, task.target))
+            cap = self._slots.cap(engine) if engine is not None else self.config.max_in_flight_per_engine
+            message = (f"engine {task.target!r} stayed at its limit of {cap} "
                        f"tasks (waited {self.config.queue_timeout:g}s)")
             self._endings.fail(task, 503, message, effects, self.config.busy_retry_after)
         elif task.state is TaskState.WAITING:
@@ -670,6 +672,8 @@ class Processor:
                 message = f"every engine serving model {task.model!r} is busy"
                 if cap is not None:
                     message += f" or at its limit of {cap} tasks"
+                elif self._slots.capped:
+                    message += " or running as many tasks as its runtime has slots"
             else:
                 message = f"no ready engine serves model {task.model!r}"
             message += f" (waited {self.config.queue_timeout:g}s)"

@@ -89,7 +89,7 @@ class TaskDispatcher:
         among every gateway's callers; a sheddable one, or one that finds the queue full, is
         refused (503) so that the peer may try elsewhere."""
         if task.criticality is Criticality.SHEDDABLE or self._slots.waiting_total >= self.config.max_waiting_tasks:
-            message = f"engine {task.target!r} is at its limit of {self.config.max_in_flight_per_engine} tasks"
+            message = f"engine {task.target!r} is at its limit of {self._slots.cap(engine)} tasks"
             self._endings.fail(task, 503, message, effects, self.config.busy_retry_after)
             return
         self._slots.hold(now, task, self._slots.engine_queue(engine, task.model))

@@ -72,6 +72,7 @@ class Membership:
             was_local = engine.locality is Locality.LOCAL
             if engine.route != route:
                 engine.route = route
+                self._router.stream_changed(key)
                 engine.draining = False
                 engine.pending_heartbeat = None
                 engine.missed_heartbeats = 0

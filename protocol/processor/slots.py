@@ -50,7 +50,7 @@ from protocol.processor.fair_share import FairShares
 from protocol.processor.route_flow import RouteFlow
 from protocol.processor.tasks import TaskRecord, TaskState, TaskTable
 from protocol.processor.config import ProcessorConfig
-from protocol.processor.keys import EngineKey
+from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.router import Router
 
 __all__ = ["Slots"]
@@ -104,8 +104,8 @@ class Slots:
             if engine is not None:
                 if task.id in engine.in_flight:
                     engine.in_flight.remove(task.id)
-                    self._router.task_left(engine.key)
-                if self.config.max_in_flight_per_engine is not None:
+                    self._router.task_left(engine.key, task.model, task.hints)
+                if self.cap(engine) is not None:
                     self.freed[engine.key] = None
         self._tasks.attempt_over(task)
         task.engine = None
@@ -114,8 +114,7 @@ class Slots:
     def shares_changed(self, task: TaskRecord) -> None:
         """``task``'s caller took or gave back a slot, or stopped waiting unserved: with a
         reserve, another caller may now be the least served, and take a reserved slot."""
-        cap = self.config.max_in_flight_per_engine
-        if cap is not None and min(self.config.fair_reserve, cap - 1) > 0:
+        if self.capped and self.config.fair_reserve > 0:
             self.reshuffled[(task.tenant_id, task.model)] = None
 
     def full(self, engine: EngineRecord, may_use_reserve: bool = True) -> bool:
@@ -124,16 +123,32 @@ class Slots:
         gateway's), less the reserve for a task that may not take it (``fair_reserve``)."""
         if engine.route in self._flow:
             return True
-        cap = self.config.max_in_flight_per_engine
+        cap = self.cap(engine)
         if cap is None:
             return False
         limit = cap if may_use_reserve else cap - min(self.config.fair_reserve, cap - 1)
         return max(len(engine.in_flight), self._router.load(engine.key)) >= limit
 
+    @property
+    def capped(self) -> bool:
+        """Whether any engine may have an in-flight cap (``max_in_flight_per_engine``, or the
+        runtime's slots with ``cap_at_runtime_slots``)."""
+        return self.config.max_in_flight_per_engine is not None or self.config.cap_at_runtime_slots
+
+    def cap(self, engine: EngineRecord) -> int | None:
+        """The tasks ``engine`` holds at most: ``max_in_flight_per_engine``, else (with
+        ``cap_at_runtime_slots``) a local engine's runtime slots, else none."""
+        if self.config.max_in_flight_per_engine is not None:
+            return self.config.max_in_flight_per_engine
+        if self.config.cap_at_runtime_slots and engine.locality is Locality.LOCAL \
+                and engine.status.infx_runtime_slots:
+            return int(engine.status.infx_runtime_slots)
+        return None
+
     def may_use_reserve(self, task: TaskRecord) -> bool:
         """Whether ``task`` may take an engine's reserved last slots: it is critical, or its
         flow holds no more slots per weight than any other on its model (fair_share.py)."""
-        return (self.config.max_in_flight_per_engine is None or task.criticality is Criticality.CRITICAL
+        return (not self.capped or task.criticality is Criticality.CRITICAL
                 or self.shares.least_served(task.tenant_id, task.model, task.flow, task.weight))
 
     def blocked(self, engine: EngineRecord, ignore_cap: bool, may_use_reserve: bool = True) -> bool:

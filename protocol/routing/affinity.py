@@ -8,7 +8,24 @@ bounded-load rule: an engine's load must stay below the capacity
 ``max(ceil(load_factor * (total load + 1) / engines), min_capacity)``, so
 no engine carries more than ``load_factor`` times the mean, plus one
 (below ``min_capacity`` requests an engine is never loaded enough for
-the bound to matter, and affinity is worth most). Every gateway knows
+the bound to matter, and affinity is worth most). Where every engine of
+the pool reports its runtime's slots (``infx_runtime_slots``), the fewest
+of them replace ``min_capacity``: a runtime runs that many at once, and a
+request beyond them waits inside it.
+
+A hot home key spreads: a shared system prompt that keeps more requests in
+flight than one engine's slots run at once has as many homes as its load
+needs, ``ceil((its requests in flight + 1) / slots)``: the first that many
+engines clockwise from the key, the same list on every gateway, of which a
+gateway that counts a different load takes a longer or shorter beginning.
+Its requests in flight are this gateway's, scaled by the pool's load over
+this gateway's share of it (other gateways send theirs alike). Every home
+is credited with the key's blocks (``RoutingHints.home_blocks``) as if it
+held them, which it does after its first request, so a first turn goes to
+the home with room to run it now and a later turn follows its own prefix;
+as the load falls, the homes fall back to the first (a conversation that
+went to another keeps following its prefix there). Engines that report no
+slots keep one home. Every gateway knows
 the same engines from the exchange, and hashes each by the id it reports
 (a peer's engine is named with its pod here), so a conversation arriving at any
 replica has the same home while that engine has room: no central
@@ -26,18 +43,26 @@ session, and engines with its LoRA adapter loaded are then scored::
   + adapter_weight * (has the adapter loaded)
   - queue_weight   * load / capacity
   - kv_weight      * KV-cache usage
+  - busy_weight    * requests it would wait behind / slots
 
-and the best wins (ties: ring order). A task without hints (embeddings,
+(a hot key's homes all count as the home) and the best wins (ties: ring
+order). The last term is for engines that report their slots: a request
+sent to an engine whose slots are all busy waits in its runtime, worth it
+for a long cached prefix (a conversation's later turn, whose engine holds
+its whole history) and not for a shared one another engine with a free
+slot holds as well. A task without hints (embeddings,
 targeted or internal tasks) is routed the ``least_in_progress`` way.
 
 What it keeps of its own, bounded by :class:`~protocol.routing.config.RoutingConfig`: each
 pool's ring (rebuilt when its members change), the prefix index
-(:mod:`protocol.routing.prefix_index`) and the last engine of each session (LRU).
+(:mod:`protocol.routing.prefix_index`), the last engine of each session (LRU) and this
+gateway's requests in flight per home key and engine (an entry per request in flight at most).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from bisect import bisect_left
 from collections import OrderedDict
@@ -57,6 +82,8 @@ if TYPE_CHECKING:  # protocol.processor.config holds RoutingConfig in ProcessorC
 
 __all__ = ["Affinity"]
 
+#: Home keys whose spread is remembered (LRU): the hot ones, a few per application.
+_SPREAD_KEYS = 4096
 #: Engines with the request's adapter loaded that are scored besides the ring's (bounded work).
 _ADAPTER_CANDIDATES = 4
 
@@ -73,6 +100,16 @@ class _Ring:
     members: list[Member]
 
 
+def _conversation(hints: RoutingHints) -> bytes | None:
+    """What names the request's conversation among those of its home key: its session, else the
+    first block past the key's part (the conversation's opening, repeated every turn)."""
+    if hints.session:
+        return b"session\0" + hints.session.encode("utf-8", "replace")
+    if len(hints.blocks) > hints.home_blocks:
+        return b"block\0" + hints.blocks[hints.home_blocks].to_bytes(8, "big")
+    return None
+
+
 class Affinity(Policy):
     """Bounded-load consistent hashing with prefix, session and adapter affinity."""
 
@@ -83,6 +120,10 @@ class Affinity(Policy):
         self._rings: dict[tuple[str, str], _Ring] = {}
         #: With ``config.explain``: why the last engine was chosen by affinity (its decision aside).
         self._explained: RouteChoice | None = None
+        #: (tenant, model, home key) -> engine -> this gateway's requests in flight there.
+        self._hot: dict[tuple[str, str, int], dict[EngineKey, int]] = {}
+        #: (tenant, model, home key) -> its homes, where more than one (LRU).
+        self._spread: OrderedDict[tuple[str, str, int], int] = OrderedDict()
 
     def choose(self, pool: Pool, hints: RoutingHints | None, avoid: Set[str], held_back: HeldBack) -> EngineKey | None:
         self._explained = None
@@ -91,15 +132,64 @@ class Affinity(Policy):
         chosen = self._affinity(pool, hints, avoid, held_back, fallback=False)
         return chosen or self._affinity(pool, hints, avoid, held_back, fallback=True)
 
-    def capacity(self, total: int, engines: int) -> int:
-        """The bounded-load rule: an engine with this load (or more) takes no task by affinity."""
-        return max(math.ceil(self.config.load_factor * (total + 1) / engines), self.config.min_capacity)
+    def capacity(self, total: int, engines: int, slots: int = 0) -> int:
+        """The bounded-load rule: an engine with this load (or more) takes no task by affinity
+        (``slots``: the fewest any engine of the pool runs at once, 0 when one does not say)."""
+        return max(math.ceil(self.config.load_factor * (total + 1) / engines), slots or self.config.min_capacity)
 
     def pool_changed(self, pool: Pool) -> None:
         self._rings.pop((pool.tenant_id, pool.model), None)
 
     def engine_removed(self, key: EngineKey) -> None:
         self.index.forget(key)
+        for hot_key in [k for k, engines in self._hot.items() if key in engines]:
+            engines = self._hot[hot_key]
+            del engines[key]
+            if not engines:
+                del self._hot[hot_key]
+
+    def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
+        if hints is None or not hints.home_blocks:
+            return
+        hot_key = (key.tenant_id, model, hints.home)
+        engines = self._hot.get(hot_key)
+        if engines is None or key not in engines:
+            return
+        engines[key] -= 1
+        if not engines[key]:
+            del engines[key]
+            if not engines:
+                del self._hot[hot_key]
+
+    def homes(self, pool: Pool, hints: RoutingHints) -> int:
+        """How many engines the request's home key has now (see the module docstring)."""
+        if not hints.home_blocks:
+            return 1
+        slots = min((m.slots for m in pool.members.values()), default=0)
+        if not slots:
+            return 1
+        hot_key = (pool.tenant_id, pool.model, hints.home)
+        engines = self._hot.get(hot_key)
+        mine = sum(engines.values()) if engines else 0
+        own = sum(m.in_flight for m in pool.members.values())
+        load = mine * max(1.0, pool.total / own) if own else mine
+        needed = min(len(pool.members), max(1, math.ceil((load + 1) / slots)))
+        spread = self._spread.get(hot_key, 1)
+        # Grow at once; shrink only past a whole engine's slack, so that a load that comes and
+        # goes around a boundary does not move conversations back and forth; none in flight: one.
+        if not mine:
+            spread = 1
+        elif needed > spread or needed < spread - 1:
+            spread = needed if needed > spread else needed + 1
+        spread = min(spread, len(pool.members))
+        if spread > 1:
+            self._spread[hot_key] = spread
+            self._spread.move_to_end(hot_key)
+            if len(self._spread) > _SPREAD_KEYS:
+                self._spread.popitem(last=False)
+        else:
+            self._spread.pop(hot_key, None)
+        return spread
 
     def task_sent(self, member: Member | None, key: EngineKey, model: str, hints: RoutingHints | None,
                   forwarded_tip: int) -> int:
@@ -108,6 +198,9 @@ class Affinity(Policy):
         local, else returned, to be carried on the forwarded task to the engine's gateway."""
         if hints is None:
             return super().task_sent(member, key, model, hints, forwarded_tip)
+        if hints.home_blocks:
+            engines = self._hot.setdefault((key.tenant_id, model, hints.home), {})
+            engines[key] = engines.get(key, 0) + 1
         self.index.record(key, hints.blocks)
         carried = 0
         if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
@@ -139,7 +232,8 @@ class Affinity(Policy):
 
     def state_size(self) -> dict[str, int]:
         return {"index_blocks": self.index.size, "sessions": len(self._sessions),
-                "ring_points": sum(len(ring.points) for ring in self._rings.values())}
+                "ring_points": sum(len(ring.points) for ring in self._rings.values()),
+                "hot_keys": len(self._hot), "spread_keys": len(self._spread)}
 
     def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
         """Whether another gateway would not send this prompt's next turn to ``key`` by itself:
@@ -169,7 +263,8 @@ class Affinity(Policy):
         self, pool: Pool, hints: RoutingHints, avoid: Set[str], held_back: HeldBack, fallback: bool,
     ) -> EngineKey | None:
         config = self.config
-        capacity = self.capacity(pool.total, len(pool.members))
+        slots = min((m.slots for m in pool.members.values()), default=0)
+        capacity = self.capacity(pool.total, len(pool.members), slots)
 
         def takes(member: Member) -> bool:
             return (member.load < capacity and (fallback or member.key.engine_id not in avoid)
@@ -178,13 +273,14 @@ class Affinity(Policy):
         ring = self._ring(pool)
         candidates: dict[EngineKey, Member] = {}
         start = bisect_left(ring.points, hints.home)
-        wanted = 1 + config.spare_candidates
-        seen: set[EngineKey] = set()
+        spread = self.homes(pool, hints)
+        wanted = spread + config.spare_candidates
+        seen: dict[EngineKey, None] = {}  # in ring order
         for step in range(len(ring.points)):
             member = ring.members[(start + step) % len(ring.points)]
             if member.key in seen:
                 continue
-            seen.add(member.key)
+            seen[member.key] = None
             if takes(member):
                 candidates[member.key] = member
                 if len(candidates) == wanted:
@@ -193,7 +289,23 @@ class Affinity(Policy):
                 break
         if not candidates:
             return None
+        # A spread key's homes are its first ``spread`` engines on the ring; the conversation's
+        # own is the one its session ranks first among them, the same on every gateway that
+        # counts the same spread (else, all of them full, the first engine with room).
+        spread_homes = [key for key in itertools.islice(seen, spread) if key in candidates] if spread > 1 else []
         home = next(iter(candidates))
+        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
+        if spread > 1 and session_engine in spread_homes:
+            home = session_engine  # a conversation stays where the key's spread found it
+        elif spread > 1:
+            conversation = _conversation(hints)
+            if conversation is not None:
+                ranked = max(itertools.islice(seen, spread),
+                             key=lambda key: _point(conversation + pool.members[key].reported_id.encode()))
+                if ranked in candidates:
+                    home = ranked
+            elif spread_homes:
+                home = spread_homes[0]
         depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
         if config.prefix_weight:
             for key, depth in self.pools.spills.depths(hints.blocks).items():
@@ -203,7 +315,6 @@ class Affinity(Policy):
             held = pool.members.get(key)
             if held is not None and takes(held):
                 candidates.setdefault(key, held)
-        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
         if session_engine is not None:
             last = pool.members.get(session_engine)
             if last is not None and takes(last):
@@ -217,12 +328,17 @@ class Affinity(Policy):
                     added += 1
                     if added == _ADAPTER_CANDIDATES:
                         break
-        best, best_score = home, -math.inf
+        best, best_score = next(iter(candidates)), -math.inf
         blocks = len(hints.blocks)
         for key, member in candidates.items():
             score = -config.queue_weight * member.load / capacity
+            if member.slots:
+                score -= config.busy_weight * max(0, member.load + 1 - member.slots) / member.slots
             if blocks:
-                score += config.prefix_weight * depths.get(key, 0) / blocks
+                depth = depths.get(key, 0)
+                if key in spread_homes:
+                    depth = max(depth, hints.home_blocks)
+                score += config.prefix_weight * depth / blocks
             if key == home:
                 score += config.home_weight
             if key == session_engine:

@@ -28,9 +28,10 @@ class RoutingConfig:
     load_factor: the bounded-load factor c (> 1): no engine is chosen whose
         load would exceed c times the mean load plus one.
     min_capacity: the load every engine may take whatever the mean (an idle
-        cluster still batches a shared prefix on one engine).
+        cluster still batches a shared prefix on one engine); an engine that
+        reports its runtime's slots may take that many instead.
     prefix_weight, home_weight, session_weight, adapter_weight, queue_weight,
-        kv_weight: weights of the affinity score.
+        kv_weight, busy_weight: weights of the affinity score.
     ring_points: points per engine on the hash ring (more: an even split of
         home keys, a bigger ring to rebuild when engines change).
     spare_candidates: engines with room after the home, in ring order, that
@@ -43,6 +44,12 @@ class RoutingConfig:
     spilled_tips: spilled prompts remembered per local engine and reported
         to peers with its status (:mod:`protocol.routing.spills`; 0: none
         shared, each gateway knows only its own spills).
+    runtime_slots: let the slots an engine's runtime reports
+        (``infx_runtime_slots``) shape the affinity policy: the bound's minimum,
+        hot prefixes spread over as many engines as their load needs, and the
+        busy term of the score (:mod:`protocol.routing.affinity`). Off by default:
+        on real llama-servers it cost later chat turns their cache (measured in
+        docs/routing-real.md); off, reported slots are ignored by routing.
     explain: keep why each engine was chosen (:class:`~protocol.routing.policy.RouteChoice`,
         for traces); off, routing keeps nothing but the choice.
     """
@@ -56,19 +63,22 @@ class RoutingConfig:
     adapter_weight: float = 0.5
     queue_weight: float = 0.5
     kv_weight: float = 0.25
+    busy_weight: float = 2.0
     ring_points: int = 100
     spare_candidates: int = 2
     index_blocks_per_engine: int = 2048
     index_blocks_total: int = 250_000
     sessions: int = 100_000
     spilled_tips: int = 64
+    runtime_slots: bool = False
     explain: bool = False
 
     def __post_init__(self) -> None:
         problems = []
         if not self.load_factor > 1:
             problems.append("load_factor must be > 1")
-        for name in ("prefix_weight", "home_weight", "session_weight", "adapter_weight", "queue_weight", "kv_weight"):
+        for name in ("prefix_weight", "home_weight", "session_weight", "adapter_weight", "queue_weight", "kv_weight",
+                     "busy_weight"):
             if not getattr(self, name) >= 0:
                 problems.append(f"{name} must be >= 0")
         if self.min_capacity < 1:

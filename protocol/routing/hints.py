@@ -6,18 +6,24 @@ answer in every process (hashes are keyed BLAKE2b, never Python's seeded
 ``hash``), and it never refuses a request: a body it cannot read gives no
 hints, and the request is routed by load alone.
 
-Prefix blocks: the prompt is written out canonically (each chat message as
-compact JSON with sorted keys, in order; a legacy ``prompt``; the Responses
-API's ``instructions`` and ``input``), cut into ``block_bytes`` blocks, and
+Prefix blocks: the prompt is written out canonically in the order a chat
+template renders it (the request's tool definitions first, as templates put
+them in or before the system turn; then each chat message as compact JSON
+with sorted keys, in order; a legacy ``prompt``; the Responses API's
+``tools``, ``instructions`` and ``input``), so that requests whose rendered
+prompts share a beginning share blocks: agents of one toolset share the
+schemas' blocks whatever they ask. It is cut into ``block_bytes`` blocks, and
 each block's hash is chained on the previous one (the first on the model).
 A block hash therefore names the whole prompt up to its end, and the next
 turn of a conversation, which repeats the earlier messages, shares every
 full block of the turn before. Only the first ``max_blocks`` are hashed.
 
 Home key: what every gateway hashes onto the same engine (see
-:mod:`protocol.routing.router`). A system prompt of at least one block is worth
-sharing between users, so it is the key; otherwise the session (``user`` or
-a session header), else the opening of the conversation (system and first
+:mod:`protocol.routing.router`). A system prompt (with the tool definitions)
+of at least one block is worth sharing between users, so it is the key, and
+``home_blocks`` says how many leading blocks it fills (what every engine the
+key is spread to comes to hold); otherwise the session (``user`` or a
+session header), else the opening of the conversation (system and first
 user message), so all turns of one conversation share it.
 """
 
@@ -67,13 +73,16 @@ class RoutingHints:
     ``blocks`` are chained 64-bit block hashes, shortest prefix first;
     ``home`` is the 64-bit key rendezvous routing hashes; ``session`` is the
     client's session name ("" for none); ``adapter`` is the requested model,
-    which routing prefers on engines that hold it loaded as a LoRA adapter.
+    which routing prefers on engines that hold it loaded as a LoRA adapter;
+    ``home_blocks`` is how many of ``blocks`` the home key's text fills (0
+    unless the key is a shared system prompt).
     """
 
     blocks: tuple[int, ...]
     home: int
     session: str = ""
     adapter: str = ""
+    home_blocks: int = 0
 
 
 def _digest(data: bytes, key: bytes) -> int:
@@ -110,33 +119,43 @@ def _session(obj: Mapping[str, Any], headers: Mapping[str, Sequence[str]], confi
     return ""
 
 
+def _tools(obj: Mapping[str, Any]) -> list[bytes]:
+    """The request's tool definitions as the first canonical piece (none: no piece)."""
+    tools = obj.get("tools")
+    return [_canonical({"tools": tools}) + b"\n"] if isinstance(tools, list) and tools else []
+
+
 def _prompt_parts(endpoint: str, obj: Mapping[str, Any]) -> tuple[list[bytes], int] | None:
-    """The canonical pieces of the prompt, and how many of them open the conversation
-    (leading system messages, and the first other message); None if there is no prompt."""
+    """The canonical pieces of the prompt in the order a template renders them, and how many of
+    them open the conversation as a system turn does (tool definitions and leading system
+    messages); None if there is no prompt."""
     if endpoint == "chat/completions":
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
             return None
-        parts = [_canonical(m) + b"\n" for m in messages]
+        tools = _tools(obj)
+        parts = tools + [_canonical(m) + b"\n" for m in messages]
         system = 0
         while system < len(messages) and isinstance(messages[system], dict) \
                 and messages[system].get("role") in ("system", "developer"):
             system += 1
-        return parts, system
+        return parts, len(tools) + system
     if endpoint == "completions":
         prompt = obj.get("prompt")
         return ([_canonical(prompt)], 0) if prompt is not None else None
     if endpoint == "responses":
-        parts = []
+        parts = _tools(obj)
+        opening = len(parts)
         instructions = obj.get("instructions")
         if isinstance(instructions, str) and instructions:
             parts.append(_canonical({"instructions": instructions}) + b"\n")
+            opening += 1
         items = obj.get("input")
         if isinstance(items, list):
             parts += [_canonical(item) + b"\n" for item in items]
         elif items is not None:
             parts.append(_canonical(items) + b"\n")
-        return (parts, 1 if instructions else 0) if parts else None
+        return (parts, opening) if parts else None
     return None
 
 
@@ -175,16 +194,20 @@ def hints_from_json(
             break
     session = _session(obj, headers, config)
     system_bytes = sum(len(p) for p in parts[:system])
+    blocks = _chain(model_bytes, bytes(text), config)
+    home_blocks = 0
     if system and system_bytes >= config.block_bytes:
         home_text = b"system:" + bytes(text[:min(system_bytes, limit)])
+        home_blocks = min(system_bytes // config.block_bytes, len(blocks))
     elif session:
         home_text = b"session:" + session.encode("utf-8", "replace")
     else:
         opening = sum(len(p) for p in parts[:system + 1])
         home_text = b"opening:" + bytes(text[:min(opening, limit)])
     return RoutingHints(
-        blocks=_chain(model_bytes, bytes(text), config),
+        blocks=blocks,
         home=_digest(model_bytes + b"\0" + home_text, b"infx-home"),
         session=session,
         adapter=model_name,
+        home_blocks=home_blocks,
     )

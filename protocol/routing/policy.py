@@ -125,6 +125,8 @@ class Policy(ABC):
         :meth:`choose`, before the policy learns from the task)."""
         return RouteChoice(key, self.config.policy.value, self.reason,
                            decision=self.decision(key, model, hints).value)
+    def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
+        """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it."""
 
     def state_size(self) -> dict[str, int]:
         """Entries the policy holds, by kind (for ``Router.state_size``)."""

@@ -13,6 +13,24 @@ The report is its runtime's running plus waiting requests
 (``EngineStatus.Model.runtime_load``), else its ``in_progress_task_count``,
 summed over its models; it counts every gateway's tasks, so with several
 gateways each sees about the same load and makes about the same choice.
+
+"Since" is since the runtime was read, not since the report arrived, where
+the report says (``runtime_load.tasks_received`` / ``tasks_ended``: the
+agent's count of the tasks its stream brought and of those that ended, when
+its scrape went out). A report arrives a scrape's and a hop's time after the
+reading: the tasks sent in between are not in it, and those that ended in
+between are in it although they left (counting them again filled a
+conversation's home to its bound and moved its next turn off its cache).
+Only the engine's own gateway sends on that stream, so only it can subtract:
+for a local engine, the tasks sent since the reading are those this processor
+sent beyond ``tasks_received``, less those that left beyond ``tasks_ended``.
+A peer's engine, an unstamped report, or counts that cannot be this stream's
+(more received than sent: the engine came back on another stream while its
+old one still had tasks) keep the rule above.
+
+Capacity: ``EngineStatus.infx_runtime_slots`` (the requests its runtime runs
+at once, llama.cpp's slots or vLLM's ``max_num_seqs``; 0: unknown), which the
+policies and the processor's default in-flight cap read.
 """
 
 from __future__ import annotations
@@ -70,6 +88,13 @@ class Member:
     since_report: int = 0
     kv: float | None = None
     adapters: frozenset[str] = frozenset()
+    #: Requests its runtime runs at once (0: it does not say).
+    slots: int = 0
+    #: This processor's tasks sent to it and that left it, ever (what a report's stamp is compared with).
+    sent: int = 0
+    left: int = 0
+    #: Whether its reports' stamps count what ``sent`` and ``left`` count (see the module docstring).
+    stamps_match: bool = True
 
     @property
     def load(self) -> int:
@@ -89,7 +114,9 @@ class Pool:
 class Pools:
     """Every engine routing knows, by (tenant, model) pool, with loads, adapters and spilled tips."""
 
-    def __init__(self, spilled_tips: int) -> None:
+    def __init__(self, spilled_tips: int, runtime_slots: bool = True) -> None:
+        """``runtime_slots``: take each engine's reported slots (else every member's are 0, unknown)."""
+        self._runtime_slots = runtime_slots
         self._members: dict[EngineKey, Member] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
         self.spills = SpilledTips(spilled_tips)
@@ -130,7 +157,8 @@ class Pools:
         if not local:
             self.spills.reported(key, status)
         reported, member.kv, adapters = reported_load(status)
-        self._set_load(member, member.in_flight, reported, 0)
+        member.slots = status.infx_runtime_slots if self._runtime_slots else 0
+        self._set_load(member, member.in_flight, reported, self._since_reading(member, status))
         if adapters != member.adapters:
             for adapter in member.adapters - adapters:
                 holders = self._adapters[adapter]
@@ -157,6 +185,43 @@ class Pools:
             member.pools = models
         return changed
 
+    def _since_reading(self, member: Member, status: status_pb2.EngineStatus) -> int:
+        """This processor's tasks sent to ``member`` since its runtime was read, less those that
+        left since, which the report cannot count (0 where it cannot tell: the module docstring)."""
+        if not member.local or not member.stamps_match:
+            return 0
+        for model in status.models:
+            load = model.runtime_load
+            if model.HasField("runtime_load") and load.HasField("tasks_received"):
+                received, ended = int(load.tasks_received), int(load.tasks_ended)
+                if received > member.sent or ended > received:
+                    member.stamps_match = False
+                    return 0
+                return (member.sent - received) - max(0, member.left - ended)
+        return 0
+
+    def exact_load(self, key: EngineKey, status: status_pb2.EngineStatus) -> None:
+        """In ``status``, a copy of local ``key``'s going to peers: the runtime's reading brought up to
+        now with this gateway's sends and ends since it (what :meth:`_since_reading` counts), in
+        place of the reading and its stamp, which count a stream only this gateway sends on. A peer
+        then adds only its own sends after this copy, not the ends this gateway already saw."""
+        member = self._members.get(key)
+        if member is None or not member.local or not member.stamps_match:
+            return
+        for model in status.models:
+            load = model.runtime_load
+            if model.HasField("runtime_load") and load.HasField("tasks_received"):
+                load.running_requests = max(0, member.reported + member.since_report - load.waiting_requests)
+                load.ClearField("tasks_received")
+                load.ClearField("tasks_ended")
+
+    def stream_changed(self, key: EngineKey) -> None:
+        """``key`` is reached on another stream now: its stamps count that stream's tasks, not
+        this processor's tasks on it, some of which may still be on the old one."""
+        member = self._members.get(key)
+        if member is not None:
+            member.stamps_match = False
+
     def engine_removed(self, key: EngineKey) -> list[Pool]:
         """``key`` is gone: it leaves every pool; returns those pools."""
         member = self._members.get(key)
@@ -171,6 +236,7 @@ class Pools:
         """A task was dispatched to ``key``: count it; returns the engine, if routing knows it."""
         member = self._members.get(key)
         if member is not None:
+            member.sent += 1
             self._set_load(member, member.in_flight + 1, member.reported, member.since_report + 1)
         return member
 
@@ -178,6 +244,7 @@ class Pools:
         """A task this processor sent to ``key`` left it (ended, failed over)."""
         member = self._members.get(key)
         if member is not None:
+            member.left += 1
             self._set_load(member, member.in_flight - 1, member.reported, member.since_report - 1)
 
     def _set_load(self, member: Member, in_flight: int, reported: int, since_report: int) -> None:

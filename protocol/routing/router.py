@@ -53,7 +53,7 @@ class Router:
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
-        self.pools = Pools(config.spilled_tips)
+        self.pools = Pools(config.spilled_tips, config.runtime_slots)
         self.policy = POLICIES[config.policy](config, self.pools)
         #: Tasks placed since start per (tenant, model, :class:`~protocol.routing.policy.RoutingDecision` value).
         self.decisions: Counter[tuple[str, str, str]] = Counter()
@@ -69,6 +69,10 @@ class Router:
         attached here (its spilled tips are recorded here), else a peer's (they come in ``status``)."""
         for pool in self.pools.engine_updated(key, models, status, local):
             self.policy.pool_changed(pool)
+
+    def stream_changed(self, key: EngineKey) -> None:
+        """``key`` is reached on another stream now (its load reports' stamps count that stream's)."""
+        self.pools.stream_changed(key)
 
     def engine_removed(self, key: EngineKey) -> None:
         """``key`` is gone: it leaves every pool, and the policy forgets it."""
@@ -90,9 +94,10 @@ class Router:
             self.decisions[(key.tenant_id, model, self.policy.decision(key, model, hints).value)] += 1
         return self.policy.task_sent(member, key, model, hints, forwarded_tip)
 
-    def task_left(self, key: EngineKey) -> None:
-        """A task this processor sent to ``key`` left it (ended, failed over)."""
+    def task_left(self, key: EngineKey, model: str = "", hints: RoutingHints | None = None) -> None:
+        """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it (ended, failed over)."""
         self.pools.task_left(key)
+        self.policy.task_left(key, model, hints)
 
     # --- what the processor asks --------------------------------------------
 
@@ -133,8 +138,10 @@ class Router:
         return self.pools.load(key)
 
     def annotate(self, key: EngineKey, status: status_pb2.EngineStatus) -> None:
-        """Add local ``key``'s spilled tips to ``status`` (a copy going to peers)."""
+        """Add local ``key``'s spilled tips to ``status`` (a copy going to peers), and put this
+        gateway's count of its load in place of the runtime's reading (:meth:`Pools.exact_load`)."""
         self.pools.spills.annotate(key, status)
+        self.pools.exact_load(key, status)
 
     # --- what tools read ----------------------------------------------------
 

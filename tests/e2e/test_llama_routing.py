@@ -18,12 +18,12 @@ pytest.importorskip("harness.llama_runtime", reason="needs the llama.cpp runtime
 from dataclasses import replace  # noqa: E402
 
 from harness.gguf_models import TINY, write_model  # noqa: E402
-from harness.llama_routing import PolicyResult, Workload, run_policy  # noqa: E402
+from harness.llama_routing import PolicyResult, LlamaWorkload, run_policy  # noqa: E402
 
 #: Real llama.cpp servers, one run per routing policy.
 pytestmark = pytest.mark.slow
 
-WORKLOAD = Workload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4, context=1024)
+WORKLOAD = LlamaWorkload(engines=3, conversations=4, turns=3, system_bytes=300, max_tokens=4, context=1024)
 
 
 @pytest.fixture(scope="module")

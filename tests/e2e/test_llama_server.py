@@ -252,3 +252,95 @@ def test_the_agent_reports_the_servers_readiness_and_its_own_cache_counters(logs
     finally:
         for child in reversed(children):
             child.stop()
+
+
+class TaskFeeder(StatusRecorder):
+    """A grpcio stand-in for the gateway that also sends tasks (``send``) and keeps their results."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.tasks: queue.Queue[worker_pb2.Task | None] = queue.Queue()
+        self.results: dict[str, list[worker_pb2.TaskResult]] = {}
+        super().__init__()
+
+    def _process_tasks(self, requests: Iterator[worker_pb2.ProcessTasksRequest], context: Any
+                       ) -> Iterator[worker_pb2.ProcessTasksResponse]:
+        def read() -> None:
+            for request in requests:
+                with self._lock:
+                    if request.HasField("engine_status"):
+                        self.statuses.append(request.engine_status)
+                    else:
+                        self.results.setdefault(request.task_result.task_id, []).append(request.task_result)
+            self.tasks.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        while (task := self.tasks.get()) is not None:
+            yield worker_pb2.ProcessTasksResponse(new_task=task)
+
+    def send(self, task_id: str, body: dict[str, Any]) -> None:
+        task = worker_pb2.Task(id=task_id, timeout_seconds=60)
+        task.request.chat_completion.model = body["model"]
+        task.request.chat_completion.stream = bool(body.get("stream"))
+        task.request.typed_request_incomplete = "routing fields only"
+        task.request.http_request.CopyFrom(worker_pb2.HttpRequest(
+            method="POST", path="/v1/chat/completions", body=json.dumps(body).encode()))
+        task.header["Content-Type"].values.append("application/json")
+        self.tasks.put(task)
+
+    def answer(self, task_id: str) -> dict[str, Any] | None:
+        """The streamed answer's usage chunk, once the task's last event came."""
+        with self._lock:
+            results = list(self.results.get(task_id, ()))
+        if not results or not results[-1].server_sent_event.is_last_event:
+            return None
+        for result in results:
+            data = result.server_sent_event.data
+            if b'"usage"' in data:
+                usage: dict[str, Any] = json.loads(data.split(b"data:", 1)[1])["usage"]
+                return usage
+        raise AssertionError(f"no usage in {results}")
+
+    def stop(self) -> None:
+        self.tasks.put(None)
+        super().stop()
+
+
+def test_the_agent_reports_the_servers_slots_its_answers_prompts_and_what_its_load_includes(logs, model):
+    """Through the agent: the server's 2 slots (from its /slots), each model's prompt tokens and cached
+    tokens summed from the answers that passed (what the server's own usage said), and the runtime tasks
+    the stream had brought and ended when the load was read."""
+    llama = LlamaCppServer(model, logs, name="llama-counted", slots=2)
+    feeder = TaskFeeder()
+    children: list[Any] = [llama, feeder]
+    try:
+        agent = TwistdChild("engine-counted", [
+            "infx-engine", "--server", f"127.0.0.1:{feeder.port}", "--engine-id", "counted", "--runtime", "openai",
+            "--upstream", llama.url, "--models", "tiny", "--runtime-load-interval", "0.2",
+            "--runtime-load-report-interval", "0", "--status-interval", "0.5"], logs)
+        children.append(agent)
+        wait_until(lambda: feeder.statuses and feeder.statuses[-1].infx_runtime_slots == 2,
+                   "the server's two slots reported", [agent, llama])
+        usages = []
+        for i in range(3):
+            body = {"model": "tiny", "messages": messages("the same question every time"), "max_tokens": 2,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            feeder.send(f"t{i}", body)
+            usages.append(wait_until(lambda i=i: feeder.answer(f"t{i}"), f"task t{i} answered", [agent, llama]))
+        prompt = sum(u["prompt_tokens"] for u in usages)
+        cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+        assert cached == 2 * (usages[0]["prompt_tokens"] - 1)  # the 2nd and 3rd found all but one token
+
+        def counted() -> bool:
+            cache = feeder.latest()
+            return cache is not None and cache.infx_prompt_cache.answers == 3 and \
+                cache.runtime_load.HasField("tasks_received") and cache.runtime_load.tasks_ended == 3
+        wait_until(counted, "three answers counted and a load read after them", [agent, llama])
+        model_status = feeder.latest()
+        assert (model_status.infx_prompt_cache.prompt_tokens, model_status.infx_prompt_cache.cached_tokens) \
+            == (prompt, cached)
+        assert model_status.runtime_load.tasks_received == 3
+    finally:
+        for child in reversed(children):
+            child.stop()

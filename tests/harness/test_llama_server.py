@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from harness.gguf_models import CHATML_TEMPLATE, write_model
+from harness.gguf_models import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE, TINY, render_chat, tokenize, write_model
 from harness.llama_server import LOADING, LlamaCppServer, LoadGate
 from protocol.agent.runtime_metrics import parse_exposition, parse_slots, reading_from_metrics
 from harness.twistd_processes import wait_until
@@ -190,3 +191,45 @@ def test_sigterm_stops_it_cleanly(logs, model):
     llama = LlamaCppServer(model, logs, name="stopped")
     llama.process.send_signal(signal.SIGTERM)
     assert llama.process.wait(timeout=30) == 0
+
+
+@pytest.fixture(scope="module")
+def tools_server(logs: Path) -> Iterator[LlamaCppServer]:
+    template = logs / "chatml-tools.jinja"
+    template.write_text(CHATML_TOOLS_TEMPLATE)
+    model = write_model(logs / "tiny-2k.gguf", replace(TINY, context_length=2048))  # tool schemas are long
+    llama = LlamaCppServer(model, logs, name="llama-tools", slots=1, context_per_slot=2048,
+                           extra=["--chat-template-file", str(template)])
+    yield llama
+    llama.stop()
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in the city, then its neighbours",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Its name"}},
+                   "required": ["city"]}}}]
+CONVERSATIONS = [
+    ([{"role": "system", "content": "You are kind."},
+      {"role": "user", "content": "the then in inner an tan  the\n\tthe it's naïve x1 42 a-b TThe thethe"}], []),
+    ([{"role": "system", "content": "sys"}, {"role": "user", "content": "hello there"},
+      {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+          "name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "sunny then rain"},
+      {"role": "assistant", "content": "ok the"}, {"role": "user", "content": "more"}], TOOLS),
+]
+
+
+@pytest.mark.parametrize(("messages", "tools"), CONVERSATIONS, ids=["chat", "tools"])
+def test_render_chat_and_tokenize_give_the_servers_prompt_token_for_token(tools_server, messages, tools):
+    """What a simulation counts (harness.gguf_models) is what the server renders and computes."""
+    body: dict[str, Any] = {"messages": messages}
+    if tools:
+        body["tools"] = tools
+    status, rendered = post(tools_server, "/apply-template", body)
+    assert status == 200
+    prompt = json.loads(rendered)["prompt"]
+    assert render_chat(messages, tools) == prompt
+    status, answer = post(tools_server, "/tokenize", {"content": prompt, "add_special": False, "parse_special": True})
+    assert status == 200 and tokenize(prompt) == json.loads(answer)["tokens"]
+    status, answer = post(tools_server, "/v1/chat/completions", {**body, "model": "tiny", "max_tokens": 1})
+    assert status == 200 and json.loads(answer)["usage"]["prompt_tokens"] == len(tokenize(prompt))

@@ -205,7 +205,7 @@ def test_routing_knobs_from_flags_and_file_reach_the_policy(tmp_path):
     ({"routing_max_blocks": "0"}, "--routing-max-blocks: invalid value '0'"),
     ({"routing_index_blocks": "-1"}, "--routing-index-blocks: invalid value '-1'"),
     ({"routing_weights": "prefix=8,speed=1"}, "--routing-weights: expected name=value with a name among prefix, "
-                                              "home, session, adapter, queue, kv, got 'speed=1'"),
+                                              "home, session, adapter, queue, kv, busy, got 'speed=1'"),
     ({"routing_weights": "queue"}, "--routing-weights: expected name=value"),
     ({"routing_weights": "queue=-1"}, "--routing-weights: queue must be a number >= 0, got '-1'"),
     ({"routing_weights": "kv=nan"}, "--routing-weights: kv must be a number >= 0, got 'nan'"),
@@ -327,3 +327,14 @@ def test_tracing_without_the_otel_extra_is_refused_naming_it(monkeypatch):
                         lambda name, *a: None if name.startswith("opentelemetry.sdk") else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs the otel extra: pip install 'infx\[otel\]'"):
         build_config({}, {"otlp_traces_endpoint": "http://collector:4318"})
+
+
+def test_routing_by_the_runtimes_slots_is_off_unless_asked():
+    from infx.config import routing_config
+    from infx.tap import GatewayOptions
+
+    assert not routing_config(build_config({}, {}))[0].runtime_slots
+    options = GatewayOptions()
+    options.parseOptions(["--routing-runtime-slots"])
+    assert routing_config(options.config_value)[0].runtime_slots
+    assert routing_config(build_config({"routing_runtime_slots": True}, {}))[0].runtime_slots

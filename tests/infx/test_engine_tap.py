@@ -72,6 +72,9 @@ def test_key_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         ["--server", "gw:1", "--models", "m", "--token-delay", "nan"],
         ["--server", "gw:1", "--models", "m", "--ca", "/nonexistent.pem"],
         ["--server", "gw:1", "--models", "m", "--tls", "--ca", "/nonexistent.pem"],
+        ["--server", "gw:1", "--models", "m", "--runtime-slots", "4"],
+        ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-slots", "0"],
+        ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-slots", "1.5"],
     ],
 )
 def test_bad_options_are_usage_errors(argv: list[str]) -> None:
@@ -95,6 +98,12 @@ def test_twistd_infx_engine_max_queued_option_reaches_the_agent_config() -> None
     for bad in ("-1", "many"):
         with pytest.raises(usage.UsageError, match="--max-queued"):
             parse("--max-queued", bad)
+
+
+def test_runtime_slots_reach_the_agent_config_and_default_to_what_the_runtime_says() -> None:
+    openai = ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1"]
+    assert parse(*openai)["agent-config"].runtime_slots is None
+    assert parse(*openai, "--runtime-slots", "256")["agent-config"].runtime_slots == 256
 
 
 @pytest.mark.parametrize("runtime", [["--runtime", "echo"], ["--runtime", "openai", "--upstream", "http://h:8000/v1"]])

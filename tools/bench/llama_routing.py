@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from harness.gguf_models import ModelShape, write_model  # noqa: E402
-from harness.llama_routing import Workload, run_policy  # noqa: E402
+from harness.llama_routing import LlamaWorkload, run_policy  # noqa: E402
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="infx-llama-routing-") as scratch:
         tmp = args.logs or scratch
         model = write_model(Path(tmp) / "model.gguf", shape)
-        workload = Workload(engines=args.engines, conversations=args.conversations, turns=args.turns,
+        workload = LlamaWorkload(engines=args.engines, conversations=args.conversations, turns=args.turns,
                             system_bytes=args.system_bytes, max_tokens=args.max_tokens, context=args.context)
         rows = [run_policy(p, workload, model, Path(tmp) / p).row() for p in args.policies.split(",")]
     if args.json:

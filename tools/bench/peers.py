@@ -31,9 +31,17 @@ from their first word, 4 sequential requests each):
   refuses to start otherwise) and polls ``GET /get_load`` of each worker
   every second (SGLang's; 404 here, and it still spread the probe over the
   workers). ``cache_aware`` keeps one approximate radix tree of request
-  text per model, in this process only; in the probe it sent every chat
-  request to one worker whatever the prompt, so against these runtimes it
-  did not route chat completions by their text.
+  text per model (a chat request's text is its messages' contents, tools
+  left out), in this process only. A request whose text matches less than
+  ``--cache-threshold`` (0.3) of a worker's goes to the worker with the
+  fewest requests in flight *through this router*, the first one on a tie:
+  requests sent one at a time (as in the probe: 3 runtimes, 6 chat prompts
+  that differ from their first word, 4 sequential requests each) all land
+  on the first worker, by design, not for want of configuration; under
+  concurrent clients they spread (``tools/bench/real_routing.py``). A match
+  above the threshold sticks to its worker until the loads differ by more
+  than ``--balance-abs-threshold`` (64) and ``--balance-rel-threshold``
+  (1.5x), which 2-slot runtimes never reach.
 - vllm-router (:func:`vllm_router_argv`). It waits until every worker
   answers ``GET /health`` (re-checked every 60 s), with the same startup
   check interval (1 s here). ``consistent_hash`` hashes, in this order,
@@ -46,9 +54,15 @@ from their first word, 4 sequential requests each):
   all go to one worker. It logs three INFO lines per request under that
   policy. ``cache_aware`` asks the worker for the rendered prompt first
   (``POST /v1/chat/completions/render``, then ``POST /tokenize``: vLLM's
-  endpoints, 404 here, logged at debug as "Prefix input preparation
-  unavailable reason=render_unavailable"), and in the probe it, too, sent
-  every chat request to one worker.
+  endpoints; 404 here, and llama-server's own ``/tokenize`` takes another
+  body: logged at debug as "Prefix input preparation unavailable" with
+  ``reason="render_unavailable"`` or ``"empty_input"``), and without a
+  prompt to match it goes to the least loaded worker, the first one on a
+  tie: sequential requests, again, all land on the first worker, and under
+  concurrent clients it balances load rather than prompts (the benchmark's
+  multi-turn chat: 31 of 54 later turns left their worker, against 0 with
+  ``consistent_hash`` on the session header). With vLLM workers it would
+  key on their rendered tokens; llama-server gives it nothing to key on.
 - LiteLLM's proxy (:func:`litellm_argv`): one worker process, its model
   list in a YAML file with one entry per runtime URL under the same model
   name (LiteLLM shuffles among them), its cost map read from the package

@@ -31,7 +31,7 @@ class Request:
 
 
 @dataclass
-class Conversation:
+class SimConversation:
     """Messages so far as (role, tokens)."""
 
     messages: list[tuple[int, list[int]]] = field(default_factory=list)
@@ -56,7 +56,7 @@ class SharedPrefixClient:
         self.rng, self.system, self.group = rng, system, group
 
     def next(self) -> Request:
-        conversation = Conversation([(SYSTEM, self.system), (USER, words(self.rng, self.rng.randint(40, 80)))])
+        conversation = SimConversation([(SYSTEM, self.system), (USER, words(self.rng, self.rng.randint(40, 80)))])
         return conversation.request(words(self.rng, self.rng.randint(48, 80)), self.group)
 
     def done(self, request: Request) -> None:
@@ -75,7 +75,7 @@ class MultiTurnClient:
 
     def _new(self) -> None:
         self.turns_left = self.rng.randint(4, 8)
-        self.conversation = Conversation([(SYSTEM, self.system)])
+        self.conversation = SimConversation([(SYSTEM, self.system)])
 
     def next(self) -> Request:
         opening = len(self.conversation.messages) == 1

@@ -14,7 +14,7 @@ from twisted.web.client import Agent
 
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
 from infx.engine_tap import AgentOptions, makeService
-from protocol.agent.runtime_load import LoadConfig, LoadSource, RuntimeLoad, RuntimeLoadMonitor
+from protocol.agent.runtime_load import LoadConfig, LoadSample, LoadSource, RuntimeLoad, RuntimeLoadMonitor
 from tests.support.engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 
 
@@ -77,9 +77,16 @@ def test_runtime_load_reaches_the_gateway_with_the_engine_status(gateway, runtim
     tree.startService()
     try:
         stream = yield gw.next_stream()
-        yield stream.wait_for(lambda: any(s.models[0].HasField("runtime_load") for s in stream.statuses))
-        load = next(s for s in stream.statuses if s.models[0].HasField("runtime_load")).models[0].runtime_load
+        # A reading scraped before the stream opened has no stamp; the first one after it does,
+        # although the figures are the same (the gateway must know what they include).
+        def stamped() -> list[Any]:
+            return [s.models[0].runtime_load for s in stream.statuses
+                    if s.models[0].runtime_load.HasField("tasks_received")]
+        yield stream.wait_for(lambda: bool(stamped()))
+        load = stamped()[0]
         assert (load.source, load.running_requests, load.waiting_requests, load.kv_cache_usage) == ("vllm", 2, 1, 0.5)
+        # Read before any task came: it includes none of the gateway's.
+        assert (load.tasks_received, load.tasks_ended) == (0, 0)
         fake.metrics = vllm(7, 3)
         yield stream.wait_for(lambda: stream.statuses[-1].models[0].runtime_load.running_requests == 7)
         assert stream.statuses[-1].models[0].runtime_load.waiting_requests == 3
@@ -114,6 +121,20 @@ def test_a_runtime_without_metrics_or_slots_reports_no_load(runtime_server):
         yield eventually(lambda: service.monitor.source is LoadSource.ABSENT)
         assert fake.paths == [b"/metrics", b"/slots"]
         assert changed == []
+    finally:
+        yield stop(service)
+
+
+@pytest_twisted.inlineCallbacks
+def test_each_reading_carries_the_stamp_taken_as_its_scrape_went_out(runtime_server):
+    _, root = runtime_server
+    changed: list[Any] = []
+    stamps = iter(LoadSample(1, n, n - 1) for n in range(1, 1000))
+    service = watch(root, changed, sample=lambda: next(stamps))
+    service.startService()
+    try:
+        yield eventually(lambda: bool(changed))
+        assert changed[0] == RuntimeLoad("vllm", 2, 1, kv_cache_usage=0.5, sample=LoadSample(1, 1, 0))
     finally:
         yield stop(service)
 

@@ -7,6 +7,7 @@ import pytest
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadConfig,
+    LoadSample,
     LoadSource,
     LoadUsageError,
     RuntimeLoad,
@@ -43,9 +44,9 @@ class Driver:
         self.now = 0.0
         self.scrape = scrape_of(self.monitor.start(self.now))
 
-    def answer(self, **by_path):
+    def answer(self, sample=None, **by_path):
         answers = {path: by_path[path.strip("/")] for path in self.scrape.paths if path.strip("/") in by_path}
-        effects = self.monitor.scrape_done(self.scrape.scrape_id, answers, self.now)
+        effects = self.monitor.scrape_done(self.scrape.scrape_id, answers, sample, self.now)
         self.scrape = None
         return effects
 
@@ -161,7 +162,7 @@ def test_a_scrape_that_takes_too_long_is_abandoned_and_its_late_answer_ignored()
     late = d.scrape
     assert d.monitor.next_deadline() == 3.0
     assert loads(d.tick(3.0)) == [None]
-    assert d.monitor.scrape_done(late.scrape_id, {"/metrics": vllm(running=9)}, 3.5) == []
+    assert d.monitor.scrape_done(late.scrape_id, {"/metrics": vllm(running=9)}, None, 3.5) == []
     assert d.monitor.next_deadline() == 4.0
 
 
@@ -240,3 +241,79 @@ def test_start_twice_and_bad_config_are_usage_errors():
         LoadConfig(interval=0)
     with pytest.raises(LoadUsageError):
         LoadConfig(stale_after=0)
+
+
+LLAMACPP_IDLE = ScrapeAnswer(200, b"llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n")
+
+
+def test_llamacpps_slots_are_the_entries_of_its_slots_list():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    [load] = loads(d.answer(metrics=LLAMACPP_IDLE))
+    assert load.slots is None  # /metrics alone does not say
+    d.tick(1.0)
+    [load] = loads(d.answer(metrics=LLAMACPP_IDLE, slots=slots((1, 10, 0), (2, 10, 0), (3, 10, 0))))
+    assert load.slots == 3
+    assert load.to_pb() == RuntimeLoad("llama.cpp", 0, 0).to_pb()  # the slots go out beside the load, not in it
+
+
+def test_a_llamacpp_server_with_slots_off_is_asked_its_props_once():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    d.answer(metrics=LLAMACPP_IDLE)
+    d.tick(1.0)
+    d.answer(metrics=LLAMACPP_IDLE, slots=ScrapeAnswer(501, b"This server does not support slots endpoint."))
+    assert d.monitor.source is LoadSource.METRICS
+    d.tick(2.0)
+    assert d.scrape.paths == ("/metrics", "/props")
+    [load] = loads(d.answer(metrics=LLAMACPP_IDLE, props=ScrapeAnswer(200, b'{"total_slots": 4, "x": 1}')))
+    assert load.slots == 4
+    d.tick(3.0)
+    assert d.scrape.paths == ("/metrics",)
+    assert loads(d.answer(metrics=LLAMACPP_IDLE)) == []  # still 4 slots: nothing changed
+
+
+def test_a_vllm_server_is_never_asked_for_props():
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    d.answer(metrics=vllm())
+    for at in (1.0, 2.0):
+        d.tick(at)
+        assert d.scrape.paths == ("/metrics",)
+        d.answer(metrics=vllm())
+
+
+def test_a_reading_carries_the_stamp_of_its_scrape_and_a_new_stamp_alone_is_no_change():
+    """The gateway counts its tasks after the stamp it holds; an equal load with a newer stamp says nothing
+    more, and a changed load goes out with the stamp of the scrape that read it."""
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    [load] = loads(d.answer(LoadSample(1, 5, 3), metrics=vllm(running=2)))
+    assert load.sample == LoadSample(1, 5, 3)
+    d.tick(1.0)
+    assert loads(d.answer(LoadSample(1, 9, 7), metrics=vllm(running=2))) == []
+    assert d.monitor.reported.sample == LoadSample(1, 5, 3)
+    d.tick(2.0)
+    [load] = loads(d.answer(LoadSample(1, 12, 8), metrics=vllm(running=4)))
+    assert load.sample == LoadSample(1, 12, 8)
+
+
+def test_a_held_back_report_goes_out_with_the_stamp_of_the_reading_it_reports():
+    d = Driver(LoadConfig(report_min_interval=2.0))
+    d.answer(LoadSample(1, 1, 0), metrics=vllm(running=1))
+    d.tick(1.0)
+    assert loads(d.answer(LoadSample(1, 4, 1), metrics=vllm(running=3))) == []  # held back to t=2
+    [load] = loads(d.tick(2.0))
+    assert (load.running, load.sample) == (3, LoadSample(1, 4, 1))
+
+
+def test_an_equal_load_stamped_on_another_stream_or_first_stamped_is_reported():
+    """A stamp counts one stream's tasks: a reading taken before the stream opened (no stamp), or on a
+    stream since replaced, tells the gateway of the current stream nothing it can subtract."""
+    d = Driver(LoadConfig(report_min_interval=0.0))
+    [load] = loads(d.answer(None, metrics=vllm(running=2)))
+    assert load.sample is None
+    d.tick(1.0)
+    [load] = loads(d.answer(LoadSample(1, 0, 0), metrics=vllm(running=2)))
+    assert load.sample == LoadSample(1, 0, 0)
+    d.tick(2.0)
+    [load] = loads(d.answer(LoadSample(2, 0, 0), metrics=vllm(running=2)))
+    assert load.sample == LoadSample(2, 0, 0)
+    d.tick(3.0)
+    assert loads(d.answer(LoadSample(2, 3, 1), metrics=vllm(running=2))) == []

@@ -16,6 +16,7 @@ from protocol.agent.runtime_metrics import (
     parse_slots,
     reading_from_metrics,
     reading_from_slots,
+    total_slots_from_props,
 )
 
 VLLM_V1 = """\
@@ -235,3 +236,19 @@ def test_slots_carry_the_metrics_prefix_counters():
     metrics = reading_from_metrics((DATA / "llama_server_metrics_busy.txt").read_text())
     reading = reading_from_slots((DATA / "llama_server_slots_busy.json").read_bytes(), metrics)
     assert (reading.running, reading.waiting, reading.prefix_hits, reading.prefix_queries) == (2, 2, 500, 2800)
+
+
+def test_llamacpps_slots_list_says_how_many_slots_it_has_busy_or_not():
+    busy = reading_from_slots((DATA / "llama_server_slots_busy.json").read_bytes(), None)
+    idle = reading_from_slots((DATA / "llama_server_slots_idle.json").read_bytes(), None)
+    assert busy.slots == len(json.loads((DATA / "llama_server_slots_busy.json").read_bytes()))
+    assert idle.slots == len(json.loads((DATA / "llama_server_slots_idle.json").read_bytes())) and idle.running == 0
+
+
+def test_props_give_total_slots_and_nothing_else_is_taken_for_them():
+    assert total_slots_from_props(b'{"total_slots": 2, "model_alias": "tiny"}') == 2
+    assert total_slots_from_props(b'{"total_slots": 0}') is None
+    assert total_slots_from_props(b'{"total_slots": true}') is None
+    assert total_slots_from_props(b"[]") is None
+    with pytest.raises(MetricsFormatError):
+        total_slots_from_props(b"<html>")

@@ -108,3 +108,39 @@ def test_the_canonical_text_is_json_dumps_with_sorted_keys_compact_and_unescaped
                   {"b": [1, 2.5, 1e-05, True], "a": {"z": "ü", "y": [{"t": "x"}]}}, "plain", 3, ["é", {}]):
         assert _canonical(value) == json.dumps(value, sort_keys=True, separators=(",", ":"),
                                                ensure_ascii=False).encode("utf-8", "replace")
+def _agent(tools, task):
+    return {"model": "m", "tools": tools, "messages": [{"role": "system", "content": "Use the tools."},
+                                                       {"role": "user", "content": task}]}
+
+
+TOOLSET = [{"type": "function", "function": {"name": f"tool_{i}", "description": "does things " * 20,
+                                              "parameters": {"type": "object", "properties": {}}}}
+           for i in range(4)]
+
+
+def test_tool_definitions_come_first_as_a_template_renders_them_and_are_shared_blocks():
+    """Agents of one toolset share the schemas' blocks (the bulk of their rendered prompt) whatever
+    they ask, and the toolset with the system prompt is their home key."""
+    a, b = (hints_from_json("chat/completions", _agent(TOOLSET, task), {}) for task in ("first task", "another"))
+    assert a is not None and b is not None
+    schema_blocks = len(json.dumps({"tools": TOOLSET}, separators=(",", ":"))) // 256
+    assert schema_blocks >= 4 and a.blocks[:schema_blocks] == b.blocks[:schema_blocks]
+    assert a.home == b.home and a.home_blocks == b.home_blocks >= schema_blocks
+    other = hints_from_json("chat/completions", _agent(TOOLSET[::-1], "first task"), {})
+    assert other is not None and other.home != a.home and other.blocks[:schema_blocks] != a.blocks[:schema_blocks]
+
+
+def test_home_blocks_count_the_system_prompts_blocks_and_none_without_one():
+    system = "x" * 1000
+    shared = hints_from_json("chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "y" * 600}]}, {})
+    assert shared is not None and shared.home_blocks == len(json.dumps({"content": system, "role": "system"})) // 256
+    alone = hints_from_json("chat/completions", {"model": "m", "messages": [{"role": "user", "content": "y" * 900}]}, {})
+    assert alone is not None and alone.home_blocks == 0 and len(alone.blocks) == 3
+
+
+def test_responses_tools_come_before_the_instructions():
+    body = {"model": "m", "tools": TOOLSET, "instructions": "Be brief.", "input": "hello"}
+    hints = hints_from_json("responses", body, {})
+    plain = hints_from_json("responses", {**body, "tools": []}, {})
+    assert hints is not None and plain is not None and hints.home_blocks >= 4 and plain.home_blocks == 0
