@@ -87,7 +87,7 @@ class GatewayConfig:
     #: Largest gRPC message on the worker and internal services, in bytes: the
     #: largest task is a request body of ``max_body_size`` plus its headers and
     #: framing (1 MiB).  It is also what a connection may hold of incomplete
-    #: messages, so it bounds a hoarding peer's cost (README "Connection budgets").
+    #: messages, so it bounds a hoarding peer's cost (docs/operations.md, "Connection budgets").
     max_message_size: int = 33 * 1024 * 1024
     #: Seconds in-flight requests get to finish on shutdown.
     grace_period: float = 30.0
