@@ -111,7 +111,7 @@ class GatewayConfig:
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
     #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing.router`.
     routing_policy: str = "affinity"
-    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.router.RoutingConfig`):
+    #: The affinity policy's knobs (docs/routing.md; :class:`protocol.routing.router.RoutingConfig`):
     #: the bounded-load factor (> 1: no engine above it times the mean load, plus one)...
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...
