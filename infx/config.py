@@ -146,7 +146,7 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
-    #: Runtimes this gateway serves itself, no engine agent in between (README "Runtimes by URL"):
+    #: Runtimes this gateway serves itself, no engine agent in between (docs/runtimes-by-url.md):
     #: each ``URL`` (its models: those it lists at ``/v1/models``) or ``URL=model,model``.
     runtime_url: tuple[str, ...] = ()
     #: ``key=value`` label of this namespace's pods that run a runtime to serve by URL.
