@@ -88,7 +88,7 @@ class GatewayConfig:
     #: Largest gRPC message on the worker and internal services, in bytes: the
     #: largest task is a request body of ``max_body_size`` plus its headers and
     #: framing (1 MiB).  It is also what a connection may hold of incomplete
-    #: messages, so it bounds a hoarding peer's cost (README "Connection budgets").
+    #: messages, so it bounds a hoarding peer's cost (docs/operations.md, "Connection budgets").
     max_message_size: int = 33 * 1024 * 1024
     #: Seconds in-flight requests get to finish on shutdown.
     grace_period: float = 30.0
@@ -117,7 +117,7 @@ class GatewayConfig:
     #: affinity with bounded loads, the same on every replica), ``least_in_progress``
     #: (LLMariner's) or ``round_robin``; see :mod:`protocol.routing.router`.
     routing_policy: str = "affinity"
-    #: The affinity policy's knobs (README "Routing"; :class:`protocol.routing.router.RoutingConfig`):
+    #: The affinity policy's knobs (docs/routing.md; :class:`protocol.routing.router.RoutingConfig`):
     #: the bounded-load factor (> 1: no engine above it times the mean load, plus one)...
     routing_load_factor: float = _ROUTING.load_factor
     #: ...the load any engine may take whatever the mean...
@@ -152,7 +152,7 @@ class GatewayConfig:
     internal_tls_ca: str | None = None
     #: Enable scaling engine deployments (needs ``kube``).
     scaler: bool = False
-    #: Runtimes this gateway serves itself, no engine agent in between (README "Runtimes by URL"):
+    #: Runtimes this gateway serves itself, no engine agent in between (docs/runtimes-by-url.md):
     #: each ``URL`` (its models: those it lists at ``/v1/models``) or ``URL=model,model``.
     runtime_url: tuple[str, ...] = ()
     #: ``key=value`` label of this namespace's pods that run a runtime to serve by URL.

@@ -346,7 +346,7 @@ class GatewayService(service.MultiService):
                            grace=self.config.grace_period)
 
     def _runtime_engines(self) -> RuntimeEngines:
-        """Runtimes this gateway serves itself, no agent in between (README "Runtimes by URL"):
+        """Runtimes this gateway serves itself, no agent in between (docs/runtimes-by-url.md):
         ``--runtime-url``, and with ``--runtime-pod-label`` the pods of this namespace it picks."""
         config = self.config
         settings = RuntimeSettings(tenant=config.runtime_tenant, max_concurrency=config.runtime_max_concurrency,

@@ -61,7 +61,7 @@ _EXCHANGE_PARAMETERS: list[list[Any]] = [
      "PEM CA certificate(s) peers' certificates must chain to (their names and IPs are not checked)."],
 ]
 
-# The affinity policy's knobs (protocol/routing/router.py, protocol/routing/hints.py; README "Routing").
+# The affinity policy's knobs (protocol/routing/router.py, protocol/routing/hints.py; docs/routing.md).
 _ROUTING_PARAMETERS: list[list[Any]] = [
     ["routing-load-factor", None, None, "Bounded load: no engine takes a task by affinity above this times the "
      f"mean load, plus one (> 1) [default: {_DEFAULTS.routing_load_factor:g}]."],

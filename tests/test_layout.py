@@ -138,11 +138,3 @@ def test_every_test_folder_is_a_package_with_a_tier():
     tops = {folder.relative_to(ROOT / "tests").parts[0] if folder != ROOT / "tests" else "" for folder in folders}
     assert tops <= set(FOLDER_TIERS)
 
-
-def test_the_readme_layout_names_every_subpackage_of_protocol_and_infx():
-    readme = (ROOT / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):readme.index("## How it is tested")]
-    packages = {path.parent.relative_to(ROOT).as_posix() + "/"
-                for top in ("protocol", "infx") for path in (ROOT / top).rglob("__init__.py")}
-    missing = sorted(p for p in packages - {"protocol/pb/grpc_testing/"} if f"`{p}`" not in layout)
-    assert missing == []

@@ -3,7 +3,7 @@
 This is the form a LLMariner engine takes. infx's own engines get the
 client's request verbatim instead (:mod:`protocol.openai.verbatim`, which
 calls these parsers for the typed form beside it); what follows limits only
-what LLMariner engines receive, and the README lists it.
+what LLMariner engines receive, and docs/operations.md lists it.
 
 Rules this file keeps: every parser takes the client's bytes (or its
 already parsed JSON object, or form fields) and returns a
@@ -24,7 +24,7 @@ unseeded); in the Responses API, ``parallel_tool_calls: false`` and
 
 Size (over 600 lines): one parser per OpenAI endpoint (chat, completions, embeddings, responses,
 audio, tokenize) and the field readers they share at the bottom; split per endpoint, the shared
-readers and the limits the README lists would be spread over six files.
+readers and the limits docs/operations.md lists would be spread over six files.
 """
 
 from __future__ import annotations

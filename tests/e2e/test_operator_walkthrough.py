@@ -1,4 +1,4 @@
-"""The README's operator walkthrough, followed word for word (issue 22, "Done when").
+"""docs/operations.md's operator walkthrough, followed word for word (issue 22, "Done when").
 
 The section marked ``<!-- operator-walkthrough`` holds shell blocks an operator pastes one
 after the other: two gateways peered one way only, two engine agents with the same engine id,
@@ -23,7 +23,7 @@ import pytest
 
 from harness.twistd_processes import ROOT
 
-README = ROOT / "README.md"
+OPERATIONS = ROOT / "docs" / "operations.md"
 MARKER = "<!-- operator-walkthrough"
 PORTS = (18080, 18082, 18083, 28080, 28082, 28083)
 LOCK = Path("/tmp/infx-operator-walkthrough.lock")
@@ -38,7 +38,7 @@ def walkthrough_blocks(text: str) -> list[str]:
 
 
 def test_the_walkthrough_section_has_the_steps_the_test_relies_on():
-    blocks = walkthrough_blocks(README.read_text())
+    blocks = walkthrough_blocks(OPERATIONS.read_text())
     script = "\n".join(blocks)
     assert len(blocks) >= 3
     assert script.count("twistd -n --pidfile= infx ") == 2 and script.count("--peers") == 1
@@ -57,7 +57,7 @@ def _port_free(port: int) -> bool:
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="the walkthrough uses curl")
 def test_the_operator_walkthrough_run_as_written_serves_every_model_from_both_gateways(tmp_path: Path):
-    script = "\n".join(walkthrough_blocks(README.read_text()))
+    script = "\n".join(walkthrough_blocks(OPERATIONS.read_text()))
     with LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         taken = [port for port in PORTS if not _port_free(port)]

@@ -6,7 +6,7 @@ scripted to fail as runtimes do: it closes the connection once it read a request
 crash on that body), dies mid-stream with chunked framing, dies mid-stream with no
 framing at all (the body ends where the connection does), or answers 503. Two agents
 serve model ``m`` from it, so a retry may land on the other engine. For each case:
-how many requests the runtime received (never more than the README's three sends),
+how many requests the runtime received (never more than docs/operations.md's three sends),
 how soon after the last one the client had its error, the error as the official
 ``openai`` client raises it, the gateway's request log line and ``/metrics``.
 """

@@ -35,8 +35,8 @@ class RuntimeSpec:
     reports 5,691 KV blocks of 16 tokens there after 15 GiB of weights (11.1 GiB of KV
     cache, 128 KiB per token); a decode step at batch 1 takes about 13 ms (75 tokens/s)
     and batching 8 costs about 3 ms more; prefill runs at about 10,000 uncached tokens/s
-    (2 x 8e9 FLOP per token at about half the A100's 312 bf16 TFLOP/s). README "Routing
-    simulation" has the sources.
+    (2 x 8e9 FLOP per token at about half the A100's 312 bf16 TFLOP/s). docs/routing.md,
+    "Routing simulation", has the sources.
     """
 
     cache_blocks: int = 5691
