@@ -156,10 +156,20 @@ class LlamaCppServer:
         if api_key is not None:
             # In the environment, not on the command line where every process could read it.
             env["LLAMA_API_KEY"] = api_key
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A port picked here may be taken by another process before the server binds it: then
+        # wait_until_up starts it again on another (only a port it picked, never a given one).
+        self._picked = port is None
+        self._argv, self._env = argv, env
+        self._spawn()
         if wait:
             self.wait_until_up()
+
+    def _spawn(self) -> None:
+        argv = list(self._argv)
+        argv[argv.index("--port") + 1] = str(self.port)
+        with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self._env)
 
     @property
     def url(self) -> str:
@@ -185,9 +195,19 @@ class LlamaCppServer:
         return self.get("/health")[0]
 
     def wait_until_up(self, timeout: float = 60.0) -> None:
-        """Until ``/health`` is 200 (it is 503 while the model loads); fails at once if the server dies."""
-        wait_until(lambda: self.health() == 200, f"{self.name} on port {self.port} to load its model", [self],
-                   timeout=timeout)
+        """Until ``/health`` is 200 (it is 503 while the model loads); fails at once if the server dies,
+        unless it died because another process took the port it was given here (then on a new one)."""
+        for attempt in range(3):
+            try:
+                wait_until(lambda: self.health() == 200, f"{self.name} on port {self.port} to load its model",
+                           [self], timeout=timeout)
+                return
+            except ChildDied:
+                said = self.log_path.read_bytes()[self._log_start:]
+                if not self._picked or attempt == 2 or b"couldn't bind HTTP server socket" not in said:
+                    raise
+                self.port = free_port()
+                self._spawn()
 
     def json(self, path: str) -> Any:
         status, body = self.get(path)

@@ -21,7 +21,7 @@ import pytest
 from harness.gguf_models import CHATML_TEMPLATE, CHATML_TOOLS_TEMPLATE, TINY, render_chat, tokenize, write_model
 from harness.llama_server import LOADING, LlamaCppServer, LoadGate
 from protocol.agent.runtime_metrics import parse_exposition, parse_slots, reading_from_metrics
-from harness.twistd_processes import wait_until
+from harness.twistd_processes import ChildDied, wait_until
 
 #: Runs the real llama-server binary.
 pytestmark = pytest.mark.e2e
@@ -233,3 +233,31 @@ def test_render_chat_and_tokenize_give_the_servers_prompt_token_for_token(tools_
     assert status == 200 and tokenize(prompt) == json.loads(answer)["tokens"]
     status, answer = post(tools_server, "/v1/chat/completions", {**body, "model": "tiny", "max_tokens": 1})
     assert status == 200 and json.loads(answer)["usage"]["prompt_tokens"] == len(tokenize(prompt))
+
+
+def test_a_server_whose_picked_port_was_taken_meanwhile_starts_again_on_another(
+        logs: Path, model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Free ports are picked before the server binds one; another process may take it first
+    (seen in CI: "couldn't bind HTTP server socket"). A port it was given is never replaced."""
+    import socket
+
+    import harness.llama_server as llama_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = llama_server.free_port
+    monkeypatch.setattr(llama_server, "free_port", lambda: next(picks, None) or real())
+    try:
+        llama = LlamaCppServer(model, logs, name="llama-port-taken", slots=1, context_per_slot=CONTEXT)
+        try:
+            assert llama.port != taken.getsockname()[1] and llama.health() == 200
+            assert "couldn't bind HTTP server socket" in llama.output()
+        finally:
+            llama.stop()
+        with pytest.raises(ChildDied, match="exited"):
+            LlamaCppServer(model, logs, name="llama-port-given", slots=1, context_per_slot=CONTEXT,
+                           port=taken.getsockname()[1])
+    finally:
+        taken.close()
