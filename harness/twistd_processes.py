@@ -42,6 +42,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a supervisor's workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
 def http_get(url: str, headers: dict[str, str] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
     """Status and body of a GET; error statuses are returned, not raised."""
     request = urllib.request.Request(url, headers=headers or {})

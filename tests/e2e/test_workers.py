@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from harness.recording_runtime import RecordingRuntime
-from harness.twistd_processes import Gateway, TwistdChild, http_get, wait_until
+from harness.twistd_processes import Gateway, TwistdChild, children_of, http_get, wait_until
 from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import builtin_engine_id
 from tests.support.lossless import MODEL, chat_answer
@@ -62,19 +62,6 @@ def worker_pids(gateway: Gateway) -> dict[int, int]:
     for m in re.finditer(r"worker (\d+) started(?: again)? \(pid (\d+)\)", gateway.child.output()):
         pids[int(m.group(1))] = int(m.group(2))
     return pids
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def all_listening(gateway: Gateway) -> bool:

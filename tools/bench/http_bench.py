@@ -79,8 +79,10 @@ from typing import IO, Any, Callable
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
 
 from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
+from harness.twistd_processes import children_of  # noqa: E402
 from peers import LITELLM, SGLANG_ROUTER, VLLM_ROUTER, Peer, start_litellm, start_sglang_router  # noqa: E402
 from peers import start_vllm_router  # noqa: E402
 
@@ -204,20 +206,6 @@ def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
             "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
             "--workers", str(workers)]
-
-
-def children_of(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a supervisor's workers)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
 
 
 class Processes:
