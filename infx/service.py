@@ -40,7 +40,8 @@ from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.runtime_engines import RuntimeEngines, RuntimeSettings
 from infx.gateway.workers import WorkerService
-from infx.http.api import HttpApi, build_resource, own_metrics_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource, own_metrics_resource
 from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
 from infx.supervisor.peers import SiblingPeerSource

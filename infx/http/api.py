@@ -1,11 +1,11 @@
-"""The OpenAI-compatible HTTP API (twisted.web), plus health, readiness and metrics.
+"""The OpenAI-compatible HTTP API: one API call's whole life, from request to exactly one response.
 
 Each API request becomes one task through a :class:`~infx.gateway.tasks.TaskRunner`
 and ends in exactly one response: the engine's answer, relayed (SSE events
 verbatim, flushed one by one), or an OpenAI-style error with the status that
-names what went wrong. The resource tree is built by :func:`build_resource`
-so it can be mounted inside another Twisted application; the site that
-serves it, refusing oversized bodies early, is :mod:`infx.http.site`'s.
+names what went wrong. Which path serves what is :mod:`infx.http.resources`'
+tree; the sites that serve it, refusing oversized bodies early, are
+:mod:`infx.http.site`'s and :mod:`infx.http.lean`'s.
 
 The task carries the client's request verbatim (:mod:`protocol.openai.verbatim`)
 beside its typed form, at the endpoint's own API path (wherever the tree is
@@ -23,8 +23,8 @@ naming those it does (``Allow``), an unknown path a 404, a failure inside a
 handler a 500 (the traceback goes to the log). Every refusal is logged as a
 request line and counted in ``infx_http_requests_total``.
 
-Size (over 600 lines): the API resource and one call's whole life (:class:`ApiCall`: admission,
-relay, back-pressure, exactly one response) with the request and status helpers only they use.
+Size (over 600 lines): the API's shared state and one call's whole life (:class:`ApiCall`:
+admission, relay, back-pressure, exactly one response) with the request and status helpers they use.
 """
 
 from __future__ import annotations
@@ -33,11 +33,8 @@ import json
 import math
 import uuid
 from collections import deque
-from email.parser import BytesParser
-from email.policy import HTTP as HTTP_POLICY
 from typing import Any, Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.logger import Logger
 from twisted.web import resource, server
@@ -46,15 +43,13 @@ from zope.interface import implementer
 from infx.gateway.auth import KeyStore, Principal
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability, Submission, TaskHandle, TaskRunner
-from infx.http.admin import AdminTree
 from infx.http.request_log import RequestTrace
 from infx.http.site import DEFAULT_MAX_BODY_SIZE
 from protocol.gateway.ratelimit import RateLimiter
 from protocol.openai import completions as openai_completions
 from protocol.openai import requests as openai_requests
-from protocol.openai import verbatim as openai_verbatim
 from protocol.openai.errors import (
-    InvalidRequestError, ModelNotFoundError, OpenAIError, error_event, error_json, error_type_for, reason_phrase,
+    ModelNotFoundError, OpenAIError, error_event, error_json, error_type_for, reason_phrase,
 )
 from protocol.openai.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
 from protocol.pb import worker_pb2
@@ -129,7 +124,7 @@ class HttpApi:
         body = error_json(status, message, code=code, param=param)
         _set_status(request, status)
         request.setHeader("content-type", "application/json")
-        request_id = _header(request, "x-request-id") or uuid.uuid4().hex
+        request_id = request_header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
         if record:
             self.record_refusal(endpoint, request_id, status, code or error_type_for(status), tenant)
@@ -197,7 +192,7 @@ class ApiCall:
 
     def start(self, parse: Parser) -> int | bytes:
         request = self.request
-        request_id = _header(request, "x-request-id") or uuid.uuid4().hex
+        request_id = request_header(request, "x-request-id") or uuid.uuid4().hex
         request.setHeader("x-request-id", request_id)
         self.trace.request_id = request_id
         if self.gateway.tracing is not None:
@@ -218,7 +213,7 @@ class ApiCall:
             request.content = None
         try:
             criticality = requested_criticality(principal.criticality, principal.admin,
-                                                _header(request, CRITICALITY_HEADER))
+                                                request_header(request, CRITICALITY_HEADER))
         except CriticalityRefused as e:
             return self._refuse(400, f"{CRITICALITY_HEADER}: {e}", code="invalid_criticality")
         try:
@@ -274,7 +269,7 @@ class ApiCall:
         return server.NOT_DONE_YET
 
     def _authenticate(self) -> Principal | None:
-        return self.gateway.keys.client(_header(self.request, "authorization"))
+        return self.gateway.keys.client(request_header(self.request, "authorization"))
 
     def _admit(self, principal: Principal) -> bool:
         decision = self.gateway.limiter.take(principal.key_id, principal.rate_limit, self.gateway.clock.seconds())
@@ -589,7 +584,7 @@ def _body_size(request: server.Request) -> int:
     return int(size)
 
 
-def _header(request: server.Request, name: str) -> str | None:
+def request_header(request: server.Request, name: str) -> str | None:
     # Asked by bytes name, Twisted returns the raw bytes; by str name it decodes
     # them as UTF-8 and a client's non-UTF-8 header would raise (a 500).
     value = request.getHeader(name.encode("ascii"))
@@ -618,7 +613,7 @@ def _forwarded_headers(request: server.Request, request_id: str) -> dict[str, li
 def _client_timeout(request: server.Request) -> float | None:
     """The client's own timeout: ``x-request-timeout`` or the OpenAI SDK's ``x-stainless-timeout``."""
     for name in ("x-request-timeout", "x-stainless-timeout"):
-        value = _header(request, name)
+        value = request_header(request, name)
         if value is None:
             continue
         try:
@@ -649,268 +644,3 @@ def _as_openai_error(status: int, body: bytes) -> bytes:
         pass
     text = body.decode("utf-8", "replace").strip() or (reason_phrase(status) or "error")
     return error_json(status, text[:2000])
-
-
-# --- resources ------------------------------------------------------------------
-
-
-class _Route(resource.Resource):
-    """A path of the gateway: ``endpoint`` names it in logs and metrics, ``methods`` are those it
-    serves (HEAD too where GET is); any other is refused with a JSON 405 and ``Allow``."""
-
-    endpoint = ""
-    methods: tuple[bytes, ...] = (b"GET",)
-
-    def __init__(self, gateway: HttpApi) -> None:
-        super().__init__()
-        self.gateway = gateway
-
-    def render(self, request: server.Request) -> Any:
-        method = b"GET" if request.method == b"HEAD" and b"GET" in self.methods else request.method
-        if method not in self.methods:
-            allowed = self.methods + ((b"HEAD",) if b"GET" in self.methods else ())
-            request.setHeader(b"allow", b", ".join(allowed))
-            said = f"{request.method.decode('latin-1')[:16]} {_path_of(request)}"
-            return self.gateway.refuse(request, self.endpoint, 405, f"Invalid method for URL ({said}); "
-                                       f"it takes {', '.join(m.decode() for m in allowed)}.", code="method_not_allowed")
-        return getattr(self, "render_" + method.decode("ascii"))(request)
-
-
-class _Endpoint(_Route):
-    """A JSON endpoint: ``typed`` converts for LLMariner engines, the body also travels verbatim.
-
-    ``kind`` is the typed request kind; ``runtime_path`` the path the runtime
-    serves the endpoint at: ``/v1/{name}``, or vLLM's ``/tokenize``.
-    """
-
-    isLeaf = True
-    methods = (b"POST",)
-
-    def __init__(self, gateway: HttpApi, name: str, kind: str, typed: TypedParser,
-                 transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
-        super().__init__(gateway)
-        self.endpoint = name
-        self.kind = kind
-        self.typed = typed
-        self.transform = transform
-        self.runtime_path = runtime_path or f"/v1/{name}"
-
-    def render_POST(self, request: server.Request) -> int | bytes:
-        call = ApiCall(self.gateway, request, self.endpoint, self.transform() if self.transform else None)
-        path = _runtime_uri(request, self.runtime_path)
-        return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
-
-
-def _runtime_uri(request: server.Request, path: str) -> str:
-    """``path`` with the client's query string, if it sent one."""
-    _, mark, query = request.uri.partition(b"?")
-    return path + (mark + query).decode("latin-1")
-
-
-def _parse_multipart_transcription(request: server.Request) -> Parser:
-    """Audio transcriptions arrive as multipart/form-data: fields plus the file and its name."""
-
-    def parse(body: bytes) -> openai_requests.ParsedRequest:
-        content_type = _header(request, "content-type") or ""
-        if not content_type.lower().startswith("multipart/form-data"):
-            raise InvalidRequestError("Expected a multipart/form-data body.", param="file")
-        message = BytesParser(policy=HTTP_POLICY).parsebytes(
-            b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body
-        )
-        if not message.is_multipart():
-            raise InvalidRequestError("The multipart body could not be parsed.", param="file")
-        fields: dict[str, str] = {}
-        file: bytes | None = None
-        filename = ""
-        for part in message.iter_parts():
-            name = part.get_param("name", header="content-disposition")
-            if not isinstance(name, str):
-                continue
-            payload = part.get_payload(decode=True)
-            data = payload if isinstance(payload, bytes) else b""
-            if name == "file":
-                file = data
-                filename = part.get_filename() or "audio"
-            else:
-                fields[name] = data.decode("utf-8", "replace")
-        path = _runtime_uri(request, "/v1/audio/transcriptions")
-        return openai_verbatim.parse_form(path, body, fields, file, filename)
-
-    return parse
-
-
-class _Transcriptions(_Route):
-    isLeaf = True
-    endpoint = "audio/transcriptions"
-    methods = (b"POST",)
-
-    def render_POST(self, request: server.Request) -> int | bytes:
-        return ApiCall(self.gateway, request, self.endpoint).start(_parse_multipart_transcription(request))
-
-
-class _Models(_Route):
-    endpoint = "models"
-
-    def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
-        if not path:
-            return self
-        return _Model(self.gateway, path.decode("utf-8", "replace"))
-
-    def render_GET(self, request: server.Request) -> bytes:
-        principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None:
-            return self.gateway.refuse(request, self.endpoint, 401, "Missing or unknown API key.",
-                                       code="invalid_api_key")
-        request.setHeader("content-type", "application/json")
-        models = self.gateway.runner.models(principal.tenant)
-        return json.dumps({"object": "list", "data": [_model_object(m) for m in models]}).encode()
-
-
-class _Model(_Route):
-    isLeaf = True
-    endpoint = "models"
-
-    def __init__(self, gateway: HttpApi, model: str) -> None:
-        super().__init__(gateway)
-        self.model = model
-
-    def render_GET(self, request: server.Request) -> bytes:
-        principal = self.gateway.keys.client(_header(request, "authorization"))
-        if principal is None:
-            return self.gateway.refuse(request, self.endpoint, 401, "Missing or unknown API key.",
-                                       code="invalid_api_key")
-        if self.model not in self.gateway.runner.models(principal.tenant):
-            unknown = ModelNotFoundError(self.model)
-            return self.gateway.refuse(request, self.endpoint, unknown.status, unknown.message, code=unknown.code,
-                                       param=unknown.param, tenant=principal.tenant)
-        request.setHeader("content-type", "application/json")
-        return json.dumps(_model_object(self.model)).encode()
-
-
-def _model_object(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "infx"}
-
-
-class _Health(_Route):
-    """A probe: plain ``ok`` while ``check`` holds; else 503 in OpenAI's error shape."""
-
-    isLeaf = True
-
-    def __init__(self, gateway: HttpApi, endpoint: str, check: Callable[[], bool]) -> None:
-        super().__init__(gateway)
-        self.endpoint = endpoint
-        self.check = check
-
-    def render_GET(self, request: server.Request) -> bytes:
-        if self.check():
-            request.setHeader("content-type", "text/plain")
-            return b"ok\n"
-        return self.gateway.refuse(request, self.endpoint, 503, "Not ready.", code="not_ready", record=False)
-
-
-class _Metrics(_Route):
-    """This gateway's registry; or, given ``source`` (a worker's), what it gives: every worker's."""
-
-    isLeaf = True
-    endpoint = "metrics"
-
-    def __init__(self, gateway: HttpApi, source: MetricsSource | None = None) -> None:
-        super().__init__(gateway)
-        self.source = source
-
-    def render_GET(self, request: server.Request) -> bytes | int:
-        request.setHeader("content-type", CONTENT_TYPE_LATEST)
-        if self.source is None:
-            return generate_latest(self.gateway.metrics.registry)
-        gathered = self.source()
-
-        def write(text: bytes) -> None:
-            if not request.finished and not request._disconnected:
-                request.write(text)
-                request.finish()
-
-        def failed(reason: Any) -> None:
-            log.failure("metrics of every worker", reason)
-            write(generate_latest(self.gateway.metrics.registry))
-
-        gathered.addCallbacks(write, failed)
-        return server.NOT_DONE_YET
-
-
-#: Gives the exposition text of ``/metrics`` (see :mod:`infx.supervisor.metrics`).
-MetricsSource = Callable[[], Any]
-
-
-class _OwnMetrics(resource.Resource):
-    """One registry's metrics, on a port of their own (a worker's private port, see
-    :mod:`infx.supervisor.metrics`)."""
-
-    isLeaf = True
-
-    def __init__(self, registry: Any) -> None:
-        super().__init__()
-        self.registry = registry
-
-    def render_GET(self, request: server.Request) -> bytes:
-        request.setHeader("content-type", CONTENT_TYPE_LATEST)
-        return generate_latest(self.registry)
-
-
-def own_metrics_resource(registry: Any) -> resource.Resource:
-    """``registry``'s metrics at every path, for a port that serves nothing else."""
-    return _OwnMetrics(registry)
-
-
-class _NotFound(_Route):
-    """Any method on a path the gateway does not serve: an OpenAI-style 404."""
-
-    isLeaf = True
-    endpoint = UNKNOWN_ENDPOINT
-
-    def render(self, request: server.Request) -> bytes:
-        return self.gateway.refuse(request, self.endpoint, 404, f"Unknown path {_path_of(request)}.",
-                                   code="unknown_url")
-
-
-class _Tree(_NotFound):
-    """A directory: itself and its unknown children answer with an OpenAI-style 404."""
-
-    isLeaf = False
-
-    def getChild(self, path: bytes, request: server.Request) -> resource.Resource:
-        return _NotFound(self.gateway)
-
-
-def _path_of(request: server.Request) -> str:
-    """The request's path for a message: as sent, cut short if long."""
-    path = request.path.decode("latin-1")
-    return path if len(path) <= 200 else path[:200] + "..."
-
-
-def build_resource(gateway: HttpApi, metrics: MetricsSource | None = None) -> resource.Resource:
-    """The gateway's resource tree, to serve with :class:`~infx.http.site.GatewaySite` or mount elsewhere;
-    ``metrics`` serves ``/metrics`` in place of this gateway's own registry (a worker's: every worker's)."""
-    root = _Tree(gateway)
-    v1 = _Tree(gateway)
-    root.putChild(b"v1", v1)
-    chat = _Tree(gateway)
-    v1.putChild(b"chat", chat)
-    chat.putChild(b"completions", _Endpoint(
-        gateway, "chat/completions", "chat_completion", openai_requests.parse_chat_completion))
-    v1.putChild(b"completions", _Endpoint(
-        gateway, "completions", "chat_completion", openai_requests.parse_completion, CompletionTransform))
-    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", "embedding", openai_requests.parse_embedding))
-    v1.putChild(b"responses", _Endpoint(
-        gateway, "responses", "model_response", openai_requests.parse_model_response))
-    # vLLM serves /tokenize at its root, not under /v1.
-    v1.putChild(b"tokenize", _Endpoint(
-        gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path="/tokenize"))
-    audio = _Tree(gateway)
-    v1.putChild(b"audio", audio)
-    audio.putChild(b"transcriptions", _Transcriptions(gateway))
-    v1.putChild(b"models", _Models(gateway))
-    root.putChild(b"healthz", _Health(gateway, "healthz", lambda: True))
-    root.putChild(b"readyz", _Health(gateway, "readyz", lambda: gateway.ready))
-    root.putChild(b"metrics", _Metrics(gateway, metrics))
-    root.putChild(b"admin", AdminTree(gateway))
-    return root

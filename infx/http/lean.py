@@ -1,6 +1,6 @@
 """The gateway's own HTTP/1.1 port, parsed by httptools: the same resource tree twisted.web serves.
 
-:class:`LeanSite` serves :func:`infx.http.api.build_resource`'s tree, as
+:class:`LeanSite` serves :func:`infx.http.resources.build_resource`'s tree, as
 :class:`~infx.http.site.GatewaySite` does, but parses requests with ``httptools``
 (llhttp, Node's parser, in C) instead of twisted.web's line parser, and writes
 answers with less machinery. The API itself (admission, the call, the relay, its
@@ -569,7 +569,7 @@ class LeanChannel(protocol.Protocol):
 
 
 class LeanSite(protocol.ServerFactory):
-    """Serves ``root`` (the tree of :func:`~infx.http.api.build_resource`) on HTTP/1.1 with
+    """Serves ``root`` (the tree of :func:`~infx.http.resources.build_resource`) on HTTP/1.1 with
     httptools; ``on_refused`` hears of the refusals the site makes itself (413, 500)."""
 
     noisy = False

@@ -1,7 +1,7 @@
 """The gateway's HTTP site: a request body over the limit is refused with 413 before any resource
 runs, and one connection's pipelined requests cannot keep the others waiting.
 
-:class:`GatewaySite` serves the resource tree of :func:`infx.http.api.build_resource`
+:class:`GatewaySite` serves the resource tree of :func:`infx.http.resources.build_resource`
 with :class:`GatewayRequest`, which answers an oversized body (a ``Content-Length``
 over the limit, or a chunked body that grows past it) with an OpenAI-style 413 as
 soon as it is known and closes the connection after a small drain allowance, so

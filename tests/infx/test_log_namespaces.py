@@ -20,6 +20,7 @@ NAMESPACES = {
     "infx/service.py": "infx.service",
     "infx/transport/server.py": "infx.transport.server",
     "infx/http/api.py": "infx.gateway",
+    "infx/http/resources.py": "infx.gateway",
     "infx/http/request_log.py": "infx.request_log",
     "infx/http/site.py": "infx.gateway_site",
     "infx/http/lean.py": "infx.gateway_site",

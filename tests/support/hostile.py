@@ -21,7 +21,8 @@ from twisted.python.failure import Failure
 from infx.gateway.auth import KeyStore
 from infx.gateway.dispatcher import Dispatcher, SendOutcome
 from infx.gateway.metrics import GatewayMetrics
-from infx.http.api import HttpApi, build_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource
 from protocol.agent.echo import EchoConfig, echo_task
 from protocol.grpc import GrpcConnection
 from protocol.pb import status_pb2, worker_pb2

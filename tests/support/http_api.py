@@ -12,7 +12,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
-from infx.http.api import HttpApi, build_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource
 from infx.http.lean import LeanSite
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2

@@ -17,7 +17,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.gateway.auth import KeyStore
 from infx.gateway.metrics import OTHER_MODEL, GatewayMetrics
 from infx.gateway.tasks import Availability, ServedBy
-from infx.http.api import HttpApi, build_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
 from protocol.agent.runtime_failures import broken_stream_event

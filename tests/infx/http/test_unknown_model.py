@@ -21,7 +21,8 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
-from infx.http.api import HttpApi, build_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource
 from infx.http.site import GatewaySite
 from protocol.gateway.effects import CoreConfig
 from protocol.openai.errors import ModelNotFoundError

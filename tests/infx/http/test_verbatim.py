@@ -20,7 +20,8 @@ from twisted.web import resource
 
 from infx.gateway.metrics import GatewayMetrics
 from infx.gateway.tasks import Availability
-from infx.http.api import HttpApi, build_resource
+from infx.http.api import HttpApi
+from infx.http.resources import build_resource
 from infx.http.site import GatewaySite
 from protocol.pb import worker_pb2
 
