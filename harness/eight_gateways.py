@@ -12,6 +12,7 @@ awaited, so that the start-up costs the machine's cores once, not once per proce
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
 from collections.abc import Sequence
@@ -225,23 +226,40 @@ class Outcome:
     #: (an error event after the stream started).
     kind: str
     detail: str = ""
+    #: The ``x-request-id`` it was sent with (the gateway's request log names it).
+    request_id: str = ""
+    #: The OpenAI error code of an error status or a stream's error event.
+    code: str = ""
+    #: The text a stream carried before it ended.
+    received: str = ""
+    #: The prompt sent, which is the right answer (the echo engines').
+    text: str = ""
 
 
-def ask(client: Any, model: str, text: str, stream: bool) -> str:
-    """The answer's text, streaming or not, through the official openai client."""
+def ask(client: Any, model: str, text: str, stream: bool, request_id: str = "",
+        received: list[str] | None = None) -> str:
+    """The answer's text, streaming or not, through the official openai client (``received``
+    gets each piece of a stream as it comes)."""
     messages = [{"role": "user", "content": text}]
+    headers = {"x-request-id": request_id} if request_id else None
     if not stream:
-        return str(client.chat.completions.create(model=model, messages=messages).choices[0].message.content)
-    chunks = client.chat.completions.create(model=model, messages=messages, stream=True)
-    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return str(client.chat.completions.create(model=model, messages=messages,
+                                                  extra_headers=headers).choices[0].message.content)
+    pieces = received if received is not None else []
+    for chunk in client.chat.completions.create(model=model, messages=messages, stream=True, extra_headers=headers):
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    return "".join(pieces)
 
 
-def classify(gateway: int, model: str, stream: bool, text: str, started: float, call: Any) -> Outcome:
-    """Run ``call()`` (which returns the answer) and say how the request ended."""
+def classify(gateway: int, model: str, stream: bool, text: str, started: float, call: Any,
+             request_id: str = "", received: list[str] | None = None) -> Outcome:
+    """Run ``call()`` (which returns the answer) and say how the request ended (``received``:
+    the list ``call`` gives :func:`ask`, for what a stream carried before an error)."""
     import httpx2 as httpx  # what the openai client is built on here
     import openai
 
-    kind, detail = "ok", ""
+    kind, detail, code = "ok", "", ""
     try:
         answer = call()
         if answer != text:
@@ -251,14 +269,35 @@ def classify(gateway: int, model: str, stream: bool, text: str, started: float, 
     except openai.APIConnectionError as e:
         kind, detail = "connection", repr(e.__cause__ or e)
     except openai.APIStatusError as e:
-        kind, detail = "http", f"{e.status_code} {e.message}"
+        kind, detail, code = "http", f"{e.status_code} {e.message}", e.code or ""
     except openai.APIError as e:  # an error event inside a started stream
-        kind, detail = "stream_error", e.message
+        kind, detail, code = "stream_error", e.message, e.code or ""
     except httpx.TimeoutException as e:
         kind, detail = "timeout", repr(e)
     except httpx.TransportError as e:  # the connection cut while a stream was read
         kind, detail = "connection", repr(e)
-    return Outcome(gateway, model, stream, started, time.monotonic(), kind, detail)
+    return Outcome(gateway, model, stream, started, time.monotonic(), kind, detail, request_id, code,
+                   "".join(received or []), text)
+
+
+def cut_on_a_lost_engine(outcome: Outcome, node: GatewayNode, killed_at: float, lost: set[str]) -> bool:
+    """Whether ``outcome`` (a request to ``node``) is the one loss no gateway can avoid: a stream
+    whose answer had started on one of the ``lost`` engines (by the ids they report) when their
+    gateway was killed at ``killed_at``. Its client read a right start, then the gateway's error
+    event for exactly that; the gateway's log says the same and names the engine. Such a stream
+    cannot be sent again: its client has the first tokens, and another run would not continue them."""
+    from protocol.processor.retries import ENGINE_LOST_MID_STREAM
+
+    if not (outcome.kind == "stream_error" and outcome.stream and outcome.started < killed_at < outcome.ended):
+        return False
+    if (outcome.code, outcome.detail) != ("engine_lost", ENGINE_LOST_MID_STREAM) or not outcome.request_id:
+        return False
+    if not outcome.text.startswith(outcome.received):
+        return False
+    assert node.child is not None
+    line = re.search(rf"request {re.escape(outcome.request_id)} chat/completions .* status=502 .* "
+                     r"engine='([^'@]+)@[^']*' .* error=engine_lost", node.child.output())
+    return line is not None and line.group(1) in lost
 
 
 class Traffic:
@@ -310,9 +349,10 @@ class Traffic:
             with openai.OpenAI(base_url=node.base_url, api_key="x", max_retries=0, timeout=self.timeout) as client:
                 model = MODELS[(seq + worker) % len(MODELS)]
                 stream = seq % 2 == 1
-                text = prompt(f"g{node.index}t{worker}r{seq}")
+                tag = f"g{node.index}t{worker}r{seq}"
+                text, received = prompt(tag), list[str]()
                 outcome = classify(node.index, model, stream, text, time.monotonic(),
-                                   lambda: ask(client, model, text, stream))
+                                   lambda: ask(client, model, text, stream, tag, received), tag, received)
             with self._lock:
                 self.outcomes.append(outcome)
             seq += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: The supervisor's line saying where ``twistd infx --workers N`` listens (its ports, port 0's included).
+SUPERVISOR_LISTENING = re.compile(r"\d+ workers share the HTTP API's port \S+?:(\d+) and the engines' port "
+                                  r"\S+?:(\d+); their peer ports are \S+?:([\d,]+), one each")
+
+
+def supervisor_ports(log: str) -> tuple[int, int, tuple[int, ...]] | None:
+    """The HTTP, engine-facing and each worker's internal port a supervisor bound, from its log."""
+    found = SUPERVISOR_LISTENING.search(log)
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2)), tuple(int(p) for p in found.group(3).split(","))
 
 
 def children_of(pid: int) -> list[int]:
@@ -146,23 +160,31 @@ class Gateway:
         ``env``: more environment for the child (``KUBECONFIG``, ``POD_NAME``); without ``wait``
         the caller waits for ``/readyz`` itself (a test whose reactor serves the gateway's needs);
         ``workers``: ``--workers`` (1, one process, unless a test is about workers; worker i's
-        internal port is the internal port plus i).
+        internal port is the internal port plus i, or the kernel's pick: see below).
 
-        Free ports are picked here and bound by the child a second or two later; another
-        process may take one meanwhile (other suites share the machine). A child that exits
-        saying so is started again on new ports, at most :data:`PORT_RACE_RETRIES` times."""
+        With ``--workers`` above 1 and no ports given, the supervisor binds port 0 everywhere and
+        the ports are read from its log: nothing can take them first. Otherwise free ports are
+        picked here and bound by the child a second or two later; another process may take one
+        meanwhile (other suites share the machine). A child that exits saying so is started
+        again on new ports, at most :data:`PORT_RACE_RETRIES` times. (One process names itself by
+        its internal port, which must be known before it starts, so it cannot bind port 0.)"""
         self.admin_key = admin_key
         self.workers = workers
         if same_ports_as is not None:
             ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
+        kernel_picks = ports is None and workers > 1
         for attempt in range(PORT_RACE_RETRIES + 1):
-            if ports is None:
+            if kernel_picks:
+                picked = (0, 0, 0)
+            elif ports is None:
                 picked = (free_port(), free_port(), free_port())
             else:
                 picked = ports
             self.http_port: int = picked[0]
             self.worker_port: int = picked[1]
             self.internal_port: int = picked[2]
+            #: Each worker's internal port, by index.
+            self.internal_ports: tuple[int, ...] = tuple(picked[2] + i for i in range(workers))
             args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
                     "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
                     "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1",
@@ -170,6 +192,11 @@ class Gateway:
             if api_keys is not None:
                 args += ["--api-keys", str(api_keys)]
             self.child = TwistdChild(name, args, log_dir, env, twistd)
+            if kernel_picks:
+                bound = wait_until(lambda: supervisor_ports(self.child.output()), "the supervisor's ports",
+                                   [self.child])
+                self.http_port, self.worker_port, self.internal_ports = bound
+                self.internal_port = self.internal_ports[0]
             if not wait:
                 return
             try:
@@ -210,7 +237,7 @@ class Gateway:
 
     def worker_pod_name(self, index: int) -> str:
         """How worker ``index`` of ``--workers N`` names itself: its own internal port's address."""
-        return f"127.0.0.1:{self.internal_port + index}"
+        return f"127.0.0.1:{self.internal_ports[index]}"
 
     def remote_engine_id(self, engine_id: str) -> str:
         """What the engine ``engine_id`` attached to this gateway is named at its peers."""

@@ -88,13 +88,21 @@ def bind_one(address: ListenAddress, option: str, port: int | None = None, reuse
 
 
 def bind_group(address: ListenAddress, option: str, count: int) -> list[socket.socket]:
-    """``count`` sockets sharing ``address`` with ``SO_REUSEPORT`` (port 0: one the kernel picks)."""
-    probe = bind_one(address, option)
-    port = probe.getsockname()[1]
-    probe.close()
+    """``count`` sockets sharing ``address`` with ``SO_REUSEPORT`` (port 0: one the kernel picks).
+
+    A given port is probed first (see the module docstring). Port 0 is not: the kernel's pick is
+    free, and the group's first socket holds it from the moment it is picked, since a probe let go
+    before the group bound would leave the port for any other process to take meanwhile."""
     sockets: list[socket.socket] = []
+    if address.port == 0:
+        sockets.append(bind_one(address, option, reuse_port=True))
+        port = sockets[0].getsockname()[1]
+    else:
+        probe = bind_one(address, option)
+        port = probe.getsockname()[1]
+        probe.close()
     try:
-        for _ in range(count):
+        while len(sockets) < count:
             sockets.append(bind_one(address, option, port, reuse_port=True))
     except ListenFailed:
         for sock in sockets:

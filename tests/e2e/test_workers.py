@@ -276,18 +276,20 @@ def test_a_daemonized_supervisor_writes_the_pidfile_logs_every_worker_to_its_log
     reach its --logfile through it, and SIGTERM to that pid drains and ends them all."""
     import subprocess
 
-    from harness.twistd_processes import TWISTD, ROOT, free_port
+    from harness.twistd_processes import TWISTD, ROOT, supervisor_ports
 
-    http, worker, internal = free_port(), free_port(), free_port()
     pidfile, logfile = tmp_path / "infx.pid", tmp_path / "infx.log"
+    # Port 0 everywhere, read back from the log: a daemon cannot be started again on other ports
+    # if one picked for it were taken before it bound it.
     result = subprocess.run(
         [TWISTD, f"--pidfile={pidfile}", "--logfile", str(logfile), "infx", "--workers", "2",
-         "--http", f"tcp:{http}:interface=127.0.0.1", "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-         "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--echo-models", "echo"],
+         "--http", "tcp:0:interface=127.0.0.1", "--worker-grpc", "tcp:0:interface=127.0.0.1",
+         "--internal-grpc", "tcp:0:interface=127.0.0.1", "--echo-models", "echo"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0, result.stderr
     pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), "the pidfile"))
     try:
+        http, _, _ = wait_until(lambda: supervisor_ports(logfile.read_text()), "the supervisor's ports")
         wait_until(lambda: (t := logfile.read_text()).count("infx.workers#info] engine builtin-echo-") == 2
                    and "all 2 workers listen" in t, "both workers to listen and serve echo")
         workers = children_of(pid)
@@ -337,7 +339,7 @@ def test_every_worker_of_a_peer_is_dialled_from_one_port_in_peers(tmp_path):
         # Every worker of a dialled every worker of b (one of b's ports came from its headers).
         said = a.child.output()
         for worker in (0, 1):
-            for port in (b.internal_port, b.internal_port + 1):
+            for port in b.internal_ports:
                 assert re.search(rf"\[worker-{worker} infx\.exchanger#info\] peer \S+: connected at 127\.0\.0\.1:{port}",
                                  said), (worker, port)
     finally:

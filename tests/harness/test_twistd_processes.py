@@ -35,3 +35,23 @@ def test_a_gateway_that_exits_for_another_reason_is_not_started_again(tmp_path: 
         bad.write_text("keys: [\n")
         Gateway(tmp_path, api_keys=bad)
     assert not list(tmp_path.glob("*.port-taken-*.log"))
+
+
+def test_a_gateway_of_workers_binds_only_ports_the_kernel_picks_and_knows_them(tmp_path: Path, monkeypatch):
+    """No port of a supervisor is picked beforehand (none can be taken before it binds): its
+    HTTP, engine and each worker's internal port are read from its log."""
+
+    def no_picking() -> int:
+        raise AssertionError("a port picked for a supervisor could be taken before it binds")
+
+    monkeypatch.setattr(twistd_processes, "free_port", no_picking)
+    gateway = Gateway(tmp_path, workers=2, extra=["--echo-models", "m"])
+    try:
+        assert gateway.readyz() == 200 and len(set(gateway.internal_ports)) == 2
+        assert gateway.internal_port == gateway.internal_ports[0] and gateway.worker_port not in (0, gateway.http_port)
+        for index, port in enumerate(gateway.internal_ports):
+            assert f"127.0.0.1:{port}" == gateway.worker_pod_name(index)
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+    finally:
+        gateway.stop()

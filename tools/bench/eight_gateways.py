@@ -42,6 +42,7 @@ from harness.eight_gateways import (  # noqa: E402 (the checkout goes on the pat
     EightGateways,
     GatewayNode,
     Traffic,
+    cut_on_a_lost_engine,
     engine_id,
 )
 
@@ -125,7 +126,7 @@ def kill_and_restart(cluster: EightGateways, down: float) -> dict[str, Any]:
         outcomes = traffic.stop()
     to_live = [o for o in outcomes if o.gateway != VICTIM]
     to_victim = [o for o in outcomes if o.gateway == VICTIM]
-    cut = [o for o in to_live if o.kind == "stream_error" and o.started < killed_at < o.ended]
+    cut = [o for o in to_live if cut_on_a_lost_engine(o, cluster.gateways[o.gateway], killed_at, own)]
     lost = [o for o in to_live if o.kind != "ok" and o not in cut]
     return {
         "requests": len(outcomes),

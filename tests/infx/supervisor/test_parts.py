@@ -56,6 +56,40 @@ def test_a_group_shares_one_port_and_a_taken_port_fails_as_one_process_does():
             sock.close()
 
 
+def test_a_group_on_port_0_holds_the_kernels_pick_from_the_start(monkeypatch):
+    """Another process takes a port the moment a socket on it lets go (a busy machine's outgoing
+    connections draw from the same range): the group must never release the port it was given."""
+    thieves: list[socket.socket] = []
+    real_close = socket.socket.close
+
+    def close_then_steal(sock: socket.socket) -> None:
+        try:
+            port = sock.getsockname()[1]
+        except OSError:
+            port = 0
+        real_close(sock)
+        if port and not thieves:
+            thief = socket.socket()
+            try:
+                thief.bind(("127.0.0.1", port))
+                thief.listen()
+            except OSError:
+                real_close(thief)
+                return
+            thieves.append(thief)
+
+    monkeypatch.setattr(socket.socket, "close", close_then_steal)
+    group: list[socket.socket] = []
+    try:
+        group = bind_group(listen_address("tcp:0:interface=127.0.0.1", "--http"), "--http", 2)
+        assert len({sock.getsockname()[1] for sock in group}) == 1
+        assert not thieves
+    finally:
+        monkeypatch.undo()
+        for sock in [*group, *thieves]:
+            sock.close()
+
+
 @pytest_twisted.inlineCallbacks
 def test_an_adopted_socket_serves_connections():
     sock = bind_one(listen_address("tcp:0:interface=127.0.0.1", "--http"), "--http")
