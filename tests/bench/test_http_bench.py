@@ -398,3 +398,11 @@ def test_verdicts_hold_url_workers_to_the_best_routers_rates_and_show_the_floor_
     assert "relayed events/s: best Rust router 1,000 (vllm-echo); infx by URL, --workers 2 700 = 0.70x " \
            "(target with --workers 2: >= 0.8x) -> MISSED" in lines
     assert "CPU per request at c=32: best Rust router 0.100 ms (vllm-echo); the floor (proxy_floor.py) 0.050 ms" in lines
+
+
+def test_verdicts_set_the_by_url_path_beside_the_baseline_trees() -> None:
+    http_bench = _load("http_bench")
+    lines = "\n".join(http_bench.verdicts([_overview_row("url-echo", "url", 0.3, 0.45, 0.5),
+                                           _overview_row("base-url-echo", "base-url", 0.4, 0.5, 0.6)]))
+    assert "[echo] by-URL path CPU per request at c=32: 0.300 ms, the --baseline tree's 0.400 ms = 0.75x" in lines
+    assert "[echo] by-URL path CPU per request at c=1: 0.450 ms, the --baseline tree's 0.500 ms = 0.90x" in lines

@@ -25,6 +25,7 @@ In front of each runtime, the targets (``--targets``):
 - ``base``: with ``--baseline DIR`` (another checkout of infx, e.g. made
   with ``git worktree add DIR COMMIT``), that tree's dial-in path, as
   ``agent`` but run from ``DIR``: before and after a change in one run;
+- ``base-url``: with ``--baseline DIR``, that tree's by-URL path, as ``url``;
 - ``litellm``: the LiteLLM proxy (one worker);
 - ``sglang``: sglang-router, round_robin;
 - ``vllm``: vllm-router, round_robin;
@@ -112,6 +113,7 @@ KINDS = {
     "url-workers": "twistd infx --workers 2 --runtime-url (the supervisor and 2 workers, each serving the runtime)",
     "floor": "proxy_floor.py: a bare Twisted + httptools relay to the runtime, no routing (the floor)",
     "base": "the dial-in path of the --baseline tree",
+    "base-url": "the by-URL path of the --baseline tree",
     "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
@@ -258,14 +260,16 @@ class Processes:
                 self.children.append(engine)
                 waits.append((http, [gateway, engine]))
                 self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
-            if "url" in kinds:
+            for kind, tree in (("url", ROOT), ("base-url", self.baseline)):
+                if kind not in kinds or tree is None:
+                    continue
                 http = free_port()
-                gateway = twistd(f"gateway-url-{runtime}", [
+                gateway = twistd(f"gateway-{kind}-{runtime}", [
                     *gateway_args(http, free_port()), "--runtime-url", f"{server.url}={MODEL}",
-                    "--runtime-max-concurrency", "64"], logs, profile)
+                    "--runtime-max-concurrency", "64"], logs, profile, tree)
                 self.children.append(gateway)
                 waits.append((http, [gateway]))
-                self._add("url", runtime, http, gateway.process.pid)
+                self._add(kind, runtime, http, gateway.process.pid)
             if "url-workers" in kinds:
                 http = free_port()
                 gateway = twistd(f"gateway-url-workers-{runtime}", [
@@ -471,6 +475,13 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                     out.append(f"#25 [{runtime}] dial-in path CPU per request at {what}: {agent[key]:.3f} ms, the "
                                f"--baseline tree's {base[key]:.3f} ms = {agent[key] / base[key]:.2f}x "
                                f"(target <= 0.6x) -> {'met' if agent[key] <= 0.6 * base[key] else 'MISSED'}")
+        url = next((row for row in mine if row["kind"] == "url"), None)
+        base_url = next((row for row in mine if row["kind"] == "base-url"), None)
+        if url is not None and base_url is not None:
+            for key, what in (("c32_cpu_ms_per_request", "c=32"), ("c1_cpu_ms_per_request", "c=1")):
+                if base_url[key] and url[key] is not None:
+                    out.append(f"[{runtime}] by-URL path CPU per request at {what}: {url[key]:.3f} ms, the "
+                               f"--baseline tree's {base_url[key]:.3f} ms = {url[key] / base_url[key]:.2f}x")
         for kind, name in (("url", "infx by URL"), ("url-workers", "infx by URL, --workers 2"),
                            ("agent", "infx dial-in path"), ("floor", "the floor (proxy_floor.py)")):
             row = next((r for r in mine if r["kind"] == kind), None)
@@ -585,12 +596,12 @@ def main(argv: list[str]) -> int:
     runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
     kinds = names(parser, options.targets, KINDS, "targets")
     if options.baseline is None:
-        kinds = [kind for kind in kinds if kind != "base"]
+        kinds = [kind for kind in kinds if kind not in ("base", "base-url")]
     elif not (options.baseline / "infx" / "tap.py").is_file():
         parser.error(f"--baseline {options.baseline}: not a checkout of infx (no infx/tap.py)")
     else:
         options.baseline = options.baseline.resolve()
-        kinds = kinds if "base" in kinds else [*kinds, "base"]
+        kinds = kinds if "base" in kinds or "base-url" in kinds else [*kinds, "base"]
     target_names = [target_name(kind, None if kind in RUNTIMELESS else runtime)
                     for kind in kinds for runtime in (runtimes if kind not in RUNTIMELESS else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
