@@ -40,9 +40,9 @@ from twisted.internet import defer, interfaces, protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
-from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
+from infx.http.headers import LeanHeaders
 from infx.http.site import (
     DEFAULT_MAX_BODY_SIZE, MAX_PIPELINED_REQUESTS, REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS, RefusalHook,
 )
@@ -99,11 +99,11 @@ class LeanRequest:
         self.path = uri.split(b"?", 1)[0]
         self.prepath: list[bytes] = []
         self.postpath = [unquote_to_bytes(segment) for segment in self.path[1:].split(b"/")]
-        self.requestHeaders = Headers()
+        self.requestHeaders = LeanHeaders()
         for name, value in headers:
             self.requestHeaders.addRawHeader(name, value)
         self.content: BytesIO | None = content
-        self.responseHeaders = Headers()
+        self.responseHeaders = LeanHeaders()
         self.code = 200
         self.code_message = b"OK"
         self.startedWriting = False
@@ -261,7 +261,7 @@ class LeanRequest:
                 channel.transport.loseConnection()
             return
         body = error_json(500, "The gateway failed to handle this request.", code="internal_error")
-        self.responseHeaders = Headers()
+        self.responseHeaders = LeanHeaders()
         self.setHeader(b"server", server.version)
         self.setHeader(b"date", _date())
         self.setResponseCode(500, reason_phrase(500).encode())
