@@ -265,7 +265,11 @@ class ApiCall:
         if self.span is not None:
             self.span.submitted(submission_headers, parsed.model, principal.tenant, body)
         self.gateway.active_calls.add(self)
-        request.notifyFinish().addBoth(self._connection_done)
+        when_done = getattr(request, "call_when_done", None)
+        if when_done is not None:
+            when_done(self._connection_done)  # the lean server: no Deferred per request
+        else:
+            request.notifyFinish().addBoth(self._connection_done)
         # From here on an answer is written to the request, even one the
         # runner gives synchronously inside submit() (a deadline already past,
         # a full queue), before it has returned the handle.
