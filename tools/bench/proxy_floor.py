@@ -2,8 +2,9 @@
 """The floor: the least a Twisted + httptools process spends relaying one HTTP request to a runtime.
 
 ``http_bench.py``'s ``floor`` target. It is not a gateway: no routing, no
-admission, no queue, no retries, no metrics, no log, no failure handling
-beyond closing what broke. Each request is parsed by httptools on a Twisted
+admission, no queue, no retries, no metrics, no log, no backpressure (a slow
+client's answer is buffered whole), no failure handling beyond closing what
+broke. Each request is parsed by httptools on a Twisted
 protocol, written to one pooled keep-alive connection to the runtime (its
 header fields passed on as they came, minus the hop-by-hop ones), and the
 answer is parsed by httptools and relayed back as it arrives: its status and
