@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
+import os
 from collections import deque
 from typing import Any, Callable
 
@@ -124,7 +124,7 @@ class HttpApi:
         body = error_json(status, message, code=code, param=param)
         _set_status(request, status)
         request.setHeader("content-type", "application/json")
-        request_id = request_header(request, "x-request-id") or uuid.uuid4().hex
+        request_id = request_header(request, "x-request-id") or new_request_id()
         request.setHeader("x-request-id", request_id)
         if record:
             self.record_refusal(endpoint, request_id, status, code or error_type_for(status), tenant)
@@ -133,7 +133,7 @@ class HttpApi:
     def refused_early(self, path: bytes, status: int, code: str, detail: str = "") -> None:
         """A refusal the site made before any resource ran (a body over the limit, a handler's
         crash): logged and counted like the others, under the endpoint its path names."""
-        self.record_refusal(endpoint_of(path), uuid.uuid4().hex, status, code, detail=detail)
+        self.record_refusal(endpoint_of(path), new_request_id(), status, code, detail=detail)
 
     def record_refusal(self, endpoint: str, request_id: str, status: int, code: str, tenant: str = "",
                        detail: str = "") -> None:
@@ -192,7 +192,7 @@ class ApiCall:
 
     def start(self, parse: Parser) -> int | bytes:
         request = self.request
-        request_id = request_header(request, "x-request-id") or uuid.uuid4().hex
+        request_id = request_header(request, "x-request-id") or new_request_id()
         request.setHeader("x-request-id", request_id)
         self.trace.request_id = request_id
         if self.gateway.tracing is not None:
@@ -260,7 +260,11 @@ class ApiCall:
         if self.span is not None:
             self.span.submitted(submission_headers, parsed.model, principal.tenant, body)
         self.gateway.active_calls.add(self)
-        request.notifyFinish().addBoth(self._connection_done)
+        when_done = getattr(request, "call_when_done", None)
+        if when_done is not None:
+            when_done(self._connection_done)  # the lean server: no Deferred per request
+        else:
+            request.notifyFinish().addBoth(self._connection_done)
         # From here on an answer is written to the request, even one the
         # runner gives synchronously inside submit() (a deadline already past,
         # a full queue), before it has returned the handle.
@@ -556,6 +560,17 @@ ENDPOINTS = {
     b"/readyz": "readyz", b"/metrics": "metrics", b"/admin/status": "admin/status",
     b"/admin/events": "admin/events",
 }
+
+
+#: The bits of a random (version 4, RFC 9562 variant) UUID that are not random.
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
+
+
+def new_request_id() -> str:
+    """A request's id when its client sent none: ``uuid.uuid4().hex``, the same 122 random bits
+    in the same form, without building a ``UUID`` (its checks were 1 % of a request by URL)."""
+    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _UUID4_CLEAR | _UUID4_SET)
 
 
 def endpoint_of(path: bytes) -> str:

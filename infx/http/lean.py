@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from io import BytesIO
 from typing import Any
 from urllib.parse import parse_qs, unquote_to_bytes
@@ -40,9 +41,9 @@ from twisted.internet import defer, interfaces, protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web import http, resource, server
-from twisted.web.http_headers import Headers
 from zope.interface import implementer
 
+from infx.http.headers import LeanHeaders
 from infx.http.site import (
     DEFAULT_MAX_BODY_SIZE, MAX_PIPELINED_REQUESTS, REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS, RefusalHook,
 )
@@ -99,11 +100,11 @@ class LeanRequest:
         self.path = uri.split(b"?", 1)[0]
         self.prepath: list[bytes] = []
         self.postpath = [unquote_to_bytes(segment) for segment in self.path[1:].split(b"/")]
-        self.requestHeaders = Headers()
+        self.requestHeaders = LeanHeaders()
         for name, value in headers:
             self.requestHeaders.addRawHeader(name, value)
         self.content: BytesIO | None = content
-        self.responseHeaders = Headers()
+        self.responseHeaders = LeanHeaders()
         self.code = 200
         self.code_message = b"OK"
         self.startedWriting = False
@@ -112,7 +113,7 @@ class LeanRequest:
         self.persistent = persistent
         self._chunked = False
         self._no_body = False
-        self._notifications: list[defer.Deferred[None]] = []
+        self._when_done: list[Callable[[Failure | None], object]] = []
         self.producer: Any = None
 
     # --- what handlers read --------------------------------------------------------------
@@ -184,20 +185,24 @@ class LeanRequest:
         channel = self.channel
         if self._chunked:
             channel.send([b"0\r\n\r\n"])
-        notifications, self._notifications = self._notifications, []
-        for d in notifications:
-            d.callback(None)
+        calls, self._when_done = self._when_done, []
+        for call in calls:
+            call(None)
         channel.request_done(self)
 
     def notifyFinish(self) -> defer.Deferred[None]:
         d: defer.Deferred[None] = defer.Deferred()
-        if self._disconnected:
-            d.errback(Failure(ConnectionError("the connection was lost")))
-        elif self.finished:
-            d.callback(None)
-        else:
-            self._notifications.append(d)
+        self.call_when_done(lambda reason: d.callback(None) if reason is None else d.errback(reason))
         return d
+
+    def call_when_done(self, call: Callable[[Failure | None], object]) -> None:
+        """``notifyFinish().addBoth(call)``, no Deferred: ``call(None)`` once finished, else ``call(reason)``."""
+        if self._disconnected:
+            call(Failure(ConnectionError("the connection was lost")))
+        elif self.finished:
+            call(None)
+        else:
+            self._when_done.append(call)
 
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self.producer = producer
@@ -214,9 +219,9 @@ class LeanRequest:
         self.channel = None
         if self.content is not None:
             self.content.close()
-        notifications, self._notifications = self._notifications, []
-        for d in notifications:
-            d.errback(reason)
+        calls, self._when_done = self._when_done, []
+        for call in calls:
+            call(reason)
 
     # --- the answer of the site itself -----------------------------------------------------------
 
@@ -261,7 +266,7 @@ class LeanRequest:
                 channel.transport.loseConnection()
             return
         body = error_json(500, "The gateway failed to handle this request.", code="internal_error")
-        self.responseHeaders = Headers()
+        self.responseHeaders = LeanHeaders()
         self.setHeader(b"server", server.version)
         self.setHeader(b"date", _date())
         self.setResponseCode(500, reason_phrase(500).encode())

@@ -10,6 +10,7 @@ vllm-router) are never installed by the suite: only the command lines
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
@@ -222,7 +223,8 @@ def test_every_peer_is_pinned_to_one_release_in_a_venv_git_ignores() -> None:
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     for package in (peers.LITELLM, peers.SGLANG_ROUTER, peers.VLLM_ROUTER):
         assert package.requirement.endswith(f"=={package.version}"), package
-        assert f"{package.venv.relative_to(ROOT)}/" in ignored, package
+        # Without a trailing slash: a venv shared from another checkout by a symlink is ignored too.
+        assert f"{package.venv.relative_to(ROOT)}" in ignored, package
 
 
 @pytest.fixture
@@ -334,6 +336,43 @@ def _overview_row(target: str, kind: str, c32_cpu: float, c1_cpu: float, c1_adde
             "events_per_s": 1000.0, "c32_cpu_ms_per_request": c32_cpu, "c1_cpu_ms_per_request": c1_cpu}
 
 
+@pytest.fixture
+def floor(starlette_runtime: int) -> Iterator[int]:
+    process = subprocess.Popen([sys.executable, str(BENCH / "proxy_floor.py"), "--upstream",
+                                f"http://127.0.0.1:{starlette_runtime}"], cwd=ROOT, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE)
+    stdout: IO[bytes] = process.stdout  # type: ignore[assignment]
+    try:
+        yield int(stdout.readline())
+    finally:
+        stdin: IO[bytes] = process.stdin  # type: ignore[assignment]
+        stdin.close()
+        assert process.wait(timeout=30) == 0
+        stdout.close()
+
+
+def test_the_floor_relays_the_runtimes_answers_and_streams_as_they_are_over_one_kept_connection(
+        starlette_runtime: int, floor: int) -> None:
+    request = {"model": "echo", "messages": [{"role": "user", "content": "hello there"}]}
+    streamed = {"model": "echo", "stream": True, "messages": [{"role": "user", "content": "a b c d"}]}
+    connection = http.client.HTTPConnection("127.0.0.1", floor, timeout=30)
+    answers = []
+    for body in (request, streamed, request):
+        connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answers.append((response.status, response.getheader("content-type"), response.read()))
+    connection.close()
+    assert [(status, kind) for status, kind, _ in answers] == [
+        (200, "application/json"), (200, "text/event-stream; charset=utf-8"), (200, "application/json")]
+    assert _without_id(answers[0][2]) == _without_id(answers[2][2]) == _without_id(
+        _post(starlette_runtime, request)[1])
+    events = answers[1][2].split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 4 + 3 + 1
+    bad = _exchange(floor, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    b"Content-Length: 5\r\n\r\n{nope")
+    assert bad.startswith(b"HTTP/1.1 400") and b"bad JSON" in bad
+
+
 def test_verdicts_compare_infx_by_url_with_the_best_router_and_the_dial_in_path_with_the_baseline_tree() -> None:
     http_bench = _load("http_bench")
     lines = http_bench.verdicts([
@@ -346,3 +385,24 @@ def test_verdicts_compare_infx_by_url_with_the_best_router_and_the_dial_in_path_
            "(target <= 0.6x) -> MISSED" in "\n".join(lines)
     assert any("infx by URL 0.300 ms = 3.0x (target for infx by URL: <= 2x) -> MISSED" in line for line in lines)
     assert any("c=1 p50 added: best Rust router 0.200 ms (vllm-echo); infx by URL 0.500 ms" in line for line in lines)
+
+
+def test_verdicts_hold_url_workers_to_the_best_routers_rates_and_show_the_floor_beside() -> None:
+    http_bench = _load("http_bench")
+    workers = {**_overview_row("url-workers-echo", "url-workers", 0.3, 0.5, 0.5), "c32_rps": 850.0,
+               "events_per_s": 700.0}
+    lines = "\n".join(http_bench.verdicts([workers, _overview_row("floor-echo", "floor", 0.05, 0.1, 0.1),
+                                           _overview_row("vllm-echo", "vllm", 0.1, 0.2, 0.2)]))
+    assert "requests/s at c=32: best Rust router 1,000 (vllm-echo); infx by URL, --workers 2 850 = 0.85x " \
+           "(target with --workers 2: >= 0.8x) -> met" in lines
+    assert "relayed events/s: best Rust router 1,000 (vllm-echo); infx by URL, --workers 2 700 = 0.70x " \
+           "(target with --workers 2: >= 0.8x) -> MISSED" in lines
+    assert "CPU per request at c=32: best Rust router 0.100 ms (vllm-echo); the floor (proxy_floor.py) 0.050 ms" in lines
+
+
+def test_verdicts_set_the_by_url_path_beside_the_baseline_trees() -> None:
+    http_bench = _load("http_bench")
+    lines = "\n".join(http_bench.verdicts([_overview_row("url-echo", "url", 0.3, 0.45, 0.5),
+                                           _overview_row("base-url-echo", "base-url", 0.4, 0.5, 0.6)]))
+    assert "[echo] by-URL path CPU per request at c=32: 0.300 ms, the --baseline tree's 0.400 ms = 0.75x" in lines
+    assert "[echo] by-URL path CPU per request at c=1: 0.450 ms, the --baseline tree's 0.500 ms = 0.90x" in lines

@@ -17,9 +17,15 @@ In front of each runtime, the targets (``--targets``):
   pointed at the runtime (infx's dial-in deployment);
 - ``url``: ``twistd infx --runtime-url`` (the runtime served by URL: the
   engine agent runs inside the gateway's process, no gRPC hop);
+- ``url-workers``: the same with ``--workers 2`` (every worker serves the
+  runtime itself; every process's CPU is counted, the supervisor's too);
+- ``floor``: ``proxy_floor.py``, the least a Twisted + httptools process
+  spends relaying a request to the runtime and back (no routing, no
+  guarantees): how far infx is from what Python on Twisted can do;
 - ``base``: with ``--baseline DIR`` (another checkout of infx, e.g. made
   with ``git worktree add DIR COMMIT``), that tree's dial-in path, as
   ``agent`` but run from ``DIR``: before and after a change in one run;
+- ``base-url``: with ``--baseline DIR``, that tree's by-URL path, as ``url``;
 - ``litellm``: the LiteLLM proxy (one worker);
 - ``sglang``: sglang-router, round_robin;
 - ``vllm``: vllm-router, round_robin;
@@ -104,7 +110,10 @@ KINDS = {
     "direct": "the runtime alone",
     "agent": "twistd infx + twistd infx-engine --runtime openai",
     "url": "twistd infx --runtime-url (one process, no agent between)",
+    "url-workers": "twistd infx --workers 2 --runtime-url (the supervisor and 2 workers, each serving the runtime)",
+    "floor": "proxy_floor.py: a bare Twisted + httptools relay to the runtime, no routing (the floor)",
     "base": "the dial-in path of the --baseline tree",
+    "base-url": "the by-URL path of the --baseline tree",
     "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
     "sglang": f"sglang-router {SGLANG_ROUTER.version}, round_robin",
     "vllm": f"vllm-router {VLLM_ROUTER.version}, round_robin",
@@ -167,21 +176,27 @@ def request_body(stream: bool) -> bytes:
     return json.dumps({"model": MODEL, "stream": stream, "messages": messages}).encode()
 
 
-class RuntimeServer(Child):
-    """A runtime script of this directory; it reports its port on stdout and exits when stdin closes."""
+class PortReporter(Child):
+    """A script of this directory that reports its port on stdout and exits when stdin closes."""
 
-    SCRIPTS = {"echo": "http_echo_server.py", "starlette": "starlette_runtime.py"}
-
-    def __init__(self, runtime: str, logs: Path) -> None:
-        super().__init__(f"runtime-{runtime}", [sys.executable, str(HERE / self.SCRIPTS[runtime])], logs,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    def __init__(self, name: str, argv: list[str], logs: Path) -> None:
+        super().__init__(name, [sys.executable, *argv], logs, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         stdout: IO[bytes] = self.process.stdout  # type: ignore[assignment]
         line = stdout.readline().strip()
         if not line.isdigit():
             self.stop()
-            raise BenchError(f"{runtime} runtime did not start: {self.log_tail()}")
+            raise BenchError(f"{name} did not start: {self.log_tail()}")
         self.port = int(line)
         self.url = f"http://127.0.0.1:{self.port}"
+
+
+class RuntimeServer(PortReporter):
+    """A runtime script of this directory."""
+
+    SCRIPTS = {"echo": "http_echo_server.py", "starlette": "starlette_runtime.py"}
+
+    def __init__(self, runtime: str, logs: Path) -> None:
+        super().__init__(f"runtime-{runtime}", [str(HERE / self.SCRIPTS[runtime])], logs)
 
 
 def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, tree: Path = ROOT,
@@ -225,6 +240,8 @@ class Processes:
 
     def _start(self, logs: Path, profile: Path | None, runtimes: list[str], kinds: list[str]) -> None:
         waits: list[tuple[int, list[Child]]] = []
+        #: Supervisors of --workers 2 targets: their workers are checked once every target serves.
+        supervised: list[tuple[str, str | None, int, Child]] = []
         for runtime in runtimes:
             server = RuntimeServer(runtime, logs)
             self.children.append(server)
@@ -243,14 +260,29 @@ class Processes:
                 self.children.append(engine)
                 waits.append((http, [gateway, engine]))
                 self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
-            if "url" in kinds:
+            for kind, tree in (("url", ROOT), ("base-url", self.baseline)):
+                if kind not in kinds or tree is None:
+                    continue
                 http = free_port()
-                gateway = twistd(f"gateway-url-{runtime}", [
+                gateway = twistd(f"gateway-{kind}-{runtime}", [
                     *gateway_args(http, free_port()), "--runtime-url", f"{server.url}={MODEL}",
-                    "--runtime-max-concurrency", "64"], logs, profile)
+                    "--runtime-max-concurrency", "64"], logs, profile, tree)
                 self.children.append(gateway)
                 waits.append((http, [gateway]))
-                self._add("url", runtime, http, gateway.process.pid)
+                self._add(kind, runtime, http, gateway.process.pid)
+            if "url-workers" in kinds:
+                http = free_port()
+                gateway = twistd(f"gateway-url-workers-{runtime}", [
+                    *gateway_args(http, free_port(), workers=2), "--runtime-url", f"{server.url}={MODEL}",
+                    "--runtime-max-concurrency", "64"], logs, profile, log_to_stdout=True)
+                self.children.append(gateway)
+                waits.append((http, [gateway]))
+                supervised.append(("url-workers", runtime, http, gateway))
+            if "floor" in kinds:
+                floor = PortReporter(f"floor-{runtime}", [str(HERE / "proxy_floor.py"), "--upstream", server.url],
+                                     logs)
+                self.children.append(floor)
+                self._add("floor", runtime, floor.port, floor.process.pid)
         if "builtin" in kinds:
             http = free_port()
             gateway = twistd("gateway-builtin", [*gateway_args(http, free_port()),
@@ -265,7 +297,6 @@ class Processes:
             self.children.append(gateway)
             waits.append((http, [gateway]))
             self._add("twistedweb", None, http, gateway.process.pid)
-        supervisor = None
         if "workers" in kinds:
             http = free_port()
             supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
@@ -273,14 +304,15 @@ class Processes:
                                 log_to_stdout=True)
             self.children.append(supervisor)
             waits.append((http, [supervisor]))
+            supervised.append(("workers", None, http, supervisor))
         for port, children in waits:
             wait_for_model(port, MODEL, children)
-        if supervisor is not None:
+        for kind, runtime, http, supervisor in supervised:
             workers = children_of(supervisor.process.pid)
             if len(workers) != 2:
                 raise BenchError(f"--workers 2 runs {len(workers)} workers: {supervisor.log_tail()}")
             # Watched CPU counts a process's children: the supervisor's pid covers its workers.
-            self._add("workers", None, http, supervisor.process.pid)
+            self._add(kind, runtime, http, supervisor.process.pid)
         starters: dict[str, Callable[[RuntimeServer], Peer]] = {
             "litellm": lambda s: start_litellm([s.url], MODEL, logs, name=f"litellm-{s.name}"),
             "sglang": lambda s: start_sglang_router([s.url], "round_robin", MODEL, logs, name=f"sglang-{s.name}"),
@@ -443,7 +475,15 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                     out.append(f"#25 [{runtime}] dial-in path CPU per request at {what}: {agent[key]:.3f} ms, the "
                                f"--baseline tree's {base[key]:.3f} ms = {agent[key] / base[key]:.2f}x "
                                f"(target <= 0.6x) -> {'met' if agent[key] <= 0.6 * base[key] else 'MISSED'}")
-        for kind, name in (("url", "infx by URL"), ("agent", "infx dial-in path")):
+        url = next((row for row in mine if row["kind"] == "url"), None)
+        base_url = next((row for row in mine if row["kind"] == "base-url"), None)
+        if url is not None and base_url is not None:
+            for key, what in (("c32_cpu_ms_per_request", "c=32"), ("c1_cpu_ms_per_request", "c=1")):
+                if base_url[key] and url[key] is not None:
+                    out.append(f"[{runtime}] by-URL path CPU per request at {what}: {url[key]:.3f} ms, the "
+                               f"--baseline tree's {base_url[key]:.3f} ms = {url[key] / base_url[key]:.2f}x")
+        for kind, name in (("url", "infx by URL"), ("url-workers", "infx by URL, --workers 2"),
+                           ("agent", "infx dial-in path"), ("floor", "the floor (proxy_floor.py)")):
             row = next((r for r in mine if r["kind"] == kind), None)
             if row is None:
                 continue
@@ -461,8 +501,9 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                 if not measured or row[key] is None:
                     continue
                 best, who = max(measured)
+                verdict = f" -> {'met' if row[key] >= 0.8 * best else 'MISSED'}" if kind == "url-workers" else ""
                 out.append(f"#25 [{runtime}] {what}: best Rust router {best:,.0f} ({who}); {name} "
-                           f"{row[key]:,.0f} = {row[key] / best:.2f}x (target with --workers 2: >= 0.8x)")
+                           f"{row[key]:,.0f} = {row[key] / best:.2f}x (target with --workers 2: >= 0.8x){verdict}")
     return out
 
 
@@ -555,12 +596,12 @@ def main(argv: list[str]) -> int:
     runtimes = names(parser, options.runtimes, RUNTIMES, "runtimes")
     kinds = names(parser, options.targets, KINDS, "targets")
     if options.baseline is None:
-        kinds = [kind for kind in kinds if kind != "base"]
+        kinds = [kind for kind in kinds if kind not in ("base", "base-url")]
     elif not (options.baseline / "infx" / "tap.py").is_file():
         parser.error(f"--baseline {options.baseline}: not a checkout of infx (no infx/tap.py)")
     else:
         options.baseline = options.baseline.resolve()
-        kinds = kinds if "base" in kinds else [*kinds, "base"]
+        kinds = kinds if "base" in kinds or "base-url" in kinds else [*kinds, "base"]
     target_names = [target_name(kind, None if kind in RUNTIMELESS else runtime)
                     for kind in kinds for runtime in (runtimes if kind not in RUNTIMELESS else [None])]
     all_cases = cases(target_names, options.stream_concurrency)
@@ -580,7 +621,9 @@ def main(argv: list[str]) -> int:
         for stream in (False, True):
             bodies[stream] = logs / f"body-{'stream' if stream else 'whole'}.json"
             bodies[stream].write_bytes(request_body(stream))
-        needed_kinds = {kind for kind in kinds if any(c.target.startswith(kind) for c in all_cases)}
+        needed = {case.target for case in all_cases}
+        needed_kinds = {kind for kind in kinds if any(target_name(kind, None if kind in RUNTIMELESS else runtime)
+                                                      in needed for runtime in runtimes)}
         try:
             processes = Processes(logs, options.profile, runtimes, [k for k in kinds if k in needed_kinds],
                                   options.baseline)

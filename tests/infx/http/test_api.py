@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 
 import openai
 import pytest
@@ -16,6 +17,7 @@ import pytest_twisted
 from twisted.internet import reactor, threads
 
 from infx.gateway.auth import KeyStore
+from infx.http.api import new_request_id
 from protocol.pb import worker_pb2
 from tests.support.http_api import ScriptedRunner, client, gateway_factory, raw
 
@@ -292,3 +294,11 @@ def test_slow_reader_is_cut_off_alone_with_bounded_buffering(gateway_factory):
     assert gateway.metrics.slow_clients._value.get() == 1
     # Cut off long before the flood ran out: what waited for the client stayed bounded.
     assert len(emitted) < 4000
+
+
+def test_a_request_id_the_gateway_makes_is_a_random_uuid4_in_hex_and_never_repeats() -> None:
+    ids = [new_request_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids)
+    for request_id in ids:
+        parsed = uuid.UUID(hex=request_id)
+        assert (parsed.hex, parsed.version, parsed.variant) == (request_id, 4, uuid.RFC_4122)
