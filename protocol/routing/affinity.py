@@ -46,23 +46,23 @@ session, and engines with its LoRA adapter loaded are then scored::
   - busy_weight    * requests it would wait behind / slots
 
 (a hot key's homes all count as the home) and the best wins (ties: ring
-order).
-
-Where engines report their slots, a later turn is not placed again: it stays on its *own*
-engine (the one known to hold most of its prompt past the home key's shared
-part, else its session's last engine here, else, for a prompt that holds an
-earlier answer and that this gateway has not seen, the key's first engine on
-the ring, where any gateway sent it unless a spilled tip says otherwise)
-while that engine has a free slot and is below the mean's
-bound. With its slots busy it is scored with the rest, credited with its
-prompt, and bound by the mean's rule, not by the slots: the slots bound
-first placements, which lose nothing by going where a slot is free, while a
-later turn elsewhere computes its whole history again. The last term is for engines that report their slots: a request
+order). The last term is for engines that report their slots: a request
 sent to an engine whose slots are all busy waits in its runtime, worth it
 for a long cached prefix (a conversation's later turn, whose engine holds
 its whole history) and not for a shared one another engine with a free
 slot holds as well. A task without hints (embeddings,
 targeted or internal tasks) is routed the ``least_in_progress`` way.
+
+Where engines report their slots, a later turn is not placed again: it
+stays on its *own* engine (the one known to hold most of its prompt past the
+home key's shared part, else its session's last engine here, else, for a
+prompt that holds an earlier answer and that this gateway has not seen, the
+key's first engine on the ring, where any gateway sent it unless a spilled
+tip says otherwise) while that engine has a free slot and is below the
+mean's bound. With its slots busy it is scored with the rest, credited with
+its prompt, and bound by the mean's rule, not by the slots: the slots bound
+first placements, which lose nothing by going where a slot is free, while a
+later turn elsewhere computes its whole history again.
 
 What it keeps of its own, bounded by :class:`~protocol.routing.config.RoutingConfig`: each
 pool's ring (rebuilt when its members change), the prefix index
