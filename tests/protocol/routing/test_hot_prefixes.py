@@ -131,7 +131,7 @@ def test_the_bounded_load_rule_takes_the_runtimes_slots_for_its_minimum():
 
 
 def test_a_router_without_runtime_slots_ignores_the_slots_engines_report():
-    """RoutingConfig.runtime_slots off (the default): the reported slots shape nothing, so the
+    """RoutingConfig.runtime_slots off (a config file's routing_runtime_slots: false): the reported slots shape nothing, so the
     bound keeps min_capacity and a hot prefix keeps its one home, as before slots were reported."""
     status = engine_status("a", "m")
     status.infx_runtime_slots = 2
