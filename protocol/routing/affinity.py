@@ -284,8 +284,9 @@ class Affinity(Policy):
         ring = self._ring(pool)
         start = bisect_left(ring.points, hints.home)
         session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
+        # Where engines say nothing of their slots, routing is as it was before them.
         mine, mine_depth = self._own(pool, hints, depths, session_engine,
-                                     ring.members[start % len(ring.points)].key)
+                                     ring.members[start % len(ring.points)].key) if slots else (None, 0)
         # A later turn's own engine, and any engine holding its own prefix (past the home key's
         # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
         # costs less than computing the history again elsewhere (the busy term weighs it); the
@@ -301,8 +302,7 @@ class Affinity(Policy):
 
         if mine is not None:
             member = pool.members[mine]
-            if takes(member) and member.load < member.slots:
-                # It has a free slot: the turn stays.
+            if takes(member) and member.load < member.slots:  # it has a free slot: the turn stays
                 if config.explain:
                     had = [name for name, held in (("home", mine == ring.members[start % len(ring.points)].key),
                                                    ("prefix", depths.get(mine, 0) > 0),
