@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from protocol.processor.keys import EngineKey
 from protocol.routing.config import RoutingConfig
 from protocol.routing.hints import RoutingHints, hints_from_json
-from tests.protocol.routing.test_hot_prefixes import SYSTEM, Gateway, user
+from tests.support.routing import SYSTEM, Gateway, user
 
 ENGINES = ("e0", "e1", "e2")
 
