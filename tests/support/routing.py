@@ -1,4 +1,4 @@
-"""Conversations as routing hints, a fixed set of engines, and one affinity policy fed as a gateway feeds it, for routing tests."""
+"""Routing test helpers: conversations as hints, engines, an affinity policy fed as a gateway feeds it."""
 
 from __future__ import annotations
 
