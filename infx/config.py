@@ -103,7 +103,7 @@ class GatewayConfig:
     #: at most that many tasks (protocol/processor/config.py's cap_at_runtime_slots).
     cap_at_runtime_slots: bool = False
     #: The affinity policy takes the runtimes' reported slots into account (RoutingConfig.runtime_slots).
-    routing_runtime_slots: bool = False
+    routing_runtime_slots: bool = True
     #: Live tasks (waiting or running) one tenant may have on this gateway, forwarded
     #: ones included; past it the tenant gets 429 with Retry-After. None: no cap.
     max_tasks_per_tenant: int | None = None

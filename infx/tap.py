@@ -28,6 +28,7 @@ _FLAGS: list[list[str | None]] = [
                             "answer; 16 KiB each at most) on the request's span; off, no span carries them."],
     ["routing-runtime-slots", None, "The affinity policy uses the slots engines report (the load bound's minimum, "
                                     "hot prefixes spread over engines, a full runtime's wait in the score); "
+                                    "on by default, off with routing_runtime_slots: false in the config file; "
                                     "docs/routing-real.md."],
     ["cap-at-runtime-slots", None, "Without --max-in-flight-per-engine: a local engine whose agent reports its "
                                    "runtime's slots holds at most that many tasks; more wait in the fair queue."],

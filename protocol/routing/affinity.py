@@ -53,6 +53,17 @@ its whole history) and not for a shared one another engine with a free
 slot holds as well. A task without hints (embeddings,
 targeted or internal tasks) is routed the ``least_in_progress`` way.
 
+Where engines report their slots, a later turn is not placed again: it
+stays on its *own* engine (the one known to hold most of its prompt past the
+home key's shared part, else its session's last engine here, else, for a
+prompt that holds an earlier answer and that this gateway has not seen, the
+key's first engine on the ring, where any gateway sent it unless a spilled
+tip says otherwise) while that engine has a free slot and is below the
+mean's bound. With its slots busy it is scored with the rest, credited with
+its prompt, and bound by the mean's rule, not by the slots: the slots bound
+first placements, which lose nothing by going where a slot is free, while a
+later turn elsewhere computes its whole history again.
+
 What it keeps of its own, bounded by :class:`~protocol.routing.config.RoutingConfig`: each
 pool's ring (rebuilt when its members change), the prefix index
 (:mod:`protocol.routing.prefix_index`), the last engine of each session (LRU) and this
@@ -265,14 +276,41 @@ class Affinity(Policy):
         config = self.config
         slots = min((m.slots for m in pool.members.values()), default=0)
         capacity = self.capacity(pool.total, len(pool.members), slots)
+        depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
+        if config.prefix_weight:
+            for key, depth in self.pools.spills.depths(hints.blocks).items():
+                if depth > depths.get(key, 0):
+                    depths[key] = depth
+        ring = self._ring(pool)
+        start = bisect_left(ring.points, hints.home)
+        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
+        # Where engines say nothing of their slots, routing is as it was before them.
+        mine, mine_depth = self._own(pool, hints, depths, session_engine,
+                                     ring.members[start % len(ring.points)].key) if slots else (None, 0)
+        # A later turn's own engine, and any engine holding its own prefix (past the home key's
+        # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
+        # costs less than computing the history again elsewhere (the busy term weighs it); the
+        # slots bound first placements, which lose nothing by going where a slot is free.
+        own_capacity = self.capacity(pool.total, len(pool.members)) if slots else capacity
+        own = {key for key, depth in depths.items() if depth > hints.home_blocks}
+        if mine is not None:
+            own.add(mine)
 
         def takes(member: Member) -> bool:
-            return (member.load < capacity and (fallback or member.key.engine_id not in avoid)
-                    and not held_back(member.key))
+            return (member.load < (own_capacity if member.key in own else capacity)
+                    and (fallback or member.key.engine_id not in avoid) and not held_back(member.key))
 
-        ring = self._ring(pool)
+        if mine is not None:
+            member = pool.members[mine]
+            if takes(member) and member.load < member.slots:  # it has a free slot: the turn stays
+                if config.explain:
+                    had = [name for name, held in (("home", mine == ring.members[start % len(ring.points)].key),
+                                                   ("prefix", depths.get(mine, 0) > 0),
+                                                   ("session", mine == session_engine)) if held]
+                    self._explained = RouteChoice(mine, config.policy.value, ",".join(["own", *had]), 0.0, 1,
+                                                  depths.get(mine, 0), len(hints.blocks))
+                return mine
         candidates: dict[EngineKey, Member] = {}
-        start = bisect_left(ring.points, hints.home)
         spread = self.homes(pool, hints)
         wanted = spread + config.spare_candidates
         seen: dict[EngineKey, None] = {}  # in ring order
@@ -294,7 +332,6 @@ class Affinity(Policy):
         # counts the same spread (else, all of them full, the first engine with room).
         spread_homes = [key for key in itertools.islice(seen, spread) if key in candidates] if spread > 1 else []
         home = next(iter(candidates))
-        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
         if spread > 1 and session_engine in spread_homes:
             home = session_engine  # a conversation stays where the key's spread found it
         elif spread > 1:
@@ -306,11 +343,6 @@ class Affinity(Policy):
                     home = ranked
             elif spread_homes:
                 home = spread_homes[0]
-        depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
-        if config.prefix_weight:
-            for key, depth in self.pools.spills.depths(hints.blocks).items():
-                if depth > depths.get(key, 0):
-                    depths[key] = depth
         for key in depths:
             held = pool.members.get(key)
             if held is not None and takes(held):
@@ -336,6 +368,8 @@ class Affinity(Policy):
                 score -= config.busy_weight * max(0, member.load + 1 - member.slots) / member.slots
             if blocks:
                 depth = depths.get(key, 0)
+                if key == mine:
+                    depth = max(depth, mine_depth)
                 if key in spread_homes:
                     depth = max(depth, hints.home_blocks)
                 score += config.prefix_weight * depth / blocks
@@ -359,6 +393,26 @@ class Affinity(Policy):
             self._explained = RouteChoice(best, self.config.policy.value, ",".join(had) or "load", best_score,
                                           len(candidates), depths.get(best, 0), blocks)
         return best
+
+    def _own(self, pool: Pool, hints: RoutingHints, depths: dict[EngineKey, int], session_engine: EngineKey | None,
+             ring_home: EngineKey) -> tuple[EngineKey | None, int]:
+        """The engine a later turn stays on while it has a free slot (else it is scored, its bound
+        the mean's), and the blocks of the prompt it is credited with: the engine known to hold
+        most of the prompt's own part (past the home key's shared part), else the one that served
+        the session last from here, else, for a prompt that continues a conversation this gateway
+        has not seen, the key's first engine on the ring, credited with all but the last block:
+        any gateway sent the earlier turn there unless it reported the turn's tip elsewhere
+        (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn."""
+        deepest = max(depths.values(), default=0)
+        if deepest > hints.home_blocks:
+            held = [key for key, depth in depths.items() if depth == deepest and key in pool.members]
+            if held:
+                return (session_engine if session_engine in held else min(held, key=lambda k: k.engine_id)), deepest
+        if session_engine is not None and session_engine in pool.members:
+            return session_engine, depths.get(session_engine, 0)
+        if hints.continues:
+            return ring_home, max(0, len(hints.blocks) - 1)
+        return None, 0
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:
         explained = self._explained

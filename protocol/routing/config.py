@@ -47,9 +47,11 @@ class RoutingConfig:
     runtime_slots: let the slots an engine's runtime reports
         (``infx_runtime_slots``) shape the affinity policy: the bound's minimum,
         hot prefixes spread over as many engines as their load needs, and the
-        busy term of the score (:mod:`protocol.routing.affinity`). Off by default:
-        on real llama-servers it cost later chat turns their cache (measured in
-        docs/routing-real.md); off, reported slots are ignored by routing.
+        busy term of the score, a later turn bound by the mean's rule and kept on
+        its engine while that has a free slot (:mod:`protocol.routing.affinity`).
+        On by default since that last rule (part 2 had it off: its slot bound cost
+        later chat turns their cache; docs/routing-real.md); off, reported slots
+        are ignored by routing.
     explain: keep why each engine was chosen (:class:`~protocol.routing.policy.RouteChoice`,
         for traces); off, routing keeps nothing but the choice.
     """
@@ -70,7 +72,7 @@ class RoutingConfig:
     index_blocks_total: int = 250_000
     sessions: int = 100_000
     spilled_tips: int = 64
-    runtime_slots: bool = False
+    runtime_slots: bool = True
     explain: bool = False
 
     def __post_init__(self) -> None:

@@ -75,7 +75,9 @@ class RoutingHints:
     client's session name ("" for none); ``adapter`` is the requested model,
     which routing prefers on engines that hold it loaded as a LoRA adapter;
     ``home_blocks`` is how many of ``blocks`` the home key's text fills (0
-    unless the key is a shared system prompt).
+    unless the key is a shared system prompt); ``continues``: the prompt holds
+    an earlier answer (an assistant or tool turn), so it is a later turn of a
+    conversation whose earlier prompt an engine already holds.
     """
 
     blocks: tuple[int, ...]
@@ -83,6 +85,7 @@ class RoutingHints:
     session: str = ""
     adapter: str = ""
     home_blocks: int = 0
+    continues: bool = False
 
 
 def _digest(data: bytes, key: bytes) -> int:
@@ -125,10 +128,22 @@ def _tools(obj: Mapping[str, Any]) -> list[bytes]:
     return [_canonical({"tools": tools}) + b"\n"] if isinstance(tools, list) and tools else []
 
 
-def _prompt_parts(endpoint: str, obj: Mapping[str, Any]) -> tuple[list[bytes], int] | None:
-    """The canonical pieces of the prompt in the order a template renders them, and how many of
+#: Chat roles and Responses item types that only a conversation's earlier turns put in a prompt.
+_ANSWER_ROLES = frozenset({"assistant", "tool", "function"})
+_ANSWER_ITEMS = frozenset({"function_call", "function_call_output", "reasoning"})
+
+
+def _is_answer(item: Any) -> bool:
+    if not isinstance(item, dict):
+        return False
+    role, kind = item.get("role"), item.get("type")
+    return (isinstance(role, str) and role in _ANSWER_ROLES) or (isinstance(kind, str) and kind in _ANSWER_ITEMS)
+
+
+def _prompt_parts(endpoint: str, obj: Mapping[str, Any]) -> tuple[list[bytes], int, bool] | None:
+    """The canonical pieces of the prompt in the order a template renders them, how many of
     them open the conversation as a system turn does (tool definitions and leading system
-    messages); None if there is no prompt."""
+    messages), and whether it holds an earlier answer; None if there is no prompt."""
     if endpoint == "chat/completions":
         messages = obj.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -139,10 +154,10 @@ def _prompt_parts(endpoint: str, obj: Mapping[str, Any]) -> tuple[list[bytes], i
         while system < len(messages) and isinstance(messages[system], dict) \
                 and messages[system].get("role") in ("system", "developer"):
             system += 1
-        return parts, len(tools) + system
+        return parts, len(tools) + system, any(_is_answer(m) for m in messages)
     if endpoint == "completions":
         prompt = obj.get("prompt")
-        return ([_canonical(prompt)], 0) if prompt is not None else None
+        return ([_canonical(prompt)], 0, False) if prompt is not None else None
     if endpoint == "responses":
         parts = _tools(obj)
         opening = len(parts)
@@ -151,11 +166,13 @@ def _prompt_parts(endpoint: str, obj: Mapping[str, Any]) -> tuple[list[bytes], i
             parts.append(_canonical({"instructions": instructions}) + b"\n")
             opening += 1
         items = obj.get("input")
+        continues = False
         if isinstance(items, list):
             parts += [_canonical(item) + b"\n" for item in items]
+            continues = any(_is_answer(item) for item in items)
         elif items is not None:
             parts.append(_canonical(items) + b"\n")
-        return (parts, opening) if parts else None
+        return (parts, opening, continues) if parts else None
     return None
 
 
@@ -182,7 +199,7 @@ def hints_from_json(
     found = _prompt_parts(endpoint, obj)
     if found is None:
         return None
-    parts, system = found
+    parts, system, continues = found
     model = obj.get("model")
     model_name = model if isinstance(model, str) else ""
     model_bytes = model_name.encode("utf-8", "replace")
@@ -210,4 +227,5 @@ def hints_from_json(
         session=session,
         adapter=model_name,
         home_blocks=home_blocks,
+        continues=continues,
     )

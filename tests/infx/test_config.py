@@ -329,12 +329,12 @@ def test_tracing_without_the_otel_extra_is_refused_naming_it(monkeypatch):
         build_config({}, {"otlp_traces_endpoint": "http://collector:4318"})
 
 
-def test_routing_by_the_runtimes_slots_is_off_unless_asked():
+def test_routing_by_the_runtimes_slots_is_on_unless_the_config_turns_it_off():
     from infx.config import routing_config
     from infx.tap import GatewayOptions
 
-    assert not routing_config(build_config({}, {}))[0].runtime_slots
+    assert routing_config(build_config({}, {}))[0].runtime_slots
     options = GatewayOptions()
     options.parseOptions(["--routing-runtime-slots"])
     assert routing_config(options.config_value)[0].runtime_slots
-    assert routing_config(build_config({"routing_runtime_slots": True}, {}))[0].runtime_slots
+    assert not routing_config(build_config({"routing_runtime_slots": False}, {}))[0].runtime_slots

@@ -54,3 +54,12 @@ def test_calibration_problems_name_a_share_off_by_more_than_the_tolerance_and_an
     inverted = calibration_problems({("w", 1, "a"): 0.80, ("w", 1, "b"): 0.70},
                                     {("w", 1, "a"): 0.72, ("w", 1, "b"): 0.73}, tolerance=0.10)
     assert len(inverted) == 1 and "reuses more than" in inverted[0]
+
+
+def test_a_faster_relay_tells_peers_sooner_where_a_conversation_went():
+    """relay_interval is --status-interval / 4: within it a gateway's spilled tips and loads reach its peers."""
+    workload = make("chat", 1)
+    slow = simulate_run(workload, "affinity", 3, 1)
+    fast = simulate_run(workload, "affinity", 3, 1, relay_interval=0.25)
+    assert slow.records != fast.records
+    assert fast.figures.moved_off_free_home < slow.figures.moved_off_free_home

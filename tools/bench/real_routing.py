@@ -19,7 +19,9 @@ Routers (``--routers``, :data:`ROUTERS`):
   peered gateways holding one agent each); ``infx-noload`` is the default
   with the agents' runtime load reports off (``--runtime-load-interval 0``),
   ``infx-cap2`` the default with ``--max-in-flight-per-engine 2`` (the
-  runtime's slots), ``infx-slotcap`` with ``--cap-at-runtime-slots``;
+  runtime's slots), ``infx-slotcap`` with ``--cap-at-runtime-slots``,
+  ``infx-relay1`` with ``--status-interval 1`` (engines' loads and spilled
+  tips reach peers within 0.25 s instead of 2.5 s);
   ``infx-baseline`` the default of another checkout (``--baseline DIR``:
   the tree before a change, with its own ``.venv``);
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
@@ -107,6 +109,7 @@ def router(name: str) -> RouterUnderTest:
         "infx-noload": lambda: InfxRouter("infx-noload", agent_extra=["--runtime-load-interval", "0"]),
         "infx-cap2": lambda: InfxRouter("infx-cap2", gateway_extra=["--max-in-flight-per-engine", "2"]),
         "infx-slotcap": lambda: InfxRouter("infx-slotcap", gateway_extra=["--cap-at-runtime-slots"]),
+        "infx-relay1": lambda: InfxRouter("infx-relay1", gateway_extra=["--status-interval", "1"]),
         "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
         "sglang-rr": lambda: PeerRouter("sglang-rr", "sglang", "round_robin"),
         "vllm-ca": lambda: PeerRouter("vllm-ca", "vllm", "cache_aware"),
@@ -117,7 +120,8 @@ def router(name: str) -> RouterUnderTest:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
+           "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
 def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict[str, float]:
@@ -192,6 +196,7 @@ WHAT_IF: dict[str, dict] = {
     "cap at the slots": {"processor": {"cap_at_runtime_slots": True}},
     "busy weight 0": {"routing": {"busy_weight": 0.0}},
     "home per session": {"home_by_session": True},
+    "relay within 0.25 s": {"relay_interval": 0.25},
 }
 
 

@@ -111,8 +111,9 @@ class _Simulation:
     def __init__(self, workload: Workload, policy: str, replicas: int, seed: int, *, engines: int, slots: int,
                  context_per_slot: int, costs: LlamaCosts, load_reports: bool, max_in_flight: int | None,
                  bytes_per_token: int, routing: Mapping[str, Any], home_by_session: bool,
-                 processor: Mapping[str, Any]) -> None:
+                 processor: Mapping[str, Any], relay_interval: float) -> None:
         self.workload, self.seed, self.replicas = workload, seed, replicas
+        self.relay_interval = relay_interval
         self.home_by_session = home_by_session
         routing_config = dataclasses.replace(RoutingConfig(policy=RoutingPolicy(policy)), **routing)
         self.gateways = [Processor(ProcessorConfig(routing=routing_config, max_in_flight_per_engine=max_in_flight,
@@ -297,7 +298,7 @@ class _Simulation:
 
     def relay_later(self, g: int) -> None:
         if self.replicas > 1 and g not in self.relay_due:
-            self.relay_due[g] = self.now + RELAY_INTERVAL
+            self.relay_due[g] = self.now + self.relay_interval
             self.at(self.relay_due[g], "relay", g)
 
     def on_relay(self, g: int) -> None:
@@ -393,18 +394,19 @@ def simulate_run(workload: Workload, policy: str, replicas: int = 1, seed: int =
                  load_reports: bool = True, max_in_flight: int | None = None,
                  bytes_per_token: int = BENCH.kv_bytes_per_token, routing: Mapping[str, Any] = {},
                  home_by_session: bool = False, processor: Mapping[str, Any] = {},
-                 progress: Callable[[str], None] = lambda _: None) -> SimRun:
+                 relay_interval: float = RELAY_INTERVAL, progress: Callable[[str], None] = lambda _: None) -> SimRun:
     """Simulate one run of ``workload`` routed by infx's ``policy`` (``affinity``, ``least_in_progress``,
     ``round_robin``) with ``replicas`` gateways, as ``tools/bench/real_routing.py`` runs it for real;
     ``load_reports`` off is ``--runtime-load-interval 0``, ``max_in_flight`` is
     ``--max-in-flight-per-engine``, ``routing`` other :class:`RoutingConfig` fields (``min_capacity=2``:
     ``--routing-min-capacity 2``), ``processor`` other :class:`ProcessorConfig` fields. ``home_by_session`` is a
-    what-if no option gives: each conversation's home key is its session, never a shared system prompt."""
+    what-if no option gives: each conversation's home key is its session, never a shared system prompt.
+    ``relay_interval``: seconds within which a gateway's changed engines reach its peers (``--status-interval`` / 4)."""
     progress(f"simulating {policy} x{replicas} {workload.name} seed {seed}")
     return _Simulation(workload, policy, replicas, seed, engines=engines, slots=slots,
                        context_per_slot=context_per_slot, costs=costs, load_reports=load_reports,
                        max_in_flight=max_in_flight, bytes_per_token=bytes_per_token, routing=routing,
-                       home_by_session=home_by_session, processor=processor).run()
+                       home_by_session=home_by_session, processor=processor, relay_interval=relay_interval).run()
 
 
 Key = tuple[str, int, str]

@@ -144,3 +144,19 @@ def test_responses_tools_come_before_the_instructions():
     hints = hints_from_json("responses", body, {})
     plain = hints_from_json("responses", {**body, "tools": []}, {})
     assert hints is not None and plain is not None and hints.home_blocks >= 4 and plain.home_blocks == 0
+
+
+def test_a_prompt_that_holds_an_earlier_answer_continues_a_conversation():
+    """What lets a gateway that never saw a conversation tell its later turn from a first one."""
+    first = [SHORT_SYSTEM, {"role": "user", "content": "hi"}]
+    later = first + [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    tool = first + [{"role": "assistant", "tool_calls": []}, {"role": "tool", "content": "42"}]
+    assert not hints_from_json("chat/completions", chat(first), {}).continues
+    assert hints_from_json("chat/completions", chat(later), {}).continues
+    assert hints_from_json("chat/completions", chat(tool), {}).continues
+    assert not hints_from_json("completions", json.dumps({"model": "m", "prompt": "hi"}), {}).continues
+    responses = {"model": "m", "input": [{"role": "user", "content": "hi"}]}
+    assert not hints_from_json("responses", json.dumps(responses), {}).continues
+    responses["input"] += [{"type": "function_call_output", "call_id": "c", "output": "42"}]
+    assert hints_from_json("responses", json.dumps(responses), {}).continues
+    assert not hints_from_json("responses", json.dumps({"model": "m", "input": "hi"}), {}).continues

@@ -3,66 +3,15 @@ policy alone on hand-made pools of engines that report two slots each, no proces
 
 from __future__ import annotations
 
-import json
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.processor.keys import EngineKey
-from protocol.routing.affinity import Affinity
 from protocol.routing.config import RoutingConfig
-from protocol.routing.hints import RoutingHints, hints_from_json
-from protocol.routing.pools import Pools
+from protocol.routing.hints import RoutingHints
 from protocol.routing.router import Router
 from tests.support.processor import engine_status
-
-SYSTEM = "You are assistant number one. " + "words of a long shared system prompt " * 40
-
-
-def key(engine_id: str) -> EngineKey:
-    return EngineKey("t", engine_id)
-
-
-def slotted(*engine_ids: str, slots: int = 2) -> Pools:
-    pools = Pools(spilled_tips=8)
-    for engine_id in engine_ids:
-        status = engine_status(engine_id, "m")
-        status.infx_runtime_slots = slots
-        pools.engine_updated(key(engine_id), frozenset({"m"}), status, True)
-    return pools
-
-
-def user(n: int, turns: int = 1, system: str = SYSTEM) -> RoutingHints:
-    """User ``n`` of one application: its shared system prompt, then its own turns."""
-    messages = [{"role": "system", "content": system}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"user {n} asks question {t} " * 8})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {n}.{t} " * 8})
-    hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
-                            {"x-session-id": [f"user-{n}"]})
-    assert hints is not None and hints.home_blocks > 0
-    return hints
-
-
-class Gateway:
-    """One affinity policy on its pools, sending and finishing requests as a processor would."""
-
-    def __init__(self, engines: tuple[str, ...] = ("e0", "e1", "e2", "e3"), slots: int = 2) -> None:
-        self.pools = slotted(*engines, slots=slots)
-        self.policy = Affinity(RoutingConfig(), self.pools)
-        self.pool = self.pools.pool("t", "m")
-
-    def send(self, hints: RoutingHints) -> EngineKey:
-        chosen = self.policy.choose(self.pool, hints, set(), lambda k: False)
-        assert chosen is not None
-        self.policy.task_sent(self.pools.task_sent(chosen), chosen, "m", hints, 0)
-        return chosen
-
-    def finish(self, engine: EngineKey, hints: RoutingHints) -> None:
-        self.pools.task_left(engine)
-        self.policy.task_left(engine, "m", hints)
-
+from tests.support.routing import Gateway, key, user
 
 def test_a_hot_system_prompt_spreads_over_as_many_engines_as_its_load_needs():
     """Six users of one application in flight at once on engines of two slots: three engines run
@@ -131,7 +80,7 @@ def test_the_bounded_load_rule_takes_the_runtimes_slots_for_its_minimum():
 
 
 def test_a_router_without_runtime_slots_ignores_the_slots_engines_report():
-    """RoutingConfig.runtime_slots off (the default): the reported slots shape nothing, so the
+    """RoutingConfig.runtime_slots off (a config file's routing_runtime_slots: false): the reported slots shape nothing, so the
     bound keeps min_capacity and a hot prefix keeps its one home, as before slots were reported."""
     status = engine_status("a", "m")
     status.infx_runtime_slots = 2
