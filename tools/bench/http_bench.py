@@ -72,6 +72,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -82,7 +83,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
-from harness.twistd_processes import children_of  # noqa: E402
+from harness.twistd_processes import children_of, gateway_ports, supervisor_ports  # noqa: E402
 from peers import LITELLM, SGLANG_ROUTER, VLLM_ROUTER, Peer, start_litellm, start_sglang_router  # noqa: E402
 from peers import start_vllm_router  # noqa: E402
 
@@ -189,7 +190,7 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s). ``log_to_stdout``:
     twistd logs to its standard output (the Child's log file), as in a container; there a
     supervisor's workers write their own lines (docs/workers.md)."""
-    log = "-" if log_to_stdout else logs / f"{name}.twistd.log"
+    log = "-" if log_to_stdout else twistd_log(name, logs)
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
@@ -198,14 +199,31 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
 
 
-def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
-    # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
-    # With workers, each has its own internal port (the next ones): the kernel picks them here.
-    internal = free_port() if workers == 1 else 0
+def twistd_log(name: str, logs: Path) -> Path:
+    return logs / f"{name}.twistd.log"
+
+
+def gateway_args(http: int = 0, worker: int = 0, workers: int = 1, internal: int = 0) -> list[str]:
+    # Every port on loopback, the kernel's pick (read back with bound_ports: none can be taken first),
+    # as several gateways run side by side (and beside other tests); the baseline's picked beforehand.
     return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
             "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
             "--workers", str(workers)]
+
+
+def bound_ports(gateway: Child, log: Path, workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
+    """The HTTP and engine-facing ports a gateway on port 0 bound, from the line its log says them in."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gateway.process.poll() is not None:
+            raise BenchError(f"{gateway.name} exited with {gateway.process.returncode}: {gateway.log_tail()}")
+        said = log.read_text(errors="replace") if log.exists() else ""
+        found = supervisor_ports(said) if workers > 1 else gateway_ports(said)
+        if found is not None:
+            return found[0], found[1]
+        time.sleep(0.05)
+    raise BenchError(f"{gateway.name} said no ports after {timeout:g} s: {gateway.log_tail()}")
 
 
 class Processes:
@@ -233,9 +251,12 @@ class Processes:
             for kind, tree in (("agent", ROOT), ("base", self.baseline)):
                 if kind not in kinds or tree is None:
                     continue
-                http, grpc = free_port(), free_port()
-                gateway = twistd(f"gateway-{kind}-{runtime}", gateway_args(http, grpc), logs, profile, tree)
+                name = f"gateway-{kind}-{runtime}"
+                # An older infx may name itself by an internal port 0 or say its ports otherwise.
+                picked = (free_port(), free_port(), free_port()) if kind == "base" else (0, 0, 0)
+                gateway = twistd(name, gateway_args(picked[0], picked[1], internal=picked[2]), logs, profile, tree)
                 self.children.append(gateway)
+                http, grpc = picked[:2] if kind == "base" else bound_ports(gateway, twistd_log(name, logs))
                 engine = twistd(f"engine-{kind}-{runtime}", [
                     "infx-engine", "--server", f"127.0.0.1:{grpc}", "--runtime", "openai",
                     "--upstream", server.url, "--models", MODEL, "--max-concurrency", "64", "--grace", "1"],
@@ -244,34 +265,34 @@ class Processes:
                 waits.append((http, [gateway, engine]))
                 self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
             if "url" in kinds:
-                http = free_port()
                 gateway = twistd(f"gateway-url-{runtime}", [
-                    *gateway_args(http, free_port()), "--runtime-url", f"{server.url}={MODEL}",
+                    *gateway_args(), "--runtime-url", f"{server.url}={MODEL}",
                     "--runtime-max-concurrency", "64"], logs, profile)
                 self.children.append(gateway)
+                http, _ = bound_ports(gateway, twistd_log(gateway.name, logs))
                 waits.append((http, [gateway]))
                 self._add("url", runtime, http, gateway.process.pid)
         if "builtin" in kinds:
-            http = free_port()
-            gateway = twistd("gateway-builtin", [*gateway_args(http, free_port()),
+            gateway = twistd("gateway-builtin", [*gateway_args(),
                                                  "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
             self.children.append(gateway)
+            http, _ = bound_ports(gateway, twistd_log(gateway.name, logs))
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
         if "twistedweb" in kinds:
-            http = free_port()
-            gateway = twistd("gateway-twistedweb", [*gateway_args(http, free_port()), "--http-server", "twisted",
+            gateway = twistd("gateway-twistedweb", [*gateway_args(), "--http-server", "twisted",
                                                     "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
             self.children.append(gateway)
+            http, _ = bound_ports(gateway, twistd_log(gateway.name, logs))
             waits.append((http, [gateway]))
             self._add("twistedweb", None, http, gateway.process.pid)
         supervisor = None
         if "workers" in kinds:
-            http = free_port()
-            supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
+            supervisor = twistd("gateway-workers", [*gateway_args(workers=2),
                                                     "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile,
                                 log_to_stdout=True)
             self.children.append(supervisor)
+            http, _ = bound_ports(supervisor, supervisor.log_path, workers=2)
             waits.append((http, [supervisor]))
         for port, children in waits:
             wait_for_model(port, MODEL, children)
