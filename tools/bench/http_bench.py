@@ -72,7 +72,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -82,8 +81,8 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
-from harness.twistd_processes import children_of, gateway_ports, supervisor_ports  # noqa: E402
+from bench_processes import BenchError, Child, bound_ports, free_port, wait_for_model  # noqa: E402
+from harness.twistd_processes import children_of  # noqa: E402
 from peers import LITELLM, SGLANG_ROUTER, VLLM_ROUTER, Peer, start_litellm, start_sglang_router  # noqa: E402
 from peers import start_vllm_router  # noqa: E402
 
@@ -210,20 +209,6 @@ def gateway_args(http: int = 0, worker: int = 0, workers: int = 1, internal: int
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
             "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
             "--workers", str(workers)]
-
-
-def bound_ports(gateway: Child, log: Path, workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
-    """The HTTP and engine-facing ports a gateway on port 0 bound, from the line its log says them in."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gateway.process.poll() is not None:
-            raise BenchError(f"{gateway.name} exited with {gateway.process.returncode}: {gateway.log_tail()}")
-        said = log.read_text(errors="replace") if log.exists() else ""
-        found = supervisor_ports(said) if workers > 1 else gateway_ports(said)
-        if found is not None:
-            return found[0], found[1]
-        time.sleep(0.05)
-    raise BenchError(f"{gateway.name} said no ports after {timeout:g} s: {gateway.log_tail()}")
 
 
 class Processes:
