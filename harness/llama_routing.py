@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.llama_runtime import LlamaServer
-from harness.twistd_processes import Engine, Gateway, free_port, wait_until
+from harness.twistd_processes import Engine, Gateway, wait_until
 
 PREFIX_MATCH = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
@@ -46,15 +46,6 @@ keys:
 engine_keys:
   - {key: ek-default, tenant: default}
 """
-
-
-@dataclass(frozen=True)
-class _Ports:
-    """Ports for a gateway, picked before it starts."""
-
-    http_port: int
-    worker_port: int
-    internal_port: int
 
 
 @dataclass
@@ -163,14 +154,12 @@ def run_policy(policy: str, args: LlamaWorkload, model: Path, logs: Path) -> Pol
         servers = [LlamaServer(model, logs, name=f"llama-{i}", embedding=False, context=args.context, extra=[
             "--cache", "true", "--verbose", "true"]) for i in range(args.engines)]
         children += servers
-        # Each gateway dials the other (a peer sees the engines of those that dial it), so the
-        # second one's ports are chosen before the first starts.
-        ports = _Ports(free_port(), free_port(), free_port())
+        # Each gateway sees the engines of those that dial it: the second dials the first, which
+        # dials it back (protocol/exchange/dial_backs.py), each on the ports the kernel picked.
         first = Gateway(logs, api_keys=keys, admin_key="sk-admin", name="gateway-0",
-                        extra=["--routing-policy", policy, "--status-interval", "1",
-                               "--peers", f"127.0.0.1:{ports.internal_port}"])
+                        extra=["--routing-policy", policy, "--status-interval", "1"])
         children.append(first)
-        second = Gateway(logs, api_keys=keys, admin_key="sk-admin", name="gateway-1", same_ports_as=ports,  # type: ignore[arg-type]
+        second = Gateway(logs, api_keys=keys, admin_key="sk-admin", name="gateway-1",
                          extra=["--routing-policy", policy, "--status-interval", "1",
                                 "--peers", f"127.0.0.1:{first.internal_port}"])
         children.append(second)

@@ -1,7 +1,7 @@
 """Real ``twistd -n infx`` and ``twistd -n infx-engine`` child processes for end-to-end tests.
 
-Each child runs on free loopback ports with its output in a log file, so a
-failing test can show what the process said. Readiness is polled over HTTP
+Each child runs on loopback ports (a gateway on the kernel's picks, read back from
+its log) with its output in a log file, so a failing test can show what the process said. Readiness is polled over HTTP
 (``/readyz``, ``/admin/status``) with a deadline; a child that dies while it
 is awaited fails the wait at once with its log. ``stop()`` kills whatever is
 still running, so fixtures can always call it in teardown.
@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from infx.cli import EXIT_CANNOT_LISTEN
 from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import builtin_engine_id
 from protocol.exchange.accepted_peer import peer_engine_id
@@ -32,8 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TWISTD = str(Path(sys.executable).with_name("twistd"))
 #: Seconds a child gets to come up or to reach a state the test waits for.
 STARTUP_TIMEOUT = 20.0
-#: Times a gateway is started again on new ports when one was taken before it could bind it.
-PORT_RACE_RETRIES = 3
 
 
 def free_port() -> int:
@@ -46,6 +43,18 @@ def free_port() -> int:
 #: The supervisor's line saying where ``twistd infx --workers N`` listens (its ports, port 0's included).
 SUPERVISOR_LISTENING = re.compile(r"\d+ workers share the HTTP API's port \S+?:(\d+) and the engines' port "
                                   r"\S+?:(\d+); their peer ports are \S+?:([\d,]+), one each")
+
+
+#: One gateway process's line saying where ``twistd infx`` listens (port 0's pick included).
+GATEWAY_LISTENING = re.compile(r"listening: HTTP API on \S+:(\d+), engines on \S+:(\d+), peers on \S+:(\d+)")
+
+
+def gateway_ports(log: str) -> tuple[int, int, int] | None:
+    """The HTTP, engine-facing and internal port one gateway process bound, from its log."""
+    found = GATEWAY_LISTENING.search(log)
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2)), int(found.group(3))
 
 
 def supervisor_ports(log: str) -> tuple[int, int, tuple[int, ...]] | None:
@@ -149,64 +158,48 @@ def wait_until(predicate: Callable[[], Any], what: str, children: Sequence[Twist
 
 
 class Gateway:
-    """``twistd -n infx`` on free loopback ports (HTTP API, engine-facing and peer-facing gRPC)."""
+    """``twistd -n infx`` on loopback ports (HTTP API, engine-facing and peer-facing gRPC)."""
 
     def __init__(self, log_dir: Path, *, api_keys: Path | None = None, admin_key: str | None = None,
                  extra: Sequence[str] = (), name: str = "gateway", same_ports_as: Gateway | None = None,
                  ports: tuple[int, int, int] | None = None, env: dict[str, str] | None = None,
                  wait: bool = True, workers: int = 1, twistd: str = TWISTD) -> None:
         """``same_ports_as``: listen where that (dead) gateway did, as a restarted process would;
-        ``ports``: the HTTP, worker and internal ports picked beforehand (peers name them);
-        ``env``: more environment for the child (``KUBECONFIG``, ``POD_NAME``); without ``wait``
-        the caller waits for ``/readyz`` itself (a test whose reactor serves the gateway's needs);
-        ``workers``: ``--workers`` (1, one process, unless a test is about workers; worker i's
-        internal port is the internal port plus i, or the kernel's pick: see below).
+        ``ports``: the HTTP, worker and internal ports picked beforehand (for a test that must
+        name them before the gateway runs); ``env``: more environment for the child
+        (``KUBECONFIG``, ``POD_NAME``); without ``wait`` the caller waits for ``/readyz``
+        itself (a test whose reactor serves the gateway's needs); ``workers``: ``--workers``
+        (1, one process, unless a test is about workers; worker i's internal port is the
+        internal port plus i, or the kernel's pick: see below); ``twistd``: another checkout's,
+        which gets ``ports`` (an older infx may not name itself by an internal port 0).
 
-        With ``--workers`` above 1 and no ports given, the supervisor binds port 0 everywhere and
-        the ports are read from its log: nothing can take them first. Otherwise free ports are
-        picked here and bound by the child a second or two later; another process may take one
-        meanwhile (other suites share the machine). A child that exits saying so is started
-        again on new ports, at most :data:`PORT_RACE_RETRIES` times. (One process names itself by
-        its internal port, which must be known before it starts, so it cannot bind port 0.)"""
+        Without ports, the gateway binds port 0 everywhere and the harness reads the ports it
+        got from its log (one process's ``listening:`` line, a supervisor's line for its
+        workers), so no other process can take one first; its peers are given them once it runs."""
         self.admin_key = admin_key
         self.workers = workers
         if same_ports_as is not None:
             ports = (same_ports_as.http_port, same_ports_as.worker_port, same_ports_as.internal_port)
-        kernel_picks = ports is None and workers > 1
-        for attempt in range(PORT_RACE_RETRIES + 1):
-            if kernel_picks:
-                picked = (0, 0, 0)
-            elif ports is None:
-                picked = (free_port(), free_port(), free_port())
-            else:
-                picked = ports
-            self.http_port: int = picked[0]
-            self.worker_port: int = picked[1]
-            self.internal_port: int = picked[2]
-            #: Each worker's internal port, by index.
-            self.internal_ports: tuple[int, ...] = tuple(picked[2] + i for i in range(workers))
-            args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
-                    "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
-                    "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1",
-                    "--workers", str(workers), *extra]
-            if api_keys is not None:
-                args += ["--api-keys", str(api_keys)]
-            self.child = TwistdChild(name, args, log_dir, env, twistd)
-            if kernel_picks:
-                bound = wait_until(lambda: supervisor_ports(self.child.output()), "the supervisor's ports",
-                                   [self.child])
-                self.http_port, self.worker_port, self.internal_ports = bound
-                self.internal_port = self.internal_ports[0]
-            if not wait:
-                return
-            try:
-                wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
-                return
-            except ChildDied:
-                taken = self.child.process.returncode == EXIT_CANNOT_LISTEN and "is already in use" in self.child.output()
-                if not taken or ports is not None or attempt == PORT_RACE_RETRIES:
-                    raise
-                self.child.log_path.rename(log_dir / f"{name}.port-taken-{attempt}.log")
+        self.http_port, self.worker_port, self.internal_port = ports or (0, 0, 0)
+        #: Each worker's internal port, by index.
+        self.internal_ports: tuple[int, ...] = tuple(self.internal_port + i for i in range(workers))
+        args = ["infx", "--http", f"tcp:{self.http_port}:interface=127.0.0.1",
+                "--worker-grpc", f"tcp:{self.worker_port}:interface=127.0.0.1",
+                "--internal-grpc", f"tcp:{self.internal_port}:interface=127.0.0.1",
+                "--workers", str(workers), *extra]
+        if api_keys is not None:
+            args += ["--api-keys", str(api_keys)]
+        self.child = TwistdChild(name, args, log_dir, env, twistd)
+        if ports is None and workers > 1:
+            bound = wait_until(lambda: supervisor_ports(self.child.output()), "the supervisor's ports", [self.child])
+            self.http_port, self.worker_port, self.internal_ports = bound
+            self.internal_port = self.internal_ports[0]
+        elif ports is None:
+            bound = wait_until(lambda: gateway_ports(self.child.output()), "the gateway's ports", [self.child])
+            self.http_port, self.worker_port, self.internal_port = bound
+            self.internal_ports = (self.internal_port,)
+        if wait:
+            wait_until(lambda: self.readyz() == 200, "the gateway's /readyz", [self.child])
 
     @property
     def url(self) -> str:

@@ -75,8 +75,8 @@ class ListeningService(service.Service):
 
     def __init__(self, reactor: Any, option: str, description: str, factory: Any, endpoint: Any = None) -> None:
         """``endpoint``, when given, is listened on instead of ``description``'s (a socket a
-        supervisor made, :class:`~infx.supervisor.sockets.AdoptedEndpoint`); ``description``
-        still names it in errors."""
+        supervisor made, or an internal port 0 held since the gateway was built:
+        :class:`~infx.supervisor.sockets.AdoptedEndpoint`); ``description`` still names it in errors."""
         self.reactor = reactor
         self.option = option
         self.description = description
@@ -188,7 +188,9 @@ class GatewayService(service.MultiService):
             routing=routing,
             route_stuck_timeout=config.route_stuck_timeout,
         ))
-        self.pod_name = pod_name or (role.pod_name if role is not None else default_pod_name(config, self.environ))
+        self._held_internal = self._hold_internal_port_0() if role is None else None
+        self.pod_name = pod_name or (role.pod_name if role is not None else
+                                     default_pod_name(config, self.environ, self._held_peer_port()))
         self.dispatcher = Dispatcher(reactor, self.processor, self.metrics,
                                      config=CoreConfig(pod_name=self.pod_name, status_interval=config.status_interval,
                                                        learn_peers_within=PEER_LEARNING_SECONDS,
@@ -509,7 +511,7 @@ class GatewayService(service.MultiService):
             self.peer_tls = PeerTLS(self.reactor, credentials)
             listening_factory = self.peer_tls.server_factory(self.reactor, self.internal_server)
         self.internal_grpc = ListeningService(self.reactor, "--internal-grpc", config.internal_grpc,
-                                              listening_factory, self._adopted("internal_grpc"))
+                                              listening_factory, self._internal_endpoint())
         self.internal_grpc.setServiceParent(self)
 
     def _exchanger_config(self, pod_name: str) -> ExchangerConfig:
@@ -556,8 +558,47 @@ class GatewayService(service.MultiService):
         assert self.role is not None
         return EveryWorkerMetrics(self.reactor, self.registry, self.role.index, self.role.metrics_ports)
 
+    # --- an internal endpoint on port 0 --------------------------------------------------
+
+    def _hold_internal_port_0(self) -> tuple[int, int, int] | None:
+        """``--internal-grpc`` on port 0 is bound here, as the gateway is built: the port the
+        kernel picks names this gateway (:func:`default_pod_name`) and is what peers dial back,
+        so it must be known before anything that carries the name is made. Returns the socket's
+        descriptor, family and port; None for a given port (bound in ``privilegedStartService``,
+        before root is dropped), an endpoint without a port (``unix:``), or a bind that fails
+        (tried again on start, which reports it as any port's failure is)."""
+        from infx.supervisor.sockets import bind_one, listen_address
+
+        try:
+            address = listen_address(self.config.internal_grpc, "--internal-grpc")
+            if address.port != 0:
+                return None
+            sock = bind_one(address, "--internal-grpc")
+        except (ConfigError, ListenFailed):
+            return None
+        port = int(sock.getsockname()[1])
+        return sock.detach(), address.family, port
+
+    def _held_peer_port(self) -> int | None:
+        """The held internal port, where it names the gateway and is dialled back (no ``--peer-port``)."""
+        if self._held_internal is None or self.config.peer_port is not None:
+            return None
+        return self._held_internal[2]
+
+    def _internal_endpoint(self) -> Any:
+        """Where ``--internal-grpc`` listens: the held port 0 socket, a worker's adopted one, or None (bind it)."""
+        if self._held_internal is None:
+            return self._adopted("internal_grpc")
+        from infx.supervisor.sockets import AdoptedEndpoint
+
+        fd, family, _ = self._held_internal
+        return AdoptedEndpoint(self.reactor, fd, family, self.config.internal_grpc)
+
     def _peer_port(self) -> int | None:
         """The port peers dial back (a unix: internal endpoint has none)."""
+        held = self._held_peer_port()
+        if held is not None:
+            return held
         try:
             return self.config.effective_peer_port
         except ConfigError:
@@ -601,8 +642,8 @@ class GatewayService(service.MultiService):
 
 def default_pod_name(config: GatewayConfig, environ: Mapping[str, str], internal_port: int | None = None) -> str:
     """``POD_NAME``; else ``ADDRESS:PORT`` of the internal listen endpoint (``internal_port`` in
-    place of its port, for a worker of ``--workers N``), which is what static peers dial, with
-    the host name standing in for a wildcard address."""
+    place of its port: a worker's of ``--workers N``, or the one the kernel picked for port 0),
+    which is what static peers dial, with the host name standing in for a wildcard address."""
     if environ.get("POD_NAME"):
         return environ["POD_NAME"]
     interface = re.search(r"(?:^|:)interface=([^:]+)", config.internal_grpc)

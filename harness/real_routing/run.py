@@ -143,6 +143,7 @@ class InfxRouter:
     def __init__(self, name: str, policy: str = "affinity", gateway_extra: Sequence[str] = (),
                  agent_extra: Sequence[str] = (), checkout: Path | None = None) -> None:
         self.name = name
+        self.checkout = checkout
         self.env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
         self.twistd = str(checkout / ".venv" / "bin" / "twistd") if checkout is not None else TWISTD
         self.policy = policy
@@ -154,18 +155,26 @@ class InfxRouter:
     def start(self, urls: Sequence[str], replicas: int, logs: Path, groups: Sequence[str]) -> list[str]:
         keys = logs / "api-keys.yaml"
         keys.write_text(_keys(groups))
-        ports = [(free_port(), free_port(), free_port()) for _ in range(replicas)]
 
-        def gateway(i: int) -> Gateway:
-            peers = ",".join(f"127.0.0.1:{p[2]}" for j, p in enumerate(ports) if j != i)
+        def gateway(i: int, peers: Sequence[str], ports: tuple[int, int, int] | None = None) -> Gateway:
             extra = ["--routing-policy", self.policy, *self.gateway_extra]
             if peers:
-                extra += ["--peers", peers]
-            return Gateway(logs, api_keys=keys, admin_key="sk-admin", name=f"gateway-{i}", ports=ports[i],
+                extra += ["--peers", ",".join(peers)]
+            return Gateway(logs, api_keys=keys, admin_key="sk-admin", name=f"gateway-{i}", ports=ports,
                            extra=extra, env=self.env, twistd=self.twistd)
 
         with ThreadPoolExecutor(len(urls) + replicas) as pool:
-            self.gateways = list(pool.map(gateway, range(replicas)))
+            if self.checkout is None:
+                # On the ports the kernel picks: each gateway dials those started before it, which dial
+                # it back (protocol/exchange/dial_backs.py).
+                for i in range(replicas):
+                    self.gateways.append(gateway(i, [f"127.0.0.1:{g.internal_port}" for g in self.gateways]))
+            else:
+                # An older infx may not name itself by an internal port 0, nor dial back: every port is
+                # picked beforehand and every gateway names every other.
+                picked = [(free_port(), free_port(), free_port()) for _ in range(replicas)]
+                self.gateways = list(pool.map(lambda i: gateway(
+                    i, [f"127.0.0.1:{p[2]}" for j, p in enumerate(picked) if j != i], picked[i]), range(replicas)))
 
             def agent(i: int) -> Engine:
                 home = self.gateways[i % replicas]

@@ -122,7 +122,8 @@ def _why(error: OSError, port: int) -> str:
 
 @implementer(IStreamServerEndpoint)
 class AdoptedEndpoint:
-    """A worker's endpoint on a listening socket its supervisor made (file descriptor ``fd``).
+    """A worker's endpoint on a listening socket its supervisor made (file descriptor ``fd``), or
+    one process's on its internal port 0, bound as the gateway was built (its port names it).
 
     ``description`` is the listen option's endpoint string: for ``ssl:`` it gives the certificate
     and key the connections are wrapped with."""

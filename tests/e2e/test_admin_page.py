@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from harness.twistd_processes import Engine, Gateway, free_port, http_get, wait_until
+from harness.twistd_processes import Engine, Gateway, http_get, wait_until
 from tests.support.browser import chromium, need_browser
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -43,15 +43,14 @@ engine_keys:
 def cluster(tmp_path: Path):
     keys = tmp_path / "keys.yaml"
     keys.write_text(KEYS)
-    ports = [(free_port(), free_port(), free_port()) for _ in range(2)]
     started: list = []
     try:
-        gateways = []
-        for name, mine, theirs in (("gw-a", ports[0], ports[1]), ("gw-b", ports[1], ports[0])):
-            gateways.append(Gateway(tmp_path, api_keys=keys, admin_key="sk-root", name=name, ports=mine,
-                                    extra=["--peers", f"127.0.0.1:{theirs[2]}", "--routing-policy", "round_robin"]))
-            started.append(gateways[-1])
-        a, b = gateways
+        # On ports the kernel picks: b dials a, and a dials b back (protocol/exchange/dial_backs.py).
+        a = Gateway(tmp_path, api_keys=keys, admin_key="sk-root", name="gw-a", extra=["--routing-policy", "round_robin"])
+        started.append(a)
+        b = Gateway(tmp_path, api_keys=keys, admin_key="sk-root", name="gw-b",
+                    extra=["--peers", f"127.0.0.1:{a.internal_port}", "--routing-policy", "round_robin"])
+        started.append(b)
         engines = {
             "a1": Engine(tmp_path, a, "a1", ["chat"], key="ek-a", tenant="team-a", token_delay=0.02),
             "a2": Engine(tmp_path, b, "a2", ["chat"], key="ek-a", tenant="team-a", token_delay=0.02),

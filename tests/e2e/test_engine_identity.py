@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from harness.twistd_processes import Engine, Gateway, TwistdChild, free_port, http_get, wait_until
+from harness.twistd_processes import Engine, Gateway, TwistdChild, http_get, wait_until
 
 ECHO_MODELS = ("echo-a", "echo-b", "echo-c")
 AGENT_MODELS = ("x", "y")
@@ -23,13 +23,14 @@ SHARED_ID = "gpu-0"
 class Cluster:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
-        ports = [(free_port(), free_port(), free_port()) for _ in ECHO_MODELS]
         self.gateways: list[Gateway] = []
         self.agents: list[Engine | TwistdChild] = []
-        for index, model in enumerate(ECHO_MODELS):
-            peers = ",".join(f"127.0.0.1:{p[2]}" for other, p in enumerate(ports) if other != index)
-            self.gateways.append(Gateway(log_dir, name=f"gateway-{model[-1]}", ports=ports[index], extra=[
-                "--peers", peers, "--echo-models", model, "--status-interval", "0.5"]))
+        # On ports the kernel picks: each gateway dials those started before it, which dial it back
+        # (protocol/exchange/dial_backs.py).
+        for model in ECHO_MODELS:
+            peers = [f"--peers={','.join(f'127.0.0.1:{g.internal_port}' for g in self.gateways)}"] if self.gateways else []
+            self.gateways.append(Gateway(log_dir, name=f"gateway-{model[-1]}", extra=[
+                *peers, "--echo-models", model, "--status-interval", "0.5"]))
 
     @property
     def children(self) -> list[TwistdChild]:

@@ -23,24 +23,30 @@ from harness.twistd_processes import (
     TWISTD,
     Engine,
     Gateway,
-    TwistdChild,
-    free_port,
+    gateway_ports,
     http_get,
+    supervisor_ports,
     wait_until,
 )
 
 
 def test_tools_run_listens_on_loopback_only_and_says_that_auth_is_off(tmp_path: Path):
-    ports = [free_port() for _ in range(3)]
     log = tmp_path / "tools-run.log"
     with log.open("wb") as out:
-        # Ports as bare numbers, as a user would give them; tools/run picks the interface.
-        process = subprocess.Popen([str(ROOT / "tools" / "run"), "--http", str(ports[0]), "--worker-grpc",
-                                    str(ports[1]), "--internal-grpc", str(ports[2])], stdout=out,
+        # Ports as bare numbers, as a user would give them (0: the kernel's pick, which nobody can
+        # take first); tools/run picks the interface.
+        process = subprocess.Popen([str(ROOT / "tools" / "run"), "--http", "0", "--worker-grpc", "0",
+                                    "--internal-grpc", "0"], stdout=out,
                                    stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True)
     try:
-        # Under --workers (the cores, by default) each worker says where it listens, in any order:
-        # the line that names the given internal port is worker 0's (or the single process's).
+        # Under --workers (the cores, by default) the supervisor says where its workers listen, and each
+        # worker says where it does, in any order: the line naming worker 0's internal port is its own.
+        def bound() -> tuple[int, int, int] | None:
+            said = log.read_text() if process.poll() is None else ""
+            workers = supervisor_ports(said)
+            return (workers[0], workers[1], workers[2][0]) if workers else gateway_ports(said)
+
+        ports = wait_until(bound, "tools/run's gateway to bind its ports")
         wait_until(lambda: process.poll() is None and f"peers on 127.0.0.1:{ports[2]}" in log.read_text(),
                    "tools/run's gateway to listen")
         said = log.read_text()
@@ -112,25 +118,16 @@ def test_the_internal_secret_comes_from_a_file_or_the_environment_and_never_show
     a = Gateway(tmp_path, name="a", extra=["--internal-secret-file", str(path), "--status-interval", "0.5"])
     b = c = None
     try:
-        b_ports = (free_port(), free_port(), free_port())
-        b_args = ["infx", "--http", f"tcp:{b_ports[0]}:interface=127.0.0.1",
-                  "--worker-grpc", f"tcp:{b_ports[1]}:interface=127.0.0.1",
-                  "--internal-grpc", f"tcp:{b_ports[2]}:interface=127.0.0.1",
-                  "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-b", "--status-interval", "0.5",
-                  "--workers", "1"]
-        b = TwistdChild("b", b_args, tmp_path, env={"INFX_INTERNAL_SECRET": secret})
+        b = Gateway(tmp_path, name="b", env={"INFX_INTERNAL_SECRET": secret}, extra=[
+            "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-b", "--status-interval", "0.5"])
         wait_until(lambda: "from-b" in http_get(a.base_url + "/models")[1].decode(), "a to learn b's model",
-                   [a.child, b])
-        for child in (a.child, b):
+                   [a.child, b.child])
+        for child in (a.child, b.child):
             assert secret not in Path(f"/proc/{child.process.pid}/cmdline").read_bytes().decode(errors="replace")
         # The wrong secret, from the environment too, is refused as before.
-        c = TwistdChild("c", [*b_args[:1], "--http", f"tcp:{free_port()}:interface=127.0.0.1",
-                                   "--worker-grpc", f"tcp:{free_port()}:interface=127.0.0.1",
-                                   "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1",
-                                   "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-c",
-                                   "--workers", "1"],
-                             tmp_path, env={"INFX_INTERNAL_SECRET": "wrong"})
-        wait_until(lambda: "refused our internal secret" in c.output(), "c to be refused", [a.child, c])
+        c = Gateway(tmp_path, name="c", env={"INFX_INTERNAL_SECRET": "wrong"}, wait=False, extra=[
+            "--peers", f"127.0.0.1:{a.internal_port}", "--echo-models", "from-c"])
+        wait_until(lambda: "refused our internal secret" in c.child.output(), "c to be refused", [a.child, c.child])
         assert "from-c" not in http_get(a.base_url + "/models")[1].decode()
     finally:
         for child in (c, b):

@@ -14,27 +14,31 @@ from harness.twistd_processes import ChildDied, Gateway
 pytestmark = pytest.mark.e2e
 
 
-def test_a_gateway_whose_port_was_taken_before_it_could_bind_starts_again_on_new_ports(tmp_path: Path, monkeypatch):
-    """Another process may take a picked port before the child binds it: a new set of ports
-    is tried, and the failed start's log is kept beside the new one."""
-    with socket.create_server(("127.0.0.1", 0)) as taken:
-        picks = iter([taken.getsockname()[1]])
-        real = twistd_processes.free_port
-        monkeypatch.setattr(twistd_processes, "free_port", lambda: next(picks, None) or real())
-        gateway = Gateway(tmp_path, extra=["--echo-models", "m"])
-        try:
-            assert gateway.http_port != taken.getsockname()[1] and gateway.readyz() == 200
-            assert "is already in use" in (tmp_path / "gateway.port-taken-0.log").read_text()
-        finally:
-            gateway.stop()
-
-
 def test_a_gateway_that_exits_for_another_reason_is_not_started_again(tmp_path: Path):
     with pytest.raises(ChildDied, match="not valid YAML"):
         bad = tmp_path / "keys.yaml"
         bad.write_text("keys: [\n")
         Gateway(tmp_path, api_keys=bad)
-    assert not list(tmp_path.glob("*.port-taken-*.log"))
+
+
+def test_a_gateway_binds_only_ports_the_kernel_picks_and_knows_them_and_its_name(tmp_path: Path, monkeypatch):
+    """No port of one gateway process is picked beforehand (none can be taken before it binds):
+    its HTTP, engine and internal port are read from its log, and it names itself by the last."""
+
+    def no_picking() -> int:
+        raise AssertionError("a port picked for a gateway could be taken before it binds")
+
+    monkeypatch.setattr(twistd_processes, "free_port", no_picking)
+    gateway = Gateway(tmp_path, extra=["--echo-models", "m"])
+    try:
+        assert gateway.readyz() == 200 and 0 not in (gateway.http_port, gateway.worker_port, gateway.internal_port)
+        assert gateway.internal_ports == (gateway.internal_port,)
+        gateway.wait_for_engine(gateway.builtin_engine_id)  # the engine's id carries the pod name
+        assert gateway.status()["gateway"]["pod"] == gateway.pod_name == f"127.0.0.1:{gateway.internal_port}"
+        with socket.create_connection(("127.0.0.1", gateway.worker_port), timeout=5):
+            pass
+    finally:
+        gateway.stop()
 
 
 def test_a_gateway_of_workers_binds_only_ports_the_kernel_picks_and_knows_them(tmp_path: Path, monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -20,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet import defer, reactor, task, threads
 
 from harness.kubeapi import FakeKubeAPI, write_kubeconfig
-from harness.twistd_processes import free_port
 from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
@@ -81,6 +81,11 @@ def test_the_dashboard_is_a_grafana_dashboard_with_a_prometheus_data_source_and_
     assert len(names) >= 25 and all(name.startswith("infx_") for name in names), names
 
 
+def port_of(listener: Any) -> int:
+    """The port a gateway's listener bound (the kernel's pick)."""
+    return int(listener.port.getHost().port)
+
+
 def scrape_names(port: int) -> set[str]:
     status, _, body = raw(f"http://127.0.0.1:{port}", "GET", "/metrics")
     assert status == 200
@@ -119,35 +124,32 @@ def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(tmp_path: Path):
     api.add_deployment("llama-engine", replicas=0,
                        labels={"app": "llama-engine", "infx.io/scalable": "true", "ai.tensorchord.scale.min": "0"},
                        annotations={"infx.io/models": "llama"})
-    ports = {name: (free_port(), free_port(), free_port()) for name in ("a", "b")}
-
-    def listen(name: str) -> list[str]:
-        http, worker, internal = ports[name]
-        return ["--http", f"tcp:{http}:interface=127.0.0.1", "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-                "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--echo-models", "echo"]
-
+    # Every port the kernel's pick; --kube on port 0 takes --peer-port, the port of the other
+    # gateway pods it finds (none here): B is given A's bound port.
+    listen = [f"--{option}=tcp:0:interface=127.0.0.1" for option in ("http", "worker-grpc", "internal-grpc")]
     options_a, options_b = GatewayOptions(), GatewayOptions()
-    options_a.parseOptions(["--kube", "--scaler", *listen("a")])
-    options_b.parseOptions(["--peers", f"127.0.0.1:{ports['a'][2]}", *listen("b")])
+    options_a.parseOptions(["--kube", "--scaler", "--peer-port", "8083", *listen, "--echo-models", "echo"])
     a = GatewayService(reactor, options_a.config_value, pod_name="gw-a",
                        environ={"POD_NAME": "gw-a", "NAMESPACE": "default", "KUBECONFIG": str(kubeconfig)})
-    b = GatewayService(reactor, options_b.config_value, pod_name="gw-b")
-    engine = None
+    b = engine = None
     try:
         a.startService()
+        yield a.when_listening()
+        options_b.parseOptions(["--peers", f"127.0.0.1:{port_of(a.internal_grpc)}", *listen, "--echo-models", "echo"])
+        b = GatewayService(reactor, options_b.config_value, pod_name="gw-b")
         b.startService()
-        yield defer.gatherResults([a.when_listening(), b.when_listening()])
+        yield b.when_listening()
         # B dials A, and A dials B back: each holds the other's echo engine.
         yield poll(lambda: len(a.dispatcher.processor.engine_reports()) == 2
                    and len(b.dispatcher.processor.engine_reports()) == 2, "the peers to learn each other's engines")
         yield poll(lambda: a.dispatcher.can_start("default", "llama"), "the scaler to know the deployment")
-        base = f"http://127.0.0.1:{ports['a'][0]}/v1"
+        base = f"http://127.0.0.1:{port_of(a.http)}/v1"
         yield threads.deferToThread(traffic, base)
         waiting = threads.deferToThread(held, base)
         yield poll(lambda: api.deployment("llama-engine")["spec"].get("replicas") == 1, "the scale from zero")
 
         def connect() -> GrpcChannel:
-            return GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", ports["a"][1]),
+            return GrpcChannel(reactor, client_endpoint(reactor, "127.0.0.1", port_of(a.worker_grpc)),
                                GrpcConfig(client_side=True))
 
         engine = EngineAgent(reactor, EngineAgentCore(AgentConfig(engine_id="llama-0", models=("llama",))),
@@ -165,11 +167,12 @@ def test_every_metric_the_dashboard_queries_is_in_a_live_scrape(tmp_path: Path):
         yield poll(lambda: a.scaler.scaler.machine.desired(next(iter(a.scaler.scaler.machine.deployments())))
                    is not None, "the autoscaler's first tick")
         scraped = yield threads.deferToThread(
-            lambda: scrape_names(ports["a"][0]) | scrape_names(ports["b"][0]))
+            lambda: scrape_names(port_of(a.http)) | scrape_names(port_of(b.http)))
     finally:
         if engine is not None and engine.running:
             yield engine.stopService()
-        yield b.stopService()
+        if b is not None:
+            yield b.stopService()
         yield a.stopService()
         yield api.stop()
     missing = {expr: sorted(metric_names(expr) - scraped) for expr in expressions() if metric_names(expr) - scraped}

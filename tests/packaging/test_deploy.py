@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -168,31 +167,34 @@ def test_every_file_the_dockerfile_copies_exists():
             assert (ROOT / source).exists(), f"Dockerfile copies {source}, which does not exist"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.e2e
-def test_the_dockerfile_command_starts_the_gateway_in_the_venv():
+def test_the_dockerfile_command_starts_the_gateway_in_the_venv(tmp_path: Path):
+    from harness.twistd_processes import gateway_ports, supervisor_ports, wait_until
+
     cmd = next(yaml.safe_load(rest) for instruction, rest in _dockerfile() if instruction == "CMD")
     assert cmd[0] == "twistd"
-    http = _free_port()
-    argv = [str(Path(sys.executable).with_name("twistd")), *cmd[1:], "--http", f"tcp:{http}:interface=127.0.0.1",
-            "--worker-grpc", f"tcp:{_free_port()}:interface=127.0.0.1",
-            "--internal-grpc", f"tcp:{_free_port()}:interface=127.0.0.1"]
-    process = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Port 0 everywhere, read back from what it says: no port picked here could be taken first.
+    argv = [str(Path(sys.executable).with_name("twistd")), *cmd[1:],
+            *(f"--{option}=tcp:0:interface=127.0.0.1" for option in ("http", "worker-grpc", "internal-grpc"))]
+    log = tmp_path / "gateway.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            try:
-                with socket.create_connection(("127.0.0.1", http), timeout=0.5):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "the gateway did not listen in time"
-                time.sleep(0.05)
+        def http_port() -> int | None:
+            assert process.poll() is None, log.read_text()
+            said = log.read_text()
+            # The command's --workers default is the cores: one process on one core, else a supervisor.
+            bound = supervisor_ports(said) or gateway_ports(said)
+            return bound[0] if bound else None
+
+        http = wait_until(http_port, "the gateway's ports")
+
+        def listens() -> bool:
+            assert process.poll() is None, log.read_text()
+            with socket.create_connection(("127.0.0.1", http), timeout=0.5):
+                return True
+
+        wait_until(listens, "the gateway to listen")
         process.send_signal(signal.SIGTERM)
         process.wait(15)
     finally:

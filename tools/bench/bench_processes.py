@@ -75,6 +75,23 @@ class Child:
         self._log.close()
 
 
+def bound_ports(gateway: Child, log: Path, workers: int = 1, timeout: float = 60.0) -> tuple[int, int]:
+    """The HTTP and engine-facing ports a gateway on port 0 bound, from the line its log says them in
+    (one process's, or with ``workers`` a supervisor's; the script puts the checkout on ``sys.path``)."""
+    from harness.twistd_processes import gateway_ports, supervisor_ports
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if gateway.process.poll() is not None:
+            raise BenchError(f"{gateway.name} exited with {gateway.process.returncode}: {gateway.log_tail()}")
+        said = log.read_text(errors="replace") if log.exists() else ""
+        found = supervisor_ports(said) if workers > 1 else gateway_ports(said)
+        if found is not None:
+            return found[0], found[1]
+        time.sleep(0.05)
+    raise BenchError(f"{gateway.name} said no ports after {timeout:g} s: {gateway.log_tail()}")
+
+
 def wait_for_model(port: int, model: str, children: list[Child], timeout: float = 60.0) -> None:
     """Until ``GET /v1/models`` on ``port`` lists ``model``, i.e. an engine has registered."""
     deadline = time.monotonic() + timeout

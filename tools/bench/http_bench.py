@@ -87,7 +87,7 @@ ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
+from bench_processes import BenchError, Child, bound_ports, free_port, wait_for_model  # noqa: E402
 from harness.twistd_processes import children_of  # noqa: E402
 from peers import LITELLM, SGLANG_ROUTER, VLLM_ROUTER, Peer, start_litellm, start_sglang_router  # noqa: E402
 from peers import start_vllm_router  # noqa: E402
@@ -204,7 +204,7 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     """``twistd`` with infx from ``tree`` (this checkout, or ``--baseline``'s). ``log_to_stdout``:
     twistd logs to its standard output (the Child's log file), as in a container; there a
     supervisor's workers write their own lines (docs/workers.md)."""
-    log = "-" if log_to_stdout else logs / f"{name}.twistd.log"
+    log = "-" if log_to_stdout else twistd_log(name, logs)
     argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
             "-n", "--pidfile=", f"--logfile={log}"]
     if profile is not None:
@@ -213,10 +213,13 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
 
 
-def gateway_args(http: int, worker: int, workers: int = 1) -> list[str]:
-    # Every port explicit and on loopback: several gateways run side by side (and beside other tests).
-    # With workers, each has its own internal port (the next ones): the kernel picks them here.
-    internal = free_port() if workers == 1 else 0
+def twistd_log(name: str, logs: Path) -> Path:
+    return logs / f"{name}.twistd.log"
+
+
+def gateway_args(http: int = 0, worker: int = 0, workers: int = 1, internal: int = 0) -> list[str]:
+    # Every port on loopback, the kernel's pick (read back with bound_ports: none can be taken first),
+    # as several gateways run side by side (and beside other tests); the baseline's picked beforehand.
     return ["infx", "--http", f"tcp:{http}:interface=127.0.0.1",
             "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
             "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1", "--grace-period", "1",
@@ -250,9 +253,12 @@ class Processes:
             for kind, tree in (("agent", ROOT), ("base", self.baseline)):
                 if kind not in kinds or tree is None:
                     continue
-                http, grpc = free_port(), free_port()
-                gateway = twistd(f"gateway-{kind}-{runtime}", gateway_args(http, grpc), logs, profile, tree)
+                name = f"gateway-{kind}-{runtime}"
+                # An older infx may name itself by an internal port 0 or say its ports otherwise.
+                picked = (free_port(), free_port(), free_port()) if kind == "base" else (0, 0, 0)
+                gateway = twistd(name, gateway_args(picked[0], picked[1], internal=picked[2]), logs, profile, tree)
                 self.children.append(gateway)
+                http, grpc = picked[:2] if kind == "base" else bound_ports(gateway, twistd_log(name, logs))
                 engine = twistd(f"engine-{kind}-{runtime}", [
                     "infx-engine", "--server", f"127.0.0.1:{grpc}", "--runtime", "openai",
                     "--upstream", server.url, "--models", MODEL, "--max-concurrency", "64", "--grace", "1"],
@@ -263,19 +269,22 @@ class Processes:
             for kind, tree in (("url", ROOT), ("base-url", self.baseline)):
                 if kind not in kinds or tree is None:
                     continue
-                http = free_port()
-                gateway = twistd(f"gateway-{kind}-{runtime}", [
-                    *gateway_args(http, free_port()), "--runtime-url", f"{server.url}={MODEL}",
+                name = f"gateway-{kind}-{runtime}"
+                # An older infx may name itself by an internal port 0 or say its ports otherwise.
+                picked = (free_port(), free_port(), free_port()) if kind == "base-url" else (0, 0, 0)
+                gateway = twistd(name, [
+                    *gateway_args(picked[0], picked[1], internal=picked[2]), "--runtime-url", f"{server.url}={MODEL}",
                     "--runtime-max-concurrency", "64"], logs, profile, tree)
                 self.children.append(gateway)
+                http = picked[0] if kind == "base-url" else bound_ports(gateway, twistd_log(name, logs))[0]
                 waits.append((http, [gateway]))
                 self._add(kind, runtime, http, gateway.process.pid)
             if "url-workers" in kinds:
-                http = free_port()
                 gateway = twistd(f"gateway-url-workers-{runtime}", [
-                    *gateway_args(http, free_port(), workers=2), "--runtime-url", f"{server.url}={MODEL}",
+                    *gateway_args(workers=2), "--runtime-url", f"{server.url}={MODEL}",
                     "--runtime-max-concurrency", "64"], logs, profile, log_to_stdout=True)
                 self.children.append(gateway)
+                http, _ = bound_ports(gateway, gateway.log_path, workers=2)
                 waits.append((http, [gateway]))
                 supervised.append(("url-workers", runtime, http, gateway))
             if "floor" in kinds:
@@ -284,25 +293,25 @@ class Processes:
                 self.children.append(floor)
                 self._add("floor", runtime, floor.port, floor.process.pid)
         if "builtin" in kinds:
-            http = free_port()
-            gateway = twistd("gateway-builtin", [*gateway_args(http, free_port()),
+            gateway = twistd("gateway-builtin", [*gateway_args(),
                                                  "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
             self.children.append(gateway)
+            http, _ = bound_ports(gateway, twistd_log(gateway.name, logs))
             waits.append((http, [gateway]))
             self._add("builtin", None, http, gateway.process.pid)
         if "twistedweb" in kinds:
-            http = free_port()
-            gateway = twistd("gateway-twistedweb", [*gateway_args(http, free_port()), "--http-server", "twisted",
+            gateway = twistd("gateway-twistedweb", [*gateway_args(), "--http-server", "twisted",
                                                     "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
             self.children.append(gateway)
+            http, _ = bound_ports(gateway, twistd_log(gateway.name, logs))
             waits.append((http, [gateway]))
             self._add("twistedweb", None, http, gateway.process.pid)
         if "workers" in kinds:
-            http = free_port()
-            supervisor = twistd("gateway-workers", [*gateway_args(http, free_port(), workers=2),
+            supervisor = twistd("gateway-workers", [*gateway_args(workers=2),
                                                     "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile,
                                 log_to_stdout=True)
             self.children.append(supervisor)
+            http, _ = bound_ports(supervisor, supervisor.log_path, workers=2)
             waits.append((http, [supervisor]))
             supervised.append(("workers", None, http, supervisor))
         for port, children in waits:

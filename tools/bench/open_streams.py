@@ -62,8 +62,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
 
-from bench_processes import BenchError, Child, free_port, wait_for_model  # noqa: E402
+from bench_processes import BenchError, Child, bound_ports, free_port, wait_for_model  # noqa: E402
 from open_streams_clients import BUCKET, GRID, grid_index  # noqa: E402
 
 MODEL = "bench"
@@ -127,15 +128,16 @@ class Processes:
     def __init__(self, options: argparse.Namespace, logs: Path) -> None:
         self.children: list[Child] = []
         try:
-            self.http_port, worker = free_port(), free_port()
+            # Port 0 everywhere, read back from its log: no port picked here could be taken first.
             argv = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile=",
                     f"--logfile={logs / 'gateway.twistd.log'}", "infx",
-                    "--http", f"tcp:{self.http_port}:interface=127.0.0.1:backlog=4096",
-                    "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1",
-                    "--internal-grpc", f"tcp:{free_port()}:interface=127.0.0.1", "--grace-period", "1",
+                    "--http", "tcp:0:interface=127.0.0.1:backlog=4096",
+                    "--worker-grpc", "tcp:0:interface=127.0.0.1",
+                    "--internal-grpc", "tcp:0:interface=127.0.0.1", "--grace-period", "1",
                     "--workers", "1"]
             self.gateway = Child("gateway", argv, logs, stdin=subprocess.PIPE)
             self.children.append(self.gateway)
+            self.http_port, worker = bound_ports(self.gateway, logs / "gateway.twistd.log")
             per_engine = math.ceil(options.streams / options.engines) + 100
             self.engines = []
             for n in range(options.engines):

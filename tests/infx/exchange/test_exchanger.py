@@ -21,7 +21,7 @@ from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
 from protocol.gateway.core import DialState
 from protocol.processor.keys import Locality
-from tests.support.exchange import base_url, chat, engines, gateways, internal_address, until
+from tests.support.exchange import LOOPBACK, base_url, chat, engines, gateways, internal_address, until
 
 
 def key_file(tmp_path: Any, keys: list[dict[str, Any]]) -> Any:
@@ -450,6 +450,40 @@ def test_the_pod_name_defaults_to_pod_name_else_the_internal_listen_address():
     config = build_config({}, {"internal_grpc": "tcp:9083:interface=127.0.0.2"})
     assert GatewayService(reactor, config, environ={"POD_NAME": "gw-0"}).exchanger.config.pod_name == "gw-0"
     assert GatewayService(reactor, config, environ={}).exchanger.config.pod_name == "127.0.0.2:9083"
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_gateway_on_internal_port_0_is_named_and_dialled_back_by_the_port_the_kernel_picked():
+    """One process names itself by its internal port: on port 0 the kernel's pick, known only once
+    bound. Bound as the gateway is built, it is the name, the built-in engine's id and the port
+    peers dial back (b dials a back there, so a learns b's engine); a named pod keeps its name."""
+    started: list[GatewayService] = []
+
+    @defer.inlineCallbacks
+    def start(environ: dict[str, str], **options: Any) -> Any:
+        config = build_config({}, {"http": LOOPBACK, "worker_grpc": LOOPBACK, "internal_grpc": LOOPBACK,
+                                   "status_interval": 0.5, **options})
+        gateway = GatewayService(reactor, config, environ=environ)
+        started.append(gateway)
+        gateway.startService()
+        yield gateway.when_listening()
+        return gateway, gateway.internal_grpc.port.getHost().port
+
+    try:
+        b, b_port = yield start({}, echo_models="m")
+        assert b_port != 0 and b.pod_name == f"127.0.0.1:{b_port}" == b.exchanger.config.pod_name
+        assert b.exchanger.config.peer_port == b_port
+        yield until(lambda: list(b.dispatcher.status()["tenants"].get("default", {}).get("engines", {}))
+                    == [builtin_engine_id(b.pod_name)])
+        a, a_port = yield start({}, peers=f"127.0.0.1:{b_port}")
+        assert a.pod_name == f"127.0.0.1:{a_port}" and a.exchanger.config.peer_port == a_port
+        yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1}, timeout=20)
+        assert {stream.pod_name for stream in b.exchanger.streams} == {a.pod_name}
+        named, named_port = yield start({"POD_NAME": "gw-0"})
+        assert named.pod_name == "gw-0" and named.exchanger.config.peer_port == named_port != 0
+    finally:
+        for gateway in reversed(started):
+            yield gateway.stopService()
 
 
 @pytest_twisted.inlineCallbacks

@@ -4,6 +4,7 @@ Real gateways on loopback; engines are grpcio (LLMariner's wire) on threads."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Generator
 from typing import Any
 
@@ -94,10 +95,10 @@ def test_peer_connected_and_gone_lines_name_the_pod(gateways) -> Steps:  # noqa:
 
 @pytest_twisted.inlineCallbacks
 def test_a_peer_that_is_not_there_is_one_line_however_often_it_is_redialled(gateways) -> Steps:  # noqa: F811
-    from harness.twistd_processes import free_port
-
-    address = f"127.0.0.1:{free_port()}"
-    with LogLines() as logs:
+    # A port held bound and never listened on: refused, and no other process can take it meanwhile.
+    with socket.socket() as held, LogLines() as logs:
+        held.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{held.getsockname()[1]}"
         b = yield gateways("b", peers=address)
         receiver = b.exchanger.receivers[address]
         yield until(lambda: receiver.failures >= 4)

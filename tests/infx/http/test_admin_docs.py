@@ -19,7 +19,6 @@ from twisted.internet import defer, reactor, task, threads
 
 from infx.config import build_config
 from infx.gateway.cluster_status import ClusterStatus
-from harness.twistd_processes import free_port
 from infx.service import GatewayService
 from protocol.agent.runtime_load import RuntimeLoad
 from protocol.scaling.labels import MODELS_ANNOTATION, SCALABLE_LABEL, deployment_snapshot
@@ -64,9 +63,9 @@ def test_the_path_conventions_see_maps_lists_and_nulls():
     assert "failures[].route.peer" in documented() and "tenants.*.engines.*.load.source" in documented()
 
 
-def _config(internal_port: int, **options):
+def _config(**options):
     return build_config({}, {"http": "tcp:0:interface=127.0.0.1", "worker_grpc": "tcp:0:interface=127.0.0.1",
-                             "internal_grpc": f"tcp:{internal_port}:interface=127.0.0.1", "echo_models": "echo",
+                             "internal_grpc": "tcp:0:interface=127.0.0.1", "echo_models": "echo",
                              **options})
 
 
@@ -81,12 +80,13 @@ def two_gateways():
 
     @pytest_twisted.inlineCallbacks
     def start():
-        ports = free_port(), free_port()
-        pair = []
-        for name, mine, theirs in (("gw-a", ports[0], ports[1]), ("gw-b", ports[1], ports[0])):
+        pair: list[GatewayService] = []
+        # On ports the kernel picks: gw-b dials gw-a, which dials it back (protocol/exchange/dial_backs.py).
+        for name in ("gw-a", "gw-b"):
+            peers = tuple(f"127.0.0.1:{g.internal_grpc.port.getHost().port}" for g in pair)
             # Slow echoes and one slot per engine: concurrent requests hold slots and wait.
-            gateway = GatewayService(reactor, _config(mine, peers=(f"127.0.0.1:{theirs}",), echo_token_delay=0.2,
-                                                      max_in_flight_per_engine=1), pod_name=name)
+            gateway = GatewayService(reactor, _config(peers=peers, echo_token_delay=0.2, max_in_flight_per_engine=1),
+                                     pod_name=name)
             yield gateway.startService()
             started.append(gateway)
             pair.append(gateway)

@@ -8,7 +8,6 @@ held request is answered.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import openai
@@ -24,12 +23,6 @@ from infx.transport import GrpcChannel, client_endpoint
 from protocol.agent.core import AgentConfig, EngineAgentCore
 from protocol.agent.echo import EchoConfig
 from protocol.grpc import GrpcConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @defer.inlineCallbacks
@@ -57,16 +50,16 @@ def test_requests_for_a_model_at_zero_are_held_scaled_once_and_all_served(tmp_pa
         annotations={"infx.io/models": "llama"},
     )
     options = GatewayOptions()
-    http, worker, internal = free_port(), free_port(), free_port()
-    options.parseOptions([
-        "--kube", "--scaler", "--http", f"tcp:{http}:interface=127.0.0.1",
-        "--worker-grpc", f"tcp:{worker}:interface=127.0.0.1", "--internal-grpc", f"tcp:{internal}:interface=127.0.0.1",
-    ])
+    # Every port the kernel's pick; --kube on port 0 takes --peer-port, the port of the other gateway
+    # pods it finds (none here).
+    options.parseOptions(["--kube", "--scaler", "--peer-port", "8083",
+                          *(f"--{option}=tcp:0:interface=127.0.0.1" for option in ("http", "worker-grpc", "internal-grpc"))])
     gateway = GatewayService(reactor, options.config_value, environ={
         "POD_NAME": "gw-0", "NAMESPACE": "default", "KUBECONFIG": str(kubeconfig)})
     engine = None
     try:
         yield gateway.startService()
+        http, worker = (listener.port.getHost().port for listener in (gateway.http, gateway.worker_grpc))
         # Requests other gateways accept reach this scaler in their reports (the rps load).
         scaler = gateway.scaler.scaler
         assert scaler.observe_peer_requests in gateway.exchanger.on_peer_requests
