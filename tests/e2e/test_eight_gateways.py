@@ -11,6 +11,7 @@ asserts outcomes, never durations (``tools/bench/eight_gateways.py`` measures th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -83,10 +84,13 @@ def test_every_model_answers_from_every_gateway_streaming_and_not(cluster: Eight
         assert listed == set(MODELS)
 
 
-def _long_requests(nodes: list[GatewayNode], models: set[str]) -> tuple[ThreadPoolExecutor, list[Future[Outcome]]]:
+def _long_requests(nodes: list[GatewayNode], models: set[str],
+                   stop: threading.Event) -> tuple[ThreadPoolExecutor, list[Future[list[Outcome]]]]:
     """From each of ``nodes``, three long requests per model (four seconds of tokens each), whole
-    and streaming, so that some of each are in flight on any engine of those models when its
-    gateway dies: the whole ones must fail over, the streams started there end as cut."""
+    and streaming, each sent again as soon as it ends until ``stop`` (set when the victim dies), so
+    that some of each are in flight on any engine of those models when its gateway dies however
+    long the test takes to see them there: the whole ones must fail over, the streams started
+    there end as cut."""
     cases = [(node, model, stream) for node in nodes for model in sorted(models) for _ in range(LONG_PER_MODEL)
              for stream in (False, True)]
     pool = ThreadPoolExecutor(len(cases))
@@ -98,7 +102,13 @@ def _long_requests(nodes: list[GatewayNode], models: set[str]) -> tuple[ThreadPo
             return classify(node.index, model, stream, text, time.monotonic(),
                             lambda: ask(client, model, text, stream, tag, received), tag, received)
 
-    return pool, [pool.submit(one, *case) for case in cases]
+    def until_stopped(node: GatewayNode, model: str, stream: bool) -> list[Outcome]:
+        outcomes = [one(node, model, stream)]
+        while not stop.is_set():
+            outcomes.append(one(node, model, stream))
+        return outcomes
+
+    return pool, [pool.submit(until_stopped, *case) for case in cases]
 
 
 def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> set[str]:
@@ -150,13 +160,16 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
     retries_before, answered_before = _retries(live), _answered(live)
     traffic = Traffic(cluster).start()
     traffic.wait_answered(everyone, 0.0)
-    pool, long_requests = _long_requests(live, {engine_model(VICTIM, s) for s in range(ENGINES_PER_GATEWAY)})
+    stop_long = threading.Event()
+    pool, long_requests = _long_requests(live, {engine_model(VICTIM, s) for s in range(ENGINES_PER_GATEWAY)},
+                                         stop_long)
     try:
         # Kill the victim while its engines work on long requests other gateways forwarded.
         wait_until(lambda: _long_tasks_on(live, lost), "long requests on the victim's engines", cluster.children,
                    timeout=60)
         killed_at = time.monotonic()
         cluster.kill(victim)
+        stop_long.set()
         # Its engines leave every other gateway, whose clients keep getting every model.
         wait_until(lambda: cluster.missing(live) == {n.name: lost for n in live},
                    "the live gateways to drop the victim's engines", cluster.children, timeout=30)
@@ -170,8 +183,9 @@ def test_a_gateway_killed_and_restarted_under_traffic_loses_nothing(cluster: Eig
               f"cluster converged {converged:.2f}s later")
         traffic.wait_answered(everyone, ready_at + converged)
     finally:
+        stop_long.set()
         outcomes = traffic.stop()
-        outcomes += [f.result() for f in long_requests]
+        outcomes += [o for f in long_requests for o in f.result()]
         pool.shutdown()
 
     to_live = [o for o in outcomes if o.gateway != VICTIM]
