@@ -28,8 +28,9 @@ _FLAGS: list[list[str | None]] = [
                             "answer; 16 KiB each at most) on the request's span; off, no span carries them."],
     ["routing-runtime-slots", None, "The affinity policy uses the slots engines report (the load bound's minimum, "
                                     "hot prefixes spread over engines, a full runtime's wait in the score); "
-                                    "on by default, off with routing_runtime_slots: false in the config file; "
-                                    "docs/routing-real.md."],
+                                    "on by default; docs/routing-real.md."],
+    ["no-routing-runtime-slots", None, "The affinity policy ignores the slots engines report and routes as "
+                                       "engines that report none (routing_runtime_slots: false in the config file)."],
     ["cap-at-runtime-slots", None, "Without --max-in-flight-per-engine: a local engine whose agent reports its "
                                    "runtime's slots holds at most that many tasks; more wait in the fair queue."],
 ]
@@ -173,7 +174,7 @@ class GatewayOptions(VersionOption, usage.Options):
         self["runtime-url"] = [*(self["runtime-url"] or []), value]
 
     def postOptions(self) -> None:
-        flags = {name: self[name] for name in self if name != "config"}
+        flags = {name: self[name] for name in self if name not in ("config", "no-routing-runtime-slots")}
         flags.update(self._flag_values())
         try:
             file_values = load_yaml(self["config"]) if self["config"] else {}
@@ -190,7 +191,12 @@ class GatewayOptions(VersionOption, usage.Options):
 
     def _flag_values(self) -> dict[str, Any]:
         # An absent flag is None, not False, so that the config file's value stands.
-        return {name: (True if self[name] else None) for name, *_ in _FLAGS if name is not None}
+        values = {name: (True if self[name] else None) for name, *_ in _FLAGS if name is not None}
+        if values.pop("no-routing-runtime-slots"):
+            if values["routing-runtime-slots"]:
+                raise usage.UsageError("--routing-runtime-slots and --no-routing-runtime-slots: give one")
+            values["routing-runtime-slots"] = False
+        return values
 
 
 #: What twistd parses: the same options, with errors as one line (see :mod:`infx.cli`).

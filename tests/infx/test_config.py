@@ -329,7 +329,9 @@ def test_tracing_without_the_otel_extra_is_refused_naming_it(monkeypatch):
         build_config({}, {"otlp_traces_endpoint": "http://collector:4318"})
 
 
-def test_routing_by_the_runtimes_slots_is_on_unless_the_config_turns_it_off():
+def test_routing_by_the_runtimes_slots_is_on_unless_the_config_or_a_flag_turns_it_off():
+    from twisted.python import usage
+
     from infx.config import routing_config
     from infx.tap import GatewayOptions
 
@@ -338,3 +340,8 @@ def test_routing_by_the_runtimes_slots_is_on_unless_the_config_turns_it_off():
     options.parseOptions(["--routing-runtime-slots"])
     assert routing_config(options.config_value)[0].runtime_slots
     assert not routing_config(build_config({"routing_runtime_slots": False}, {}))[0].runtime_slots
+    options = GatewayOptions()
+    options.parseOptions(["--no-routing-runtime-slots"])
+    assert not routing_config(options.config_value)[0].runtime_slots
+    with pytest.raises(usage.UsageError, match="give one"):
+        GatewayOptions().parseOptions(["--routing-runtime-slots", "--no-routing-runtime-slots"])
