@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.error
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,8 +43,9 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 #: Gateway killed and restarted (g3 serves m3 and m0 locally).
 VICTIM = 3
-#: Long requests each live gateway has in flight per model of the victim's engines when it dies.
-LONG_PER_MODEL = 3
+#: Long requests each live gateway keeps in flight per model of the victim's engines (whole and
+#: streaming each) until it dies.
+LONG_PER_MODEL = 2
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +117,11 @@ def _forwarded_to(nodes: list[GatewayNode], engines: set[str]) -> set[str]:
     """Ids of the tasks ``nodes`` have in flight on ``engines`` (another gateway's: the exchange)."""
     ids: set[str] = set()
     for node in nodes:
-        for engine in node.status()["tenants"]["default"]["engines"].values():
+        try:
+            status = node.status()
+        except (OSError, urllib.error.URLError):
+            continue  # a gateway too busy relaying to answer within the poll's timeout: ask the others
+        for engine in status["tenants"]["default"]["engines"].values():
             if engine["engine_id"] in engines:
                 ids.update(engine["tasks"])
     return ids
