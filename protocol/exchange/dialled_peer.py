@@ -62,7 +62,7 @@ from protocol.processor.errors import PeerProtocolError, ProcessorUsageError
 from protocol.processor.keys import Locality, Origin
 from protocol.processor.requests import sse_error_event
 
-__all__ = ["DialledPeer", "DialledPeerConfig", "DialledPeerOutput", "DialledPeerState", "SendToPeer", "error_result"]
+__all__ = ["DialledPeer", "DialledPeerConfig", "DialledPeerOutput", "DialledPeerState", "SendToPeer", "error_result", "peer_result"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +125,14 @@ def error_result(task_id: str, status: int, message: str, delivered: int = 0,
         return worker_pb2.TaskResult(task_id=task_id, result_index=0, http_response=response)
     event = worker_pb2.ServerSentEvent(data=sse_error_event(status, message, code), is_last_event=True)
     return worker_pb2.TaskResult(task_id=task_id, result_index=delivered, server_sent_event=event)
+
+
+def peer_result(effect: Union[DeliverResult, FailRequest]) -> worker_pb2.TaskResult:
+    """What a forwarded task's processor effect sends back to the gateway that forwarded it: the
+    result itself (the processor names it by the task's id), or the failure as a result."""
+    if isinstance(effect, DeliverResult):
+        return effect.result
+    return error_result(effect.task_id, effect.status, effect.message, effect.delivered, effect.code)
 
 
 def _send_result(result: worker_pb2.TaskResult) -> SendToPeer:
@@ -240,10 +248,9 @@ class DialledPeer:
             self.processor.results_consumed(effect.task_id)
             if effect.last:
                 self._tasks.discard(effect.task_id)
-            return [_send_result(effect.result)]
-        self._tasks.discard(effect.task_id)
-        return [_send_result(error_result(effect.task_id, effect.status, effect.message, effect.delivered,
-                                          effect.code))]
+        else:
+            self._tasks.discard(effect.task_id)
+        return [_send_result(peer_result(effect))]
 
     def shutdown(self, now: float) -> list[DialledPeerOutput]:
         """Report every local engine not ready; keep serving in-flight tasks, refuse new ones."""

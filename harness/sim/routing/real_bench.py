@@ -54,7 +54,7 @@ from protocol.agent.runtime_load import (
     ScrapeAnswer,
     ScrapeRuntime,
 )
-from protocol.exchange.dialled_peer import error_result
+from protocol.exchange.dialled_peer import peer_result
 from protocol.pb import chat_pb2, worker_pb2
 from protocol.processor.core import (
     DeliverResult,
@@ -273,15 +273,10 @@ class _Simulation:
             elif isinstance(effect, DeliverResult | FailRequest) and effect.origin[0] == "peer":
                 if isinstance(effect, DeliverResult):
                     processor.results_consumed(effect.task_id)
-                    result = worker_pb2.TaskResult()
-                    result.CopyFrom(effect.result)
-                    result.task_id = effect.task_id
-                else:
-                    result = error_result(effect.task_id, effect.status, effect.message, effect.delivered)
                 if isinstance(effect, FailRequest) or effect.last:
                     self.forwarded.pop((g, effect.task_id), None)
                 origin = effect.origin[1]
-                self.gateway_effects(origin, self.gateways[origin].receive_result(("peer", g), result, self.now))
+                self.gateway_effects(origin, self.gateways[origin].receive_result(("peer", g), peer_result(effect), self.now))
             elif isinstance(effect, DeliverResult):
                 processor.results_consumed(effect.task_id)
                 request = self.requests[(g, effect.task_id)]

@@ -26,7 +26,7 @@ from typing import Any
 
 from harness.sim.routing.runtime import BLOCK_TOKENS, Job, RuntimeSpec, SimRuntime, chain
 from harness.sim.routing.workloads import Request, make
-from protocol.exchange.dialled_peer import error_result
+from protocol.exchange.dialled_peer import peer_result
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 from protocol.processor.core import DeliverResult, FailRequest, Locality, Processor, ProcessorConfig, SendTask
 from protocol.processor.fair_share import forwarded_caller
@@ -229,15 +229,10 @@ class Simulation:
                 # A forwarded task's result goes back to the gateway that forwarded it.
                 if isinstance(effect, DeliverResult):
                     processor.results_consumed(effect.task_id)
-                    result = worker_pb2.TaskResult()
-                    result.CopyFrom(effect.result)
-                    result.task_id = effect.task_id
-                else:
-                    result = error_result(effect.task_id, effect.status, effect.message, effect.delivered)
                 if isinstance(effect, FailRequest) or effect.last:
                     del self.forwarded[(g, effect.task_id)]
                 origin = effect.origin[1]
-                self.perform(now, origin, self.gateways[origin].receive_result(("peer", g), result, now))
+                self.perform(now, origin, self.gateways[origin].receive_result(("peer", g), peer_result(effect), now))
             elif isinstance(effect, DeliverResult):
                 processor.results_consumed(effect.task_id)
                 if effect.last:
