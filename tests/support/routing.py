@@ -40,8 +40,8 @@ def slotted(*engine_ids: str, slots: int = 2) -> Pools:
     return pools
 
 
-def user(n: int, turns: int = 1, system: str = SYSTEM) -> RoutingHints:
-    """User ``n`` of one application: its shared system prompt, then its own turns."""
+def conversation_hints(n: int, turns: int, system: str) -> RoutingHints:
+    """User ``n``'s conversation under ``system``: ``turns`` questions, each but the last answered."""
     messages = [{"role": "system", "content": system}]
     for t in range(turns):
         messages.append({"role": "user", "content": f"user {n} asks question {t} " * 8})
@@ -49,7 +49,14 @@ def user(n: int, turns: int = 1, system: str = SYSTEM) -> RoutingHints:
             messages.append({"role": "assistant", "content": f"answer {n}.{t} " * 8})
     hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
                             {"x-session-id": [f"user-{n}"]})
-    assert hints is not None and hints.home_blocks > 0
+    assert hints is not None
+    return hints
+
+
+def user(n: int, turns: int = 1, system: str = SYSTEM) -> RoutingHints:
+    """User ``n`` of one application: its shared system prompt, then its own turns."""
+    hints = conversation_hints(n, turns, system)
+    assert hints.home_blocks > 0
     return hints
 
 

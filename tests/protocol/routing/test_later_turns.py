@@ -5,15 +5,13 @@ stays while its engine has a free slot, from any gateway."""
 
 from __future__ import annotations
 
-import json
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from protocol.processor.keys import EngineKey
 from protocol.routing.config import RoutingConfig
-from protocol.routing.hints import RoutingHints, hints_from_json
-from tests.support.routing import SYSTEM, Gateway, user
+from protocol.routing.hints import RoutingHints
+from tests.support.routing import SYSTEM, Gateway, conversation_hints, user
 
 ENGINES = ("e0", "e1", "e2")
 
@@ -26,14 +24,8 @@ def slotted_gateway() -> Gateway:
 
 def private(n: int, turns: int = 1) -> RoutingHints:
     """User ``n``'s conversation under a system prompt shorter than a block: its home key is its session."""
-    messages = [{"role": "system", "content": "Be brief."}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"user {n} asks question {t} " * 8})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {n}.{t} " * 8})
-    hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
-                            {"x-session-id": [f"user-{n}"]})
-    assert hints is not None and not hints.home_blocks
+    hints = conversation_hints(n, turns, "Be brief.")
+    assert not hints.home_blocks
     return hints
 
 
