@@ -228,10 +228,10 @@ def test_every_peer_is_pinned_to_one_release_in_a_venv_git_ignores() -> None:
         assert f"{package.venv.relative_to(ROOT)}" in ignored, package
 
 
-@pytest.fixture
-def starlette_runtime() -> Iterator[int]:
-    process = subprocess.Popen([sys.executable, str(BENCH / "starlette_runtime.py")], cwd=ROOT,
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+def _port_reporting(*args: str) -> Iterator[int]:
+    """A bench script that prints the port it serves on and ends when its stdin closes: the port,
+    then its clean end."""
+    process = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     stdout: IO[bytes] = process.stdout  # type: ignore[assignment]
     try:
         yield int(stdout.readline())
@@ -240,6 +240,11 @@ def starlette_runtime() -> Iterator[int]:
         stdin.close()
         assert process.wait(timeout=30) == 0
         stdout.close()
+
+
+@pytest.fixture
+def starlette_runtime() -> Iterator[int]:
+    yield from _port_reporting(str(BENCH / "starlette_runtime.py"))
 
 
 def _exchange(port: int, request: bytes) -> bytes:
@@ -339,17 +344,7 @@ def _overview_row(target: str, kind: str, c32_cpu: float, c1_cpu: float, c1_adde
 
 @pytest.fixture
 def floor(starlette_runtime: int) -> Iterator[int]:
-    process = subprocess.Popen([sys.executable, str(BENCH / "proxy_floor.py"), "--upstream",
-                                f"http://127.0.0.1:{starlette_runtime}"], cwd=ROOT, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE)
-    stdout: IO[bytes] = process.stdout  # type: ignore[assignment]
-    try:
-        yield int(stdout.readline())
-    finally:
-        stdin: IO[bytes] = process.stdin  # type: ignore[assignment]
-        stdin.close()
-        assert process.wait(timeout=30) == 0
-        stdout.close()
+    yield from _port_reporting(str(BENCH / "proxy_floor.py"), "--upstream", f"http://127.0.0.1:{starlette_runtime}")
 
 
 def test_the_floor_relays_the_runtimes_answers_and_streams_as_they_are_over_one_kept_connection(
