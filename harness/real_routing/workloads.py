@@ -194,12 +194,14 @@ def _chat_conversation(text: _Text, cid: str, group: str, system: str, turns: in
 def _chat(rng: random.Random, scale: float) -> Workload:
     text = _Text(rng)
     system = "You are a careful assistant. " + text.words(60)
-    clients = []
-    for c in range(_n(6, scale)):
-        conversations = tuple(_chat_conversation(text, f"chat-{c}-{i}", "chat", system, 4, (0.3, 1.5))
-                              for i in range(3))
-        clients.append(Client(f"chat-{c}", "chat", conversations))
-    return Workload("chat", tuple(clients))
+    return Workload("chat", _chat_clients(text, "chat", system, _n(6, scale)))
+
+
+def _chat_clients(text: _Text, group: str, system: str, count: int) -> tuple[Client, ...]:
+    """``count`` clients of ``group``, each holding three four-turn conversations under ``system``."""
+    return tuple(Client(f"{group}-{c}", group, tuple(
+        _chat_conversation(text, f"{group}-{c}-{i}", group, system, 4, (0.3, 1.5)) for i in range(3)))
+        for c in range(count))
 
 
 def _shared(rng: random.Random, scale: float) -> Workload:
@@ -263,11 +265,7 @@ def _tools(rng: random.Random, scale: float) -> Workload:
 def _bursty(rng: random.Random, scale: float) -> Workload:
     text = _Text(rng)
     system = "You are a careful assistant. " + text.words(60)
-    clients = []
-    for c in range(_n(4, scale)):
-        conversations = tuple(_chat_conversation(text, f"steady-{c}-{i}", "steady", system, 4, (0.3, 1.5))
-                              for i in range(3))
-        clients.append(Client(f"steady-{c}", "steady", conversations))
+    clients = list(_chat_clients(text, "steady", system, _n(4, scale)))
     burst_system = "You answer in one line. " + text.words(600)
     for c in range(_n(6, scale)):
         # More questions than the window lets a client send: the window, not the list, ends the burst.
