@@ -63,7 +63,7 @@ from infx.gateway.dispatcher import Dispatcher, SendOutcome, StreamSendGate
 from infx.transport import CallKind, ClientCall, GrpcChannel, GrpcError, GrpcServer, ServerCall
 from protocol.discovery.peers import PeerAddress, PeerChange
 from protocol.exchange.dial_backs import PEER_PORT_HEADER, dial_back_address
-from protocol.gateway.core import PeerDialling
+from protocol.gateway.dialling import PeerDialling
 from protocol.gateway.effects import (
     CancelDial,
     CoreEffect,

@@ -24,7 +24,8 @@ from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 
-from protocol.gateway.core import DialState, GatewayCore
+from protocol.gateway.core import GatewayCore
+from protocol.gateway.dialling import DialState
 from protocol.gateway.recent import RecentConfig, RecentRequests, RequestRecord
 from protocol.gateway.timeline import Timeline, TimelineConfig
 from protocol.pb import status_pb2

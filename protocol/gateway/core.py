@@ -21,14 +21,10 @@ What it decides:
   stream, made on its first report): a newer stream from the same pod
   replaces the older one; a task result before any ``ServerStatus`` ends the
   stream with FAILED_PRECONDITION, a malformed message with INVALID_ARGUMENT.
-- *Peers we dial* (a :class:`~protocol.exchange.dialled_peer.DialledPeer` per stream): one
-  stream per wanted peer at its current address, redialled after a jittered
-  backoff that grows while the peer does not accept (with
-  ``redial_when_dialled_in``, at once when that peer dials us: it is back);
-  drained on shutdown. A peer that dials us unasked is dialled back
-  (``dial_back_after``, :mod:`protocol.exchange.dial_backs`): one-way peering would
-  leave it without our engines; a dial that turns out to reach a pod another
-  dial reaches (the accepting side names its pod) gives up the dial-back.
+- *Peers we dial*: one stream each, redialled, drained on shutdown, kept by
+  :class:`~protocol.gateway.dialling.Dialling`. A peer that dials us unasked is
+  dialled back (``dial_back_after``, :mod:`protocol.exchange.dial_backs`): one-way
+  peering would leave it without our engines.
 - *Status deltas*: a stream accepted here answers with
   :attr:`GatewayCore.accept_metadata` in its headers (infx reads status deltas, and its pod);
   a dial whose peer answered so gets deltas after its first full report,
@@ -39,10 +35,7 @@ What it decides:
   recently, 503) rather than unknown (404) on the clock; at start-up, until
   every dialled peer has reported (or ``learn_peers_within``), a model nobody
   lists yet may be a peer's: its requests wait (``LEARNING``), then get 404.
-- *Costs per input*: each peer's next due time (its dialled peer's next report, or
-  its redial) is re-read only after that dialled peer took an input or the redial
-  changed, and kept in a heap, so :meth:`next_deadline` does not ask every
-  peer; the local engines every dialled peer reports are one
+- *Costs per input*: the local engines every dialled peer reports are one
   :class:`~protocol.exchange.status_reports.LocalStatuses`, refreshed once per change
   (``LocalEnginesChanged``, or a ``SendTask``: it may record a spilled tip).
 - *The scaler*: a queued task is held once (``TaskQueued``); when it leaves the
@@ -51,33 +44,27 @@ What it decides:
   are reported every ``load_interval`` (:class:`ReportLoad`).
 
 Size (over 600 lines): it is the one object that joins the pure machines (processor, accepted
-and dialled peer streams, accounting, scaler signals), each input a short hand-over; what would
-come out first is the dialled peers' bookkeeping (``PeerDialling``, dial-backs), once the
-exchange's two ends are renamed after what they are.
+peer streams, dials, accounting, scaler signals), each input a short hand-over.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 import random
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from protocol.exchange.dial_backs import POD_HEADER, DialBacks, pod_of
-from protocol.exchange.dialled_peer import DialledPeer, DialledPeerConfig, DialledPeerOutput, DialledPeerState, SendToPeer
 from protocol.exchange.accepted_peer import AcceptedPeer
-from protocol.exchange.status_reports import STATUS_DELTA_METADATA, LocalStatuses, offers_deltas
-from protocol.gateway.due_times import DueTimes
+from protocol.exchange.dial_backs import POD_HEADER, DialBacks
+from protocol.exchange.dialled_peer import DialledPeerOutput, SendToPeer
+from protocol.exchange.status_reports import STATUS_DELTA_METADATA, LocalStatuses
+from protocol.gateway.dialling import Dialling, PeerDialling
 from protocol.gateway.effects import (
-    CancelDial,
     CoreConfig,
     CoreEffect,
     Dial,
     EndPeerStream,
-    HalfCloseDial,
     ModelServed,
-    OpenDial,
     PeerDialledBack,
     PeerDialledIn,
     PeerDisconnected,
@@ -89,7 +76,6 @@ from protocol.gateway.effects import (
     RequestDispatched,
     RequestFinished,
     RequestStarted,
-    SendOnDial,
     TaskReleased,
 )
 from protocol.grpc import StatusCode
@@ -110,10 +96,8 @@ from protocol.processor.effects import (
 from protocol.processor.errors import PeerProtocolError
 from protocol.processor.keys import Locality, Route
 
-__all__ = ["Availability", "DialState", "PeerDialling", "GatewayCore"]
+__all__ = ["Availability", "GatewayCore"]
 
-#: DialledPeer states in which a dial's stream takes messages.
-_LIVE = (DialledPeerState.OPEN, DialledPeerState.DRAINING)
 
 
 class Availability(enum.Enum):
@@ -141,61 +125,6 @@ class _HttpRequest:
         self.dispatched = False
 
 
-class DialState(enum.Enum):
-    """Where a dialled peer is: its stream not yet accepted, accepted, waiting to redial,
-    draining, or given up for good (no longer wanted, or this gateway stopped)."""
-
-    CONNECTING = "connecting"
-    OPEN = "open"
-    BACKING_OFF = "backing off"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-
-
-class PeerDialling:
-    """A peer this gateway dials: its current stream (if any) and its redial state.
-
-    The core's own record; adapters and tests only read it.
-    """
-
-    __slots__ = ("name", "address", "order", "dial", "dialled", "accepted", "half_closed", "failures", "attempts",
-                 "streams_opened", "redial_at", "stopped", "pod_name", "dialled_back")
-
-    def __init__(self, name: str, address: object, order: int = 0, dialled_back: bool = False) -> None:
-        self.name = name
-        #: The pod the peer's headers named when it accepted our stream ("" until then, or LLMariner).
-        self.pod_name = ""
-        #: Dialled because it dialled us (named by its pod), not because the pod source lists it.
-        self.dialled_back = dialled_back
-        #: When the core made it, relative to the others: peers due at once are served in this order.
-        self.order = order
-        self.address = address
-        self.dial: Dial | None = None
-        self.dialled: DialledPeer | None = None
-        self.accepted = False
-        self.half_closed = False
-        #: Streams in a row the peer did not accept (the redial backoff grows with them).
-        self.failures = 0
-        self.attempts = 0
-        #: Streams the peer accepted.
-        self.streams_opened = 0
-        self.redial_at: float | None = None
-        self.stopped = False
-
-    @property
-    def state(self) -> DialState:
-        if self.stopped:
-            return DialState.STOPPED
-        if self.dial is None:
-            return DialState.BACKING_OFF
-        if self.dialled is not None and self.dialled.state is DialledPeerState.DRAINING:
-            return DialState.DRAINING
-        return DialState.OPEN if self.accepted else DialState.CONNECTING
-
-    def __repr__(self) -> str:
-        return f"<PeerDialling {self.name} {self.address} {self.state.value}>"
-
-
 class GatewayCore:
     """The gateway's decisions in one pure object; see the module docstring."""
 
@@ -213,19 +142,12 @@ class GatewayCore:
         # Where each accepted stream's peer says it can be dialled back, and when to (protocol/exchange/dial_backs.py).
         self._dial_back_at: dict[object, object] = {}
         self._dial_backs = DialBacks(config.dial_back_after)
-        self._peers: dict[str, PeerDialling] = {}
-        self._by_dial: dict[Dial, PeerDialling] = {}
-        self._made = itertools.count()
-        # When each peer is next due: its dialled peer's next report, or its redial.
-        self._due: DueTimes[PeerDialling] = DueTimes()
-        # Tasks each peer forwarded on our stream to it that have not ended, and their sum.
-        self._forwarded: dict[PeerDialling, int] = {}
-        self._forwarded_in_flight = 0
+        self._dialling = Dialling(processor, config, rng, self._absorb, lambda: self.requests_started,
+                                  self._local_statuses, lambda pod: pod in self._by_pod)
         # The local engines as every dialled peer reports them: refreshed at most once per change
         # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
         self._local = LocalStatuses()
         self._local_stale = True
-        self._shutting_down = False
         # The scaler, once attached: what it can start, the tasks it holds, the load it heard.
         self._can_start: Callable[[str, str], bool] | None = None
         self._held: dict[str, str] = {}
@@ -359,7 +281,7 @@ class GatewayCore:
     def accepted_peer_opened(self, stream: object, dial_back: object | None, now: float) -> list[CoreEffect]:
         """A peer opened ``ProcessTasksInternal`` to us (already authenticated); ``dial_back`` is
         where its headers say it can be dialled (:func:`protocol.dial_backs.dial_back_address`)."""
-        if self._shutting_down:
+        if self._dialling.stopping:
             return [EndPeerStream(stream, StatusCode.UNAVAILABLE,
                                   f"gateway {self.config.pod_name!r} is shutting down")]
         self._accepted[stream] = None
@@ -402,8 +324,8 @@ class GatewayCore:
             accepted_peer = AcceptedPeer(self.processor, route=stream)
             self._accepted[stream] = accepted_peer
             out.append(PeerDialledIn(stream, pod, len(status.engine_statuses)))
-            self._redial_now(pod, now, out)
-            if pod and not self._dials(pod):
+            self._dialling.redial_now(pod, now, out)
+            if pod and self._dialling.dialled(pod) is None:
                 self._dial_backs.dialled_in(pod, self._dial_back_at.get(stream), now)
         if status.draining and not accepted_peer.peer_draining:
             out.append(PeerDraining(stream, pod))
@@ -417,34 +339,16 @@ class GatewayCore:
             self._by_pod[pod] = stream
         out.append(PeerRequests(stream, dict(accepted_peer.requests_started)))
 
-    def _redial_now(self, pod: str, now: float, out: list[CoreEffect]) -> None:
-        """A peer we wait to redial has just dialled us: it is up again (a restart), so the
-        backoff its outage grew would only delay its learning of our engines."""
-        if not self.config.redial_when_dialled_in or self._shutting_down:
-            return
-        peer = self._dialled(pod)
-        if peer is not None and peer.dial is None and peer.redial_at is not None:
-            self._open(peer, now, out)
-
-    def _dialled(self, pod: str) -> PeerDialling | None:
-        """Our dial meant for ``pod`` (by name) or that reached it (by its headers), if any."""
-        return self._peers.get(pod) or next((peer for peer in self._peers.values() if peer.pod_name == pod), None)
-
-    def _dials(self, pod: str) -> bool:
-        return self._dialled(pod) is not None
-
     def _dial_back(self, now: float, out: list[CoreEffect]) -> None:
         """Dial back each peer whose time came that still dials us unasked, or warn that it cannot be."""
         for pod, address in self._dial_backs.due(now):
-            if self._shutting_down or pod not in self._by_pod or self._dials(pod):
+            if self._dialling.stopping or pod not in self._by_pod or self._dialling.dialled(pod) is not None:
                 continue
             if address is None:
                 out.append(PeerOneWay(pod))
                 continue
-            peer = PeerDialling(pod, address, next(self._made), dialled_back=True)
-            self._peers[pod] = peer
             out.append(PeerDialledBack(pod, address))
-            self._open(peer, now, out)
+            self._dialling.dial_back(pod, address, now, out)
 
     def _forget_accepted(self, stream: object, now: float, out: list[CoreEffect]) -> None:
         self._dial_back_at.pop(stream, None)
@@ -459,89 +363,57 @@ class GatewayCore:
         self._absorb(accepted_peer.closed(now), now, out)
         out.append(PeerGone(stream))
 
-    # --- peers we dial (dialled peers) ---------------------------------------------------
+    # --- peers we dial (protocol/gateway/dialling.py) ----------------------------------------
 
     def peers_changed(self, peers: Mapping[str, object], now: float) -> list[CoreEffect]:
         """The peers to dial now, by pod name, with their addresses: one stream each."""
         out: list[CoreEffect] = []
         if peers and self._learning_until is None:
             self._learning_until = now + self.config.learn_peers_within
-        for name in sorted(set(self._peers) | set(peers)):
-            desired = None if self._shutting_down else peers.get(name)
-            peer = self._peers.get(name)
-            if peer is not None and peer.dialled_back and name not in peers and not self._shutting_down:
-                continue  # ours to keep while the peer dials us; the source now naming it takes it over
-            if peer is not None and (desired != peer.address or peer.dialled_back):
-                self._give_up(peer, "peer left or moved", now, out)
-                self._forget_peer(peer)
-                peer = None
-            if peer is None and desired is not None:
-                peer = PeerDialling(name, desired, next(self._made))
-                self._peers[name] = peer
-                self._open(peer, now, out)
+        self._dialling.want(peers, now, out)
         return self._after(now, out)
 
     def dial_accepted(self, dial: Dial, metadata: Metadata, now: float) -> list[CoreEffect]:
         """The peer answered ``dial``'s stream with headers (``metadata``): it accepted it (and
         our secret); if they offer status deltas, its dialled peer sends them from now on."""
         out: list[CoreEffect] = []
-        peer = self._by_dial.get(dial)
-        if peer is not None and not peer.accepted:
-            peer.accepted = True
-            peer.streams_opened += 1
-            dialled = peer.dialled
-            if dialled is not None and dialled.state in _LIVE and offers_deltas(metadata):
-                self._absorb_dialled(peer, dialled.deltas_offered(now), now, out)
-            peer.pod_name = pod_of(metadata)
-            self._dial_backs.settled(peer.pod_name)
-            twin = self._peers.get(peer.pod_name)
-            if twin is not None and twin is not peer and twin.dialled_back:
-                # The pod dialled back is one this dial reaches under another name: one stream is enough.
-                self._give_up(twin, f"peer {peer.pod_name!r} is dialled as {peer.name}", now, out)
-                self._forget_peer(twin)
+        pod = self._dialling.accepted(dial, metadata, now, out)
+        if pod is not None:
+            self._dial_backs.settled(pod)
         return out
 
     def dial_message(self, dial: Dial, message: internal_pb2.ProcessTasksInternalResponse,
                      now: float) -> list[CoreEffect]:
         """A task (or a cancel) the peer forwarded on ``dial``."""
         out: list[CoreEffect] = []
-        peer = self._by_dial.get(dial)
-        if peer is None or peer.dialled is None or peer.dialled.state not in _LIVE:
-            return out
-        try:
-            self._absorb_dialled(peer, peer.dialled.task_received(message, now), now, out)
-        except PeerProtocolError as e:
-            out.append(CancelDial(dial, f"broke the protocol: {e}"))
-            self._dial_ended(peer, now, out)
+        self._dialling.message(dial, message, now, out)
         return self._after(now, out)
 
     def dial_closed(self, dial: Dial, now: float) -> list[CoreEffect]:
         """``dial``'s stream ended, for whatever reason: its forwarded tasks are cancelled
         here, and the peer is redialled (unless it is no longer wanted or we shut down)."""
         out: list[CoreEffect] = []
-        peer = self._by_dial.get(dial)
-        if peer is not None:
-            self._dial_ended(peer, now, out)
+        self._dialling.closed(dial, now, out)
         return self._after(now, out)
 
     @property
     def dialling(self) -> int:
         """Peers with a stream open or a redial due: 0 once a drain of the peer streams has finished."""
-        return len(self._peers)
+        return len(self._dialling.peers)
 
     @property
     def forwarded_in_flight(self) -> int:
         """Tasks peers forwarded on the streams we dial that have not ended, over every peer."""
-        return self._forwarded_in_flight
+        return self._dialling.forwarded_in_flight
 
     @property
     def peers(self) -> Mapping[str, PeerDialling]:
         """The peers dialled now, by pod name (read only)."""
-        return self._peers
+        return self._dialling.peers
 
     @property
     def shutting_down(self) -> bool:
-        return self._shutting_down
+        return self._dialling.stopping
 
     def models_gone(self, tenant_id: str, now: float) -> list[str]:
         """The tenant's models no engine lists now that one listed within ``forget_models_after``
@@ -554,94 +426,6 @@ class GatewayCore:
         """Whether this gateway is still learning its peers' engines at start-up (a request for a
         model nobody lists yet waits, see :attr:`Availability.LEARNING`)."""
         return not self._learned and self._learning_until is not None and now < self._learning_until
-
-    def _open(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
-        peer.attempts += 1
-        peer.accepted = peer.half_closed = False
-        peer.redial_at = None
-        dial = Dial(peer.name, peer.address, peer.attempts)
-        dialled = DialledPeer(self.processor, DialledPeerConfig(self.config.pod_name, self.config.status_interval),
-                            origin=dial, requests_started=lambda: self.requests_started,
-                            local_statuses=self._local_statuses)
-        peer.dial, peer.dialled = dial, dialled
-        self._by_dial[dial] = peer
-        out.append(OpenDial(dial))
-        # Report at once, not after the headers: a server may send none before its first task.
-        self._absorb_dialled(peer, dialled.connected(now), now, out)
-
-    def _forget_peer(self, peer: PeerDialling) -> None:
-        peer.stopped = True
-        peer.redial_at = None
-        if self._peers.get(peer.name) is peer:
-            del self._peers[peer.name]
-        self._peer_touched(peer)
-
-    def _give_up(self, peer: PeerDialling, reason: str, now: float, out: list[CoreEffect]) -> None:
-        """Cancel ``peer``'s stream now and forget the peer's redial."""
-        peer.redial_at = None
-        self._peer_touched(peer)
-        dial, dialled = peer.dial, peer.dialled
-        if dial is None or dialled is None:
-            return
-        out.append(CancelDial(dial, reason))
-        self._close_dial(peer, now, out)
-
-    def _close_dial(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
-        dial, dialled = peer.dial, peer.dialled
-        peer.dial = peer.dialled = None
-        if dial is not None:
-            del self._by_dial[dial]
-        if dialled is not None and dialled.state is not DialledPeerState.CLOSED:
-            self._absorb(dialled.closed(now), now, out)
-        self._peer_touched(peer)
-
-    def _dial_ended(self, peer: PeerDialling, now: float, out: list[CoreEffect]) -> None:
-        self._close_dial(peer, now, out)
-        peer.failures = 0 if peer.accepted else peer.failures + 1
-        if self._peers.get(peer.name) is not peer:
-            return  # replaced or given up
-        if self._shutting_down or (peer.dialled_back and peer.name not in self._by_pod):
-            # A dial-back lasts while its peer dials us: it is dialled back again when it does.
-            self._forget_peer(peer)
-            return
-        peer.redial_at = now + self.config.redial_backoff.delay(max(1, peer.failures), self._rng.random())
-        self._peer_touched(peer)
-
-    def _absorb_dialled(self, peer: PeerDialling, outputs: Iterable[DialledPeerOutput], now: float,
-                         out: list[CoreEffect]) -> None:
-        dial, dialled = peer.dial, peer.dialled
-        for output in outputs:
-            if isinstance(output, SendToPeer):
-                if dial is not None and not peer.half_closed:
-                    out.append(SendOnDial(dial, output.message))
-            else:
-                self._absorb((output,), now, out)
-        if dial is not None and dialled is not None and dialled.drained and not peer.half_closed \
-                and peer.dial is dial:
-            # Nothing more goes out on it; the peer ends the stream (dial_closed).
-            peer.half_closed = True
-            out.append(HalfCloseDial(dial))
-        self._peer_touched(peer)
-
-    def _peer_touched(self, peer: PeerDialling) -> None:
-        """``peer``'s dialled peer was called or its redial changed: keep when it is next due, and
-        how many forwarded tasks it runs.
-
-        Called after every input a dialled peer takes and every change of ``redial_at``, so that
-        :meth:`next_deadline` reads the earliest peer from a heap instead of asking every one,
-        and :attr:`forwarded_in_flight` is a sum kept as it changes."""
-        due: float | None = None
-        running = 0
-        if self._peers.get(peer.name) is peer:
-            dialled = peer.dialled
-            report_at = dialled.next_deadline() if dialled is not None and dialled.state in _LIVE else None
-            due = report_at if peer.redial_at is None else (
-                peer.redial_at if report_at is None else min(report_at, peer.redial_at))
-            running = dialled.tasks_in_flight if dialled is not None else 0
-        self._due.set(peer, due, peer.order)
-        self._forwarded_in_flight += running - self._forwarded.pop(peer, 0)
-        if running:
-            self._forwarded[peer] = running
 
     def _local_statuses(self) -> LocalStatuses:
         """The local engines for every dialled peer's report, refreshed only if they may have changed."""
@@ -669,27 +453,15 @@ class GatewayCore:
         finish their forwarded tasks, then half-close; no redials; new peer streams are refused.
         A dial its peer has not accepted yet carries no task: it is given up (a peer whose port
         takes connections but does not answer, as a restarting worker's, would hold the drain)."""
-        self._shutting_down = True
         out: list[CoreEffect] = []
-        for peer in list(self._peers.values()):
-            dialled = peer.dialled
-            if peer.dial is not None and not peer.accepted:
-                self._give_up(peer, "gateway is draining", now, out)
-                self._forget_peer(peer)
-            elif dialled is not None and dialled.state is DialledPeerState.OPEN:
-                self._absorb_dialled(peer, dialled.shutdown(now), now, out)
-            elif peer.dial is None:
-                self._forget_peer(peer)
+        self._dialling.drain(now, out)
         return self._after(now, out)
 
     def stop(self, now: float) -> list[CoreEffect]:
         """Hard stop of the peer exchange: every stream we dial is cancelled, every stream
         peers opened to us is ended."""
-        self._shutting_down = True
         out: list[CoreEffect] = []
-        for peer in list(self._peers.values()):
-            self._give_up(peer, "gateway is stopping", now, out)
-            self._forget_peer(peer)
+        self._dialling.stop(now, out)
         for stream in list(self._accepted):
             self._forget_accepted(stream, now, out)
             out.append(EndPeerStream(stream, StatusCode.UNAVAILABLE,
@@ -727,7 +499,7 @@ class GatewayCore:
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timeout` must next be called, or None."""
-        candidates = [self.processor.next_deadline(), self._next_load, self._due.earliest(),
+        candidates = [self.processor.next_deadline(), self._next_load, self._dialling.next_deadline(),
                       self._dial_backs.next_deadline()]
         if self._learning_models and not self._learned:
             candidates.append(self._learning_until)
@@ -738,15 +510,7 @@ class GatewayCore:
         """Time passed: the processor's timers, periodic reports to peers, redials, load reports."""
         out: list[CoreEffect] = []
         self._absorb(self.processor.handle_timeout(now), now, out)
-        for peer in self._due.pop_due(now):  # in the order they were made, as in ``_peers``
-            dialled = peer.dialled
-            if dialled is not None and dialled.state in _LIVE:
-                report_at = dialled.next_deadline()
-                if report_at is not None and report_at <= now:
-                    self._absorb_dialled(peer, dialled.handle_timeout(now), now, out)
-            if peer.redial_at is not None and peer.redial_at <= now and self._peers.get(peer.name) is peer:
-                self._open(peer, now, out)
-            self._peer_touched(peer)
+        self._dialling.handle_timeout(now, out)
         self._dial_back(now, out)
         if self._next_load is not None and self._next_load <= now:
             self._next_load = now + self.config.load_interval
@@ -769,7 +533,7 @@ class GatewayCore:
             elif isinstance(effect, (DeliverResult, FailRequest)):
                 origin = effect.origin
                 if isinstance(origin, Dial):
-                    self._relay(origin, effect, now, out)
+                    self._dialling.relay(origin, effect, now, out)
                     continue
                 if isinstance(effect, FailRequest) or effect.last:
                     request = self._http.pop(effect.task_id, None)
@@ -778,9 +542,7 @@ class GatewayCore:
                 out.append(effect)
             elif isinstance(effect, LocalEnginesChanged):
                 self._local_stale = True
-                for peer in list(self._peers.values()):
-                    if peer.dialled is not None and peer.dialled.state in _LIVE:
-                        self._absorb_dialled(peer, peer.dialled.local_engines_changed(now), now, out)
+                self._dialling.local_engines_changed(now, out)
                 if self._next_load is not None:
                     self._report_load(out)
             elif isinstance(effect, EnginesRemoved):
@@ -802,12 +564,6 @@ class GatewayCore:
             else:
                 out.append(effect)
 
-    def _relay(self, dial: Dial, effect: DeliverResult | FailRequest, now: float, out: list[CoreEffect]) -> None:
-        peer = self._by_dial.get(dial)
-        if peer is None or peer.dialled is None or peer.dialled.state not in _LIVE:
-            return
-        self._absorb_dialled(peer, peer.dialled.deliver(effect), now, out)
-
     def _after(self, now: float, out: list[CoreEffect], engines_changed: bool = False) -> list[CoreEffect]:
         if engines_changed:
             for tenant in self.processor.tenants():
@@ -823,7 +579,7 @@ class GatewayCore:
         """Start-up learning ends once every peer we dial has reported, or its time is up; a
         request that waited for a model no engine has listed since then gets its 404."""
         if now < until and any(name not in self._by_pod and peer.pod_name not in self._by_pod
-                               for name, peer in self._peers.items()):
+                               for name, peer in self._dialling.peers.items()):
             return
         self._learned = True
         models, self._learning_models = self._learning_models, set()

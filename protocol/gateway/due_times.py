@@ -1,8 +1,8 @@
 """When each of many things is next due, in one heap; pure.
 
-The gateway core has a dialled peer (or a redial) per peer, each with its own next
-deadline; asking every one of them for it on every call costs the number of
-peers, and a gateway calls ``next_deadline()`` after every input. Here a thing's
+The gateway's dials (:mod:`protocol.gateway.dialling`) have a dialled peer (or a
+redial) per peer, each with its own next deadline; asking every one of them for
+it on every call costs the number of peers, and a gateway calls ``next_deadline()`` after every input. Here a thing's
 due time is set when it changes, the earliest is read from a heap, and entries
 made stale by a later ``set`` are dropped lazily when they surface.
 """

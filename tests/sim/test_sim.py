@@ -27,6 +27,7 @@ from harness.sim.invariants import (
 from harness.sim.scale import report
 from protocol.exchange import accepted_peer
 from protocol.gateway.core import GatewayCore
+from protocol.gateway.dialling import Dialling
 from protocol.gateway.effects import SendOnDial
 from protocol.pb import status_pb2
 from protocol.processor.core import Processor, TaskState
@@ -159,13 +160,13 @@ def test_a_deadline_that_never_fires_is_reported(monkeypatch):
     assert "still in flight" in result.violation.detail
 
 
-# --- bugs planted in the production glue (protocol/gateway/core.py), which the sim drives ---------
+# --- bugs planted in the production glue (protocol/gateway/), which the sim drives ---------
 
 
 def test_a_forwarded_result_relayed_twice_by_the_core_is_caught(monkeypatch):
-    """Plant a bug in the gateway core: every result of a task a peer forwarded here goes
+    """Plant a bug in the gateway's dials: every result of a task a peer forwarded here goes
     back to that peer twice. The peer's processor must not hand a client anything twice."""
-    original = GatewayCore._relay
+    original = Dialling.relay
     relayed: list[str] = []
 
     def relay_twice(self, dial, effect, now, out):
@@ -175,7 +176,7 @@ def test_a_forwarded_result_relayed_twice_by_the_core_is_caught(monkeypatch):
             relayed.append(effect.task_id)
             out.extend(again)
 
-    monkeypatch.setattr(GatewayCore, "_relay", relay_twice)
+    monkeypatch.setattr(Dialling, "relay", relay_twice)
     result = _first_failure()
     assert relayed, "the planted bug never ran"
     # The peer's processor sees the duplicate as a result out of order and fails the request

@@ -19,7 +19,7 @@ from infx.scaling.scaler import InferenceScaler
 from infx.service import GatewayService, builtin_engine_id
 from protocol.backoff import Backoff
 from protocol.discovery.peers import PeerAdded, PeerAddress, PeerAddressChanged, PeerChange, PeerRemoved
-from protocol.gateway.core import DialState
+from protocol.gateway.dialling import DialState
 from protocol.processor.keys import Locality
 from tests.support.exchange import LOOPBACK, base_url, chat, engines, gateways, internal_address, until
 

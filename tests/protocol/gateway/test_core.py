@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from protocol.backoff import Backoff
-from protocol.gateway.core import Availability, DialState
+from protocol.gateway.core import Availability
+from protocol.gateway.dialling import DialState
 from protocol.gateway.effects import (
     CancelDial,
     CoreConfig,
