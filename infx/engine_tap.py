@@ -31,7 +31,7 @@ from twisted.python import usage
 
 import infx
 from infx.cli import VersionOption, one_line_errors
-from protocol.agent.core import AgentConfig, AgentUsageError
+from protocol.agent.effects import AgentConfig, AgentUsageError
 from protocol.agent.echo import EchoConfig
 from protocol.agent.runtime_load import LoadConfig, LoadUsageError
 

@@ -319,7 +319,8 @@ class GatewayService(service.MultiService):
         from infx.agent.engine import EngineAgent, GrpcLinks
         from infx.agent.runtimes import EchoRuntime
         from infx.transport import GrpcChannel, client_endpoint
-        from protocol.agent.core import AgentConfig, EngineAgentCore
+        from protocol.agent.core import EngineAgentCore
+        from protocol.agent.effects import AgentConfig
         from protocol.agent.echo import EchoConfig
 
         key = secrets.token_urlsafe(24)

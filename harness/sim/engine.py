@@ -17,14 +17,12 @@ from typing import TYPE_CHECKING
 
 from harness.sim.gateway import PROCESS_TASKS, engine_key
 from harness.sim.wire import GrpcEnd
-from protocol.agent.core import (
+from protocol.agent.core import AgentState, EngineAgentCore, GatewayProtocolError
+from protocol.agent.effects import (
     AbortTask,
     AgentConfig,
-    AgentState,
     CloseStream,
     Effect,
-    EngineAgentCore,
-    GatewayProtocolError,
     OpenStream,
     SendResult,
     SendStatus,

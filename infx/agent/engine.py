@@ -37,13 +37,11 @@ from twisted.python.failure import Failure
 from infx.agent.runtimes import Runtime, RunningTask, openai_error_result
 from infx.deadline import DeadlineTimer
 from infx.transport import ClientCall, GrpcChannel
-from protocol.agent.core import (
+from protocol.agent.core import AgentState, EngineAgentCore, GatewayProtocolError
+from protocol.agent.effects import (
     AbortTask,
-    AgentState,
     CloseStream,
     Effect,
-    EngineAgentCore,
-    GatewayProtocolError,
     OpenStream,
     SendResult,
     SendStatus,

@@ -38,7 +38,8 @@ from infx.agent.runtimes import CAPABILITIES, OpenAIRuntime, Runtime
 from infx.agent.upstream_key import UpstreamKey
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.in_process import InProcessLinks
-from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig
 from protocol.agent.runtime_health import HealthConfig, RuntimeHealth
 from protocol.agent.runtime_load import LoadConfig, RuntimeLoadMonitor
 from protocol.discovery.runtimes import RuntimeAdded, RuntimeChange, RuntimeTarget

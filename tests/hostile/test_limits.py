@@ -41,7 +41,8 @@ from infx.gateway.auth import KeyStore
 from infx.gateway.dispatcher import SendOutcome
 from infx.http.site import REFUSED_BODY_DRAIN_BYTES, REFUSED_BODY_DRAIN_SECONDS
 from infx.transport import CallKind, GrpcChannel, GrpcServer, ServerCall, listen_grpc
-from protocol.agent.core import AgentConfig, EngineAgentCore, SendResult, StartTask
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig, SendResult, StartTask
 from protocol.agent.echo import echo_task
 from protocol.grpc import (
     CallEnded,

@@ -17,7 +17,7 @@ from twisted.python import usage
 
 from infx.agent.engine import EngineAgent
 from infx.engine_tap import AgentOptions, makeService, parse_host_port
-from protocol.agent.core import AgentConfig
+from protocol.agent.effects import AgentConfig
 from protocol.pb import worker_pb2
 from tests.support.engine_loopback import control, gateway, with_timeout  # noqa: F401 (gateway is a fixture)
 

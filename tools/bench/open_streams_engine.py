@@ -326,7 +326,8 @@ def main(argv: list[str]) -> int:
 
     from infx.agent.engine import EngineAgent, GrpcLinks
     from infx.transport import GrpcChannel, client_endpoint
-    from protocol.agent.core import AgentConfig, EngineAgentCore
+    from protocol.agent.core import EngineAgentCore
+    from protocol.agent.effects import AgentConfig
     from protocol.grpc import GrpcConfig
     from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 

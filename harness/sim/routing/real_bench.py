@@ -40,13 +40,8 @@ from harness.gguf_models import BENCH
 from harness.real_routing.figures import Figures, Record, figures
 from harness.real_routing.workloads import Client, Conversation, Workload
 from harness.sim.routing.llama import LlamaCosts, LlamaJob, LlamaServerModel
-from protocol.agent.core import (
-    AgentConfig,
-    EngineAgentCore,
-    SendResult,
-    SendStatus,
-    StartTask,
-)
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig, SendResult, SendStatus, StartTask
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadConfig,

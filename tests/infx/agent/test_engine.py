@@ -18,7 +18,8 @@ from infx.agent.engine import EngineAgent, GrpcLinks
 from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
 from infx.transport import GrpcChannel, client_endpoint, listen_grpc
-from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig
 from protocol.agent.echo import EchoConfig
 from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
 from tests.support.engine_loopback import FakeGateway, control, gateway, with_timeout

@@ -20,7 +20,8 @@ from infx.transport import (
     client_endpoint,
     listen_grpc,
 )
-from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig
 from protocol.agent.echo import EchoConfig
 from protocol.grpc import StatusCode
 from protocol.pb import worker_pb2

@@ -439,7 +439,8 @@ def test_openai_sends_a_verbatim_multipart_body_with_the_clients_content_type(fa
 
 def test_the_openai_runtime_announces_that_it_takes_verbatim_requests():
     from infx.agent.runtimes import CAPABILITIES
-    from protocol.agent.core import AgentConfig, EngineAgentCore
+    from protocol.agent.core import EngineAgentCore
+    from protocol.agent.effects import AgentConfig
     from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 
     core = EngineAgentCore(AgentConfig(engine_id="e", models=("m",), capabilities=CAPABILITIES))

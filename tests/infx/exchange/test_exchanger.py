@@ -38,7 +38,8 @@ def team_engine(gateway: GatewayService, token_delay: float) -> Any:
     from infx.agent.engine import EngineAgent, GrpcLinks
     from infx.agent.runtimes import EchoRuntime
     from infx.transport import GrpcChannel, client_endpoint
-    from protocol.agent.core import AgentConfig, EngineAgentCore
+    from protocol.agent.core import EngineAgentCore
+    from protocol.agent.effects import AgentConfig
     from protocol.agent.echo import EchoConfig
 
     worker = gateway.worker_grpc.port.getHost().port

@@ -19,7 +19,8 @@ from infx.config import build_config
 from infx.gateway.runtime_engines import runtime_engine_id
 from infx.service import build_gateway
 from infx.transport import GrpcChannel, client_endpoint
-from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig
 from protocol.agent.echo import EchoConfig
 
 

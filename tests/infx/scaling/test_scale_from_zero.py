@@ -20,7 +20,8 @@ from infx.agent.runtimes import EchoRuntime
 from infx.service import GatewayService
 from infx.tap import GatewayOptions
 from infx.transport import GrpcChannel, client_endpoint
-from protocol.agent.core import AgentConfig, EngineAgentCore
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig
 from protocol.agent.echo import EchoConfig
 from protocol.grpc import GrpcConfig
 

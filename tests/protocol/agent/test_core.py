@@ -8,20 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocol.agent.core import (
+from protocol.agent.core import AgentState, EngineAgentCore, GatewayProtocolError, StreamState
+from protocol.agent.effects import (
     AbortTask,
     AgentConfig,
-    AgentState,
     AgentUsageError,
     CloseStream,
-    EngineAgentCore,
-    GatewayProtocolError,
     OpenStream,
     SendResult,
     SendStatus,
     StartTask,
     Stopped,
-    StreamState,
 )
 from protocol.pb import chat_pb2, embeddings_pb2, worker_pb2
 

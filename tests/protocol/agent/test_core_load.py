@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from protocol.agent.core import AgentConfig, AgentUsageError, EngineAgentCore, SendStatus
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig, AgentUsageError, SendStatus
 from protocol.agent.runtime_load import LoadSample, RuntimeLoad
 from protocol.pb import chat_pb2, status_pb2, worker_pb2
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.agent.core import AgentConfig, AgentUsageError, EngineAgentCore, SendStatus
+from protocol.agent.core import EngineAgentCore
+from protocol.agent.effects import AgentConfig, AgentUsageError, SendStatus
 
 
 def config(**overrides: object) -> AgentConfig:
