@@ -63,7 +63,9 @@ Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 engine does, so a newer gateway can add kinds); runtime tasks that arrive
 while draining get 503 so that the gateway retries them on another engine.
 
-Its configuration and effects are values of their own (:mod:`protocol.agent.effects`).
+Size (over 600 lines): one machine, whose streams, tasks, readiness, load stamps and prompt
+counts all change together on each input; its configuration and effects are values of their own
+(:mod:`protocol.agent.effects`).
 """
 
 from __future__ import annotations
