@@ -127,7 +127,13 @@ class Affinity(Policy):
     def __init__(self, config: RoutingConfig, pools: Pools) -> None:
         super().__init__(config, pools)
         self.index = PrefixIndex(config.index_blocks_per_engine, config.index_blocks_total)
-        self._sessions: OrderedDict[tuple[str, str, str], EngineKey] = OrderedDict()
+        #: (tenant, model, session) -> its last engine here, and the index's stamp of that send.
+        self._sessions: OrderedDict[tuple[str, str, str], tuple[EngineKey, int]] = OrderedDict()
+        #: (engine, tip block) -> (blocks of the prompt the index held there when sent, the oldest stamp of
+        #: those past the home key's part): what its answer is checked against (an entry per task in flight).
+        self._expected: dict[tuple[EngineKey, int], tuple[int, int]] = {}
+        #: Engine -> the newest stamp its runtime has evicted (answers said): sessions sent there no later are gone.
+        self._evicted: dict[EngineKey, int] = {}
         self._rings: dict[tuple[str, str], _Ring] = {}
         #: With ``config.explain``: why the last engine was chosen by affinity (its decision aside).
         self._explained: RouteChoice | None = None
@@ -153,6 +159,9 @@ class Affinity(Policy):
 
     def engine_removed(self, key: EngineKey) -> None:
         self.index.forget(key)
+        self._evicted.pop(key, None)
+        for expected in [k for k in self._expected if k[0] == key]:
+            del self._expected[expected]
         for hot_key in [k for k, engines in self._hot.items() if key in engines]:
             engines = self._hot[hot_key]
             del engines[key]
@@ -160,6 +169,8 @@ class Affinity(Policy):
                 del self._hot[hot_key]
 
     def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
+        if hints is not None and hints.blocks:
+            self._expected.pop((key, hints.blocks[-1]), None)
         if hints is None or not hints.home_blocks:
             return
         hot_key = (key.tenant_id, model, hints.home)
@@ -212,6 +223,9 @@ class Affinity(Policy):
         if hints.home_blocks:
             engines = self._hot.setdefault((key.tenant_id, model, hints.home), {})
             engines[key] = engines.get(key, 0) + 1
+        held = self.index.stamps(key, hints.blocks)
+        if len(held) > hints.home_blocks:
+            self._expected[(key, hints.blocks[-1])] = (len(held), min(held[hints.home_blocks:]))
         self.index.record(key, hints.blocks)
         carried = 0
         if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
@@ -221,11 +235,29 @@ class Affinity(Policy):
                 carried = hints.blocks[-1]
         if hints.session and self.config.sessions:
             session = (key.tenant_id, model, hints.session)
-            self._sessions[session] = key
+            self._sessions[session] = (key, self.index.stamp)
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
         return carried
+
+    def task_answered(self, key: EngineKey, model: str, hints: RoutingHints | None, prompt_tokens: int,
+                      cached_tokens: int) -> None:
+        """``key``'s runtime answered a task of ``model`` saying it reused ``cached_tokens`` of its
+        ``prompt_tokens``. Far less than the index held there when it was sent (under the midpoint
+        between the home key's shared part and what was held, in shares of the prompt) says the runtime
+        evicted the prompt: the index forgets it and everything sent there before it
+        (:meth:`PrefixIndex.evict_through`), and sessions last sent there by then are no longer
+        placed there (their next turn is placed as a first turn is)."""
+        if hints is None or not hints.blocks or prompt_tokens <= 0:
+            return
+        expected = self._expected.pop((key, hints.blocks[-1]), None)
+        if expected is None:
+            return
+        held, stamp = expected
+        if cached_tokens / prompt_tokens < (hints.home_blocks + held) / 2 / len(hints.blocks):
+            self.index.evict_through(key, stamp)
+            self._evicted[key] = max(self._evicted.get(key, 0), stamp)
 
     def decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
         """A prompt's engine held its start (``prefix_hit``), else was its ring home, else took it
@@ -242,7 +274,7 @@ class Affinity(Policy):
         return RoutingDecision.HOME if home == key else RoutingDecision.SPILL
 
     def state_size(self) -> dict[str, int]:
-        return {"index_blocks": self.index.size, "sessions": len(self._sessions),
+        return {"index_blocks": self.index.size, "sessions": len(self._sessions), "expected": len(self._expected),
                 "ring_points": sum(len(ring.points) for ring in self._rings.values()),
                 "hot_keys": len(self._hot), "spread_keys": len(self._spread)}
 
@@ -283,9 +315,9 @@ class Affinity(Policy):
                     depths[key] = depth
         ring = self._ring(pool)
         start = bisect_left(ring.points, hints.home)
-        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
+        session_engine, evicted = self._session(pool, hints)
         # Where engines say nothing of their slots, routing is as it was before them.
-        mine, mine_depth = self._own(pool, hints, depths, session_engine,
+        mine, mine_depth = self._own(pool, hints, depths, session_engine, evicted,
                                      ring.members[start % len(ring.points)].key) if slots else (None, 0)
         # A later turn's own engine, and any engine holding its own prefix (past the home key's
         # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
@@ -394,15 +426,29 @@ class Affinity(Policy):
                                           len(candidates), depths.get(best, 0), blocks)
         return best
 
+    def _session(self, pool: Pool, hints: RoutingHints) -> tuple[EngineKey | None, bool]:
+        """The engine that served the request's session last from here, unless its runtime has evicted it
+        since (then None, and True: this gateway knows the conversation is cached nowhere)."""
+        if not hints.session:
+            return None, False
+        last = self._sessions.get((pool.tenant_id, pool.model, hints.session))
+        if last is None:
+            return None, False
+        key, stamp = last
+        if stamp <= self._evicted.get(key, 0):
+            return None, True
+        return key, False
+
     def _own(self, pool: Pool, hints: RoutingHints, depths: dict[EngineKey, int], session_engine: EngineKey | None,
-             ring_home: EngineKey) -> tuple[EngineKey | None, int]:
+             evicted: bool, ring_home: EngineKey) -> tuple[EngineKey | None, int]:
         """The engine a later turn stays on while it has a free slot (else it is scored, its bound
         the mean's), and the blocks of the prompt it is credited with: the engine known to hold
         most of the prompt's own part (past the home key's shared part), else the one that served
         the session last from here, else, for a prompt that continues a conversation this gateway
         has not seen, the key's first engine on the ring, credited with all but the last block:
         any gateway sent the earlier turn there unless it reported the turn's tip elsewhere
-        (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn."""
+        (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn, or a
+        later one whose engine has evicted it (``evicted``), which is placed as a first turn is."""
         deepest = max(depths.values(), default=0)
         if deepest > hints.home_blocks:
             held = [key for key, depth in depths.items() if depth == deepest and key in pool.members]
@@ -410,7 +456,7 @@ class Affinity(Policy):
                 return (session_engine if session_engine in held else min(held, key=lambda k: k.engine_id)), deepest
         if session_engine is not None and session_engine in pool.members:
             return session_engine, depths.get(session_engine, 0)
-        if hints.continues:
+        if hints.continues and not evicted:
             return ring_home, max(0, len(hints.blocks) - 1)
         return None, 0
 
