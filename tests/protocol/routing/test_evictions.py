@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 
-from protocol.processor.keys import EngineKey
+from protocol.processor.core import Processor, ProcessorConfig, SendTask
+from protocol.processor.keys import EngineKey, Locality
+from protocol.routing.config import RoutingConfig
 from protocol.routing.prefix_index import PrefixIndex
+from tests.support.processor import chat, engine_status, http, one, sse
 from protocol.routing.hints import RoutingHints, hints_from_json
 from tests.support.routing import SYSTEM, Gateway
 
@@ -107,3 +110,23 @@ def test_an_answer_is_checked_once_and_only_against_what_was_held_when_its_task_
     assert g.policy.state_size()["expected"] == 0
     g.policy.task_answered(first, "m", later, 1000, 0)
     assert g.policy.index.depths(later.blocks)[first] == len(later.blocks)
+
+
+def test_the_processor_tells_routing_what_each_answer_reused():
+    """A streamed answer's last event carries the runtime's ``timings``: the processor hands them to
+    the router once, with the task's hints and engine."""
+    processor = Processor(ProcessorConfig(routing=RoutingConfig()))
+    for engine_id in ("e0", "e1", "e2"):
+        status = engine_status(engine_id, "m")
+        status.infx_runtime_slots = 2
+        processor.update_engine(("route", engine_id), "t", status, Locality.REMOTE, 0.0)
+    answered: list[tuple[str, int, int]] = []
+    router = processor._router
+    router.task_answered = lambda key, model, hints, prompt, cached: answered.append((key.engine_id, prompt, cached))
+    sent = one(processor.submit(now=0.0, task_id="x", tenant_id="t", request=chat(stream=True), origin="o",
+                                hints=user(3, turns=2)), SendTask)
+    processor.receive_result(sent.route, http(sent.task.id), 0.0)
+    processor.receive_result(sent.route, sse(sent.task.id, 1, data=b'data: {"choices": []}\n\n'), 0.0)
+    timings = json.dumps({"choices": [], "timings": {"cache_n": 700, "prompt_n": 300}}).encode()
+    processor.receive_result(sent.route, sse(sent.task.id, 2, last=True, data=b"data: " + timings + b"\n\n"), 0.0)
+    assert answered == [(sent.engine.engine_id, 1000, 700)]
