@@ -127,13 +127,10 @@ class Affinity(Policy):
     def __init__(self, config: RoutingConfig, pools: Pools) -> None:
         super().__init__(config, pools)
         self.index = PrefixIndex(config.index_blocks_per_engine, config.index_blocks_total)
-        #: (tenant, model, session) -> its last engine here, and the index's stamp of that send.
-        self._sessions: OrderedDict[tuple[str, str, str], tuple[EngineKey, int]] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str, str], EngineKey] = OrderedDict()
         #: (engine, tip block) -> (blocks of the prompt the index held there when sent, the oldest stamp of
         #: those past the home key's part): what its answer is checked against (an entry per task in flight).
         self._expected: dict[tuple[EngineKey, int], tuple[int, int]] = {}
-        #: Engine -> the newest stamp its runtime has evicted (answers said): sessions sent there no later are gone.
-        self._evicted: dict[EngineKey, int] = {}
         self._rings: dict[tuple[str, str], _Ring] = {}
         #: With ``config.explain``: why the last engine was chosen by affinity (its decision aside).
         self._explained: RouteChoice | None = None
@@ -159,7 +156,6 @@ class Affinity(Policy):
 
     def engine_removed(self, key: EngineKey) -> None:
         self.index.forget(key)
-        self._evicted.pop(key, None)
         for expected in [k for k in self._expected if k[0] == key]:
             del self._expected[expected]
         for hot_key in [k for k, engines in self._hot.items() if key in engines]:
@@ -228,14 +224,17 @@ class Affinity(Policy):
             self._expected[(key, hints.blocks[-1])] = (len(held), min(held[hints.home_blocks:]))
         self.index.record(key, hints.blocks)
         carried = 0
-        if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
+        # A prompt with no block of its own past the home key's part (a first turn shorter than a
+        # block) is named by its conversation's opening, which its later turns repeat.
+        tip = hints.blocks[-1] if len(hints.blocks) > hints.home_blocks or not hints.opening else hints.opening
+        if tip and self.config.spilled_tips and self._spilled(key, model, hints):
             if member is not None and member.local:
-                self.pools.spills.record(key, model, hints.blocks[-1])
+                self.pools.spills.record(key, model, tip)
             else:
-                carried = hints.blocks[-1]
+                carried = tip
         if hints.session and self.config.sessions:
             session = (key.tenant_id, model, hints.session)
-            self._sessions[session] = (key, self.index.stamp)
+            self._sessions[session] = key
             self._sessions.move_to_end(session)
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
@@ -247,8 +246,9 @@ class Affinity(Policy):
         ``prompt_tokens``. Far less than the index held there when it was sent (under the midpoint
         between the home key's shared part and what was held, in shares of the prompt) says the runtime
         evicted the prompt: the index forgets it and everything sent there before it
-        (:meth:`PrefixIndex.evict_through`), and sessions last sent there by then are no longer
-        placed there (their next turn is placed as a first turn is)."""
+        (:meth:`PrefixIndex.evict_through`). A later turn of a conversation so forgotten still goes
+        to its session's engine while that has a free slot, but is credited there with the shared
+        part alone, so it no longer waits for a busy engine that holds no more of it than others."""
         if hints is None or not hints.blocks or prompt_tokens <= 0:
             return
         expected = self._expected.pop((key, hints.blocks[-1]), None)
@@ -257,7 +257,6 @@ class Affinity(Policy):
         held, stamp = expected
         if cached_tokens / prompt_tokens < (hints.home_blocks + held) / 2 / len(hints.blocks):
             self.index.evict_through(key, stamp)
-            self._evicted[key] = max(self._evicted.get(key, 0), stamp)
 
     def decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
         """A prompt's engine held its start (``prefix_hit``), else was its ring home, else took it
@@ -281,14 +280,16 @@ class Affinity(Policy):
     def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
         """Whether another gateway would not send this prompt's next turn to ``key`` by itself:
         ``key`` is not the first engine on the ring for the home key, or the spilled tips place
-        this prompt's prefix on another engine (the conversation moves back or on)."""
+        this prompt's prefix (or its conversation's opening) on another engine (the conversation
+        moves back or on)."""
         pool = self.pools.pool(key.tenant_id, model)
         if pool is None or key not in pool.members:
             return False
         ring = self._ring(pool)
         if ring.members[bisect_left(ring.points, hints.home) % len(ring.points)].key != key:
             return True
-        return any(other != key for other in self.pools.spills.depths(hints.blocks))
+        return any(other != key for other in self.pools.spills.depths(hints.blocks)) or \
+            any(other != key for other in self.pools.spills.holders(hints.opening))
 
     def _ring(self, pool: Pool) -> _Ring:
         ring = self._rings.get((pool.tenant_id, pool.model))
@@ -315,9 +316,9 @@ class Affinity(Policy):
                     depths[key] = depth
         ring = self._ring(pool)
         start = bisect_left(ring.points, hints.home)
-        session_engine, evicted = self._session(pool, hints)
+        session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
         # Where engines say nothing of their slots, routing is as it was before them.
-        mine, mine_depth = self._own(pool, hints, depths, session_engine, evicted,
+        mine, mine_depth = self._own(pool, hints, depths, session_engine,
                                      ring.members[start % len(ring.points)].key) if slots else (None, 0)
         # A later turn's own engine, and any engine holding its own prefix (past the home key's
         # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
@@ -379,10 +380,13 @@ class Affinity(Policy):
             held = pool.members.get(key)
             if held is not None and takes(held):
                 candidates.setdefault(key, held)
-        if session_engine is not None:
-            last = pool.members.get(session_engine)
-            if last is not None and takes(last):
-                candidates.setdefault(session_engine, last)
+        if mine is not None:
+            home = mine  # a later turn's home is its own engine, whatever its key's
+        for known in (session_engine, mine):
+            if known is not None:
+                last = pool.members.get(known)
+                if last is not None and takes(last):
+                    candidates.setdefault(known, last)
         if hints.adapter:
             added = 0
             for key in self.pools.holding_adapter(hints.adapter):
@@ -426,29 +430,16 @@ class Affinity(Policy):
                                           len(candidates), depths.get(best, 0), blocks)
         return best
 
-    def _session(self, pool: Pool, hints: RoutingHints) -> tuple[EngineKey | None, bool]:
-        """The engine that served the request's session last from here, unless its runtime has evicted it
-        since (then None, and True: this gateway knows the conversation is cached nowhere)."""
-        if not hints.session:
-            return None, False
-        last = self._sessions.get((pool.tenant_id, pool.model, hints.session))
-        if last is None:
-            return None, False
-        key, stamp = last
-        if stamp <= self._evicted.get(key, 0):
-            return None, True
-        return key, False
-
     def _own(self, pool: Pool, hints: RoutingHints, depths: dict[EngineKey, int], session_engine: EngineKey | None,
-             evicted: bool, ring_home: EngineKey) -> tuple[EngineKey | None, int]:
+             ring_home: EngineKey) -> tuple[EngineKey | None, int]:
         """The engine a later turn stays on while it has a free slot (else it is scored, its bound
         the mean's), and the blocks of the prompt it is credited with: the engine known to hold
         most of the prompt's own part (past the home key's shared part), else the one that served
         the session last from here, else, for a prompt that continues a conversation this gateway
-        has not seen, the key's first engine on the ring, credited with all but the last block:
-        any gateway sent the earlier turn there unless it reported the turn's tip elsewhere
-        (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn, or a
-        later one whose engine has evicted it (``evicted``), which is placed as a first turn is."""
+        has not seen, the engine a gateway reported its opening spilled to (a first turn with no
+        block of its own is reported by its opening), else the key's first engine on the ring,
+        credited with all but the last block: any gateway sent the earlier turn there unless it
+        reported the turn's tip elsewhere (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn."""
         deepest = max(depths.values(), default=0)
         if deepest > hints.home_blocks:
             held = [key for key, depth in depths.items() if depth == deepest and key in pool.members]
@@ -456,8 +447,12 @@ class Affinity(Policy):
                 return (session_engine if session_engine in held else min(held, key=lambda k: k.engine_id)), deepest
         if session_engine is not None and session_engine in pool.members:
             return session_engine, depths.get(session_engine, 0)
-        if hints.continues and not evicted:
-            return ring_home, max(0, len(hints.blocks) - 1)
+        if hints.continues:
+            # Where a gateway reported the conversation's opening spilled (its first turn, which had
+            # no block of its own to report), else the key's first engine on the ring.
+            opened = [key for key in self.pools.spills.holders(hints.opening) if key in pool.members] \
+                if hints.opening else []
+            return (opened[0] if opened else ring_home), max(0, len(hints.blocks) - 1)
         return None, 0
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:

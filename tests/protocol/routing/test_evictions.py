@@ -1,8 +1,8 @@
 """What a runtime's answer says it still held (issue #24, part 4): an answer that reused far less of
 a prompt than the prefix index held on its engine says the runtime evicted it, and the index
-forgets it and whatever was sent there before it; the later turns of a conversation so evicted are
-placed as first turns are. Pure: the index, the affinity policy on hand-made pools, and a processor
-fed results by hand (no clock, no reactor)."""
+forgets it and whatever was sent there before it, so a later turn of a conversation so evicted no
+longer waits for a busy engine that holds no more of it than another. Pure: the index, the affinity
+policy on hand-made pools, and a processor fed results by hand (no clock, no reactor)."""
 
 from __future__ import annotations
 
@@ -63,9 +63,10 @@ def busy(g: Gateway, engine: EngineKey, tasks: int) -> None:
 def test_a_later_turn_whose_engine_evicted_it_no_longer_waits_for_that_engine():
     """Three users' first turns on one engine, 2 then 0 then 1; user 0's second turn comes back with
     little more than the shared system prompt cached: the runtime evicted user 0's first turn, and
-    user 2's, older. With that engine's slots busy, user 2's next turn goes where a slot is free
-    (nothing of its own is held anywhere), while user 1, sent there later, and user 0, whose second
-    turn the engine has just computed, still wait for it."""
+    user 2's, older. That engine's slots busy, user 5's first turn goes to another, which then holds
+    the system prompt too. User 2's next turn goes there (nothing of its own is held anywhere), while
+    user 1, sent to the first engine later, and user 0, whose second turn it has just computed, still
+    wait for it."""
     g = Gateway(("e0", "e1", "e2"))
     first = g.send(user(2))
     g.finish(first, user(2))
@@ -74,11 +75,17 @@ def test_a_later_turn_whose_engine_evicted_it_no_longer_waits_for_that_engine():
         g.finish(first, user(n))
     assert g.send(user(0, turns=2)) == first
     evicted_answer(g, first, 0, 2, cached_share=0.2)
+    shared = user(2, turns=2).home_blocks
+    assert g.policy.index.depths(user(2, turns=2).blocks)[first] == shared
+    assert g.policy.index.depths(user(1, turns=2).blocks)[first] > shared
     busy(g, first, 2)
+    other = g.send(user(5))
+    assert other != first
+    g.finish(other, user(5))
     for n in (1, 0):
         assert g.send(user(n, turns=3 if n == 0 else 2)) == first
         g.finish(first, user(n, turns=3 if n == 0 else 2))
-    assert g.send(user(2, turns=2)) != first
+    assert g.send(user(2, turns=2)) == other
 
 
 def test_an_answer_that_reused_what_the_index_held_changes_nothing():
