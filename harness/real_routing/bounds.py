@@ -6,7 +6,9 @@ of each prompt a router could have had cached, whatever engine it chose. A
 prompt can reuse only what an engine holds from a request that *ended* before
 it (a slot's context is its own until then) and before its own first token
 (it was running by then), and llama-server computes at least one token of
-every prompt.
+every prompt. A context holds its prompt and all but the last token generated
+after it, which may match what the next prompt has there: where a prompt
+extends an earlier one whole, those tokens count as reusable too.
 
 ``all``
     One cache holding every earlier prompt, of any size (issue #24's bound):
@@ -65,12 +67,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def reuse_bounds(records: Sequence[Record], prompt: Callable[[str, int], Sequence[int]], *, engines: int, slots: int,
-                 host_tokens: int | None, generated: int) -> Bounds:
+                 host_tokens: int | None, generated: int, preloaded: Sequence[Sequence[int]] = ()) -> Bounds:
     """The bounds of a run whose requests are ``records`` (those that failed are left out, as from the cached
     share); ``prompt(conversation, turn)`` is a request's tokens; ``host_tokens``: each engine's host prompt
-    cache in tokens (None: no capacity bound); ``generated``: tokens each request generated."""
+    cache in tokens (None: no capacity bound); ``generated``: tokens each request generated; ``preloaded``:
+    prompts every engine ran before the run (the bench's warm-up request)."""
     ok = sorted((r for r in records if r.ok), key=lambda r: r.sent)
     tokens = {(r.conversation, r.turn): tuple(prompt(r.conversation, r.turn)) for r in ok}
+    warm = [tuple(p) for p in preloaded]
+
+    def reused(mine: tuple[int, ...], earlier: tuple[int, ...]) -> int:
+        """What ``mine`` can reuse of a context that ran ``earlier``: their common prefix, and where ``mine``
+        extends all of ``earlier``, as many of the tokens generated after it as were kept (all but the last),
+        which may happen to match."""
+        shared = common_prefix(mine, earlier)
+        return min(len(mine), shared + generated - 1) if shared == len(earlier) else shared
+
     total = sum(len(t) for t in tokens.values())
     if not total:
         return Bounds(0.0, None if host_tokens is None else 0.0)
@@ -82,13 +94,13 @@ def reuse_bounds(records: Sequence[Record], prompt: Callable[[str, int], Sequenc
         mine = tokens[(r.conversation, r.turn)]
         cut = len(mine) - 1
         started = r.first if r.first is not None else r.ended
-        best_any = best_other = 0
+        best_any = best_other = max((common_prefix(mine, w) for w in warm), default=0)
         for before in by_end:
             if before.ended > started:
                 break
             if before is r:
                 continue
-            shared = common_prefix(mine, tokens[(before.conversation, before.turn)])
+            shared = reused(mine, tokens[(before.conversation, before.turn)])
             best_any = max(best_any, shared)
             if before.conversation != r.conversation:
                 best_other = max(best_other, shared)
@@ -98,7 +110,7 @@ def reuse_bounds(records: Sequence[Record], prompt: Callable[[str, int], Sequenc
         previous[r.conversation] = r
         if last is not None and last.ended <= r.sent:
             last_tokens = tokens[(last.conversation, last.turn)]
-            own = min(cut, common_prefix(mine, last_tokens))
+            own = min(cut, reused(mine, last_tokens))
             if own > min(cut, best_other):
                 gains.append((last.ended, r.sent, len(last_tokens) + generated - 1, own - min(cut, best_other)))
     capacity = None

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from harness.gguf_models import CHATML_TOOLS_TEMPLATE, ModelShape
+from harness.gguf_models import CHATML_TOOLS_TEMPLATE, ModelShape, render_chat, tokenize
 from harness.llama_server import LlamaCppServer
 from harness.real_routing.bounds import reuse_bounds
 from harness.real_routing.figures import Figures, Record, figures
@@ -293,9 +293,13 @@ def _client(client: Client, workload: Workload, urls: Sequence[str], seed: int, 
             active.append((conversation, turn + 1))
 
 
+#: The messages of the warm-up request every replica answers before a run.
+WARM_MESSAGES = ({"role": "user", "content": "ready?"},)
+
+
 def _warm(urls: Sequence[str], group: str) -> None:
     """One short request through each replica, until each answers 200 (the whole path serves)."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1,
+    body = json.dumps({"model": MODEL, "messages": list(WARM_MESSAGES), "max_tokens": 1,
                        "stream": True}).encode()
     for url in urls:
         def answered(url: str = url) -> bool:
@@ -350,7 +354,7 @@ def with_bounds(found: Figures, records: Sequence[Record], workload: Workload, s
     bounds = reuse_bounds(records, lambda conversation, turn: conversations[conversation].prompt_tokens(turn),
                           engines=engines, slots=slots,
                           host_tokens=None if ram is None else ram * 1024 * 1024 // shape.kv_bytes_per_token,
-                          generated=workload.max_tokens)
+                          generated=workload.max_tokens, preloaded=[tokenize(render_chat(list(WARM_MESSAGES), ()))])
     return replace(found, bound_all=bounds.all,
                    bound_capacity=math.nan if bounds.capacity is None else bounds.capacity)
 

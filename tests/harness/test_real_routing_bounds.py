@@ -72,3 +72,12 @@ def test_an_idle_slot_keeps_a_context_and_a_slot_generating_an_answer_does_not()
     finally:
         del PROMPTS[("c", 0)]
     assert busy.capacity == pytest.approx(0.0)
+
+
+def test_tokens_generated_after_a_prompt_and_a_warm_up_prompt_count_as_reusable():
+    """A context keeps all but the last token generated after its prompt, which may match the next
+    prompt's; and every engine ran the warm-up prompt first, which shares the template's first tokens."""
+    bounds = reuse_bounds(TRACE, prompt, engines=1, slots=0, host_tokens=None, generated=3)
+    assert bounds.all == pytest.approx((5 + 10) / TOTAL)  # a's second turn: 4 + 2, less the token it computes
+    warm = reuse_bounds(TRACE, prompt, engines=1, slots=0, host_tokens=None, generated=1, preloaded=[(5, 6, 0)])
+    assert warm.all == pytest.approx((4 + 10 + 2) / TOTAL)  # b's first turn starts as the warm-up did
