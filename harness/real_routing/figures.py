@@ -80,6 +80,10 @@ class Figures:
     later_turns: int
     moved: int
     moved_off_free_home: int
+    #: Upper bounds on ``cached_share`` from the run's own trace (:mod:`harness.real_routing.bounds`; NaN: not
+    #: computed): one cache holding every earlier prompt, and the engines' real capacity.
+    bound_all: float = math.nan
+    bound_capacity: float = math.nan
 
     @property
     def max_over_mean(self) -> float:

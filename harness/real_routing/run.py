@@ -28,24 +28,26 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import math
 import os
 import random
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from harness.gguf_models import CHATML_TOOLS_TEMPLATE, ModelShape
+from harness.gguf_models import CHATML_TOOLS_TEMPLATE, ModelShape, render_chat, tokenize
 from harness.llama_server import LlamaCppServer
+from harness.real_routing.bounds import reuse_bounds
 from harness.real_routing.figures import Figures, Record, figures
 from harness.real_routing.workloads import Client, Workload
 from harness.twistd_processes import TWISTD, Engine, Gateway, free_port, wait_until
 
-__all__ = ["MODEL", "InfxRouter", "RunError", "RunResult", "RouterUnderTest", "Runtimes", "run_once"]
+__all__ = ["MODEL", "InfxRouter", "RunError", "RunResult", "RouterUnderTest", "Runtimes", "run_once", "with_bounds"]
 
 #: The model every request names (llama-server serves its one model whatever the name).
 MODEL = "llm"
@@ -291,9 +293,13 @@ def _client(client: Client, workload: Workload, urls: Sequence[str], seed: int, 
             active.append((conversation, turn + 1))
 
 
+#: The messages of the warm-up request every replica answers before a run.
+WARM_MESSAGES = ({"role": "user", "content": "ready?"},)
+
+
 def _warm(urls: Sequence[str], group: str) -> None:
     """One short request through each replica, until each answers 200 (the whole path serves)."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1,
+    body = json.dumps({"model": MODEL, "messages": list(WARM_MESSAGES), "max_tokens": 1,
                        "stream": True}).encode()
     for url in urls:
         def answered(url: str = url) -> bool:
@@ -335,7 +341,22 @@ def run_once(workload: Workload, router: RouterUnderTest, model: Path, shape: Mo
     if all(r.ok for r in records):  # a request that failed may have been counted by its server, or not
         _check(records, counted)
     return RunResult(router.name, workload.name, replicas, seed, records,
-                     figures(records, runtimes.names, slots, wall), counted, (load_before, load_after))
+                     with_bounds(figures(records, runtimes.names, slots, wall), records, workload, shape, engines, slots),
+                     counted, (load_before, load_after))
+
+
+def with_bounds(found: Figures, records: Sequence[Record], workload: Workload, shape: ModelShape, engines: int,
+                slots: int) -> Figures:
+    """``found`` with the run's upper bounds on its cached share (:mod:`harness.real_routing.bounds`; the
+    capacity bound where the workload gives the runtimes a small host cache)."""
+    conversations = {c.id: c for client in workload.clients for c in client.conversations}
+    ram = workload.cache_ram(shape.kv_bytes_per_token)
+    bounds = reuse_bounds(records, lambda conversation, turn: conversations[conversation].prompt_tokens(turn),
+                          engines=engines, slots=slots,
+                          host_tokens=None if ram is None else ram * 1024 * 1024 // shape.kv_bytes_per_token,
+                          generated=workload.max_tokens, preloaded=[tokenize(render_chat(list(WARM_MESSAGES), ()))])
+    return replace(found, bound_all=bounds.all,
+                   bound_capacity=math.nan if bounds.capacity is None else bounds.capacity)
 
 
 def _check(records: Sequence[Record], counted: dict[str, tuple[int, int]]) -> None:

@@ -88,6 +88,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from protocol.agent.prompt_usage import prompt_usage
 from protocol.openai import task_forms
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.attempts import AttemptFailure, failure_of
@@ -599,6 +600,11 @@ class Processor:
             last = not task.streaming or code < 200 or code >= 400
         else:
             last = result.server_sent_event.is_last_event
+        if task.hints is not None and task.engine is not None:
+            usage = prompt_usage(result)  # what the runtime reused of the prompt: routing checks its index
+            if usage is not None:
+                self._router.task_answered(task.engine, task.model, task.hints, usage.prompt_tokens,
+                                           usage.cached_tokens)
         self._endings.deliver(task, result, last, effects)
         return effects
 

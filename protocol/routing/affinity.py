@@ -128,6 +128,9 @@ class Affinity(Policy):
         super().__init__(config, pools)
         self.index = PrefixIndex(config.index_blocks_per_engine, config.index_blocks_total)
         self._sessions: OrderedDict[tuple[str, str, str], EngineKey] = OrderedDict()
+        #: (engine, tip block) -> (blocks of the prompt the index held there when sent, the oldest stamp of
+        #: those past the home key's part): what its answer is checked against (an entry per task in flight).
+        self._expected: dict[tuple[EngineKey, int], tuple[int, int]] = {}
         self._rings: dict[tuple[str, str], _Ring] = {}
         #: With ``config.explain``: why the last engine was chosen by affinity (its decision aside).
         self._explained: RouteChoice | None = None
@@ -153,6 +156,8 @@ class Affinity(Policy):
 
     def engine_removed(self, key: EngineKey) -> None:
         self.index.forget(key)
+        for expected in [k for k in self._expected if k[0] == key]:
+            del self._expected[expected]
         for hot_key in [k for k, engines in self._hot.items() if key in engines]:
             engines = self._hot[hot_key]
             del engines[key]
@@ -160,6 +165,8 @@ class Affinity(Policy):
                 del self._hot[hot_key]
 
     def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
+        if hints is not None and hints.blocks:
+            self._expected.pop((key, hints.blocks[-1]), None)
         if hints is None or not hints.home_blocks:
             return
         hot_key = (key.tenant_id, model, hints.home)
@@ -212,13 +219,19 @@ class Affinity(Policy):
         if hints.home_blocks:
             engines = self._hot.setdefault((key.tenant_id, model, hints.home), {})
             engines[key] = engines.get(key, 0) + 1
+        held = self.index.stamps(key, hints.blocks)
+        if len(held) > hints.home_blocks:
+            self._expected[(key, hints.blocks[-1])] = (len(held), min(held[hints.home_blocks:]))
         self.index.record(key, hints.blocks)
         carried = 0
-        if hints.blocks and self.config.spilled_tips and self._spilled(key, model, hints):
+        # A prompt with no block of its own past the home key's part (a first turn shorter than a
+        # block) is named by its conversation's opening, which its later turns repeat.
+        tip = hints.blocks[-1] if len(hints.blocks) > hints.home_blocks or not hints.opening else hints.opening
+        if tip and self.config.spilled_tips and self._spilled(key, model, hints):
             if member is not None and member.local:
-                self.pools.spills.record(key, model, hints.blocks[-1])
+                self.pools.spills.record(key, model, tip)
             else:
-                carried = hints.blocks[-1]
+                carried = tip
         if hints.session and self.config.sessions:
             session = (key.tenant_id, model, hints.session)
             self._sessions[session] = key
@@ -226,6 +239,24 @@ class Affinity(Policy):
             if len(self._sessions) > self.config.sessions:
                 self._sessions.popitem(last=False)
         return carried
+
+    def task_answered(self, key: EngineKey, model: str, hints: RoutingHints | None, prompt_tokens: int,
+                      cached_tokens: int) -> None:
+        """``key``'s runtime answered a task of ``model`` saying it reused ``cached_tokens`` of its
+        ``prompt_tokens``. Far less than the index held there when it was sent (under the midpoint
+        between the home key's shared part and what was held, in shares of the prompt) says the runtime
+        evicted the prompt: the index forgets it and everything sent there before it
+        (:meth:`PrefixIndex.evict_through`). A later turn of a conversation so forgotten still goes
+        to its session's engine while that has a free slot, but is credited there with the shared
+        part alone, so it no longer waits for a busy engine that holds no more of it than others."""
+        if hints is None or not hints.blocks or prompt_tokens <= 0:
+            return
+        expected = self._expected.pop((key, hints.blocks[-1]), None)
+        if expected is None:
+            return
+        held, stamp = expected
+        if cached_tokens / prompt_tokens < (hints.home_blocks + held) / 2 / len(hints.blocks):
+            self.index.evict_through(key, stamp)
 
     def decision(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RoutingDecision:
         """A prompt's engine held its start (``prefix_hit``), else was its ring home, else took it
@@ -242,21 +273,23 @@ class Affinity(Policy):
         return RoutingDecision.HOME if home == key else RoutingDecision.SPILL
 
     def state_size(self) -> dict[str, int]:
-        return {"index_blocks": self.index.size, "sessions": len(self._sessions),
+        return {"index_blocks": self.index.size, "sessions": len(self._sessions), "expected": len(self._expected),
                 "ring_points": sum(len(ring.points) for ring in self._rings.values()),
                 "hot_keys": len(self._hot), "spread_keys": len(self._spread)}
 
     def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
         """Whether another gateway would not send this prompt's next turn to ``key`` by itself:
         ``key`` is not the first engine on the ring for the home key, or the spilled tips place
-        this prompt's prefix on another engine (the conversation moves back or on)."""
+        this prompt's prefix (or its conversation's opening) on another engine (the conversation
+        moves back or on)."""
         pool = self.pools.pool(key.tenant_id, model)
         if pool is None or key not in pool.members:
             return False
         ring = self._ring(pool)
         if ring.members[bisect_left(ring.points, hints.home) % len(ring.points)].key != key:
             return True
-        return any(other != key for other in self.pools.spills.depths(hints.blocks))
+        return any(other != key for other in self.pools.spills.depths(hints.blocks)) or \
+            any(other != key for other in self.pools.spills.holders(hints.opening))
 
     def _ring(self, pool: Pool) -> _Ring:
         ring = self._rings.get((pool.tenant_id, pool.model))
@@ -347,10 +380,13 @@ class Affinity(Policy):
             held = pool.members.get(key)
             if held is not None and takes(held):
                 candidates.setdefault(key, held)
-        if session_engine is not None:
-            last = pool.members.get(session_engine)
-            if last is not None and takes(last):
-                candidates.setdefault(session_engine, last)
+        if mine is not None:
+            home = mine  # a later turn's home is its own engine, whatever its key's
+        for known in (session_engine, mine):
+            if known is not None:
+                last = pool.members.get(known)
+                if last is not None and takes(last):
+                    candidates.setdefault(known, last)
         if hints.adapter:
             added = 0
             for key in self.pools.holding_adapter(hints.adapter):
@@ -400,9 +436,10 @@ class Affinity(Policy):
         the mean's), and the blocks of the prompt it is credited with: the engine known to hold
         most of the prompt's own part (past the home key's shared part), else the one that served
         the session last from here, else, for a prompt that continues a conversation this gateway
-        has not seen, the key's first engine on the ring, credited with all but the last block:
-        any gateway sent the earlier turn there unless it reported the turn's tip elsewhere
-        (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn."""
+        has not seen, the engine a gateway reported its opening spilled to (a first turn with no
+        block of its own is reported by its opening), else the key's first engine on the ring,
+        credited with all but the last block: any gateway sent the earlier turn there unless it
+        reported the turn's tip elsewhere (:mod:`protocol.routing.spills`), which the first case finds. (None, 0): a first turn."""
         deepest = max(depths.values(), default=0)
         if deepest > hints.home_blocks:
             held = [key for key, depth in depths.items() if depth == deepest and key in pool.members]
@@ -411,7 +448,11 @@ class Affinity(Policy):
         if session_engine is not None and session_engine in pool.members:
             return session_engine, depths.get(session_engine, 0)
         if hints.continues:
-            return ring_home, max(0, len(hints.blocks) - 1)
+            # Where a gateway reported the conversation's opening spilled (its first turn, which had
+            # no block of its own to report), else the key's first engine on the ring.
+            opened = [key for key in self.pools.spills.holders(hints.opening) if key in pool.members] \
+                if hints.opening else []
+            return (opened[0] if opened else ring_home), max(0, len(hints.blocks) - 1)
         return None, 0
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:

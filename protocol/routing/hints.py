@@ -77,7 +77,11 @@ class RoutingHints:
     ``home_blocks`` is how many of ``blocks`` the home key's text fills (0
     unless the key is a shared system prompt); ``continues``: the prompt holds
     an earlier answer (an assistant or tool turn), so it is a later turn of a
-    conversation whose earlier prompt an engine already holds.
+    conversation whose earlier prompt an engine already holds; ``opening``:
+    a 64-bit hash of the conversation's opening (its system part and first
+    message), which every turn of it repeats, so that any gateway names a
+    conversation alike even where its first turn adds less than a block past
+    the system part (0: no message past the system part).
     """
 
     blocks: tuple[int, ...]
@@ -86,6 +90,7 @@ class RoutingHints:
     adapter: str = ""
     home_blocks: int = 0
     continues: bool = False
+    opening: int = 0
 
 
 def _digest(data: bytes, key: bytes) -> int:
@@ -212,6 +217,7 @@ def hints_from_json(
     session = _session(obj, headers, config)
     system_bytes = sum(len(p) for p in parts[:system])
     blocks = _chain(model_bytes, bytes(text), config)
+    opening_text = b"opening:" + bytes(text[:min(sum(len(p) for p in parts[:system + 1]), limit)])
     home_blocks = 0
     if system and system_bytes >= config.block_bytes:
         home_text = b"system:" + bytes(text[:min(system_bytes, limit)])
@@ -219,8 +225,7 @@ def hints_from_json(
     elif session:
         home_text = b"session:" + session.encode("utf-8", "replace")
     else:
-        opening = sum(len(p) for p in parts[:system + 1])
-        home_text = b"opening:" + bytes(text[:min(opening, limit)])
+        home_text = opening_text
     return RoutingHints(
         blocks=blocks,
         home=_digest(model_bytes + b"\0" + home_text, b"infx-home"),
@@ -228,4 +233,5 @@ def hints_from_json(
         adapter=model_name,
         home_blocks=home_blocks,
         continues=continues,
+        opening=_digest(model_bytes + b"\0" + opening_text, b"infx-open") if len(parts) > system else 0,
     )

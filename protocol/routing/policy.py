@@ -125,6 +125,11 @@ class Policy(ABC):
         :meth:`choose`, before the policy learns from the task)."""
         return RouteChoice(key, self.config.policy.value, self.reason,
                            decision=self.decision(key, model, hints).value)
+    def task_answered(self, key: EngineKey, model: str, hints: RoutingHints | None, prompt_tokens: int,
+                      cached_tokens: int) -> None:
+        """``key``'s runtime answered a task of ``model`` this processor sent it (with ``hints``), saying
+        it reused ``cached_tokens`` of its ``prompt_tokens`` from its prefix cache (once per task)."""
+
     def task_left(self, key: EngineKey, model: str, hints: RoutingHints | None) -> None:
         """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it."""
 

@@ -1,5 +1,12 @@
 """Which engines this gateway sent each prefix block to: the ``affinity`` policy's memory of
-prompts; pure, no I/O, bounded whatever the traffic."""
+prompts; pure, no I/O, bounded whatever the traffic.
+
+Each entry carries the stamp of the request that last sent the block there (stamps grow by one
+per request recorded), so an engine's entries are in stamp order. A runtime's answer that reused
+less of a prompt than the index held says the runtime evicted it: a runtime's prompt cache drops
+its least recently used contexts first, so everything the index holds of that engine from
+before the evicted prompt was sent is gone as well (:meth:`PrefixIndex.evict_through`).
+"""
 
 from __future__ import annotations
 
@@ -22,22 +29,27 @@ class PrefixIndex:
     shared head.
     """
 
+    #: The stamp of the request last recorded (0: none yet).
+    stamp: int
+
     def __init__(self, per_engine: int, total: int) -> None:
         self._per_engine = per_engine
         self._total = total
-        self._by_engine: dict[EngineKey, OrderedDict[int, None]] = {}
+        self._by_engine: dict[EngineKey, OrderedDict[int, int]] = {}  # block -> stamp, oldest first
         # Block -> the engine it was sent to, or engines (in the order first sent) when several:
         # most blocks have one holder, and a bare key takes a fraction of a dict's memory.
         self._holders: dict[int, EngineKey | dict[EngineKey, None]] = {}
         self.size = 0
+        self.stamp = 0
 
     def _cap(self) -> int:
         return min(self._per_engine, self._total // max(1, len(self._by_engine)))
 
     def record(self, key: EngineKey, blocks: tuple[int, ...]) -> None:
-        """``blocks`` were sent to ``key``: remember them, most recent last."""
+        """``blocks`` were sent to ``key``: remember them, most recent last, with the next stamp."""
         if not blocks:
             return
+        self.stamp += 1
         lru = self._by_engine.get(key)
         if lru is None:
             lru = self._by_engine[key] = OrderedDict()
@@ -46,9 +58,10 @@ class PrefixIndex:
                 self._trim(other, cap)
         for block in reversed(blocks):
             if block in lru:
+                lru[block] = self.stamp
                 lru.move_to_end(block)
             else:
-                lru[block] = None
+                lru[block] = self.stamp
                 held = self._holders.get(block)
                 if held is None:
                     self._holders[block] = key
@@ -59,9 +72,10 @@ class PrefixIndex:
                 self.size += 1
         self._trim(key, self._cap())
 
-    def _trim(self, key: EngineKey, cap: int) -> None:
+    def _trim(self, key: EngineKey, cap: int, through: int = 0) -> None:
+        """Drop ``key``'s oldest entries past ``cap``, and those stamped ``through`` or before."""
         lru = self._by_engine[key]
-        while len(lru) > cap:
+        while lru and (len(lru) > cap or next(iter(lru.values())) <= through):
             block, _ = lru.popitem(last=False)
             held = self._holders[block]
             if isinstance(held, dict):
@@ -71,6 +85,25 @@ class PrefixIndex:
             else:
                 del self._holders[block]
             self.size -= 1
+
+    def stamps(self, key: EngineKey, blocks: tuple[int, ...]) -> tuple[int, ...]:
+        """The stamps of the leading ``blocks`` that ``key`` holds, shortest prefix first (stops at the
+        first it does not hold)."""
+        lru = self._by_engine.get(key)
+        out: list[int] = []
+        if lru is not None:
+            for block in blocks:
+                stamp = lru.get(block)
+                if stamp is None:
+                    break
+                out.append(stamp)
+        return tuple(out)
+
+    def evict_through(self, key: EngineKey, stamp: int) -> None:
+        """``key``'s runtime evicted what the request stamped ``stamp`` sent it: forget that and
+        everything older there (entries sent again since keep their newer stamps)."""
+        if key in self._by_engine:
+            self._trim(key, self._cap(), stamp)
 
     def holds(self, key: EngineKey, block: int) -> bool:
         """Whether ``block`` was sent to ``key`` (and is still remembered)."""

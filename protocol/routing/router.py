@@ -94,6 +94,12 @@ class Router:
             self.decisions[(key.tenant_id, model, self.policy.decision(key, model, hints).value)] += 1
         return self.policy.task_sent(member, key, model, hints, forwarded_tip)
 
+    def task_answered(self, key: EngineKey, model: str, hints: RoutingHints | None, prompt_tokens: int,
+                      cached_tokens: int) -> None:
+        """``key``'s runtime said, in its answer to a task this processor sent it, that it reused
+        ``cached_tokens`` of the prompt's ``prompt_tokens`` (the policy checks what it believed)."""
+        self.policy.task_answered(key, model, hints, prompt_tokens, cached_tokens)
+
     def task_left(self, key: EngineKey, model: str = "", hints: RoutingHints | None = None) -> None:
         """A task of ``model`` this processor sent to ``key`` (with ``hints``) left it (ended, failed over)."""
         self.pools.task_left(key)

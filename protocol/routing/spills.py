@@ -106,6 +106,11 @@ class SpilledTips:
                     depth[key] = i + 1
         return depth
 
+    def holders(self, tip: int) -> tuple[EngineKey, ...]:
+        """The engines holding ``tip`` (a conversation's opening, say), by engine id."""
+        holders = self._holders.get(tip)
+        return tuple(sorted(holders, key=lambda k: k.engine_id)) if holders else ()
+
     def annotate(self, key: EngineKey, status: status_pb2.EngineStatus) -> None:
         """Add local ``key``'s tips to ``status`` (a copy going to peers), each under its model."""
         tips = self._local.get(key)

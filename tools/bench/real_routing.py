@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import signal
 import statistics
@@ -61,8 +62,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(HERE))
 
 from harness.gguf_models import BENCH, TINY, write_model  # noqa: E402
-from harness.real_routing.figures import Figures  # noqa: E402
-from harness.real_routing.run import MODEL, InfxRouter, RouterUnderTest, RunResult, run_once  # noqa: E402
+from harness.real_routing.figures import Figures, Record  # noqa: E402
+from harness.real_routing.run import (  # noqa: E402
+    MODEL, SLOTS, InfxRouter, RouterUnderTest, RunResult, run_once, with_bounds)
 from harness.real_routing.workloads import WORKLOADS, make  # noqa: E402
 from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS, LlamaCosts  # noqa: E402
 
@@ -143,6 +145,8 @@ def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict
         "later_turns": median([f.later_turns for f in figures]),
         "moved": median([f.moved for f in figures]),
         "moved_off_free_home": median([f.moved_off_free_home for f in figures]),
+        "bound_all": median([f.bound_all for f in figures]),
+        "bound_capacity": median([f.bound_capacity for f in figures]),
     }
     for g in groups:
         row[f"p99_{g}"] = median([f.group_p99.get(g, float("nan")) for f in figures])
@@ -151,21 +155,25 @@ def summary(figures: Sequence[Figures], slowdowns: Sequence[float] = ()) -> dict
     return row
 
 
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
 def table(rows: dict[tuple[str, int, str], dict[str, float]]) -> str:
     """The medians as a markdown table, one row per (workload, replicas, router)."""
     slow = any("slowdown" in row for row in rows.values())
     lines = ["| workload | replicas | router | cached share | prompt tokens computed | wall s | TTFT p50 / p90 / p99 s "
-             "| per-tenant p99 s | max/mean requests per engine | later turns moved (off a free home) | errors |"
-             + (" runtime slowdown |" if slow else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if slow else "")]
+             "| per-tenant p99 s | max/mean requests per engine | later turns moved (off a free home) | errors "
+             "| bound: all / capacity |" + (" runtime slowdown |" if slow else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if slow else "")]
     for (workload, replicas, name), row in rows.items():
         tenants = ", ".join(f"{k[4:]} {v:.2f}" for k, v in row.items() if k.startswith("p99_"))
         lines.append(
             f"| {workload} | {replicas} | {name} | {row['cached_share']:.1%} | {row['prompt_computed']:,.0f} | "
             f"{row['wall']:.1f} | {row['ttft_p50']:.2f} / {row['ttft_p90']:.2f} / {row['ttft_p99']:.2f} | "
             f"{tenants} | {row['max_over_mean']:.2f} | {row['moved']:.0f} of {row['later_turns']:.0f} "
-            f"({row['moved_off_free_home']:.0f}) | {row['errors']:.0f} |"
-            + (f" x{row['slowdown']:.1f} |" if slow else ""))
+            f"({row['moved_off_free_home']:.0f}) | {row['errors']:.0f} | {_share(row['bound_all'])} / "
+            f"{_share(row['bound_capacity'])} |" + (f" x{row['slowdown']:.1f} |" if slow else ""))
     return "\n".join(lines)
 
 
@@ -232,10 +240,21 @@ def retable(path: Path, logs: Path | None) -> int:
     rows = {}
     for key in sorted(grouped, key=lambda k: (workloads.index(k[0]), k[1], routers.index(k[2]))):
         slowdowns = [run_slowdown(logs, run, model_costs(run)) for run in grouped[key]] if logs else []
-        rows[key] = summary([Figures(**run["figures"]) for run in grouped[key]], slowdowns)
+        rows[key] = summary([_bounded(run) for run in grouped[key]], slowdowns)
     print(f"medians of {max(len(v) for v in grouped.values())} run(s) per configuration, from {path.name}")
     print(table(rows))
     return 0
+
+
+def _bounded(run: dict) -> Figures:
+    """A run's figures from its JSON, with the bounds on its cached share computed from its records where the
+    run is older than them."""
+    found = Figures(**run["figures"])
+    if "bound_all" in run["figures"]:
+        return found
+    shape = BENCH if run.get("model", "bench") == "bench" else replace(TINY, context_length=8192)
+    return with_bounds(found, [Record(**r) for r in run["records"]], make(run["workload"], run["seed"],
+                       run.get("scale", 1.0)), shape, len(found.per_engine), SLOTS)
 
 
 def model_costs(run: dict) -> LlamaCosts:
@@ -370,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"    cached {f.cached_share:.1%}, computed {f.prompt_computed}, wall {f.wall:.1f} s, "
                               f"TTFT p50 {f.ttft_p50:.2f} p90 {f.ttft_p90:.2f}, engines {f.per_engine}, "
                               f"moved {f.moved}/{f.later_turns} ({f.moved_off_free_home} off a free home), "
-                              f"errors {f.errors}", file=sys.stderr, flush=True)
+                              f"errors {f.errors}, bound {_share(f.bound_all)} / {_share(f.bound_capacity)}",
+                              file=sys.stderr, flush=True)
                         every.append({"workload": workload_name, "replicas": replicas, "router": name, "seed": seed,
                                       "model": args.model, "scale": args.scale,
                                       "figures": asdict(f), "counted": result.counted,

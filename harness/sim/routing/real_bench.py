@@ -18,8 +18,9 @@ The topology is the benchmark's: one gateway holding every engine, or three
 gateways holding one each, which forward tasks for a peer's engine to that
 engine's gateway (as its receiver runs them: a task targeted at the engine)
 and hear of each other's engines from their reports, which the exchange
-sends when an engine comes or its readiness changes and coalesces to one
-every quarter of the status interval (2.5 s) otherwise. Hops cost no time.
+sends at once when an engine comes or changes beyond its load counts (its
+readiness, its spilled tips) and coalesces to one every quarter of the status
+interval (2.5 s) otherwise. Hops cost no time.
 
 The records are :class:`harness.real_routing.figures.Record`, so that the
 real and the simulated runs give figures the same code computes.
@@ -50,6 +51,7 @@ from protocol.agent.runtime_load import (
     ScrapeRuntime,
 )
 from protocol.exchange.dialled_peer import peer_result
+from protocol.exchange.status_reports import shape_of
 from protocol.pb import chat_pb2, worker_pb2
 from protocol.processor.core import (
     DeliverResult,
@@ -128,6 +130,8 @@ class _Simulation:
         self.seq = itertools.count()
         self.timers: dict[tuple[str, Any], float] = {}
         self.relay_due: dict[int, float] = {}
+        #: Per gateway, its local engines' shapes (statuses but for load counts) as last relayed.
+        self.relayed: dict[int, dict[str, bytes]] = {}
         self.requests: dict[tuple[int, str], _Request] = {}  # (gateway, task id) -> request
         self.forwarded: dict[tuple[int, str], int] = {}  # (engine's gateway, wire id) -> forwarding gateway
         self.jobs: dict[str, tuple[str, _Request]] = {}  # wire id at the engine -> (engine, request)
@@ -283,11 +287,18 @@ class _Simulation:
             elif isinstance(effect, FailRequest):
                 self.answered(g, effect.task_id, failed=True)
             elif isinstance(effect, LocalEnginesChanged):
-                self.relay_later(g)
+                self.relay_changed(g)
         self.rearm()
 
-    def relay_later(self, g: int) -> None:
-        if self.replicas > 1 and g not in self.relay_due:
+    def relay_changed(self, g: int) -> None:
+        """Gateway ``g``'s local engines changed: as its dialled peers do, it reports them at once if
+        more than their load counts changed (readiness, spilled tips), else within the relay interval."""
+        if self.replicas < 2:
+            return
+        shapes = {status.engine_id: shape_of(status) for _, status in self.gateways[g].local_engines()}
+        if shapes != self.relayed.get(g):
+            self.relay(g)
+        elif g not in self.relay_due:
             self.relay_due[g] = self.now + self.relay_interval
             self.at(self.relay_due[g], "relay", g)
 
@@ -297,7 +308,9 @@ class _Simulation:
 
     def relay(self, g: int) -> None:
         """Gateway ``g`` reports its local engines to its peers (what its receivers send)."""
-        for tenant, status in self.gateways[g].local_engines():
+        local = self.gateways[g].local_engines()
+        self.relayed[g] = {status.engine_id: shape_of(status) for _, status in local}
+        for tenant, status in local:
             for peer, processor in enumerate(self.gateways):
                 if peer != g:
                     self.gateway_effects(peer, processor.update_engine(("peer", g), tenant, status, Locality.REMOTE,

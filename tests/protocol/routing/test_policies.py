@@ -97,7 +97,8 @@ def test_affinity_routes_a_task_without_hints_the_least_in_progress_way():
     pools = pools_of(("a", False), ("b", True))
     policy = Affinity(RoutingConfig(), pools)
     assert policy.choose(pools.pool("t", "m"), None, set(), held()) == key("b")
-    assert policy.state_size() == {"index_blocks": 0, "sessions": 0, "ring_points": 0, "hot_keys": 0, "spread_keys": 0}
+    assert policy.state_size() == {"index_blocks": 0, "sessions": 0, "expected": 0, "ring_points": 0, "hot_keys": 0,
+                                   "spread_keys": 0}
 
 
 def test_affinity_sends_a_conversation_home_and_remembers_its_prefix_and_session():
