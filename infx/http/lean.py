@@ -25,6 +25,10 @@ twisted.web's: HTTP/1.1 keeps the connection unless the client says ``close``,
 HTTP/1.0 closes it. A request twisted.web would refuse as malformed (a bad request
 line or header, more than :data:`MAX_HEADERS` headers or :data:`MAX_HEADER_BYTES`
 of them) gets its bare ``400 Bad Request`` and the connection closes.
+
+Size (over 600 lines): the request twisted.web's tree reads and the connection that parses,
+queues and answers it are one adapter of httptools, and call each other on every request (the
+current request, its producer, its bytes out); apart, each would reach into the other's state.
 """
 
 from __future__ import annotations
@@ -97,12 +101,15 @@ class LeanRequest:
         self.method = method
         self.uri = uri
         self.clientproto = version
-        self.path = uri.split(b"?", 1)[0]
+        self.path = path = uri.split(b"?", 1)[0]
         self.prepath: list[bytes] = []
-        self.postpath = [unquote_to_bytes(segment) for segment in self.path[1:].split(b"/")]
-        self.requestHeaders = LeanHeaders()
-        for name, value in headers:
-            self.requestHeaders.addRawHeader(name, value)
+        segments = path[1:].split(b"/")
+        # unquote_to_bytes returns a segment without "%" as it is: only a quoted path needs it.
+        self.postpath = [unquote_to_bytes(segment) for segment in segments] if b"%" in path else segments
+        self._fields = headers
+        self._request_headers: LeanHeaders | None = None
+        #: Each field's last value by its lower-case name, made at the first getHeader.
+        self._last_values: dict[bytes, bytes] | None = None
         self.content: BytesIO | None = content
         self.responseHeaders = LeanHeaders()
         self.code = 200
@@ -125,7 +132,33 @@ class LeanRequest:
         _, _, query = self.uri.partition(b"?")
         return parse_qs(query, keep_blank_values=True)
 
+    @property
+    def requestHeaders(self) -> LeanHeaders:
+        """twisted.web's form of the head's fields, made when first asked for: the API's own calls
+        read their few headers from the fields as parsed (:meth:`getHeader`, :attr:`header_pairs`)."""
+        headers = self._request_headers
+        if headers is None:
+            headers = self._request_headers = LeanHeaders()
+            for name, value in self._fields:
+                headers.addRawHeader(name, value)
+        return headers
+
+    @property
+    def header_pairs(self) -> list[tuple[bytes, bytes]] | None:
+        """The head's fields as parsed, in order, while :attr:`requestHeaders` has not been made
+        (once it has, a handler may have changed it, and it is the truth): None then."""
+        return self._fields if self._request_headers is None else None
+
     def getHeader(self, name: bytes | str) -> bytes | str | None:
+        if type(name) is bytes and self._request_headers is None:
+            # The last value of the field, as Headers gives it, read from the fields as parsed;
+            # a value with a line break (which Headers rewrites) takes Headers' own path.
+            last = self._last_values
+            if last is None:
+                last = self._last_values = {field.lower(): value for field, value in self._fields}
+            found = last.get(name.lower())
+            if found is None or (b"\r" not in found and b"\n" not in found):
+                return found
         values = self.requestHeaders.getRawHeaders(name)
         return None if values is None else values[-1]
 
