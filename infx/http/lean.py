@@ -70,6 +70,9 @@ _LLHTTP_METHODS = frozenset({b"GET", b"HEAD", b"POST", b"PUT", b"DELETE", b"OPTI
 #: RFC 9110's token characters, of which a method is made.
 _TCHAR = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 _NO_BODY_CODES = (204, 304)
+#: The fields the server itself reads from a request's head (the body's size, 100-continue, persistence).
+_FRAMING_NAMES = frozenset({b"content-length", b"expect", b"connection"})
+_FRAMING_NAME_LENGTHS = frozenset(len(name) for name in _FRAMING_NAMES)
 
 
 class _Date:
@@ -312,11 +315,13 @@ class LeanRequest:
 class _Incoming:
     """A request being parsed: its URL, headers and body so far."""
 
-    __slots__ = ("url", "headers", "header_bytes", "body", "body_bytes", "refused")
+    __slots__ = ("url", "headers", "framing", "header_bytes", "body", "body_bytes", "refused")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        #: The first value of each of :data:`_FRAMING_NAMES` (lower-case) the head holds.
+        self.framing: dict[bytes, bytes] = {}
         self.header_bytes = 0
         self.body = BytesIO()
         self.body_bytes = 0
@@ -443,24 +448,32 @@ class LeanChannel(protocol.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         incoming = self._incoming
         assert incoming is not None
-        incoming.headers.append((name, value))
-        incoming.header_bytes += len(name) + len(value)
-        if len(name) + len(value) > MAX_HEADER_BYTES:
+        headers = incoming.headers
+        headers.append((name, value))
+        size = len(name) + len(value)
+        incoming.header_bytes += size
+        if size > MAX_HEADER_BYTES:
             self._line_too_long = True
             raise _BadRequest()
-        if incoming.header_bytes > MAX_HEADER_BYTES or len(incoming.headers) > MAX_HEADERS:
+        if incoming.header_bytes > MAX_HEADER_BYTES or len(headers) > MAX_HEADERS:
             raise _BadRequest()
+        if len(name) in _FRAMING_NAME_LENGTHS:
+            # The first Content-Length, Expect and Connection frame the request: kept as they come.
+            lower = name.lower()
+            if lower in _FRAMING_NAMES and lower not in incoming.framing:
+                incoming.framing[lower] = value
 
     def on_headers_complete(self) -> None:
         incoming = self._incoming
         assert incoming is not None
-        length = next((v for n, v in incoming.headers if n.lower() == b"content-length"), None)
+        framing = incoming.framing
+        length = framing.get(b"content-length")
         limit = self.site.max_body_size
         if length is not None and length.strip().isdigit() and int(length) > limit:
             self._refuse_body(incoming, f"The request body ({int(length)} bytes) is larger than this gateway "
                                         f"accepts ({limit} bytes).")
             return
-        expect = next((v for n, v in incoming.headers if n.lower() == b"expect"), b"")
+        expect = framing.get(b"expect", b"")
         if expect.lower() == b"100-continue" and self.parser.get_http_version() == "1.1":
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -483,7 +496,7 @@ class LeanChannel(protocol.Protocol):
                 self._close()  # the refused body ended within the drain allowance: answered already
             return
         version = b"HTTP/" + self.parser.get_http_version().encode()
-        connection = next((v for n, v in incoming.headers if n.lower() == b"connection"), b"")
+        connection = incoming.framing.get(b"connection", b"")
         persistent = version == b"HTTP/1.1" and b"close" not in connection.lower().split()
         incoming.body.seek(0)
         self._waiting.append((method, incoming.url, version, incoming.headers, incoming.body, persistent))
