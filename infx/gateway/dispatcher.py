@@ -370,7 +370,8 @@ class Dispatcher:
 
     def model_label(self, tenant: str, model: str) -> str:
         """``model`` as a metric label: itself if the tenant's engines list it, else OTHER_MODEL."""
-        return model if model in self.processor.known_models(tenant) else OTHER_MODEL
+        # serves() looks the model up; known_models() would build the set of all the tenant's models.
+        return model if self.processor.serves(tenant, model) else OTHER_MODEL
 
     def gauges(self) -> Iterator[tuple[str, tuple[str, ...], int]]:
         """Current (metric, labels, value) of the processor's gauges, read when /metrics is scraped.
