@@ -333,7 +333,8 @@ class Dispatcher:
         self.run(lambda now: self.core.route_writable(route, now))
 
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
-        self.run(lambda now: self.core.engine_result(route, result, now))
+        # Once per relayed event: the core called directly, not through run() and a lambda.
+        self.perform(self.core.engine_result(route, result, self.clock.seconds()))
 
     def drain(self) -> None:
         """Shutdown: local engines go away; what no peer's engine can take fails at once with 503."""
