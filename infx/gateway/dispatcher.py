@@ -333,7 +333,8 @@ class Dispatcher:
         self.run(lambda now: self.core.route_writable(route, now))
 
     def result_received(self, route: EngineRoute, result: worker_pb2.TaskResult) -> None:
-        self.run(lambda now: self.core.engine_result(route, result, now))
+        # Once per relayed event: the core called directly, not through run() and a lambda.
+        self.perform(self.core.engine_result(route, result, self.clock.seconds()))
 
     def drain(self) -> None:
         """Shutdown: local engines go away; what no peer's engine can take fails at once with 503."""
@@ -370,7 +371,8 @@ class Dispatcher:
 
     def model_label(self, tenant: str, model: str) -> str:
         """``model`` as a metric label: itself if the tenant's engines list it, else OTHER_MODEL."""
-        return model if model in self.processor.known_models(tenant) else OTHER_MODEL
+        # serves() looks the model up; known_models() would build the set of all the tenant's models.
+        return model if self.processor.serves(tenant, model) else OTHER_MODEL
 
     def gauges(self) -> Iterator[tuple[str, tuple[str, ...], int]]:
         """Current (metric, labels, value) of the processor's gauges, read when /metrics is scraped.

@@ -616,6 +616,26 @@ def _trace_headers(request: server.Request) -> dict[str, list[str]]:
 
 def _forwarded_headers(request: server.Request, request_id: str) -> dict[str, list[str]]:
     headers: dict[str, list[str]] = {}
+    pairs = getattr(request, "header_pairs", None)
+    if pairs is not None:
+        # The lean server's fields as parsed: grouped by name in the order names first appear, as
+        # Headers.getAllRawHeaders gives them, without building Headers. A value with a line
+        # break (which Headers rewrites) takes Headers' own path.
+        for raw_name, raw_value in pairs:
+            if b"\r" in raw_value or b"\n" in raw_value:
+                headers.clear()
+                break
+            name = raw_name.decode("latin-1").lower()
+            if name in NOT_FORWARDED or name == "x-request-id":
+                continue
+            values = headers.get(name)
+            if values is None:
+                headers[name] = [raw_value.decode("latin-1")]
+            else:
+                values.append(raw_value.decode("latin-1"))
+        else:
+            headers["x-request-id"] = [request_id]
+            return headers
     for raw_name, raw_values in request.requestHeaders.getAllRawHeaders():
         name = raw_name.decode("latin-1").lower()
         if name in NOT_FORWARDED or name == "x-request-id":

@@ -303,21 +303,21 @@ class EngineAgentCore:
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must run next, or None."""
-        candidates: list[float] = []
-        if self._reconnect_at is not None:
-            candidates.append(self._reconnect_at)
-        if self._drain_deadline is not None:
-            candidates.append(self._drain_deadline)
+        # Asked after every input: compared in line, no list of candidates built each time.
+        first = self._earliest_task_deadline()
+        for when in (self._reconnect_at, self._drain_deadline):
+            if when is not None and (first is None or when < first):
+                first = when
         current = self._streams.get(self._current) if self._current is not None else None
         if current is not None:
-            candidates.append(self._status_due(current))
+            due = self._status_due(current)
+            if first is None or due < first:
+                first = due
         for stream in self._streams.values():
-            if stream.state is StreamState.RETIRING and not stream.tasks:
-                candidates.append(stream.linger_until)
-        task_deadline = self._earliest_task_deadline()
-        if task_deadline is not None:
-            candidates.append(task_deadline)
-        return min(candidates) if candidates else None
+            if stream.state is StreamState.RETIRING and not stream.tasks and (
+                    first is None or stream.linger_until < first):
+                first = stream.linger_until
+        return first
 
     # -- commands -----------------------------------------------------------------
 

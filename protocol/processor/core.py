@@ -633,10 +633,17 @@ class Processor:
 
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must next be called, or None if nothing is timed."""
-        firsts = (self._tasks.next_timer(), self._control.next_heartbeat, self._engines.next_backoff(),
-                  self._flow.next_deadline(), min(self._control.probes.values(), default=None))
-        candidates = [t for t in firsts if t is not None]
-        return min(candidates) if candidates else None
+        # Asked after every input: compared in line, no list of candidates built each time.
+        first = self._tasks.next_timer()
+        for when in (self._control.next_heartbeat, self._engines.next_backoff(), self._flow.next_deadline()):
+            if when is not None and (first is None or when < first):
+                first = when
+        probes = self._control.probes
+        if probes:
+            probe = min(probes.values())
+            if first is None or probe < first:
+                first = probe
+        return first
 
     def handle_timeout(self, now: float) -> list[Effect]:
         """Fire everything due at ``now``: deadlines, queue timeouts, retries, heartbeats."""

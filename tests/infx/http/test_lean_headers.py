@@ -63,3 +63,32 @@ def test_a_value_with_a_line_break_cannot_inject_a_header_and_a_bad_name_is_refu
             lean.setRawHeaders(bad, [b"v"])
         with pytest.raises(InvalidHeaderName):
             lean.addRawHeader(bad, b"v")
+
+
+FIELD_NAMES = st.sampled_from([b"content-type", b"Content-Type", b"X-Request-Id", b"x-request-id", b"Authorization",
+                               b"te", b"TE", b"x-custom", b"Host", b"Cookie"])
+FIELD_VALUES = st.one_of(st.binary(max_size=10), st.sampled_from([b"a\rb", b"a\nb", b"", b"v"]))
+
+
+@given(st.lists(st.tuples(FIELD_NAMES, FIELD_VALUES), max_size=10))
+def test_a_lean_request_reads_its_fields_as_parsed_as_twisted_headers_read_them(
+        fields: list[tuple[bytes, bytes]]) -> None:
+    """getHeader and the forwarded headers read the fields as parsed (no Headers built) and give what
+    they give once Headers is built, line breaks and repeated names included."""
+    from io import BytesIO
+
+    from infx.http.api import _forwarded_headers
+    from infx.http.lean import LeanRequest
+
+    def request() -> LeanRequest:
+        return LeanRequest(None, b"POST", b"/v1/chat/completions", b"HTTP/1.1", list(fields),  # type: ignore[arg-type]
+                           BytesIO(), True)
+
+    lean, built = request(), request()
+    built.requestHeaders  # made: every read goes through Headers
+    assert built.header_pairs is None and lean.header_pairs == fields
+    for name in (b"content-type", b"x-request-id", b"TE", b"x-custom", b"absent"):
+        assert lean.getHeader(name) == built.getHeader(name)
+    if not any(b"\r" in value or b"\n" in value for _, value in fields):
+        assert lean.header_pairs is not None  # reading a header made no Headers
+    assert _forwarded_headers(lean, "rid") == _forwarded_headers(built, "rid")

@@ -53,3 +53,31 @@ def test_an_accepted_connection_has_tcp_nodelay_and_a_chunked_answer_arrives_who
     finally:
         client.close()
         yield port.stopListening()
+
+
+class _Sent:
+    """A channel that keeps what the request sends, each send's buffers as a list."""
+
+    def __init__(self) -> None:
+        self.sends: list[list[bytes]] = []
+
+    def send(self, buffers: list[bytes]) -> None:
+        self.sends.append(list(buffers))
+
+
+def test_a_chunk_goes_out_framed_the_same_whether_joined_into_one_buffer_or_not():
+    """A small chunk (a stream's event) is one framed buffer, a large one three, uncopied: the same bytes."""
+    from io import BytesIO
+
+    from infx.http.lean import JOINED_CHUNK_BYTES, LeanRequest
+
+    channel = _Sent()
+    request = LeanRequest(channel, b"GET", b"/", b"HTTP/1.1", [], BytesIO(), True)  # type: ignore[arg-type]
+    small, large = b"data: {}\n\n", b"x" * (JOINED_CHUNK_BYTES + 1)
+    request.write(small)
+    request.write(large)
+    head, first = channel.sends[0][0], channel.sends[0][1:]
+    assert b"transfer-encoding: chunked" in head.lower()
+    assert first == [b"a\r\n" + small + b"\r\n"]
+    assert channel.sends[1] == [b"%x\r\n" % len(large), large, b"\r\n"]
+    assert channel.sends[1][1] is large
