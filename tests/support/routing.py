@@ -40,11 +40,12 @@ def slotted(*engine_ids: str, slots: int = 2) -> Pools:
     return pools
 
 
-def conversation_hints(n: int, turns: int, system: str) -> RoutingHints:
-    """User ``n``'s conversation under ``system``: ``turns`` questions, each but the last answered."""
+def conversation_hints(n: int, turns: int, system: str, question_repeats: int = 8) -> RoutingHints:
+    """User ``n``'s conversation under ``system``: ``turns`` questions (each its words
+    ``question_repeats`` times), each but the last answered."""
     messages = [{"role": "system", "content": system}]
     for t in range(turns):
-        messages.append({"role": "user", "content": f"user {n} asks question {t} " * 8})
+        messages.append({"role": "user", "content": f"user {n} asks question {t} " * question_repeats})
         if t < turns - 1:
             messages.append({"role": "assistant", "content": f"answer {n}.{t} " * 8})
     hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),

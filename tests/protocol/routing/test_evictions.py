@@ -13,8 +13,8 @@ from protocol.processor.keys import EngineKey, Locality
 from protocol.routing.config import RoutingConfig
 from protocol.routing.prefix_index import PrefixIndex
 from tests.support.processor import chat, engine_status, http, one, sse
-from protocol.routing.hints import RoutingHints, hints_from_json
-from tests.support.routing import SYSTEM, Gateway
+from protocol.routing.hints import RoutingHints
+from tests.support.routing import SYSTEM, Gateway, conversation_hints
 
 E0, E1 = EngineKey("t", "e0"), EngineKey("t", "e1")
 
@@ -22,14 +22,8 @@ E0, E1 = EngineKey("t", "e0"), EngineKey("t", "e1")
 def user(n: int, turns: int = 1) -> RoutingHints:
     """User ``n`` of one application (a shared system prompt), each turn longer than a block, so that
     the index holds a turn's own part past the shared one."""
-    messages = [{"role": "system", "content": SYSTEM}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"user {n} asks question {t} " * 30})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {n}.{t} " * 8})
-    hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
-                            {"x-session-id": [f"user-{n}"]})
-    assert hints is not None and hints.home_blocks and len(hints.blocks) >= hints.home_blocks + 2 * turns
+    hints = conversation_hints(n, turns, SYSTEM, question_repeats=30)
+    assert hints.home_blocks and len(hints.blocks) >= hints.home_blocks + 2 * turns
     return hints
 
 
