@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterator, ValuesView
+from collections.abc import Callable, Collection, Iterator, ValuesView
 from dataclasses import dataclass, field
 
 from protocol.openai import task_forms
@@ -206,6 +206,14 @@ class EngineTable:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
         listing = self.listing.get(tenant_id, {}).get(model_id, {})
         return any(task_forms.takes_http_request(e.status) for e in listing.values())
+
+    def typed_form_wanted(self, tenant_id: str, model_id: str, any_engine: bool) -> bool:
+        """Whether an engine that may get a task for the model (one that lists it; with
+        ``any_engine``, one of the tenant's) takes only the typed form, or none is known yet."""
+        engines: Collection[EngineRecord] = (
+            self._by_tenant.get(tenant_id, _NO_ENGINES).values() if any_engine
+            else self.listing.get(tenant_id, {}).get(model_id, {}).values())
+        return not engines or not all(task_forms.takes_http_request(e.status) for e in engines)
 
     def serves(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant lists the model (ready or loading)."""
