@@ -212,3 +212,22 @@ def test_a_request_whose_typed_form_cannot_be_built_fails_with_its_reason_when_o
     p.submit(task_id="1", tenant_id="t", request=deferred(body), origin="o", now=0)
     fail = one(p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 1), FailRequest)
     assert fail.status == 400 and "video_url" in fail.message
+
+
+def test_whether_the_typed_form_is_wanted_follows_what_the_engines_take():
+    p = _processor()
+    assert p.typed_form_wanted("t", "m"), "no engine known yet"
+    p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
+    assert not p.typed_form_wanted("t", "m") and p.typed_form_wanted("t", "other")
+    p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 1)
+    assert p.typed_form_wanted("t", "m"), "it no longer takes the verbatim form"
+    p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 2)
+    p.update_engine("r2", "t", engine_status("old", "m"), Locality.LOCAL, 2)
+    assert p.typed_form_wanted("t", "m")
+    p.close_route("r2", "gone", 3)
+    assert not p.typed_form_wanted("t", "m")
+    loading = Processor(ProcessorConfig(dynamic_model_loading=True))
+    loading.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
+    assert not loading.typed_form_wanted("t", "any model: an engine may load it")
+    loading.update_engine("r2", "t", engine_status("old", "n"), Locality.LOCAL, 0)
+    assert loading.typed_form_wanted("t", "m")
