@@ -363,6 +363,9 @@ class Dispatcher:
     def takes_http_request(self, tenant: str, model: str) -> bool:
         return self.processor.takes_http_request(tenant, model)
 
+    def typed_form_wanted(self, tenant: str, model: str) -> bool:
+        return self.processor.typed_form_wanted(tenant, model)
+
     def models(self, tenant: str) -> list[str]:
         return sorted(self.processor.known_models(tenant, ready_only=True))
 

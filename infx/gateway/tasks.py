@@ -102,6 +102,9 @@ class TaskRunner(Protocol):
     def takes_http_request(self, tenant: str, model: str) -> bool:
         """Whether an engine of the tenant listing the model runs the client's request verbatim."""
 
+    def typed_form_wanted(self, tenant: str, model: str) -> bool:
+        """Whether a request for the model needs its typed (LLMariner) form built as it arrives."""
+
     def models(self, tenant: str) -> list[str]:
         """The models ready engines of the tenant serve, local and remote, sorted."""
 

@@ -148,8 +148,8 @@ class HttpApi:
 
 # --- the API handlers ---------------------------------------------------------
 
-Parser = Callable[[bytes], openai_requests.ParsedRequest]
-TypedParser = Callable[[Any], openai_requests.ParsedRequest]
+#: An endpoint's request parser, given the body and whether a model's engines may want the typed form.
+Parser = Callable[[bytes, Callable[[str], bool]], openai_requests.ParsedRequest]
 
 
 @implementer(IPushProducer)
@@ -216,8 +216,9 @@ class ApiCall:
                                                 request_header(request, CRITICALITY_HEADER))
         except CriticalityRefused as e:
             return self._refuse(400, f"{CRITICALITY_HEADER}: {e}", code="invalid_criticality")
+        runner, tenant = self.gateway.runner, principal.tenant
         try:
-            parsed = parse(body)
+            parsed = parse(body, lambda model: runner.typed_form_wanted(tenant, model))
         except OpenAIError as e:
             return self._finish_error(e.status, e.to_json())
         self.model = parsed.model

@@ -21,7 +21,7 @@ from twisted.web import resource, server
 
 from infx.http.admin import AdminTree
 from infx.http.api import (
-    UNKNOWN_ENDPOINT, ApiCall, CompletionTransform, HttpApi, Parser, TypedParser, request_header,
+    UNKNOWN_ENDPOINT, ApiCall, CompletionTransform, HttpApi, Parser, request_header,
 )
 from protocol.openai import requests as openai_requests
 from protocol.openai import verbatim as openai_verbatim
@@ -55,7 +55,8 @@ class _Route(resource.Resource):
 
 
 class _Endpoint(_Route):
-    """A JSON endpoint: ``typed`` converts for LLMariner engines, the body also travels verbatim.
+    """A JSON endpoint: the body travels verbatim, its typed conversion (by ``runtime_path``,
+    :data:`~protocol.openai.verbatim.TYPED_BY_PATH`) beside it for LLMariner engines.
 
     ``kind`` is the typed request kind; ``runtime_path`` the path the runtime
     serves the endpoint at: ``/v1/{name}``, or vLLM's ``/tokenize``.
@@ -64,19 +65,20 @@ class _Endpoint(_Route):
     isLeaf = True
     methods = (b"POST",)
 
-    def __init__(self, gateway: HttpApi, name: str, kind: str, typed: TypedParser,
+    def __init__(self, gateway: HttpApi, name: str, kind: str,
                  transform: Callable[[], CompletionTransform] | None = None, runtime_path: str | None = None) -> None:
         super().__init__(gateway)
         self.endpoint = name
         self.kind = kind
-        self.typed = typed
         self.transform = transform
         self.runtime_path = runtime_path or f"/v1/{name}"
+        self.typed = openai_verbatim.TYPED_BY_PATH[self.runtime_path]
 
     def render_POST(self, request: server.Request) -> int | bytes:
         call = ApiCall(self.gateway, request, self.endpoint, self.transform() if self.transform else None)
         path = _runtime_uri(request, self.runtime_path)
-        return call.start(lambda body: openai_verbatim.parse_json(self.kind, path, body, self.typed))
+        return call.start(lambda body, typed_wanted: openai_verbatim.parse_json(
+            self.kind, path, body, self.typed, typed_wanted))
 
 
 def _runtime_uri(request: server.Request, path: str) -> str:
@@ -88,7 +90,8 @@ def _runtime_uri(request: server.Request, path: str) -> str:
 def _parse_multipart_transcription(request: server.Request) -> Parser:
     """Audio transcriptions arrive as multipart/form-data: fields plus the file and its name."""
 
-    def parse(body: bytes) -> openai_requests.ParsedRequest:
+    def parse(body: bytes, typed_wanted: Callable[[str], bool]) -> openai_requests.ParsedRequest:
+        # A transcription's typed form is always built: its form fields are decoded here anyway.
         content_type = request_header(request, "content-type") or ""
         if not content_type.lower().startswith("multipart/form-data"):
             raise InvalidRequestError("Expected a multipart/form-data body.", param="file")
@@ -273,16 +276,12 @@ def build_resource(gateway: HttpApi, metrics: MetricsSource | None = None) -> re
     root.putChild(b"v1", v1)
     chat = _Tree(gateway)
     v1.putChild(b"chat", chat)
-    chat.putChild(b"completions", _Endpoint(
-        gateway, "chat/completions", "chat_completion", openai_requests.parse_chat_completion))
-    v1.putChild(b"completions", _Endpoint(
-        gateway, "completions", "chat_completion", openai_requests.parse_completion, CompletionTransform))
-    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", "embedding", openai_requests.parse_embedding))
-    v1.putChild(b"responses", _Endpoint(
-        gateway, "responses", "model_response", openai_requests.parse_model_response))
+    chat.putChild(b"completions", _Endpoint(gateway, "chat/completions", "chat_completion"))
+    v1.putChild(b"completions", _Endpoint(gateway, "completions", "chat_completion", CompletionTransform))
+    v1.putChild(b"embeddings", _Endpoint(gateway, "embeddings", "embedding"))
+    v1.putChild(b"responses", _Endpoint(gateway, "responses", "model_response"))
     # vLLM serves /tokenize at its root, not under /v1.
-    v1.putChild(b"tokenize", _Endpoint(
-        gateway, "tokenize", "tokenize_request", openai_requests.parse_tokenize, runtime_path="/tokenize"))
+    v1.putChild(b"tokenize", _Endpoint(gateway, "tokenize", "tokenize_request", runtime_path="/tokenize"))
     audio = _Tree(gateway)
     v1.putChild(b"audio", audio)
     audio.putChild(b"transcriptions", _Transcriptions(gateway))

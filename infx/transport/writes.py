@@ -58,18 +58,18 @@ def send_gathered(sock: Any, buffers: list[bytes | memoryview]) -> list[bytes | 
     index = 0
     count = len(buffers)
     while index < count:
-        end = min(index + IOV_MAX, count)
-        batch = buffers[index:end]
+        batch = buffers if index == 0 and count <= IOV_MAX else buffers[index:index + IOV_MAX]
         try:
             sent: int = sock.sendmsg(batch)
         except OSError:
             break
-        partial = sent < sum(len(b) for b in batch)
-        while index < end and sent >= len(buffers[index]):
+        if sent == sum(map(len, batch)):
+            index += len(batch)  # the usual case: the socket took the whole batch
+            continue
+        while sent >= len(buffers[index]):
             sent -= len(buffers[index])
             index += 1
-        if partial:
-            if sent:
-                buffers[index] = memoryview(buffers[index])[sent:]
-            break
+        if sent:
+            buffers[index] = memoryview(buffers[index])[sent:]
+        break
     return buffers[index:]

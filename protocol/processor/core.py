@@ -246,6 +246,11 @@ class Processor:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
         return self._engines.takes_http_request(tenant_id, model_id)
 
+    def typed_form_wanted(self, tenant_id: str, model_id: str) -> bool:
+        """Whether a request for the model needs its typed form built now: an engine that may get
+        it takes only that form, or none is known yet (see :mod:`protocol.openai.verbatim`)."""
+        return self._engines.typed_form_wanted(tenant_id, model_id, self.config.dynamic_model_loading)
+
     def serves(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant lists the model (ready or loading)."""
         return self._engines.serves(tenant_id, model_id)

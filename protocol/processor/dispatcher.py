@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 
-from protocol.openai import task_forms
+from protocol.openai import task_forms, verbatim
 from protocol.pb import worker_pb2
 from protocol.processor.counters import ProcessorCounters
 from protocol.processor.endings import Endings
@@ -55,6 +55,8 @@ class TaskDispatcher:
     def route(self, now: float, task: TaskRecord, effects: list[Effect]) -> None:
         """Send ``task`` to the engine routing picks, or let it wait (or shed, refuse, fail it)."""
         engine = self.pick(task)
+        if engine is None and self._typed_form_built(task):
+            engine = self.pick(task)
         if engine is not None:
             self.dispatch(now, task, engine, effects)
             return
@@ -93,6 +95,15 @@ class TaskDispatcher:
             self._endings.fail(task, 503, message, effects, self.config.busy_retry_after)
             return
         self._slots.hold(now, task, self._slots.engine_queue(engine, task.model))
+
+    def _typed_form_built(self, task: TaskRecord) -> bool:
+        """Whether the task's typed form, left unbuilt as it arrived (no engine then took only
+        that form, :mod:`protocol.openai.verbatim`), was built now that one may take it."""
+        if not verbatim.typed_form_deferred(task.request) or not self._engines.typed_form_wanted(
+                task.tenant_id, task.model, self.config.dynamic_model_loading):
+            return False
+        task.request = verbatim.with_typed_form(task.request)
+        return True
 
     @staticmethod
     def _typed_form_missing(task: TaskRecord) -> str:
@@ -257,6 +268,8 @@ class TaskDispatcher:
         while queue is not None and (task_id := queue.peek(slots.served_for(key))) is not None:
             task = tasks[task_id]
             target = self.pick(task)
+            if target is None and self._typed_form_built(task):
+                continue
             if target is None and task.request.typed_request_incomplete:
                 if self.no_engine_takes_it(task):
                     self._endings.fail(task, 400, self._typed_form_missing(task), effects)

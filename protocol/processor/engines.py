@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Iterator, ValuesView
+from collections.abc import Callable, Collection, Iterator, ValuesView
 from dataclasses import dataclass, field
 
 from protocol.openai import task_forms
@@ -94,6 +94,8 @@ class EngineTable:
         # (busy_until, seq, engine): when an engine's busy back-off ends.
         self._backoffs: list[tuple[float, int, EngineKey]] = []
         self._backoff_seq = 0
+        #: ``typed_form_wanted``'s answers (asked by every request), until an engine changes.
+        self._typed_wanted: dict[tuple[str, str, bool], bool] = {}
 
     # --- the mapping of engines ---------------------------------------------
 
@@ -130,6 +132,7 @@ class EngineTable:
         """A new engine, with no models indexed yet."""
         self._by_key[engine.key] = engine
         self._by_tenant.setdefault(engine.key.tenant_id, {})[engine.key.engine_id] = engine
+        self._typed_wanted.clear()
 
     def remove(self, engine: EngineRecord) -> None:
         """``engine`` leaves the tables and the index."""
@@ -144,6 +147,7 @@ class EngineTable:
         """Set the models an engine lists and has ready, and the (tenant, model) index with them
         (both empty: it leaves the index)."""
         tenant, key = engine.key.tenant_id, engine.key
+        self._typed_wanted.clear()  # the engine's status, and so what it takes, may have changed too
         for table, old, new in ((self.listing, engine.listed_models, listed),
                                 (self.ready_for, engine.ready_models, ready)):
             models = table.setdefault(tenant, {})
@@ -206,6 +210,23 @@ class EngineTable:
         """Whether an engine of the tenant that lists the model (ready or not) runs verbatim requests."""
         listing = self.listing.get(tenant_id, {}).get(model_id, {})
         return any(task_forms.takes_http_request(e.status) for e in listing.values())
+
+    def typed_form_wanted(self, tenant_id: str, model_id: str, any_engine: bool) -> bool:
+        """Whether an engine that may get a task for the model (one that lists it; with
+        ``any_engine``, one of the tenant's) takes only the typed form, or none is known yet."""
+        # With ``any_engine`` the answer is the tenant's, whatever the model.
+        cache_key = (tenant_id, "" if any_engine else model_id, any_engine)
+        known = self._typed_wanted.get(cache_key)
+        if known is not None:
+            return known
+        engines: Collection[EngineRecord] = (
+            self._by_tenant.get(tenant_id, _NO_ENGINES).values() if any_engine
+            else self.listing.get(tenant_id, {}).get(model_id, {}).values())
+        if not engines:
+            return True  # not kept: the model named by a request may be any string
+        wanted = not all(task_forms.takes_http_request(e.status) for e in engines)
+        self._typed_wanted[cache_key] = wanted
+        return wanted
 
     def serves(self, tenant_id: str, model_id: str) -> bool:
         """Whether an engine of the tenant lists the model (ready or loading)."""

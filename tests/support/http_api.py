@@ -51,6 +51,9 @@ class ScriptedRunner:
     def takes_http_request(self, tenant, model):
         return False
 
+    def typed_form_wanted(self, tenant, model):
+        return True
+
     def status(self, tenant=None):
         return {"tasks": len(self.sinks)}
 

@@ -50,6 +50,9 @@ class SlowTokens:
     def models(self, tenant: str) -> list[str]:
         return ["slow"]
 
+    def typed_form_wanted(self, tenant: str, model: str) -> bool:
+        return True
+
     def status(self, tenant: str | None = None) -> dict[str, Any]:
         return {}
 

@@ -23,7 +23,8 @@ from infx.gateway.tasks import Availability
 from infx.http.api import HttpApi
 from infx.http.resources import build_resource
 from infx.http.site import GatewaySite
-from protocol.pb import worker_pb2
+from protocol.openai import task_forms
+from protocol.pb import chat_pb2, worker_pb2
 
 
 def runtime_response(status: int, phrase: str, body: bytes = b"", **headers: str) -> worker_pb2.HttpResponse:
@@ -36,17 +37,21 @@ def runtime_response(status: int, phrase: str, body: bytes = b"", **headers: str
 class VerbatimRunner:
     """Answers with the runtime answer a test put in ``answers`` (by model), marked verbatim."""
 
-    def __init__(self, takes_http_request: bool = True, verbatim: bool = True) -> None:
+    def __init__(self, takes_http_request: bool = True, verbatim: bool = True, only_verbatim: bool = False) -> None:
         self.submissions = []
         self.answers = {}
         self._takes = takes_http_request
         self._verbatim = verbatim
+        self._only_verbatim = only_verbatim  # every engine takes the verbatim form: no typed form wanted
 
     def availability(self, tenant, model):
         return Availability.SERVED
 
     def takes_http_request(self, tenant, model):
         return self._takes
+
+    def typed_form_wanted(self, tenant, model):
+        return not self._only_verbatim
 
     def models(self, tenant):
         return ["m"]
@@ -143,6 +148,19 @@ def test_a_request_the_typed_form_refuses_goes_on_for_an_engine_that_takes_it_ve
     assert status == 200
     request = runner.submissions[0].request
     assert "echo" in request.typed_request_incomplete and request.http_request.body == body
+
+
+@pytest_twisted.inlineCallbacks
+def test_no_typed_form_is_built_when_every_engine_takes_the_verbatim_one(start):
+    runner = VerbatimRunner(only_verbatim=True)
+    port = yield start(runner)
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"seed":3}'
+    status, _, _, _ = yield threads.deferToThread(post, port, "/v1/chat/completions", body)
+    assert status == 200
+    request = runner.submissions[0].request
+    assert request.typed_request_incomplete == task_forms.ROUTING_FIELDS_ONLY
+    assert request.chat_completion == chat_pb2.CreateChatCompletionRequest(model="m", stream=True)
+    assert request.http_request.body == body and runner.submissions[0].streaming
 
 
 @pytest_twisted.inlineCallbacks

@@ -165,3 +165,69 @@ def test_a_control_request_with_a_stray_verbatim_form_goes_alone_to_any_engine()
     p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
     send = one(p.submit(task_id="1", tenant_id="t", request=request, origin="o", target_engine_id="e", now=0), SendTask)
     assert not send.task.request.HasField("http_request")
+
+
+def deferred(body: bytes = BODY) -> worker_pb2.TaskRequest:
+    """A chat request parsed while every engine took the verbatim form: no typed form built."""
+    from protocol.openai.requests import parse_chat_completion
+    from protocol.openai.verbatim import parse_json
+
+    return parse_json("chat_completion", "/v1/chat/completions", body, parse_chat_completion,
+                      typed_wanted=lambda model: False).request
+
+
+def test_a_request_without_its_typed_form_goes_to_a_capable_engine_as_it_is():
+    p = _processor()
+    p.update_engine("r-infx", "t", capable("infx", "m"), Locality.LOCAL, 0)
+    assert not p.typed_form_wanted("t", "m")
+    send = one(p.submit(task_id="1", tenant_id="t", request=deferred(), origin="o", now=0), SendTask)
+    assert send.task.request.typed_request_incomplete == task_forms.ROUTING_FIELDS_ONLY
+    assert not send.task.request.chat_completion.messages and send.task.request.http_request.body == BODY
+
+
+def test_a_waiting_request_gets_its_typed_form_built_for_the_llmariner_engine_that_arrives():
+    p = Processor(ProcessorConfig(retry_delay=0, max_in_flight_per_engine=1))
+    p.update_engine("r-infx", "t", capable("infx", "m"), Locality.LOCAL, 0)
+    one(p.submit(task_id="1", tenant_id="t", request=deferred(), origin="o", now=0), SendTask)
+    assert not only(p.submit(task_id="2", tenant_id="t", request=deferred(), origin="o", now=0), SendTask)
+    assert p.task_state("2") is TaskState.WAITING
+    send = one(p.update_engine("r", "t", engine_status("old", "m"), Locality.LOCAL, 1), SendTask)
+    assert send.task.id == "2" and not send.task.request.HasField("http_request")
+    assert send.task.request.chat_completion == both_forms().chat_completion
+    assert p.typed_form_wanted("t", "m")
+
+
+def test_a_request_without_its_typed_form_takes_a_llmariner_engine_when_the_capable_one_is_full():
+    p = Processor(ProcessorConfig(retry_delay=0, max_in_flight_per_engine=1))
+    p.update_engine("r-infx", "t", capable("infx", "m"), Locality.LOCAL, 0)
+    one(p.submit(task_id="1", tenant_id="t", request=deferred(), origin="o", now=0), SendTask)
+    p.update_engine("r-old", "t", engine_status("old", "m"), Locality.LOCAL, 0)
+    send = one(p.submit(task_id="2", tenant_id="t", request=deferred(), origin="o", now=0), SendTask)
+    assert send.engine.engine_id == "old" and len(send.task.request.chat_completion.messages) == 1
+
+
+def test_a_request_whose_typed_form_cannot_be_built_fails_with_its_reason_when_only_llmariner_engines_remain():
+    p = _processor()
+    body = b'{"model":"m","messages":[{"role":"user","content":[{"type":"video_url","video_url":{"url":"u"}}]}]}'
+    p.submit(task_id="1", tenant_id="t", request=deferred(body), origin="o", now=0)
+    fail = one(p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 1), FailRequest)
+    assert fail.status == 400 and "video_url" in fail.message
+
+
+def test_whether_the_typed_form_is_wanted_follows_what_the_engines_take():
+    p = _processor()
+    assert p.typed_form_wanted("t", "m"), "no engine known yet"
+    p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
+    assert not p.typed_form_wanted("t", "m") and p.typed_form_wanted("t", "other")
+    p.update_engine("r", "t", engine_status("e", "m"), Locality.LOCAL, 1)
+    assert p.typed_form_wanted("t", "m"), "it no longer takes the verbatim form"
+    p.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 2)
+    p.update_engine("r2", "t", engine_status("old", "m"), Locality.LOCAL, 2)
+    assert p.typed_form_wanted("t", "m")
+    p.close_route("r2", "gone", 3)
+    assert not p.typed_form_wanted("t", "m")
+    loading = Processor(ProcessorConfig(dynamic_model_loading=True))
+    loading.update_engine("r", "t", capable("e", "m"), Locality.LOCAL, 0)
+    assert not loading.typed_form_wanted("t", "any model: an engine may load it")
+    loading.update_engine("r2", "t", engine_status("old", "n"), Locality.LOCAL, 0)
+    assert loading.typed_form_wanted("t", "m")

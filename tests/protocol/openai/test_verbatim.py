@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from protocol.openai.errors import InvalidRequestError
 from protocol.openai.requests import parse_chat_completion, parse_completion, parse_embedding
-from protocol.openai.verbatim import parse_form, parse_json
+from protocol.openai.task_forms import ROUTING_FIELDS_ONLY
+from protocol.openai.verbatim import TYPED_BY_PATH, parse_form, parse_json, typed_form_deferred, with_typed_form
 
 
 def test_a_request_the_typed_form_can_hold_carries_both_forms():
@@ -99,3 +100,38 @@ def test_a_json_body_is_decoded_once_and_kept_for_the_routing_hints():
     headers = {"x-session-id": ["s1"]}
     from_object = routing_hints.hints_from_json("chat/completions", parsed.body_json, headers)
     assert from_object is not None and from_object == routing_hints.hints_from_json("chat/completions", body, headers)
+
+
+BODIES = {
+    "/v1/chat/completions": ("chat_completion", b'{"model":"m","messages":[{"role":"user","content":"hi"}],"seed":3}'),
+    "/v1/completions": ("chat_completion", b'{"model":"m","prompt":"hi","max_tokens":5,"stream":true}'),
+    "/v1/embeddings": ("embedding", b'{"model":"m","input":["a","b"]}'),
+    "/v1/responses": ("model_response", b'{"model":"m","input":"hi"}'),
+    "/tokenize": ("tokenize_request", b'{"model":"m","prompt":"hi"}'),
+}
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+def test_a_typed_form_left_for_later_is_the_one_that_would_have_been_built_at_once(path):
+    kind, body = BODIES[path]
+    typed = TYPED_BY_PATH[path]
+    at_once = parse_json(kind, path + "?x=1", body, typed)
+    later = parse_json(kind, path + "?x=1", body, typed, typed_wanted=lambda model: False)
+    assert later.request.typed_request_incomplete == ROUTING_FIELDS_ONLY and typed_form_deferred(later.request)
+    assert (later.model, later.stream, later.include_usage) == (at_once.model, at_once.stream, at_once.include_usage)
+    later.request.infx_prefix_tip = 7
+    later.request.infx_caller.flow = "key-1"
+    built = with_typed_form(later.request)
+    assert later.request.typed_request_incomplete == ROUTING_FIELDS_ONLY, "the caller's request is left as it was"
+    assert built.infx_prefix_tip == 7 and built.infx_caller.flow == "key-1"
+    built.ClearField("infx_prefix_tip")
+    built.ClearField("infx_caller")
+    assert built == at_once.request
+
+
+def test_a_typed_form_built_later_that_does_not_convert_says_why():
+    body = b'{"model":"m","messages":[{"role":"user","content":"x"}],"seed":1099511627776}'
+    later = parse_json("chat_completion", "/v1/chat/completions", body, parse_chat_completion, lambda model: False)
+    built = with_typed_form(later.request)
+    assert "seed" in built.typed_request_incomplete and not typed_form_deferred(built)
+    assert built.http_request == later.request.http_request
