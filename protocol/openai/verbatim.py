@@ -80,13 +80,8 @@ def parse_json(kind: str, path: str, body: bytes, typed: TypedParser,
     if stream:
         options = optional(obj, "stream_options", "", as_object)
         include_usage = bool(optional(options or {}, "include_usage", "stream_options", as_bool))
-    if typed_wanted is not None and not typed_wanted(model):
-        request = routing_fields(kind, model, stream)
-        request.typed_request_incomplete = ROUTING_FIELDS_ONLY
-        verbatim = request.http_request
-        verbatim.method, verbatim.path, verbatim.body = "POST", path, body
-        return ParsedRequest(request=request, model=model, stream=stream, include_usage=include_usage, body_json=obj)
-    return _with_verbatim(kind, model, stream, include_usage, path, body, lambda: typed(obj), obj)
+    later = typed_wanted is not None and not typed_wanted(model)
+    return _with_verbatim(kind, model, stream, include_usage, path, body, None if later else lambda: typed(obj), obj)
 
 
 def typed_form_deferred(request: worker_pb2.TaskRequest) -> bool:
@@ -132,14 +127,21 @@ def parse_form(path: str, body: bytes, fields: Mapping[str, str], file: bytes | 
 
 
 def _with_verbatim(kind: str, model: str, stream: bool, include_usage: bool, path: str, body: bytes,
-                   typed: Callable[[], ParsedRequest], body_json: JSONObject | None = None) -> ParsedRequest:
+                   typed: Callable[[], ParsedRequest] | None, body_json: JSONObject | None = None) -> ParsedRequest:
+    """The request with its verbatim form and ``typed()``'s conversion beside it, or only the routing
+    fields: with the reason ``typed()`` refused, or, ``typed`` None, :data:`ROUTING_FIELDS_ONLY`
+    (built later if ever wanted, :func:`with_typed_form`)."""
     typed_error: InvalidRequestError | None = None
-    try:
-        request = typed().request
-    except InvalidRequestError as exc:
-        typed_error = exc
+    if typed is None:
         request = routing_fields(kind, model, stream)
-        request.typed_request_incomplete = exc.message
+        request.typed_request_incomplete = ROUTING_FIELDS_ONLY
+    else:
+        try:
+            request = typed().request
+        except InvalidRequestError as exc:
+            typed_error = exc
+            request = routing_fields(kind, model, stream)
+            request.typed_request_incomplete = exc.message
     verbatim = request.http_request
     verbatim.method, verbatim.path, verbatim.body = "POST", path, body
     return ParsedRequest(request=request, model=model, stream=stream, include_usage=include_usage,
