@@ -116,6 +116,11 @@ class AgentOptions(VersionOption, usage.Options):
         ["runtime-slots", None, None,
          "openai runtime: requests the runtime runs at once (vLLM's --max-num-seqs), reported to the gateway "
          "[default: what the runtime says: llama.cpp's slots; else unknown]."],
+        ["runtime-slot-files", None, "0",
+         "openai runtime, llama.cpp's server started with --slot-save-path: run each chat and completions "
+         "request in a slot this agent picks, save each conversation's context to one of this many files "
+         "and restore it into a free slot for its next turn (docs/operations.md, 'Slots kept'); the runtime "
+         "must be this agent's alone. 0: off."],
     ]
 
     def postOptions(self) -> None:
@@ -166,6 +171,9 @@ class AgentOptions(VersionOption, usage.Options):
             if self["runtime"] != "openai":
                 raise usage.UsageError("--runtime-slots only applies to --runtime openai")
             self["runtime-slots"] = self._number("runtime-slots", int, minimum=1)
+        self["runtime-slot-files"] = self._number("runtime-slot-files", int, minimum=0)
+        if self["runtime-slot-files"] and self["runtime"] != "openai":
+            raise usage.UsageError("--runtime-slot-files only applies to --runtime openai")
         if self["ca"] and not self["tls"]:
             raise usage.UsageError("--ca needs --tls")
         self["trust-root"] = None
@@ -297,12 +305,17 @@ def makeService(options: AgentOptions) -> IService:
                            scheme="https" if tls else "http")
 
     served: Runtime = runtime
+    if isinstance(runtime, OpenAIRuntime) and options["runtime-slot-files"]:
+        from infx.agent.slot_keeping import SlotKeepingRuntime
+
+        served = SlotKeepingRuntime(runtime, options["runtime-slot-files"], options["engine-id"],
+                                    slots=options["runtime-slots"])
     if options["tracing-config"] is not None:
         from infx.tracing import start_tracing
         from infx.tracing.runtime import TracedRuntime
 
         tracing = start_tracing(options["tracing-config"], "infx-engine", options["engine-id"], reactor)
-        served = TracedRuntime(runtime, tracing, options["engine-id"],
+        served = TracedRuntime(served, tracing, options["engine-id"],
                                runtime.root if isinstance(runtime, OpenAIRuntime) else None)
     agent = EngineAgent(reactor, EngineAgentCore(agent_config), served,
                         GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])

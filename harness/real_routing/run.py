@@ -65,6 +65,8 @@ class RouterUnderTest(Protocol):
     """A router of some replicas in front of the runtimes."""
 
     name: str
+    #: The runtimes save and restore slots (``--slot-save-path``), for an agent that keeps them.
+    slot_saves: bool
 
     def start(self, urls: Sequence[str], replicas: int, logs: Path, groups: Sequence[str]) -> list[str]:
         """Start ``replicas`` replicas in front of ``urls``; their base URLs (``http://host:port``)."""
@@ -84,6 +86,8 @@ class Runtimes:
     context_per_slot: int = 4096
     cache_ram: int | None = None
     tools_template: bool = False
+    #: Each server saves and restores slots in a directory of its own (``--slot-save-path``).
+    slot_saves: bool = False
     servers: list[LlamaCppServer] = field(default_factory=list)
 
     def start(self) -> None:
@@ -94,9 +98,14 @@ class Runtimes:
             extra = ["--chat-template-file", str(template)]
 
         def one(i: int) -> LlamaCppServer:
+            saves: list[str] = []
+            if self.slot_saves:
+                directory = self.logs / f"slots-e{i}"
+                directory.mkdir(exist_ok=True)
+                saves = ["--slot-save-path", str(directory)]
             return LlamaCppServer(self.model, self.logs, alias=f"e{i}", name=f"llama-e{i}", slots=self.slots,
-                                  context_per_slot=self.context_per_slot, cache_ram=self.cache_ram, extra=extra,
-                                  wait=False)
+                                  context_per_slot=self.context_per_slot, cache_ram=self.cache_ram,
+                                  extra=extra + saves, wait=False)
 
         self.servers = [one(i) for i in range(self.engines)]
         for server in self.servers:
@@ -143,14 +152,15 @@ class InfxRouter:
     """
 
     def __init__(self, name: str, policy: str = "affinity", gateway_extra: Sequence[str] = (),
-                 agent_extra: Sequence[str] = (), checkout: Path | None = None) -> None:
+                 agent_extra: Sequence[str] = (), checkout: Path | None = None, slot_files: int = 0) -> None:
         self.name = name
+        self.slot_saves = slot_files > 0
         self.checkout = checkout
         self.env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
         self.twistd = str(checkout / ".venv" / "bin" / "twistd") if checkout is not None else TWISTD
         self.policy = policy
         self.gateway_extra = list(gateway_extra)
-        self.agent_extra = list(agent_extra)
+        self.agent_extra = list(agent_extra) + (["--runtime-slot-files", str(slot_files)] if slot_files else [])
         self.gateways: list[Gateway] = []
         self.agents: list[Engine] = []
 
@@ -314,7 +324,8 @@ def run_once(workload: Workload, router: RouterUnderTest, model: Path, shape: Mo
     process go to ``logs``."""
     logs.mkdir(parents=True, exist_ok=True)
     runtimes = Runtimes(model, logs, engines=engines, slots=slots, context_per_slot=context_per_slot,
-                        cache_ram=workload.cache_ram(shape.kv_bytes_per_token), tools_template=workload.tools_template)
+                        cache_ram=workload.cache_ram(shape.kv_bytes_per_token), tools_template=workload.tools_template,
+                        slot_saves=router.slot_saves)
     try:
         runtimes.start()
         urls = router.start(runtimes.urls, replicas, logs, workload.groups)

@@ -75,6 +75,8 @@ def test_key_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
         ["--server", "gw:1", "--models", "m", "--runtime-slots", "4"],
         ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-slots", "0"],
         ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-slots", "1.5"],
+        ["--server", "gw:1", "--models", "m", "--runtime-slot-files", "8"],
+        ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--runtime-slot-files", "-1"],
     ],
 )
 def test_bad_options_are_usage_errors(argv: list[str]) -> None:
@@ -104,6 +106,18 @@ def test_runtime_slots_reach_the_agent_config_and_default_to_what_the_runtime_sa
     openai = ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1"]
     assert parse(*openai)["agent-config"].runtime_slots is None
     assert parse(*openai, "--runtime-slots", "256")["agent-config"].runtime_slots == 256
+
+
+def test_runtime_slot_files_put_the_slot_keeper_before_the_runtime() -> None:
+    from infx.agent.slot_keeping import SlotKeepingRuntime
+
+    openai = ["--server", "gw:1", "--runtime", "openai", "--upstream", "http://h:1", "--engine-id", "e:1"]
+    plain = [s for s in makeService(parse(*openai)) if isinstance(s, EngineAgent)][0]
+    assert not isinstance(plain.runtime, SlotKeepingRuntime)
+    agent = [s for s in makeService(parse(*openai, "--runtime-slot-files", "8", "--runtime-slots", "2"))
+             if isinstance(s, EngineAgent)][0]
+    assert isinstance(agent.runtime, SlotKeepingRuntime)
+    assert agent.runtime.keeper is not None and agent.runtime.prefix == "infx-e_1-"
 
 
 @pytest.mark.parametrize("runtime", [["--runtime", "echo"], ["--runtime", "openai", "--upstream", "http://h:8000/v1"]])

@@ -21,7 +21,9 @@ Routers (``--routers``, :data:`ROUTERS`):
   ``infx-cap2`` the default with ``--max-in-flight-per-engine 2`` (the
   runtime's slots), ``infx-slotcap`` with ``--cap-at-runtime-slots``,
   ``infx-relay1`` with ``--status-interval 1`` (engines' loads and spilled
-  tips reach peers within 0.25 s instead of 2.5 s);
+  tips reach peers within 0.25 s instead of 2.5 s), ``infx-kept`` the
+  default with the agents keeping the runtimes' slots
+  (``--runtime-slot-files``, its servers started with ``--slot-save-path``);
   ``infx-baseline`` the default of another checkout (``--baseline DIR``:
   the tree before a change, with its own ``.venv``);
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
@@ -80,6 +82,7 @@ class PeerRouter:
         self.name = name
         self.kind = kind
         self.policy = policy
+        self.slot_saves = False
         self.peers: list = []
 
     def start(self, urls: Sequence[str], replicas: int, logs: Path, groups: Sequence[str]) -> list[str]:
@@ -97,6 +100,10 @@ class PeerRouter:
         self.peers = []
 
 
+#: ``infx-kept``'s agents keep this many contexts per runtime on disk (``--runtime-slot-files``): every
+#: conversation of the largest workload (pressure's 40).
+SLOT_FILES = 64
+
 #: ``--baseline``: another checkout whose infx runs as ``infx-baseline`` (its default policy).
 BASELINE: list[Path] = []
 
@@ -112,6 +119,7 @@ def router(name: str) -> RouterUnderTest:
         "infx-cap2": lambda: InfxRouter("infx-cap2", gateway_extra=["--max-in-flight-per-engine", "2"]),
         "infx-slotcap": lambda: InfxRouter("infx-slotcap", gateway_extra=["--cap-at-runtime-slots"]),
         "infx-relay1": lambda: InfxRouter("infx-relay1", gateway_extra=["--status-interval", "1"]),
+        "infx-kept": lambda: InfxRouter("infx-kept", slot_files=SLOT_FILES),
         "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
         "sglang-rr": lambda: PeerRouter("sglang-rr", "sglang", "round_robin"),
         "vllm-ca": lambda: PeerRouter("vllm-ca", "vllm", "cache_aware"),
@@ -123,6 +131,7 @@ def router(name: str) -> RouterUnderTest:
 
 
 ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
+           "infx-kept",
            "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 

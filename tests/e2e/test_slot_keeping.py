@@ -1,0 +1,83 @@
+"""End to end: ``twistd infx-engine --runtime-slot-files`` keeps llama.cpp's slots for conversations.
+
+One slot, no host cache (``--cache-ram 0``): once another conversation has used the slot, the
+server itself has nothing left of the first one, and its next turn is computed whole (the control,
+asked of the server directly). Through infx with slots kept, the agent saved the first
+conversation's slot to a file after its turn and restores it before the next one: the server then
+finds the whole earlier turn in the slot (``timings.cache_n``), and the answer is the server's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from openai import OpenAI
+
+from harness.gguf_models import write_model
+from harness.llama_server import LlamaCppServer
+from harness.twistd_processes import Engine, Gateway
+
+HARBOUR = "You answer in one short sentence about the weather in a small town by the sea."
+HILLS = "Mountain guide: name one path up the hill and how long it takes, nothing more."
+
+
+def chat(client: OpenAI, system: str, *turns: str) -> dict:
+    """The conversation's answer to its last turn, the earlier turns answered as ``ok``."""
+    messages = [{"role": "system", "content": system}]
+    for i, turn in enumerate(turns):
+        if i:
+            messages.append({"role": "assistant", "content": "ok"})
+        messages.append({"role": "user", "content": turn})
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0).model_dump()
+
+
+def test_a_conversation_pushed_out_of_the_only_slot_is_restored_for_its_next_turn(tmp_path: Path):
+    saves = tmp_path / "slots"
+    saves.mkdir()
+    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0,
+                           extra=["--slot-save-path", str(saves)])
+    children: list = [llama]
+    try:
+        direct = OpenAI(base_url=llama.url + "/v1", api_key="unused", max_retries=0)
+        first = chat(direct, HARBOUR, "Hello from the harbour.")
+        chat(direct, HILLS, "Something else entirely, from the hills.")
+        own = chat(direct, HARBOUR, "Hello from the harbour.", "And tomorrow?")
+        held = own["timings"]["cache_n"]
+        assert held < first["usage"]["prompt_tokens"] // 2  # the control: the slot lost the conversation
+
+        gateway = Gateway(tmp_path)
+        children.append(gateway)
+        children.append(Engine(tmp_path, gateway, "kept", [], runtime="openai", upstream=llama.url,
+                               extra=["--runtime-slot-files", "4"]))
+        through = OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        first = chat(through, HARBOUR, "Hello from the harbour.")
+        chat(through, HILLS, "Something else entirely, from the hills.")
+        answer = chat(through, HARBOUR, "Hello from the harbour.", "And tomorrow?")
+        # Every token of the first turn's prompt came back from its file (the server computes at least one).
+        assert answer["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1
+        assert answer["choices"] == own["choices"]
+        assert sorted(p.name for p in saves.iterdir()) == ["infx-kept-0.bin", "infx-kept-1.bin"]
+    finally:
+        for child in reversed(children):
+            child.stop()
+
+
+def test_a_runtime_that_cannot_save_slots_turns_keeping_off_and_every_request_is_answered(tmp_path: Path):
+    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0)  # no --slot-save-path
+    children: list = [llama]
+    try:
+        gateway = Gateway(tmp_path)
+        children.append(gateway)
+        engine = Engine(tmp_path, gateway, "unkept", [], runtime="openai", upstream=llama.url,
+                        extra=["--runtime-slot-files", "4"])
+        children.append(engine)
+        through = OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
+        answers = [chat(through, system, "Hello.") for system in (HARBOUR, HILLS, HARBOUR)]
+        streamed = list(through.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi."}], max_tokens=4, stream=True))
+        assert all(a["choices"][0]["finish_reason"] for a in answers) and streamed
+        log = engine.child.log_path.read_text()
+        assert log.count("slots are no longer kept") == 1, log
+    finally:
+        for child in reversed(children):
+            child.stop()

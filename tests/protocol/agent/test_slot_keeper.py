@@ -1,0 +1,115 @@
+"""The slot keeper: slots that hold a conversation are used again, saved contexts restored, the disk bounded."""
+
+import pytest
+
+from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError
+
+A, B, C = 0xA, 0xB, 0xC
+
+
+def run(keeper: SlotKeeper, task: str, key: int) -> Plan:
+    plan = keeper.start(task, key)
+    assert plan is not None
+    return plan
+
+
+def finish(keeper: SlotKeeper, task: str, ok: bool = True) -> list[Plan]:
+    """End ``task`` and its save (if any) at once; the plans that came of it."""
+    save, plans = keeper.ended(task, ok)
+    if save is not None:
+        plans += keeper.save_ended(save.slot, True)
+    return plans
+
+
+def test_a_later_turn_runs_in_the_idle_slot_that_still_holds_its_conversation():
+    keeper = SlotKeeper(slots=2, files=4)
+    first = run(keeper, "a1", A)
+    assert first == Plan("a1", 0, None)
+    save, plans = keeper.ended("a1", True)
+    assert save == Save(0, "infx-0.bin") and plans == []
+    keeper.save_ended(0, True)
+    run(keeper, "b1", B)  # the other slot: slot 0 was used more recently
+    assert run(keeper, "a2", A) == Plan("a2", 0, None)  # held: nothing to restore
+    assert (keeper.held, keeper.restored, keeper.cold) == (1, 0, 2)
+
+
+def test_a_conversation_pushed_out_of_every_slot_is_restored_from_its_file():
+    keeper = SlotKeeper(slots=1, files=4)
+    run(keeper, "a1", A)
+    finish(keeper, "a1")
+    run(keeper, "b1", B)
+    finish(keeper, "b1")
+    assert run(keeper, "a2", A) == Plan("a2", 0, "infx-0.bin")
+    save, _ = keeper.ended("a2", True)
+    assert save == Save(0, "infx-0.bin")  # saved again over its own file
+    assert keeper.restored == 1
+
+
+def test_files_are_reused_for_the_conversation_saved_longest_ago():
+    keeper = SlotKeeper(slots=1, files=2, prefix="e1-")
+    for task, key in (("a", A), ("b", B), ("c", C)):
+        run(keeper, task, key)
+        save, _ = keeper.ended(task, True)
+        keeper.save_ended(save.slot, True)
+    assert save.file == "e1-0.bin"  # A's file, A being saved longest ago
+    assert keeper.saved == 2
+    assert run(keeper, "a2", A).restore is None  # A's context is gone from disk
+
+
+def test_with_every_slot_busy_tasks_wait_in_order_and_a_slot_frees_only_once_saved():
+    keeper = SlotKeeper(slots=1, files=4)
+    run(keeper, "a1", A)
+    assert keeper.start("b1", B) is None
+    assert keeper.start("c1", C) is None
+    assert keeper.waiting == 2
+    save, plans = keeper.ended("a1", True)
+    assert plans == []  # the slot is being saved
+    assert keeper.save_ended(save.slot, True) == [Plan("b1", 0, None)]
+    keeper.cancel("c1")
+    assert finish(keeper, "b1") == []
+    assert keeper.waiting == 0
+
+
+def test_a_failed_task_leaves_its_slot_unknown_and_saves_nothing():
+    keeper = SlotKeeper(slots=1, files=4)
+    run(keeper, "a1", A)
+    save, _ = keeper.ended("a1", False)
+    assert save is None
+    assert run(keeper, "a2", A) == Plan("a2", 0, None)
+    assert keeper.cold == 2  # neither held nor restored
+
+
+def test_a_failed_save_or_restore_forgets_the_file_and_frees_its_name():
+    keeper = SlotKeeper(slots=1, files=1)
+    run(keeper, "a1", A)
+    save, _ = keeper.ended("a1", True)
+    keeper.save_ended(save.slot, False)
+    run(keeper, "b1", B)
+    finish(keeper, "b1")
+    assert run(keeper, "a2", A).restore is None  # A's save failed: no file
+    save, _ = keeper.ended("a2", True)
+    assert save.file == "infx-0.bin"  # B's, the only name there is
+    keeper.save_ended(save.slot, True)
+    run(keeper, "c1", C)
+    finish(keeper, "c1")
+    plan = run(keeper, "a3", A)
+    assert plan.restore is None  # C took the one file
+    keeper.ended("a3", True)
+
+
+def test_a_task_without_a_key_runs_but_is_neither_restored_nor_saved():
+    keeper = SlotKeeper(slots=1, files=2)
+    assert run(keeper, "x", 0) == Plan("x", 0, None)
+    save, _ = keeper.ended("x", True)
+    assert save is None and keeper.saved == 0
+
+
+def test_misuse_is_refused():
+    keeper = SlotKeeper(slots=1, files=1)
+    run(keeper, "a", A)
+    with pytest.raises(SlotKeeperUsageError):
+        keeper.start("a", A)
+    with pytest.raises(SlotKeeperUsageError):
+        keeper.save_ended(0, True)
+    with pytest.raises(SlotKeeperUsageError):
+        SlotKeeper(slots=0, files=1)
