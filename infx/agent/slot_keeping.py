@@ -107,8 +107,13 @@ class SlotKeepingRuntime:
             self.keeper = SlotKeeper(slots, self.files, self.prefix)
             log.info("keeping the {slots} slots of the runtime at {url} in up to {files} files",
                      slots=slots, url=self.runtime.root, files=self.files, event="slots_kept")
+        elif status == 200 or 400 <= status < 500:
+            # Not llama.cpp's server (or one too old to say): there is nothing to keep.
+            self.off = True
+            log.warn("the runtime at {url} does not say its slots (GET /props: {status}); slots are not kept",
+                     url=self.runtime.root, status=status, event="slot_keeping_off")
         else:
-            # A server without /props (not llama.cpp, or one not up yet) is asked again by the next task.
+            # A server not up yet (503 while it loads, or unreachable): the next task asks again.
             log.warn("the runtime at {url} did not say its slots (GET /props: {status}): tasks run unkept for now",
                      url=self.runtime.root, status=status or body.decode("utf-8", "replace"), event="slots_unknown")
         if sizing is not None:
