@@ -113,3 +113,24 @@ def test_an_iteration_costs_more_for_more_prompt_tokens_and_longer_contexts():
 
 def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_a_named_slot_waits_for_that_slot_and_a_restored_file_is_reused_as_the_slot_would_be():
+    server = LlamaServerModel("e0", slots=2, cache_ram=None, costs=TICKS)
+    a = list(range(100))
+    run(server, LlamaJob("a", a, 2, slot=0))
+    server.save_slot(0, "a.bin")
+    run(server, LlamaJob("b", list(range(1000, 1100)), 2, slot=1), at=10)
+    pinned = LlamaJob("c", list(range(2000, 2100)), 2, slot=0)
+    run(server, pinned, at=20)  # slot 0 named: it loses a's context
+    assert not server.restore_slot(1, "missing.bin")
+    assert server.restore_slot(1, "a.bin")
+    later = LlamaJob("a2", a + [7, 8, 9], 2, slot=1)
+    run(server, later, at=30)
+    assert (later.cache_n, later.prompt_n) == (100, 3)
+    busy = LlamaJob("x", [1], 50, slot=0)
+    after = LlamaJob("y", [2], 1, slot=0)
+    server.submit(busy, 40)
+    server.submit(after, 40)
+    server.step(40)
+    assert server.processing == 1 and server.deferred == 1  # y waits for slot 0 although slot 1 is idle

@@ -67,3 +67,12 @@ def test_spilled_tips_reach_peers_at_once_and_loads_within_the_relay_interval():
     pressure = make("pressure", 1)
     assert simulate_run(pressure, "affinity", 3, 1).records != \
         simulate_run(pressure, "affinity", 3, 1, relay_interval=0.25).records
+
+
+def test_slots_kept_restore_the_conversations_the_runtimes_pushed_out_under_pressure():
+    """The lever of docs/routing-real.md part 6, simulated: pressure's later turns find their earlier prompt."""
+    workload = make("pressure", 1)
+    plain = simulate_run(workload, "affinity", 1, 1).figures
+    kept = simulate_run(workload, "affinity", 1, 1, slot_files=64).figures
+    assert kept.cached_share > plain.cached_share + 0.2
+    assert kept.errors == 0 and kept.requests == plain.requests

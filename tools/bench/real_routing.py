@@ -71,8 +71,8 @@ from harness.real_routing.workloads import WORKLOADS, make  # noqa: E402
 from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS, LlamaCosts  # noqa: E402
 
 #: Routers measured by default, in the order of the table.
-DEFAULT_ROUTERS = ("infx", "infx-lip", "infx-rr", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
-INFX_ROUTERS = ("infx", "infx-lip", "infx-rr")
+DEFAULT_ROUTERS = ("infx", "infx-kept", "infx-lip", "infx-rr", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
+INFX_ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-kept")
 
 
 class PeerRouter:
@@ -186,10 +186,11 @@ def table(rows: dict[tuple[str, int, str], dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-#: The infx configurations the simulation runs: (policy, runtime load reports, --max-in-flight-per-engine).
-SIMULATED = {"infx": ("affinity", True, None), "infx-lip": ("least_in_progress", True, None),
-             "infx-rr": ("round_robin", True, None), "infx-noload": ("affinity", False, None),
-             "infx-cap2": ("affinity", True, 2)}
+#: The infx configurations the simulation runs: (policy, runtime load reports, --max-in-flight-per-engine,
+#: --runtime-slot-files).
+SIMULATED = {"infx": ("affinity", True, None, 0), "infx-lip": ("least_in_progress", True, None, 0),
+             "infx-rr": ("round_robin", True, None, 0), "infx-noload": ("affinity", False, None, 0),
+             "infx-cap2": ("affinity", True, 2, 0), "infx-kept": ("affinity", True, None, SLOT_FILES)}
 
 
 PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
@@ -214,6 +215,7 @@ WHAT_IF: dict[str, dict] = {
     "busy weight 0": {"routing": {"busy_weight": 0.0}},
     "home per session": {"home_by_session": True},
     "relay within 0.25 s": {"relay_interval": 0.25},
+    "slots kept": {"slot_files": SLOT_FILES},
 }
 
 
@@ -290,13 +292,13 @@ def simulate(path: Path, slowdown: float | None, logs: Path | None) -> int:
     simulated: dict[tuple[str, int, str], list[float]] = {}
     slowdowns = []
     for run in runs:
-        policy, load_reports, cap = SIMULATED[run["router"]]
+        policy, load_reports, cap, slot_files = SIMULATED[run["router"]]
         key = (run["workload"], run["replicas"], run["router"])
         factor = slowdown if slowdown is not None else run_slowdown(logs, run, costs)  # type: ignore[arg-type]
         slowdowns.append(factor)
         sim = simulate_run(make(run["workload"], run["seed"], scale), policy, run["replicas"], run["seed"],
                            costs=costs.scaled(factor), bytes_per_token=shape.kv_bytes_per_token,
-                           load_reports=load_reports, max_in_flight=cap)
+                           load_reports=load_reports, max_in_flight=cap, slot_files=slot_files)
         real.setdefault(key, []).append(run["figures"]["cached_share"])
         simulated.setdefault(key, []).append(sim.figures.cached_share)
     real_median = {k: statistics.median(v) for k, v in real.items()}

@@ -21,6 +21,11 @@ explicit ``-np`` turns the unified cache off) and ``--cache-ram``:
   default). An entry the cache holds whole is not saved again; entries the
   new one holds whole are dropped; the oldest go first past ``cache_ram``
   bytes (or past the server's total context in tokens, if that binds first).
+- **Slot files** (``--slot-save-path``). A job may name its slot
+  (``id_slot``): it waits until that slot is idle, and the host cache is
+  consulted for that slot alone, as the server does. ``save_slot`` and
+  ``restore_slot`` copy an idle slot's context to and from a named file,
+  at no cost (milliseconds for real, against seconds of prefill).
 - **Costs.** The server runs one iteration at a time: every generating slot
   adds one token, then prompt tokens of the slots still reading their
   prompts fill the batch up to ``n_batch``. An iteration costs
@@ -100,6 +105,8 @@ class LlamaJob:
     key: object
     prompt: Sequence[int]
     max_tokens: int
+    #: The slot it names (``id_slot``; None: the server chooses).
+    slot: int | None = None
     cache_n: int = 0
     prompt_n: int = 0
     generated: int = 0
@@ -137,6 +144,8 @@ class LlamaServerModel:
         self._queue: deque[LlamaJob] = deque()
         #: The host prompt cache, oldest first: saved contexts.
         self._cache: list[list[int]] = []
+        #: Slot files (``--slot-save-path``), by name.
+        self._files: dict[str, list[int]] = {}
         self._generated = itertools.count(-1, -1)
         self.busy_until: float | None = None
         #: Counters as ``/metrics`` has them.
@@ -182,11 +191,23 @@ class LlamaServerModel:
         self._start_iteration(now)
         return first, finished
 
+    def save_slot(self, slot: int, file: str) -> None:
+        """``POST /slots/SLOT?action=save``: the idle slot's context goes to ``file``."""
+        self._files[file] = list(self._slots[slot].tokens)
+
+    def restore_slot(self, slot: int, file: str) -> bool:
+        """``POST /slots/SLOT?action=restore``: the idle slot takes ``file``'s context; False if there is none."""
+        tokens = self._files.get(file)
+        if tokens is None:
+            return False
+        self._slots[slot].tokens = list(tokens)
+        return True
+
     # -- internals ------------------------------------------------------------------------------------
 
     def _take_waiting(self, now: float) -> None:
         while self._queue:
-            slot = self._choose(self._queue[0].prompt)
+            slot = self._choose(self._queue[0].prompt, self._queue[0].slot)
             if slot is None:
                 return
             job = self._queue.popleft()
@@ -196,9 +217,15 @@ class LlamaServerModel:
                     if idle.job is None:
                         self._save(idle.tokens)
 
-    def _choose(self, prompt: Sequence[int]) -> _LlamaSlot | None:
+    def _choose(self, prompt: Sequence[int], pinned: int | None = None) -> _LlamaSlot | None:
         best, best_sim = None, 0.0
+        if pinned is not None:
+            best = self._slots[pinned]
+            if best.job is not None:
+                return None  # deferred until its slot is idle
         for slot in self._slots:
+            if pinned is not None and slot.id != pinned:
+                continue
             if slot.job is not None or not slot.tokens:
                 continue
             sim = common_prefix(slot.tokens, prompt) / len(prompt)
@@ -206,7 +233,8 @@ class LlamaServerModel:
                 best, best_sim = slot, sim
         update_cache = False
         if best is not None:
-            if best_sim * len(prompt) / len(best.tokens) < 0.5:
+            # An empty named slot keeps nothing (the server's 0/0 is not below a half).
+            if best.tokens and best_sim * len(prompt) / len(best.tokens) < 0.5:
                 update_cache = True
         else:
             for slot in self._slots:

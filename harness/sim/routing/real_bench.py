@@ -43,6 +43,7 @@ from harness.real_routing.workloads import Client, Conversation, Workload
 from harness.sim.routing.llama import LlamaCosts, LlamaJob, LlamaServerModel
 from protocol.agent.core import EngineAgentCore
 from protocol.agent.effects import AgentConfig, SendResult, SendStatus, StartTask
+from protocol.agent.slot_keeper import Plan, SlotKeeper
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadConfig,
@@ -90,6 +91,8 @@ class _Request:
     replica: int
     sent: float
     prompt: list[int]
+    #: The conversation's key for a slot keeper: its opening's hash, as the agent reads it from the body.
+    opening: int = 0
     first: float | None = None
     engine: str = ""
     job: LlamaJob | None = None
@@ -108,7 +111,7 @@ class _Simulation:
     def __init__(self, workload: Workload, policy: str, replicas: int, seed: int, *, engines: int, slots: int,
                  context_per_slot: int, costs: LlamaCosts, load_reports: bool, max_in_flight: int | None,
                  bytes_per_token: int, routing: Mapping[str, Any], home_by_session: bool,
-                 processor: Mapping[str, Any], relay_interval: float) -> None:
+                 processor: Mapping[str, Any], relay_interval: float, slot_files: int = 0) -> None:
         self.workload, self.seed, self.replicas = workload, seed, replicas
         self.relay_interval = relay_interval
         self.home_by_session = home_by_session
@@ -125,6 +128,10 @@ class _Simulation:
                          for i in range(engines)}
         self.home = {name: i % replicas for i, name in enumerate(self.runtimes)}
         self.agents = {name: EngineAgentCore(AgentConfig(engine_id=name, models=(MODEL,))) for name in self.runtimes}
+        #: ``--runtime-slot-files``: each agent's slot keeper (protocol.agent.slot_keeper), and the jobs waiting in it.
+        self.keepers = {name: SlotKeeper(slots, slot_files, f"infx-{name}-") for name in self.runtimes} \
+            if slot_files else {}
+        self.kept_jobs: dict[str, LlamaJob] = {}
         self.monitors = {name: RuntimeLoadMonitor(LoadConfig()) for name in self.runtimes} if load_reports else {}
         self.events: list[tuple[float, int, str, Any]] = []
         self.seq = itertools.count()
@@ -216,6 +223,7 @@ class _Simulation:
         task_id = f"r{next(self.task_ids)}"
         self.requests[(replica, task_id)] = request
         hints = hints_from_json("chat/completions", body, {"x-session-id": [conversation.id]})
+        request.opening = hints.opening if hints is not None else 0
         if hints is not None and self.home_by_session:
             # What-if: every conversation its own home (no system prompt shared as one).
             session = hints_from_json("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}]},
@@ -338,11 +346,39 @@ class _Simulation:
                 engine, request = self.jobs[effect.task.id]
                 job = LlamaJob(effect.task.id, request.prompt, self.workload.max_tokens)
                 request.job = job
-                runtime = self.runtimes[name]
-                runtime.submit(job, self.now)
-                if runtime.busy_until == self.now:
-                    self.at(self.now, "server", name)
+                keeper = self.keepers.get(name)
+                if keeper is None:
+                    self.submit(name, job)
+                else:
+                    self.kept_jobs[job.key] = job
+                    plan = keeper.start(effect.task.id, request.opening)
+                    if plan is not None:
+                        self.run_plans(name, [plan])
         self.rearm()
+
+    def submit(self, name: str, job: LlamaJob) -> None:
+        runtime = self.runtimes[name]
+        runtime.submit(job, self.now)
+        if runtime.busy_until == self.now:
+            self.at(self.now, "server", name)
+
+    def run_plans(self, name: str, plans: list[Plan]) -> None:
+        """What the slot-keeping runtime does with each plan: restore, then send the job in its slot."""
+        for plan in plans:
+            job = self.kept_jobs.pop(plan.task)
+            if plan.restore is not None and not self.runtimes[name].restore_slot(plan.slot, plan.restore):
+                self.keepers[name].restore_failed(plan.slot, plan.task)
+            job.slot = plan.slot
+            self.submit(name, job)
+
+    def slot_released(self, name: str, wire_id: str) -> None:
+        """The kept job's answer ended: its slot is saved, and waiting jobs take the slots that freed."""
+        keeper = self.keepers[name]
+        save, plans = keeper.ended(wire_id, True)
+        if save is not None:
+            self.runtimes[name].save_slot(save.slot, save.file)
+            plans += keeper.save_ended(save.slot, True)
+        self.run_plans(name, plans)
 
     def on_server(self, name: str) -> None:
         runtime = self.runtimes[name]
@@ -364,6 +400,8 @@ class _Simulation:
                 server_sent_event=worker_pb2.ServerSentEvent(data=b"", is_last_event=True))))
             self.agent_effects(name, agent.finish_task(wire_id, self.now))
             self.jobs.pop(wire_id, None)
+            if name in self.keepers:
+                self.slot_released(name, wire_id)
         if runtime.busy_until is not None:
             self.at(runtime.busy_until, "server", name)
 
@@ -397,19 +435,22 @@ def simulate_run(workload: Workload, policy: str, replicas: int = 1, seed: int =
                  load_reports: bool = True, max_in_flight: int | None = None,
                  bytes_per_token: int = BENCH.kv_bytes_per_token, routing: Mapping[str, Any] = {},
                  home_by_session: bool = False, processor: Mapping[str, Any] = {},
-                 relay_interval: float = RELAY_INTERVAL, progress: Callable[[str], None] = lambda _: None) -> SimRun:
+                 relay_interval: float = RELAY_INTERVAL, slot_files: int = 0,
+                 progress: Callable[[str], None] = lambda _: None) -> SimRun:
     """Simulate one run of ``workload`` routed by infx's ``policy`` (``affinity``, ``least_in_progress``,
     ``round_robin``) with ``replicas`` gateways, as ``tools/bench/real_routing.py`` runs it for real;
     ``load_reports`` off is ``--runtime-load-interval 0``, ``max_in_flight`` is
     ``--max-in-flight-per-engine``, ``routing`` other :class:`RoutingConfig` fields (``min_capacity=2``:
     ``--routing-min-capacity 2``), ``processor`` other :class:`ProcessorConfig` fields. ``home_by_session`` is a
     what-if no option gives: each conversation's home key is its session, never a shared system prompt.
-    ``relay_interval``: seconds within which a gateway's changed engines reach its peers (``--status-interval`` / 4)."""
+    ``relay_interval``: seconds within which a gateway's changed engines reach its peers (``--status-interval`` / 4);
+    ``slot_files``: the agents keep the runtimes' slots in that many files each (``--runtime-slot-files``)."""
     progress(f"simulating {policy} x{replicas} {workload.name} seed {seed}")
     return _Simulation(workload, policy, replicas, seed, engines=engines, slots=slots,
                        context_per_slot=context_per_slot, costs=costs, load_reports=load_reports,
                        max_in_flight=max_in_flight, bytes_per_token=bytes_per_token, routing=routing,
-                       home_by_session=home_by_session, processor=processor, relay_interval=relay_interval).run()
+                       home_by_session=home_by_session, processor=processor, relay_interval=relay_interval,
+                       slot_files=slot_files).run()
 
 
 Key = tuple[str, int, str]
