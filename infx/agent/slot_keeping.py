@@ -119,6 +119,16 @@ class SlotKeepingRuntime:
         if sizing is not None:
             sizing.callback(None)
 
+    def failed(self, action: str, slot: int, status: int, body: bytes) -> None:
+        """A slot action failed: a refusal (4xx, 501: no ``--slot-save-path``) turns keeping off; anything
+        else costs that conversation its file (the keeper forgets it) and is logged."""
+        if 400 <= status < 500 or status == 501:
+            self.refused(status, body)
+        else:
+            log.info("the runtime at {url} failed to {action} slot {slot} ({status}: {body})", url=self.runtime.root,
+                     action=action, slot=slot, status=status, body=body[:200].decode("utf-8", "replace"),
+                     event="slot_action_failed")
+
     def refused(self, status: int, body: bytes) -> None:
         if not self.off:
             self.off = True
@@ -213,8 +223,7 @@ class _KeptTask:
         keeper = self.runtime.keeper
         if status != 200 and keeper is not None:
             keeper.restore_failed(self.slot, self.task_id)
-            if 400 <= status < 500 or status == 501:
-                self.runtime.refused(status, body)
+            self.runtime.failed("restore", self.slot, status, body)
         if self.state == "done":
             self._release(False)
         else:
@@ -249,8 +258,8 @@ class _KeptTask:
 
     def _saved(self, answer: tuple[int, bytes], keeper: SlotKeeper, slot: int) -> None:
         status, body = answer
-        if status != 200 and (400 <= status < 500 or status == 501):
-            self.runtime.refused(status, body)
+        if status != 200:
+            self.runtime.failed("save", slot, status, body)
         self.runtime.run_plans(keeper.save_ended(slot, status == 200))
 
     # -- RunningTask
