@@ -22,7 +22,7 @@ from twisted.logger import Logger
 from infx.agent.runtime_client import RuntimeFailure
 from infx.agent.runtimes import OpenAIRuntime, RunningTask, TaskSink
 from protocol.agent.runtime_metrics import total_slots_from_props
-from protocol.agent.slot_keeper import Plan, SlotKeeper
+from protocol.agent.slot_keeper import Plan, SlotKeeper, worth_saving
 from protocol.pb import worker_pb2
 from protocol.routing.hints import hints_from_json
 
@@ -158,6 +158,7 @@ class _KeptTask:
         self.task_id = task.id
         self.sink = sink
         self.key = 0
+        self.save = False
         #: "new", "waiting" (for the keeper's slots, or for them to be learnt), "restoring", "running", "done".
         self.state = "new"
         self.slot = -1
@@ -168,7 +169,9 @@ class _KeptTask:
             self._pass_through()
             return
         hints = hints_from_json(endpoint, body, {})
-        self.key = hints.opening if hints is not None else 0
+        if hints is not None:
+            self.key = hints.opening
+            self.save = worth_saving(len(hints.blocks), hints.home_blocks)
         if runtime.keeper is None:
             self.state = "waiting"
             runtime.when_sized().addCallback(lambda _: self._place())
@@ -199,7 +202,7 @@ class _KeptTask:
         if runtime.keeper is None or runtime.off:
             self._pass_through()
             return
-        plan = runtime.keeper.start(self.task_id, self.key)
+        plan = runtime.keeper.start(self.task_id, self.key, self.save)
         if plan is None:
             self.state = "waiting"
             runtime.wait_for_slot(self)

@@ -12,7 +12,8 @@ that, as the runtime's one client:
   conversation, else the idle slot used longest ago, into which the conversation's saved context
   is restored first when there is one; with every slot busy, tasks wait here in arrival order;
 - a task that ended well leaves its slot holding its conversation, and the slot is saved under
-  the conversation's key before it takes another task; a failed one leaves the slot unknown;
+  the conversation's key before it takes another task, unless the caller said its prompt is not
+  worth a file (:func:`worth_saving`); a failed one leaves the slot unknown;
 - at most ``files`` contexts are kept on disk: files are named ``PREFIX0.bin`` ... and reused
   for the conversation saved longest ago, so the disk never holds more.
 
@@ -30,7 +31,15 @@ from dataclasses import dataclass
 
 from protocol.errors import LocalUsageError
 
-__all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError"]
+__all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError", "worth_saving"]
+
+
+def worth_saving(blocks: int, shared_blocks: int) -> bool:
+    """Whether a prompt of ``blocks`` prefix blocks, the first ``shared_blocks`` of them a system prompt
+    shared between conversations, leaves a context worth a file: at least a block of its own. A shared
+    prompt the server's host cache keeps anyway; saving a one-question conversation (a burst of them)
+    costs the server a save per request and pushes out the files of conversations that have more."""
+    return blocks - shared_blocks >= 1
 
 
 class SlotKeeperUsageError(LocalUsageError):
@@ -89,6 +98,8 @@ class SlotKeeper:
         self._waiting: deque[tuple[str, int]] = deque()
         #: Each running task's slot and key.
         self._running: dict[str, tuple[int, int]] = {}
+        #: Running or waiting tasks whose slot is not saved when they end.
+        self._unsaved: set[str] = set()
         self._started = 0
         #: Tasks that found their conversation in a slot, restored it, or neither (its first turn).
         self.held = 0
@@ -104,11 +115,14 @@ class SlotKeeper:
         """Conversations with a saved context."""
         return len(self._files)
 
-    def start(self, task: str, key: int) -> Plan | None:
+    def start(self, task: str, key: int, save: bool = True) -> Plan | None:
         """``task`` of conversation ``key`` wants a slot: its plan, or None while every slot is busy
-        (its plan comes from :meth:`ended` or :meth:`save_ended` once one frees)."""
+        (its plan comes from :meth:`ended` or :meth:`save_ended` once one frees); ``save``: its slot
+        is saved when it ends well."""
         if task in self._running or any(waiting == task for waiting, _ in self._waiting):
             raise SlotKeeperUsageError(f"task {task!r} asked for a slot twice")
+        if not save:
+            self._unsaved.add(task)
         if self._waiting or not any(slot.idle for slot in self._slots):
             self._waiting.append((task, key))
             return None
@@ -117,17 +131,20 @@ class SlotKeeper:
     def cancel(self, task: str) -> None:
         """A task that waits for a slot is gone (its client left)."""
         self._waiting = deque(entry for entry in self._waiting if entry[0] != task)
+        self._unsaved.discard(task)
 
     def ended(self, task: str, ok: bool) -> tuple[Save | None, list[Plan]]:
         """``task`` is done with its slot: ``ok``, its answer ended as the runtime meant (the slot holds
         its conversation), else it failed or was cut off (the slot's context is unknown). Returns the
         save to make, if any, and the plans of waiting tasks that can run now."""
         slot_id, key = self._running.pop(task)
+        unsaved = task in self._unsaved
+        self._unsaved.discard(task)
         slot = self._slots[slot_id]
         slot.task = ""
         slot.holds = key if ok else 0
         save = None
-        if ok and key:
+        if ok and key and not unsaved:
             slot.saving = key
             save = Save(slot_id, self._file_for(key))
         return save, self._place_waiting()

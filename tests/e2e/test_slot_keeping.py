@@ -19,6 +19,9 @@ from harness.twistd_processes import Engine, Gateway
 
 HARBOUR = "You answer in one short sentence about the weather in a small town by the sea."
 HILLS = "Mountain guide: name one path up the hill and how long it takes, nothing more."
+#: A first question long enough that its conversation is worth a file (a block of its own: 256 bytes).
+HARBOUR_QUESTION = ("Hello from the harbour, where the boats come in at dawn and the gulls cry over the nets all "
+                    "morning long, and the fishermen mend them by the quay.")
 
 
 def chat(client: OpenAI, system: str, *turns: str) -> dict:
@@ -34,14 +37,14 @@ def chat(client: OpenAI, system: str, *turns: str) -> dict:
 def test_a_conversation_pushed_out_of_the_only_slot_is_restored_for_its_next_turn(tmp_path: Path):
     saves = tmp_path / "slots"
     saves.mkdir()
-    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0,
+    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0, context_per_slot=512,
                            extra=["--slot-save-path", str(saves)])
     children: list = [llama]
     try:
         direct = OpenAI(base_url=llama.url + "/v1", api_key="unused", max_retries=0)
-        first = chat(direct, HARBOUR, "Hello from the harbour.")
+        first = chat(direct, HARBOUR, HARBOUR_QUESTION)
         chat(direct, HILLS, "Something else entirely, from the hills.")
-        own = chat(direct, HARBOUR, "Hello from the harbour.", "And tomorrow?")
+        own = chat(direct, HARBOUR, HARBOUR_QUESTION, "And tomorrow?")
         held = own["timings"]["cache_n"]
         assert held < first["usage"]["prompt_tokens"] // 2  # the control: the slot lost the conversation
 
@@ -50,20 +53,22 @@ def test_a_conversation_pushed_out_of_the_only_slot_is_restored_for_its_next_tur
         children.append(Engine(tmp_path, gateway, "kept", [], runtime="openai", upstream=llama.url,
                                extra=["--runtime-slot-files", "4"]))
         through = OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
-        first = chat(through, HARBOUR, "Hello from the harbour.")
+        first = chat(through, HARBOUR, HARBOUR_QUESTION)
         chat(through, HILLS, "Something else entirely, from the hills.")
-        answer = chat(through, HARBOUR, "Hello from the harbour.", "And tomorrow?")
+        answer = chat(through, HARBOUR, HARBOUR_QUESTION, "And tomorrow?")
         # Every token of the first turn's prompt came back from its file (the server computes at least one).
         assert answer["timings"]["cache_n"] >= first["usage"]["prompt_tokens"] - 1
         assert answer["choices"] == own["choices"]
-        assert sorted(p.name for p in saves.iterdir()) == ["infx-kept-0.bin", "infx-kept-1.bin"]
+        # The harbour conversation has its file; the hills one, a short question past its system prompt, none.
+        assert sorted(p.name for p in saves.iterdir()) == ["infx-kept-0.bin"]
     finally:
         for child in reversed(children):
             child.stop()
 
 
 def test_a_runtime_that_cannot_save_slots_turns_keeping_off_and_every_request_is_answered(tmp_path: Path):
-    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0)  # no --slot-save-path
+    llama = LlamaCppServer(write_model(tmp_path / "tiny.gguf"), tmp_path, slots=1, cache_ram=0,
+                           context_per_slot=512)  # no --slot-save-path
     children: list = [llama]
     try:
         gateway = Gateway(tmp_path)
@@ -72,7 +77,7 @@ def test_a_runtime_that_cannot_save_slots_turns_keeping_off_and_every_request_is
                         extra=["--runtime-slot-files", "4"])
         children.append(engine)
         through = OpenAI(base_url=gateway.base_url, api_key="unused", max_retries=0)
-        answers = [chat(through, system, "Hello.") for system in (HARBOUR, HILLS, HARBOUR)]
+        answers = [chat(through, system, HARBOUR_QUESTION) for system in (HARBOUR, HILLS, HARBOUR)]
         streamed = list(through.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hi."}], max_tokens=4, stream=True))
         assert all(a["choices"][0]["finish_reason"] for a in answers) and streamed

@@ -14,7 +14,10 @@ from infx.agent.slot_keeping import SlotKeepingRuntime
 from protocol.pb import worker_pb2
 from tests.support.runtimes import Sink
 
-BODY = b'{"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}'
+#: A conversation worth a file: its prompt holds a block (256 bytes) of its own.
+QUESTION = b"Hi, " + b"tell me more about it " * 12
+BODY = b'{"model": "m", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "' + \
+    QUESTION + b'"}]}'
 
 
 def verbatim_task(task_id: str, body: bytes = BODY) -> worker_pb2.Task:
@@ -79,7 +82,7 @@ def test_the_slots_come_from_props_each_task_names_its_slot_and_its_slot_is_save
     assert json.loads(body_of(request)) == {"filename": "infx-e-0.bin"}
     upstream.respond(conn, 200, {"n_saved": 10})
     # The next turn of another conversation takes the other slot, no /props asked again.
-    upstream.runtime.start(verbatim_task("t2", BODY.replace(b"Hi", b"Hello")), Sink())
+    upstream.runtime.start(verbatim_task("t2", BODY.replace(b"Hi,", b"Hello,")), Sink())
     _, request = upstream.next_request()
     assert body_of(request).startswith(b'{"id_slot":1,')
 
@@ -134,7 +137,7 @@ def test_a_body_naming_its_own_slot_and_an_aborted_waiting_task_leave_the_slots_
     upstream.runtime.start(verbatim_task("own", own), Sink())  # runs where the runtime puts it, at once
     _, request = upstream.next_request()
     assert body_of(request) == own
-    waiting = upstream.runtime.start(verbatim_task("b1", BODY.replace(b"Hi", b"Yo")), Sink())
+    waiting = upstream.runtime.start(verbatim_task("b1", BODY.replace(b"Hi,", b"Yo,")), Sink())
     waiting.abort()
     upstream.respond(conn, 200, {"choices": []})
     conn, request = upstream.next_request()
@@ -142,3 +145,15 @@ def test_a_body_naming_its_own_slot_and_an_aborted_waiting_task_leave_the_slots_
     upstream.respond(conn, 200, {})
     assert upstream.runtime.keeper is not None and upstream.runtime.keeper.waiting == 0
     assert not any(t.value() for _, t in upstream.connections)  # b1 never ran
+
+
+def test_a_short_question_past_its_system_prompt_runs_in_a_kept_slot_but_is_not_saved() -> None:
+    upstream = Upstream(slots=1)
+    short = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}]}'
+    upstream.runtime.start(verbatim_task("s1", short), Sink())
+    conn, request = upstream.next_request()
+    assert body_of(request).startswith(b'{"id_slot":0,')
+    upstream.respond(conn, 200, {"choices": []})
+    upstream.runtime.start(verbatim_task("a1"), Sink())  # no save came first: the slot is free at once
+    _, request = upstream.next_request()
+    assert request.startswith(b"POST /v1/chat/completions")

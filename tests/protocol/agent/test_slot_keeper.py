@@ -2,7 +2,7 @@
 
 import pytest
 
-from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError
+from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError, worth_saving
 
 A, B, C = 0xA, 0xB, 0xC
 
@@ -113,3 +113,16 @@ def test_misuse_is_refused():
         keeper.save_ended(0, True)
     with pytest.raises(SlotKeeperUsageError):
         SlotKeeper(slots=0, files=1)
+
+
+def test_a_task_its_caller_says_is_not_worth_a_file_keeps_its_slot_but_is_not_saved():
+    keeper = SlotKeeper(slots=1, files=2)
+    run(keeper, "a1", A)
+    keeper.start("a2", A, save=False)  # waits
+    keeper.cancel("a2")
+    assert keeper.start("b1", B, save=False) is None
+    save, plans = keeper.ended("a1", True)
+    keeper.save_ended(save.slot, True)
+    assert keeper.ended("b1", True) == (None, [])
+    assert run(keeper, "b2", B) == Plan("b2", 0, None)  # held all the same
+    assert worth_saving(blocks=5, shared_blocks=4) and not worth_saving(blocks=4, shared_blocks=4)
