@@ -63,7 +63,7 @@ class Save:
     file: str
 
 
-class _Slot:
+class _RuntimeSlot:
     __slots__ = ("task", "holds", "saving", "used")
 
     def __init__(self) -> None:
@@ -87,7 +87,7 @@ class SlotKeeper:
     def __init__(self, slots: int, files: int, prefix: str = "infx-") -> None:
         if slots < 1 or files < 1:
             raise SlotKeeperUsageError("a slot keeper needs at least one slot and one file")
-        self._slots = [_Slot() for _ in range(slots)]
+        self._slots = [_RuntimeSlot() for _ in range(slots)]
         self._files_max = files
         self._prefix = prefix
         #: The file each saved conversation is in, the one saved longest ago first.

@@ -1,6 +1,5 @@
-"""tools/bench/real_routing.py --quick: infx's three policies, and its default with the runtimes' slots kept, on
-three real llama-servers (the tiny model), the figures read from the servers' own answers, and the simulation
-calibrated against them.
+"""tools/bench/real_routing.py --quick: infx's three policies on three real llama-servers (the tiny model), the
+figures read from the servers' own answers, and the simulation calibrated against them.
 
 One module-scoped quick run (no peer router: those are never installed by the suite) feeds every test:
 each run's figures must come from real answers (every request answered; the answers' prompt counters add up
@@ -26,13 +25,11 @@ from harness.sim.routing.llama import TINY_COSTS
 from harness.sim.routing.real_bench import calibration_problems, simulate_run
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Real processes: 3 llama-servers, then 1 or 3 gateways with 3 agents, per run; 16 runs.
+#: Real processes: 3 llama-servers, then 1 or 3 gateways with 3 agents, per run; 12 runs.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 WORKLOADS = ("shared", "pressure")
-#: Each router's policy, and its agents' --runtime-slot-files.
-POLICIES = {"infx": ("affinity", 0), "infx-lip": ("least_in_progress", 0), "infx-rr": ("round_robin", 0),
-            "infx-kept": ("affinity", 64)}
+POLICIES = {"infx": "affinity", "infx-lip": "least_in_progress", "infx-rr": "round_robin"}
 SCALE = 0.1  # what --quick runs
 
 
@@ -80,10 +77,9 @@ def test_affinity_keeps_shared_prompts_on_their_cache_and_round_robin_does_not(r
 def test_the_simulation_gives_each_policys_cached_share_within_3_points_and_ranks_them_the_same(runs):
     real, simulated = {}, {}
     for run in runs:
-        policy, slot_files = POLICIES[run["router"]]
-        key = (run["workload"], run["replicas"], run["router"])
+        key = (run["workload"], run["replicas"], POLICIES[run["router"]])
         real[key] = run["figures"]["cached_share"]
-        sim = simulate_run(make(run["workload"], run["seed"], SCALE), policy, run["replicas"], run["seed"],
-                           costs=TINY_COSTS, bytes_per_token=TINY.kv_bytes_per_token, slot_files=slot_files)
+        sim = simulate_run(make(run["workload"], run["seed"], SCALE), key[2], run["replicas"], run["seed"],
+                           costs=TINY_COSTS, bytes_per_token=TINY.kv_bytes_per_token)
         simulated[key] = sim.figures.cached_share
     assert calibration_problems(real, simulated) == []

@@ -35,6 +35,7 @@ NAMESPACES = {
     "infx/agent/engine.py": "infx.engine",
     "infx/agent/runtimes.py": "infx.runtimes",
     "infx/agent/runtime_watch.py": "infx.runtime_watch",
+    "infx/agent/slot_keeping.py": "infx.slot_keeping",
     "infx/agent/runtime_load_watch.py": "infx.runtime_load_watch",
     "infx/agent/upstream_key.py": "infx.upstream_key",
     "infx/scaling/scaler.py": "infx.scaler.InferenceScaler",

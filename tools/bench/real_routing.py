@@ -72,7 +72,7 @@ from harness.sim.routing.llama import BENCH_COSTS, TINY_COSTS, LlamaCosts  # noq
 
 #: Routers measured by default, in the order of the table.
 DEFAULT_ROUTERS = ("infx", "infx-kept", "infx-lip", "infx-rr", "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
-INFX_ROUTERS = ("infx", "infx-lip", "infx-rr", "infx-kept")
+INFX_ROUTERS = ("infx", "infx-lip", "infx-rr")
 
 
 class PeerRouter:
