@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
@@ -171,7 +172,7 @@ class _KeptTask:
         hints = hints_from_json(endpoint, body, {})
         if hints is not None:
             self.key = hints.opening
-            self.save = worth_saving(len(hints.blocks), hints.home_blocks)
+            self.save = worth_saving(hints)
         if runtime.keeper is None:
             self.state = "waiting"
             runtime.when_sized().addCallback(lambda _: self._place())

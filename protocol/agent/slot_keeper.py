@@ -30,16 +30,17 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from protocol.errors import LocalUsageError
+from protocol.routing.hints import RoutingHints
 
 __all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError", "worth_saving"]
 
 
-def worth_saving(blocks: int, shared_blocks: int) -> bool:
-    """Whether a prompt of ``blocks`` prefix blocks, the first ``shared_blocks`` of them a system prompt
-    shared between conversations, leaves a context worth a file: at least a block of its own. A shared
-    prompt the server's host cache keeps anyway; saving a one-question conversation (a burst of them)
-    costs the server a save per request and pushes out the files of conversations that have more."""
-    return blocks - shared_blocks >= 1
+def worth_saving(hints: RoutingHints) -> bool:
+    """Whether a prompt leaves a context worth a file: at least one prefix block of its own past the
+    system prompt it shares with other conversations (``hints.home_blocks``). A shared prompt the
+    server's host cache keeps anyway; saving a one-question conversation (a burst of them) costs the
+    server a save per request and pushes out the files of conversations that have more."""
+    return len(hints.blocks) - hints.home_blocks >= 1
 
 
 class SlotKeeperUsageError(LocalUsageError):
@@ -57,7 +58,7 @@ class Plan:
 
 @dataclass(frozen=True)
 class Save:
-    """Save ``slot`` to the file ``file``; the slot takes no task until :meth:`SlotKeeper.saved`."""
+    """Save ``slot`` to the file ``file``; the slot takes no task until :meth:`SlotKeeper.save_ended`."""
 
     slot: int
     file: str
@@ -95,11 +96,10 @@ class SlotKeeper:
         #: File names made so far (a name is made once, then reused), and those no conversation holds.
         self._named = 0
         self._free: list[str] = []
-        self._waiting: deque[tuple[str, int]] = deque()
-        #: Each running task's slot and key.
-        self._running: dict[str, tuple[int, int]] = {}
-        #: Running or waiting tasks whose slot is not saved when they end.
-        self._unsaved: set[str] = set()
+        #: Tasks waiting for a slot: each with its key and whether its slot is saved when it ends.
+        self._waiting: deque[tuple[str, int, bool]] = deque()
+        #: Each running task's slot, key and whether its slot is saved when it ends.
+        self._running: dict[str, tuple[int, int, bool]] = {}
         self._started = 0
         #: Tasks that found their conversation in a slot, restored it, or neither (its first turn).
         self.held = 0
@@ -119,32 +119,27 @@ class SlotKeeper:
         """``task`` of conversation ``key`` wants a slot: its plan, or None while every slot is busy
         (its plan comes from :meth:`ended` or :meth:`save_ended` once one frees); ``save``: its slot
         is saved when it ends well."""
-        if task in self._running or any(waiting == task for waiting, _ in self._waiting):
+        if task in self._running or any(entry[0] == task for entry in self._waiting):
             raise SlotKeeperUsageError(f"task {task!r} asked for a slot twice")
-        if not save:
-            self._unsaved.add(task)
         if self._waiting or not any(slot.idle for slot in self._slots):
-            self._waiting.append((task, key))
+            self._waiting.append((task, key, save))
             return None
-        return self._place(task, key)
+        return self._place(task, key, save)
 
     def cancel(self, task: str) -> None:
         """A task that waits for a slot is gone (its client left)."""
         self._waiting = deque(entry for entry in self._waiting if entry[0] != task)
-        self._unsaved.discard(task)
 
     def ended(self, task: str, ok: bool) -> tuple[Save | None, list[Plan]]:
         """``task`` is done with its slot: ``ok``, its answer ended as the runtime meant (the slot holds
         its conversation), else it failed or was cut off (the slot's context is unknown). Returns the
         save to make, if any, and the plans of waiting tasks that can run now."""
-        slot_id, key = self._running.pop(task)
-        unsaved = task in self._unsaved
-        self._unsaved.discard(task)
+        slot_id, key, saving = self._running.pop(task)
         slot = self._slots[slot_id]
         slot.task = ""
         slot.holds = key if ok else 0
         save = None
-        if ok and key and not unsaved:
+        if ok and key and saving:
             slot.saving = key
             save = Save(slot_id, self._file_for(key))
         return save, self._place_waiting()
@@ -162,12 +157,11 @@ class SlotKeeper:
     def restore_failed(self, slot_id: int, task: str) -> None:
         """The restore before ``task`` failed: its file is not trusted again, and the slot holds
         whatever the task leaves in it (the task runs all the same and computes its prompt)."""
-        _, key = self._running[task]
-        self._drop(key)
+        self._drop(self._running[task][1])
 
     # -- choices ---------------------------------------------------------------------------
 
-    def _place(self, task: str, key: int) -> Plan:
+    def _place(self, task: str, key: int, save: bool) -> Plan:
         idle = [i for i, slot in enumerate(self._slots) if slot.idle]
         holding = [i for i in idle if key and self._slots[i].holds == key]
         restore = None
@@ -185,14 +179,14 @@ class SlotKeeper:
         slot = self._slots[slot_id]
         self._started += 1
         slot.task, slot.used = task, self._started
-        self._running[task] = (slot_id, key)
+        self._running[task] = (slot_id, key, save)
         return Plan(task, slot_id, restore)
 
     def _place_waiting(self) -> list[Plan]:
         plans = []
         while self._waiting and any(slot.idle for slot in self._slots):
-            task, key = self._waiting.popleft()
-            plans.append(self._place(task, key))
+            task, key, save = self._waiting.popleft()
+            plans.append(self._place(task, key, save))
         return plans
 
     def _file_for(self, key: int) -> str:

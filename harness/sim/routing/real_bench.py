@@ -225,7 +225,7 @@ class _Simulation:
         self.requests[(replica, task_id)] = request
         hints = hints_from_json("chat/completions", body, {"x-session-id": [conversation.id]})
         if hints is not None:
-            request.opening, request.save = hints.opening, worth_saving(len(hints.blocks), hints.home_blocks)
+            request.opening, request.save = hints.opening, worth_saving(hints)
         if hints is not None and self.home_by_session:
             # What-if: every conversation its own home (no system prompt shared as one).
             session = hints_from_json("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}]},

@@ -3,6 +3,7 @@
 import pytest
 
 from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError, worth_saving
+from protocol.routing.hints import RoutingHints
 
 A, B, C = 0xA, 0xB, 0xC
 
@@ -125,4 +126,5 @@ def test_a_task_its_caller_says_is_not_worth_a_file_keeps_its_slot_but_is_not_sa
     keeper.save_ended(save.slot, True)
     assert keeper.ended("b1", True) == (None, [])
     assert run(keeper, "b2", B) == Plan("b2", 0, None)  # held all the same
-    assert worth_saving(blocks=5, shared_blocks=4) and not worth_saving(blocks=4, shared_blocks=4)
+    assert worth_saving(RoutingHints(blocks=(1, 2, 3, 4, 5), home=0, home_blocks=4))
+    assert not worth_saving(RoutingHints(blocks=(1, 2, 3, 4), home=0, home_blocks=4))
