@@ -305,11 +305,12 @@ def makeService(options: AgentOptions) -> IService:
                            scheme="https" if tls else "http")
 
     served: Runtime = runtime
+    kept = None
     if isinstance(runtime, OpenAIRuntime) and options["runtime-slot-files"]:
         from infx.agent.slot_keeping import SlotKeepingRuntime
 
-        served = SlotKeepingRuntime(runtime, options["runtime-slot-files"], options["engine-id"],
-                                    slots=options["runtime-slots"])
+        served = kept = SlotKeepingRuntime(runtime, options["runtime-slot-files"], options["engine-id"],
+                                           slots=options["runtime-slots"])
     if options["tracing-config"] is not None:
         from infx.tracing import start_tracing
         from infx.tracing.runtime import TracedRuntime
@@ -319,6 +320,9 @@ def makeService(options: AgentOptions) -> IService:
                                runtime.root if isinstance(runtime, OpenAIRuntime) else None)
     agent = EngineAgent(reactor, EngineAgentCore(agent_config), served,
                         GrpcLinks(reactor, connect, key=options["key"] or ""), grace=options["grace"])
+    if kept is not None:
+        kept.report = agent.slot_keeping_changed
+        kept.changed()  # keeping is on, nothing done yet: operators see the zeros at once
     if watch is not None:
         watch.changed = agent.runtime_changed
         watch.identified = agent.runtime_identified

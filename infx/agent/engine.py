@@ -184,6 +184,10 @@ class EngineAgent(Service):
         """The runtime's own load changed enough to report (:mod:`infx.agent.runtime_load_watch`)."""
         self._run(self.core.runtime_load_changed(load, self.clock.seconds()))
 
+    def slot_keeping_changed(self, counts: status_pb2.EngineStatus.SlotKeeping) -> None:
+        """The slot keeper's counts changed (:mod:`infx.agent.slot_keeping`)."""
+        self._run(self.core.slot_keeping_changed(counts, self.clock.seconds()))
+
     # -- what the links report ------------------------------------------------------
 
     def task_arrived(self, stream_id: int, task: worker_pb2.Task) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -24,7 +25,7 @@ from infx.agent.runtime_client import RuntimeFailure
 from infx.agent.runtimes import OpenAIRuntime, RunningTask, TaskSink
 from protocol.agent.runtime_metrics import total_slots_from_props
 from protocol.agent.slot_keeper import Plan, SlotKeeper, worth_saving
-from protocol.pb import worker_pb2
+from protocol.pb import status_pb2, worker_pb2
 from protocol.routing.hints import hints_from_json
 
 __all__ = ["SlotKeepingRuntime"]
@@ -75,9 +76,17 @@ class SlotKeepingRuntime:
         self.off = False
         self._sizing: Deferred[None] | None = None
         self._placed: dict[str, _KeptTask] = {}
+        #: Told the keeper's counts whenever they may have changed (the agent's status carries them).
+        self.report: Callable[[status_pb2.EngineStatus.SlotKeeping], None] = lambda counts: None
 
     def start(self, task: worker_pb2.Task, sink: TaskSink) -> RunningTask:
         return _KeptTask(self, task, sink)
+
+    def changed(self) -> None:
+        """Report what the keeper did so far, and whether keeping is off."""
+        counts = self.keeper.counts() if self.keeper is not None else status_pb2.EngineStatus.SlotKeeping()
+        counts.off = self.off
+        self.report(counts)
 
     # -- what tasks ask of it ------------------------------------------------------------------
 
@@ -117,6 +126,7 @@ class SlotKeepingRuntime:
             # A server not up yet (503 while it loads, or unreachable): the next task asks again.
             log.warn("the runtime at {url} did not say its slots (GET /props: {status}): tasks run unkept for now",
                      url=self.runtime.root, status=status or body.decode("utf-8", "replace"), event="slots_unknown")
+        self.changed()
         if sizing is not None:
             sizing.callback(None)
 
@@ -136,8 +146,11 @@ class SlotKeepingRuntime:
             log.warn("the runtime at {url} refused a slot action ({status}: {body}); slots are no longer kept "
                      "(is it started with --slot-save-path?)", url=self.runtime.root, status=status,
                      body=body[:200].decode("utf-8", "replace"), event="slot_keeping_off")
+            self.changed()
 
     def run_plans(self, plans: list[Plan]) -> None:
+        """Run the waiting tasks the keeper placed after a task or a save ended, and report its counts."""
+        self.changed()
         for plan in plans:
             kept = self._placed.pop(plan.task, None)
             if kept is not None:
@@ -204,6 +217,7 @@ class _KeptTask:
             self._pass_through()
             return
         plan = runtime.keeper.start(self.task_id, self.key, self.save)
+        runtime.changed()
         if plan is None:
             self.state = "waiting"
             runtime.wait_for_slot(self)
@@ -228,6 +242,7 @@ class _KeptTask:
         if status != 200 and keeper is not None:
             keeper.restore_failed(self.slot, self.task_id)
             self.runtime.failed("restore", self.slot, status, body)
+            self.runtime.changed()
         if self.state == "done":
             self._release(False)
         else:

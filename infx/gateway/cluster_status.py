@@ -244,11 +244,13 @@ class ClusterStatus:
             "runtime": _runtime(status),
             "models": [
                 {"id": m.id, "ready": m.is_ready, "in_progress": m.in_progress_task_count,
-                 "adapter": m.is_dynamically_loaded_lora}
+                 "adapter": m.is_dynamically_loaded_lora,
+                 "prompt_cache": _prompt_cache(m.infx_prompt_cache) if m.HasField("infx_prompt_cache") else None}
                 for m in sorted(status.models, key=lambda m: m.id)
             ],
             "adapters": sorted({a for load in loads for a in load.loaded_adapters}),
             "load": _load(loads[0]) if loads else None,
+            "slot_keeping": _slot_keeping(status.infx_slot_keeping) if status.HasField("infx_slot_keeping") else None,
             "slots": {"cap": self.sources.max_in_flight_per_engine, "used": report.load},
             "tasks": list(report.tasks),
             "waiting": list(report.waiting),
@@ -387,3 +389,17 @@ def _load(load: status_pb2.EngineStatus.RuntimeLoad) -> dict[str, Any]:
         "prefix_cache_hit_rate": load.prefix_cache_hit_rate if load.HasField("prefix_cache_hit_rate") else None,
         "source": load.source or None,
     }
+
+
+def _prompt_cache(cache: status_pb2.EngineStatus.PromptCache) -> dict[str, Any]:
+    return {
+        "answers": cache.answers,
+        "prompt_tokens": cache.prompt_tokens,
+        "cached_tokens": cache.cached_tokens,
+        "cached_share": round(cache.cached_tokens / cache.prompt_tokens, 3) if cache.prompt_tokens else None,
+    }
+
+
+def _slot_keeping(keeping: status_pb2.EngineStatus.SlotKeeping) -> dict[str, Any]:
+    return {"held": keeping.held, "restored": keeping.restored, "cold": keeping.cold, "failed": keeping.failed,
+            "saved": keeping.saved, "off": keeping.off}

@@ -56,7 +56,8 @@ slots (``--runtime-slots`` in ``runtime_slots``, else what the monitor read)
 go out as ``infx_runtime_slots``. And every answer the runtime gives is read
 for its prompt's tokens and how many its cache served
 (:mod:`protocol.agent.prompt_usage`, once per task), summed per model into
-``infx_prompt_cache``.
+``infx_prompt_cache``. What the slot keeper did (``slot_keeping_changed``, from
+:mod:`protocol.agent.slot_keeper`'s counts) goes out as ``infx_slot_keeping``.
 
 Control tasks are answered here: heartbeat 200, go-away 202, cancel 200
 (404 when the named task is unknown), an empty request 501 (as LLMariner's
@@ -198,10 +199,11 @@ class EngineAgentCore:
         self._runtime_load: RuntimeLoad | None = None
         self._runtime_slots: int | None = None
         self._prompt_cache: dict[str, _PromptCache] = {}
+        self._slot_keeping: status_pb2.EngineStatus.SlotKeeping | None = None
         #: What the status says is counted, not compared: ``_changes`` grows with every change of
-        #: it (a task's count, the state, the runtime, its load, its slots, a prompt cache count,
-        #: the stream reported on, what the runtime said it is), ``_readiness`` with those that must
-        #: reach the gateway at once (which models it may route here). Deciding whether a report is
+        #: it (a task's count, the state, the runtime, its load, its slots, a prompt cache count, the
+        #: slot keeper's counts, the stream reported on, what the runtime said it is), ``_readiness``
+        #: with those that must reach the gateway at once (which models it may route here). Deciding whether a report is
         #: due then costs two comparisons of integers per input, and the status is built only when
         #: one is (at most every ``status_min_interval`` while tasks come and go).
         self._changes = 0
@@ -292,6 +294,8 @@ class EngineAgentCore:
             kind = self._runtime_identity[0] or source or self.config.runtime_kind
             status.infx_runtime.CopyFrom(status_pb2.EngineStatus.RuntimeInfo(
                 kind=kind, version=self._runtime_identity[1], agent_version=self.config.agent_version))
+        if self._slot_keeping is not None:
+            status.infx_slot_keeping.CopyFrom(self._slot_keeping)
         self._status_cache = (self._changes, status)
         return status
 
@@ -367,6 +371,15 @@ class EngineAgentCore:
             self._runtime_load = load
             if load is not None and load.slots is not None:
                 self._runtime_slots = load.slots
+            self._changed()
+        effects: list[Effect] = []
+        self._report(now, effects)
+        return effects
+
+    def slot_keeping_changed(self, counts: status_pb2.EngineStatus.SlotKeeping, now: float) -> list[Effect]:
+        """The slot keeper's counts changed (a task placed, a save or restore ended, keeping turned off)."""
+        if counts != self._slot_keeping:
+            self._slot_keeping = counts
             self._changed()
         effects: list[Effect] = []
         self._report(now, effects)

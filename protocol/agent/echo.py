@@ -144,6 +144,8 @@ def _chat(
         "prompt_tokens": prompt_tokens,
         "completion_tokens": len(pieces),
         "total_tokens": prompt_tokens + len(pieces),
+        # As OpenAI's answers say it: echo caches nothing (the agent's infx_prompt_cache counts it).
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     choices = range(max(req.n, 1))
     completion_id = f"chatcmpl-{task_id}"

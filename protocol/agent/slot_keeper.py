@@ -30,6 +30,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from protocol.errors import LocalUsageError
+from protocol.pb import status_pb2
 from protocol.routing.hints import RoutingHints
 
 __all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError", "worth_saving"]
@@ -105,6 +106,8 @@ class SlotKeeper:
         self.held = 0
         self.restored = 0
         self.cold = 0
+        #: Saves and restores that failed.
+        self.failed = 0
 
     @property
     def waiting(self) -> int:
@@ -114,6 +117,11 @@ class SlotKeeper:
     def saved(self) -> int:
         """Conversations with a saved context."""
         return len(self._files)
+
+    def counts(self) -> status_pb2.EngineStatus.SlotKeeping:
+        """What the keeper did so far, as the engine's status reports it to operators."""
+        return status_pb2.EngineStatus.SlotKeeping(held=self.held, restored=self.restored, cold=self.cold,
+                                                   failed=self.failed, saved=self.saved)
 
     def start(self, task: str, key: int, save: bool = True) -> Plan | None:
         """``task`` of conversation ``key`` wants a slot: its plan, or None while every slot is busy
@@ -150,6 +158,7 @@ class SlotKeeper:
         if not slot.saving:
             raise SlotKeeperUsageError(f"slot {slot_id} was not being saved")
         if not ok:
+            self.failed += 1
             self._drop(slot.saving)
         slot.saving = 0
         return self._place_waiting()
@@ -157,6 +166,7 @@ class SlotKeeper:
     def restore_failed(self, slot_id: int, task: str) -> None:
         """The restore before ``task`` failed: its file is not trusted again, and the slot holds
         whatever the task leaves in it (the task runs all the same and computes its prompt)."""
+        self.failed += 1
         self._drop(self._running[task][1])
 
     # -- choices ---------------------------------------------------------------------------

@@ -23,9 +23,14 @@ every peer per period for nothing a numbered ordered stream can lose, and
 every new stream starts with one.
 
 Load counts (in-progress tasks, the runtime's running/waiting requests and
-cache figures) change with every task; :func:`shape_of` is a status without
+cache figures, the slot keeper's counts) change with every task; :func:`shape_of` is a status without
 them, so that the dialled peer can tell a load-only change (coalesced) from one
-that changes what can be routed (sent at once).
+that changes what can be routed (sent at once). The answers' prompt cache
+counts (``infx_prompt_cache``) are part of the shape: an engine whose runtime
+says its cached tokens (llama.cpp) has its status sent at once after every
+answer, which the real runs with three gateways were measured with
+(docs/routing-real.md); coalescing them too delays peers' loads to the relay
+interval and changes where those runs place requests, a change to measure first.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def shape_of(status: status_pb2.EngineStatus) -> bytes:
     """``status`` without its load counts, serialized: equal shapes route alike."""
     shape = status_pb2.EngineStatus()
     shape.CopyFrom(status)
+    shape.ClearField("infx_slot_keeping")
     for model in shape.models:
         model.in_progress_task_count = 0
         if model.HasField("runtime_load"):

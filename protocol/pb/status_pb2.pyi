@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime", "infx_runtime_slots")
+    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime", "infx_runtime_slots", "infx_slot_keeping")
     class Model(_message.Message):
         __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips", "infx_prompt_cache")
         class StatusDetails(_message.Message):
@@ -75,6 +75,21 @@ class EngineStatus(_message.Message):
         version: str
         agent_version: str
         def __init__(self, kind: _Optional[str] = ..., version: _Optional[str] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    class SlotKeeping(_message.Message):
+        __slots__ = ("held", "restored", "cold", "failed", "saved", "off")
+        HELD_FIELD_NUMBER: _ClassVar[int]
+        RESTORED_FIELD_NUMBER: _ClassVar[int]
+        COLD_FIELD_NUMBER: _ClassVar[int]
+        FAILED_FIELD_NUMBER: _ClassVar[int]
+        SAVED_FIELD_NUMBER: _ClassVar[int]
+        OFF_FIELD_NUMBER: _ClassVar[int]
+        held: int
+        restored: int
+        cold: int
+        failed: int
+        saved: int
+        off: bool
+        def __init__(self, held: _Optional[int] = ..., restored: _Optional[int] = ..., cold: _Optional[int] = ..., failed: _Optional[int] = ..., saved: _Optional[int] = ..., off: _Optional[bool] = ...) -> None: ...
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +98,7 @@ class EngineStatus(_message.Message):
     INFX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     INFX_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     INFX_RUNTIME_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    INFX_SLOT_KEEPING_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
@@ -91,4 +107,5 @@ class EngineStatus(_message.Message):
     infx_instance: str
     infx_runtime: EngineStatus.RuntimeInfo
     infx_runtime_slots: int
-    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ..., infx_runtime_slots: _Optional[int] = ...) -> None: ...
+    infx_slot_keeping: EngineStatus.SlotKeeping
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ..., infx_runtime_slots: _Optional[int] = ..., infx_slot_keeping: _Optional[_Union[EngineStatus.SlotKeeping, _Mapping]] = ...) -> None: ...

@@ -126,6 +126,19 @@ def engine_rows(browser) -> dict[str, str]:
         return engine_rows(browser)
 
 
+def engine_cell(browser, engine: str, column: str) -> str | None:
+    """The text of an engine's row under the column headed ``column`` (None: no such row yet)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        heads = [h.text for h in browser.find_elements(By.CSS_SELECTOR, "#engines thead th")]
+        rows = browser.find_elements(By.CSS_SELECTOR, f"#engines tbody tr[data-engine='{engine}']")
+        return rows[0].find_elements(By.TAG_NAME, "td")[heads.index(column)].text if rows else None
+    except StaleElementReferenceException:  # redrawn while read: read again
+        return engine_cell(browser, engine, column)
+
+
 def test_the_page_shows_both_gateways_engines_follows_a_kill_finds_a_request_and_keeps_tenants_apart(cluster):
     need_browser()
     from selenium.webdriver.common.by import By
@@ -140,6 +153,10 @@ def test_the_page_shows_both_gateways_engines_follows_a_kill_finds_a_request_and
         wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#charts svg polyline"), "the charts to draw")
         rows = browser.find_elements(By.CSS_SELECTOR, "#gateways tbody tr[data-gateway]")
         assert {r.get_attribute("data-gateway") for r in rows} == {a.pod_name, b.pod_name}
+        # An engine whose runtime exports no hit rate shows what its answers said (echo: nothing cached).
+        team_a = ("a1", b.remote_engine_id("a2"))
+        wait_until(lambda: "0 %" in {engine_cell(browser, name, "cache hits") for name in team_a},
+                   "team-a's engines' cache hits from their answers")
 
         # A request of the load that a peer's engine served: the page finds it by id and shows its route.
         def through_peer() -> dict | None:

@@ -85,7 +85,7 @@ def _echo(request: Any, counter: int) -> tuple[dict[str, Any], list[str], dict[s
         pieces[0] = text[: len(text) - len(text.lstrip())] + pieces[0]
     prompt_tokens = sum(len(_text(m).split()) for m in messages)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(pieces),
-             "total_tokens": prompt_tokens + len(pieces)}
+             "total_tokens": prompt_tokens + len(pieces), "prompt_tokens_details": {"cached_tokens": 0}}
     model = str(request.get("model", ""))
     common = {"id": f"chatcmpl-echo{counter}", "created": int(time.time()), "model": model}
     return common, pieces, usage

@@ -145,6 +145,20 @@ function engineState(e) {
   return e.routable ? state("ready") : state("not ready");
 }
 
+// The runtime's own hit rate where it exports one (vLLM, SGLang); else what its answers said since the agent
+// started (llama.cpp's timings), with what slot keeping restored.
+function cacheHits(e) {
+  if (e.load && e.load.prefix_cache_hit_rate !== null) return percent(e.load.prefix_cache_hit_rate);
+  let prompt = 0, cached = 0;
+  for (const m of e.models) {
+    if (m.prompt_cache) { prompt += m.prompt_cache.prompt_tokens; cached += m.prompt_cache.cached_tokens; }
+  }
+  const share = prompt ? percent(cached / prompt) : "–";
+  const kept = e.slot_keeping;
+  if (!kept) return share;
+  return share + (kept.off ? " (slots not kept)" : " (" + kept.restored + " restored)");
+}
+
 function renderEngines(status) {
   const rows = [];
   for (const [tenant, t] of Object.entries(status.tenants)) {
@@ -160,7 +174,7 @@ function renderEngines(status) {
         el("td", { class: "wrap" }, models + adapters), el("td", {}, e.tasks.length),
         el("td", {}, load ? load.running + " / " + load.waiting : "–"),
         el("td", {}, load ? percent(load.kv_cache_usage) : "–"),
-        el("td", {}, load ? percent(load.prefix_cache_hit_rate) : "–"),
+        el("td", {}, cacheHits(e)),
         el("td", {}, e.slots.used + (e.slots.cap === null ? "" : " / " + e.slots.cap))));
     }
   }

@@ -11,7 +11,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtimes import OpenAIRuntime
 from infx.agent.slot_keeping import SlotKeepingRuntime
-from protocol.pb import worker_pb2
+from protocol.pb import status_pb2, worker_pb2
 from tests.support.runtimes import Sink
 
 #: A conversation worth a file: its prompt holds a block (256 bytes) of its own.
@@ -41,6 +41,9 @@ class Upstream:
         url = "http://runtime.test:8000"
         client = RuntimeClient(self.reactor, url, endpoint=TCP4ClientEndpoint(self.reactor, "runtime.test", 8000))
         self.runtime = SlotKeepingRuntime(OpenAIRuntime(self.reactor, client, url), files=4, engine_id="e", slots=slots)
+        #: What the runtime reported of its keeper, in order (the agent's status carries the last).
+        self.reports: list[status_pb2.EngineStatus.SlotKeeping] = []
+        self.runtime.report = self.reports.append
         self.connections: list[tuple[Any, StringTransport]] = []
 
     def next_request(self) -> tuple[int, bytes]:
@@ -112,6 +115,7 @@ def test_a_waiting_task_gets_the_slot_once_saved_and_its_conversation_is_restore
     upstream.respond(conn, 200, {})
     _, request = upstream.next_request()
     assert body_of(request) == b'{"id_slot":0,' + later[1:]
+    assert upstream.reports[-1] == status_pb2.EngineStatus.SlotKeeping(restored=1, cold=2, saved=2)
 
 
 def test_a_runtime_without_props_is_not_kept_and_bodies_go_unchanged() -> None:
@@ -127,6 +131,7 @@ def test_a_runtime_without_props_is_not_kept_and_bodies_go_unchanged() -> None:
     _, request = upstream.next_request()
     assert request.startswith(b"POST /v1/chat/completions") and body_of(request) == BODY
     assert upstream.runtime.off
+    assert upstream.reports == [status_pb2.EngineStatus.SlotKeeping(off=True)]
 
 
 def test_a_body_naming_its_own_slot_and_an_aborted_waiting_task_leave_the_slots_alone() -> None:
@@ -157,3 +162,18 @@ def test_a_short_question_past_its_system_prompt_runs_in_a_kept_slot_but_is_not_
     upstream.runtime.start(verbatim_task("a1"), Sink())  # no save came first: the slot is free at once
     _, request = upstream.next_request()
     assert request.startswith(b"POST /v1/chat/completions")
+
+
+def test_a_refused_save_turns_keeping_off_and_the_report_says_so_with_what_was_done() -> None:
+    upstream = Upstream(slots=1)
+    upstream.runtime.start(verbatim_task("a1"), Sink())
+    conn, _ = upstream.next_request()
+    upstream.respond(conn, 200, {"choices": []})
+    conn, request = upstream.next_request()
+    assert request.startswith(b"POST /slots/0?action=save")
+    upstream.respond(conn, 501, {"error": {"message": "This server does not support slot saving"}})
+    assert upstream.runtime.off
+    assert upstream.reports[-1] == status_pb2.EngineStatus.SlotKeeping(cold=1, failed=1, off=True)
+    upstream.runtime.start(verbatim_task("a2"), Sink())
+    _, request = upstream.next_request()
+    assert body_of(request) == BODY  # as without keeping

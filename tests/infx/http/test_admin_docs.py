@@ -1,6 +1,6 @@
 """``/admin/status`` and docs/admin.md hold each other: every field the JSON has is documented there,
 and every field documented there is in the JSON of a live pair of gateways (with a peer, an engine
-reporting its runtime's load, requests that succeeded, failed and were searched, routing decisions,
+reporting its runtime's load and its slot keeping, requests that succeeded, failed and were searched, routing decisions,
 and the scaler's view of a deployment)."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from infx.config import build_config
 from infx.gateway.cluster_status import ClusterStatus
 from infx.service import GatewayService
 from protocol.agent.runtime_load import RuntimeLoad
+from protocol.pb import status_pb2
 from protocol.scaling.labels import MODELS_ANNOTATION, SCALABLE_LABEL, deployment_snapshot
 from protocol.scaling.scaler import Scaler
 
@@ -103,12 +104,13 @@ def test_every_field_of_the_status_is_documented_and_every_documented_field_is_i
     base = f"http://127.0.0.1:{a.http.port.getHost().port}"
     a.builtin_engine.runtime_load_changed(RuntimeLoad("vllm", 2, 1, kv_cache_usage=0.4, prefix_cache_hit_rate=0.5,
                                                       adapters=("sql-lora",)))
+    a.builtin_engine.slot_keeping_changed(status_pb2.EngineStatus.SlotKeeping(held=2, restored=1, cold=3, saved=4))
     for _ in range(300):
         status = yield threads.deferToThread(_get, base + "/admin/status")
         engines = status["tenants"].get("default", {}).get("engines", {})
         peer = [g for g in status["gateways"].values() if not g["self"]]
         if len(engines) == 2 and peer and peer[0]["state"] == "connected" and \
-                any(e["load"] for e in engines.values()):
+                any(e["load"] and e["slot_keeping"] for e in engines.values()):
             break
         yield task.deferLater(reactor, 0.05, lambda: None)
     else:

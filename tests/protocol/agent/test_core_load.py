@@ -157,3 +157,18 @@ def test_a_model_no_answer_spoke_for_has_no_prompt_cache_counts() -> None:
         status_code=200, body=b'{"choices": [], "usage": {"prompt_tokens": 5}}')))
     agent.finish_task("a", 0.2)
     assert all(not m.HasField("infx_prompt_cache") for m in agent.engine_status().models)
+
+
+def test_what_the_slot_keeper_did_goes_out_at_field_104_coalesced_like_other_counts() -> None:
+    agent = running_agent()
+    assert not agent.engine_status().HasField("infx_slot_keeping")  # an agent that keeps no slots
+    counts = status_pb2.EngineStatus.SlotKeeping(held=1, cold=2, saved=2)
+    [status] = statuses(agent.slot_keeping_changed(counts, 1.0))
+    assert status.infx_slot_keeping == counts
+    # Field 104, wire type 2: tag bytes 0xc2 0x06.
+    assert b"\xc2\x06" in status.SerializeToString()
+    later = status_pb2.EngineStatus.SlotKeeping(held=1, restored=1, cold=2, saved=2)
+    assert statuses(agent.slot_keeping_changed(later, 1.2)) == []
+    [status] = statuses(agent.handle_timeout(1.5))
+    assert status.infx_slot_keeping.restored == 1
+    assert statuses(agent.slot_keeping_changed(later, 2.5)) == []  # the same counts are no change

@@ -3,6 +3,7 @@
 import pytest
 
 from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError, worth_saving
+from protocol.pb import status_pb2
 from protocol.routing.hints import RoutingHints
 
 A, B, C = 0xA, 0xB, 0xC
@@ -128,3 +129,20 @@ def test_a_task_its_caller_says_is_not_worth_a_file_keeps_its_slot_but_is_not_sa
     assert run(keeper, "b2", B) == Plan("b2", 0, None)  # held all the same
     assert worth_saving(RoutingHints(blocks=(1, 2, 3, 4, 5), home=0, home_blocks=4))
     assert not worth_saving(RoutingHints(blocks=(1, 2, 3, 4), home=0, home_blocks=4))
+
+
+def test_what_the_keeper_did_is_counted_for_the_engines_status():
+    keeper = SlotKeeper(slots=1, files=4)
+    run(keeper, "a1", A)
+    finish(keeper, "a1")
+    run(keeper, "a2", A)  # held
+    finish(keeper, "a2")
+    run(keeper, "b1", B)  # cold
+    save, _ = keeper.ended("b1", True)
+    assert save is not None
+    keeper.save_ended(save.slot, False)  # a failed save costs B its file
+    run(keeper, "a3", A)  # restored
+    keeper.restore_failed(0, "a3")  # and that file is not trusted again
+    assert keeper.counts() == status_pb2.EngineStatus.SlotKeeping(held=1, restored=1, cold=2, failed=2, saved=0)
+    keeper.ended("a3", True)
+    assert keeper.counts().saved == 1

@@ -79,7 +79,12 @@ def test_the_shape_of_a_status_ignores_load_counts_but_not_readiness_or_models()
     [(_, a)], [(_, busy)] = statuses(("e1", True, 0)), statuses(("e1", True, 7))
     busy.models[0].runtime_load.running_requests = 3
     busy.models[0].runtime_load.kv_cache_usage = 0.5
+    busy.infx_slot_keeping.restored = 2  # the slot keeper's counts too
     assert shape_of(a) == shape_of(busy) and a != busy
+    answered = status_pb2.EngineStatus()
+    answered.CopyFrom(a)
+    answered.models[0].infx_prompt_cache.cached_tokens = 400  # sent at once, as the real runs measured
+    assert shape_of(answered) != shape_of(a)
     [(_, not_ready)] = statuses(("e1", False, 0))
     assert shape_of(not_ready) != shape_of(a)
     more = status_pb2.EngineStatus()
