@@ -165,6 +165,9 @@ class GatewayConfig:
     runtime_max_concurrency: int = 32
     #: File holding the runtimes' API key, sent as ``Authorization: Bearer`` (reread as it changes).
     runtime_api_key_file: str | None = None
+    #: llama.cpp servers started with ``--slot-save-path``: each runtime by URL's slots kept for
+    #: conversations in up to this many files (:mod:`infx.agent.slot_keeping`); 0: off. One worker only.
+    runtime_slot_files: int = 0
     #: What serves the HTTP API on ``http``: ``httptools`` (:mod:`infx.http.lean`, the default; an
     #: ``ssl:`` endpoint is served by twisted.web whatever this says, for HTTP/2 by ALPN) or
     #: ``twisted`` (twisted.web's site, :mod:`infx.http.site`). Both serve the same API.
@@ -305,7 +308,8 @@ def host_port(value: str, option: str) -> tuple[str, int]:
 
 #: Durations for which 0 is meaningful rather than a mistake.
 _ZERO_ALLOWED = frozenset({"echo_token_delay", "routing_index_blocks_per_engine", "routing_index_blocks",
-                           "routing_sessions", "routing_spilled_tips", "fair_reserve", "trace_sample_ratio"})
+                           "routing_sessions", "routing_spilled_tips", "fair_reserve", "trace_sample_ratio",
+                           "runtime_slot_files"})
 
 
 def _split_list(value: Any) -> tuple[str, ...]:
@@ -500,6 +504,13 @@ def validate(config: GatewayConfig) -> GatewayConfig:
             read_key_file(config.runtime_api_key_file)
         except UpstreamKeyError as exc:
             raise ConfigError(f"--runtime-api-key-file: {exc}") from None
+    if config.runtime_slot_files and not config.runtime_url and config.runtime_pod_label is None:
+        raise ConfigError("--runtime-slot-files keeps the slots of runtimes by URL: give --runtime-url or "
+                          "--runtime-pod-label (an engine agent keeps its runtime's: twistd infx-engine "
+                          "--runtime-slot-files)")
+    if config.runtime_slot_files and config.workers != 1 and worker_count(config) > 1:
+        raise ConfigError(f"--runtime-slot-files needs --workers 1 (this would run {worker_count(config)}): every "
+                          "worker serves each runtime by URL, and each would keep the runtime's slots as its own")
     if config.http_server not in HTTP_SERVERS:
         raise ConfigError(f"--http-server: expected one of {', '.join(HTTP_SERVERS)}, got {config.http_server!r}")
     if config.workers is not None and not 1 <= config.workers <= MAX_WORKERS:

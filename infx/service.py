@@ -355,7 +355,7 @@ class GatewayService(service.MultiService):
         config = self.config
         settings = RuntimeSettings(tenant=config.runtime_tenant, max_concurrency=config.runtime_max_concurrency,
                                    api_key_file=config.runtime_api_key_file, grace=config.grace_period,
-                                   tracing=self.tracing,
+                                   slot_files=config.runtime_slot_files, tracing=self.tracing,
                                    capabilities=(IN_EVERY_WORKER,) if self.role is not None else ())
         discover = None
         if config.runtime_pod_label:

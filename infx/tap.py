@@ -98,6 +98,11 @@ _RUNTIME_PARAMETERS: list[list[Any]] = [
      f"[default: {_DEFAULTS.runtime_max_concurrency}]."],
     ["runtime-api-key-file", None, None,
      "File holding the runtimes' API key, sent as 'Authorization: Bearer KEY'; reread when it changes."],
+    ["runtime-slot-files", None, None,
+     "llama.cpp servers started with --slot-save-path: run each chat and completions request in a slot the "
+     "gateway picks, save each conversation's context to one of this many files per runtime and restore it "
+     "into a free slot for its next turn (docs/operations.md, 'Slots kept'); needs --workers 1, and each "
+     f"runtime must be this gateway's alone. 0: off [default: {_DEFAULTS.runtime_slot_files}]."],
 ]
 
 

@@ -35,6 +35,7 @@ from infx.agent.runtime_client import RuntimeClient
 from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
 from infx.agent.runtime_watch import RuntimeWatch, check_pool
 from infx.agent.runtimes import CAPABILITIES, OpenAIRuntime, Runtime
+from infx.agent.slot_keeping import SlotKeepingRuntime
 from infx.agent.upstream_key import UpstreamKey
 from infx.gateway.dispatcher import Dispatcher
 from infx.gateway.in_process import InProcessLinks
@@ -58,6 +59,9 @@ class RuntimeSettings:
     api_key_file: str | None = None
     #: Seconds its tasks get to finish when the runtime leaves or the gateway stops.
     grace: float = 30.0
+    #: Each runtime's slots kept for conversations in up to this many files (``--runtime-slot-files``,
+    #: :mod:`infx.agent.slot_keeping`); 0: not kept.
+    slot_files: int = 0
     health: HealthConfig = HealthConfig()
     load: LoadConfig | None = LoadConfig()
     #: Capabilities beyond the runtime's own: under ``--workers`` every worker runs its runtimes by
@@ -100,6 +104,9 @@ class RuntimeEngine(AgentServices):
             wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8),
             runtime_kind="openai", agent_version=infx.__version__))
         runtime: Runtime = self.runtime
+        kept = None
+        if settings.slot_files:
+            kept = runtime = SlotKeepingRuntime(self.runtime, settings.slot_files, engine_id)
         if settings.tracing is not None:
             from infx.tracing.runtime import TracedRuntime
 
@@ -107,6 +114,9 @@ class RuntimeEngine(AgentServices):
         super().__init__(EngineAgent(reactor, core, runtime,
                                      InProcessLinks(reactor, dispatcher, settings.tenant, self.runtime.root),
                                      grace=settings.grace))
+        if kept is not None:
+            kept.report = self.agent.slot_keeping_changed
+            kept.changed()
         _Closer(client.close).setServiceParent(self)
         checks = check_pool(reactor)
         _Closer(checks.closeCachedConnections).setServiceParent(self)

@@ -255,11 +255,21 @@ def test_runtime_urls_come_from_repeated_flags_or_a_yaml_list_of_strings_and_map
         ({"runtime_max_concurrency": "0"}, "--runtime-max-concurrency: invalid value"),
         ({"runtime_tenant": "team-a"}, "--runtime-tenant 'team-a' needs --api-keys"),
         ({"runtime_api_key_file": "/nonexistent/key"}, "--runtime-api-key-file: cannot read"),
+        ({"runtime_slot_files": "-1"}, "--runtime-slot-files: invalid value '-1'"),
+        ({"runtime_slot_files": "8", "workers": 1}, "--runtime-slot-files keeps the slots of runtimes by URL"),
+        ({"runtime_url": "http://a:8000", "runtime_slot_files": "8", "workers": 2},
+         "--runtime-slot-files needs --workers 1 \\(this would run 2\\)"),
     ],
 )
 def test_a_runtime_option_that_cannot_work_is_refused_with_the_option_named(values, message):
     with pytest.raises(ConfigError, match=message):
         build_config(values, {})
+def test_runtime_slot_files_keep_the_slots_of_runtimes_by_url_from_one_worker():
+    config = build_config({"runtime_url": "http://a:8000", "runtime_slot_files": 16}, {"workers": "1"})
+    assert config.runtime_slot_files == 16
+    assert build_config({}, {}).runtime_slot_files == 0
+
+
 def test_workers_default_to_the_cores_the_process_may_use_within_its_cgroup_quota(tmp_path):
     """--workers: given, it is taken (1 to 256); not given, the CPU affinity, capped by cgroup v2's
     cpu.max quota (a container limited to 1.5 CPUs on a larger node gets 2, never more than its cores)."""
