@@ -89,3 +89,40 @@ def test_a_router_without_runtime_slots_ignores_the_slots_engines_report():
         router.engine_updated(key("a"), frozenset({"m"}), status, True)
         pool = router.pools.pool("t", "m")
         assert pool is not None and pool.members[key("a")].slots == slots
+
+
+def _colliding_applications(g: Gateway) -> tuple[str, str]:
+    """Two system prompts whose first engine on the ring is the same."""
+    homes: dict[EngineKey, str] = {}
+    for n in range(64):
+        system = f"You are application {n}. " + "Answer with care. " * 20
+        probe = Gateway(tuple(k.engine_id for k in g.pool.members))
+        home = probe.send(user(0, system=system))
+        if home in homes:
+            return homes[home], system
+        homes[home] = system
+    raise AssertionError("no two of 64 system prompts share a home")
+
+
+def test_a_new_application_whose_home_runs_another_goes_to_an_engine_that_runs_none():
+    """Three toolsets on three engines, two of them homed on one engine by the ring: the second's first
+    request goes where no other application's requests run (sglang-router's first placement by load
+    does this; docs/routing-real.md, part 6), and its later users follow its prefix there."""
+    g = Gateway(("e0", "e1", "e2"))
+    first, second = _colliding_applications(g)
+    a = g.send(user(0, system=first))
+    b = g.send(user(1, system=second))
+    assert b != a
+    g.finish(b, user(1, system=second))
+    assert g.send(user(2, system=second)) == b  # the next user of it finds its prefix there
+    assert g.send(user(3, system=first)) == a
+
+
+def test_with_every_engine_running_other_applications_a_new_one_goes_to_its_ring_home():
+    g = Gateway(("e0", "e1"))
+    first, second = _colliding_applications(g)
+    third = "A third application. " + "Say little. " * 30
+    home = Gateway(("e0", "e1")).send(user(2, system=second))
+    g.send(user(0, system=first))
+    g.send(user(1, system=third))  # now both engines run an application
+    assert g.send(user(2, system=second)) == home
