@@ -148,6 +148,9 @@ class GatewayCore:
         # (LocalEnginesChanged, or a SendTask, which may record a spilled tip on a local engine).
         self._local = LocalStatuses()
         self._local_stale = True
+        # Spilled tips recorded so far: a new one is reported to peers at once, since the
+        # conversation's next turn may reach any of them as soon as this turn is answered.
+        self._tips_reported = 0
         # The scaler, once attached: what it can start, the tasks it holds, the load it heard.
         self._can_start: Callable[[str, str], bool] | None = None
         self._held: dict[str, str] = {}
@@ -565,6 +568,10 @@ class GatewayCore:
                 out.append(effect)
 
     def _after(self, now: float, out: list[CoreEffect], engines_changed: bool = False) -> list[CoreEffect]:
+        tips = self.processor.tips_recorded()
+        if tips != self._tips_reported:
+            self._tips_reported = tips
+            self._dialling.local_engines_changed(now, out)
         if engines_changed:
             for tenant in self.processor.tenants():
                 for model in self.processor.known_models(tenant):

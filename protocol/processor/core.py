@@ -260,6 +260,11 @@ class Processor:
         only those a task could be routed to now."""
         return self._engines.known_models(tenant_id, ready_only)
 
+    def tips_recorded(self) -> int:
+        """New spilled tips recorded for local engines since start: when it grows, what
+        :meth:`local_engines` reports has changed beyond load counts."""
+        return self._router.tips_recorded()
+
     def local_engines(self) -> list[tuple[str, status_pb2.EngineStatus]]:
         """(tenant, status copy) of every local engine, with its real readiness."""
         out = []

@@ -25,7 +25,18 @@ held them, which it does after its first request, so a first turn goes to
 the home with room to run it now and a later turn follows its own prefix;
 as the load falls, the homes fall back to the first (a conversation that
 went to another keeps following its prefix there). Engines that report no
-slots keep one home. Every gateway knows
+slots keep one home.
+
+A few home keys over a few engines collide on the ring (three keys on three
+engines share a first engine more often than not), and a collision costs the
+key that spills a second copy of its prefix once its home's slots fill. So
+the first turn of a key new here (no engine holds any of its prompt, none of its requests in
+flight from this gateway) whose first engine runs other keys' requests from
+this gateway goes to the first engine clockwise that runs the fewest, if
+that is fewer. Its next requests from here follow its prefix there; another
+gateway, which sends its share of the same keys, counts them alike and
+chooses the same engine; and a conversation's later turns follow the spilled
+tip its first turn left, from any gateway. Every gateway knows
 the same engines from the exchange, and hashes each by the id it reports
 (a peer's engine is named with its pod here), so a conversation arriving at any
 replica has the same home while that engine has room: no central
@@ -77,7 +88,7 @@ import itertools
 import math
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -317,9 +328,15 @@ class Affinity(Policy):
         ring = self._ring(pool)
         start = bisect_left(ring.points, hints.home)
         session_engine = self._sessions.get((pool.tenant_id, pool.model, hints.session)) if hints.session else None
-        # Where engines say nothing of their slots, routing is as it was before them.
+        # Where engines say nothing of their slots, routing is as it was before them, but for a later turn
+        # whose conversation opened on an engine off its ring home (a first turn with no block of its own
+        # leaves only its opening as a tip): that engine is credited with the prompt's start.
         mine, mine_depth = self._own(pool, hints, depths, session_engine,
                                      ring.members[start % len(ring.points)].key) if slots else (None, 0)
+        if not slots and hints.continues and hints.opening and config.prefix_weight:
+            for key in self.pools.spills.holders(hints.opening):
+                if key in pool.members:
+                    depths[key] = max(depths.get(key, 0), hints.home_blocks, len(hints.blocks) - 1)
         # A later turn's own engine, and any engine holding its own prefix (past the home key's
         # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
         # costs less than computing the history again elsewhere (the busy term weighs it); the
@@ -376,6 +393,15 @@ class Affinity(Policy):
                     home = ranked
             elif spread_homes:
                 home = spread_homes[0]
+        # A first turn of a key new here goes apart from other keys (:meth:`_apart`); a later turn never
+        # does, even where nothing here knows its conversation: it follows its opening's spilled tip,
+        # else its ring home, where any gateway sent its first turn unless that tip says otherwise.
+        if not hints.continues and mine is None and spread == 1 and not depths and hints.home_blocks \
+                and not self._hot.get((pool.tenant_id, pool.model, hints.home)):
+            apart = self._apart(pool, ring, start, home, takes)
+            if apart is not None:
+                candidates.setdefault(apart, pool.members[apart])
+                home = apart
         for key in depths:
             held = pool.members.get(key)
             if held is not None and takes(held):
@@ -428,6 +454,33 @@ class Affinity(Policy):
                 had.append("fallback")
             self._explained = RouteChoice(best, self.config.policy.value, ",".join(had) or "load", best_score,
                                           len(candidates), depths.get(best, 0), blocks)
+        return best
+
+    def _apart(self, pool: Pool, ring: _Ring, start: int, home: EngineKey,
+               takes: Callable[[Member], bool]) -> EngineKey | None:
+        """For a home key new here (nothing of its prompt held anywhere, none of its requests in flight)
+        whose home runs another key's requests from this gateway: the first engine on the ring from the
+        key that runs the fewest other keys' requests and has room, if it runs fewer than the home."""
+        busy: dict[EngineKey, int] = {}
+        for (tenant, model, _), engines in self._hot.items():
+            if tenant == pool.tenant_id and model == pool.model:
+                for key in engines:
+                    busy[key] = busy.get(key, 0) + 1
+        if not busy.get(home):
+            return None
+        best, fewest = None, busy[home]
+        seen: set[EngineKey] = set()
+        for step in range(len(ring.points)):
+            member = ring.members[(start + step) % len(ring.points)]
+            if member.key in seen:
+                continue
+            seen.add(member.key)
+            if busy.get(member.key, 0) < fewest and takes(member):
+                best, fewest = member.key, busy.get(member.key, 0)
+                if not fewest:
+                    break
+            if len(seen) == len(pool.members):
+                break
         return best
 
     def _own(self, pool: Pool, hints: RoutingHints, depths: dict[EngineKey, int], session_engine: EngineKey | None,

@@ -149,6 +149,10 @@ class Router:
         self.pools.spills.annotate(key, status)
         self.pools.exact_load(key, status)
 
+    def tips_recorded(self) -> int:
+        """New spilled tips recorded for local engines since start (:attr:`protocol.routing.spills.SpilledTips.recorded`)."""
+        return self.pools.spills.recorded
+
     # --- what tools read ----------------------------------------------------
 
     def state_size(self) -> dict[str, int]:

@@ -10,9 +10,10 @@ passes through, the engine's own: on the forwarded task
 (``TaskRequest.infx_prefix_tip``, the hash of the prompt's deepest prefix
 block) or directly when the engine is local. That gateway keeps each local
 engine's recent spilled tips (LRU, ``per_engine``) and reports them with the
-engine's status to every peer (``EngineStatus.Model.infx_prefix_tips``).
-Every gateway then holds the same tips for every engine, up to one report
-interval, and scores an engine holding a tip of a request's prompt as if its
+engine's status to every peer (``EngineStatus.Model.infx_prefix_tips``), at
+once when a tip is new (:attr:`SpilledTips.recorded`). Every gateway then
+holds the same tips for every engine before the spilled turn is answered,
+and scores an engine holding a tip of a request's prompt as if its
 prefix index had seen that prefix there. No central service, no new message:
 the tips ride on the status reports the exchange already sends.
 
@@ -45,6 +46,9 @@ class SpilledTips:
         # A remote engine's tips as its gateway last reported them.
         self._reported: dict[EngineKey, tuple[int, ...]] = {}
         self._holders: dict[int, dict[EngineKey, None]] = {}
+        #: New tips recorded for local engines since start: peers must hear of one before the
+        #: conversation's next turn can reach them (the gateway reports at once when it grows).
+        self.recorded = 0
 
     def __len__(self) -> int:
         return sum(len(t) for t in self._local.values()) + sum(len(t) for t in self._reported.values())
@@ -58,6 +62,7 @@ class SpilledTips:
             tips.move_to_end(tip)
             return
         tips[tip] = model
+        self.recorded += 1
         self._holders.setdefault(tip, {})[key] = None
         if len(tips) > self._per_engine:
             old, _ = tips.popitem(last=False)

@@ -11,7 +11,7 @@ from protocol.routing.config import RoutingConfig
 from protocol.routing.hints import RoutingHints
 from protocol.routing.router import Router
 from tests.support.processor import engine_status
-from tests.support.routing import Gateway, key, user
+from tests.support.routing import Gateway, conversation_hints, key, user
 
 def test_a_hot_system_prompt_spreads_over_as_many_engines_as_its_load_needs():
     """Six users of one application in flight at once on engines of two slots: three engines run
@@ -89,3 +89,64 @@ def test_a_router_without_runtime_slots_ignores_the_slots_engines_report():
         router.engine_updated(key("a"), frozenset({"m"}), status, True)
         pool = router.pools.pool("t", "m")
         assert pool is not None and pool.members[key("a")].slots == slots
+
+
+def _colliding_applications(g: Gateway) -> tuple[str, str]:
+    """Two system prompts whose first engine on the ring is the same."""
+    homes: dict[EngineKey, str] = {}
+    for n in range(64):
+        system = f"You are application {n}. " + "Answer with care. " * 20
+        probe = Gateway(tuple(k.engine_id for k in g.pool.members))
+        home = probe.send(user(0, system=system))
+        if home in homes:
+            return homes[home], system
+        homes[home] = system
+    raise AssertionError("no two of 64 system prompts share a home")
+
+
+def test_a_new_application_whose_home_runs_another_goes_to_an_engine_that_runs_none():
+    """Three toolsets on three engines, two of them homed on one engine by the ring: the second's first
+    request goes where no other application's requests run (sglang-router's first placement by load
+    does this; docs/routing-real.md, part 6), and its later users follow its prefix there."""
+    g = Gateway(("e0", "e1", "e2"))
+    first, second = _colliding_applications(g)
+    a = g.send(user(0, system=first))
+    b = g.send(user(1, system=second))
+    assert b != a
+    g.finish(b, user(1, system=second))
+    assert g.send(user(2, system=second)) == b  # the next user of it finds its prefix there
+    assert g.send(user(3, system=first)) == a
+
+
+def test_with_every_engine_running_other_applications_a_new_one_goes_to_its_ring_home():
+    g = Gateway(("e0", "e1"))
+    first, second = _colliding_applications(g)
+    third = "A third application. " + "Say little. " * 30
+    home = Gateway(("e0", "e1")).send(user(2, system=second))
+    g.send(user(0, system=first))
+    g.send(user(1, system=third))  # now both engines run an application
+    assert g.send(user(2, system=second)) == home
+
+
+def test_without_runtime_slots_a_later_turn_follows_its_opening_from_another_gateway():
+    """Engines that report no slots (llama-cpp-python's server, LLMariner's) have no engine of a
+    conversation's own: a first turn with no block past its system prompt placed apart is found again
+    only by its opening's spilled tip, and a later turn, which a gateway that never saw the
+    conversation cannot tell from a first, is never placed apart itself (tests/e2e/test_llama_routing.py)."""
+    g = Gateway(("e0", "e1", "e2"), slots=0)
+    first, second = _colliding_applications(g)
+    opening = conversation_hints(1, 1, second, question_repeats=1)
+    assert len(opening.blocks) == opening.home_blocks  # nothing of its own to name it by but its opening
+    a = g.send(conversation_hints(0, 1, first, question_repeats=1))
+    b = g.send(opening)
+    assert b != a
+    other = Gateway(("e0", "e1", "e2"), slots=0)  # the next turn reaches another gateway,
+    assert other.send(conversation_hints(5, 1, first, question_repeats=1)) == a  # busy with the first
+    later = conversation_hints(1, 2, second, question_repeats=1)
+    assert later.continues
+    assert other.send(later) == a  # without the tip: the ring home, not apart from it
+    status = engine_status(b.engine_id, "m")
+    g.pools.spills.annotate(b, status)  # the engine's gateway reports its tips (at once: a new one)
+    third = Gateway(("e0", "e1", "e2"), slots=0)
+    third.pools.spills.reported(b, status)
+    assert third.send(later) == b
