@@ -19,7 +19,7 @@ gateways holding one each, which forward tasks for a peer's engine to that
 engine's gateway (as its receiver runs them: a task targeted at the engine)
 and hear of each other's engines from their reports, which the exchange
 sends at once when an engine comes or changes beyond its load counts (its
-readiness, its spilled tips) and coalesces to one every quarter of the status
+readiness; a spilled tip as soon as it is recorded) and coalesces to one every quarter of the status
 interval (2.5 s) otherwise. Hops cost no time.
 
 The records are :class:`harness.real_routing.figures.Record`, so that the
@@ -140,6 +140,8 @@ class _Simulation:
         self.relay_due: dict[int, float] = {}
         #: Per gateway, its local engines' shapes (statuses but for load counts) as last relayed.
         self.relayed: dict[int, dict[str, bytes]] = {}
+        #: Per gateway, its processor's count of spilled tips recorded when it last relayed for one.
+        self.tips_relayed: dict[int, int] = {}
         self.requests: dict[tuple[int, str], _Request] = {}  # (gateway, task id) -> request
         self.forwarded: dict[tuple[int, str], int] = {}  # (engine's gateway, wire id) -> forwarding gateway
         self.jobs: dict[str, tuple[str, _Request]] = {}  # wire id at the engine -> (engine, request)
@@ -298,6 +300,10 @@ class _Simulation:
                 self.answered(g, effect.task_id, failed=True)
             elif isinstance(effect, LocalEnginesChanged):
                 self.relay_changed(g)
+        tips = processor.tips_recorded()
+        if tips != self.tips_relayed.get(g, 0):  # a new spilled tip goes to peers at once, as the core sends it
+            self.tips_relayed[g] = tips
+            self.relay_changed(g)
         self.rearm()
 
     def relay_changed(self, g: int) -> None:
