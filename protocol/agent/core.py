@@ -369,9 +369,14 @@ class EngineAgentCore:
         """The runtime's own load changed enough to tell the gateway (None: it reports none now)."""
         if load != self._runtime_load:
             self._runtime_load = load
+            # The slots are the engine's capacity, which routing's bounds and a later turn's engine
+            # depend on: learned (a fresh engine's first reading) or changed, they go out at once, as
+            # readiness does, and not a coalescing interval after the requests it let in.
+            capacity = (load is not None and load.slots is not None and load.slots != self._runtime_slots
+                        and self.config.runtime_slots is None)
             if load is not None and load.slots is not None:
                 self._runtime_slots = load.slots
-            self._changed()
+            self._changed(readiness=capacity)
         effects: list[Effect] = []
         self._report(now, effects)
         return effects

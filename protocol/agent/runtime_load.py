@@ -10,11 +10,14 @@ answers to a scrape that was abandoned (it timed out) are ignored. Parsing is
 
 Which paths (``LoadSource``)::
 
-    PROBING   -> METRICS            /metrics answered with names we know
+    PROBING   -> METRICS            /metrics answered with names we know, /slots is not there
     PROBING   -> SLOTS              /metrics has none (404, 501, other names); /slots answered
     PROBING   -> ABSENT             neither: the runtime reports no load (llama-cpp-python)
     PROBING   -> METRICS+SLOTS      /metrics is llama.cpp's: its /slots says what runs and what
                                     the prompt cache served
+
+A probe asks /metrics and /slots at once, so that a llama.cpp server's first
+reading says its slots.
     METRICS+SLOTS -> METRICS        /slots is off (404, 501): /props says the slots, once
     ABSENT    -> PROBING            every ``absent_interval``: the runtime may have been replaced
 
@@ -22,7 +25,8 @@ Scrapes run every ``interval`` seconds (every ``absent_interval`` while
 ABSENT). What is reported (:class:`LoadChanged`) is coalesced: the first
 reading at once, then only a change that matters (a count off by at least
 ``max(1, count_step × old)``, a fraction by ``fraction_step``, another
-adapter set) and at most once per ``report_min_interval``, so that a busy
+adapter set) and at most once per ``report_min_interval`` (a change of the
+runtime's slots at once), so that a busy
 runtime whose counts move on every scrape does not send a status per scrape.
 After ``stale_after`` scrapes in a row fail, the load is withdrawn
 (``LoadChanged(None)``): routing then falls back to in-progress counts
@@ -92,7 +96,8 @@ class LoadSource(Enum):
 
 
 _PATHS = {
-    LoadSource.PROBING: (METRICS_PATH,),
+    # Both at once: a llama.cpp server's first reading then says its slots (its capacity).
+    LoadSource.PROBING: (METRICS_PATH, SLOTS_PATH),
     LoadSource.METRICS: (METRICS_PATH,),
     LoadSource.METRICS_AND_SLOTS: (METRICS_PATH, SLOTS_PATH),
     LoadSource.SLOTS: (SLOTS_PATH,),
@@ -336,22 +341,30 @@ class RuntimeLoadMonitor:
                 self._llama = True
                 if from_metrics.slots is None and self._props_slots is not None:
                     from_metrics = replace(from_metrics, slots=self._props_slots)
-        if slots is not None:
-            if slots.ok:
-                try:
-                    return reading_from_slots(slots.body, from_metrics)
-                except MetricsFormatError:
-                    return None
-            if slots.not_there:
-                self.source = LoadSource.METRICS if from_metrics is not None else LoadSource.ABSENT
+        probing = self.source is LoadSource.PROBING
+        # /metrics answered, whether or not with names we know (a failed GET tells nothing).
+        answered = metrics is not None and (metrics.ok or metrics.not_there)
+        if slots is not None and slots.ok:
+            try:
+                reading = reading_from_slots(slots.body, from_metrics)
+            except MetricsFormatError:
+                return None
+            if probing and answered:
+                self.source = LoadSource.METRICS_AND_SLOTS if from_metrics is not None else LoadSource.SLOTS
+            return reading
+        if slots is not None and slots.not_there:
+            if from_metrics is not None:
+                self.source = LoadSource.METRICS
+            elif answered or not probing:
+                self.source = LoadSource.ABSENT
             return from_metrics
         if from_metrics is not None:
-            if self.source is LoadSource.PROBING:
-                # llama.cpp's /slots is asked next; a server that has it off stays on METRICS.
+            if probing:
+                # /slots failed: llama.cpp's is asked again; a server that has it off stays on METRICS.
                 llama = from_metrics.source == "llama.cpp"
                 self.source = LoadSource.METRICS_AND_SLOTS if llama else LoadSource.METRICS
             return from_metrics
-        if self.source is LoadSource.PROBING and metrics is not None and (metrics.ok or metrics.not_there):
+        if probing and answered:
             self.source = LoadSource.SLOTS  # llama.cpp without --metrics still has /slots
         elif metrics is not None and metrics.ok:
             self.source = LoadSource.ABSENT  # it answers, with names of no runtime we know
@@ -394,7 +407,8 @@ class RuntimeLoadMonitor:
             return
         self._latest = load
         due = self._reported_at + self.config.report_min_interval
-        if self._reported is None or now >= due:
+        # The slots are the engine's capacity: a change of them is not held back.
+        if self._reported is None or now >= due or load.slots != self._reported.slots:
             self._report(now, load, effects)
         else:
             self._report_due = due

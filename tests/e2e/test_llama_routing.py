@@ -55,8 +55,8 @@ def test_every_turn_is_answered_and_every_runtime_logged_its_prompts(results):
 
 
 def test_a_runtime_without_metrics_is_asked_and_no_load_is_reported(results, logs):
-    """llama-cpp-python's server has no /metrics (nor /slots, which the agent asks next, a
-    second later): each agent's first read gets 404, and it reports no runtime_load."""
+    """llama-cpp-python's server has no /metrics (nor /slots, which the agent asks with it): each
+    agent's first read gets 404, and it reports no runtime_load."""
     for server in (logs / "affinity").glob("llama-*.log"):
         assert '"GET /metrics HTTP/1.1" 404' in server.read_text(errors="replace")
     for agent in (logs / "affinity").glob("engine-*.log"):

@@ -127,6 +127,23 @@ def test_the_runtimes_slots_go_out_as_learned_and_the_operators_count_wins() -> 
         AgentConfig(engine_id="e3", models=("m1",), runtime_slots=0)
 
 
+def test_the_runtimes_slots_go_out_at_once_when_learned_or_changed_and_other_load_is_coalesced() -> None:
+    """A fresh engine is reported ready before its first load reading: requests routed until its slots
+    arrive are routed as if it had none, so they must not wait for the coalescing interval."""
+    agent = running_agent()  # status_min_interval 0.5
+    [ready] = statuses(agent.runtime_load_changed(RuntimeLoad("llama.cpp", 0, 0), 1.0))
+    assert ready.infx_runtime_slots == 0
+    [learned] = statuses(agent.runtime_load_changed(RuntimeLoad("llama.cpp", 1, 0, slots=2), 1.01))
+    assert learned.infx_runtime_slots == 2
+    assert statuses(agent.runtime_load_changed(RuntimeLoad("llama.cpp", 2, 0, slots=2), 1.02)) == []
+    [changed] = statuses(agent.runtime_load_changed(RuntimeLoad("llama.cpp", 2, 0, slots=4), 1.03))
+    assert changed.infx_runtime_slots == 4 and changed.models[0].runtime_load.running_requests == 2
+    fixed = EngineAgentCore(AgentConfig(engine_id="e2", models=("m1",), runtime_slots=64, status_min_interval=0.5))
+    fixed.start(0.0)
+    fixed.runtime_load_changed(RuntimeLoad("llama.cpp", 0, 0), 1.0)
+    assert statuses(fixed.runtime_load_changed(RuntimeLoad("llama.cpp", 0, 0, slots=2), 1.01)) == []
+
+
 def event(payload: dict[str, object]) -> worker_pb2.TaskResult:
     data = b"data: " + json.dumps(payload).encode() + b"\n\n"
     return worker_pb2.TaskResult(server_sent_event=worker_pb2.ServerSentEvent(data=data))

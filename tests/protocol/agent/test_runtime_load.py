@@ -61,8 +61,8 @@ class Driver:
 
 def test_the_first_reading_is_reported_at_once_with_the_wire_shape():
     d = Driver()
-    assert d.scrape.paths == ("/metrics",)
-    [load] = loads(d.answer(metrics=vllm(running=3, waiting=1, kv=0.5)))
+    assert d.scrape.paths == ("/metrics", "/slots")
+    [load] = loads(d.answer(metrics=vllm(running=3, waiting=1, kv=0.5), slots=ScrapeAnswer(404)))
     assert load == RuntimeLoad("vllm", 3, 1, kv_cache_usage=0.5)
     pb = load.to_pb()
     assert (pb.running_requests, pb.waiting_requests, pb.source) == (3, 1, "vllm")
@@ -168,14 +168,19 @@ def test_a_scrape_that_takes_too_long_is_abandoned_and_its_late_answer_ignored()
 
 def test_a_runtime_with_neither_metrics_nor_slots_reports_nothing_and_is_asked_again_rarely():
     d = Driver(LoadConfig(absent_interval=30.0))
-    assert d.answer(metrics=ScrapeAnswer(404, b"Not Found")) == []
-    d.tick(1.0)
-    assert d.scrape.paths == ("/slots",)
-    assert d.answer(slots=ScrapeAnswer(404)) == []
+    assert d.answer(metrics=ScrapeAnswer(404, b"Not Found"), slots=ScrapeAnswer(404)) == []
     assert d.monitor.source is LoadSource.ABSENT
-    assert d.monitor.next_deadline() == 31.0
-    d.tick(31.0)
-    assert d.scrape.paths == ("/metrics",) and d.monitor.source is LoadSource.PROBING
+    assert d.monitor.next_deadline() == 30.0
+    d.tick(30.0)
+    assert d.scrape.paths == ("/metrics", "/slots") and d.monitor.source is LoadSource.PROBING
+
+
+def test_a_probe_that_fails_tells_nothing_and_is_asked_again():
+    d = Driver()
+    assert d.answer() == [] and d.monitor.source is LoadSource.PROBING
+    d.tick(1.0)
+    assert d.scrape.paths == ("/metrics", "/slots")
+    assert d.answer(slots=ScrapeAnswer(404)) == [] and d.monitor.source is LoadSource.PROBING
 
 
 def slots(*tasks, processing=0):
@@ -254,6 +259,19 @@ def test_llamacpps_slots_are_the_entries_of_its_slots_list():
     [load] = loads(d.answer(metrics=LLAMACPP_IDLE, slots=slots((1, 10, 0), (2, 10, 0), (3, 10, 0))))
     assert load.slots == 3
     assert load.to_pb() == RuntimeLoad("llama.cpp", 0, 0).to_pb()  # the slots go out beside the load, not in it
+
+
+def test_a_llamacpp_servers_first_reading_says_its_slots_and_a_change_of_them_is_not_held_back():
+    """Its capacity: until the gateway has it, a fresh engine is routed as one that reports no slots."""
+    d = Driver(LoadConfig(report_min_interval=2.0))
+    [load] = loads(d.answer(metrics=LLAMACPP_IDLE, slots=slots((1, 10, 0), (2, 10, 0))))
+    assert (load.source, load.slots) == ("llama.cpp", 2) and d.monitor.source is LoadSource.METRICS_AND_SLOTS
+    d.tick(1.0)
+    [load] = loads(d.answer(metrics=LLAMACPP_IDLE, slots=slots((1, 10, 0), (2, 10, 0), (3, 10, 0))))
+    assert load.slots == 3  # within report_min_interval of the first report, sent all the same
+    d.tick(2.0)
+    busy = ScrapeAnswer(200, b"llamacpp:requests_processing 2\nllamacpp:requests_deferred 0\n")
+    assert loads(d.answer(metrics=busy, slots=slots((1, 10, 0), (2, 10, 0), (3, 10, 0), processing=2))) == []
 
 
 def test_a_llamacpp_server_with_slots_off_is_asked_its_props_once():
