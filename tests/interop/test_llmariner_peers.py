@@ -91,7 +91,10 @@ def test_an_infx_peer_is_offered_deltas_where_a_llmariner_one_is_not(gateways): 
     a = yield gateways("a")
     b = yield gateways("b", echo_models="m", peers=internal_address(a))
     yield until(lambda: engines(a) == {("default", Locality.REMOTE): 1})
-    assert b.exchanger.receivers[internal_address(a)].dialled.sends_deltas
+    # b's stream may be dialled anew meanwhile (a redial is connecting while a still lists b's engine):
+    # the stream open at last is offered deltas, which a LLMariner peer's never is (below).
+    yield until(lambda: (dialled := b.exchanger.receivers[internal_address(a)].dialled) is not None
+                and dialled.sends_deltas)
 
 
 def full_report(*engine_ids: str) -> internal_pb2.ProcessTasksInternalRequest:
