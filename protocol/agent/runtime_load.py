@@ -15,11 +15,11 @@ Which paths (``LoadSource``)::
     PROBING   -> ABSENT             neither: the runtime reports no load (llama-cpp-python)
     PROBING   -> METRICS+SLOTS      /metrics is llama.cpp's: its /slots says what runs and what
                                     the prompt cache served
+    METRICS+SLOTS -> METRICS        /slots is off (404, 501): /props says the slots, once
+    ABSENT    -> PROBING            every ``absent_interval``: the runtime may have been replaced
 
 A probe asks /metrics and /slots at once, so that a llama.cpp server's first
 reading says its slots.
-    METRICS+SLOTS -> METRICS        /slots is off (404, 501): /props says the slots, once
-    ABSENT    -> PROBING            every ``absent_interval``: the runtime may have been replaced
 
 Scrapes run every ``interval`` seconds (every ``absent_interval`` while
 ABSENT). What is reported (:class:`LoadChanged`) is coalesced: the first
