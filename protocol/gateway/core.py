@@ -533,6 +533,10 @@ class GatewayCore:
                 if request is not None and not request.dispatched:
                     request.dispatched = True
                     out.append(RequestDispatched(request.origin, effect.task.id))
+                tips = self.processor.tips_recorded()
+                if tips != self._tips_reported:  # it did: peers hear of it now, ahead of its answer
+                    self._tips_reported = tips
+                    self._dialling.local_engines_changed(now, out)
             elif isinstance(effect, (DeliverResult, FailRequest)):
                 origin = effect.origin
                 if isinstance(origin, Dial):
@@ -568,10 +572,6 @@ class GatewayCore:
                 out.append(effect)
 
     def _after(self, now: float, out: list[CoreEffect], engines_changed: bool = False) -> list[CoreEffect]:
-        tips = self.processor.tips_recorded()
-        if tips != self._tips_reported:
-            self._tips_reported = tips
-            self._dialling.local_engines_changed(now, out)
         if engines_changed:
             for tenant in self.processor.tenants():
                 for model in self.processor.known_models(tenant):
