@@ -333,10 +333,9 @@ class Affinity(Policy):
         # leaves only its opening as a tip): that engine is credited with the prompt's start.
         mine, mine_depth = self._own(pool, hints, depths, session_engine,
                                      ring.members[start % len(ring.points)].key) if slots else (None, 0)
-        if not slots and hints.continues and hints.opening and config.prefix_weight:
-            for key in self.pools.spills.holders(hints.opening):
-                if key in pool.members:
-                    depths[key] = max(depths.get(key, 0), hints.home_blocks, len(hints.blocks) - 1)
+        if not slots and hints.continues and config.prefix_weight:
+            for key in self._opened(pool, hints):
+                depths[key] = max(depths.get(key, 0), hints.home_blocks, len(hints.blocks) - 1)
         # A later turn's own engine, and any engine holding its own prefix (past the home key's
         # shared part), are bound by the mean alone, not by the slots: waiting there for a slot
         # costs less than computing the history again elsewhere (the busy term weighs it); the
@@ -503,10 +502,15 @@ class Affinity(Policy):
         if hints.continues:
             # Where a gateway reported the conversation's opening spilled (its first turn, which had
             # no block of its own to report), else the key's first engine on the ring.
-            opened = [key for key in self.pools.spills.holders(hints.opening) if key in pool.members] \
-                if hints.opening else []
+            opened = self._opened(pool, hints)
             return (opened[0] if opened else ring_home), max(0, len(hints.blocks) - 1)
         return None, 0
+
+    def _opened(self, pool: Pool, hints: RoutingHints) -> list[EngineKey]:
+        """The engines of ``pool`` a gateway reported this conversation's opening spilled to, by engine id."""
+        if not hints.opening:
+            return []
+        return [key for key in self.pools.spills.holders(hints.opening) if key in pool.members]
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:
         explained = self._explained
