@@ -43,8 +43,8 @@ def free_port() -> int:
 class Child:
     """A subprocess whose output goes to a log file, stopped with SIGTERM (then SIGKILL).
 
-    ``popen`` goes to :class:`subprocess.Popen` (``stdin``/``stdout`` pipes, ``env``); a
-    piped stdin is closed when the child is stopped.
+    ``popen`` goes to :class:`subprocess.Popen` (``stdin``/``stdout`` pipes, ``env``, ``cwd``: this
+    checkout unless given); a piped stdin is closed when the child is stopped.
     """
 
     def __init__(self, name: str, argv: list[str], logs: Path, **popen: Any) -> None:
@@ -55,8 +55,8 @@ class Child:
         env = popen.pop("env", None) or {
             **os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         popen.setdefault("stdout", self._log)
-        self.process = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=self._log, preexec_fn=die_with_parent,
-                                        **popen)
+        popen.setdefault("cwd", ROOT)
+        self.process = subprocess.Popen(argv, env=env, stderr=self._log, preexec_fn=die_with_parent, **popen)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

@@ -210,7 +210,9 @@ def twistd(name: str, plugin_args: list[str], logs: Path, profile: Path | None, 
     if profile is not None:
         argv += [f"--profile={profile / (name + '.prof')}", "--profiler=cprofile", "--savestats"]
     path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))
-    return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path})
+    # Run in ``tree``: ``python -c`` puts its working directory first on the path, ahead of PYTHONPATH,
+    # so a baseline run from this checkout would import this checkout's infx.
+    return Child(name, argv + plugin_args, logs, env={**os.environ, "PYTHONPATH": path}, cwd=tree)
 
 
 def twistd_log(name: str, logs: Path) -> Path:
