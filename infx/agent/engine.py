@@ -34,7 +34,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from infx.agent.runtimes import Runtime, RunningTask, openai_error_result
+from infx.agent.runtimes import Runtime, RunningTask, event_result, openai_error_result
 from infx.deadline import DeadlineTimer
 from infx.transport import ClientCall, GrpcChannel
 from protocol.agent.core import AgentState, EngineAgentCore, GatewayProtocolError
@@ -48,6 +48,7 @@ from protocol.agent.effects import (
     StartTask,
     Stopped,
 )
+from protocol.agent.prompt_usage import may_hold_usage
 from protocol.agent.runtime_load import RuntimeLoad
 from protocol.openai.errors import UpstreamError
 from protocol.pb import status_pb2, worker_pb2
@@ -96,6 +97,9 @@ class _Sink:
     task_id: str
     ended: bool = False
     handle: RunningTask | None = field(default=None, repr=False)
+    #: Where the task's events go once its stream is spliced (:meth:`EngineAgent.splice`); it
+    #: answers False for an event it cannot take now, which then goes the usual way.
+    spliced: Callable[[bytes], bool] | None = field(default=None, repr=False)
 
     def send(self, result: worker_pb2.TaskResult) -> None:
         if self.ended:
@@ -108,6 +112,12 @@ class _Sink:
             agent._queue.append(effect)  # behind the effects being performed, in order
         else:
             agent._perform(effect)  # a result moves no deadline: the timer stays as armed
+
+    def event(self, data: bytes) -> None:
+        spliced = self.spliced
+        # What may hold the prompt's usage goes the usual way: the core and routing count it.
+        if spliced is None or self.ended or may_hold_usage(data) or not spliced(data):
+            self.send(event_result(data))
 
     def when_writable(self) -> Deferred[None] | None:
         return None if self.ended else self.agent._when_writable(self.task_id)
@@ -202,6 +212,15 @@ class EngineAgent(Service):
     def stream_confirmed(self, stream_id: int) -> None:
         """The gateway took stream ``stream_id`` (the reconnect backoff starts over)."""
         self.core.stream_confirmed(stream_id)
+
+    def splice(self, task_id: str, spliced: Callable[[bytes], bool]) -> None:
+        """Task ``task_id``'s stream is committed to a client of the gateway this agent runs in:
+        from now on its events go to ``spliced``, past the core and the gateway's processor, which
+        still get the answer's head, every event that may hold usage, and its end
+        (:mod:`infx.gateway.in_process`)."""
+        sink = self._tasks.get(task_id)
+        if sink is not None:
+            sink.spliced = spliced
 
     def stream_ended(self, stream_id: int) -> None:
         """Stream ``stream_id`` is over, whoever ended it; its tasks are aborted."""

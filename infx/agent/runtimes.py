@@ -58,8 +58,8 @@ from protocol.openai.task_forms import HTTP_REQUEST_CAPABILITY
 from protocol.pb import worker_pb2
 
 __all__ = [
-    "CAPABILITIES", "EchoRuntime", "OpenAIRuntime", "Runtime", "RunningTask", "TaskSink", "openai_error_result",
-    "upstream_root",
+    "CAPABILITIES", "EchoRuntime", "OpenAIRuntime", "Runtime", "RunningTask", "TaskSink", "event_result",
+    "openai_error_result", "upstream_root",
 ]
 
 log = Logger(namespace="infx.runtimes")
@@ -70,6 +70,10 @@ class TaskSink(Protocol):
 
     def send(self, result: worker_pb2.TaskResult) -> None:
         """The task's next result."""
+
+    def event(self, data: bytes) -> None:
+        """The next event of a streamed answer: the same as ``send`` of its ``ServerSentEvent``
+        (:func:`event_result`), which a sink that hands events on without that message need not build."""
 
     def finish(self) -> None:
         """The task is over (after its last result, or after a failure was reported)."""
@@ -113,7 +117,8 @@ def openai_error_result(error: OpenAIError, latency_ms: int = 0) -> worker_pb2.T
     )
 
 
-def _event(data: bytes, *, last: bool = False, latency_ms: int = 0) -> worker_pb2.TaskResult:
+def event_result(data: bytes, *, last: bool = False, latency_ms: int = 0) -> worker_pb2.TaskResult:
+    """One event of a streamed answer as a result (``last``: the stream's end, with no data)."""
     return worker_pb2.TaskResult(
         server_sent_event=worker_pb2.ServerSentEvent(data=data, is_last_event=last, latency_ms=latency_ms)
     )
@@ -156,8 +161,8 @@ class _EchoTask:
         # and end with an empty last event, so the echo runtime does the same.
         event = result.server_sent_event
         if result.WhichOneof("message") == "server_sent_event" and event.is_last_event and event.data:
-            self._sink.send(_event(event.data))
-            self._sink.send(_event(b"", last=True, latency_ms=int((self._clock.seconds() - self._started) * 1000)))
+            self._sink.send(event_result(event.data))
+            self._sink.send(event_result(b"", last=True, latency_ms=int((self._clock.seconds() - self._started) * 1000)))
         else:
             self._sink.send(result)
 
@@ -276,8 +281,9 @@ class _OpenAITask:
             if self._exchange is not None:
                 self._exchange.abort()
             return
+        sink = self._sink
         for event in events:
-            self._sink.send(_event(event))
+            sink.event(event)
         if events:
             self._last_event = events[-1]
         writable = self._sink.when_writable()
@@ -297,7 +303,7 @@ class _OpenAITask:
             return
         rest = splitter.end_of_stream()
         if rest is not None:
-            self._sink.send(_event(rest))
+            self._sink.event(rest)
             self._last_event = rest
         if not framed and not ends_stream(self._last_event):
             self._stream_failed(broken_stream_event(), "the connection closed an unframed stream before its final event")
@@ -316,7 +322,7 @@ class _OpenAITask:
     def _stream_done(self) -> None:
         if not self._done:
             self._done = True
-            self._sink.send(_event(b"", last=True, latency_ms=self._elapsed_ms()))
+            self._sink.send(event_result(b"", last=True, latency_ms=self._elapsed_ms()))
             self._sink.finish()
 
     def _stream_failed(self, event: bytes, detail: str) -> None:
@@ -324,7 +330,7 @@ class _OpenAITask:
         if not self._done:
             log.info("runtime at {url} broke off the stream of request {request_id}: {detail}",
                      url=self.runtime.root, request_id=request_id(self._task), detail=detail)
-            self._sink.send(_event(event))
+            self._sink.send(event_result(event))
             self._stream_done()
 
     # -- RunningTask

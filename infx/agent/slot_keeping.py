@@ -308,6 +308,9 @@ class _Watch:
             self.kept.ok = 200 <= result.http_response.status_code < 300
         self.sink.send(result)
 
+    def event(self, data: bytes) -> None:
+        self.sink.event(data)
+
     def when_writable(self) -> Deferred[None] | None:
         return self.sink.when_writable()
 

@@ -91,6 +91,16 @@ class EngineRoute(Protocol):
         """End the route (the processor gave up on its engine)."""
 
 
+class SplicingRoute(EngineRoute, Protocol):
+    """An engine's route in this process (:mod:`infx.gateway.in_process`), which takes a committed
+    stream's events past the processor."""
+
+    def splice(self, wire_id: str, origin: HttpOrigin) -> None:
+        """The stream of the task sent as ``wire_id`` is committed to ``origin``: hand its events to
+        :meth:`HttpOrigin.spliced_event` from now on, but those that may hold the prompt's usage
+        and its end, which still come as results."""
+
+
 class RefusableRoute(EngineRoute, Protocol):
     """A local engine's stream, which the processor may refuse (another engine process's id)."""
 
@@ -471,6 +481,12 @@ class HttpOrigin:
             # Headers (and a non-streaming body) are written out at once.
             self.sink.response_received(result.http_response, verbatim=result.verbatim_answer)
             self.consumed(1)
+            if not effect.last and result.verbatim_answer:
+                # The runtime's own stream, committed: an engine in this process hands its events
+                # straight to the client (SplicingRoute).
+                splice = getattr(effect.route, "splice", None)
+                if splice is not None:
+                    splice(effect.wire_id, self)
         elif kind == "server_sent_event" and result.server_sent_event.data:
             self.sink.event_received(bytes(result.server_sent_event.data))
         else:
@@ -478,6 +494,13 @@ class HttpOrigin:
             self.consumed(1)
         if effect.last:
             self.sink.completed()
+
+    def spliced_event(self, data: bytes) -> bool:
+        """An event of this request's spliced stream, from its engine in this process; False: not
+        written now (the client is behind), so it comes again the usual way, in order."""
+        if self.ended:
+            return True  # cancelled: as the processor drops the results of a task that ended
+        return self.sink.event_spliced(data)
 
     def request_failed(self, effect: FailRequest) -> None:
         self._served(effect)

@@ -14,6 +14,15 @@ answer, a capacity refusal, a status) waits for the next reactor turn, in
 order, as it would have on a stream; everything else (results from the
 runtime's connection, health and load changes) goes at once. A stream ended
 by either side is ended on both.
+
+A streamed answer to a client of this gateway is spliced once committed (its
+head delivered): its events go from the runtime's connection to the client's
+request (:meth:`~infx.gateway.dispatcher.HttpOrigin.spliced_event`), past the
+agent's core and the processor, which is most of a relayed event's cost. The
+processor still gets the head, the end, and every event that may hold the
+prompt's usage (the core counts it, routing learns from it); an event goes the
+usual way whenever the client is behind or anything waits in line here, so
+that none overtakes another.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from infx.agent.engine import EngineAgent, GatewayLink
-from infx.gateway.dispatcher import Dispatcher, SendOutcome
+from infx.gateway.dispatcher import Dispatcher, HttpOrigin, SendOutcome
 from protocol.pb import status_pb2, worker_pb2
 from protocol.processor.keys import Locality
 
@@ -63,6 +72,15 @@ class _InProcessStream:
 
     def withdraw_task(self, wire_id: str) -> bool:
         return False  # a task is the agent's the moment it is sent: none ever waits on this route
+
+    def splice(self, wire_id: str, origin: HttpOrigin) -> None:
+        links = self.links
+
+        def spliced(data: bytes) -> bool:
+            # Only while nothing waits in line to be delivered, which the event would overtake.
+            return not (self.closed or links.handing or links._waiting) and origin.spliced_event(data)
+
+        self.agent.splice(wire_id, spliced)
 
     def close(self, reason: str) -> None:
         """The processor gave up on the engine (missed heartbeats, a stuck route)."""

@@ -72,6 +72,11 @@ class ResultSink(Protocol):
     def event_received(self, data: bytes) -> None:
         """One server-sent event, framed as the runtime sent it."""
 
+    def event_spliced(self, data: bytes) -> bool:
+        """The next event of a verbatim stream, handed on past the processor (no ``consumed`` for it):
+        write it now and say True, or say False if it cannot be written at once (the client is behind,
+        or the answer is not a verbatim stream): it then comes again through ``event_received``."""
+
     def completed(self) -> None:
         """The task ended normally (the last event, or the non-streaming body)."""
 

@@ -371,9 +371,7 @@ class ApiCall:
     def event_received(self, data: bytes) -> None:
         if self.finished or not self.sse_started:
             return
-        self.trace.event(self.gateway.clock.seconds(), data)
-        if self.span is not None:
-            self.span.answered(data)
+        self._seen(data)
         if self.transform is not None and not self.verbatim:
             try:
                 data = self.transform.event(data)
@@ -388,6 +386,21 @@ class ApiCall:
         if data.strip() == DONE_EVENT.strip():
             self.done_sent = True
         self._write_event(data)
+
+    def event_spliced(self, data: bytes) -> bool:
+        if self.finished or self.paused or self.pending or not (self.sse_started and self.verbatim):
+            return False
+        self._seen(data)
+        if data.strip() == DONE_EVENT.strip():
+            self.done_sent = True
+        self.request.write(data)
+        return True
+
+    def _seen(self, data: bytes) -> None:
+        """An event of the answer, for the request log and the request's span."""
+        self.trace.event(self.gateway.clock.seconds(), data)
+        if self.span is not None:
+            self.span.answered(data)
 
     def completed(self) -> None:
         if self.finished:

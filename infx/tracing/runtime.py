@@ -73,6 +73,9 @@ class _TracedSink:
                     span.set_status(Status(StatusCode.ERROR, cause))
         self.sink.send(result)
 
+    def event(self, data: bytes) -> None:
+        self.sink.event(data)
+
     def finish(self) -> None:
         self._end()
         self.sink.finish()

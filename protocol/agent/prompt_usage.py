@@ -29,7 +29,7 @@ from typing import Any
 
 from protocol.pb import worker_pb2
 
-__all__ = ["PromptUsage", "prompt_usage"]
+__all__ = ["PromptUsage", "may_hold_usage", "prompt_usage"]
 
 #: A piece that holds neither name holds no figures.
 _CACHE_N, _CACHED_TOKENS = b'"cache_n"', b'"cached_tokens"'
@@ -52,7 +52,7 @@ def prompt_usage(result: worker_pb2.TaskResult) -> PromptUsage | None:
         data = result.server_sent_event.data
     else:
         return None
-    if _CACHE_N not in data and _CACHED_TOKENS not in data:  # two substring tests, no generator per event
+    if not may_hold_usage(data):
         return None
     for payload in _payloads(data):
         try:
@@ -63,6 +63,11 @@ def prompt_usage(result: worker_pb2.TaskResult) -> PromptUsage | None:
         if usage is not None:
             return usage
     return None
+
+
+def may_hold_usage(data: bytes) -> bool:
+    """False when ``data`` holds no prompt usage, on two substring tests (no generator per event)."""
+    return _CACHE_N in data or _CACHED_TOKENS in data
 
 
 def _payloads(data: bytes) -> list[bytes]:

@@ -75,6 +75,8 @@ class DeliverResult:
     engine: EngineKey | None = None
     route: Route = None
     retries: int = 0
+    #: The id the result's attempt carries on the wire (what its engine knows the task by).
+    wire_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,7 @@ class Endings:
             renamed.task_id = task.id
             result = renamed
         effects.append(DeliverResult(task.origin, task.id, result, last, task.engine, task.route,
-                                     task.attempts.retries))
+                                     task.attempts.retries, task.wire_id))
         if last:
             self.end(task, TaskOutcome.COMPLETED)
         elif task.state is TaskState.DISPATCHED:

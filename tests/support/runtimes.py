@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from twisted.internet import defer, task
 
+from infx.agent.runtimes import event_result
 from protocol.pb import chat_pb2, worker_pb2
 
 
@@ -20,6 +21,9 @@ class Sink:
     def send(self, result: worker_pb2.TaskResult) -> None:
         assert self.finished == 0, "result after finish"
         self.results.append(result)
+
+    def event(self, data: bytes) -> None:
+        self.send(event_result(data))
 
     def finish(self) -> None:
         self.finished += 1

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import StatusCode
 from twisted.internet.task import Clock
 
-from infx.agent.runtimes import EchoRuntime
+from infx.agent.runtimes import EchoRuntime, event_result
 from infx.tracing import TracingConfig, start_tracing, tracing_problem
 from infx.tracing.runtime import TracedRuntime
 from infx.tracing.spans import MAX_CONTENT_BYTES, Tracing
@@ -171,6 +171,9 @@ class _Sink:
 
     def send(self, result):
         self.results.append(result)
+
+    def event(self, data):
+        self.send(event_result(data))
 
     def finish(self):
         self.finished = True
