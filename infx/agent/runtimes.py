@@ -72,8 +72,9 @@ class TaskSink(Protocol):
         """The task's next result."""
 
     def event(self, data: bytes) -> None:
-        """The next event of a streamed answer: the same as ``send`` of its ``ServerSentEvent``
-        (:func:`event_result`), which a sink that hands events on without that message need not build."""
+        """The next whole event of a streamed answer, or of a verbatim one the next whole events that
+        came together: the same as ``send`` of its ``ServerSentEvent`` (:func:`event_result`), which a
+        sink that hands events on without that message need not build."""
 
     def finish(self) -> None:
         """The task is over (after its last result, or after a failure was reported)."""
@@ -281,11 +282,14 @@ class _OpenAITask:
             if self._exchange is not None:
                 self._exchange.abort()
             return
-        sink = self._sink
-        for event in events:
-            sink.event(event)
         if events:
             self._last_event = events[-1]
+            if self._verbatim:
+                # The runtime's own stream: what one read completes goes on as one piece.
+                self._sink.event(events[0] if len(events) == 1 else b"".join(events))
+            else:
+                for event in events:
+                    self._sink.event(event)
         writable = self._sink.when_writable()
         if writable is not None and self._exchange is not None:
             # The results' stream is full: stop reading the runtime until it drains.

@@ -51,7 +51,7 @@ from protocol.openai import requests as openai_requests
 from protocol.openai.errors import (
     ModelNotFoundError, OpenAIError, error_event, error_json, error_type_for, reason_phrase,
 )
-from protocol.openai.sse import DONE_EVENT, EventReceived, SSEParser, encode_event
+from protocol.openai.sse import DONE_EVENT, EventReceived, SSEParser, encode_event, ends_with_done
 from protocol.pb import worker_pb2
 from protocol.processor.fair_queue import CriticalityRefused, requested_criticality
 from protocol.routing import hints as routing_hints
@@ -383,7 +383,7 @@ class ApiCall:
             if not data:
                 self._consumed(1)
                 return
-        if data.strip() == DONE_EVENT.strip():
+        if ends_with_done(data):
             self.done_sent = True
         self._write_event(data)
 
@@ -391,7 +391,7 @@ class ApiCall:
         if self.finished or self.paused or self.pending or not (self.sse_started and self.verbatim):
             return False
         self._seen(data)
-        if data.strip() == DONE_EVENT.strip():
+        if ends_with_done(data):
             self.done_sent = True
         self.request.write(data)
         return True

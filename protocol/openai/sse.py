@@ -30,6 +30,8 @@ DEFAULT_MAX_EVENT_SIZE = 16 * 1024 * 1024
 #: What the data of the last event of a chat or completions stream says; the one definition.
 DONE_DATA = "[DONE]"
 DONE_EVENT = b"data: " + DONE_DATA.encode("ascii") + b"\n\n"
+#: How the last line of a piece of a stream that ends with DONE_EVENT may start, after a blank line.
+_DONE_ENDS = tuple(end + DONE_EVENT.rstrip() for end in (b"\n\n", b"\r\n\r\n", b"\r\r"))
 
 _BOM = b"\xef\xbb\xbf"
 _CR = 0x0D
@@ -212,6 +214,12 @@ class SSEBlockSplitter:
         return rest + b"\n\n" if rest else None
 
 
+
+
+def ends_with_done(data: bytes) -> bool:
+    """Whether the whole events ``data`` holds (one, or several relayed together) end with ``[DONE]``."""
+    stripped = data.rstrip(b"\r\n")
+    return stripped == DONE_EVENT.rstrip() or stripped.endswith(_DONE_ENDS)
 
 
 def encode_event(data: str | bytes, *, event: str | None = None, event_id: str | None = None) -> bytes:

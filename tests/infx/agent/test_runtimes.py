@@ -136,6 +136,10 @@ class FakeRuntime(resource.Resource):
                 request.notifyFinish().addBoth(lambda _: self.lost.callback("lost"))
                 request.write(events[0])
                 return server.NOT_DONE_YET
+            if model == "burst":
+                request.write(b"".join(events))  # one write: the relay reads the events together
+                request.finish()
+                return server.NOT_DONE_YET
 
             def write(rest: list[bytes]) -> None:
                 if not rest:
@@ -419,6 +423,19 @@ def test_openai_streams_a_verbatim_request_by_its_routing_stream_flag(fake_runti
     assert sink.results[0].verbatim_answer
     assert [e.data for e in sink.events][0] == b'data: {"n":1}\n\n'
     assert sink.events[-1].is_last_event
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_verbatim_streams_events_read_together_go_on_as_one_piece_and_a_typed_ones_one_by_one(fake_runtime):
+    fake, runtime = fake_runtime
+    verbatim, typed = Sink(), Sink()
+    runtime.start(verbatim_task("/v1/chat/completions", b'{"model":"burst","stream":true}', stream=True), verbatim)
+    runtime.start(chat_task("hi", model="burst", stream=True), typed)
+    yield defer.gatherResults([verbatim.done, typed.done])
+    pieces, events = [e.data for e in verbatim.events[:-1]], [e.data for e in typed.events[:-1]]
+    assert len(events) == 3 and events[2] == b"data: [DONE]\n\n"
+    assert b"".join(pieces) == b"".join(events) and len(pieces) < len(events)
+    assert verbatim.events[-1].is_last_event and verbatim.events[-1].data == b""
 
 
 @pytest_twisted.inlineCallbacks

@@ -17,6 +17,7 @@ from protocol.openai.sse import (
     SSEParser,
     encode_event,
     encode_json,
+    ends_with_done,
 )
 
 SETTINGS = settings(max_examples=200, deadline=None)
@@ -248,3 +249,18 @@ def test_splitter_closes_an_unterminated_last_event_at_end_of_stream() -> None:
     assert splitter.receive_data(b"data: 1\n\ndata: [DONE]") == [b"data: 1\n\n"]
     assert splitter.end_of_stream() == b"data: [DONE]\n\n"
     assert splitter.end_of_stream() is None
+
+
+@pytest.mark.parametrize(("data", "done"), [
+    (b"data: [DONE]\n\n", True),
+    (b"data: [DONE]", True),
+    (b'data: {"n":1}\n\ndata: [DONE]\n\n', True),
+    (b'data: {"n":1}\r\n\r\ndata: [DONE]\r\n\r\n', True),
+    (b'data: {"n":1}\r\rdata: [DONE]\r\r', True),
+    (b'data: [DONE]\n\ndata: {"n":1}\n\n', False),
+    (b'data: {"text":"data: [DONE]"}\n\n', False),
+    (b'event: end\ndata: [DONE]\n\n', False),
+    (b'xdata: [DONE]\n\n', False),
+])
+def test_a_relayed_piece_ends_with_done_only_when_its_last_event_is_done(data: bytes, done: bool) -> None:
+    assert ends_with_done(data) is done
