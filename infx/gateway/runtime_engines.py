@@ -132,7 +132,7 @@ class RuntimeEngine(AgentServices):
             RuntimeLoadWatch(reactor, RuntimeLoadMonitor(settings.load), Agent(reactor, pool=scrapes, connectTimeout=5),
                              self.runtime.root, self.agent.runtime_load_changed, authorize=self.runtime.authorize,
                              refused=credentials.refused if credentials is not None else None,
-                             ).setServiceParent(self)
+                             sample=self.agent.core.load_sample).setServiceParent(self)
         self.agent.setServiceParent(self)
 
     @property

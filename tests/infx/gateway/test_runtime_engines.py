@@ -37,8 +37,13 @@ class Runtime(resource.Resource):
         self.chats: list[dict[str, Any]] = []
         self.headers: list[dict[bytes, list[bytes]]] = []
         self.lost: defer.Deferred[None] = defer.Deferred()
+        #: What /metrics answers (None: 404).
+        self.metrics: bytes | None = None
 
     def render_GET(self, request: server.Request) -> bytes:
+        if request.path == b"/metrics" and self.metrics is not None:
+            request.setHeader(b"content-type", b"text/plain; version=0.0.4")
+            return self.metrics
         if request.path == b"/health":
             request.setResponseCode(200 if self.healthy else 503)
             return b"{}"
@@ -167,6 +172,23 @@ def test_a_client_that_leaves_mid_stream_closes_the_runtimes_connection(stack):
     yield threads.deferToThread(leave_after_two_events)
     yield runtime.lost
     yield until(lambda: gateway.dispatcher.status()["tasks"] == 0, "the task to end")
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_runtime_by_urls_load_readings_say_which_of_its_engines_tasks_they_include(stack):
+    """Stamped as the agent's are, so that the gateway adds only the tasks it sent after the reading
+    (an unstamped one counts again the tasks that ended between the reading and its report)."""
+    runtime = Runtime()
+    runtime.metrics = b'vllm:num_requests_running{model_name="m"} 1.0\nvllm:num_requests_waiting{model_name="m"} 0.0\n'
+    runtime, gateway, port = yield stack(runtime, models="m")
+
+    def stamped() -> Any:
+        report, = gateway.dispatcher.processor.engine_reports("default")
+        load = report.status.models[0].runtime_load
+        return load if load.HasField("tasks_received") else None
+
+    load = yield until(stamped, "a stamped load reading")
+    assert (load.source, load.running_requests) == ("vllm", 1)
 
 
 @pytest_twisted.inlineCallbacks
