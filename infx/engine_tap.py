@@ -258,7 +258,7 @@ def makeService(options: AgentOptions) -> IService:
 
     from infx.agent.engine import AgentServices, EngineAgent, GrpcLinks
     from infx.agent.runtime_client import RuntimeClient
-    from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
+    from infx.agent.runtime_load_watch import RuntimeLoadWatch, read_when_ready, scrape_pool
     from infx.agent.runtime_watch import RuntimeWatch, check_pool
     from infx.agent.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
@@ -330,11 +330,14 @@ def makeService(options: AgentOptions) -> IService:
     if isinstance(runtime, OpenAIRuntime) and options["load-config"] is not None:
         scrapes = scrape_pool(reactor)
         used.append(_PoolCloser(scrapes.closeCachedConnections))
-        used.append(RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
-                                     Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
-                                     agent.runtime_load_changed, authorize=runtime.authorize,
-                                     refused=runtime.credentials.refused if runtime.credentials else None,
-                                     sample=agent.core.load_sample))
+        load = RuntimeLoadWatch(reactor, RuntimeLoadMonitor(options["load-config"]),
+                                Agent(reactor, pool=scrapes, connectTimeout=5), runtime.root,
+                                agent.runtime_load_changed, authorize=runtime.authorize,
+                                refused=runtime.credentials.refused if runtime.credentials else None,
+                                sample=agent.core.load_sample)
+        used.append(load)
+        if watch is not None:
+            watch.changed = read_when_ready(agent.runtime_changed, load)
     top = AgentServices(agent)
     for service in used:
         service.setServiceParent(top)

@@ -38,7 +38,7 @@ from protocol.agent.runtime_load import (
 )
 from protocol.agent.runtime_metrics import MAX_BODY
 
-__all__ = ["RuntimeLoadWatch", "scrape_pool"]
+__all__ = ["RuntimeLoadWatch", "read_when_ready", "scrape_pool"]
 
 log = Logger(namespace="infx.runtime_load_watch")
 
@@ -81,6 +81,11 @@ class RuntimeLoadWatch(Service):
         super().stopService()
         self._timer.cancel()
         self._cancel_pending()
+
+    def runtime_ready(self) -> None:
+        """The runtime's health check found it ready: its load is read at once."""
+        if self.running:
+            self._run(self.monitor.runtime_ready(self.clock.seconds()))
 
     def _cancel_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -154,3 +159,16 @@ class RuntimeLoadWatch(Service):
         request.addCallback(got)
         request.addErrback(failed)
         return request, answered
+
+
+def read_when_ready(changed: Callable[[bool, tuple[str, ...]], None],
+                    load: RuntimeLoadWatch) -> Callable[[bool, tuple[str, ...]], None]:
+    """A health watch's ``changed`` that also has ``load`` read the runtime as it turns ready: its
+    first tasks are then routed by its slots a round trip later, not up to a scrape interval later."""
+
+    def both(ready: bool, models: tuple[str, ...]) -> None:
+        changed(ready, models)
+        if ready:
+            load.runtime_ready()
+
+    return both

@@ -22,7 +22,7 @@ A probe asks /metrics and /slots at once, so that a llama.cpp server's first
 reading says its slots.
 
 Scrapes run every ``interval`` seconds (every ``absent_interval`` while
-ABSENT). What is reported (:class:`LoadChanged`) is coalesced: the first
+ABSENT), and at once when the runtime turns ready (``runtime_ready``). What is reported (:class:`LoadChanged`) is coalesced: the first
 reading at once, then only a change that matters (a count off by at least
 ``max(1, count_step × old)``, a fraction by ``fraction_step``, another
 adapter set) and at most once per ``report_min_interval`` (a change of the
@@ -268,6 +268,15 @@ class RuntimeLoadMonitor:
         if self.started:
             raise LoadUsageError("start() called twice")
         self.started = True
+        return self._scrape(now)
+
+    def runtime_ready(self, now: float) -> list[LoadEffect]:
+        """The runtime turned ready (its health check answers): read it at once, not at the next
+        scrape's time (up to ``interval`` away after failed reads, ``absent_interval`` once it showed
+        no load), so that the tasks readiness lets in are soon routed by its slots. A scrape under
+        way stands."""
+        if not self.started or self._pending is not None:
+            return []
         return self._scrape(now)
 
     def scrape_done(self, scrape_id: int, answers: Mapping[str, ScrapeAnswer], sample: LoadSample | None,

@@ -295,11 +295,12 @@ class TaskFeeder(StatusRecorder):
             results = list(self.results.get(task_id, ()))
         if not results or not results[-1].server_sent_event.is_last_event:
             return None
+        # A verbatim stream's result holds the events one read of the server completed, one or more.
         for result in results:
-            data = result.server_sent_event.data
-            if b'"usage"' in data:
-                usage: dict[str, Any] = json.loads(data.split(b"data:", 1)[1])["usage"]
-                return usage
+            for line in result.server_sent_event.data.split(b"\n"):
+                if line.startswith(b"data:") and b'"usage"' in line:
+                    usage: dict[str, Any] = json.loads(line[5:])["usage"]
+                    return usage
         raise AssertionError(f"no usage in {results}")
 
     def stop(self) -> None:

@@ -12,7 +12,7 @@ from twisted.python import usage
 from twisted.web import resource, server
 from twisted.web.client import Agent
 
-from infx.agent.runtime_load_watch import RuntimeLoadWatch, scrape_pool
+from infx.agent.runtime_load_watch import RuntimeLoadWatch, read_when_ready, scrape_pool
 from infx.engine_tap import AgentOptions, makeService
 from protocol.agent.runtime_load import LoadConfig, LoadSample, LoadSource, RuntimeLoad, RuntimeLoadMonitor
 from tests.support.engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
@@ -167,6 +167,31 @@ def test_a_refused_key_is_reported_and_no_load_is(runtime_server):
         assert changed == [] and set(fake.paths[:2]) == {b"/metrics", b"/slots"}  # one probe, both refused
     finally:
         yield stop(service)
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_runtime_that_turns_ready_is_read_at_once_not_a_scrape_interval_later(runtime_server):
+    fake, root = runtime_server
+    changed: list[Any] = []
+    health: list[tuple[bool, tuple[str, ...]]] = []
+    pool = scrape_pool(reactor)
+    monitor = RuntimeLoadMonitor(LoadConfig(interval=60.0, report_min_interval=0.0))
+    service = RuntimeLoadWatch(reactor, monitor, Agent(reactor, pool=pool), root, changed.append)
+    seen = read_when_ready(lambda ready, models: health.append((ready, models)), service)
+    service.startService()
+    try:
+        yield eventually(lambda: bool(changed))  # the first reading, at start
+        asked = len(fake.paths)
+        seen(False, ())
+        yield task.deferLater(reactor, 0.05, lambda: None)
+        assert len(fake.paths) == asked, "a runtime that is not ready is not read again"
+        seen(True, ("m",))
+        yield eventually(lambda: len(fake.paths) > asked)
+        assert fake.paths[asked:] == [b"/metrics"]
+        assert health == [(False, ()), (True, ("m",))]
+    finally:
+        service.stopService()
+        yield pool.closeCachedConnections()
 
 
 def parse(*argv: str) -> AgentOptions:

@@ -183,6 +183,32 @@ def test_a_probe_that_fails_tells_nothing_and_is_asked_again():
     assert d.answer(slots=ScrapeAnswer(404)) == [] and d.monitor.source is LoadSource.PROBING
 
 
+def test_a_runtime_that_turns_ready_is_read_at_once_and_its_slots_reported():
+    d = Driver(LoadConfig(interval=1.0, report_min_interval=2.0))
+    d.now = 0.3
+    assert d.answer() == []  # still starting: no answer
+    assert d.monitor.next_deadline() == 1.3
+    d.now = 0.5
+    d.scrape = scrape_of(d.monitor.runtime_ready(d.now))
+    assert d.scrape.paths == ("/metrics", "/slots")
+    assert d.monitor.runtime_ready(d.now) == [], "a scrape under way stands"
+    [load] = loads(d.answer(slots=slots((1, 10, 0), (2, 10, 0))))
+    assert load.slots == 2
+
+
+def test_a_runtime_that_showed_no_load_is_probed_again_when_it_turns_ready():
+    d = Driver(LoadConfig(absent_interval=30.0))
+    d.answer(metrics=ScrapeAnswer(404), slots=ScrapeAnswer(404))
+    assert d.monitor.source is LoadSource.ABSENT
+    d.now = 2.0
+    assert scrape_of(d.monitor.runtime_ready(d.now)).paths == ("/metrics", "/slots")
+    assert d.monitor.source is LoadSource.PROBING
+
+
+def test_before_start_readiness_asks_for_no_scrape():
+    assert RuntimeLoadMonitor(LoadConfig()).runtime_ready(0.0) == []
+
+
 def slots(*tasks, processing=0):
     body = [{"id": i, "is_processing": i < processing, "id_task": t, "n_prompt_tokens": p,
              "n_prompt_tokens_cache": c} for i, (t, p, c) in enumerate(tasks)]
