@@ -258,7 +258,7 @@ def makeService(options: AgentOptions) -> IService:
 
     from infx.agent.engine import AgentServices, EngineAgent, GrpcLinks
     from infx.agent.runtime_client import RuntimeClient
-    from infx.agent.runtime_load_watch import RuntimeLoadWatch, read_when_ready, scrape_pool
+    from infx.agent.runtime_load_watch import ReadWhenReady, RuntimeLoadWatch, scrape_pool
     from infx.agent.runtime_watch import RuntimeWatch, check_pool
     from infx.agent.runtimes import CAPABILITIES as OPENAI_CAPABILITIES
     from infx.agent.runtimes import EchoRuntime, OpenAIRuntime, Runtime
@@ -337,7 +337,7 @@ def makeService(options: AgentOptions) -> IService:
                                 sample=agent.core.load_sample)
         used.append(load)
         if watch is not None:
-            watch.changed = read_when_ready(agent.runtime_changed, load)
+            watch.changed = ReadWhenReady(agent.runtime_changed, load)
     top = AgentServices(agent)
     for service in used:
         service.setServiceParent(top)

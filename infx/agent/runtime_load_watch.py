@@ -15,6 +15,7 @@ log a connection factory's start and stop each time.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList
@@ -38,7 +39,7 @@ from protocol.agent.runtime_load import (
 )
 from protocol.agent.runtime_metrics import MAX_BODY
 
-__all__ = ["RuntimeLoadWatch", "read_when_ready", "scrape_pool"]
+__all__ = ["ReadWhenReady", "RuntimeLoadWatch", "scrape_pool"]
 
 log = Logger(namespace="infx.runtime_load_watch")
 
@@ -161,14 +162,16 @@ class RuntimeLoadWatch(Service):
         return request, answered
 
 
-def read_when_ready(changed: Callable[[bool, tuple[str, ...]], None],
-                    load: RuntimeLoadWatch) -> Callable[[bool, tuple[str, ...]], None]:
-    """A health watch's ``changed`` that also has ``load`` read the runtime as it turns ready: its
-    first tasks are then routed by its slots a round trip later, not up to a scrape interval later."""
+@dataclass(frozen=True)
+class ReadWhenReady:
+    """A health watch's ``changed`` that tells ``changed`` and has ``load`` read the runtime as it
+    turns ready: its first tasks are then routed by its slots a round trip later, not up to a
+    scrape interval later."""
 
-    def both(ready: bool, models: tuple[str, ...]) -> None:
-        changed(ready, models)
+    changed: Callable[[bool, tuple[str, ...]], None]
+    load: RuntimeLoadWatch
+
+    def __call__(self, ready: bool, models: tuple[str, ...]) -> None:
+        self.changed(ready, models)
         if ready:
-            load.runtime_ready()
-
-    return both
+            self.load.runtime_ready()

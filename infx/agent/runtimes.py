@@ -163,7 +163,8 @@ class _EchoTask:
         event = result.server_sent_event
         if result.WhichOneof("message") == "server_sent_event" and event.is_last_event and event.data:
             self._sink.send(event_result(event.data))
-            self._sink.send(event_result(b"", last=True, latency_ms=int((self._clock.seconds() - self._started) * 1000)))
+            elapsed_ms = int((self._clock.seconds() - self._started) * 1000)
+            self._sink.send(event_result(b"", last=True, latency_ms=elapsed_ms))
         else:
             self._sink.send(result)
 

@@ -32,7 +32,7 @@ from twisted.web.client import Agent
 import infx
 from infx.agent.engine import AgentServices, EngineAgent
 from infx.agent.runtime_client import RuntimeClient
-from infx.agent.runtime_load_watch import RuntimeLoadWatch, read_when_ready, scrape_pool
+from infx.agent.runtime_load_watch import ReadWhenReady, RuntimeLoadWatch, scrape_pool
 from infx.agent.runtime_watch import RuntimeWatch, check_pool
 from infx.agent.runtimes import CAPABILITIES, OpenAIRuntime, Runtime
 from infx.agent.slot_keeping import SlotKeepingRuntime
@@ -135,7 +135,7 @@ class RuntimeEngine(AgentServices):
                                     refused=credentials.refused if credentials is not None else None,
                                     sample=self.agent.core.load_sample)
             load.setServiceParent(self)
-            watch.changed = read_when_ready(self.agent.runtime_changed, load)
+            watch.changed = ReadWhenReady(self.agent.runtime_changed, load)
         self.agent.setServiceParent(self)
 
     @property

@@ -22,12 +22,13 @@ A probe asks /metrics and /slots at once, so that a llama.cpp server's first
 reading says its slots.
 
 Scrapes run every ``interval`` seconds (every ``absent_interval`` while
-ABSENT), and at once when the runtime turns ready (``runtime_ready``). What is reported (:class:`LoadChanged`) is coalesced: the first
-reading at once, then only a change that matters (a count off by at least
+ABSENT), and at once when the runtime turns ready (``runtime_ready``). What
+is reported (:class:`LoadChanged`) is coalesced: the first reading at once,
+then only a change that matters (a count off by at least
 ``max(1, count_step × old)``, a fraction by ``fraction_step``, another
 adapter set) and at most once per ``report_min_interval`` (a change of the
-runtime's slots at once), so that a busy
-runtime whose counts move on every scrape does not send a status per scrape.
+runtime's slots at once), so that a busy runtime whose counts move on every
+scrape does not send a status per scrape.
 After ``stale_after`` scrapes in a row fail, the load is withdrawn
 (``LoadChanged(None)``): routing then falls back to in-progress counts
 rather than trust numbers that no longer describe the runtime.

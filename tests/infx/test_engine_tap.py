@@ -153,6 +153,7 @@ def test_upstream_key_comes_from_a_file_or_the_environment(monkeypatch: pytest.M
 
 
 def test_the_openai_tree_watches_its_runtime_and_tells_the_agent(tmp_path: Path) -> None:
+    from infx.agent.runtime_load_watch import ReadWhenReady, RuntimeLoadWatch
     from infx.agent.runtime_watch import RuntimeWatch
 
     key_file = tmp_path / "key"
@@ -161,7 +162,9 @@ def test_the_openai_tree_watches_its_runtime_and_tells_the_agent(tmp_path: Path)
                                 "--upstream-api-key-file", str(key_file), "--runtime-check-interval", "2"))
     watches = [s for s in service if isinstance(s, RuntimeWatch)]
     agent = next(s for s in service if isinstance(s, EngineAgent))
-    assert len(watches) == 1 and watches[0].changed == agent.runtime_changed
+    load, = [s for s in service if isinstance(s, RuntimeLoadWatch)]
+    # The agent hears of each verdict, and a runtime that turns ready has its load read at once.
+    assert len(watches) == 1 and watches[0].changed == ReadWhenReady(agent.runtime_changed, load)
     assert watches[0].machine.config.interval == 2 and watches[0].machine.config.list_models
     assert watches[0].runtime.credentials is not None and watches[0].runtime.credentials.current() == "sk-1"
 

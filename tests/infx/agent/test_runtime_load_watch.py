@@ -12,7 +12,7 @@ from twisted.python import usage
 from twisted.web import resource, server
 from twisted.web.client import Agent
 
-from infx.agent.runtime_load_watch import RuntimeLoadWatch, read_when_ready, scrape_pool
+from infx.agent.runtime_load_watch import ReadWhenReady, RuntimeLoadWatch, scrape_pool
 from infx.engine_tap import AgentOptions, makeService
 from protocol.agent.runtime_load import LoadConfig, LoadSample, LoadSource, RuntimeLoad, RuntimeLoadMonitor
 from tests.support.engine_loopback import gateway, with_timeout  # noqa: F401 (gateway is a fixture)
@@ -177,7 +177,7 @@ def test_a_runtime_that_turns_ready_is_read_at_once_not_a_scrape_interval_later(
     pool = scrape_pool(reactor)
     monitor = RuntimeLoadMonitor(LoadConfig(interval=60.0, report_min_interval=0.0))
     service = RuntimeLoadWatch(reactor, monitor, Agent(reactor, pool=pool), root, changed.append)
-    seen = read_when_ready(lambda ready, models: health.append((ready, models)), service)
+    seen = ReadWhenReady(lambda ready, models: health.append((ready, models)), service)
     service.startService()
     try:
         yield eventually(lambda: bool(changed))  # the first reading, at start
