@@ -148,12 +148,16 @@ class InfxRouter:
     """infx: ``twistd infx`` gateway(s) and a ``twistd infx-engine`` per runtime (see the module docstring).
 
     ``policy`` is ``--routing-policy``; ``gateway_extra`` and ``agent_extra`` are more options of each;
-    ``checkout``: run another checkout's infx (its ``.venv``'s twistd, its tree first on the path).
+    ``checkout``: run another checkout's infx (its ``.venv``'s twistd, its tree first on the path);
+    ``by_url``: no agents, each runtime served by URL (``--runtime-url``) by the gateway its agent
+    would have dialled.
     """
 
     def __init__(self, name: str, policy: str = "affinity", gateway_extra: Sequence[str] = (),
-                 agent_extra: Sequence[str] = (), checkout: Path | None = None, slot_files: int = 0) -> None:
+                 agent_extra: Sequence[str] = (), checkout: Path | None = None, slot_files: int = 0,
+                 by_url: bool = False) -> None:
         self.name = name
+        self.by_url = by_url
         self.slot_saves = slot_files > 0
         self.checkout = checkout
         self.env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
@@ -170,6 +174,9 @@ class InfxRouter:
 
         def gateway(i: int, peers: Sequence[str], ports: tuple[int, int, int] | None = None) -> Gateway:
             extra = ["--routing-policy", self.policy, *self.gateway_extra]
+            if self.by_url:
+                for url in urls[i::replicas]:
+                    extra += ["--runtime-url", f"{url}={MODEL}"]
             if peers:
                 extra += ["--peers", ",".join(peers)]
             return Gateway(logs, api_keys=keys, admin_key="sk-admin", name=f"gateway-{i}", ports=ports,
@@ -193,7 +200,8 @@ class InfxRouter:
                 return Engine(logs, home, f"e{i}", [MODEL], runtime="openai", upstream=urls[i], key="ek-bench",
                               extra=self.agent_extra, env=self.env, twistd=self.twistd)
 
-            self.agents = list(pool.map(agent, range(len(urls))))
+            if not self.by_url:
+                self.agents = list(pool.map(agent, range(len(urls))))
 
         def all_ready(g: Gateway) -> bool:
             engines = g.engines().values()
