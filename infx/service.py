@@ -52,6 +52,7 @@ from protocol.gateway.effects import DIAL_BACK_SECONDS, PEER_LEARNING_SECONDS, C
 from protocol.grpc import GrpcConfig
 from protocol.processor.core import Processor
 from protocol.processor.config import ProcessorConfig
+from protocol.routing.config import RoutingPolicy
 from protocol.scaling.scaler import DEFAULT_STARTUP_TIMEOUT, ScalerConfig
 from protocol.supervisor.siblings import IN_EVERY_WORKER, workers_header
 
@@ -197,8 +198,9 @@ class GatewayService(service.MultiService):
                                                        redial_when_dialled_in=True,
                                                        dial_back_after=DIAL_BACK_SECONDS))
         self.metrics.watch(self.dispatcher.gauges, lambda: self.processor.counters)
+        # Only the affinity policy reads a request's hints: the others route without making them.
         self.gateway = HttpApi(self.dispatcher, reactor, self.metrics, keys, max_body_size=config.max_body_size,
-                               hints=hints)
+                               hints=hints if routing.policy is RoutingPolicy.AFFINITY else None)
         self.tracing = self._start_tracing()
         self.gateway.tracing = self.dispatcher.tracing = self.tracing
         self.http_resource = build_resource(self.gateway, self._metrics_of_every_worker() if role else None)

@@ -90,10 +90,11 @@ class HttpApi:
         keys: KeyStore | None = None,
         max_buffered_bytes: int = 4 * 1024 * 1024,
         max_body_size: int = DEFAULT_MAX_BODY_SIZE,
-        hints: routing_hints.HintsConfig = routing_hints.HintsConfig(),
+        hints: routing_hints.HintsConfig | None = routing_hints.HintsConfig(),
     ) -> None:
         self.runner = runner
-        self.hints = hints  # how prompts are cut into prefix blocks for routing
+        #: How prompts are cut into prefix blocks for routing; None: the routing policy reads no hints.
+        self.hints = hints
         self.clock = clock
         self.metrics = metrics
         self.keys = keys or KeyStore.disabled()
@@ -253,7 +254,7 @@ class ApiCall:
             criticality=criticality,
             flow=principal.key_id,
             weight=principal.weight,
-            routing_hints=routing_hints.hints_from_json(
+            routing_hints=None if self.gateway.hints is None else routing_hints.hints_from_json(
                 self.endpoint, body if parsed.body_json is None else parsed.body_json, submission_headers,
                 self.gateway.hints),
             trace=self.span,

@@ -46,3 +46,29 @@ def test_the_gateway_cuts_prompts_as_its_hints_config_says(gateway_factory):  # 
     yield threads.deferToThread(lambda: client(base).chat.completions.create(model="m", messages=messages))
     default, small = (s.routing_hints for s in runner.submissions)
     assert len(small.blocks) == 3 > len(default.blocks) and small.blocks[0] != default.blocks[0]
+
+
+@pytest_twisted.inlineCallbacks
+def test_no_hints_are_made_for_a_policy_that_reads_none(gateway_factory):  # noqa: F811
+    runner, gateway, base = yield gateway_factory()
+    gateway.hints = None  # what the service gives the API unless the policy is affinity
+    yield threads.deferToThread(lambda: client(base).chat.completions.create(
+        model="m", messages=[SYSTEM, {"role": "user", "content": "hi"}], extra_headers={"x-session-id": "s-9"}))
+    assert runner.submissions[0].routing_hints is None
+
+
+@pytest_twisted.inlineCallbacks
+def test_the_gateway_makes_hints_only_where_its_routing_policy_reads_them():
+    from twisted.internet import reactor
+
+    from infx.config import build_config
+    from infx.service import build_gateway
+
+    ports = {name: "tcp:0:interface=127.0.0.1" for name in ("http", "worker_grpc", "internal_grpc")}
+    for policy, made in (("affinity", True), ("round_robin", False), ("least_in_progress", False)):
+        gateway = build_gateway(reactor, build_config({"routing_policy": policy, "grace_period": 1}, ports))
+        yield gateway.startService()
+        try:
+            assert (gateway.gateway.hints is not None) is made, policy
+        finally:
+            yield gateway.stopService()
