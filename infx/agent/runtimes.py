@@ -287,7 +287,7 @@ class _OpenAITask:
             self._last_event = events[-1]
             if self._verbatim:
                 # The runtime's own stream: what one read completes goes on as one piece.
-                self._sink.event(events[0] if len(events) == 1 else b"".join(events))
+                self._sink.event(b"".join(events))  # a lone event is itself, not a copy
             else:
                 for event in events:
                     self._sink.event(event)

@@ -78,7 +78,7 @@ class _InProcessStream:
 
         def spliced(data: bytes) -> bool:
             # Only while nothing waits in line to be delivered, which the event would overtake.
-            return not (self.closed or links.handing or links._waiting) and origin.spliced_event(data)
+            return not (self.closed or links.busy) and origin.spliced_event(data)
 
         self.agent.splice(wire_id, spliced)
 
@@ -171,9 +171,14 @@ class InProcessLinks:
         self.deliver(agent.stream_confirmed, stream_id)
         return stream
 
+    @property
+    def busy(self) -> bool:
+        """A call now would re-enter the dispatcher or overtake what waits already."""
+        return bool(self.handing or self._waiting)
+
     def deliver(self, call: Callable[..., Any], *args: Any) -> None:
-        """Call now, unless that would re-enter the dispatcher or overtake what waits already."""
-        if self.handing or self._waiting:
+        """Call now, unless the links are :attr:`busy`: then in order, on the next reactor turn."""
+        if self.busy:
             self._waiting.append((call, args))
             if self._flush is None:
                 self._flush = self.clock.callLater(0, self._deliver_waiting)
