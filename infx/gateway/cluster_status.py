@@ -378,7 +378,8 @@ def _runtime(status: status_pb2.EngineStatus) -> dict[str, Any] | None:
     if not status.HasField("infx_runtime"):
         return None
     info = status.infx_runtime
-    return {"kind": info.kind or None, "version": info.version or None, "agent_version": info.agent_version or None}
+    return {"kind": info.kind or None, "version": info.version or None, "agent_version": info.agent_version or None,
+            "name": status.infx_runtime_name or None}
 
 
 def _load(load: status_pb2.EngineStatus.RuntimeLoad) -> dict[str, Any]:

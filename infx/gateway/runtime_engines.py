@@ -92,8 +92,10 @@ class RuntimeEngine(AgentServices):
     """One runtime served by URL: the engine agent in process with its health check and load scrapes;
     stopping it drains the engine first, then closes its connections."""
 
-    def __init__(self, reactor: Any, dispatcher: Dispatcher, target: RuntimeTarget, engine_id: str,
+    def __init__(self, reactor: Any, dispatcher: Dispatcher, target: RuntimeTarget, name: str, engine_id: str,
                  settings: RuntimeSettings) -> None:
+        """``name``: the runtime's, the same on every gateway and worker that serves it
+        (``EngineStatus.infx_runtime_name``); ``engine_id``: its engine's here."""
         self.target = target
         credentials = UpstreamKey(reactor, path=settings.api_key_file) if settings.api_key_file else None
         # One kept-alive connection per running task at most (the core runs max_concurrency).
@@ -102,7 +104,7 @@ class RuntimeEngine(AgentServices):
         core = EngineAgentCore(AgentConfig(
             engine_id=engine_id, models=target.models, max_concurrency=settings.max_concurrency,
             wait_for_runtime=True, capabilities=CAPABILITIES + settings.capabilities, instance=secrets.token_hex(8),
-            runtime_kind="openai", agent_version=infx.__version__))
+            runtime_kind="openai", agent_version=infx.__version__, runtime_name=name))
         runtime: Runtime = self.runtime
         kept = None
         if settings.slot_files:
@@ -204,7 +206,7 @@ class RuntimeEngines:
             # which the processor would refuse while the old one drains.
             leaving.addBoth(lambda result: (self._add_if_wanted(name, target), result)[1])
             return
-        engine = RuntimeEngine(self.reactor, self.dispatcher, target, runtime_engine_id(name, self.pod_name),
+        engine = RuntimeEngine(self.reactor, self.dispatcher, target, name, runtime_engine_id(name, self.pod_name),
                                self.settings)
         self.engines[name] = engine
         log.info("serving the runtime at {url} as engine {engine_id} (models: {models})", url=engine.runtime.root,

@@ -268,6 +268,7 @@ class EngineAgentCore:
             infx_capabilities=self.config.capabilities,
             infx_instance=self.config.instance,
             infx_runtime_slots=self.config.runtime_slots or self._runtime_slots or 0,
+            infx_runtime_name=self.config.runtime_name,
             models=[
                 status_pb2.EngineStatus.Model(id=m, is_ready=self._runtime_ready,
                                               in_progress_task_count=self._model_counts.get(m, 0))

@@ -59,6 +59,9 @@ class AgentConfig:
     ``runtime_slots``: requests the runtime runs at once, as the operator
     knows it (vLLM's ``--max-num-seqs``); None: what the runtime says, if it
     says (llama.cpp's slots), reported as ``EngineStatus.infx_runtime_slots``.
+    ``runtime_name``: the runtime's name where engines of other gateways or
+    workers front it too (a runtime served by URL), reported as
+    ``EngineStatus.infx_runtime_name``: routing counts them as one runtime.
     """
 
     engine_id: str
@@ -79,6 +82,7 @@ class AgentConfig:
     runtime_kind: str = ""
     agent_version: str = ""
     runtime_slots: int | None = None
+    runtime_name: str = ""
 
     def __post_init__(self) -> None:
         if not self.engine_id:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/status.proto\x12\x1dllmariner.inference.server.v1\"\x9b\x0b\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x41\n\x06models\x18\x05 \x03(\x0b\x32\x31.llmariner.inference.server.v1.EngineStatus.Model\x12\x12\n\ncluster_id\x18\x06 \x01(\t\x12\x19\n\x11infx_capabilities\x18\x64 \x03(\t\x12\x15\n\rinfx_instance\x18\x65 \x01(\t\x12M\n\x0cinfx_runtime\x18\x66 \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.RuntimeInfo\x12\x1a\n\x12infx_runtime_slots\x18g \x01(\r\x12R\n\x11infx_slot_keeping\x18h \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.SlotKeeping\x1a\xef\x03\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08is_ready\x18\x02 \x01(\x08\x12\x1e\n\x16in_progress_task_count\x18\x03 \x01(\x05\x12\x15\n\rgpu_allocated\x18\x04 \x01(\x05\x12\"\n\x1ais_dynamically_loaded_lora\x18\x05 \x01(\x08\x12W\n\x0estatus_details\x18\x06 \x01(\x0b\x32?.llmariner.inference.server.v1.EngineStatus.Model.StatusDetails\x12M\n\x0cruntime_load\x18i \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.RuntimeLoad\x12\x18\n\x10infx_prefix_tips\x18j \x03(\x06\x12R\n\x11infx_prompt_cache\x18k \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.PromptCache\x1aW\n\rStatusDetails\x12\x16\n\x0enum_ready_pods\x18\x01 \x01(\x05\x12\x16\n\x0enum_total_pods\x18\x02 \x01(\x05\x12\x16\n\x0estatus_message\x18\x03 \x01(\t\x1aL\n\x0bPromptCache\x12\x0f\n\x07\x61nswers\x18\x01 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x1a\xb2\x02\n\x0bRuntimeLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x1b\n\x0ekv_cache_usage\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\x0floaded_adapters\x18\x05 \x03(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x1b\n\x0etasks_received\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0btasks_ended\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x11\n\x0f_kv_cache_usageB\x18\n\x16_prefix_cache_hit_rateB\x11\n\x0f_tasks_receivedB\x0e\n\x0c_tasks_ended\x1a\x43\n\x0bRuntimeInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\t\x1ag\n\x0bSlotKeeping\x12\x0c\n\x04held\x18\x01 \x01(\x04\x12\x10\n\x08restored\x18\x02 \x01(\x04\x12\x0c\n\x04\x63old\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05saved\x18\x05 \x01(\r\x12\x0b\n\x03off\x18\x06 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protocol/pb/status.proto\x12\x1dllmariner.inference.server.v1\"\xb6\x0b\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x41\n\x06models\x18\x05 \x03(\x0b\x32\x31.llmariner.inference.server.v1.EngineStatus.Model\x12\x12\n\ncluster_id\x18\x06 \x01(\t\x12\x19\n\x11infx_capabilities\x18\x64 \x03(\t\x12\x15\n\rinfx_instance\x18\x65 \x01(\t\x12M\n\x0cinfx_runtime\x18\x66 \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.RuntimeInfo\x12\x1a\n\x12infx_runtime_slots\x18g \x01(\r\x12R\n\x11infx_slot_keeping\x18h \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.SlotKeeping\x12\x19\n\x11infx_runtime_name\x18i \x01(\t\x1a\xef\x03\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x10\n\x08is_ready\x18\x02 \x01(\x08\x12\x1e\n\x16in_progress_task_count\x18\x03 \x01(\x05\x12\x15\n\rgpu_allocated\x18\x04 \x01(\x05\x12\"\n\x1ais_dynamically_loaded_lora\x18\x05 \x01(\x08\x12W\n\x0estatus_details\x18\x06 \x01(\x0b\x32?.llmariner.inference.server.v1.EngineStatus.Model.StatusDetails\x12M\n\x0cruntime_load\x18i \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.RuntimeLoad\x12\x18\n\x10infx_prefix_tips\x18j \x03(\x06\x12R\n\x11infx_prompt_cache\x18k \x01(\x0b\x32\x37.llmariner.inference.server.v1.EngineStatus.PromptCache\x1aW\n\rStatusDetails\x12\x16\n\x0enum_ready_pods\x18\x01 \x01(\x05\x12\x16\n\x0enum_total_pods\x18\x02 \x01(\x05\x12\x16\n\x0estatus_message\x18\x03 \x01(\t\x1aL\n\x0bPromptCache\x12\x0f\n\x07\x61nswers\x18\x01 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x1a\xb2\x02\n\x0bRuntimeLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x1b\n\x0ekv_cache_usage\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\"\n\x15prefix_cache_hit_rate\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x17\n\x0floaded_adapters\x18\x05 \x03(\t\x12\x0e\n\x06source\x18\x06 \x01(\t\x12\x1b\n\x0etasks_received\x18\x07 \x01(\x04H\x02\x88\x01\x01\x12\x18\n\x0btasks_ended\x18\x08 \x01(\x04H\x03\x88\x01\x01\x42\x11\n\x0f_kv_cache_usageB\x18\n\x16_prefix_cache_hit_rateB\x11\n\x0f_tasks_receivedB\x0e\n\x0c_tasks_ended\x1a\x43\n\x0bRuntimeInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\ragent_version\x18\x03 \x01(\t\x1ag\n\x0bSlotKeeping\x12\x0c\n\x04held\x18\x01 \x01(\x04\x12\x10\n\x08restored\x18\x02 \x01(\x04\x12\x0c\n\x04\x63old\x18\x03 \x01(\x04\x12\x0e\n\x06\x66\x61iled\x18\x04 \x01(\x04\x12\r\n\x05saved\x18\x05 \x01(\r\x12\x0b\n\x03off\x18\x06 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocol.pb.status_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENGINESTATUS']._serialized_start=60
-  _globals['_ENGINESTATUS']._serialized_end=1495
-  _globals['_ENGINESTATUS_MODEL']._serialized_start=439
-  _globals['_ENGINESTATUS_MODEL']._serialized_end=934
-  _globals['_ENGINESTATUS_MODEL_STATUSDETAILS']._serialized_start=847
-  _globals['_ENGINESTATUS_MODEL_STATUSDETAILS']._serialized_end=934
-  _globals['_ENGINESTATUS_PROMPTCACHE']._serialized_start=936
-  _globals['_ENGINESTATUS_PROMPTCACHE']._serialized_end=1012
-  _globals['_ENGINESTATUS_RUNTIMELOAD']._serialized_start=1015
-  _globals['_ENGINESTATUS_RUNTIMELOAD']._serialized_end=1321
-  _globals['_ENGINESTATUS_RUNTIMEINFO']._serialized_start=1323
-  _globals['_ENGINESTATUS_RUNTIMEINFO']._serialized_end=1390
-  _globals['_ENGINESTATUS_SLOTKEEPING']._serialized_start=1392
-  _globals['_ENGINESTATUS_SLOTKEEPING']._serialized_end=1495
+  _globals['_ENGINESTATUS']._serialized_end=1522
+  _globals['_ENGINESTATUS_MODEL']._serialized_start=466
+  _globals['_ENGINESTATUS_MODEL']._serialized_end=961
+  _globals['_ENGINESTATUS_MODEL_STATUSDETAILS']._serialized_start=874
+  _globals['_ENGINESTATUS_MODEL_STATUSDETAILS']._serialized_end=961
+  _globals['_ENGINESTATUS_PROMPTCACHE']._serialized_start=963
+  _globals['_ENGINESTATUS_PROMPTCACHE']._serialized_end=1039
+  _globals['_ENGINESTATUS_RUNTIMELOAD']._serialized_start=1042
+  _globals['_ENGINESTATUS_RUNTIMELOAD']._serialized_end=1348
+  _globals['_ENGINESTATUS_RUNTIMEINFO']._serialized_start=1350
+  _globals['_ENGINESTATUS_RUNTIMEINFO']._serialized_end=1417
+  _globals['_ENGINESTATUS_SLOTKEEPING']._serialized_start=1419
+  _globals['_ENGINESTATUS_SLOTKEEPING']._serialized_end=1522
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime", "infx_runtime_slots", "infx_slot_keeping")
+    __slots__ = ("engine_id", "ready", "models", "cluster_id", "infx_capabilities", "infx_instance", "infx_runtime", "infx_runtime_slots", "infx_slot_keeping", "infx_runtime_name")
     class Model(_message.Message):
         __slots__ = ("id", "is_ready", "in_progress_task_count", "gpu_allocated", "is_dynamically_loaded_lora", "status_details", "runtime_load", "infx_prefix_tips", "infx_prompt_cache")
         class StatusDetails(_message.Message):
@@ -99,6 +99,7 @@ class EngineStatus(_message.Message):
     INFX_RUNTIME_FIELD_NUMBER: _ClassVar[int]
     INFX_RUNTIME_SLOTS_FIELD_NUMBER: _ClassVar[int]
     INFX_SLOT_KEEPING_FIELD_NUMBER: _ClassVar[int]
+    INFX_RUNTIME_NAME_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     ready: bool
     models: _containers.RepeatedCompositeFieldContainer[EngineStatus.Model]
@@ -108,4 +109,5 @@ class EngineStatus(_message.Message):
     infx_runtime: EngineStatus.RuntimeInfo
     infx_runtime_slots: int
     infx_slot_keeping: EngineStatus.SlotKeeping
-    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ..., infx_runtime_slots: _Optional[int] = ..., infx_slot_keeping: _Optional[_Union[EngineStatus.SlotKeeping, _Mapping]] = ...) -> None: ...
+    infx_runtime_name: str
+    def __init__(self, engine_id: _Optional[str] = ..., ready: _Optional[bool] = ..., models: _Optional[_Iterable[_Union[EngineStatus.Model, _Mapping]]] = ..., cluster_id: _Optional[str] = ..., infx_capabilities: _Optional[_Iterable[str]] = ..., infx_instance: _Optional[str] = ..., infx_runtime: _Optional[_Union[EngineStatus.RuntimeInfo, _Mapping]] = ..., infx_runtime_slots: _Optional[int] = ..., infx_slot_keeping: _Optional[_Union[EngineStatus.SlotKeeping, _Mapping]] = ..., infx_runtime_name: _Optional[str] = ...) -> None: ...

@@ -38,7 +38,9 @@ gateway, which sends its share of the same keys, counts them alike and
 chooses the same engine; and a conversation's later turns follow the spilled
 tip its first turn left, from any gateway. Every gateway knows
 the same engines from the exchange, and hashes each by the id it reports
-(a peer's engine is named with its pod here), so a conversation arriving at any
+(a peer's engine is named with its pod here), or by the name of its runtime
+where engines of several gateways and workers front one runtime served by URL
+(each routes to its own, :mod:`protocol.routing.pools`), so a conversation arriving at any
 replica has the same home while that engine has room: no central
 service. Where bounded load moved a turn off its home, the engine's
 gateway reports the spill to every peer with the engine's status
@@ -299,14 +301,15 @@ class Affinity(Policy):
         ring = self._ring(pool)
         if ring.members[bisect_left(ring.points, hints.home) % len(ring.points)].key != key:
             return True
-        return any(other != key for other in self.pools.spills.depths(hints.blocks)) or \
-            any(other != key for other in self.pools.spills.holders(hints.opening))
+        serving = self.pools.serving
+        return any(serving(other) != key for other in self.pools.spills.depths(hints.blocks)) or \
+            any(serving(other) != key for other in self.pools.spills.holders(hints.opening))
 
     def _ring(self, pool: Pool) -> _Ring:
         ring = self._rings.get((pool.tenant_id, pool.model))
         if ring is None:
             points = sorted(
-                (_point(f"{key.tenant_id}\0{member.reported_id}\0{i}".encode()), key.engine_id, member)
+                (_point(f"{key.tenant_id}\0{member.ring_id}\0{i}".encode()), key.engine_id, member)
                 for key, member in pool.members.items()
                 for i in range(self.config.ring_points)
             )
@@ -323,6 +326,7 @@ class Affinity(Policy):
         depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
         if config.prefix_weight:
             for key, depth in self.pools.spills.depths(hints.blocks).items():
+                key = self.pools.serving(key)
                 if depth > depths.get(key, 0):
                     depths[key] = depth
         ring = self._ring(pool)
@@ -387,7 +391,7 @@ class Affinity(Policy):
             conversation = _conversation(hints)
             if conversation is not None:
                 ranked = max(itertools.islice(seen, spread),
-                             key=lambda key: _point(conversation + pool.members[key].reported_id.encode()))
+                             key=lambda key: _point(conversation + pool.members[key].ring_id.encode()))
                 if ranked in candidates:
                     home = ranked
             elif spread_homes:
@@ -510,7 +514,7 @@ class Affinity(Policy):
         """The engines of ``pool`` a gateway reported this conversation's opening spilled to, by engine id."""
         if not hints.opening:
             return []
-        return [key for key in self.pools.spills.holders(hints.opening) if key in pool.members]
+        return [key for key in map(self.pools.serving, self.pools.spills.holders(hints.opening)) if key in pool.members]
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:
         explained = self._explained

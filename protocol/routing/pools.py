@@ -28,6 +28,15 @@ A peer's engine, an unstamped report, or counts that cannot be this stream's
 (more received than sent: the engine came back on another stream while its
 old one still had tasks) keep the rule above.
 
+One runtime, one member: engines that name the runtime they front
+(``EngineStatus.infx_runtime_name``: a runtime served by URL, which each
+worker and each gateway replica that finds it serves with an engine of its
+own) are routed to as one. Of a runtime's engines, the pools hold one: this
+gateway's own, else the peer's with the least engine id that takes tasks;
+the others are kept and counted but sit out, so a request is never forwarded
+to a peer for a runtime this gateway reaches itself, and no runtime is counted
+twice in a pool's total or its engines.
+
 Capacity: ``EngineStatus.infx_runtime_slots`` (the requests its runtime runs
 at once, llama.cpp's slots or vLLM's ``max_num_seqs``; 0: unknown), which the
 policies and the processor's default in-flight cap read.
@@ -64,19 +73,21 @@ def reported_load(status: status_pb2.EngineStatus) -> tuple[int, float | None, f
     return requests, kv, frozenset(adapters)
 
 
-_NO_STATUS = status_pb2.EngineStatus()
-
-
 @dataclass(slots=True)
 class Member:
     """One engine as routing sees it."""
 
     key: EngineKey
-    #: The id the engine reports, the same on every gateway (``key`` names a peer's engine
-    #: with its gateway's pod here): what a policy hashes it by.
-    reported_id: str = ""
-    #: The models it takes tasks for now: the pools it is in.
+    #: What a policy hashes it by, the same on every gateway (``key`` names a peer's engine with
+    #: its gateway's pod here): its runtime's name where it reports one, else its engine id.
+    ring_id: str = ""
+    #: ``EngineStatus.infx_runtime_name``: the runtime it fronts, which other engines may front too.
+    runtime: str = ""
+    #: The models it takes tasks for now: the pools it is in (none while another engine of its
+    #: runtime is the one routed to).
     pools: frozenset[str] = frozenset()
+    #: The models it would take tasks for (what the processor says).
+    wanted: frozenset[str] = frozenset()
     #: Attached to this gateway (else a peer's).
     local: bool = False
     #: This processor's tasks in flight on it.
@@ -120,6 +131,9 @@ class Pools:
         self._members: dict[EngineKey, Member] = {}
         self._pools: dict[tuple[str, str], Pool] = {}
         self.spills = SpilledTips(spilled_tips)
+        #: (tenant, runtime name) -> the engines that front it, and the one of them routed to.
+        self._fronts: dict[tuple[str, str], dict[EngineKey, None]] = {}
+        self._serving: dict[tuple[str, str], EngineKey] = {}
         # Adapter name -> engines that report it loaded.
         self._adapters: dict[str, dict[EngineKey, None]] = {}
 
@@ -137,6 +151,14 @@ class Pools:
         """The engines that report ``adapter`` loaded, in the order they first did."""
         return self._adapters.get(adapter, ())
 
+    def serving(self, key: EngineKey) -> EngineKey:
+        """The engine routed to for ``key``'s runtime: ``key`` itself unless it sits out for
+        another engine of the same runtime (a peer's record of a spill names its own engine)."""
+        member = self._members.get(key)
+        if member is None or not member.runtime:
+            return key
+        return self._serving.get((key.tenant_id, member.runtime), key)
+
     def load(self, key: EngineKey) -> int:
         """The load routing counts for ``key`` (0 if unknown)."""
         member = self._members.get(key)
@@ -150,24 +172,72 @@ class Pools:
         Returns the pools it joined or left (a pool left empty is gone)."""
         member = self._members.get(key)
         if member is None:
-            member = self._members[key] = Member(key, status.engine_id, local=local)
+            member = self._members[key] = Member(key, local=local)
         elif member.local is not local:
             self.spills.forget(key)
-            member.local = local
+        before = (member.runtime, member.local, bool(member.wanted))
+        member.local, member.wanted = local, models
+        member.ring_id = f"runtime:{status.infx_runtime_name}" if status.infx_runtime_name else status.engine_id
         if not local:
             self.spills.reported(key, status)
         reported, member.kv, adapters = reported_load(status)
         member.slots = status.infx_runtime_slots if self._runtime_slots else 0
         self._set_load(member, member.in_flight, reported, self._since_reading(member, status))
+        self._set_adapters(member, adapters)
+        runtime = status.infx_runtime_name
+        if not runtime and not member.runtime:
+            return self._place(member, models)
+        if before == (runtime, local, bool(models)):  # which of its runtime's engines is routed to stands
+            return self._place(member, models if self._serving[(key.tenant_id, runtime)] == key else frozenset())
+        changed = self._leave_runtime(member) if member.runtime and member.runtime != runtime else []
+        hashed = member.pools
+        member.runtime = runtime
+        if runtime:
+            self._fronts.setdefault((key.tenant_id, runtime), {})[key] = None
+            changed += self._settle(key.tenant_id, runtime)
+        else:
+            changed += self._place(member, models)
+        # Its ring id changed with its runtime: the pools it stays in hash it anew.
+        return changed + [self._pools[(key.tenant_id, model)] for model in hashed & member.pools]
+
+    def _set_adapters(self, member: Member, adapters: frozenset[str]) -> None:
         if adapters != member.adapters:
             for adapter in member.adapters - adapters:
                 holders = self._adapters[adapter]
-                del holders[key]
+                del holders[member.key]
                 if not holders:
                     del self._adapters[adapter]
             for adapter in sorted(adapters - member.adapters):
-                self._adapters.setdefault(adapter, {})[key] = None
+                self._adapters.setdefault(adapter, {})[member.key] = None
             member.adapters = adapters
+
+    def _leave_runtime(self, member: Member) -> list[Pool]:
+        """``member`` no longer fronts its runtime: another of the runtime's engines may be routed to."""
+        group = (member.key.tenant_id, member.runtime)
+        fronts = self._fronts[group]
+        del fronts[member.key]
+        if not fronts:
+            del self._fronts[group]
+            self._serving.pop(group, None)
+            return []
+        return self._settle(*group)
+
+    def _settle(self, tenant_id: str, runtime: str) -> list[Pool]:
+        """Of the engines that front ``runtime``, the one routed to (this gateway's own, else the
+        peer's of least engine id, among those that take tasks) joins its pools; the others sit out."""
+        group = (tenant_id, runtime)
+        fronts = [self._members[key] for key in self._fronts[group]]
+        taking = [m for m in fronts if m.wanted] or fronts
+        chosen = min(taking, key=lambda m: (not m.local, m.key.engine_id))
+        self._serving[group] = chosen.key
+        changed: list[Pool] = []
+        for member in fronts:
+            changed += self._place(member, member.wanted if member is chosen else frozenset())
+        return changed
+
+    def _place(self, member: Member, models: frozenset[str]) -> list[Pool]:
+        """``member`` joins the pools of ``models`` and leaves the others; returns the pools it changed."""
+        key = member.key
         changed: list[Pool] = []
         if models != member.pools:
             for model in member.pools - models:
@@ -227,7 +297,11 @@ class Pools:
         member = self._members.get(key)
         changed: list[Pool] = []
         if member is not None:
-            changed = self.engine_updated(key, frozenset(), _NO_STATUS, member.local)
+            member.wanted = frozenset()
+            changed = self._place(member, frozenset())
+            if member.runtime:
+                changed += self._leave_runtime(member)
+            self._set_adapters(member, frozenset())
             del self._members[key]
         self.spills.forget(key)
         return changed

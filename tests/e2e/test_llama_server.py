@@ -98,7 +98,7 @@ def test_the_gateway_names_the_runtime_and_its_version_as_the_server_states_them
     build = json.loads(body)["build_info"]
     runtime = wait_until(lambda: (gateway.engines()["llama-engine"].get("runtime") or {}).get("version")
                          and gateway.engines()["llama-engine"]["runtime"], "the runtime's version", [gateway.child])
-    assert runtime == {"kind": "llama.cpp", "version": build, "agent_version": infx.__version__}
+    assert runtime == {"kind": "llama.cpp", "version": build, "agent_version": infx.__version__, "name": None}
 
 
 @pytest.mark.parametrize("extra", [

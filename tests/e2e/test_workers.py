@@ -133,6 +133,68 @@ def test_every_worker_sends_to_a_runtime_by_url_itself_never_through_a_sibling(t
                 child.stop()
 
 
+def test_every_worker_homes_a_prompt_on_the_same_runtime_by_url(tmp_path):
+    """Each worker has engines of its own for the runtimes by URL, named with its pod; both place
+    each runtime at the same point of the affinity ring (by the runtime's name), so a prompt's
+    requests reach one runtime whichever worker takes them."""
+    runtimes = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        runtimes.append(RecordingRuntime(tmp_path / name))
+    gateway = None
+    try:
+        for runtime in runtimes:
+            runtime.script(*[chat_answer(f"answer {i}") for i in range(200)])
+        gateway = Gateway(tmp_path, workers=2,
+                          extra=[arg for runtime in runtimes for arg in ("--runtime-url", f"{runtime.url}={MODEL}")])
+        names = {runtime.url.removeprefix("http://"): runtime for runtime in runtimes}
+
+        def ask(text: str, system: str = "", request_id: str | None = None) -> None:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=20)
+            headers = {"content-type": "application/json", **({"x-request-id": request_id} if request_id else {})}
+            try:
+                conn.request("POST", "/v1/chat/completions", json.dumps({"model": MODEL, "messages": messages}),
+                             headers)
+                response = conn.getresponse()
+                assert response.status == 200, response.read()
+                response.read()
+            finally:
+                conn.close()
+
+        warm = iter(range(10_000))
+
+        def every_worker_serves_both() -> bool:
+            # Each worker registers its engine for each runtime once it has checked the runtime's health.
+            ask(f"warm {next(warm)}")
+            return {(worker, engine) for worker, engine, _ in served(gateway).values()} == {
+                (w, runtime_engine_id(name, gateway.worker_pod_name(w))) for w in (0, 1) for name in names}
+
+        wait_until(every_worker_serves_both, "both workers to serve both runtimes", [gateway.child])
+        for runtime in runtimes:
+            runtime.reset()
+            runtime.script(*[chat_answer(f"answer {i}") for i in range(200)])
+        prompts = [f"You are assistant {n}. " + "Answer briefly and cite your sources. " * 20 for n in range(8)]
+        for turn in range(5):
+            for n, system in enumerate(prompts):
+                ask(f"question {turn}", system, request_id=f"home-{n}-{turn}")
+        lines = wait_until(lambda: len(s := {k: v for k, v in served(gateway).items()
+                                             if k.startswith("home-")}) == 40 and s,
+                           "40 request lines", [gateway.child])
+        assert {worker for worker, _, _ in lines.values()} == {0, 1}
+        reached: dict[str, set[str]] = {}
+        for name, runtime in names.items():
+            for recorded in runtime.requests():
+                system = json.loads(recorded.body)["messages"][0]["content"]
+                reached.setdefault(system, set()).add(name)
+        assert len(reached) == len(prompts)
+        assert all(len(where) == 1 for where in reached.values()), reached
+    finally:
+        for child in (gateway, *runtimes):
+            if child is not None:
+                child.stop()
+
+
 def test_a_dial_in_engine_on_one_worker_serves_requests_arriving_at_the_other(tmp_path):
     gateway = Gateway(tmp_path, workers=2)
     engine = None

@@ -1,0 +1,141 @@
+"""One runtime, one member: engines of several gateways (or workers) that front the same runtime
+served by URL (``EngineStatus.infx_runtime_name``) are routed to as one. Each gateway places the
+runtime at the same point of its ring, whatever its engine is called there, and sends to its own
+engine for it; a gateway that serves none of them sends to one peer's. Pure: no processor, no clock.
+"""
+
+from __future__ import annotations
+
+import json
+
+from protocol.processor.keys import EngineKey
+from protocol.routing.affinity import Affinity
+from protocol.routing.config import RoutingConfig
+from protocol.routing.hints import RoutingHints, hints_from_json
+from protocol.routing.pools import Pools
+from tests.support.processor import engine_status
+
+RUNTIMES = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
+GATEWAYS = ("gw-a", "gw-b", "gw-c")
+ALL = frozenset({"m"})
+
+
+def front(runtime: str, gateway: str, load: int = 0, name: bool = True):
+    """The status of ``gateway``'s engine for ``runtime``, as runtimes by URL report it."""
+    status = engine_status(f"runtime-{runtime}-{gateway}", "m")
+    if name:
+        status.infx_runtime_name = runtime
+    status.models[0].in_progress_task_count = load
+    return status
+
+
+def key_of(runtime: str, gateway: str, here: str) -> EngineKey:
+    """How gateway ``here`` keys ``gateway``'s engine for ``runtime`` (a peer's, named with its pod)."""
+    engine = f"runtime-{runtime}-{gateway}"
+    return EngineKey("t", engine if gateway == here else f"{gateway}/{engine}")
+
+
+def gateway_pools(here: str, serving: tuple[str, ...] = GATEWAYS, name: bool = True) -> Pools:
+    """The pools of gateway ``here``, which knows the engines of every gateway in ``serving``."""
+    pools = Pools(spilled_tips=8)
+    for gateway in serving:
+        for runtime in RUNTIMES:
+            pools.engine_updated(key_of(runtime, gateway, here), ALL, front(runtime, gateway, name=name),
+                                 gateway == here)
+    return pools
+
+
+def prompt(n: int) -> RoutingHints:
+    text = f"You are assistant number {n}. " + "Answer briefly and cite your sources. " * 20
+    hints = hints_from_json("chat/completions", json.dumps(
+        {"model": "m", "messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}), {})
+    assert hints is not None
+    return hints
+
+
+def runtime_of(key: EngineKey) -> str:
+    return key.engine_id.split("/")[-1].removeprefix("runtime-").rsplit("-gw-", 1)[0]
+
+
+def test_a_pool_holds_one_engine_per_runtime_its_own():
+    pools = gateway_pools("gw-a")
+    pool = pools.pool("t", "m")
+    assert pool is not None
+    assert sorted(pool.members) == sorted(key_of(r, "gw-a", "gw-a") for r in RUNTIMES)
+    # The engines that sit out are still known (their loads are kept), and lead to the one routed to.
+    remote = key_of(RUNTIMES[0], "gw-b", "gw-a")
+    assert pools.member(remote) is not None
+    assert pools.serving(remote) == key_of(RUNTIMES[0], "gw-a", "gw-a")
+
+
+def test_a_runtime_counts_once_in_its_pools_total():
+    pools = Pools(spilled_tips=8)
+    for gateway in GATEWAYS:
+        pools.engine_updated(key_of(RUNTIMES[0], gateway, "gw-a"), ALL, front(RUNTIMES[0], gateway, load=3),
+                             gateway == "gw-a")
+    pool = pools.pool("t", "m")
+    assert pool is not None and len(pool.members) == 1 and pool.total == 3
+
+
+def test_its_own_engine_leaving_hands_the_runtime_to_a_peers_and_back():
+    pools = gateway_pools("gw-a")
+    own = key_of(RUNTIMES[0], "gw-a", "gw-a")
+    pools.engine_removed(own)
+    pool = pools.pool("t", "m")
+    assert pool is not None
+    # The least engine id of the peers' engines for it: every gateway without its own picks the same.
+    assert key_of(RUNTIMES[0], "gw-b", "gw-a") in pool.members
+    assert key_of(RUNTIMES[0], "gw-c", "gw-a") not in pool.members
+    assert len(pool.members) == 3
+    pools.engine_updated(own, ALL, front(RUNTIMES[0], "gw-a"), True)
+    assert own in pool.members and key_of(RUNTIMES[0], "gw-b", "gw-a") not in pool.members
+
+
+def test_an_engine_that_takes_no_tasks_gives_way_to_one_that_does():
+    pools = gateway_pools("gw-a")
+    own, peer = key_of(RUNTIMES[0], "gw-a", "gw-a"), key_of(RUNTIMES[0], "gw-b", "gw-a")
+    pools.engine_updated(own, frozenset(), front(RUNTIMES[0], "gw-a"), True)  # its health check fails here
+    pool = pools.pool("t", "m")
+    assert pool is not None and peer in pool.members and own not in pool.members
+    pools.engine_updated(own, ALL, front(RUNTIMES[0], "gw-a"), True)
+    assert own in pool.members and peer not in pool.members
+
+
+def test_every_gateway_homes_a_prompt_on_the_same_runtime_through_its_own_engine():
+    policies = {here: Affinity(RoutingConfig(), gateway_pools(here)) for here in GATEWAYS}
+    # A gateway that serves no runtime itself sees only its peers' engines.
+    policies["gw-d"] = Affinity(RoutingConfig(), gateway_pools("gw-d"))
+    homes = set()
+    for n in range(40):
+        chosen = {}
+        for here, policy in policies.items():
+            pool = policy.pools.pool("t", "m")
+            key = policy.choose(pool, prompt(n), set(), lambda k: False)
+            assert key is not None
+            if here != "gw-d":
+                assert key == key_of(runtime_of(key), here, here), "routed through a peer's engine"
+            chosen[here] = runtime_of(key)
+        assert len(set(chosen.values())) == 1, f"prompt {n} has different homes: {chosen}"
+        homes.add(chosen["gw-a"])
+    assert homes == set(RUNTIMES)
+
+
+def test_engines_that_name_no_runtime_are_each_their_own():
+    pools = gateway_pools("gw-a", name=False)
+    pool = pools.pool("t", "m")
+    assert pool is not None and len(pool.members) == len(RUNTIMES) * len(GATEWAYS)
+
+
+def test_a_tip_a_peer_reports_on_its_engine_for_a_runtime_leads_to_this_gateways_own_for_it():
+    """A turn that spilled at gateway B is recorded on B's engine for the runtime it went to;
+    gateway A sends the conversation's next turn to that runtime through A's own engine."""
+    pools = gateway_pools("gw-a")
+    policy = Affinity(RoutingConfig(), pools)
+    pool = pools.pool("t", "m")
+    assert pool is not None
+    hints = next(h for h in map(prompt, range(40))
+                 if runtime_of(policy.choose(pool, h, set(), lambda k: False)) != RUNTIMES[1])
+    status = front(RUNTIMES[1], "gw-b")
+    status.models[0].infx_prefix_tips.append(hints.blocks[-1])
+    pools.engine_updated(key_of(RUNTIMES[1], "gw-b", "gw-a"), ALL, status, False)
+    assert policy.choose(pool, hints, set(), lambda k: False) == key_of(RUNTIMES[1], "gw-a", "gw-a")
