@@ -15,10 +15,9 @@ log a connection factory's start and stop each time.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -73,6 +72,8 @@ class RuntimeLoadWatch(Service):
         self._timer = DeadlineTimer(clock, lambda: self._run(self.monitor.handle_timeout(self.clock.seconds())))
         self._pending: list[Deferred[object]] = []
         self._reporting = False
+        #: Waiting for the scrape under way to end (:meth:`runtime_ready`).
+        self._read: list[Deferred[None]] = []
 
     def startService(self) -> None:
         super().startService()
@@ -82,11 +83,24 @@ class RuntimeLoadWatch(Service):
         super().stopService()
         self._timer.cancel()
         self._cancel_pending()
+        self._reading_ended()
 
-    def runtime_ready(self) -> None:
-        """The runtime's health check found it ready: its load is read at once."""
+    def runtime_ready(self) -> Deferred[None]:
+        """The runtime's health check found it ready: its load is read at once. Fires once that
+        reading (or the one under way) is taken, has failed or was abandoned: whatever it said of
+        the runtime's slots and load has then been passed to ``changed``."""
         if self.running:
             self._run(self.monitor.runtime_ready(self.clock.seconds()))
+        if not (self.running and self.monitor.reading):
+            return succeed(None)
+        read: Deferred[None] = Deferred()
+        self._read.append(read)
+        return read
+
+    def _reading_ended(self) -> None:
+        read, self._read = self._read, []
+        for each in read:
+            each.callback(None)
 
     def _cancel_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -109,6 +123,8 @@ class RuntimeLoadWatch(Service):
                 self.changed(effect.load)
         if self.running:
             self._timer.arm(self.monitor.next_deadline())
+        if self._read and not self.monitor.reading:
+            self._reading_ended()
 
     def _scrape(self, scrape: ScrapeRuntime) -> None:
         self._cancel_pending()  # the monitor abandoned the last one (timed out)
@@ -162,16 +178,30 @@ class RuntimeLoadWatch(Service):
         return request, answered
 
 
-@dataclass(frozen=True)
 class ReadWhenReady:
-    """A health watch's ``changed`` that tells ``changed`` and has ``load`` read the runtime as it
-    turns ready: its first tasks are then routed by its slots a round trip later, not up to a
-    scrape interval later."""
+    """A health watch's ``changed`` that has ``load`` read the runtime as it turns ready and tells
+    ``changed`` so once that reading is in (taken, failed or abandoned): the runtime's first tasks
+    are routed by its slots, not sent while the gateway knows none, and a scrape interval is not
+    waited for. A verdict that follows while the reading is under way replaces it; a ready
+    runtime's change of models is told at once."""
 
-    changed: Callable[[bool, tuple[str, ...]], None]
-    load: RuntimeLoadWatch
+    def __init__(self, changed: Callable[[bool, tuple[str, ...]], None], load: RuntimeLoadWatch) -> None:
+        self.changed = changed
+        self.load = load
+        self._verdicts = 0
+        self._told_ready = False
 
     def __call__(self, ready: bool, models: tuple[str, ...]) -> None:
-        self.changed(ready, models)
-        if ready:
-            self.load.runtime_ready()
+        self._verdicts += 1
+        if not ready or self._told_ready:
+            self._told_ready = ready
+            self.changed(ready, models)
+            return
+        verdict = self._verdicts
+
+        def read(_: None) -> None:
+            if verdict == self._verdicts:
+                self._told_ready = True
+                self.changed(True, models)
+
+        self.load.runtime_ready().addCallback(read)

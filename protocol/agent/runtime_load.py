@@ -255,6 +255,11 @@ class RuntimeLoadMonitor:
         """The load last handed out with :class:`LoadChanged`."""
         return self._reported
 
+    @property
+    def reading(self) -> bool:
+        """A scrape is under way: sent, neither answered nor abandoned yet."""
+        return self._pending is not None
+
     def next_deadline(self) -> float | None:
         """When ``handle_timeout`` must run next, or None."""
         candidates = [t for t in (self._scrape_at, self._report_due) if t is not None]

@@ -164,7 +164,8 @@ def test_the_openai_tree_watches_its_runtime_and_tells_the_agent(tmp_path: Path)
     agent = next(s for s in service if isinstance(s, EngineAgent))
     load, = [s for s in service if isinstance(s, RuntimeLoadWatch)]
     # The agent hears of each verdict, and a runtime that turns ready has its load read at once.
-    assert len(watches) == 1 and watches[0].changed == ReadWhenReady(agent.runtime_changed, load)
+    assert len(watches) == 1 and isinstance(told := watches[0].changed, ReadWhenReady)
+    assert told.changed == agent.runtime_changed and told.load is load
     assert watches[0].machine.config.interval == 2 and watches[0].machine.config.list_models
     assert watches[0].runtime.credentials is not None and watches[0].runtime.credentials.current() == "sk-1"
 

@@ -186,12 +186,71 @@ def test_a_runtime_that_turns_ready_is_read_at_once_not_a_scrape_interval_later(
         yield task.deferLater(reactor, 0.05, lambda: None)
         assert len(fake.paths) == asked, "a runtime that is not ready is not read again"
         seen(True, ("m",))
-        yield eventually(lambda: len(fake.paths) > asked)
+        # Ready is told once that reading is in, after what it said: never while the gateway knows no load.
+        assert health == [(False, ())]
+        yield eventually(lambda: len(health) == 2)
         assert fake.paths[asked:] == [b"/metrics"]
         assert health == [(False, ()), (True, ("m",))]
+        seen(True, ("m", "n"))
+        assert health[-1] == (True, ("m", "n")), "a ready runtime's models are told at once"
     finally:
         service.stopService()
         yield pool.closeCachedConnections()
+
+
+class Stalled(FakeRuntime):
+    """Once ``stalled``, answers (404) only when the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__(vllm(0, 0))
+        self.stalled = False
+        self.held: list[server.Request] = []
+
+    def render_GET(self, request: server.Request) -> bytes | int:
+        if self.stalled:
+            self.paths.append(request.path)
+            self.held.append(request)
+            return server.NOT_DONE_YET
+        return super().render_GET(request)
+
+    def answer(self) -> None:
+        held, self.held = self.held, []
+        for request in held:
+            request.setResponseCode(404)
+            request.finish()
+
+
+@pytest_twisted.inlineCallbacks
+def test_a_verdict_that_follows_while_the_reading_is_under_way_replaces_it():
+    fake = Stalled()
+    port = reactor.listenTCP(0, server.Site(fake), interface="127.0.0.1")
+    health: list[tuple[bool, tuple[str, ...]]] = []
+    pool = scrape_pool(reactor)
+    service = RuntimeLoadWatch(reactor, RuntimeLoadMonitor(LoadConfig(interval=60.0, report_min_interval=0.0)),
+                               Agent(reactor, pool=pool), f"http://127.0.0.1:{port.getHost().port}", lambda load: None)
+    seen = ReadWhenReady(lambda ready, models: health.append((ready, models)), service)
+    service.startService()
+    try:
+        yield eventually(lambda: not service.monitor.reading)  # the reading at start, answered
+        fake.stalled = True
+        seen(True, ("m",))
+        yield eventually(lambda: bool(fake.held))
+        seen(False, ())  # its health check failed meanwhile
+        fake.answer()
+        yield eventually(lambda: not service.monitor.reading)
+        yield task.deferLater(reactor, 0.05, lambda: None)
+        assert health == [(False, ())], "a reading that ends after a later verdict does not undo it"
+        seen(True, ("m",))
+        yield eventually(lambda: bool(fake.held))
+        assert health == [(False, ())]
+        fake.answer()  # a failed reading lets readiness through too: there is no load to wait for
+        yield eventually(lambda: len(health) == 2)
+        assert health[-1] == (True, ("m",))
+    finally:
+        fake.answer()
+        service.stopService()
+        yield pool.closeCachedConnections()
+        yield port.stopListening()
 
 
 def parse(*argv: str) -> AgentOptions:
