@@ -150,14 +150,16 @@ class InfxRouter:
     ``policy`` is ``--routing-policy``; ``gateway_extra`` and ``agent_extra`` are more options of each;
     ``checkout``: run another checkout's infx (its ``.venv``'s twistd, its tree first on the path);
     ``by_url``: no agents, each runtime served by URL (``--runtime-url``) by the gateway its agent
-    would have dialled.
+    would have dialled; ``by_url_everywhere``: by every gateway, as replicas that find the runtime
+    pods by label serve them.
     """
 
     def __init__(self, name: str, policy: str = "affinity", gateway_extra: Sequence[str] = (),
                  agent_extra: Sequence[str] = (), checkout: Path | None = None, slot_files: int = 0,
-                 by_url: bool = False) -> None:
+                 by_url: bool = False, by_url_everywhere: bool = False) -> None:
         self.name = name
-        self.by_url = by_url
+        self.by_url = by_url or by_url_everywhere
+        self.everywhere = by_url_everywhere
         self.slot_saves = slot_files > 0
         self.checkout = checkout
         self.env = {"PYTHONPATH": str(checkout)} if checkout is not None else None
@@ -175,7 +177,7 @@ class InfxRouter:
         def gateway(i: int, peers: Sequence[str], ports: tuple[int, int, int] | None = None) -> Gateway:
             extra = ["--routing-policy", self.policy, *self.gateway_extra]
             if self.by_url:
-                for url in urls[i::replicas]:
+                for url in (urls if self.everywhere else urls[i::replicas]):
                     extra += ["--runtime-url", f"{url}={MODEL}"]
             if peers:
                 extra += ["--peers", ",".join(peers)]
@@ -205,7 +207,7 @@ class InfxRouter:
 
         def all_ready(g: Gateway) -> bool:
             engines = g.engines().values()
-            return len(engines) == len(urls) and all(
+            return len(engines) == len(urls) * (replicas if self.everywhere else 1) and all(
                 e["ready"] and e["models"] and all(m["ready"] for m in e["models"]) for e in engines)
 
         for each in self.gateways:  # a peer's engines turn ready there once their gateway reports them

@@ -25,7 +25,9 @@ Routers (``--routers``, :data:`ROUTERS`):
   default with the agents keeping the runtimes' slots
   (``--runtime-slot-files``, its servers started with ``--slot-save-path``);
   ``infx-url`` the default with no agents, each server served by URL
-  (``--runtime-url``) by the gateway its agent would have dialled;
+  (``--runtime-url``) by the gateway its agent would have dialled, and
+  ``infx-url-all`` by every gateway (as replicas that find the runtime
+  pods by label serve them);
   ``infx-baseline`` the default of another checkout (``--baseline DIR``:
   the tree before a change, with its own ``.venv``);
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
@@ -123,6 +125,7 @@ def router(name: str) -> RouterUnderTest:
         "infx-relay1": lambda: InfxRouter("infx-relay1", gateway_extra=["--status-interval", "1"]),
         "infx-kept": lambda: InfxRouter("infx-kept", slot_files=SLOT_FILES),
         "infx-url": lambda: InfxRouter("infx-url", by_url=True),
+        "infx-url-all": lambda: InfxRouter("infx-url-all", by_url_everywhere=True),
         "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
         "sglang-rr": lambda: PeerRouter("sglang-rr", "sglang", "round_robin"),
         "vllm-ca": lambda: PeerRouter("vllm-ca", "vllm", "cache_aware"),
@@ -134,7 +137,7 @@ def router(name: str) -> RouterUnderTest:
 
 
 ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
-           "infx-kept", "infx-url",
+           "infx-kept", "infx-url", "infx-url-all",
            "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
