@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from protocol.processor.keys import EngineKey
 from protocol.routing.affinity import Affinity
 from protocol.routing.config import RoutingConfig
@@ -139,3 +142,73 @@ def test_a_tip_a_peer_reports_on_its_engine_for_a_runtime_leads_to_this_gateways
     status.models[0].infx_prefix_tips.append(hints.blocks[-1])
     pools.engine_updated(key_of(RUNTIMES[1], "gw-b", "gw-a"), ALL, status, False)
     assert policy.choose(pool, hints, set(), lambda k: False) == key_of(RUNTIMES[1], "gw-a", "gw-a")
+
+
+class Fronts:
+    """Three gateways that each serve the three runtimes by URL, and relay their engines' statuses
+    (with spilled tips) to each other at once; each runtime's load is read exactly."""
+
+    def __init__(self) -> None:
+        self.pools = [Pools(spilled_tips=8) for _ in GATEWAYS]
+        self.policies = [Affinity(RoutingConfig(), pools) for pools in self.pools]
+        self.running: dict[str, int] = dict.fromkeys(RUNTIMES, 0)
+        self.relay()
+
+    def relay(self) -> None:
+        for owner, gateway in enumerate(GATEWAYS):
+            for runtime in RUNTIMES:
+                for g, here in enumerate(GATEWAYS):
+                    status = front(runtime, gateway, load=self.running[runtime])
+                    status.infx_runtime_slots = 2
+                    if g != owner:
+                        self.pools[owner].spills.annotate(key_of(runtime, gateway, gateway), status)
+                    self.pools[g].engine_updated(key_of(runtime, gateway, here), ALL, status, g == owner)
+
+    def send(self, g: int, hints: RoutingHints) -> EngineKey:
+        pools, policy = self.pools[g], self.policies[g]
+        chosen = policy.choose(pools.pool("t", "m"), hints, set(), lambda k: False)
+        assert chosen is not None and pools.member(chosen).local
+        policy.task_sent(pools.task_sent(chosen), chosen, "m", hints, 0)
+        self.running[runtime_of(chosen)] += 1
+        self.relay()
+        return chosen
+
+    def finish(self, g: int, engine: EngineKey, hints: RoutingHints) -> None:
+        self.pools[g].task_left(engine)
+        self.policies[g].task_left(engine, "m", hints)
+        self.running[runtime_of(engine)] -= 1
+        self.relay()
+
+
+def turn(n: int, turns: int) -> RoutingHints:
+    """User ``n``'s request of turn ``turns``: short questions and answers after a shared system prompt."""
+    messages = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"user {n} asks {t}"})
+        if t < turns - 1:
+            messages.append({"role": "assistant", "content": f"answer {t}"})
+    hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
+                            {"x-session-id": [f"user-{n}"]})
+    assert hints is not None
+    return hints
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=40))
+def test_a_later_turn_goes_to_its_first_turns_runtime_from_any_gateway(steps):
+    """As tests/protocol/routing/test_gateways_agree.py, with every gateway serving every runtime:
+    the second turn goes to the first turn's runtime whenever that runtime has a free slot."""
+    fronts = Fronts()
+    in_flight: list[tuple[int, EngineKey, RoutingHints]] = []
+    for n, (a, b, keep) in enumerate(steps):
+        first = turn(n, 1)
+        engine = fronts.send(a, first)
+        fronts.finish(a, engine, first)
+        later = turn(n, 2)
+        free = fronts.running[runtime_of(engine)] < 2
+        chosen = fronts.send(b, later)
+        if free:
+            assert runtime_of(chosen) == runtime_of(engine)
+        in_flight.append((b, chosen, later))
+        while len(in_flight) > keep:
+            fronts.finish(*in_flight.pop(0))
