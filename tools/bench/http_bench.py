@@ -17,6 +17,8 @@ In front of each runtime, the targets (``--targets``):
   pointed at the runtime (infx's dial-in deployment);
 - ``url``: ``twistd infx --runtime-url`` (the runtime served by URL: the
   engine agent runs inside the gateway's process, no gRPC hop);
+- ``url-rr``: ``url`` with ``--routing-policy round_robin``, the policy the
+  Rust routers run here (no prompt is hashed for routing hints);
 - ``url-workers``: the same with ``--workers 2`` (every worker serves the
   runtime itself; every process's CPU is counted, the supervisor's too);
 - ``floor``: ``proxy_floor.py``, the least a Twisted + httptools process
@@ -110,6 +112,7 @@ KINDS = {
     "direct": "the runtime alone",
     "agent": "twistd infx + twistd infx-engine --runtime openai",
     "url": "twistd infx --runtime-url (one process, no agent between)",
+    "url-rr": "twistd infx --runtime-url --routing-policy round_robin (the Rust routers' policy here)",
     "url-workers": "twistd infx --workers 2 --runtime-url (the supervisor and 2 workers, each serving the runtime)",
     "floor": "proxy_floor.py: a bare Twisted + httptools relay to the runtime, no routing (the floor)",
     "base": "the dial-in path of the --baseline tree",
@@ -268,15 +271,16 @@ class Processes:
                 self.children.append(engine)
                 waits.append((http, [gateway, engine]))
                 self._add(kind, runtime, http, gateway.process.pid, engine.process.pid)
-            for kind, tree in (("url", ROOT), ("base-url", self.baseline)):
+            for kind, tree in (("url", ROOT), ("url-rr", ROOT), ("base-url", self.baseline)):
                 if kind not in kinds or tree is None:
                     continue
                 name = f"gateway-{kind}-{runtime}"
                 # An older infx may name itself by an internal port 0 or say its ports otherwise.
                 picked = (free_port(), free_port(), free_port()) if kind == "base-url" else (0, 0, 0)
+                policy = ["--routing-policy", "round_robin"] if kind == "url-rr" else []
                 gateway = twistd(name, [
                     *gateway_args(picked[0], picked[1], internal=picked[2]), "--runtime-url", f"{server.url}={MODEL}",
-                    "--runtime-max-concurrency", "64"], logs, profile, tree)
+                    "--runtime-max-concurrency", "64", *policy], logs, profile, tree)
                 self.children.append(gateway)
                 http = picked[0] if kind == "base-url" else bound_ports(gateway, twistd_log(name, logs))[0]
                 waits.append((http, [gateway]))
@@ -493,7 +497,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                 if base_url[key] and url[key] is not None:
                     out.append(f"[{runtime}] by-URL path CPU per request at {what}: {url[key]:.3f} ms, the "
                                f"--baseline tree's {base_url[key]:.3f} ms = {url[key] / base_url[key]:.2f}x")
-        for kind, name in (("url", "infx by URL"), ("url-workers", "infx by URL, --workers 2"),
+        for kind, name in (("url", "infx by URL"), ("url-rr", "infx by URL, round_robin"),
+                           ("url-workers", "infx by URL, --workers 2"),
                            ("agent", "infx dial-in path"), ("floor", "the floor (proxy_floor.py)")):
             row = next((r for r in mine if r["kind"] == kind), None)
             if row is None:
