@@ -35,7 +35,12 @@ own) are routed to as one. Of a runtime's engines, the pools hold one: this
 gateway's own, else the peer's with the least engine id that takes tasks;
 the others are kept and counted but sit out, so a request is never forwarded
 to a peer for a runtime this gateway reaches itself, and no runtime is counted
-twice in a pool's total or its engines.
+twice in a pool's total or its engines. The load of this gateway's own engine
+of such a runtime is its tasks in flight there plus the tasks each peer's
+engine of it reports: every task the runtime has from the gateways, the
+peers' as of their last reports (which follow each answer at once), where the
+runtime's own reading, which every gateway takes apart, counts the others'
+tasks that ended since it was taken and misses those sent since.
 
 Capacity: ``EngineStatus.infx_runtime_slots`` (the requests its runtime runs
 at once, llama.cpp's slots or vLLM's ``max_num_seqs``; 0: unknown), which the
@@ -106,9 +111,16 @@ class Member:
     left: int = 0
     #: Whether its reports' stamps count what ``sent`` and ``left`` count (see the module docstring).
     stamps_match: bool = True
+    #: Its engine's tasks as it reports them (``in_progress_task_count``): for a peer's engine of a
+    #: runtime, that peer's tasks there.
+    tasks: int = 0
+    #: This gateway's own engine of a runtime that peers' engines front too: their tasks there (else None).
+    fronts_tasks: int | None = None
 
     @property
     def load(self) -> int:
+        if self.fronts_tasks is not None:
+            return self.in_flight + self.fronts_tasks
         return max(self.in_flight, self.reported + self.since_report)
 
 
@@ -184,11 +196,20 @@ class Pools:
         member.slots = status.infx_runtime_slots if self._runtime_slots else 0
         self._set_load(member, member.in_flight, reported, self._since_reading(member, status))
         self._set_adapters(member, adapters)
+        tasks = sum(model.in_progress_task_count for model in status.models)
         runtime = status.infx_runtime_name
         if not runtime and not member.runtime:
+            member.tasks = tasks
             return self._place(member, models)
         if before == (runtime, local, bool(models)):  # which of its runtime's engines is routed to stands
-            return self._place(member, models if self._serving[(key.tenant_id, runtime)] == key else frozenset())
+            group = (key.tenant_id, runtime)
+            serving = self._serving[group]
+            if tasks != member.tasks:
+                member.tasks = tasks
+                if serving != key:
+                    self._count_fronts(group)
+            return self._place(member, models if serving == key else frozenset())
+        member.tasks = tasks
         changed = self._leave_runtime(member) if member.runtime and member.runtime != runtime else []
         hashed = member.pools
         member.runtime = runtime
@@ -232,8 +253,27 @@ class Pools:
         self._serving[group] = chosen.key
         changed: list[Pool] = []
         for member in fronts:
+            if member is not chosen:
+                self._set_fronts_tasks(member, None)
             changed += self._place(member, member.wanted if member is chosen else frozenset())
+        self._count_fronts(group)
         return changed
+
+    def _count_fronts(self, group: tuple[str, str]) -> None:
+        """The engine routed to for a runtime, if this gateway's own, counts the tasks the peers'
+        engines of it report (the module docstring)."""
+        chosen = self._members[self._serving[group]]
+        others = [self._members[key] for key in self._fronts[group] if key != chosen.key]
+        self._set_fronts_tasks(chosen, sum(m.tasks for m in others if not m.local)
+                               if chosen.local and any(not m.local for m in others) else None)
+
+    def _set_fronts_tasks(self, member: Member, fronts_tasks: int | None) -> None:
+        before = member.load
+        member.fronts_tasks = fronts_tasks
+        delta = member.load - before
+        if delta:
+            for model in member.pools:
+                self._pools[(member.key.tenant_id, model)].total += delta
 
     def _place(self, member: Member, models: frozenset[str]) -> list[Pool]:
         """``member`` joins the pools of ``models`` and leaves the others; returns the pools it changed."""

@@ -71,13 +71,27 @@ def test_a_pool_holds_one_engine_per_runtime_its_own():
     assert pools.serving(remote) == key_of(RUNTIMES[0], "gw-a", "gw-a")
 
 
-def test_a_runtime_counts_once_in_its_pools_total():
+def test_a_runtime_counts_once_in_its_pools_total_with_every_gateways_tasks_there():
+    """Its load here is this gateway's tasks in flight there plus those each peer's engine of it
+    reports, not the runtime's reading, which this gateway takes apart from the others' sends."""
     pools = Pools(spilled_tips=8)
-    for gateway in GATEWAYS:
-        pools.engine_updated(key_of(RUNTIMES[0], gateway, "gw-a"), ALL, front(RUNTIMES[0], gateway, load=3),
-                             gateway == "gw-a")
+    own = key_of(RUNTIMES[0], "gw-a", "gw-a")
+    status = front(RUNTIMES[0], "gw-a")
+    status.models[0].runtime_load.running_requests = 7  # a reading taken a while ago
+    pools.engine_updated(own, ALL, status, True)
+    assert pools.load(own) == 7
+    for gateway, tasks in (("gw-b", 2), ("gw-c", 1)):
+        pools.engine_updated(key_of(RUNTIMES[0], gateway, "gw-a"), ALL, front(RUNTIMES[0], gateway, load=tasks), False)
     pool = pools.pool("t", "m")
-    assert pool is not None and len(pool.members) == 1 and pool.total == 3
+    assert pool is not None and list(pool.members) == [own]
+    assert pools.load(own) == pool.total == 3
+    pools.task_sent(own)
+    assert pools.load(own) == pool.total == 4
+    pools.engine_updated(key_of(RUNTIMES[0], "gw-b", "gw-a"), ALL, front(RUNTIMES[0], "gw-b", load=0), False)
+    assert pools.load(own) == pool.total == 2
+    pools.engine_removed(key_of(RUNTIMES[0], "gw-c", "gw-a"))
+    pools.engine_removed(key_of(RUNTIMES[0], "gw-b", "gw-a"))
+    assert pools.load(own) == pool.total == 7 + 1, "alone, it is counted by its runtime's reading again"
 
 
 def test_its_own_engine_leaving_hands_the_runtime_to_a_peers_and_back():
@@ -146,19 +160,23 @@ def test_a_tip_a_peer_reports_on_its_engine_for_a_runtime_leads_to_this_gateways
 
 class Fronts:
     """Three gateways that each serve the three runtimes by URL, and relay their engines' statuses
-    (with spilled tips) to each other at once; each runtime's load is read exactly."""
+    (with spilled tips, and each engine's tasks) to each other at once."""
 
     def __init__(self) -> None:
         self.pools = [Pools(spilled_tips=8) for _ in GATEWAYS]
         self.policies = [Affinity(RoutingConfig(), pools) for pools in self.pools]
-        self.running: dict[str, int] = dict.fromkeys(RUNTIMES, 0)
+        #: Each gateway's tasks at each runtime.
+        self.tasks: dict[tuple[str, str], int] = {(g, r): 0 for g in GATEWAYS for r in RUNTIMES}
         self.relay()
+
+    def running(self, runtime: str) -> int:
+        return sum(self.tasks[(g, runtime)] for g in GATEWAYS)
 
     def relay(self) -> None:
         for owner, gateway in enumerate(GATEWAYS):
             for runtime in RUNTIMES:
                 for g, here in enumerate(GATEWAYS):
-                    status = front(runtime, gateway, load=self.running[runtime])
+                    status = front(runtime, gateway, load=self.tasks[(gateway, runtime)])
                     status.infx_runtime_slots = 2
                     if g != owner:
                         self.pools[owner].spills.annotate(key_of(runtime, gateway, gateway), status)
@@ -169,14 +187,14 @@ class Fronts:
         chosen = policy.choose(pools.pool("t", "m"), hints, set(), lambda k: False)
         assert chosen is not None and pools.member(chosen).local
         policy.task_sent(pools.task_sent(chosen), chosen, "m", hints, 0)
-        self.running[runtime_of(chosen)] += 1
+        self.tasks[(GATEWAYS[g], runtime_of(chosen))] += 1
         self.relay()
         return chosen
 
     def finish(self, g: int, engine: EngineKey, hints: RoutingHints) -> None:
         self.pools[g].task_left(engine)
         self.policies[g].task_left(engine, "m", hints)
-        self.running[runtime_of(engine)] -= 1
+        self.tasks[(GATEWAYS[g], runtime_of(engine))] -= 1
         self.relay()
 
 
@@ -205,7 +223,9 @@ def test_a_later_turn_goes_to_its_first_turns_runtime_from_any_gateway(steps):
         engine = fronts.send(a, first)
         fronts.finish(a, engine, first)
         later = turn(n, 2)
-        free = fronts.running[runtime_of(engine)] < 2
+        free = fronts.running(runtime_of(engine)) < 2
+        assert all(fronts.pools[g].load(key_of(r, GATEWAYS[g], GATEWAYS[g])) == fronts.running(r)
+                   for g in range(3) for r in RUNTIMES), "a gateway counts every gateway's tasks at a runtime"
         chosen = fronts.send(b, later)
         if free:
             assert runtime_of(chosen) == runtime_of(engine)
