@@ -17,6 +17,7 @@ from protocol.routing.config import RoutingConfig
 from protocol.routing.hints import RoutingHints, hints_from_json
 from protocol.routing.pools import Pools
 from tests.support.processor import engine_status
+from tests.support.routing import conversation_hints
 
 RUNTIMES = ("10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000")
 GATEWAYS = ("gw-a", "gw-b", "gw-c")
@@ -200,15 +201,7 @@ class Fronts:
 
 def turn(n: int, turns: int) -> RoutingHints:
     """User ``n``'s request of turn ``turns``: short questions and answers after a shared system prompt."""
-    messages = [{"role": "system", "content": "You are a helpful assistant. " * 40}]
-    for t in range(turns):
-        messages.append({"role": "user", "content": f"user {n} asks {t}"})
-        if t < turns - 1:
-            messages.append({"role": "assistant", "content": f"answer {t}"})
-    hints = hints_from_json("chat/completions", json.dumps({"model": "m", "messages": messages}),
-                            {"x-session-id": [f"user-{n}"]})
-    assert hints is not None
-    return hints
+    return conversation_hints(n, turns, "You are a helpful assistant. " * 40, question_repeats=1)
 
 
 @settings(max_examples=80, deadline=None)
