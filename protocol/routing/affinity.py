@@ -33,10 +33,14 @@ key that spills a second copy of its prefix once its home's slots fill. So
 the first turn of a key new here (no engine holds any of its prompt, none of its requests in
 flight from this gateway) whose first engine runs other keys' requests from
 this gateway goes to the first engine clockwise that runs the fewest, if
-that is fewer. Its next requests from here follow its prefix there; another
-gateway, which sends its share of the same keys, counts them alike and
-chooses the same engine; and a conversation's later turns follow the spilled
-tip its first turn left, from any gateway. Every gateway knows
+that is fewer. Its next requests from here follow its prefix there; where
+that engine is this gateway's own, the key's shared part is recorded on it
+as a spilled tip too, so every gateway credits it with the key and sends the
+key's next first turns there (where it is a peer's, the forwarded task
+carries only the conversation's tip, and another gateway, which sends its
+share of the same keys, may count them alike and choose the same engine);
+and a conversation's later turns follow the spilled tip its first turn left,
+from any gateway. Every gateway knows
 the same engines from the exchange, and hashes each by the id it reports
 (a peer's engine is named with its pod here), or by the name of its runtime
 where engines of several gateways and workers front one runtime served by URL
@@ -229,6 +233,10 @@ class Affinity(Policy):
         local, else returned, to be carried on the forwarded task to the engine's gateway."""
         if hints is None:
             return super().task_sent(member, key, model, hints, forwarded_tip)
+        # A home key new here: none of its requests in flight from here, none of its prompt held anywhere.
+        new_key = bool(hints.home_blocks) and not self._hot.get((key.tenant_id, model, hints.home)) \
+            and not self.index.depths(hints.blocks[:hints.home_blocks]) \
+            and not self.pools.spills.depths(hints.blocks[:hints.home_blocks])
         if hints.home_blocks:
             engines = self._hot.setdefault((key.tenant_id, model, hints.home), {})
             engines[key] = engines.get(key, 0) + 1
@@ -243,6 +251,11 @@ class Affinity(Policy):
         if tip and self.config.spilled_tips and self._spilled(key, model, hints):
             if member is not None and member.local:
                 self.pools.spills.record(key, model, tip)
+                if new_key:
+                    # Placed off its ring home (apart from other keys, or the home had no room): every
+                    # gateway credits this engine with the key's shared part, so the key's next first
+                    # turns follow it there from any gateway, not only from this one.
+                    self.pools.spills.record(key, model, hints.blocks[hints.home_blocks - 1])
             else:
                 carried = tip
         if hints.session and self.config.sessions:

@@ -29,7 +29,8 @@ Routers (``--routers``, :data:`ROUTERS`):
   ``infx-url-all`` by every gateway (as replicas that find the runtime
   pods by label serve them);
   ``infx-baseline`` the default of another checkout (``--baseline DIR``:
-  the tree before a change, with its own ``.venv``);
+  the tree before a change, with its own ``.venv``), ``infx-url-all-baseline``
+  that checkout by URL at every gateway;
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
   ``round_robin``, its defaults; ``vllm-ca`` / ``vllm-ch``: vllm-router
   0.1.17, ``cache_aware`` / ``consistent_hash`` (clients send the
@@ -116,6 +117,8 @@ def router(name: str) -> RouterUnderTest:
     """A fresh router of configuration ``name`` (see the module docstring)."""
     makers = {
         "infx-baseline": lambda: InfxRouter("infx-baseline", checkout=BASELINE[0]),
+        "infx-url-all-baseline": lambda: InfxRouter("infx-url-all-baseline", checkout=BASELINE[0],
+                                                    by_url_everywhere=True),
         "infx": lambda: InfxRouter("infx"),
         "infx-lip": lambda: InfxRouter("infx-lip", policy="least_in_progress"),
         "infx-rr": lambda: InfxRouter("infx-rr", policy="round_robin"),
@@ -136,7 +139,7 @@ def router(name: str) -> RouterUnderTest:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
+ROUTERS = ("infx", "infx-baseline", "infx-url-all-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
            "infx-kept", "infx-url", "infx-url-all",
            "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 

@@ -225,3 +225,30 @@ def test_a_later_turn_goes_to_its_first_turns_runtime_from_any_gateway(steps):
         in_flight.append((b, chosen, later))
         while len(in_flight) > keep:
             fronts.finish(*in_flight.pop(0))
+
+
+def ask(n: int, user: str) -> RoutingHints:
+    """A first turn of system prompt ``n`` (a home key of its own), asking ``user``."""
+    text = f"You are assistant number {n}. " + "Answer briefly and cite your sources. " * 20
+    hints = hints_from_json("chat/completions", json.dumps(
+        {"model": "m", "messages": [{"role": "system", "content": text}, {"role": "user", "content": user}]}), {})
+    assert hints is not None
+    return hints
+
+
+def test_a_key_placed_apart_at_one_gateway_is_followed_there_from_the_others():
+    """Two home keys whose ring homes collide: the gateway that sends the second while the first runs
+    there places it apart, and tells its peers; their first turns of that key go where it went."""
+    probe = Fronts()
+    homes: dict[str, list[int]] = {}
+    for n in range(40):
+        home = probe.send(0, ask(n, "probe"))
+        probe.finish(0, home, ask(n, "probe"))
+        homes.setdefault(runtime_of(home), []).append(n)
+    first, second = next(keys for keys in homes.values() if len(keys) >= 2)[:2]
+    fronts = Fronts()
+    held = fronts.send(0, ask(first, "a question"))
+    apart = fronts.send(0, ask(second, "a question"))
+    assert runtime_of(apart) != runtime_of(held), "placed apart from the key running on its home"
+    followed = fronts.send(1, ask(second, "another question"))
+    assert runtime_of(followed) == runtime_of(apart)
