@@ -237,6 +237,7 @@ class Pools:
         group = (member.key.tenant_id, member.runtime)
         fronts = self._fronts[group]
         del fronts[member.key]
+        self._set_fronts_tasks(member, None)
         if not fronts:
             del self._fronts[group]
             self._serving.pop(group, None)

@@ -95,6 +95,18 @@ def test_a_runtime_counts_once_in_its_pools_total_with_every_gateways_tasks_ther
     assert pools.load(own) == pool.total == 7 + 1, "alone, it is counted by its runtime's reading again"
 
 
+def test_an_engine_that_stops_naming_its_runtime_is_counted_by_its_own_load_again():
+    pools = Pools(spilled_tips=8)
+    own = key_of(RUNTIMES[0], "gw-a", "gw-a")
+    pools.engine_updated(own, ALL, front(RUNTIMES[0], "gw-a", load=1), True)
+    pools.engine_updated(key_of(RUNTIMES[0], "gw-b", "gw-a"), ALL, front(RUNTIMES[0], "gw-b", load=5), False)
+    assert pools.load(own) == 5
+    pools.engine_updated(own, ALL, front(RUNTIMES[0], "gw-a", load=1, name=False), True)
+    pool = pools.pool("t", "m")
+    assert pool is not None and len(pool.members) == 2
+    assert pools.load(own) == 1 and pool.total == 1 + 5
+
+
 def test_its_own_engine_leaving_hands_the_runtime_to_a_peers_and_back():
     pools = gateway_pools("gw-a")
     own = key_of(RUNTIMES[0], "gw-a", "gw-a")
