@@ -314,9 +314,8 @@ class Affinity(Policy):
         ring = self._ring(pool)
         if ring.members[bisect_left(ring.points, hints.home) % len(ring.points)].key != key:
             return True
-        serving = self.pools.serving
-        return any(serving(other) != key for other in self.pools.spills.depths(hints.blocks)) or \
-            any(serving(other) != key for other in self.pools.spills.holders(hints.opening))
+        return any(other != key for other in self.pools.spilled_depths(hints.blocks)) or \
+            any(other != key for other in self.pools.spilled_holders(hints.opening))
 
     def _ring(self, pool: Pool) -> _Ring:
         ring = self._rings.get((pool.tenant_id, pool.model))
@@ -338,8 +337,7 @@ class Affinity(Policy):
         capacity = self.capacity(pool.total, len(pool.members), slots)
         depths = self.index.depths(hints.blocks) if config.prefix_weight else {}
         if config.prefix_weight:
-            for key, depth in self.pools.spills.depths(hints.blocks).items():
-                key = self.pools.serving(key)
+            for key, depth in self.pools.spilled_depths(hints.blocks).items():
                 if depth > depths.get(key, 0):
                     depths[key] = depth
         ring = self._ring(pool)
@@ -527,7 +525,7 @@ class Affinity(Policy):
         """The engines of ``pool`` a gateway reported this conversation's opening spilled to, by engine id."""
         if not hints.opening:
             return []
-        return [key for key in map(self.pools.serving, self.pools.spills.holders(hints.opening)) if key in pool.members]
+        return [key for key in self.pools.spilled_holders(hints.opening) if key in pool.members]
 
     def explain(self, key: EngineKey, model: str, hints: RoutingHints | None) -> RouteChoice:
         explained = self._explained

@@ -83,9 +83,9 @@ class Member:
     """One engine as routing sees it."""
 
     key: EngineKey
-    #: What a policy hashes it by, the same on every gateway (``key`` names a peer's engine with
-    #: its gateway's pod here): its runtime's name where it reports one, else its engine id.
-    ring_id: str = ""
+    #: The id the engine reports, the same on every gateway (``key`` names a peer's engine
+    #: with its gateway's pod here).
+    reported_id: str = ""
     #: ``EngineStatus.infx_runtime_name``: the runtime it fronts, which other engines may front too.
     runtime: str = ""
     #: The models it takes tasks for now: the pools it is in (none while another engine of its
@@ -116,6 +116,12 @@ class Member:
     tasks: int = 0
     #: This gateway's own engine of a runtime that peers' engines front too: their tasks there (else None).
     fronts_tasks: int | None = None
+
+    @property
+    def ring_id(self) -> str:
+        """What a policy hashes it by, the same on every gateway: its runtime's name where it
+        reports one, else its engine id."""
+        return f"runtime:{self.runtime}" if self.runtime else self.reported_id
 
     @property
     def load(self) -> int:
@@ -171,6 +177,19 @@ class Pools:
             return key
         return self._serving.get((key.tenant_id, member.runtime), key)
 
+    def spilled_depths(self, blocks: tuple[int, ...]) -> dict[EngineKey, int]:
+        """:meth:`SpilledTips.depths`, each by the engine routed to for its runtime (:meth:`serving`)."""
+        depths: dict[EngineKey, int] = {}
+        for key, depth in self.spills.depths(blocks).items():
+            key = self.serving(key)
+            if depth > depths.get(key, 0):
+                depths[key] = depth
+        return depths
+
+    def spilled_holders(self, tip: int) -> list[EngineKey]:
+        """:meth:`SpilledTips.holders`, each by the engine routed to for its runtime (:meth:`serving`)."""
+        return [self.serving(key) for key in self.spills.holders(tip)]
+
     def load(self, key: EngineKey) -> int:
         """The load routing counts for ``key`` (0 if unknown)."""
         member = self._members.get(key)
@@ -184,12 +203,11 @@ class Pools:
         Returns the pools it joined or left (a pool left empty is gone)."""
         member = self._members.get(key)
         if member is None:
-            member = self._members[key] = Member(key, local=local)
+            member = self._members[key] = Member(key, status.engine_id, local=local)
         elif member.local is not local:
             self.spills.forget(key)
         before = (member.runtime, member.local, bool(member.wanted))
         member.local, member.wanted = local, models
-        member.ring_id = f"runtime:{status.infx_runtime_name}" if status.infx_runtime_name else status.engine_id
         if not local:
             self.spills.reported(key, status)
         reported, member.kv, adapters = reported_load(status)
@@ -271,10 +289,7 @@ class Pools:
     def _set_fronts_tasks(self, member: Member, fronts_tasks: int | None) -> None:
         before = member.load
         member.fronts_tasks = fronts_tasks
-        delta = member.load - before
-        if delta:
-            for model in member.pools:
-                self._pools[(member.key.tenant_id, model)].total += delta
+        self._load_changed(member, before)
 
     def _place(self, member: Member, models: frozenset[str]) -> list[Pool]:
         """``member`` joins the pools of ``models`` and leaves the others; returns the pools it changed."""
@@ -365,6 +380,10 @@ class Pools:
     def _set_load(self, member: Member, in_flight: int, reported: int, since_report: int) -> None:
         before = member.load
         member.in_flight, member.reported, member.since_report = in_flight, reported, since_report
+        self._load_changed(member, before)
+
+    def _load_changed(self, member: Member, before: int) -> None:
+        """``member``'s load was ``before``: the totals of the pools it is in follow its change."""
         delta = member.load - before
         if delta:
             for model in member.pools:
