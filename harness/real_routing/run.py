@@ -295,8 +295,6 @@ def _client(client: Client, workload: Workload, urls: Sequence[str], seed: int, 
         wait = ready_at + conversation.turns[turn].think - time.monotonic()
         if wait > 0:
             time.sleep(wait)
-        if client.stop is not None and time.monotonic() - t0 >= client.stop:
-            return
         replica = rng.randrange(len(urls))
         body = json.dumps(conversation.body(turn, MODEL, workload.max_tokens)).encode()
         headers = {"Content-Type": "application/json", "Authorization": f"Bearer sk-{client.group}",

@@ -42,9 +42,10 @@ Workloads (:data:`WORKLOADS`):
     sends back the agent's tool call and a 50-token result after 0.1-0.5 s.
 ``bursty``
     A bursty tenant beside a steady one: 4 ``steady`` clients hold chat
-    conversations (as ``chat``, 3 each), while from 2 s to 12 s 6 ``burst``
-    clients send one-turn questions on a shared 600-token system prompt with
-    no think time.
+    conversations (as ``chat``, 3 each), while from 2 s 6 ``burst`` clients
+    send 12 one-turn questions each on a shared 600-token system prompt with
+    no think time (a fixed count, not a time window: every router gets the
+    same requests, whatever its speed).
 """
 
 from __future__ import annotations
@@ -111,14 +112,13 @@ class Conversation:
 @dataclass(frozen=True)
 class Client:
     """A closed-loop client: its conversations in order, at most ``open`` at once, sending from ``start``
-    seconds and starting no new turn after ``stop`` (None: until its conversations end)."""
+    seconds until its conversations end."""
 
     name: str
     group: str
     conversations: tuple[Conversation, ...]
     open: int = 1
     start: float = 0.0
-    stop: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class Workload:
 
     @property
     def requests(self) -> int:
-        """Requests the workload sends when every client finishes (a client with a ``stop`` may send fewer)."""
+        """Requests the workload sends: every turn of every conversation."""
         return sum(len(c.turns) for client in self.clients for c in client.conversations)
 
     def longest_prompt(self) -> int:
@@ -268,12 +268,11 @@ def _bursty(rng: random.Random, scale: float) -> Workload:
     clients = list(_chat_clients(text, "steady", system, _n(4, scale)))
     burst_system = "You answer in one line. " + text.words(600)
     for c in range(_n(6, scale)):
-        # More questions than the window lets a client send: the window, not the list, ends the burst.
         conversations = tuple(
             Conversation(f"burst-{c}-{i}", "burst", ({"role": "system", "content": burst_system},),
                          (Turn((_user(text.between(10, 20)),), _answer("ok")),))
-            for i in range(60))
-        clients.append(Client(f"burst-{c}", "burst", conversations, start=2.0, stop=12.0))
+            for i in range(12))
+        clients.append(Client(f"burst-{c}", "burst", conversations, start=2.0))
     return Workload("bursty", tuple(clients), groups=("steady", "burst"))
 
 

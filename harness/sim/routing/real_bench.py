@@ -216,10 +216,6 @@ class _Simulation:
     def on_send(self, index: int) -> None:
         state = self.clients[index]
         conversation, turn = state.active.pop(0)
-        if state.client.stop is not None and self.now >= state.client.stop:
-            state.pending.clear()
-            state.active.clear()
-            return
         replica = state.rng.randrange(self.replicas)
         body = conversation.body(turn, MODEL, self.workload.max_tokens)
         request = _Request(index, conversation, turn, replica, self.now, conversation.prompt_tokens(turn))
