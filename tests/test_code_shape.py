@@ -15,9 +15,10 @@ FIRST_PARTY = ("protocol", "infx", "harness", "tools", "tests")
 
 
 def _modules(*folders: str) -> list[Path]:
-    """Every Python module of ``folders``, generated protobuf code left out."""
+    """Every Python module of ``folders``, generated protobuf code and hidden folders (the benchmarks'
+    ignored venvs of peers) left out."""
     return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py")
-                  if "pb" not in p.relative_to(ROOT).parts)
+                  if not any(part == "pb" or part.startswith(".") for part in p.relative_to(ROOT).parts))
 
 
 def long_modules() -> dict[str, str]:

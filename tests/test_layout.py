@@ -28,8 +28,11 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _offenders(folder: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Imports of ``forbidden`` packages in ``folder``'s modules (its hidden folders, the benchmarks'
+    ignored venvs of peers, are not ours)."""
     return [f"{path.relative_to(ROOT)}:{line}: {module}"
             for path in sorted((ROOT / folder).rglob("*.py"))
+            if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
             for line, module in _imports(path)
             if module.split(".")[0] in forbidden]
 

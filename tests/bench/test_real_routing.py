@@ -25,10 +25,10 @@ from harness.sim.routing.llama import TINY_COSTS
 from harness.sim.routing.real_bench import calibration_problems, simulate_run
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Real processes: 3 llama-servers, then 1 or 3 gateways with 3 agents, per run; 12 runs.
+#: Real processes: 3 llama-servers, then 1 or 3 gateways with 3 agents, per run; 18 runs.
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
-WORKLOADS = ("shared", "pressure")
+WORKLOADS = ("shared", "pressure", "bursty")
 POLICIES = {"infx": "affinity", "infx-lip": "least_in_progress", "infx-rr": "round_robin"}
 SCALE = 0.1  # what --quick runs
 
