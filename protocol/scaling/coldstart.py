@@ -65,6 +65,8 @@ class ColdStart:
     phase: ColdStartPhase = ColdStartPhase.IDLE
     started_at: float | None = None
     """When the first request of this cold start was held (None: none is running)."""
+    timed: bool = False
+    """Whether an engine was ready since ``started_at`` (its time is counted once)."""
     retry_write_at: float | None = None
     """When a failed write is tried again."""
     write_out: ScaleWrite | None = None
@@ -78,10 +80,22 @@ class ColdStart:
             raise ScalingLocalError(f"{self.key}: cold start cannot go {self.phase.value} -> {phase.value}")
         self.phase = phase
 
+    def start(self, now: float) -> None:
+        """A request is held: the cold start runs from now, unless one runs already."""
+        if self.started_at is None:
+            self.started_at, self.timed = now, False
+
+    def finished(self, now: float) -> float | None:
+        """An engine is ready: the seconds this cold start took, once (None: none runs, or it was counted).
+        The engine may come before the write's answer (a pod already starting): it ended then too."""
+        if self.started_at is None or self.timed or self.phase is ColdStartPhase.IDLE:
+            return None
+        self.timed = True
+        return now - self.started_at
+
     def begin_write(self, replicas: int, settings: ScalingSettings, now: float) -> ScaleWrite:
         """Ask for the replicas the held requests need, from ``replicas``."""
-        if self.started_at is None:
-            self.started_at = now
+        self.start(now)
         write = ScaleWrite(self.key, replicas, cold_start_target(len(self.holds), settings), ScaleReason.COLD_START)
         self.set_phase(ColdStartPhase.WRITING)
         self.write_out = write

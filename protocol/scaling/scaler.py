@@ -244,8 +244,9 @@ class Scaler:
         effects: list[Effect] = []
         for key in self._by_model.get(model, ()):
             dep = self._deployments[key]
-            if dep.cold.phase is ColdStartPhase.WAITING and dep.cold.started_at is not None:
-                effects.append(ColdStartFinished(key, now - dep.cold.started_at))
+            seconds = dep.cold.finished(now)
+            if seconds is not None:
+                effects.append(ColdStartFinished(key, seconds))
             for hold in list(dep.cold.holds.values()):
                 if hold.model == model:
                     effects.append(self._resolve(dep, hold, True, None, now))
@@ -639,7 +640,7 @@ class Scaler:
             heapq.heappush(self._deadlines, (deadline, self._seq, request_id))
         self._load(model).last_activity = now
         if dep.cold.phase is ColdStartPhase.IDLE and dep.cold.retry_write_at is None:
-            dep.cold.started_at = now if dep.cold.started_at is None else dep.cold.started_at
+            dep.cold.start(now)
             if dep.snapshot.replicas >= 1:
                 dep.cold.set_phase(ColdStartPhase.WAITING)
                 return []

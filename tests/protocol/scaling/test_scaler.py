@@ -109,6 +109,26 @@ def test_held_requests_are_served_when_an_engine_reports_the_model_ready():
     assert scaler.hold_model("c", "llama-3", None, 43.0) == [HoldResolved("c", None, True, True, None, 0.0)]
 
 
+def test_an_engine_ready_before_the_write_returns_is_timed_once():
+    """The replicas were stored and an engine came up before this gateway read the write's answer
+    (a pod already starting, a fast one): the cold start still ended then, and is timed once."""
+    scaler = scaler_with(**{MIN_SCALE_LABEL: "0"})
+    cluster = {KEY: 0}
+    [write] = scaler.hold_model("a", "llama-3", None, 0.0)
+    assert scaler.phase(KEY) is ColdStartPhase.WRITING
+    effects = scaler.model_ready("llama-3", 3.0)
+    assert of(effects, ColdStartFinished) == [ColdStartFinished(KEY, 3.0)]
+    assert [r.request_id for r in of(effects, HoldResolved)] == ["a"]
+    later = perform(scaler, write, cluster, 3.5) + scaler.model_ready("llama-3", 4.0)
+    assert of(later, ColdStartFinished) == [] and scaler.phase(KEY) is ColdStartPhase.IDLE
+    # The next cold start is timed from its own first held request.
+    scaler.model_gone("llama-3", 10.0)
+    scaler.observe_deployment(snap(replicas=0, generation=2, **{MIN_SCALE_LABEL: "0"}), 10.0)
+    [again] = scaler.hold_model("b", "llama-3", None, 11.0)
+    perform(scaler, again, cluster | {KEY: 0}, 11.5)
+    assert of(scaler.model_ready("llama-3", 20.0), ColdStartFinished) == [ColdStartFinished(KEY, 9.0)]
+
+
 def test_losing_gateway_writes_nothing_and_waits_for_the_engine():
     """Two gateways, one cluster: both decide a cold start, the CAS resolve lets only one write."""
     g1, g2 = scaler_with(), scaler_with()
