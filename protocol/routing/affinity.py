@@ -233,10 +233,13 @@ class Affinity(Policy):
         local, else returned, to be carried on the forwarded task to the engine's gateway."""
         if hints is None:
             return super().task_sent(member, key, model, hints, forwarded_tip)
-        # A home key new here: none of its requests in flight from here, none of its prompt held anywhere.
-        new_key = bool(hints.home_blocks) and not self._hot.get((key.tenant_id, model, hints.home)) \
-            and not self.index.depths(hints.blocks[:hints.home_blocks]) \
-            and not self.pools.spills.depths(hints.blocks[:hints.home_blocks])
+        # A prompt with no block of its own past the home key's part (a first turn shorter than a
+        # block) is named by its conversation's opening, which its later turns repeat.
+        tip = hints.blocks[-1] if len(hints.blocks) > hints.home_blocks or not hints.opening else hints.opening
+        spilled = bool(tip) and bool(self.config.spilled_tips) and self._spilled(key, model, hints)
+        local = member is not None and member.local
+        # Read before this send is counted: only a local spill asks it.
+        apart = spilled and local and self._new_here(key, model, hints)
         if hints.home_blocks:
             engines = self._hot.setdefault((key.tenant_id, model, hints.home), {})
             engines[key] = engines.get(key, 0) + 1
@@ -245,13 +248,10 @@ class Affinity(Policy):
             self._expected[(key, hints.blocks[-1])] = (len(held), min(held[hints.home_blocks:]))
         self.index.record(key, hints.blocks)
         carried = 0
-        # A prompt with no block of its own past the home key's part (a first turn shorter than a
-        # block) is named by its conversation's opening, which its later turns repeat.
-        tip = hints.blocks[-1] if len(hints.blocks) > hints.home_blocks or not hints.opening else hints.opening
-        if tip and self.config.spilled_tips and self._spilled(key, model, hints):
-            if member is not None and member.local:
+        if spilled:
+            if local:
                 self.pools.spills.record(key, model, tip)
-                if new_key:
+                if apart:
                     # Placed off its ring home (apart from other keys, or the home had no room): every
                     # gateway credits this engine with the key's shared part, so the key's next first
                     # turns follow it there from any gateway, not only from this one.
@@ -302,6 +302,13 @@ class Affinity(Policy):
         return {"index_blocks": self.index.size, "sessions": len(self._sessions), "expected": len(self._expected),
                 "ring_points": sum(len(ring.points) for ring in self._rings.values()),
                 "hot_keys": len(self._hot), "spread_keys": len(self._spread)}
+
+    def _new_here(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
+        """Whether the prompt's home key is new here: none of its requests in flight from here, none
+        of its shared part held anywhere."""
+        home = hints.blocks[:hints.home_blocks]
+        return bool(home) and not self._hot.get((key.tenant_id, model, hints.home)) \
+            and not self.index.depths(home) and not self.pools.spills.depths(home)
 
     def _spilled(self, key: EngineKey, model: str, hints: RoutingHints) -> bool:
         """Whether another gateway would not send this prompt's next turn to ``key`` by itself:
