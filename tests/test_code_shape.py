@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+from tests.support.tree import modules
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Past this many lines a module says why it is one module (``Size (over 600 lines): ...``).
 MAX_LINES = 600
@@ -15,10 +17,8 @@ FIRST_PARTY = ("protocol", "infx", "harness", "tools", "tests")
 
 
 def _modules(*folders: str) -> list[Path]:
-    """Every Python module of ``folders``, generated protobuf code and hidden folders (the benchmarks'
-    ignored venvs of peers) left out."""
-    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py")
-                  if not any(part == "pb" or part.startswith(".") for part in p.relative_to(ROOT).parts))
+    """Every Python module of ``folders`` (:func:`tests.support.tree.modules`), generated protobuf code left out."""
+    return sorted(p for folder in folders for p in modules(folder) if "pb" not in p.relative_to(ROOT).parts)
 
 
 def long_modules() -> dict[str, str]:

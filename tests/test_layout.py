@@ -9,6 +9,8 @@ import re
 import sys
 from pathlib import Path
 
+from tests.support.tree import modules
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,11 +30,9 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _offenders(folder: str, forbidden: tuple[str, ...]) -> list[str]:
-    """Imports of ``forbidden`` packages in ``folder``'s modules (its hidden folders, the benchmarks'
-    ignored venvs of peers, are not ours)."""
+    """Imports of ``forbidden`` packages in ``folder``'s modules."""
     return [f"{path.relative_to(ROOT)}:{line}: {module}"
-            for path in sorted((ROOT / folder).rglob("*.py"))
-            if not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+            for path in modules(folder)
             for line, module in _imports(path)
             if module.split(".")[0] in forbidden]
 
