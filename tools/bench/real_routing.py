@@ -139,8 +139,8 @@ def router(name: str) -> RouterUnderTest:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-baseline", "infx-url-all-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1",
-           "infx-kept", "infx-url", "infx-url-all",
+ROUTERS = ("infx", "infx-baseline", "infx-url-all-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2",
+           "infx-slotcap", "infx-relay1", "infx-kept", "infx-url", "infx-url-all",
            "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 
