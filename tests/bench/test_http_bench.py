@@ -369,6 +369,33 @@ def test_the_floor_relays_the_runtimes_answers_and_streams_as_they_are_over_one_
     assert bad.startswith(b"HTTP/1.1 400") and b"bad JSON" in bad
 
 
+@pytest.fixture
+def floor_chores(starlette_runtime: int, tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    log = tmp_path / "requests.log"
+    for port in _port_reporting(str(BENCH / "proxy_floor.py"), "--upstream", f"http://127.0.0.1:{starlette_runtime}",
+                                "--chores", str(log)):
+        yield port, log
+
+
+def test_the_floor_with_chores_relays_the_same_answers_and_logs_and_counts_each_request(
+        starlette_runtime: int, floor_chores: tuple[int, Path]) -> None:
+    port, log = floor_chores
+    request = {"model": "echo", "messages": [{"role": "user", "content": "hello there"}]}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    answers = []
+    for body in (json.dumps(request), json.dumps({**request, "stream": True}), "{nope"):
+        connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answers.append((response.status, response.read()))
+    connection.close()
+    assert [status for status, _ in answers] == [200, 200, 400]
+    assert _without_id(answers[0][1]) == _without_id(_post(starlette_runtime, request)[1])
+    assert answers[1][1].endswith(b"data: [DONE]\n\n")
+    lines = log.read_text().splitlines()
+    assert [line.split("] ", 1)[1].rsplit(" latency=", 1)[0] for line in lines] == [
+        "request model='echo' status=200", "request model='echo' status=200", "request model='-' status=400"]
+
+
 def test_verdicts_compare_infx_by_url_with_the_best_router_and_the_dial_in_path_with_the_baseline_tree() -> None:
     http_bench = _load("http_bench")
     lines = http_bench.verdicts([
@@ -388,12 +415,15 @@ def test_verdicts_hold_url_workers_to_the_best_routers_rates_and_show_the_floor_
     workers = {**_overview_row("url-workers-echo", "url-workers", 0.3, 0.5, 0.5), "c32_rps": 850.0,
                "events_per_s": 700.0}
     lines = "\n".join(http_bench.verdicts([workers, _overview_row("floor-echo", "floor", 0.05, 0.1, 0.1),
+                                           _overview_row("floor-chores-echo", "floor-chores", 0.08, 0.1, 0.1),
                                            _overview_row("vllm-echo", "vllm", 0.1, 0.2, 0.2)]))
     assert "requests/s at c=32: best Rust router 1,000 (vllm-echo); infx by URL, --workers 2 850 = 0.85x " \
            "(target with --workers 2: >= 0.8x) -> met" in lines
     assert "relayed events/s: best Rust router 1,000 (vllm-echo); infx by URL, --workers 2 700 = 0.70x " \
            "(target with --workers 2: >= 0.8x) -> MISSED" in lines
     assert "CPU per request at c=32: best Rust router 0.100 ms (vllm-echo); the floor (proxy_floor.py) 0.050 ms" in lines
+    assert "CPU per request at c=32: best Rust router 0.100 ms (vllm-echo); the floor with a gateway's chores " \
+           "(proxy_floor.py --chores) 0.080 ms" in lines
 
 
 def test_verdicts_set_the_by_url_path_beside_the_baseline_trees() -> None:

@@ -24,6 +24,9 @@ In front of each runtime, the targets (``--targets``):
 - ``floor``: ``proxy_floor.py``, the least a Twisted + httptools process
   spends relaying a request to the runtime and back (no routing, no
   guarantees): how far infx is from what Python on Twisted can do;
+- ``floor-chores``: ``proxy_floor.py --chores``, the floor plus the least
+  of what any gateway does per request besides relaying (the body parsed as
+  JSON, a request log line, a counter and a histogram), the way infx does it;
 - ``base``: with ``--baseline DIR`` (another checkout of infx, e.g. made
   with ``git worktree add DIR COMMIT``), that tree's dial-in path, as
   ``agent`` but run from ``DIR``: before and after a change in one run;
@@ -115,6 +118,7 @@ KINDS = {
     "url-rr": "twistd infx --runtime-url --routing-policy round_robin (the Rust routers' policy here)",
     "url-workers": "twistd infx --workers 2 --runtime-url (the supervisor and 2 workers, each serving the runtime)",
     "floor": "proxy_floor.py: a bare Twisted + httptools relay to the runtime, no routing (the floor)",
+    "floor-chores": "proxy_floor.py --chores: the floor, and per request a JSON parse, a log line and two metrics",
     "base": "the dial-in path of the --baseline tree",
     "base-url": "the by-URL path of the --baseline tree",
     "litellm": f"LiteLLM proxy {LITELLM.version}, one worker",
@@ -298,6 +302,12 @@ class Processes:
                                      logs)
                 self.children.append(floor)
                 self._add("floor", runtime, floor.port, floor.process.pid)
+            if "floor-chores" in kinds:
+                floor = PortReporter(f"floor-chores-{runtime}", [
+                    str(HERE / "proxy_floor.py"), "--upstream", server.url,
+                    "--chores", str(logs / f"floor-chores-{runtime}.requests.log")], logs)
+                self.children.append(floor)
+                self._add("floor-chores", runtime, floor.port, floor.process.pid)
         if "builtin" in kinds:
             gateway = twistd("gateway-builtin", [*gateway_args(),
                                                  "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
@@ -499,7 +509,8 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
                                f"--baseline tree's {base_url[key]:.3f} ms = {url[key] / base_url[key]:.2f}x")
         for kind, name in (("url", "infx by URL"), ("url-rr", "infx by URL, round_robin"),
                            ("url-workers", "infx by URL, --workers 2"),
-                           ("agent", "infx dial-in path"), ("floor", "the floor (proxy_floor.py)")):
+                           ("agent", "infx dial-in path"), ("floor", "the floor (proxy_floor.py)"),
+                           ("floor-chores", "the floor with a gateway's chores (proxy_floor.py --chores)")):
             row = next((r for r in mine if r["kind"] == kind), None)
             if row is None:
                 continue

@@ -2,10 +2,10 @@
 """The floor: the least a Twisted + httptools process spends relaying one HTTP request to a runtime.
 
 ``http_bench.py``'s ``floor`` target. It is not a gateway: no routing, no
-admission, no queue, no retries, no metrics, no log, no backpressure (a slow
-client's answer is buffered whole), no failure handling beyond closing what
-broke. Each request is parsed by httptools on a Twisted
-protocol, written to one pooled keep-alive connection to the runtime (its
+admission, no queue, no retries, no metrics or log (but with ``--chores``,
+below), no backpressure (a slow client's answer is buffered whole), no
+failure handling beyond closing what broke. Each request is parsed by
+httptools on a Twisted protocol, written to one pooled keep-alive connection to the runtime (its
 header fields passed on as they came, minus the hop-by-hop ones), and the
 answer is parsed by httptools and relayed back as it arrives: its status and
 header fields, and its body framed as the runtime framed it (a length, or
@@ -18,7 +18,16 @@ infx's own work costs (routing, queues, the agent's core, the request log,
 metrics), and the distance between ``floor`` and the Rust routers is what
 Python on Twisted costs for the same relay.
 
-    python tools/bench/proxy_floor.py --upstream http://127.0.0.1:PORT
+With ``--chores LOGFILE`` (``http_bench.py``'s ``floor-chores``) it also does,
+per request, the least of what any gateway does besides relaying, the way infx
+does it at its cheapest: the body parsed as JSON for the model it names, one
+request log line written to ``LOGFILE`` through twisted.logger with infx's own
+line formatter (:func:`infx.text_log.classic_line`), and a request counter and
+a latency histogram of ``prometheus_client`` labelled by model and status
+(children kept, as infx keeps them). What is left between ``floor-chores`` and
+infx by URL is routing, admission, queues, retries and the layers between them.
+
+    python tools/bench/proxy_floor.py --upstream http://127.0.0.1:PORT [--chores LOGFILE]
 
 It prints the port it listens on (127.0.0.1) as its first stdout line and
 exits when its stdin closes, as the benchmark's runtimes do.
@@ -27,8 +36,10 @@ exits when its stdin closes, as the benchmark's runtimes do.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -39,17 +50,52 @@ from twisted.internet import epollreactor
 epollreactor.install()
 
 import httptools  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Histogram  # noqa: E402
 from twisted.internet import reactor, stdio  # noqa: E402
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint  # noqa: E402
 from twisted.internet.protocol import Factory, Protocol  # noqa: E402
+from twisted.logger import FileLogObserver, Logger  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+from infx.supervisor.logs import CachedTime  # noqa: E402
+from infx.text_log import classic_line  # noqa: E402
 from infx.transport.writes import write_buffers  # noqa: E402
 
 #: Fields a hop ends (RFC 9110 7.6.1) or that the relay frames itself.
 _REQUEST_DROP = frozenset({b"connection", b"keep-alive", b"host", b"content-length", b"transfer-encoding",
                            b"te", b"upgrade", b"proxy-connection"})
 _RESPONSE_DROP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"proxy-connection"})
+
+
+class Chores:
+    """What every gateway does per request besides the relay, at its cheapest (see the module docstring)."""
+
+    def __init__(self, log_file: Any) -> None:
+        when = CachedTime()
+        self.log = Logger(namespace="floor", observer=FileLogObserver(log_file, lambda e: classic_line(e, when)))
+        registry = CollectorRegistry()
+        self.requests = Counter("floor_requests", "Requests answered", ["model", "status"], registry=registry)
+        self.seconds = Histogram("floor_request_seconds", "Request latency", ["model", "status"], registry=registry)
+        self.children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def model(self, body: bytes) -> str:
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            return "-"
+        return model if isinstance(model, str) else "-"
+
+    def answered(self, model: str, status: int, started: float) -> None:
+        seconds = time.monotonic() - started
+        children = self.children.get((model, status))
+        if children is None:
+            label = str(status)
+            children = self.children[(model, status)] = (self.requests.labels(model, label),
+                                                         self.seconds.labels(model, label))
+        children[0].inc()
+        children[1].observe(seconds)
+        self.log.info("{text}", text=f"request model={model!r} status={status} latency={seconds:.3f}s",
+                      event="request", model=model, status=status, latency_seconds=seconds)
 
 
 class Upstream(Protocol):
@@ -114,7 +160,7 @@ class Upstream(Protocol):
             client.upstream = None
             if self.chunked:
                 client.write([b"0\r\n\r\n"])
-            client.answered()
+            client.answered(self.parser.get_status_code())
 
     def connectionLost(self, reason: Any = None) -> None:
         if self in self.pool.idle:
@@ -145,10 +191,13 @@ class Pool:
 class Downstream(Protocol):
     """One client's connection: requests parsed by httptools, answered in order, one at a time."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, chores: Chores | None) -> None:
         self.pool = pool
+        self.chores = chores
         self.parser = httptools.HttpRequestParser(self)
         self.upstream: Upstream | None = None
+        #: With chores: each request's model and arrival, in order (answers come in order).
+        self.asked: deque[tuple[str, float]] = deque()
         self.waiting: deque[list[bytes]] = deque()
         self.busy = False
         self.closing = False
@@ -183,6 +232,8 @@ class Downstream(Protocol):
 
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
+        if self.chores is not None:
+            self.asked.append((self.chores.model(body), time.monotonic()))
         data = [self.parser.get_method(), b" ", self.url, b" HTTP/1.1\r\n", self.pool.host, *self.fields,
                 b"Content-Length: %d\r\n\r\n" % len(body), body]
         if not self.parser.should_keep_alive():
@@ -197,7 +248,10 @@ class Downstream(Protocol):
     def write(self, data: list[bytes]) -> None:
         write_buffers(self.transport, data)
 
-    def answered(self) -> None:
+    def answered(self, status: int) -> None:
+        if self.chores is not None:
+            model, started = self.asked.popleft()
+            self.chores.answered(model, status, started)
         if self.waiting:
             self.pool.send(self, self.waiting.popleft())
         else:
@@ -222,14 +276,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", required=True, help="the runtime's base URL (http://HOST:PORT)")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--chores", metavar="LOGFILE", type=Path,
+                        help="also parse each body, log a line to LOGFILE and count the request (see above)")
     options = parser.parse_args(argv)
     pool = Pool(options.upstream)
+    chores = Chores(options.chores.open("a", encoding="utf-8")) if options.chores is not None else None
 
     def listening(port: Any) -> None:
         os.write(1, b"%d\n" % port.getHost().port)
 
     TCP4ServerEndpoint(reactor, options.port, interface="127.0.0.1").listen(
-        Factory.forProtocol(lambda: Downstream(pool))).addCallback(listening)
+        Factory.forProtocol(lambda: Downstream(pool, chores))).addCallback(listening)
     stdio.StandardIO(StdinWatch())
     reactor.run()
     return 0
