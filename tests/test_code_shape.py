@@ -8,9 +8,8 @@ import ast
 import re
 from pathlib import Path
 
-from tests.support.tree import modules
+from tests.support.tree import ROOT, modules
 
-ROOT = Path(__file__).resolve().parents[1]
 #: Past this many lines a module says why it is one module (``Size (over 600 lines): ...``).
 MAX_LINES = 600
 FIRST_PARTY = ("protocol", "infx", "harness", "tools", "tests")

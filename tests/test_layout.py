@@ -9,9 +9,8 @@ import re
 import sys
 from pathlib import Path
 
-from tests.support.tree import modules
+from tests.support.tree import ROOT, modules
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -297,17 +297,14 @@ class Processes:
                 http, _ = bound_ports(gateway, gateway.log_path, workers=2)
                 waits.append((http, [gateway]))
                 supervised.append(("url-workers", runtime, http, gateway))
-            if "floor" in kinds:
-                floor = PortReporter(f"floor-{runtime}", [str(HERE / "proxy_floor.py"), "--upstream", server.url],
-                                     logs)
-                self.children.append(floor)
-                self._add("floor", runtime, floor.port, floor.process.pid)
-            if "floor-chores" in kinds:
-                floor = PortReporter(f"floor-chores-{runtime}", [
-                    str(HERE / "proxy_floor.py"), "--upstream", server.url,
-                    "--chores", str(logs / f"floor-chores-{runtime}.requests.log")], logs)
-                self.children.append(floor)
-                self._add("floor-chores", runtime, floor.port, floor.process.pid)
+            # The chores' request log beside, not in, the process's own log (logs/NAME.log).
+            chores = ["--chores", str(logs / f"floor-chores-{runtime}.requests.log")]
+            for kind, extra in (("floor", []), ("floor-chores", chores)):
+                if kind in kinds:
+                    floor = PortReporter(f"{kind}-{runtime}",
+                                         [str(HERE / "proxy_floor.py"), "--upstream", server.url, *extra], logs)
+                    self.children.append(floor)
+                    self._add(kind, runtime, floor.port, floor.process.pid)
         if "builtin" in kinds:
             gateway = twistd("gateway-builtin", [*gateway_args(),
                                                  "--echo-models", MODEL, "--echo-token-delay", "0"], logs, profile)
