@@ -198,11 +198,14 @@ class StatusRecorder:
         yield  # a generator: the stream stays open while the engine sends
 
     def latest(self) -> status_pb2.EngineStatus.Model | None:
-        """The last status's only model, if any status came."""
+        """The last status's only model, if any status named one (an agent given no ``--models`` names
+        none until it has read the server's list)."""
         with self._lock:
             if not self.statuses:
                 return None
             models = list(self.statuses[-1].models)
+        if not models:
+            return None
         assert [m.id for m in models] == ["tiny"]
         return models[0]
 
