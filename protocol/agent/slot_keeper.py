@@ -11,6 +11,11 @@ that, as the runtime's one client:
 - every task runs in a slot the agent names (``id_slot``): an idle slot that holds the task's
   conversation, else the idle slot used longest ago, into which the conversation's saved context
   is restored first when there is one; with every slot busy, tasks wait here in arrival order;
+- a restore overwrites a slot's context without putting it in the server's host cache (a prompt
+  that displaces it does, and every task the server starts caches the idle slots), so it goes only
+  to a slot whose context is found elsewhere: none, a saved conversation's, or one cached since it
+  ended; with no such slot idle, the task runs without (the server looks for its prompt in its host
+  cache), so a burst of one-question conversations keeps its shared system prompt;
 - a task that ended well leaves its slot holding its conversation, and the slot is saved under
   the conversation's key before it takes another task, unless the caller said its prompt is not
   worth a file (:func:`worth_saving`); a failed one leaves the slot unknown;
@@ -66,13 +71,15 @@ class Save:
 
 
 class _RuntimeSlot:
-    __slots__ = ("task", "holds", "saving", "used")
+    __slots__ = ("task", "holds", "cached", "saving", "used")
 
     def __init__(self) -> None:
         #: The task running here ("" for none).
         self.task = ""
         #: The conversation whose context the slot holds (0: none known).
         self.holds = 0
+        #: Whether the server has put that context in its host cache (it does with each task it starts).
+        self.cached = False
         #: The key being saved from here (0: no save running).
         self.saving = 0
         #: When it last took a task, in tasks started (the least recently used idle slot goes first).
@@ -146,6 +153,7 @@ class SlotKeeper:
         slot = self._slots[slot_id]
         slot.task = ""
         slot.holds = key if ok else 0
+        slot.cached = False
         save = None
         if ok and key and saving:
             slot.saving = key
@@ -179,18 +187,27 @@ class SlotKeeper:
             slot_id = holding[0]
             self.held += 1
         else:
-            slot_id = min(idle, key=lambda i: self._slots[i].used)
             restore = self._files.get(key) if key else None
-            if restore is not None:
+            spare = [i for i in idle if self._found_elsewhere(self._slots[i])]
+            if restore is not None and spare:
+                idle = spare
                 self._files.move_to_end(key)
                 self.restored += 1
             else:
+                restore = None
                 self.cold += 1
+            slot_id = min(idle, key=lambda i: self._slots[i].used)
         slot = self._slots[slot_id]
         self._started += 1
         slot.task, slot.used = task, self._started
+        for other in self._slots:  # the server caches its idle slots as it starts a task
+            other.cached = other.cached or other.idle
         self._running[task] = (slot_id, key, save)
         return Plan(task, slot_id, restore)
+
+    def _found_elsewhere(self, slot: _RuntimeSlot) -> bool:
+        """Whether a restore may overwrite the slot's context: it is none, in a file, or in the host cache."""
+        return not slot.holds or slot.cached or slot.holds in self._files
 
     def _place_waiting(self) -> list[Plan]:
         plans = []

@@ -76,3 +76,14 @@ def test_slots_kept_restore_the_conversations_the_runtimes_pushed_out_under_pres
     kept = simulate_run(workload, "affinity", 1, 1, slot_files=64).figures
     assert kept.cached_share > plain.cached_share + 0.2
     assert kept.errors == 0 and kept.requests == plain.requests
+
+
+def test_keeping_slots_costs_a_burst_of_one_question_conversations_no_cache():
+    """Restores never overwrite a context the server keeps nowhere else (protocol/agent/slot_keeper.py): the
+    burst's shared system prompt, in slots its one-question conversations just left, stays on its engines."""
+    workload = make("bursty", 2)
+    plain = simulate_run(workload, "affinity", 1, 2).figures
+    kept = simulate_run(workload, "affinity", 1, 2, slot_files=64).figures
+    assert kept.cached_share > plain.cached_share - 0.01
+    assert kept.errors == 0 and kept.requests == plain.requests
+

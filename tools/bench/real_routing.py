@@ -30,7 +30,8 @@ Routers (``--routers``, :data:`ROUTERS`):
   pods by label serve them);
   ``infx-baseline`` the default of another checkout (``--baseline DIR``:
   the tree before a change, with its own ``.venv``), ``infx-url-all-baseline``
-  that checkout by URL at every gateway;
+  that checkout by URL at every gateway, ``infx-kept-baseline`` with its
+  agents keeping slots;
 - ``sglang-ca`` / ``sglang-rr``: sglang-router 0.3.2, ``cache_aware`` /
   ``round_robin``, its defaults; ``vllm-ca`` / ``vllm-ch``: vllm-router
   0.1.17, ``cache_aware`` / ``consistent_hash`` (clients send the
@@ -127,6 +128,8 @@ def router(name: str) -> RouterUnderTest:
         "infx-slotcap": lambda: InfxRouter("infx-slotcap", gateway_extra=["--cap-at-runtime-slots"]),
         "infx-relay1": lambda: InfxRouter("infx-relay1", gateway_extra=["--status-interval", "1"]),
         "infx-kept": lambda: InfxRouter("infx-kept", slot_files=SLOT_FILES),
+        "infx-kept-baseline": lambda: InfxRouter("infx-kept-baseline", checkout=BASELINE[0],
+                                                 slot_files=SLOT_FILES),
         "infx-url": lambda: InfxRouter("infx-url", by_url=True),
         "infx-url-all": lambda: InfxRouter("infx-url-all", by_url_everywhere=True),
         "sglang-ca": lambda: PeerRouter("sglang-ca", "sglang", "cache_aware"),
@@ -139,8 +142,8 @@ def router(name: str) -> RouterUnderTest:
     return makers[name]()
 
 
-ROUTERS = ("infx", "infx-baseline", "infx-url-all-baseline", "infx-lip", "infx-rr", "infx-noload", "infx-cap2",
-           "infx-slotcap", "infx-relay1", "infx-kept", "infx-url", "infx-url-all",
+ROUTERS = ("infx", "infx-baseline", "infx-url-all-baseline", "infx-kept-baseline", "infx-lip", "infx-rr",
+           "infx-noload", "infx-cap2", "infx-slotcap", "infx-relay1", "infx-kept", "infx-url", "infx-url-all",
            "sglang-ca", "sglang-rr", "vllm-ca", "vllm-ch")
 
 

@@ -131,6 +131,35 @@ def test_a_task_its_caller_says_is_not_worth_a_file_keeps_its_slot_but_is_not_sa
     assert not worth_saving(RoutingHints(blocks=(1, 2, 3, 4), home=0, home_blocks=4))
 
 
+def test_a_restore_never_overwrites_a_context_found_nowhere_else():
+    """The server does not put a slot's context in its host cache before a restore, as it does before a
+    prompt displaces it and for every idle slot when it starts a task: a restore takes a slot that holds
+    nothing, a saved conversation, or a context the server has cached since, never one it would lose
+    (a one-question conversation on a shared system prompt, just ended)."""
+    keeper = SlotKeeper(slots=2, files=4)
+    run(keeper, "a1", A)
+    finish(keeper, "a1")  # slot 0 holds A, saved
+    run(keeper, "c1", C)
+    finish(keeper, "c1")  # slot 1 holds C, saved
+    run(keeper, "x1", 0xD)  # slot 0 (used longest ago): A leaves it, with its file
+    assert keeper.start("y1", 0xE, save=False) == Plan("y1", 1, None)  # C leaves slot 1, with its file
+    assert keeper.ended("x1", True)[0] is not None
+    keeper.save_ended(0, True)  # slot 0 holds D, saved
+    assert keeper.ended("y1", True) == (None, [])  # slot 1 holds E, kept nowhere else
+    assert run(keeper, "a2", A) == Plan("a2", 0, "infx-0.bin")  # over D's saved context, not over E
+    # Starting a2, the server put the idle slot 1's context in its host cache: C may be restored there.
+    assert run(keeper, "c2", C) == Plan("c2", 1, "infx-1.bin")
+    finish(keeper, "a2")
+    assert keeper.ended("c2", True)[0] is not None  # slot 1 saving C
+    assert keeper.start("z1", 0xF, save=False) == Plan("z1", 0, None)
+    keeper.save_ended(1, True)
+    assert run(keeper, "c3", C) == Plan("c3", 1, None)  # held
+    assert keeper.ended("z1", True) == (None, [])  # slot 0 holds F, kept nowhere else
+    # Only slot 0 is idle, and no task started since F ended there: A runs there without a restore.
+    assert keeper.start("a3", A) == Plan("a3", 0, None)
+    assert (keeper.restored, keeper.held) == (2, 1)
+
+
 def test_what_the_keeper_did_is_counted_for_the_engines_status():
     keeper = SlotKeeper(slots=1, files=4)
     run(keeper, "a1", A)
@@ -141,8 +170,10 @@ def test_what_the_keeper_did_is_counted_for_the_engines_status():
     save, _ = keeper.ended("b1", True)
     assert save is not None
     keeper.save_ended(save.slot, False)  # a failed save costs B its file
+    run(keeper, "b2", B)  # held
+    finish(keeper, "b2")  # and saved this time
     run(keeper, "a3", A)  # restored
     keeper.restore_failed(0, "a3")  # and that file is not trusted again
-    assert keeper.counts() == status_pb2.EngineStatus.SlotKeeping(held=1, restored=1, cold=2, failed=2, saved=0)
+    assert keeper.counts() == status_pb2.EngineStatus.SlotKeeping(held=2, restored=1, cold=2, failed=2, saved=1)
     keeper.ended("a3", True)
-    assert keeper.counts().saved == 1
+    assert keeper.counts().saved == 2
