@@ -24,7 +24,7 @@ from twisted.logger import Logger
 from infx.agent.runtime_client import RuntimeFailure
 from infx.agent.runtimes import OpenAIRuntime, RunningTask, TaskSink
 from protocol.agent.runtime_metrics import total_slots_from_props
-from protocol.agent.slot_keeper import Plan, SlotKeeper, worth_saving
+from protocol.agent.slot_keeper import Plan, SlotKeeper, shared_prompt, worth_saving
 from protocol.pb import status_pb2, worker_pb2
 from protocol.routing.hints import hints_from_json
 
@@ -173,6 +173,7 @@ class _KeptTask:
         self.sink = sink
         self.key = 0
         self.save = False
+        self.shares = 0
         #: "new", "waiting" (for the keeper's slots, or for them to be learnt), "restoring", "running", "done".
         self.state = "new"
         self.slot = -1
@@ -186,6 +187,7 @@ class _KeptTask:
         if hints is not None:
             self.key = hints.opening
             self.save = worth_saving(hints)
+            self.shares = shared_prompt(hints)
         if runtime.keeper is None:
             self.state = "waiting"
             runtime.when_sized().addCallback(lambda _: self._place())
@@ -216,7 +218,7 @@ class _KeptTask:
         if runtime.keeper is None or runtime.off:
             self._pass_through()
             return
-        plan = runtime.keeper.start(self.task_id, self.key, self.save)
+        plan = runtime.keeper.start(self.task_id, self.key, self.save, self.shares)
         runtime.changed()
         if plan is None:
             self.state = "waiting"

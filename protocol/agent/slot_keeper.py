@@ -13,9 +13,11 @@ that, as the runtime's one client:
   is restored first when there is one; with every slot busy, tasks wait here in arrival order;
 - a restore overwrites a slot's context without putting it in the server's host cache (a prompt
   that displaces it does, and every task the server starts caches the idle slots), so it goes only
-  to a slot whose context is found elsewhere: none, a saved conversation's, or one cached since it
-  ended; with no such slot idle, the task runs without (the server looks for its prompt in its host
-  cache), so a burst of one-question conversations keeps its shared system prompt;
+  to a slot whose context is found elsewhere or worth little: none, a saved conversation's, one
+  cached since it ended, or one whose system prompt no other conversation placed lately shares;
+  with no such slot idle, the task runs without (the server keeps the slot's context in its host
+  cache and looks there for the task's prompt), so a burst of one-question conversations keeps
+  its shared system prompt;
 - a task that ended well leaves its slot holding its conversation, and the slot is saved under
   the conversation's key before it takes another task, unless the caller said its prompt is not
   worth a file (:func:`worth_saving`); a failed one leaves the slot unknown;
@@ -38,7 +40,10 @@ from protocol.errors import LocalUsageError
 from protocol.pb import status_pb2
 from protocol.routing.hints import RoutingHints
 
-__all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError", "worth_saving"]
+__all__ = ["Plan", "Save", "SlotKeeper", "SlotKeeperUsageError", "shared_prompt", "worth_saving"]
+
+#: How many of the tasks placed last tell which system prompts other conversations share.
+_RECENT = 16
 
 
 def worth_saving(hints: RoutingHints) -> bool:
@@ -47,6 +52,11 @@ def worth_saving(hints: RoutingHints) -> bool:
     server's host cache keeps anyway; saving a one-question conversation (a burst of them) costs the
     server a save per request and pushes out the files of conversations that have more."""
     return len(hints.blocks) - hints.home_blocks >= 1
+
+
+def shared_prompt(hints: RoutingHints) -> int:
+    """The key of the system prompt a prompt shares with other conversations (0: none)."""
+    return hints.home if hints.home_blocks else 0
 
 
 class SlotKeeperUsageError(LocalUsageError):
@@ -71,13 +81,15 @@ class Save:
 
 
 class _RuntimeSlot:
-    __slots__ = ("task", "holds", "cached", "saving", "used")
+    __slots__ = ("task", "holds", "shares", "cached", "saving", "used")
 
     def __init__(self) -> None:
         #: The task running here ("" for none).
         self.task = ""
         #: The conversation whose context the slot holds (0: none known).
         self.holds = 0
+        #: The key of the system prompt that context shares with other conversations (0: none).
+        self.shares = 0
         #: Whether the server has put that context in its host cache (it does with each task it starts).
         self.cached = False
         #: The key being saved from here (0: no save running).
@@ -104,8 +116,11 @@ class SlotKeeper:
         #: File names made so far (a name is made once, then reused), and those no conversation holds.
         self._named = 0
         self._free: list[str] = []
-        #: Tasks waiting for a slot: each with its key and whether its slot is saved when it ends.
-        self._waiting: deque[tuple[str, int, bool]] = deque()
+        #: Tasks waiting for a slot: each with its key, whether its slot is saved when it ends, and the
+        #: key of the system prompt it shares.
+        self._waiting: deque[tuple[str, int, bool, int]] = deque()
+        #: The system prompt and conversation of the tasks placed last (which shared prompts are in use).
+        self._recent: deque[tuple[int, int]] = deque(maxlen=_RECENT)
         #: Each running task's slot, key and whether its slot is saved when it ends.
         self._running: dict[str, tuple[int, int, bool]] = {}
         self._started = 0
@@ -130,16 +145,17 @@ class SlotKeeper:
         return status_pb2.EngineStatus.SlotKeeping(held=self.held, restored=self.restored, cold=self.cold,
                                                    failed=self.failed, saved=self.saved)
 
-    def start(self, task: str, key: int, save: bool = True) -> Plan | None:
+    def start(self, task: str, key: int, save: bool = True, shares: int = 0) -> Plan | None:
         """``task`` of conversation ``key`` wants a slot: its plan, or None while every slot is busy
         (its plan comes from :meth:`ended` or :meth:`save_ended` once one frees); ``save``: its slot
-        is saved when it ends well."""
+        is saved when it ends well; ``shares``: the key of the system prompt it shares with other
+        conversations (:func:`shared_prompt`)."""
         if task in self._running or any(entry[0] == task for entry in self._waiting):
             raise SlotKeeperUsageError(f"task {task!r} asked for a slot twice")
         if self._waiting or not any(slot.idle for slot in self._slots):
-            self._waiting.append((task, key, save))
+            self._waiting.append((task, key, save, shares))
             return None
-        return self._place(task, key, save)
+        return self._place(task, key, save, shares)
 
     def cancel(self, task: str) -> None:
         """A task that waits for a slot is gone (its client left)."""
@@ -153,6 +169,7 @@ class SlotKeeper:
         slot = self._slots[slot_id]
         slot.task = ""
         slot.holds = key if ok else 0
+        slot.shares = slot.shares if ok else 0
         slot.cached = False
         save = None
         if ok and key and saving:
@@ -179,7 +196,7 @@ class SlotKeeper:
 
     # -- choices ---------------------------------------------------------------------------
 
-    def _place(self, task: str, key: int, save: bool) -> Plan:
+    def _place(self, task: str, key: int, save: bool, shares: int) -> Plan:
         idle = [i for i, slot in enumerate(self._slots) if slot.idle]
         holding = [i for i in idle if key and self._slots[i].holds == key]
         restore = None
@@ -199,21 +216,24 @@ class SlotKeeper:
             slot_id = min(idle, key=lambda i: self._slots[i].used)
         slot = self._slots[slot_id]
         self._started += 1
-        slot.task, slot.used = task, self._started
+        slot.task, slot.used, slot.shares = task, self._started, shares
+        self._recent.append((shares, key))
         for other in self._slots:  # the server caches its idle slots as it starts a task
             other.cached = other.cached or other.idle
         self._running[task] = (slot_id, key, save)
         return Plan(task, slot_id, restore)
 
     def _found_elsewhere(self, slot: _RuntimeSlot) -> bool:
-        """Whether a restore may overwrite the slot's context: it is none, in a file, or in the host cache."""
-        return not slot.holds or slot.cached or slot.holds in self._files
+        """Whether a restore may overwrite the slot's context: it is none, in a file, in the host cache, or
+        a conversation's own (no system prompt that other conversations placed lately share)."""
+        return not slot.holds or slot.cached or slot.holds in self._files or not slot.shares \
+            or not any(shares == slot.shares and key != slot.holds for shares, key in self._recent)
 
     def _place_waiting(self) -> list[Plan]:
         plans = []
         while self._waiting and any(slot.idle for slot in self._slots):
-            task, key, save = self._waiting.popleft()
-            plans.append(self._place(task, key, save))
+            task, key, save, shares = self._waiting.popleft()
+            plans.append(self._place(task, key, save, shares))
         return plans
 
     def _file_for(self, key: int) -> str:

@@ -43,7 +43,7 @@ from harness.real_routing.workloads import Client, Conversation, Workload
 from harness.sim.routing.llama import LlamaCosts, LlamaJob, LlamaServerModel
 from protocol.agent.core import EngineAgentCore
 from protocol.agent.effects import AgentConfig, SendResult, SendStatus, StartTask
-from protocol.agent.slot_keeper import Plan, SlotKeeper, worth_saving
+from protocol.agent.slot_keeper import Plan, SlotKeeper, shared_prompt, worth_saving
 from protocol.agent.runtime_load import (
     LoadChanged,
     LoadConfig,
@@ -91,9 +91,11 @@ class _Request:
     replica: int
     sent: float
     prompt: list[int]
-    #: The conversation's key for a slot keeper (its opening's hash), and whether its slot is worth saving.
+    #: The conversation's key for a slot keeper (its opening's hash), whether its slot is worth saving, and the
+    #: key of the system prompt it shares with other conversations.
     opening: int = 0
     save: bool = False
+    shares: int = 0
     first: float | None = None
     engine: str = ""
     job: LlamaJob | None = None
@@ -223,7 +225,7 @@ class _Simulation:
         self.requests[(replica, task_id)] = request
         hints = hints_from_json("chat/completions", body, {"x-session-id": [conversation.id]})
         if hints is not None:
-            request.opening, request.save = hints.opening, worth_saving(hints)
+            request.opening, request.save, request.shares = hints.opening, worth_saving(hints), shared_prompt(hints)
         if hints is not None and self.home_by_session:
             # What-if: every conversation its own home (no system prompt shared as one).
             session = hints_from_json("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}]},
@@ -355,7 +357,7 @@ class _Simulation:
                     self.submit(name, job)
                 else:
                     self.kept_jobs[job.key] = job
-                    plan = keeper.start(effect.task.id, request.opening, request.save)
+                    plan = keeper.start(effect.task.id, request.opening, request.save, request.shares)
                     if plan is not None:
                         self.run_plans(name, [plan])
         self.rearm()

@@ -2,11 +2,13 @@
 
 import pytest
 
-from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError, worth_saving
+from protocol.agent.slot_keeper import Plan, Save, SlotKeeper, SlotKeeperUsageError, shared_prompt, worth_saving
 from protocol.pb import status_pb2
 from protocol.routing.hints import RoutingHints
 
 A, B, C = 0xA, 0xB, 0xC
+#: A system prompt that conversations share.
+S = 0x5
 
 
 def run(keeper: SlotKeeper, task: str, key: int) -> Plan:
@@ -129,35 +131,47 @@ def test_a_task_its_caller_says_is_not_worth_a_file_keeps_its_slot_but_is_not_sa
     assert run(keeper, "b2", B) == Plan("b2", 0, None)  # held all the same
     assert worth_saving(RoutingHints(blocks=(1, 2, 3, 4, 5), home=0, home_blocks=4))
     assert not worth_saving(RoutingHints(blocks=(1, 2, 3, 4), home=0, home_blocks=4))
+    assert shared_prompt(RoutingHints(blocks=(1, 2, 3, 4), home=S, home_blocks=4)) == S
+    assert shared_prompt(RoutingHints(blocks=(1, 2), home=S)) == 0  # a home key that is no system prompt
 
 
-def test_a_restore_never_overwrites_a_context_found_nowhere_else():
+def test_a_restore_never_overwrites_a_shared_prompt_found_nowhere_else():
     """The server does not put a slot's context in its host cache before a restore, as it does before a
     prompt displaces it and for every idle slot when it starts a task: a restore takes a slot that holds
-    nothing, a saved conversation, or a context the server has cached since, never one it would lose
-    (a one-question conversation on a shared system prompt, just ended)."""
+    nothing, a saved conversation, a context the server has cached since, or one no other conversation
+    shares; never a burst's system prompt in a slot a one-question conversation just left."""
     keeper = SlotKeeper(slots=2, files=4)
     run(keeper, "a1", A)
     finish(keeper, "a1")  # slot 0 holds A, saved
     run(keeper, "c1", C)
     finish(keeper, "c1")  # slot 1 holds C, saved
     run(keeper, "x1", 0xD)  # slot 0 (used longest ago): A leaves it, with its file
-    assert keeper.start("y1", 0xE, save=False) == Plan("y1", 1, None)  # C leaves slot 1, with its file
+    assert keeper.start("y1", 0xE, save=False, shares=S) == Plan("y1", 1, None)  # C leaves slot 1, with its file
     assert keeper.ended("x1", True)[0] is not None
     keeper.save_ended(0, True)  # slot 0 holds D, saved
     assert keeper.ended("y1", True) == (None, [])  # slot 1 holds E, kept nowhere else
-    assert run(keeper, "a2", A) == Plan("a2", 0, "infx-0.bin")  # over D's saved context, not over E
+    assert run(keeper, "a2", A) == Plan("a2", 0, "infx-0.bin")  # over D's saved context
     # Starting a2, the server put the idle slot 1's context in its host cache: C may be restored there.
     assert run(keeper, "c2", C) == Plan("c2", 1, "infx-1.bin")
     finish(keeper, "a2")
     assert keeper.ended("c2", True)[0] is not None  # slot 1 saving C
-    assert keeper.start("z1", 0xF, save=False) == Plan("z1", 0, None)
+    assert keeper.start("z1", 0xF, save=False, shares=S) == Plan("z1", 0, None)  # E's system prompt again
     keeper.save_ended(1, True)
     assert run(keeper, "c3", C) == Plan("c3", 1, None)  # held
     assert keeper.ended("z1", True) == (None, [])  # slot 0 holds F, kept nowhere else
-    # Only slot 0 is idle, and no task started since F ended there: A runs there without a restore.
+    # Only slot 0 is idle, no task started since F ended there, and E shared its system prompt lately:
+    # A runs there without a restore, and the server keeps F in its host cache as A's prompt displaces it.
     assert keeper.start("a3", A) == Plan("a3", 0, None)
     assert (keeper.restored, keeper.held) == (2, 1)
+
+
+def test_a_restore_overwrites_a_one_question_conversation_whose_system_prompt_is_its_own():
+    keeper = SlotKeeper(slots=1, files=4)
+    run(keeper, "a1", A)
+    finish(keeper, "a1")
+    assert keeper.start("h1", 0xD, save=False, shares=S) == Plan("h1", 0, None)
+    assert keeper.ended("h1", True) == (None, [])  # nothing saved, nothing cached, but nobody else's
+    assert run(keeper, "a2", A) == Plan("a2", 0, "infx-0.bin")
 
 
 def test_what_the_keeper_did_is_counted_for_the_engines_status():
