@@ -86,4 +86,3 @@ def test_keeping_slots_costs_a_burst_of_one_question_conversations_no_cache():
     kept = simulate_run(workload, "affinity", 1, 2, slot_files=64).figures
     assert kept.cached_share > plain.cached_share - 0.01
     assert kept.errors == 0 and kept.requests == plain.requests
-
